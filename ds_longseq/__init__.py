@@ -1,0 +1,22 @@
+"""ds_longseq: exact long-sequence training of Hugging Face causal LMs (StreamBP, MsT) with DeepSpeed.
+
+Public surface: ``enable`` / ``disable`` a model in place, the ``LongSeqConfig`` type, ``__version__``.
+"""
+
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.models.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from ds_longseq.patch import disable, enable, get_config, is_enabled
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "enable",
+    "disable",
+    "is_enabled",
+    "get_config",
+    "LongSeqConfig",
+    "LongSeqConfigError",
+    "UnsupportedModelError",
+    "SUPPORTED_MODEL_TYPES",
+    "__version__",
+]

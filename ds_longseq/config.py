@@ -1,0 +1,172 @@
+"""Typed configuration of ds_longseq: the ``"long_seq"`` section of a DeepSpeed JSON file.
+
+Holds:
+    StreamBPConfig, MiniSeqConfig, LMHeadConfig: one dataclass per section.
+    LongSeqConfig: the whole section, with ``from_dict`` that reports every problem at once.
+    LongSeqConfigError: the single error raised for a bad section.
+
+Vocabulary (see the README glossary): a *chunk* is a slice of the sequence processed at once
+(``chunk_size`` tokens, or ``num_chunks`` slices); a *block* is a tile of keys inside the
+attention kernel (``kv_block_size``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["LongSeqConfig", "LongSeqConfigError", "StreamBPConfig", "MiniSeqConfig", "LMHeadConfig"]
+
+
+class LongSeqConfigError(ValueError):
+    """A ``long_seq`` section is invalid. The message lists every problem found, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(
+            "invalid long_seq config ({} problem{}):\n  - {}".format(
+                len(problems), "" if len(problems) == 1 else "s", "\n  - ".join(problems)
+            )
+        )
+
+
+@dataclass
+class StreamBPConfig:
+    """StreamBP over whole decoder layers (StreamBP paper, Sec. 3.2.2)."""
+
+    enabled: bool = False
+    """Run every decoder layer through StreamBP: forward keeps only the layer input, backward
+    re-forwards the layer chunk by chunk (last chunk first) with exact gradients."""
+    chunk_size: int = 1024
+    """Tokens per chunk of the query sequence, in forward and in backward. The last chunk may be
+    shorter; a sequence shorter than ``chunk_size`` is one chunk."""
+    kv_block_size: int | None = None
+    """Keys per tile inside the chunk attention kernel. ``None`` means ``chunk_size``. Bounds the
+    attention scores held at once to (B, H, chunk_size, kv_block_size)."""
+
+
+@dataclass
+class MiniSeqConfig:
+    """MsT mini-sequence MLP (MsT paper, Alg. 1 and App. B), for use without StreamBP."""
+
+    enabled: bool = False
+    """Run every decoder layer's MLP in ``mlp_num_chunks`` sequence chunks, forward and backward,
+    so the (T x intermediate) activations never exist at once."""
+    mlp_num_chunks: int = 8
+    """Number of sequence chunks for the MLP. Chunks are as even as possible (``torch.tensor_split``);
+    no token is dropped when T is not a multiple."""
+
+
+@dataclass
+class LMHeadConfig:
+    """Chunked LM head + causal-LM cross entropy (StreamBP Sec. 3.2.1, MsT Alg. 2)."""
+
+    enabled: bool = False
+    """Compute the loss without materialising (B x T x V) logits or their gradient. The model's
+    output then has ``logits=None`` when ``labels`` are given."""
+    chunk_size: int = 4096
+    """Valid (non-ignored) tokens per chunk of logits: one chunk holds (chunk_size x V) floats."""
+
+
+_SECTIONS: dict[str, type] = {"streambp": StreamBPConfig, "mini_seq": MiniSeqConfig, "lm_head": LMHeadConfig}
+
+
+@dataclass
+class LongSeqConfig:
+    """The ``"long_seq"`` section: which long-sequence techniques to apply and their sizes.
+
+    Build it from a dict with :meth:`from_dict` (unknown keys, wrong types, non-positive sizes and
+    contradictory settings raise one :class:`LongSeqConfigError` listing every problem).
+    """
+
+    streambp: StreamBPConfig = field(default_factory=StreamBPConfig)
+    """Whole-layer StreamBP."""
+    mini_seq: MiniSeqConfig = field(default_factory=MiniSeqConfig)
+    """MsT mini-sequence MLP."""
+    lm_head: LMHeadConfig = field(default_factory=LMHeadConfig)
+    """Chunked LM head and loss."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
+        """Parse and validate a ``long_seq`` dict (or pass a ``LongSeqConfig`` through, validated)."""
+        if data is None:
+            return cls()
+        if isinstance(data, LongSeqConfig):
+            data.validate()
+            return data
+        if not isinstance(data, Mapping):
+            raise LongSeqConfigError([f"long_seq must be a dict or LongSeqConfig, got {type(data).__name__}"])
+        problems: list[str] = []
+        sections: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in _SECTIONS:
+                problems.append(f"unknown key long_seq.{key!r}: valid keys are {sorted(_SECTIONS)}")
+                continue
+            section_cls = _SECTIONS[key]
+            if not isinstance(value, Mapping):
+                problems.append(f"long_seq.{key} must be a dict, got {type(value).__name__}")
+                continue
+            names = {f.name for f in dataclasses.fields(section_cls)}
+            kwargs = {}
+            for sub_key, sub_value in value.items():
+                if sub_key not in names:
+                    problems.append(f"unknown key long_seq.{key}.{sub_key!r}: valid keys are {sorted(names)}")
+                else:
+                    kwargs[sub_key] = sub_value
+            sections[key] = section_cls(**kwargs)
+        config = cls(**sections)
+        problems.extend(config._problems())
+        if problems:
+            raise LongSeqConfigError(problems)
+        config._warn_no_effect(data)
+        return config
+
+    def validate(self) -> None:
+        """Raise :class:`LongSeqConfigError` listing every problem, if there is any."""
+        problems = self._problems()
+        if problems:
+            raise LongSeqConfigError(problems)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as a plain dict (round-trips through :meth:`from_dict`)."""
+        return dataclasses.asdict(self)
+
+    @property
+    def any_enabled(self) -> bool:
+        """Whether at least one technique is switched on."""
+        return self.streambp.enabled or self.mini_seq.enabled or self.lm_head.enabled
+
+    def _problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            for f in dataclasses.fields(section):
+                value = getattr(section, f.name)
+                where = f"long_seq.{name}.{f.name}"
+                if f.name == "enabled":
+                    if not isinstance(value, bool):
+                        problems.append(f"{where} must be true or false, got {value!r}")
+                elif f.name == "kv_block_size" and value is None:
+                    continue
+                elif not isinstance(value, int) or isinstance(value, bool):
+                    problems.append(f"{where} must be a positive integer, got {value!r}")
+                elif value <= 0:
+                    problems.append(f"{where} must be a positive integer, got {value}")
+        if self.streambp.enabled is True and self.mini_seq.enabled is True:
+            problems.append(
+                "long_seq.streambp and long_seq.mini_seq are both enabled: StreamBP already runs each "
+                "layer's MLP on chunk_size tokens at a time, so mini_seq would only add overhead; "
+                "set long_seq.mini_seq.enabled=false (or disable streambp to use MsT alone)"
+            )
+        return problems
+
+    def _warn_no_effect(self, data: Mapping[str, Any]) -> None:
+        for name, value in data.items():
+            if not getattr(self, name).enabled and any(k != "enabled" for k in value):
+                warnings.warn(
+                    f"long_seq.{name} sets {sorted(k for k in value if k != 'enabled')} but "
+                    f"long_seq.{name}.enabled is false: those options have no effect",
+                    stacklevel=3,
+                )

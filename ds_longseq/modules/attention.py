@@ -1,0 +1,120 @@
+"""The attention and mask functions ds_longseq registers with transformers under one new name.
+
+Holds:
+    ATTN_IMPLEMENTATION: the name ("ds_longseq") a StreamBP model's ``config._attn_implementation`` gets.
+    AttnSpec: what a StreamBP layer passes down to the attention call (its KVStream, tile size).
+    longseq_attention: an ``AttentionInterface`` function (bottom-right causal, 2D padding mask).
+    longseq_mask: an ``AttentionMaskInterface`` function that keeps the mask 2D (never (T x T)).
+
+Shape legend: B batch, H heads, Hkv kv-heads, C query length, K key length, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds_longseq.ops.attention import chunk_causal_attention
+from ds_longseq.ops.streambp import KVStream
+
+__all__ = ["ATTN_IMPLEMENTATION", "AttnSpec", "longseq_attention", "longseq_mask", "SPEC_KWARG"]
+
+ATTN_IMPLEMENTATION = "ds_longseq"
+SPEC_KWARG = "ds_longseq"
+DEFAULT_KV_BLOCK_SIZE = 1024
+
+
+@dataclass
+class AttnSpec:
+    """Per-call attention settings, passed through the layer's ``**kwargs`` as ``ds_longseq=``."""
+
+    stream: KVStream | None
+    """The chunk's KVStream (prefix keys and their gradient sink); None on the cached/generation path."""
+    kv_block_size: int
+    """Keys per attention tile."""
+
+
+def longseq_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function: causal attention of ``query`` on prefix + ``key``.
+
+    Args:
+        module: the attention module (unused but for error messages).
+        query: (B, H, C, D). key, value: (B, Hkv, K, D), K >= C; the queries are the last C keys.
+        attention_mask: None or a (B, S + K) bool/int padding mask (True/1 = real token).
+        dropout: must be 0 (a re-forwarded chunk could not reproduce dropout masks).
+        scaling: softmax scale, default D ** -0.5.
+        sliding_window: rejected when the key span exceeds it.
+        kwargs: ``ds_longseq=AttnSpec`` from a StreamBP layer; other transformers kwargs are ignored.
+
+    Returns:
+        ((B, C, H, D) output, None): the layout transformers' attention modules expect.
+    """
+    spec: AttnSpec | None = kwargs.get(SPEC_KWARG)
+    stream = spec.stream if spec is not None else None
+    k_prefix, v_prefix = stream.prefix() if stream is not None else (None, None)
+    num_keys = key.shape[2] + (0 if k_prefix is None else k_prefix.shape[2])
+    if dropout:
+        raise ValueError(
+            f"attention dropout {dropout} in {type(module).__name__} is not supported with ds_longseq "
+            "streambp (the backward re-forward cannot replay dropout masks): set config.attention_dropout=0.0"
+        )
+    if sliding_window is not None and num_keys > sliding_window:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses sliding-window attention (window {sliding_window}) and the sequence "
+            f"has {num_keys} tokens: ds_longseq streambp supports only full causal attention. Use sequences of at "
+            "most the window, or set config.sliding_window=None if the model was trained with full attention."
+        )
+    key_valid = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"ds_longseq streambp takes a 2D (batch, seq) padding attention_mask, got shape "
+                f"{tuple(attention_mask.shape)}: pass the tokenizer's 2D mask instead of a prepared 4D one"
+            )
+        key_valid = attention_mask[:, -num_keys:].to(device=query.device, dtype=torch.bool)
+    out = chunk_causal_attention(
+        query,
+        key,
+        value,
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        k_prefix=k_prefix,
+        v_prefix=v_prefix,
+        key_valid=key_valid,
+        kv_block_size=spec.kv_block_size if spec is not None else DEFAULT_KV_BLOCK_SIZE,
+        prefix_grad_sink=stream.prefix_grad_sink if stream is not None else None,
+    )
+    return out.transpose(1, 2), None
+
+
+def longseq_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """transformers mask-interface function: the 2D padding mask itself, or None when nothing is padded.
+
+    Causality is applied inside :func:`longseq_attention` by index, so no (q x kv) tensor is built.
+    Packed documents are rejected by the StreamBP layer before this mask is used.
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if bool(attention_mask.all()):
+        return None
+    return attention_mask

@@ -1,0 +1,116 @@
+"""Forward of a ``*ForCausalLM`` whose loss is computed by the chunked LM head.
+
+Holds:
+    CausalLMForward: the callable installed as the model instance's ``forward``.
+    causal_lm_loss_parts: (loss_sum, num_valid) from final hidden states, for global normalisation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ds_longseq.config import LongSeqConfig
+from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
+
+__all__ = ["CausalLMForward", "causal_lm_loss_parts"]
+
+
+def causal_lm_loss_parts(
+    lm_head: torch.nn.Linear,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    chunk_size: int,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed float32 cross entropy and number of valid targets for (B, T, d) ``hidden``.
+
+    ``labels`` are shifted like transformers does; ``shift_labels`` (already shifted) wins if given.
+    """
+    targets = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
+    return chunked_lm_head_loss(
+        hidden, lm_head.weight, targets.to(hidden.device), chunk_size=chunk_size, bias=lm_head.bias, ignore_index=ignore_index
+    )
+
+
+class CausalLMForward:
+    """Replacement ``forward`` of one ``*ForCausalLM`` instance.
+
+    With ``labels`` and the chunked LM head enabled, returns ``CausalLMOutputWithPast(loss=...,
+    logits=None)``: the (B x T x V) logits are never formed. Without labels, or when generating
+    (``past_key_values`` given or ``use_cache=True``), calls the stock forward. Under StreamBP a
+    training call defaults to ``use_cache=False`` (the stock default would keep every layer's K/V).
+    """
+
+    def __init__(self, model: torch.nn.Module, orig_forward: Callable, config: LongSeqConfig):
+        self.model = model
+        self.orig_forward = orig_forward
+        self.config = config
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        generating = past_key_values is not None or use_cache is True
+        if not generating and self.config.streambp.enabled:
+            use_cache = False
+        if generating or labels is None or not self.config.lm_head.enabled:
+            return self.orig_forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError(
+                "logits_to_keep cannot be combined with labels under ds_longseq lm_head chunking (no logits are "
+                "returned): drop logits_to_keep, or disable long_seq.lm_head"
+            )
+        return_dict = kwargs.pop("return_dict", None)
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        outputs = self.model.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            **kwargs,
+        )
+        loss_sum, num_valid = causal_lm_loss_parts(
+            self.model.lm_head,
+            outputs.last_hidden_state,
+            labels,
+            chunk_size=self.config.lm_head.chunk_size,
+            shift_labels=shift_labels,
+            ignore_index=ignore_index,
+        )
+        denominator = num_items_in_batch if num_items_in_batch is not None else num_valid
+        if isinstance(denominator, torch.Tensor):
+            denominator = denominator.to(loss_sum.device)
+        output = CausalLMOutputWithPast(
+            loss=loss_sum / denominator,
+            logits=None,
+            past_key_values=None,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return output.to_tuple() if return_dict is False else output

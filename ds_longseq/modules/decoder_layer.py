@@ -1,0 +1,106 @@
+"""StreamBP forward for a stock Hugging Face decoder layer (any architecture that routes its K/V
+through ``past_key_values.update``).
+
+Holds:
+    StreamBPLayerForward: the callable installed as a decoder layer's ``forward``.
+
+Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ds_longseq.config import StreamBPConfig
+from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
+from ds_longseq.ops.streambp import KVStream, streambp_apply
+
+__all__ = ["StreamBPLayerForward", "check_not_packed"]
+
+
+def check_not_packed(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+    """Raise if ``position_ids`` restart inside a row while no mask is given (packed documents).
+
+    transformers treats such rows as several documents (block-diagonal attention) only when the 2D
+    mask is absent; StreamBP does not implement that yet, and must not silently attend across them.
+    """
+    if attention_mask is not None or position_ids is None or position_ids.shape[-1] < 2:
+        return
+    if bool((torch.diff(position_ids, dim=-1) != 1).any()):
+        raise NotImplementedError(
+            "position_ids restart inside a row (packed documents) and no attention_mask is given: "
+            "ds_longseq streambp does not support packed sequences yet. Put one document per row and "
+            "pass a 2D attention_mask, or disable long_seq.streambp for this model."
+        )
+
+
+class StreamBPLayerForward:
+    """Replacement ``forward`` of one decoder layer instance.
+
+    Without a KV cache, runs the stock layer chunk by chunk through :func:`streambp_apply`
+    (the forward keeps only the layer input; backward re-forwards chunks in reverse order).
+    With a cache (generation), calls the stock forward unchanged: attention then goes through
+    ``longseq_attention`` on the cached keys.
+    """
+
+    def __init__(self, layer: torch.nn.Module, orig_forward: Callable, config: StreamBPConfig):
+        self.layer = layer
+        self.orig_forward = orig_forward
+        self.chunk_size = config.chunk_size
+        self.kv_block_size = config.kv_block_size or config.chunk_size
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if past_key_values is not None:
+            return self.orig_forward(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **{SPEC_KWARG: AttnSpec(None, self.kv_block_size)},
+                **kwargs,
+            )
+        layer = self.layer
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            raise RuntimeError(
+                "gradient checkpointing is on for a ds_longseq streambp model: StreamBP already keeps only "
+                "each layer's input, so checkpointing would only recompute twice. Call "
+                "model.gradient_checkpointing_disable()."
+            )
+        if position_embeddings is None:
+            raise ValueError(f"{type(layer).__name__} was called without position_embeddings; streambp needs them")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"streambp layers take a 2D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}"
+            )
+        check_not_packed(position_ids, attention_mask)
+        cos, sin = position_embeddings
+        orig = self.orig_forward
+        kv_block_size = self.kv_block_size
+
+        def run_chunk(h_c: torch.Tensor, s: int, e: int, stream: KVStream) -> torch.Tensor:
+            out = orig(
+                h_c,
+                attention_mask=None if attention_mask is None else attention_mask[:, :e],
+                position_ids=None if position_ids is None else position_ids[..., s:e],
+                past_key_values=stream,
+                use_cache=False,
+                position_embeddings=(cos[..., s:e, :], sin[..., s:e, :]),
+                **{SPEC_KWARG: AttnSpec(stream, kv_block_size)},
+                **kwargs,
+            )
+            return out[0] if isinstance(out, tuple) else out
+
+        return streambp_apply(run_chunk, hidden_states, list(layer.parameters()), self.chunk_size)
