@@ -42,9 +42,9 @@ class StreamBPConfig:
     chunk_size: int = 1024
     """Tokens per chunk of the query sequence, in forward and in backward. The last chunk may be
     shorter; a sequence shorter than ``chunk_size`` is one chunk."""
-    kv_block_size: int | None = None
-    """Keys per tile inside the chunk attention kernel. ``None`` means ``chunk_size``. Bounds the
-    attention scores held at once to (B, H, chunk_size, kv_block_size)."""
+    kv_block_size: int = 1024
+    """Keys per tile inside the chunk attention kernel. Bounds the attention scores held at once
+    to (B, H, chunk_size, kv_block_size); larger tiles mean fewer, bigger matmuls."""
 
 
 @dataclass
@@ -148,8 +148,6 @@ class LongSeqConfig:
                 if f.name == "enabled":
                     if not isinstance(value, bool):
                         problems.append(f"{where} must be true or false, got {value!r}")
-                elif f.name == "kv_block_size" and value is None:
-                    continue
                 elif not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{where} must be a positive integer, got {value!r}")
                 elif value <= 0:
@@ -164,9 +162,11 @@ class LongSeqConfig:
 
     def _warn_no_effect(self, data: Mapping[str, Any]) -> None:
         for name, value in data.items():
-            if not getattr(self, name).enabled and any(k != "enabled" for k in value):
+            section = getattr(self, name)
+            default = type(section)()
+            changed = sorted(k for k in value if k != "enabled" and getattr(section, k) != getattr(default, k))
+            if not section.enabled and changed:
                 warnings.warn(
-                    f"long_seq.{name} sets {sorted(k for k in value if k != 'enabled')} but "
-                    f"long_seq.{name}.enabled is false: those options have no effect",
+                    f"long_seq.{name} sets {changed} but long_seq.{name}.enabled is false: those options have no effect",
                     stacklevel=3,
                 )

@@ -49,7 +49,7 @@ class StreamBPLayerForward:
         self.layer = layer
         self.orig_forward = orig_forward
         self.chunk_size = config.chunk_size
-        self.kv_block_size = config.kv_block_size or config.chunk_size
+        self.kv_block_size = config.kv_block_size
 
     def __call__(
         self,
@@ -75,9 +75,9 @@ class StreamBPLayerForward:
         layer = self.layer
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             raise RuntimeError(
-                "gradient checkpointing is on for a ds_longseq streambp model: StreamBP already keeps only "
+                "activation (gradient) checkpointing is on for a ds_longseq streambp model: StreamBP already keeps only "
                 "each layer's input, so checkpointing would only recompute twice. Call "
-                "model.gradient_checkpointing_disable()."
+                "model.activation_checkpointing_disable()."
             )
         if position_embeddings is None:
             raise ValueError(f"{type(layer).__name__} was called without position_embeddings; streambp needs them")

@@ -1,0 +1,27 @@
+"""Packaging for ds_longseq. Minimum versions are the ones the test suite was run with."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="ds_longseq",
+    version="0.1.0",
+    description="Exact long-sequence training of Hugging Face causal LMs with DeepSpeed (StreamBP, MsT, Ulysses)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ds_longseq", "ds_longseq.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # Ranges, not pins: a fresh CPU machine installs torch==2.13.0 first (see README), and a
+        # range that 2.13.0 satisfies then pulls nothing else.
+        "torch>=2.13.0,<3",
+        "transformers>=5.23.0,<6",
+        "deepspeed>=0.19.8,<0.20",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "flash": ["flash-attn>=2.6"],
+        "mpi": ["mpi4py>=3.1", "mpich>=4.1"],
+    },
+)

@@ -1,0 +1,118 @@
+"""Shared test helpers: tiny models of every supported family, batches with padding, gradient diffs."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+# name -> (config class, model class, extra config kwargs). Shapes are tiny but keep every
+# structural feature: GQA (4 query heads on 2 KV heads), qkv bias (Qwen2), q/k norm and an
+# explicit head_dim (Qwen3), a sliding-window config longer than the test sequence (Mistral).
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
+}
+VOCAB = 101
+
+
+def make_model(arch: str = "llama", dtype=torch.float64, tie: bool = False, seed: int = 0, num_layers: int = 2, **overrides):
+    """A randomly initialised tiny ``*ForCausalLM`` with weights large enough for peaked attention."""
+    config_name, model_name, extra = ARCHS[arch]
+    kwargs = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        attn_implementation="sdpa",
+    )
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    # HF's std=0.02 init makes attention nearly uniform, which would hide masking bugs.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.15)
+    return model.to(dtype)
+
+
+def make_batch(batch: int = 2, seq_len: int = 37, seed: int = 1, pad: bool = True):
+    """input_ids, attention_mask and labels: row 0 left-padded, row 1 right-padded with a masked prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=g)
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    labels = ids.clone()
+    if pad:
+        mask[0, :5] = 0
+        if batch > 1:
+            mask[1, seq_len - 4 :] = 0
+            labels[1, :7] = -100
+        labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def reference_loss(model, batch, dtype=None):
+    """Plain-autograd causal-LM loss from the stock model's logits, in ``dtype`` (default: logits dtype).
+
+    transformers upcasts logits to float32 even for float64 models; float64 exactness tests need
+    the loss in float64 too, so the reference computes it here.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    logits = logits.to(dtype or logits.dtype)
+    targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def loss_and_grads(model, batch, use_reference=False, ref_dtype=None):
+    """(loss, {name: grad}, embedding-output grad) after one backward."""
+    model.zero_grad(set_to_none=True)
+    captured = {}
+
+    def hook(module, inputs, output):
+        output.retain_grad()
+        captured["embeds"] = output
+
+    h = model.get_input_embeddings().register_forward_hook(hook)
+    try:
+        loss = reference_loss(model, batch, ref_dtype) if use_reference else model(**batch).loss
+        loss.backward()
+    finally:
+        h.remove()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, captured["embeds"].grad.detach().clone()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error of ``a`` against reference ``b`` (in float64)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def compare(result, reference) -> dict[str, float]:
+    """Relative errors of loss, input-embedding gradient and every parameter gradient."""
+    loss, grads, gin = result
+    rloss, rgrads, rgin = reference
+    assert set(grads) == set(rgrads), f"parameters with gradients differ: {set(grads) ^ set(rgrads)}"
+    errs = {"loss": rel_err(loss, rloss), "input_grad": rel_err(gin, rgin)}
+    errs.update({f"grad:{n}": rel_err(grads[n], rgrads[n]) for n in rgrads})
+    return errs
+
+
+def clone(model):
+    return copy.deepcopy(model)

@@ -1,0 +1,136 @@
+"""enable()/disable(): per-instance patching, undo, no-grad and generation paths, clear errors."""
+
+import pytest
+import torch
+import transformers
+
+import ds_longseq
+from ds_longseq import LongSeqConfigError, UnsupportedModelError
+from tests.helpers import clone, make_batch, make_model
+
+STREAMBP = {"streambp": {"enabled": True, "chunk_size": 8}, "lm_head": {"enabled": True, "chunk_size": 16}}
+
+
+def _param_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_two_models_in_one_process_do_not_interfere_and_disable_restores():
+    plain = make_model("llama", torch.float32)
+    patched = ds_longseq.enable(clone(plain), STREAMBP)
+    batch = make_batch()
+    assert plain.config._attn_implementation == "sdpa"
+    assert patched.config._attn_implementation == "ds_longseq"
+    assert "forward" not in plain.__dict__ and "forward" not in plain.model.layers[0].__dict__
+    assert ds_longseq.is_enabled(patched) and not ds_longseq.is_enabled(plain)
+    assert ds_longseq.get_config(patched).streambp.chunk_size == 8
+    assert plain(**batch).logits is not None and patched(**batch).logits is None
+    ref_loss, _ = _param_grads(plain, batch)
+    ds_longseq.disable(patched)
+    assert not ds_longseq.is_enabled(patched)
+    assert patched.config._attn_implementation == "sdpa"
+    for module in [patched, *patched.model.layers, *(layer.mlp for layer in patched.model.layers)]:
+        assert "forward" not in module.__dict__
+    loss, _ = _param_grads(patched, batch)
+    assert torch.equal(loss, ref_loss)  # bitwise: the stock path again
+    ds_longseq.enable(patched, STREAMBP)  # and it can be enabled again
+    with pytest.raises(RuntimeError, match="already enabled"):
+        ds_longseq.enable(patched, STREAMBP)
+
+
+def test_state_dict_and_save_pretrained_are_untouched(tmp_path):
+    model = make_model("qwen3", torch.float32)
+    keys = list(model.state_dict())
+    ds_longseq.enable(model, STREAMBP)
+    assert list(model.state_dict()) == keys
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config._attn_implementation != "ds_longseq"
+    batch = make_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).loss, model(**batch).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_matches_stock():
+    """With a KV cache the stock layer runs and our attention handles q_len < kv_len (bottom-right)."""
+    model = make_model("llama", torch.float64).eval()
+    patched = ds_longseq.enable(clone(model), STREAMBP)
+    batch = make_batch()
+    prompt = {"input_ids": batch["input_ids"][:, :20], "attention_mask": batch["attention_mask"][:, :20]}
+    prompt["attention_mask"][1] = 1  # only left padding makes sense for generation
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(**prompt, **kwargs), model.generate(**prompt, **kwargs))
+
+
+def test_unsupported_model_class_is_rejected_at_enable():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="cannot patch GPT2LMHeadModel.*supported classes are"):
+        ds_longseq.enable(gpt2, STREAMBP)
+    assert "forward" not in gpt2.__dict__
+
+
+def test_bad_config_is_rejected_before_anything_changes():
+    model = make_model("llama", torch.float32)
+    with pytest.raises(LongSeqConfigError, match="chunk_size must be a positive integer"):
+        ds_longseq.enable(model, {"streambp": {"enabled": True, "chunk_size": -1}})
+    assert not ds_longseq.is_enabled(model) and model.config._attn_implementation == "sdpa"
+
+
+def test_attention_dropout_is_rejected():
+    model = make_model("llama", torch.float32, attention_dropout=0.1)
+    with pytest.raises(UnsupportedModelError, match="attention_dropout=0.1"):
+        ds_longseq.enable(model, STREAMBP)
+    # MsT alone does not re-forward attention, so it is allowed
+    ds_longseq.enable(model, {"mini_seq": {"enabled": True}})
+
+
+def test_sliding_window_shorter_than_sequence_is_rejected_at_first_forward():
+    model = ds_longseq.enable(make_model("mistral", torch.float32, sliding_window=16), STREAMBP)
+    with pytest.raises(NotImplementedError, match="sliding-window attention \\(window 16\\)"):
+        model(**make_batch())
+    short = make_batch(seq_len=16)
+    assert torch.isfinite(model(**short).loss)
+
+
+def test_packed_documents_are_rejected():
+    model = ds_longseq.enable(make_model("llama", torch.float32), STREAMBP)
+    batch = make_batch(batch=1, pad=False)
+    del batch["attention_mask"]
+    batch["position_ids"] = torch.cat([torch.arange(20), torch.arange(17)]).unsqueeze(0)
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        model(**batch)
+
+
+def test_gradient_checkpointing_with_streambp_is_rejected():
+    model = ds_longseq.enable(make_model("llama", torch.float32), STREAMBP)
+    model.activation_checkpointing_enable()
+    model.train()
+    with pytest.raises(RuntimeError, match="activation_checkpointing_disable"):
+        model(**make_batch())
+
+
+def test_4d_mask_and_logits_to_keep_are_rejected():
+    model = ds_longseq.enable(make_model("llama", torch.float32), STREAMBP)
+    batch = make_batch()
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(**batch, logits_to_keep=1)
+    batch["attention_mask"] = torch.ones(2, 1, 37, 37)
+    with pytest.raises(ValueError, match="2D"):
+        model(**batch)
+
+
+def test_streambp_layer_saves_only_its_input():
+    model = ds_longseq.enable(make_model("qwen2", torch.float32), STREAMBP)
+    layer = model.model.layers[1]
+    h = torch.randn(2, 37, 64, requires_grad=True)
+    pos = torch.arange(37).unsqueeze(0)
+    cos_sin = model.model.rotary_emb(h, pos)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(h, position_embeddings=cos_sin, position_ids=pos)
+    assert len(saved) == 1 and saved[0] is h
+    out.square().sum().backward()
+    assert h.grad is not None and all(p.grad is not None for p in layer.parameters())

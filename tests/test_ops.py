@@ -1,0 +1,157 @@
+"""The autograd ops on their own, against plain autograd in float64."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_longseq.ops import chunk_causal_attention, chunked_lm_head_loss, mini_sequence_apply, shift_causal_labels
+
+DT = torch.float64
+
+
+def reference_attention(q, k, v, key_valid):
+    """Dense reference: repeat K/V for GQA, bottom-right causal mask, padding; empty rows give 0."""
+    H, Hkv, C, K = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    keep = torch.ones(C, K, dtype=torch.bool).tril(K - C)[None, None]
+    if key_valid is not None:
+        keep = keep & key_valid[:, None, None, :]
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0) @ v
+
+
+def _qkv(B=2, H=4, Hkv=2, C=37, K=37, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *s: torch.randn(*s, generator=g, dtype=DT).mul_(1.5).requires_grad_()  # noqa: E731
+    return make(B, H, C, D), make(B, Hkv, K, D), make(B, Hkv, K, D)
+
+
+@pytest.mark.parametrize("block", [1, 5, 37, 1024])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("C,K", [(37, 37), (7, 37), (1, 20)])
+def test_attention_matches_dense_reference(block, padded, C, K):
+    """K > C is generation with a cache: the queries are the LAST C positions."""
+    q, k, v = _qkv(C=C, K=K)
+    valid = None
+    if padded:
+        valid = torch.ones(2, K, dtype=torch.bool)
+        valid[0, :5] = False  # left padding: early query rows may see no key at all
+        valid[1, -3:] = False
+    go = torch.randn_like(q)
+    ref = reference_attention(q, k, v, valid)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    out = chunk_causal_attention(q, k, v, scale=8**-0.5, key_valid=valid, kv_block_size=block)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk,block", [(6, 4), (1, 3), (37, 5)])
+def test_attention_with_prefix_and_grad_sink_streams_exactly(chunk, block):
+    """Reverse-order chunks with the prefix as constants and its gradient added into a sink."""
+    q, k, v = _qkv()
+    valid = torch.ones(2, 37, dtype=torch.bool)
+    valid[0, :4] = False
+    go = torch.randn_like(q)
+    ref_grads = torch.autograd.grad(reference_attention(q, k, v, valid), (q, k, v), go)
+    K, V = k.detach(), v.detach()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(K), torch.zeros_like(V)
+    for s in reversed(range(0, 37, chunk)):
+        e = min(s + chunk, 37)
+        qc = q.detach()[:, :, s:e].requires_grad_()
+        kc, vc = K[:, :, s:e].clone().requires_grad_(), V[:, :, s:e].clone().requires_grad_()
+        out = chunk_causal_attention(
+            qc, kc, vc, scale=8**-0.5, k_prefix=K[:, :, :s], v_prefix=V[:, :, :s], key_valid=valid[:, :e],
+            kv_block_size=block, prefix_grad_sink=(dk, dv),
+        )
+        gq, gk, gv = torch.autograd.grad(out, (qc, kc, vc), go[:, :, s:e])
+        dq[:, :, s:e], dk[:, :, s:e], dv[:, :, s:e] = gq, dk[:, :, s:e] + gk, dv[:, :, s:e] + gv
+    for g, r in zip((dq, dk, dv), ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_rejects_bad_shapes():
+    q, k, v = _qkv(H=3, Hkv=2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        chunk_causal_attention(q, k, v, scale=1.0)
+    q, k, v = _qkv(C=10, K=5)
+    with pytest.raises(ValueError, match="at least as many own keys"):
+        chunk_causal_attention(q, k, v, scale=1.0)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 4, 7, 50])
+def test_mini_sequence_matches_plain_autograd(num_chunks):
+    """T=37 in 4 and 7 uneven chunks, and 50 chunks (more chunks than tokens: empty ones skipped)."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.SiLU(), torch.nn.Linear(40, 16)).to(DT)
+    x = torch.randn(2, 37, 16, dtype=DT, requires_grad=True)
+    go = torch.randn(2, 37, 16, dtype=DT)
+    params = list(mlp.parameters())
+    ref = torch.autograd.grad(mlp(x), [x, *params], go)
+    out = mini_sequence_apply(mlp, x, params, num_chunks)
+    torch.testing.assert_close(out, mlp(x), rtol=0, atol=1e-14)
+    for g, r in zip(torch.autograd.grad(out, [x, *params], go), ref):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_lm_head_loss_matches_cross_entropy(chunk, bias):
+    torch.manual_seed(0)
+    V, d = 53, 12
+    hidden = torch.randn(2, 19, d, dtype=DT, requires_grad=True)
+    weight = torch.randn(V, d, dtype=DT, requires_grad=True)
+    b = torch.randn(V, dtype=DT, requires_grad=True) if bias else None
+    labels = torch.randint(0, V, (2, 19))
+    labels[0, :6] = -100
+    targets = shift_causal_labels(labels)
+    assert targets[0, -1] == -100 and torch.equal(targets[1, :-1], labels[1, 1:])
+    inputs = [hidden, weight] + ([b] if bias else [])
+    ref = F.cross_entropy(F.linear(hidden, weight, b).reshape(-1, V), targets.reshape(-1), reduction="sum")
+    ref_grads = torch.autograd.grad(ref, inputs)
+    loss_sum, count = chunked_lm_head_loss(hidden, weight, targets, chunk_size=chunk, bias=b)
+    assert count.item() == int((targets != -100).sum())
+    torch.testing.assert_close(loss_sum, ref, rtol=1e-13, atol=0)
+    for g, r in zip(torch.autograd.grad(loss_sum * 0.5, inputs), ref_grads):
+        torch.testing.assert_close(g, 0.5 * r, rtol=1e-12, atol=1e-13)
+
+
+def test_chunked_lm_head_saves_no_logits():
+    """Only hidden, weight and small index tensors are saved: no (N x V) tensor, not even one chunk."""
+    V, d, T = 997, 8, 300
+    hidden = torch.randn(1, T, d, requires_grad=True)
+    weight = torch.randn(V, d, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss, _ = chunked_lm_head_loss(hidden, weight, shift_causal_labels(torch.randint(0, V, (1, T))), chunk_size=64)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert shapes == sorted([(1, T, d), (V, d), (T - 1,), (T - 1,)]), shapes
+    loss.backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+
+
+def test_chunked_lm_head_peak_memory_is_one_chunk():
+    """During backward no tensor with more than chunk_size x V elements is ever allocated."""
+    V, d, T, chunk = 997, 8, 300, 64
+    hidden = torch.randn(1, T, d, requires_grad=True)
+    weight = torch.randn(V, d, requires_grad=True)
+    loss, _ = chunked_lm_head_loss(hidden, weight, shift_causal_labels(torch.randint(0, V, (1, T))), chunk_size=chunk)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    with Largest():
+        loss.backward()
+    assert Largest.largest <= chunk * V, Largest.largest
+    assert Largest.largest >= chunk * V // 2  # the check sees the logits chunks at all
