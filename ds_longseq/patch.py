@@ -9,7 +9,10 @@ What is changed, all on the given instance:
       with transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (existing names such
       as "sdpa" are never overwritten, so other models in the process are unaffected);
     - ``layer.forward`` of each decoder layer (streambp), ``mlp.forward`` of each MLP (mini_seq);
-    - ``model.forward`` (lm_head, and streambp's ``use_cache=False`` default).
+    - ``model.forward`` (lm_head, and streambp's ``use_cache=False`` default), ``lm_head.forward``
+      (lm_head: the loss is computed inside the head module's call, for ZeRO-3's hooks);
+    - ``_z3_leaf`` on decoder layers / MLPs (``mark_zero3_leaves``, DeepSpeed's own flag) so ZeRO-3
+      gathers a layer's weights once for its whole chunk loop.
 Instance attributes shadow the class methods, so ``disable`` only deletes them again.
 """
 
@@ -22,11 +25,11 @@ import torch
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.models.adapters import get_adapter
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
-from ds_longseq.modules.causal_lm import CausalLMForward
+from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
 
-__all__ = ["enable", "disable", "PatchHandle", "is_enabled", "get_config"]
+__all__ = ["enable", "disable", "PatchHandle", "is_enabled", "get_config", "mark_zero3_leaves"]
 
 _HANDLE_ATTR = "_ds_longseq_handle"
 _MISSING = object()
@@ -100,6 +103,9 @@ def enable(model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | N
             for layer in adapter.layers:
                 mlp = adapter.mlp(layer)
                 handle.set_instance_attr(mlp, "forward", MiniSeqMLPForward(mlp, mlp.forward, cfg.mini_seq.mlp_num_chunks))
+        if cfg.lm_head.enabled:
+            head = adapter.lm_head
+            handle.set_instance_attr(head, "forward", LMHeadLossForward(head, head.forward, cfg.lm_head.chunk_size))
         if cfg.lm_head.enabled or cfg.streambp.enabled:
             handle.set_instance_attr(model, "forward", CausalLMForward(model, model.forward, cfg))
         handle.set_instance_attr(model, _HANDLE_ATTR, handle)
@@ -107,6 +113,32 @@ def enable(model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | N
         handle.undo()
         raise
     return model
+
+
+def mark_zero3_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Mark the modules whose chunk loops must see their weights gathered as ZeRO-3 leaf modules.
+
+    DeepSpeed ZeRO-3 gathers a leaf module's parameters in the module's own pre-forward hook and
+    registers no hooks on its children, so the chunk loop inside (StreamBP layer, MsT MLP) runs on
+    weights gathered once per forward and once per backward. Must run before
+    ``deepspeed.initialize``; recorded on the model's handle, so :func:`disable` undoes it.
+
+    Returns:
+        The modules marked.
+    """
+    handle = model.__dict__.get(_HANDLE_ATTR)
+    if handle is None:
+        raise RuntimeError("mark_zero3_leaves needs ds_longseq.enable(model, ...) first")
+    adapter = get_adapter(model, handle.config)
+    leaves = []
+    if handle.config.streambp.enabled:
+        leaves = adapter.layers
+    elif handle.config.mini_seq.enabled:
+        leaves = [adapter.mlp(layer) for layer in adapter.layers]
+    for module in leaves:
+        # The same attribute deepspeed.utils.set_z3_leaf_modules sets, on these instances only.
+        handle.set_instance_attr(module, "_z3_leaf", True)
+    return leaves
 
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:

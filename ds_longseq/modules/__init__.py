@@ -1,7 +1,7 @@
 """Modules: replacement forwards for Hugging Face layers, built on ``ds_longseq.ops``."""
 
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, AttnSpec, longseq_attention, longseq_mask
-from ds_longseq.modules.causal_lm import CausalLMForward, causal_lm_loss_parts
+from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import StreamBPLayerForward, check_not_packed
 from ds_longseq.modules.mlp import MiniSeqMLPForward
 
@@ -11,7 +11,7 @@ __all__ = [
     "longseq_attention",
     "longseq_mask",
     "CausalLMForward",
-    "causal_lm_loss_parts",
+    "LMHeadLossForward",
     "StreamBPLayerForward",
     "check_not_packed",
     "MiniSeqMLPForward",

@@ -2,7 +2,10 @@
 
 Holds:
     CausalLMForward: the callable installed as the model instance's ``forward``.
-    causal_lm_loss_parts: (loss_sum, num_valid) from final hidden states, for global normalisation.
+    LMHeadLossForward: the callable installed as the LM head's ``forward``: logits, or with
+        ``targets=`` the chunked (loss_sum, num_valid). Going through the head module's own call
+        lets DeepSpeed ZeRO-3's module hooks gather its weight once per forward and once per
+        backward, instead of once per chunk.
 """
 
 from __future__ import annotations
@@ -15,26 +18,32 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
 
-__all__ = ["CausalLMForward", "causal_lm_loss_parts"]
+__all__ = ["CausalLMForward", "LMHeadLossForward"]
 
 
-def causal_lm_loss_parts(
-    lm_head: torch.nn.Linear,
-    hidden: torch.Tensor,
-    labels: torch.Tensor | None,
-    *,
-    chunk_size: int,
-    shift_labels: torch.Tensor | None = None,
-    ignore_index: int = -100,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed float32 cross entropy and number of valid targets for (B, T, d) ``hidden``.
+class LMHeadLossForward:
+    """Replacement ``forward`` of the LM head (an ``nn.Linear``) instance.
 
-    ``labels`` are shifted like transformers does; ``shift_labels`` (already shifted) wins if given.
+    ``head(hidden)`` is the stock linear (logits); ``head(hidden, targets=t)`` returns
+    ``(loss_sum, num_valid)`` of the chunked cross entropy against already-shifted (B, T) targets.
     """
-    targets = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
-    return chunked_lm_head_loss(
-        hidden, lm_head.weight, targets.to(hidden.device), chunk_size=chunk_size, bias=lm_head.bias, ignore_index=ignore_index
-    )
+
+    def __init__(self, head: torch.nn.Linear, orig_forward: Callable, chunk_size: int):
+        self.head = head
+        self.orig_forward = orig_forward
+        self.chunk_size = chunk_size
+
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100):
+        if targets is None:
+            return self.orig_forward(hidden)
+        return chunked_lm_head_loss(
+            hidden,
+            self.head.weight,
+            targets.to(hidden.device),
+            chunk_size=self.chunk_size,
+            bias=self.head.bias,
+            ignore_index=ignore_index,
+        )
 
 
 class CausalLMForward:
@@ -95,14 +104,8 @@ class CausalLMForward:
             use_cache=False,
             **kwargs,
         )
-        loss_sum, num_valid = causal_lm_loss_parts(
-            self.model.lm_head,
-            outputs.last_hidden_state,
-            labels,
-            chunk_size=self.config.lm_head.chunk_size,
-            shift_labels=shift_labels,
-            ignore_index=ignore_index,
-        )
+        targets = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
+        loss_sum, num_valid = self.model.lm_head(outputs.last_hidden_state, targets=targets, ignore_index=ignore_index)
         denominator = num_items_in_batch if num_items_in_batch is not None else num_valid
         if isinstance(denominator, torch.Tensor):
             denominator = denominator.to(loss_sum.device)

@@ -1,0 +1,177 @@
+"""``ds_longseq.engine.initialize``: ``deepspeed.initialize`` plus the ``"long_seq"`` config section.
+
+Holds:
+    initialize: same arguments and return value as ``deepspeed.initialize``.
+    split_config: load a DeepSpeed config (path or dict) and separate its ``long_seq`` section.
+    check_sequence_length: the pre-training check of a sequence length against the chunk sizes.
+    MIN_DEEPSPEED_VERSION: the oldest DeepSpeed this package is tested with.
+
+Distributed StreamBP (StreamBP paper App. A.3) needs no DeepSpeed internals here:
+- reduce once: every chunk loop (StreamBP layer, MsT MLP, LM head) is one autograd Function that
+  sums its parameter gradients over chunks and returns them once, so each parameter's gradient
+  accumulates, and DeepSpeed's per-parameter reduction hook fires, once per micro-step;
+- gather once (ZeRO-3): decoder layers (MsT: MLPs) are ZeRO-3 leaf modules, so their weights are
+  gathered by the module's own hooks for the whole chunk loop; the loss runs inside the LM head's
+  module call, so its weight is gathered once in forward and once in backward;
+- no collective runs inside a chunk loop, so ranks may hold different numbers of chunks (for
+  example different numbers of valid tokens for the LM head) without deadlock.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, Mapping
+
+import torch
+
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.patch import enable, get_config, is_enabled, mark_zero3_leaves
+
+__all__ = ["initialize", "split_config", "check_sequence_length", "MIN_DEEPSPEED_VERSION"]
+
+MIN_DEEPSPEED_VERSION = "0.19.8"
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _check_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as err:  # pragma: no cover - deepspeed is an install requirement
+        raise ImportError("ds_longseq.engine needs DeepSpeed: pip install 'deepspeed>=0.19.8'") from err
+    if _version_tuple(deepspeed.__version__) < _version_tuple(MIN_DEEPSPEED_VERSION):
+        raise RuntimeError(
+            f"DeepSpeed {deepspeed.__version__} is older than {MIN_DEEPSPEED_VERSION}, the oldest version "
+            f"ds_longseq is tested with: pip install 'deepspeed>={MIN_DEEPSPEED_VERSION}'"
+        )
+    return deepspeed
+
+
+def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[str, Any], LongSeqConfig]:
+    """Load a DeepSpeed config and split off its ``long_seq`` section.
+
+    Args:
+        config: path to a JSON file, or a dict (not modified).
+
+    Returns:
+        (DeepSpeed config without ``long_seq``, validated :class:`LongSeqConfig`).
+
+    Raises:
+        LongSeqConfigError: the ``long_seq`` section or the ZeRO stage is invalid (all problems at once).
+    """
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, encoding="utf-8") as f:
+            ds_config = json.load(f)
+    elif isinstance(config, Mapping):
+        ds_config = copy.deepcopy(dict(config))
+    else:
+        raise TypeError(f"config must be a path or a dict, got {type(config).__name__}")
+    problems = []
+    long_seq = None
+    try:
+        long_seq = LongSeqConfig.from_dict(ds_config.pop("long_seq", None))
+    except LongSeqConfigError as err:
+        problems.extend(err.problems)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in SUPPORTED_ZERO_STAGES:
+        problems.append(f"zero_optimization.stage={stage!r} is not supported: use one of {SUPPORTED_ZERO_STAGES}")
+    if problems:
+        raise LongSeqConfigError(problems)
+    return ds_config, long_seq
+
+
+def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
+    """Raise before training if a chunk size cannot apply to sequences of ``seq_len`` tokens.
+
+    A chunk larger than the sequence is legal for a single forward (one chunk), but in a training
+    run configured for ``seq_len`` it means the technique does nothing: almost always a typo.
+    """
+    problems = []
+    if seq_len <= 0:
+        problems.append(f"sequence length must be positive, got {seq_len}")
+    if config.streambp.enabled and config.streambp.chunk_size > seq_len:
+        problems.append(
+            f"long_seq.streambp.chunk_size={config.streambp.chunk_size} exceeds the sequence length {seq_len}: "
+            f"StreamBP would run one chunk (plain recompute); set chunk_size <= {seq_len}"
+        )
+    if config.mini_seq.enabled and config.mini_seq.mlp_num_chunks > seq_len:
+        problems.append(
+            f"long_seq.mini_seq.mlp_num_chunks={config.mini_seq.mlp_num_chunks} exceeds the sequence length "
+            f"{seq_len}: set mlp_num_chunks <= {seq_len}"
+        )
+    if problems:
+        raise LongSeqConfigError(problems)
+
+
+def initialize(
+    args=None,
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int | None = None,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    config_params: Mapping[str, Any] | None = None,
+    **kwargs,
+):
+    """``deepspeed.initialize`` with long-sequence training applied from the config's ``long_seq``.
+
+    Takes exactly ``deepspeed.initialize``'s arguments; ``config`` (or ``config_params``, or
+    ``args.deepspeed_config``) may hold a ``"long_seq"`` section (see :class:`LongSeqConfig`),
+    which is validated and removed before DeepSpeed sees the config. The model is patched with
+    :func:`ds_longseq.enable` (unless it already is, with the same settings) and, under ZeRO-3,
+    its layers become ZeRO-3 leaf modules.
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
+    """
+    deepspeed = _check_deepspeed()
+    if model is None:
+        raise ValueError("ds_longseq.engine.initialize needs model=")
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+        # deepspeed.initialize refuses a config given both ways; ours is the cleaned dict.
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    if config is None:
+        raise ValueError("ds_longseq.engine.initialize needs a DeepSpeed config: pass config= (path or dict)")
+    ds_config, long_seq = split_config(config)
+    if is_enabled(model):
+        if get_config(model) != long_seq:
+            raise ValueError(
+                "the model was enabled with a different long_seq config than the DeepSpeed config's: "
+                "call ds_longseq.disable(model) first, or pass the same settings"
+            )
+    elif long_seq.any_enabled:
+        enable(model, long_seq)
+    if long_seq.any_enabled and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        mark_zero3_leaves(model)
+    return deepspeed.initialize(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        distributed_port=distributed_port if distributed_port is not None else 29500,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=ds_config,
+        **kwargs,
+    )
