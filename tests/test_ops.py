@@ -28,10 +28,11 @@ def _qkv(B=2, H=4, Hkv=2, C=37, K=37, D=8, seed=0):
     return make(B, H, C, D), make(B, Hkv, K, D), make(B, Hkv, K, D)
 
 
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
 @pytest.mark.parametrize("block", [1, 5, 37, 1024])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("C,K", [(37, 37), (7, 37), (1, 20)])
-def test_attention_matches_dense_reference(block, padded, C, K):
+def test_attention_matches_dense_reference(kernel, block, padded, C, K):
     """K > C is generation with a cache: the queries are the LAST C positions."""
     q, k, v = _qkv(C=C, K=K)
     valid = None
@@ -42,15 +43,16 @@ def test_attention_matches_dense_reference(block, padded, C, K):
     go = torch.randn_like(q)
     ref = reference_attention(q, k, v, valid)
     ref_grads = torch.autograd.grad(ref, (q, k, v), go)
-    out = chunk_causal_attention(q, k, v, scale=8**-0.5, key_valid=valid, kv_block_size=block)
+    out = chunk_causal_attention(q, k, v, scale=8**-0.5, key_valid=valid, kv_block_size=block, kernel=kernel)
     grads = torch.autograd.grad(out, (q, k, v), go)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
 @pytest.mark.parametrize("chunk,block", [(6, 4), (1, 3), (37, 5)])
-def test_attention_with_prefix_and_grad_sink_streams_exactly(chunk, block):
+def test_attention_with_prefix_and_grad_sink_streams_exactly(kernel, chunk, block):
     """Reverse-order chunks with the prefix as constants and its gradient added into a sink."""
     q, k, v = _qkv()
     valid = torch.ones(2, 37, dtype=torch.bool)
@@ -65,7 +67,7 @@ def test_attention_with_prefix_and_grad_sink_streams_exactly(chunk, block):
         kc, vc = K[:, :, s:e].clone().requires_grad_(), V[:, :, s:e].clone().requires_grad_()
         out = chunk_causal_attention(
             qc, kc, vc, scale=8**-0.5, k_prefix=K[:, :, :s], v_prefix=V[:, :, :s], key_valid=valid[:, :e],
-            kv_block_size=block, prefix_grad_sink=(dk, dv),
+            kv_block_size=block, prefix_grad_sink=(dk, dv), kernel=kernel,
         )
         gq, gk, gv = torch.autograd.grad(out, (qc, kc, vc), go[:, :, s:e])
         dq[:, :, s:e], dk[:, :, s:e], dv[:, :, s:e] = gq, dk[:, :, s:e] + gk, dv[:, :, s:e] + gv

@@ -1,7 +1,8 @@
 """Exact causal attention of a query chunk against a key prefix, tiled over keys.
 
 Holds:
-    chunk_causal_attention: the public op (pure PyTorch, any device, float64-exact).
+    chunk_causal_attention: the public op.
+    attention_kernel_for: which per-tile kernel a tensor runs on ("cpu_flash" or "math").
 
 Shape legend: B batch, H query heads, Hkv key/value heads (H = Hkv * R, GQA), C query chunk,
 S key prefix, K keys of the chunk itself, D head dim.
@@ -9,133 +10,210 @@ S key prefix, K keys of the chunk itself, D head dim.
 The queries are the LAST C positions of the S + K keys (bottom-right aligned causal mask): query i
 sits at global key index S + K - C + i and attends keys [0, S + K - C + i]. That covers both a
 StreamBP chunk (K == C, the prefix holds earlier chunks' keys) and generation with a KV cache
-(S == 0, K >= C). Nothing of size (C x S) or (T x T) is ever materialised: scores exist one
-(B, H, C, kv_block_size) tile at a time, with the online softmax of FlashAttention and its
-recompute-based backward (O and the row log-sum-exp are the only saved intermediates).
+(S == 0, K >= C). The keys are split into tiles: "full" tiles that every query sees (only the
+padding mask applies; GQA query heads are stacked along rows, so K/V are never repeated) and one
+square "diagonal" tile over the last C keys with a top-left causal mask (square, so top-left and
+bottom-right agree). No mask over the whole key range is ever built: a padding mask is a
+(B, 1, 1, tile) additive bias.
 
-The prefix keys/values are treated as constants of this op. Their gradients, when wanted, are
-ADDED IN PLACE into caller-owned buffers (``prefix_grad_sink``): StreamBP accumulates dK/dV of the
-whole sequence across chunks, and writing each tile's contribution straight into that buffer
-avoids allocating an (S x D) gradient per chunk.
+Each tile runs a kernel that returns its output and row log-sum-exp; tiles are merged exactly by
+log-sum-exp (as ring attention merges blocks). Backward calls each tile's kernel backward with the
+FINAL output and log-sum-exp, which yields exactly that tile's share of dQ, dK, dV
+(FlashAttention-2's recompute backward). Kernels: torch's fused CPU flash-attention op
+("cpu_flash"), or a pure-PyTorch tile ("math": any device, scores of one tile at a time).
+
+The prefix keys/values are constants of this op. Their gradients, when wanted, are ADDED IN PLACE
+into caller-owned buffers (``prefix_grad_sink``): StreamBP accumulates dK/dV of the whole sequence
+across chunks, and writing each tile's share straight into that buffer avoids an (S x D) gradient
+allocation per chunk.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["chunk_causal_attention"]
+__all__ = ["chunk_causal_attention", "attention_kernel_for"]
+
+_NEG_INF = float("-inf")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision inputs are upcast per tile: scores, softmax statistics and the output
-    # accumulator live in float32, as in flash-attention.
+    # Half-precision tiles are merged in float32, as flash-attention accumulates.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _tiles(num_prefix: int, num_own: int, block: int):
-    """Yield (source, start, end) key tiles: ``source`` 0 = prefix, 1 = the chunk's own keys."""
-    for a in range(0, num_prefix, block):
-        yield 0, a, min(a + block, num_prefix)
-    for a in range(0, num_own, block):
-        yield 1, a, min(a + block, num_own)
+def attention_kernel_for(t: torch.Tensor, requested: str = "auto") -> str:
+    """The tile kernel used for tensors like ``t``: "cpu_flash" on CPU, else "math"."""
+    if requested != "auto":
+        return requested
+    return "cpu_flash" if t.device.type == "cpu" else "math"
+
+
+# --- tile kernels -------------------------------------------------------------------------------
+# forward(q (B,h,r,D), k (B,h,n,D), v, causal, valid (B,n)|None, scale) -> (o (B,h,r,D), lse (B,h,r))
+#   lse is -inf on rows that see no valid key (their o is 0).
+# backward(do, q, k, v, out, lse, causal, valid, scale) -> (dq, dk, dv), where out/lse are the FINAL
+#   merged output and log-sum-exp, lse = +inf on rows without any valid key (their p is 0).
+
+
+def _empty_rows(valid: torch.Tensor | None, causal: bool, rows: int, heads: int) -> torch.Tensor | None:
+    """(B, heads, rows) True where a row sees no valid key of this tile, or None if none can."""
+    if valid is None:
+        return None
+    B = valid.shape[0]
+    if causal:  # row i of a square causal tile sees keys [0, i]
+        seen = valid.cumsum(-1) > 0
+        return (~seen).view(B, 1, rows).expand(B, heads, rows)
+    return (~valid.any(-1)).view(B, 1, 1).expand(B, heads, rows)
+
+
+def _bias(valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if valid is None:
+        return None
+    B, n = valid.shape
+    return torch.zeros((B, 1, 1, n), dtype=dtype, device=valid.device).masked_fill(~valid.view(B, 1, 1, n), _NEG_INF)
+
+
+def _cpu_flash_forward(q, k, v, causal, valid, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=_bias(valid, q.dtype), scale=scale
+    )
+    empty = _empty_rows(valid, causal, q.shape[2], q.shape[1])
+    if empty is not None:  # the kernel reports lse = 0 for rows with no valid key
+        lse = lse.masked_fill(empty, _NEG_INF)
+    return out, lse
+
+
+def _cpu_flash_backward(do, q, k, v, out, lse, causal, valid, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(valid, q.dtype), scale=scale
+    )
+
+
+def _math_scores(q, k, causal, valid, scale):
+    cdt = _compute_dtype(q.dtype)
+    scores = (q.to(cdt) * scale) @ k.to(cdt).transpose(-1, -2)
+    keep = None
+    if causal:
+        n = k.shape[2]
+        keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().view(1, 1, n, n)
+    if valid is not None:
+        pad = valid.view(valid.shape[0], 1, 1, -1)
+        keep = pad if keep is None else keep & pad
+    return scores if keep is None else scores.masked_fill(~keep, _NEG_INF)
+
+
+def _math_forward(q, k, v, causal, valid, scale):
+    scores = _math_scores(q, k, causal, valid, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1))
+    return p @ v.to(p.dtype), lse
+
+
+def _math_backward(do, q, k, v, out, lse, causal, valid, scale):
+    cdt = _compute_dtype(q.dtype)
+    p = torch.exp(_math_scores(q, k, causal, valid, scale) - lse.to(cdt).unsqueeze(-1))
+    do, out = do.to(cdt), out.to(cdt)
+    delta = (do * out).sum(-1, keepdim=True)  # the softmax-backward correction per row
+    ds = p * (do @ v.to(cdt).transpose(-1, -2) - delta)
+    dq = (ds @ k.to(cdt)) * scale
+    dk = (ds.transpose(-1, -2) @ q.to(cdt)) * scale
+    dv = p.transpose(-1, -2) @ do
+    return dq, dk, dv
+
+
+_KERNELS = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward), "math": (_math_forward, _math_backward)}
+
+
+# --- the op -------------------------------------------------------------------------------------
+
+
+def _tiles(S: int, K: int, C: int, block: int):
+    """Yield (source, start, end, causal): source 0 = prefix, 1 = own keys; the diagonal is last."""
+    for a in range(0, S, block):
+        yield 0, a, min(a + block, S), False
+    for a in range(0, K - C, block):
+        yield 1, a, min(a + block, K - C), False
+    yield 1, K - C, K, True
 
 
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, scale, block, sink_k, sink_v):
+    def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel, sink_k, sink_v):
         B, H, C, D = q.shape
-        Hkv = k.shape[1]
+        Hkv, K = k.shape[1], k.shape[2]
         R = H // Hkv
         S = 0 if k_prefix is None else k_prefix.shape[2]
-        K = k.shape[2]
+        tile_forward = _KERNELS[kernel][0]
         cdt = _compute_dtype(q.dtype)
-        # (B, H, C, D) -> (B, Hkv, R*C, D): the R query heads sharing one KV head are stacked
-        # along rows, so one matmul per tile serves the group without repeating K/V.
-        qs = (q.to(cdt) * scale).reshape(B, Hkv, R * C, D)
-        m = torch.full((B, Hkv, R * C), float("-inf"), dtype=cdt, device=q.device)
-        l = torch.zeros((B, Hkv, R * C), dtype=cdt, device=q.device)
-        acc = torch.zeros((B, Hkv, R * C, D), dtype=cdt, device=q.device)
-        for src, a, b in _tiles(S, K, block):
-            kb, vb, ga = (k_prefix, v_prefix, a) if src == 0 else (k, v, S + a)
-            scores = qs @ kb[:, :, a:b].to(cdt).transpose(-1, -2)
-            scores = _apply_mask(scores, key_valid, ga, ga + b - a, S + K, C, R)
-            m_new = torch.maximum(m, scores.amax(-1))
-            # Rows with no visible key so far keep m = -inf; shift them by 0 to avoid inf - inf.
-            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
-            p = torch.exp(scores - m_safe.unsqueeze(-1))
-            alpha = torch.exp(m - m_safe)
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha.unsqueeze(-1) + p @ vb[:, :, a:b].to(cdt)
+        q_stacked = q.reshape(B, Hkv, R * C, D)  # rows (r, c) of KV head h: no K/V repeat for GQA
+        m = acc = None
+        for src, a, b, causal in _tiles(S, K, C, block):
+            kt, vt = (k_prefix, v_prefix) if src == 0 else (k, v)
+            kt, vt = kt[:, :, a:b], vt[:, :, a:b]
+            valid = None if key_valid is None else key_valid[:, a + (0 if src == 0 else S) : b + (0 if src == 0 else S)]
+            if causal:
+                o_t, lse_t = tile_forward(q, kt.repeat_interleave(R, 1), vt.repeat_interleave(R, 1), True, valid, scale)
+            else:
+                o_t, lse_t = tile_forward(q_stacked, kt, vt, False, valid, scale)
+                o_t, lse_t = o_t.reshape(B, H, C, D), lse_t.reshape(B, H, C)
+            o_t, lse_t = o_t.to(cdt), lse_t.to(cdt)
+            if m is None:
+                m, acc = lse_t, o_t
+                continue
+            # acc is normalised over the tiles so far, whose total log-mass is m.
+            m_new = torch.logaddexp(m, lse_t)
+            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows still empty: weights exp(-inf) = 0
+            acc = acc * torch.exp(m - m_safe).unsqueeze(-1) + o_t * torch.exp(lse_t - m_safe).unsqueeze(-1)
             m = m_new
-        empty = l == 0
-        # A query with no valid key (left padding) outputs zeros, as torch SDPA does.
-        out = acc / l.masked_fill(empty, 1.0).unsqueeze(-1)
-        lse = (m.masked_fill(empty, 0.0) + torch.log(l.masked_fill(empty, 1.0))).masked_fill(empty, float("inf"))
+        # acc is the normalised output; m the log-sum-exp. Rows with no valid key: 0 and -inf.
+        empty = m == _NEG_INF
+        out = acc.masked_fill(empty.unsqueeze(-1), 0.0).to(q.dtype)
+        lse = m.masked_fill(empty, float("inf"))  # +inf: exp(s - lse) = 0 in backward
         ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, out, lse)
-        ctx.scale, ctx.block = scale, block
-        ctx.sinks = (sink_k, sink_v)
-        return out.reshape(B, H, C, D).to(q.dtype)
+        ctx.scale, ctx.block, ctx.kernel, ctx.sinks = scale, block, kernel, (sink_k, sink_v)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, k_prefix, v_prefix, key_valid, out, lse = ctx.saved_tensors
         sink_k, sink_v = ctx.sinks
         scale, block = ctx.scale, ctx.block
+        tile_backward = _KERNELS[ctx.kernel][1]
         B, H, C, D = q.shape
-        Hkv = k.shape[1]
+        Hkv, K = k.shape[1], k.shape[2]
         R = H // Hkv
         S = 0 if k_prefix is None else k_prefix.shape[2]
-        K = k.shape[2]
-        cdt = out.dtype
-        qs = (q.to(cdt) * scale).reshape(B, Hkv, R * C, D)
-        do = grad_out.to(cdt).reshape(B, Hkv, R * C, D)
-        # delta_i = sum_d dO_id * O_id: the softmax-backward correction, one number per query row.
-        delta = (do * out).sum(-1, keepdim=True)
-        dqs = torch.zeros_like(qs)
+        cdt = _compute_dtype(q.dtype)
+        grad_out = grad_out.contiguous()
+        stacked = (q.reshape(B, Hkv, R * C, D), grad_out.reshape(B, Hkv, R * C, D), out.reshape(B, Hkv, R * C, D))
+        lse_stacked = lse.reshape(B, Hkv, R * C)
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
         dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-        for src, a, b in _tiles(S, K, block):
+        for src, a, b, causal in _tiles(S, K, C, block):
             if src == 0 and sink_k is None:
                 continue
-            kb, vb, ga = (k_prefix, v_prefix, a) if src == 0 else (k, v, S + a)
-            kt, vt = kb[:, :, a:b].to(cdt), vb[:, :, a:b].to(cdt)
-            scores = _apply_mask(qs @ kt.transpose(-1, -2), key_valid, ga, ga + b - a, S + K, C, R)
-            # lse is +inf on rows with no valid key, so their probabilities are exactly 0.
-            p = torch.exp(scores - lse.unsqueeze(-1))
-            dp = do @ vt.transpose(-1, -2)
-            ds = p * (dp - delta)
-            dqs += ds @ kt
-            dk_t = ds.transpose(-1, -2) @ qs
-            dv_t = p.transpose(-1, -2) @ do
+            kt, vt = (k_prefix, v_prefix) if src == 0 else (k, v)
+            kt, vt = kt[:, :, a:b], vt[:, :, a:b]
+            valid = None if key_valid is None else key_valid[:, a + (0 if src == 0 else S) : b + (0 if src == 0 else S)]
+            if causal:
+                dq_t, dk_t, dv_t = tile_backward(
+                    grad_out, q, kt.repeat_interleave(R, 1), vt.repeat_interleave(R, 1), out, lse, True, valid, scale
+                )
+                dk_t = dk_t.reshape(B, Hkv, R, b - a, D).sum(2)
+                dv_t = dv_t.reshape(B, Hkv, R, b - a, D).sum(2)
+            else:
+                dq_t, dk_t, dv_t = tile_backward(stacked[1], stacked[0], kt, vt, stacked[2], lse_stacked, False, valid, scale)
+                dq_t = dq_t.reshape(B, H, C, D)
+            dq += dq_t
             if src == 0:
                 sink_k[:, :, a:b] += dk_t.to(sink_k.dtype)
                 sink_v[:, :, a:b] += dv_t.to(sink_v.dtype)
             else:
-                dk[:, :, a:b] = dk_t
-                dv[:, :, a:b] = dv_t
-        dq = (dqs * scale).reshape(B, H, C, D).to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
-
-
-def _apply_mask(scores, key_valid, ga, gb, total, C, R):
-    """Mask a (B, Hkv, R*C, b) score tile for keys [ga, gb) of ``total`` keys (bottom-right causal).
-
-    Builds at most a (B, 1, 1, C, b) boolean tile: never a mask over the whole key range.
-    """
-    first_query = total - C  # global key index of query 0
-    causal = gb - 1 > first_query  # some key in the tile lies after some query
-    if not causal and key_valid is None:
-        return scores
-    B, Hkv, RC, b = scores.shape
-    keep = None
-    if causal:
-        qi = torch.arange(first_query, total, device=scores.device)
-        kj = torch.arange(ga, gb, device=scores.device)
-        keep = (kj.unsqueeze(0) <= qi.unsqueeze(1)).view(1, 1, 1, C, b)
-    if key_valid is not None:
-        kv = key_valid[:, ga:gb].view(B, 1, 1, 1, b)
-        keep = kv if keep is None else keep & kv
-    return scores.view(B, Hkv, R, C, b).masked_fill(~keep, float("-inf")).view(B, Hkv, RC, b)
+                dk[:, :, a:b] += dk_t
+                dv[:, :, a:b] += dv_t
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 def chunk_causal_attention(
@@ -149,6 +227,7 @@ def chunk_causal_attention(
     key_valid: torch.Tensor | None = None,
     kv_block_size: int = 1024,
     prefix_grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of the last C positions against all S + K keys, bottom-right aligned.
 
@@ -158,9 +237,10 @@ def chunk_causal_attention(
         scale: softmax scale (usually D ** -0.5).
         k_prefix, v_prefix: (B, Hkv, S, D) keys/values before ``k``; constants of this op.
         key_valid: (B, S + K) bool, False for padding keys; None means all valid.
-        kv_block_size: keys per tile.
+        kv_block_size: keys per full tile (the diagonal tile is always C x C).
         prefix_grad_sink: (dK, dV) buffers of shape (B, Hkv, >= S, D); backward ADDS the prefix
             gradients into ``[:, :, :S]`` in place. None: prefix gradients are not computed.
+        kernel: "auto", "cpu_flash" (CPU tensors only) or "math".
 
     Returns:
         (B, H, C, D) attention output in q's dtype. Queries with no valid key give zeros.
@@ -170,9 +250,17 @@ def chunk_causal_attention(
     if k.shape[2] < q.shape[2]:
         raise ValueError(f"chunk attention needs at least as many own keys ({k.shape[2]}) as queries ({q.shape[2]})")
     num_prefix = 0 if k_prefix is None else k_prefix.shape[2]
-    if key_valid is not None and key_valid.shape[-1] != num_prefix + k.shape[2]:
-        raise ValueError(f"key_valid covers {key_valid.shape[-1]} keys, expected {num_prefix + k.shape[2]}")
+    if key_valid is not None:
+        if key_valid.shape[-1] != num_prefix + k.shape[2]:
+            raise ValueError(f"key_valid covers {key_valid.shape[-1]} keys, expected {num_prefix + k.shape[2]}")
+        if bool(key_valid.all()):
+            key_valid = None
     if num_prefix == 0:
         k_prefix = v_prefix = None
+    kernel = attention_kernel_for(q, kernel)
+    if kernel not in _KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}: use one of {sorted(_KERNELS)} or 'auto'")
     sink_k, sink_v = prefix_grad_sink if prefix_grad_sink is not None else (None, None)
-    return _ChunkAttention.apply(q, k, v, k_prefix, v_prefix, key_valid, float(scale), int(kv_block_size), sink_k, sink_v)
+    return _ChunkAttention.apply(
+        q, k, v, k_prefix, v_prefix, key_valid, float(scale), int(kv_block_size), kernel, sink_k, sink_v
+    )

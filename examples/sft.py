@@ -1,0 +1,322 @@
+"""Supervised fine-tuning of a Hugging Face causal LM on long sequences with ds_longseq + DeepSpeed.
+
+Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl):
+
+    deepspeed --num_gpus 2 examples/sft.py --ds_config ds_configs/zero2_streambp.json
+    deepspeed --hostfile launch/hostfile examples/sft.py --ds_config ds_configs/zero3_streambp.json
+    mpirun -np 2 python examples/sft.py --ds_config ds_configs/zero2_streambp.json
+
+With no --model / --data it trains the embedded default: a tiny Llama-shaped model built from a
+config, on a built-in key-value recall task whose answers sit a whole sequence away from their
+question (so the loss can only go below chance if attention reaches back across the sequence).
+
+Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
+``latest``), ``metrics.jsonl`` (one line per step), ``loss.png`` and an HF-format export in
+``hf_model/``. ``--resume`` continues from ``latest`` with the same data order and losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+
+import ds_longseq.engine
+from ds_longseq.engine import check_sequence_length, split_config
+from ds_longseq.logging import get_logger
+
+logger = get_logger("ds_longseq.examples.sft")
+
+# Built-in recall task vocabulary: 0 pad, 1 BOS, 2 query marker, keys, values, filler noise.
+PAD, BOS, QUERY = 0, 1, 2
+KEYS = range(16, 80)
+VALUES = range(128, 192)
+VOCAB = 256
+NUM_PAIRS = 16
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/zero2_streambp.json",
+                   help="DeepSpeed JSON config with an optional long_seq section")
+    p.add_argument("--model", default=None, help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")
+    p.add_argument("--data", default=None, help="JSONL with 'text' or 'prompt'/'completion' per line (needs --model)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--save-dir", default="outputs/sft", help="checkpoints, metrics, plot and HF export")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 on GPU, fp32 on CPU (overrides the config's bf16 section)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
+    # Fault injection for the crash-safety test: exit abruptly in the middle of saving this step.
+    p.add_argument("--_crash-during-save-at-step", dest="crash_step", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def recall_example(index: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """One key-value recall sequence: pairs first, noise, then queries ``QUERY key -> value``.
+
+    Only the answer tokens carry labels. Values are uniform over ``VALUES``, so a model that does
+    not look back to the pairs cannot beat ``ln(len(VALUES))`` on them.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    keys = torch.tensor(KEYS)[torch.randperm(len(KEYS), generator=g)[:NUM_PAIRS]]
+    values = torch.tensor(VALUES)[torch.randint(0, len(VALUES), (NUM_PAIRS,), generator=g)]
+    head = torch.stack([keys, values], 1).reshape(-1)
+    order = torch.randperm(NUM_PAIRS, generator=g)
+    queries = torch.stack([torch.full((NUM_PAIRS,), QUERY), keys[order], values[order]], 1).reshape(-1)
+    filler_len = seq_len - 1 - head.numel() - queries.numel()
+    if filler_len < 0:
+        raise ValueError(f"--seq-len {seq_len} is too short for the recall task: use at least {seq_len - filler_len}")
+    filler = torch.randint(80, 128, (filler_len,), generator=g)
+    ids = torch.cat([torch.tensor([BOS]), head, filler, queries])
+    labels = torch.full_like(ids, -100)
+    answer_pos = torch.arange(seq_len - queries.numel() + 2, seq_len, 3)
+    labels[answer_pos] = ids[answer_pos]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+class JsonlData:
+    """Tokenised JSONL records padded/truncated to ``seq_len``; prompt tokens are not trained on."""
+
+    def __init__(self, path: str, tokenizer, seq_len: int):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--data {path} does not exist")
+        self.records = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if "text" in rec:
+                    prompt, completion = "", rec["text"]
+                elif "prompt" in rec and "completion" in rec:
+                    prompt, completion = rec["prompt"], rec["completion"]
+                else:
+                    raise ValueError(f"{path}:{lineno}: each line needs 'text' or 'prompt' and 'completion'")
+                self.records.append((prompt, completion))
+        if not self.records:
+            raise ValueError(f"--data {path} holds no records")
+        self.tokenizer, self.seq_len = tokenizer, seq_len
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        prompt, completion = self.records[index % len(self.records)]
+        p_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
+        c_ids = self.tokenizer(completion, add_special_tokens=not prompt)["input_ids"]
+        ids = (p_ids + c_ids)[: self.seq_len]
+        labels = ([-100] * len(p_ids) + c_ids)[: self.seq_len]
+        pad = self.seq_len - len(ids)
+        return {
+            "input_ids": torch.tensor(ids + [self.pad_id] * pad),
+            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+            "labels": torch.tensor(labels + [-100] * pad),
+        }
+
+
+def micro_batch(source, step: int, micro: int, gas: int, rank: int, world: int, micro_bs: int) -> dict[str, torch.Tensor]:
+    """The deterministic micro-batch of (step, micro-step, rank): resuming replays the same data."""
+    base = ((step * gas + micro) * world + rank) * micro_bs
+    items = [source(base + i) for i in range(micro_bs)]
+    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, checkpoints, reporting
+
+
+def build_model(args, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype, attn_implementation="sdpa")
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=max(args.seq_len, 2048), rope_theta=10000.0,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def peak_memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """Point ``latest`` at a COMPLETE checkpoint: written to a temp file, then renamed (atomic)."""
+    tmp = os.path.join(save_dir, "latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, "latest"))
+
+
+def save_checkpoint(engine, args, step: int, rank: int) -> None:
+    import deepspeed.comm as dist
+
+    tag = f"step{step}"
+    # save_latest=False: DeepSpeed would rewrite ``latest`` in place; ours flips it only after
+    # every rank has finished writing, so a crash mid-save leaves the previous one in charge.
+    engine.save_checkpoint(args.save_dir, tag=tag, client_state={"step": step}, save_latest=False)
+    if args.crash_step == step:
+        os._exit(17)  # fault injection: die after writing, before ``latest`` moves
+    dist.barrier()
+    if rank == 0:
+        write_latest(args.save_dir, tag)
+    dist.barrier()
+
+
+def export_hf(engine, model, args, rank: int) -> None:
+    import deepspeed
+
+    params = list(model.parameters())
+    is_zero3 = hasattr(params[0], "ds_id")
+    with deepspeed.zero.GatheredParameters(params, enabled=is_zero3):
+        if rank == 0:
+            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            model.save_pretrained(os.path.join(args.save_dir, "hf_model"), state_dict=state)
+
+
+def plot_losses(metrics: list[dict], path: str, chance: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="training loss")
+    if chance is not None:
+        ax.axhline(chance, color="gray", linestyle="--", label=f"chance without recall (ln {len(VALUES)})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("examples/sft.py")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import deepspeed
+    import deepspeed.comm as dist
+    from tqdm import tqdm
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+    # Validate everything before any training starts.
+    ds_config, long_seq = split_config(args.ds_config)
+    check_sequence_length(long_seq, args.seq_len)
+    if args.data and not args.model:
+        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+    if args.max_steps <= 0:
+        raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
+    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and torch.cuda.is_available())
+    ds_config["bf16"] = {"enabled": use_bf16}
+    ds_config.pop("fp16", None)
+    if not torch.cuda.is_available():
+        for key in ("offload_optimizer", "offload_param"):  # nothing to pin without a GPU
+            if key in ds_config.get("zero_optimization", {}):
+                ds_config["zero_optimization"][key]["pin_memory"] = False
+    ds_config["long_seq"] = long_seq.to_dict()
+    micro_bs = ds_config.get("train_micro_batch_size_per_gpu", 1)
+    gas = ds_config.get("gradient_accumulation_steps", 1)
+
+    if args.data:
+        from transformers import AutoTokenizer
+
+        data = JsonlData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len)
+        source, chance = data.__getitem__, None
+    else:
+        recall_example(0, args.seq_len, args.seed)  # fail early if --seq-len is too short
+        source, chance = (lambda i: recall_example(i, args.seq_len, args.seed)), math.log(len(VALUES))
+
+    model = build_model(args, torch.bfloat16 if use_bf16 else torch.float32)
+    engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    device = engine.device
+
+    os.makedirs(args.save_dir, exist_ok=True)
+    metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
+    start_step, metrics = 0, []
+    if args.resume:
+        latest = os.path.join(args.save_dir, "latest")
+        if not os.path.exists(latest):
+            raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file)")
+        with open(latest) as f:
+            tag = f.read().strip()
+        _, client_state = engine.load_checkpoint(args.save_dir, tag=tag)
+        start_step = client_state["step"]
+        if os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                metrics = [m for m in map(json.loads, f) if m["step"] <= start_step]
+        if rank == 0:
+            logger.warning("resumed from %s/%s at step %d", args.save_dir, tag, start_step)
+    elif rank == 0 and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+
+    bar = tqdm(total=args.max_steps, initial=start_step, disable=rank != 0, dynamic_ncols=True, desc="sft")
+    t_start, tokens = time.perf_counter(), 0
+    for step in range(start_step, args.max_steps):
+        step_loss = torch.zeros((), device=device)
+        for micro in range(gas):
+            batch = {k: v.to(device) for k, v in micro_batch(source, step, micro, gas, rank, world, micro_bs).items()}
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float() / gas
+            tokens += int(batch["attention_mask"].sum()) * world
+        dist.all_reduce(step_loss)
+        step_loss = step_loss.item() / world
+        metrics.append({"step": step + 1, "loss": step_loss})
+        elapsed = time.perf_counter() - t_start
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / elapsed:.0f}", peak_gib=f"{peak_memory_gib():.2f}")
+        bar.update(1)
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(metrics[-1]) + "\n")
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+            save_checkpoint(engine, args, step + 1, rank)
+    bar.close()
+
+    save_checkpoint(engine, args, args.max_steps, rank)
+    export_hf(engine, model, args, rank)
+    if rank == 0:
+        plot_losses(metrics, os.path.join(args.save_dir, "loss.png"), chance)
+        elapsed = time.perf_counter() - t_start
+        first, last = metrics[0]["loss"], metrics[-1]["loss"]
+        print(
+            f"\nsummary: {args.max_steps - start_step} steps on {world} rank(s), seq_len {args.seq_len}, "
+            f"loss {first:.4f} -> {last:.4f}"
+            + (f" (chance without recall {chance:.4f})" if chance is not None else "")
+            + f", {tokens / elapsed:.0f} tokens/s, peak memory {peak_memory_gib():.2f} GiB/rank\n"
+            f"outputs: {args.save_dir}/ (latest checkpoint, metrics.jsonl, loss.png, hf_model/)",
+            flush=True,
+        )
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
