@@ -7,8 +7,10 @@ Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl):
     mpirun -np 2 python examples/sft.py --ds_config ds_configs/zero2_streambp.json
 
 With no --model / --data it trains the embedded default: a tiny Llama-shaped model built from a
-config, on a built-in key-value recall task whose answers sit a whole sequence away from their
-question (so the loss can only go below chance if attention reaches back across the sequence).
+config, from scratch, on built-in data in which the loss can only fall if attention reaches far
+back: each sequence is a random document followed by the same document again, and only the copy
+is trained on. No token of the copy can be guessed better than chance (ln 224) without looking
+(T-1)/2 tokens back; once the model forms an induction head the loss drops well below chance.
 
 Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
 ``latest``), ``metrics.jsonl`` (one line per step), ``loss.png`` and an HF-format export in
@@ -33,13 +35,11 @@ from ds_longseq.logging import get_logger
 
 logger = get_logger("ds_longseq.examples.sft")
 
-# Built-in recall task vocabulary: 0 pad, 1 BOS, 2 query marker, keys, values, filler noise.
-PAD, BOS, QUERY = 0, 1, 2
-KEYS = range(16, 80)
-VALUES = range(128, 192)
+# Built-in copy task: 0 pad, 1 BOS, document tokens drawn uniformly from DOC_TOKENS.
+BOS = 1
+DOC_TOKENS = range(32, 256)
 VOCAB = 256
-NUM_PAIRS = 16
-
+DEFAULT_LR = 3e-3  # the embedded tiny model trains from scratch; ds_configs/ hold fine-tuning rates
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -48,11 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")
     p.add_argument("--data", default=None, help="JSONL with 'text' or 'prompt'/'completion' per line (needs --model)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
-    p.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--max-steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--save-dir", default="outputs/sft", help="checkpoints, metrics, plot and HF export")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default: the config's; {DEFAULT_LR} for the built-in model)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: bf16 on GPU, fp32 on CPU (overrides the config's bf16 section)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
@@ -65,27 +67,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 # Data
 
 
-def recall_example(index: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
-    """One key-value recall sequence: pairs first, noise, then queries ``QUERY key -> value``.
+def copy_example(index: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """[BOS] doc doc (pad): a random document and its copy; only the copy carries labels.
 
-    Only the answer tokens carry labels. Values are uniform over ``VALUES``, so a model that does
-    not look back to the pairs cannot beat ``ln(len(VALUES))`` on them.
+    The copy's first token is not labelled (nothing says where the copy starts); every other copy
+    token is determined by the token (T-1)/2 positions back and by nothing else.
     """
+    half = (seq_len - 1) // 2
+    if half < 2:
+        raise ValueError(f"--seq-len {seq_len} is too short for the built-in copy task: use at least 5")
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    keys = torch.tensor(KEYS)[torch.randperm(len(KEYS), generator=g)[:NUM_PAIRS]]
-    values = torch.tensor(VALUES)[torch.randint(0, len(VALUES), (NUM_PAIRS,), generator=g)]
-    head = torch.stack([keys, values], 1).reshape(-1)
-    order = torch.randperm(NUM_PAIRS, generator=g)
-    queries = torch.stack([torch.full((NUM_PAIRS,), QUERY), keys[order], values[order]], 1).reshape(-1)
-    filler_len = seq_len - 1 - head.numel() - queries.numel()
-    if filler_len < 0:
-        raise ValueError(f"--seq-len {seq_len} is too short for the recall task: use at least {seq_len - filler_len}")
-    filler = torch.randint(80, 128, (filler_len,), generator=g)
-    ids = torch.cat([torch.tensor([BOS]), head, filler, queries])
+    doc = torch.randint(DOC_TOKENS.start, DOC_TOKENS.stop, (half,), generator=g)
+    tail = seq_len - 1 - 2 * half
+    ids = torch.cat([torch.tensor([BOS]), doc, doc, torch.zeros(tail, dtype=torch.long)])
     labels = torch.full_like(ids, -100)
-    answer_pos = torch.arange(seq_len - queries.numel() + 2, seq_len, 3)
-    labels[answer_pos] = ids[answer_pos]
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    labels[half + 2 : 2 * half + 1] = ids[half + 2 : 2 * half + 1]
+    mask = torch.ones_like(ids)
+    mask[2 * half + 1 :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 class JsonlData:
@@ -202,7 +201,7 @@ def plot_losses(metrics: list[dict], path: str, chance: float | None) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="training loss")
     if chance is not None:
-        ax.axhline(chance, color="gray", linestyle="--", label=f"chance without recall (ln {len(VALUES)})")
+        ax.axhline(chance, color="gray", linestyle="--", label=f"chance without looking back (ln {len(DOC_TOKENS)})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title("examples/sft.py")
@@ -250,8 +249,13 @@ def main(argv=None) -> int:
         data = JsonlData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len)
         source, chance = data.__getitem__, None
     else:
-        recall_example(0, args.seq_len, args.seed)  # fail early if --seq-len is too short
-        source, chance = (lambda i: recall_example(i, args.seq_len, args.seed)), math.log(len(VALUES))
+        copy_example(0, args.seq_len, args.seed)  # fail early if --seq-len is too short
+        source, chance = (lambda i: copy_example(i, args.seq_len, args.seed)), math.log(len(DOC_TOKENS))
+    lr = args.lr if args.lr is not None else (None if args.model else DEFAULT_LR)
+    if lr is not None:
+        ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = lr
+        if ds_config.get("scheduler", {}).get("type") == "WarmupLR":
+            ds_config["scheduler"]["params"]["warmup_max_lr"] = lr
 
     model = build_model(args, torch.bfloat16 if use_bf16 else torch.float32)
     engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -271,7 +275,11 @@ def main(argv=None) -> int:
         if os.path.exists(metrics_path):
             with open(metrics_path) as f:
                 metrics = [m for m in map(json.loads, f) if m["step"] <= start_step]
+        dist.barrier()  # every rank has read the metrics before rank 0 truncates them
         if rank == 0:
+            # Steps after the checkpoint (from the interrupted run) are trained again: drop them.
+            with open(metrics_path, "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in metrics)
             logger.warning("resumed from %s/%s at step %d", args.save_dir, tag, start_step)
     elif rank == 0 and os.path.exists(metrics_path):
         os.remove(metrics_path)
@@ -309,7 +317,7 @@ def main(argv=None) -> int:
         print(
             f"\nsummary: {args.max_steps - start_step} steps on {world} rank(s), seq_len {args.seq_len}, "
             f"loss {first:.4f} -> {last:.4f}"
-            + (f" (chance without recall {chance:.4f})" if chance is not None else "")
+            + (f" (chance without looking back {chance:.4f})" if chance is not None else "")
             + f", {tokens / elapsed:.0f} tokens/s, peak memory {peak_memory_gib():.2f} GiB/rank\n"
             f"outputs: {args.save_dir}/ (latest checkpoint, metrics.jsonl, loss.png, hf_model/)",
             flush=True,

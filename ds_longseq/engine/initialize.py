@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from typing import Any, Mapping
 
 import torch
@@ -38,8 +39,8 @@ SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 def _version_tuple(version: str) -> tuple[int, ...]:
     parts = []
     for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
+        match = re.match(r"\d+", piece)  # "0rc1" -> 0: a pre-release sorts with its release
+        parts.append(int(match.group()) if match else 0)
     return tuple(parts)
 
 

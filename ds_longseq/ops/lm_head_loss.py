@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ds_longseq.ops.chunk_grads import acc_dtype
+
 __all__ = ["shift_causal_labels", "chunked_lm_head_loss"]
 
 
@@ -55,7 +57,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         chunk_size = ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        acc = acc_dtype(weight.dtype)
         dh = torch.zeros_like(h2) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None

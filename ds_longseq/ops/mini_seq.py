@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ds_longseq.ops.chunk_grads import ChunkGrads
+
 __all__ = ["mini_sequence_apply"]
 
 
@@ -47,29 +49,13 @@ class _MiniSeqFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        fn, bounds, params = ctx.fn, ctx.bounds, ctx.params
-        need_input = ctx.needs_input_grad[0]
-        trainable = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
-        grad_in = torch.empty_like(x) if need_input else None
-        sums: list[torch.Tensor | None] = [None] * len(params)
+        grads = ChunkGrads(x, ctx.params, ctx.needs_input_grad, first_param=3)
         with torch.enable_grad():
-            for s, e in bounds:
-                x_c = x[:, s:e].detach().requires_grad_(need_input)
-                y = fn(x_c)
-                inputs = ([x_c] if need_input else []) + [params[i] for i in trainable]
-                grads = torch.autograd.grad(y, inputs, grad_out[:, s:e], allow_unused=True)
-                if need_input:
-                    grad_in[:, s:e] = grads[0]
-                    grads = grads[1:]
-                for i, g in zip(trainable, grads):
-                    if g is None:
-                        continue
-                    if sums[i] is None:
-                        # float32 sums for half-precision grads, rounded once at the end
-                        sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-                    else:
-                        sums[i] += g
-        return (grad_in, None, None, *[None if g is None else g.to(p.dtype) for g, p in zip(sums, params)])
+            for s, e in ctx.bounds:
+                x_c = grads.leaf(x[:, s:e])
+                grads.backward(ctx.fn(x_c), grad_out[:, s:e], x_c, s, e)
+        grad_in, param_grads = grads.result()
+        return (grad_in, None, None, *param_grads)
 
 
 def mini_sequence_apply(

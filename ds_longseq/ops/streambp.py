@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ds_longseq.ops.chunk_grads import ChunkGrads, acc_dtype
+
 __all__ = ["KVStream", "streambp_apply", "chunk_bounds"]
 
 
@@ -35,11 +37,6 @@ class _KVCaptured(Exception):
 def chunk_bounds(total: int, chunk_size: int) -> list[tuple[int, int]]:
     """[(start, end)] of consecutive chunks of ``chunk_size`` covering ``total`` (last may be short)."""
     return [(s, min(s + chunk_size, total)) for s in range(0, total, chunk_size)]
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Sums over chunks of half-precision gradients are kept in float32 and rounded once.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class KVStream:
@@ -90,8 +87,8 @@ class KVStream:
         return self.dk, self.dv
 
     def alloc_grads(self) -> None:
-        self.dk = torch.zeros(self.k.shape, dtype=_acc_dtype(self.k.dtype), device=self.k.device)
-        self.dv = torch.zeros(self.v.shape, dtype=_acc_dtype(self.v.dtype), device=self.v.device)
+        self.dk = torch.zeros(self.k.shape, dtype=acc_dtype(self.k.dtype), device=self.k.device)
+        self.dv = torch.zeros(self.v.shape, dtype=acc_dtype(self.v.dtype), device=self.v.device)
 
 
 # run_chunk(hidden_chunk (B, C, d), start, end, stream) -> out_chunk (B, C, d)
@@ -123,9 +120,7 @@ class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (hidden,) = ctx.saved_tensors
-        run_chunk, bounds, params = ctx.run_chunk, ctx.bounds, ctx.params
-        need_input = ctx.needs_input_grad[0]
-        trainable = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
+        run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1])
         stream.mode = "capture"
         with torch.no_grad():
@@ -138,32 +133,20 @@ class _StreamBPFunction(torch.autograd.Function):
                 raise RuntimeError("StreamBP: the layer never called past_key_values.update(); cannot capture K/V")
         stream.alloc_grads()
         stream.mode = "replay"
-        grad_in = torch.empty_like(hidden) if need_input else None
-        sums: list[torch.Tensor | None] = [None] * len(params)
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=3)
         with torch.enable_grad():
             for s, e in reversed(bounds):
                 stream.start, stream.end = s, e
-                h_c = hidden[:, s:e].detach().requires_grad_(need_input)
+                h_c = grads.leaf(hidden[:, s:e])
                 out_c = run_chunk(h_c, s, e, stream)
                 outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
                 for t, buf in ((stream.k_chunk, stream.dk), (stream.v_chunk, stream.dv)):
                     if t.requires_grad:
                         outputs.append(t)
                         grad_outputs.append(buf[:, :, s:e].to(t.dtype))
-                inputs = ([h_c] if need_input else []) + [params[i] for i in trainable]
-                grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
-                if need_input:
-                    grad_in[:, s:e] = grads[0]
-                    grads = grads[1:]
-                for i, g in zip(trainable, grads):
-                    if g is None:
-                        continue
-                    if sums[i] is None:
-                        sums[i] = g.to(_acc_dtype(g.dtype))
-                    else:
-                        sums[i] += g
+                grads.backward(outputs, grad_outputs, h_c, s, e)
                 stream.k_chunk = stream.v_chunk = None
-        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(sums, params)]
+        grad_in, param_grads = grads.result()
         return (grad_in, None, None, *param_grads)
 
 

@@ -1,0 +1,62 @@
+"""Gradient bookkeeping shared by the chunked autograd Functions (StreamBP layer, mini-sequence).
+
+Holds:
+    acc_dtype: the dtype sums over chunks are kept in.
+    ChunkGrads: writes per-chunk input-gradient slices and sums per-chunk parameter gradients, so
+        the Function returns each parameter's gradient once (one hook call per parameter: what
+        DeepSpeed ZeRO and DDP expect).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["acc_dtype", "ChunkGrads"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums over chunks of half-precision gradients are kept in float32 and rounded once."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class ChunkGrads:
+    """Accumulator for one backward of a Function whose inputs are ``(x, <non-tensors>..., *params)``.
+
+    Args:
+        x: the (B, T, ...) input whose gradient is assembled chunk by chunk along dim 1.
+        params: the parameters passed to the Function after its non-tensor arguments.
+        needs_input_grad: ``ctx.needs_input_grad``.
+        first_param: index of the first parameter in the Function's inputs.
+    """
+
+    def __init__(self, x: torch.Tensor, params: Sequence[torch.Tensor], needs_input_grad, first_param: int):
+        self.need_input = needs_input_grad[0]
+        self.params = params
+        self.trainable = [i for i, _ in enumerate(params) if needs_input_grad[first_param + i]]
+        self.grad_in = torch.empty_like(x) if self.need_input else None
+        self.sums: list[torch.Tensor | None] = [None] * len(params)
+
+    def leaf(self, x_chunk: torch.Tensor) -> torch.Tensor:
+        """A detached view of an input chunk that requires grad when the input does."""
+        return x_chunk.detach().requires_grad_(self.need_input)
+
+    def backward(self, outputs, grad_outputs, x_chunk: torch.Tensor, start: int, end: int) -> None:
+        """Differentiate one chunk's ``outputs`` and fold the result into the totals."""
+        inputs = ([x_chunk] if self.need_input else []) + [self.params[i] for i in self.trainable]
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        if self.need_input:
+            self.grad_in[:, start:end] = grads[0]
+            grads = grads[1:]
+        for i, g in zip(self.trainable, grads):
+            if g is None:
+                continue
+            if self.sums[i] is None:
+                self.sums[i] = g.to(acc_dtype(g.dtype))
+            else:
+                self.sums[i] += g
+
+    def result(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """(input gradient, parameter gradients in their parameters' dtypes)."""
+        return self.grad_in, [None if g is None else g.to(p.dtype) for g, p in zip(self.sums, self.params)]

@@ -1,0 +1,54 @@
+"""ds_configs/*.json and the engine's pre-training checks."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from ds_longseq import LongSeqConfigError
+from ds_longseq.engine import MIN_DEEPSPEED_VERSION, check_sequence_length, split_config
+from ds_longseq.engine.initialize import _version_tuple
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "ds_configs", "*.json")))
+
+
+def test_the_promised_config_files_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"zero2_streambp.json", "zero3_streambp.json", "zero3_offload_streambp.json", "zero2_mst.json"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_config_file_loads_and_validates(path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds_config, long_seq = split_config(path)
+    assert "long_seq" not in ds_config and long_seq.any_enabled
+    parsed = DeepSpeedConfig(ds_config)  # DeepSpeed's own validation (extra keys are errors there)
+    assert parsed.zero_optimization_stage == json.load(open(path))["zero_optimization"]["stage"]
+    assert ds_config["bf16"]["enabled"] is True  # GPU default; examples/sft.py switches CPU runs to fp32
+
+
+def test_split_config_reports_long_seq_and_zero_stage_problems_together():
+    with pytest.raises(LongSeqConfigError) as info:
+        split_config({"zero_optimization": {"stage": 4}, "long_seq": {"streambp": {"enabeld": True}}})
+    assert len(info.value.problems) == 2
+    assert "zero_optimization.stage=4" in str(info.value) and "'enabeld'" in str(info.value)
+
+
+def test_split_config_does_not_modify_its_input():
+    config = {"train_micro_batch_size_per_gpu": 1, "long_seq": {"lm_head": {"enabled": True}}}
+    split_config(config)
+    assert "long_seq" in config
+
+
+def test_chunk_sizes_larger_than_the_sequence_are_rejected_before_training():
+    _, long_seq = split_config({"long_seq": {"streambp": {"enabled": True, "chunk_size": 4096}}})
+    check_sequence_length(long_seq, 4096)
+    with pytest.raises(LongSeqConfigError, match="chunk_size=4096 exceeds the sequence length 1000"):
+        check_sequence_length(long_seq, 1000)
+
+
+def test_version_parsing():
+    assert _version_tuple("0.19.8+cpu") == (0, 19, 8) and _version_tuple("1.0.0rc1") == (1, 0, 0)
+    assert _version_tuple(MIN_DEEPSPEED_VERSION) <= _version_tuple(__import__("deepspeed").__version__)
