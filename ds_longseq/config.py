@@ -66,8 +66,9 @@ class LMHeadConfig:
     enabled: bool = False
     """Compute the loss without materialising (B x T x V) logits or their gradient. The model's
     output then has ``logits=None`` when ``labels`` are given."""
-    chunk_size: int = 4096
-    """Valid (non-ignored) tokens per chunk of logits: one chunk holds (chunk_size x V) floats."""
+    chunk_size: int = 1024
+    """Valid (non-ignored) tokens per chunk of logits: one chunk holds (chunk_size x V) float32
+    values (512 MiB at V = 128K), in forward and in backward."""
 
 
 _SECTIONS: dict[str, type] = {"streambp": StreamBPConfig, "mini_seq": MiniSeqConfig, "lm_head": LMHeadConfig}

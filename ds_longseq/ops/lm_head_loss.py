@@ -64,7 +64,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         for s in range(0, index.numel(), chunk_size):
             idx = index[s : s + chunk_size]
             h_c = h2.index_select(0, idx)
-            dlogits = torch.softmax(F.linear(h_c, weight, bias).to(_loss_dtype(hidden.dtype)), dim=-1)
+            logits = F.linear(h_c, weight, bias).to(_loss_dtype(hidden.dtype))
+            # softmax in place: one (C x V) buffer in backward instead of two
+            dlogits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
             dlogits[torch.arange(idx.numel(), device=idx.device), targets[s : s + chunk_size]] -= 1.0
             # Cast like the backward of HF's `logits.float()`: the gradient reaches the matmuls in
             # the model dtype.
