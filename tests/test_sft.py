@@ -76,3 +76,59 @@ def test_bad_input_fails_before_training(tmp_path):
     assert proc.returncode != 0
     assert "chunk_size=96 exceeds the sequence length 64" in proc.stdout + proc.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def _tiny_hf_model_with_tokenizer(path):
+    """A 2-layer Qwen3 and a byte-level BPE tokenizer trained here: a local from_pretrained path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<unk>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+    fast.save_pretrained(path)
+    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=len(fast), max_position_embeddings=512)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+
+
+def test_local_model_and_jsonl_data_with_prompt_masking(tmp_path):
+    model_dir = tmp_path / "model"
+    _tiny_hf_model_with_tokenizer(model_dir)
+    data = tmp_path / "data.jsonl"
+    records = [{"prompt": "the quick brown fox ", "completion": "jumps over the lazy dog " * 8},
+               {"text": "the lazy dog sleeps " * 12}]
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "out"
+    proc = run_sft(_config(tmp_path, stage=3), out, "--model", str(model_dir), "--data", str(data), "--max-steps", "2")
+    assert "summary: 2 steps on 2 rank(s)" in proc.stdout
+    assert len(losses(out)) == 2 and all(x > 0 for x in losses(out))
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf_model")  # ZeRO-3 weights were gathered for export
+    assert exported.config.model_type == "qwen3"
+    assert all(p.numel() > 0 for p in exported.parameters())
+
+
+def test_jsonl_records_mask_the_prompt():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import sft
+
+    class CharTokenizer:
+        pad_token_id, eos_token_id = 0, 0
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) for c in text]}
+
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write(json.dumps({"prompt": "ab", "completion": "cde"}) + "\n")
+    item = sft.JsonlData(f.name, CharTokenizer(), seq_len=8)[0]
+    assert item["input_ids"].tolist() == [97, 98, 99, 100, 101, 0, 0, 0]
+    assert item["labels"].tolist() == [-100, -100, 99, 100, 101, -100, -100, -100]
+    assert item["attention_mask"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    os.unlink(f.name)
