@@ -52,3 +52,23 @@ def test_chunk_sizes_larger_than_the_sequence_are_rejected_before_training():
 def test_version_parsing():
     assert _version_tuple("0.19.8+cpu") == (0, 19, 8) and _version_tuple("1.0.0rc1") == (1, 0, 0)
     assert _version_tuple(MIN_DEEPSPEED_VERSION) <= _version_tuple(__import__("deepspeed").__version__)
+
+
+def test_old_deepspeed_is_refused_with_the_install_command(monkeypatch):
+    import deepspeed
+
+    from ds_longseq.engine import initialize
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.16.4")
+    with pytest.raises(RuntimeError, match=r"DeepSpeed 0.16.4 is older than .*pip install 'deepspeed>="):
+        initialize(model=object(), config={"train_micro_batch_size_per_gpu": 1})
+
+
+def test_initialize_rejects_a_model_enabled_with_other_settings():
+    import ds_longseq
+    from ds_longseq.engine import initialize
+    from tests.helpers import make_model
+
+    model = ds_longseq.enable(make_model("llama"), {"lm_head": {"enabled": True}})
+    with pytest.raises(ValueError, match="different long_seq config"):
+        initialize(model=model, config={"long_seq": {"lm_head": {"enabled": True, "chunk_size": 8}}})
