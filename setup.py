@@ -22,6 +22,6 @@ setup(
     extras_require={
         "test": ["pytest>=8"],
         "flash": ["flash-attn>=2.6"],
-        "mpi": ["mpi4py>=3.1", "mpich>=4.1"],
+        "mpi": ["mpi4py>=4.1.2", "mpich>=5.0.2"],
     },
 )

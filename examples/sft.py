@@ -220,7 +220,12 @@ def main(argv=None) -> int:
     import deepspeed.comm as dist
     from tqdm import tqdm
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=True)
+    # Under mpirun, DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: honour the caller's.
+    deepspeed.init_distributed(
+        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+        auto_mpi_discovery=True,
+        distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
