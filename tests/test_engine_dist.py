@@ -224,3 +224,24 @@ def test_zero3_gathers_each_layer_once_per_pass():
         reduce_kinds = ("reduce_scatter_fn", "reduce_scatter_tensor", "reduce_scatter", "all_reduce", "reduce")
         assert traffic(a, gather_kinds) == traffic(b, gather_kinds)
         assert traffic(a, reduce_kinds) == traffic(b, reduce_kinds)
+
+
+def plain_deepspeed_worker(rank: int):
+    """ds_longseq.enable + plain deepspeed.initialize under ZeRO-3: a clear error, not DeepSpeed's."""
+    import deepspeed
+
+    import ds_longseq
+
+    model = ds_longseq.enable(make_model("llama", torch.float32), STREAMBP)
+    config = ds_config(3, 1, None)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config)
+    try:
+        engine(**rank_batches(rank, 1)[0])
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_zero3_without_leaf_marking_gives_a_clear_error():
+    for message in run_distributed(plain_deepspeed_worker, 2):
+        assert "ds_longseq.engine.initialize" in message and "mark_zero3_leaves" in message

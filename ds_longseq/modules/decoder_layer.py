@@ -17,7 +17,24 @@ from ds_longseq.config import StreamBPConfig
 from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
 from ds_longseq.ops.streambp import KVStream, streambp_apply
 
-__all__ = ["StreamBPLayerForward", "check_not_packed"]
+__all__ = ["StreamBPLayerForward", "check_not_packed", "check_zero3_leaf"]
+
+
+def check_zero3_leaf(module: torch.nn.Module) -> None:
+    """Raise if ``module`` has ZeRO-3 partitioned weights but is not a ZeRO-3 leaf module.
+
+    Its chunk loop calls the submodules many times; without the leaf flag (set before
+    ``deepspeed.initialize``) DeepSpeed releases their weights between chunks and the backward
+    fails deep inside DeepSpeed ("invalid gradient ... expected shape compatible with [0]").
+    """
+    if getattr(module, "_z3_leaf", False):
+        return
+    if any(hasattr(p, "ds_id") for p in module.parameters(recurse=True)):
+        raise RuntimeError(
+            f"{type(module).__name__} has DeepSpeed ZeRO-3 partitioned weights but was not marked as a ZeRO-3 "
+            "leaf module: create the engine with ds_longseq.engine.initialize(...), or call "
+            "ds_longseq.patch.mark_zero3_leaves(model) before deepspeed.initialize(...)"
+        )
 
 
 def check_not_packed(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
@@ -86,6 +103,7 @@ class StreamBPLayerForward:
                 f"streambp layers take a 2D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}"
             )
         check_not_packed(position_ids, attention_mask)
+        check_zero3_leaf(layer)
         cos, sin = position_embeddings
         orig = self.orig_forward
         kv_block_size = self.kv_block_size

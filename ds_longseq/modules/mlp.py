@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from ds_longseq.modules.decoder_layer import check_zero3_leaf
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 
 __all__ = ["MiniSeqMLPForward"]
@@ -24,4 +25,5 @@ class MiniSeqMLPForward:
         self.num_chunks = num_chunks
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        check_zero3_leaf(self.mlp)
         return mini_sequence_apply(self.orig_forward, x, list(self.mlp.parameters()), self.num_chunks)
