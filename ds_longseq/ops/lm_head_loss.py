@@ -37,6 +37,15 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _cross_entropy_sum_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """sum_i (logsumexp(logits_i) - logits_i[t_i]), overwriting ``logits`` (C, V): one C x V buffer,
+    where ``F.cross_entropy`` would allocate a second one for its log-softmax."""
+    target_logits = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    sum_exp = logits.sub_(row_max).exp_().sum(dim=-1)
+    return (sum_exp.log_() + row_max.squeeze(1) - target_logits).sum()
+
+
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, index, targets, chunk_size):
@@ -45,8 +54,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         with torch.no_grad():
             for s in range(0, index.numel(), chunk_size):
                 idx = index[s : s + chunk_size]
-                logits = F.linear(h2.index_select(0, idx), weight, bias).to(total.dtype)
-                total += F.cross_entropy(logits, targets[s : s + chunk_size], reduction="sum")
+                total += _cross_entropy_sum_(F.linear(h2.index_select(0, idx), weight, bias).to(total.dtype),
+                                             targets[s : s + chunk_size])
         ctx.save_for_backward(hidden, weight, bias, index, targets)
         ctx.chunk_size = chunk_size
         return total
