@@ -73,19 +73,23 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         for s in range(0, index.numel(), chunk_size):
             idx = index[s : s + chunk_size]
             h_c = h2.index_select(0, idx)
-            logits = F.linear(h_c, weight, bias).to(_loss_dtype(hidden.dtype))
-            # softmax in place: one (C x V) buffer in backward instead of two
-            dlogits = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
+            # dLogits = (softmax - onehot) * grad, all in place on one (C x V) buffer
+            # (torch.softmax / logsumexp / a plain multiply would each allocate a second one).
+            dlogits = F.linear(h_c, weight, bias).to(_loss_dtype(hidden.dtype))
+            dlogits.sub_(dlogits.amax(dim=-1, keepdim=True)).exp_()
+            dlogits.div_(dlogits.sum(dim=-1, keepdim=True))
             dlogits[torch.arange(idx.numel(), device=idx.device), targets[s : s + chunk_size]] -= 1.0
+            dlogits.mul_(grad_total)
             # Cast like the backward of HF's `logits.float()`: the gradient reaches the matmuls in
-            # the model dtype.
-            dlogits = (dlogits * grad_total).to(hidden.dtype)
+            # the model dtype (a copy only for half-precision models).
+            dlogits = dlogits.to(hidden.dtype)
             if need_h:
                 dh.index_copy_(0, idx, dlogits @ weight)
             if need_w:
                 dw += dlogits.t() @ h_c
             if need_b:
                 db += dlogits.sum(0)
+            del dlogits  # free this chunk's logits before the next chunk allocates its own
         return (
             None if dh is None else dh.view_as(hidden),
             None if dw is None else dw.to(weight.dtype),
