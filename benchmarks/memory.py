@@ -44,9 +44,9 @@ DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384)
 MODEL_SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=8, vocab_size=32000)
 SEED = 0
-# ALST loss tile: 2048 tokens (~250 MiB of fp32 logits at this vocab), the same
-# tile our lm_head chunk_size uses, so the two loss paths are compared like for like.
-ALST_LOSS_TOKENS_PER_SHARD = 2048
+# Loss tile: 1024 tokens (125 MiB of fp32 logits at this vocab) for ALST's shards and for our
+# lm_head chunk_size (its default), so the two loss paths are compared like for like.
+LOSS_TOKENS_PER_CHUNK = 1024
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CSV_COLUMNS = ("method", "seq_len", "peak_mib_median", "peak_mib_min", "peak_mib_max",
                "step_s_median", "repeats", "loss", "error")
@@ -87,7 +87,7 @@ def _alst_loss(model, input_ids, labels):
         logits = lm_head(x).float()
         return F.cross_entropy(logits, y, ignore_index=-100, reduction="sum") / n_valid
 
-    shards = max(1, math.ceil(hidden.shape[1] / ALST_LOSS_TOKENS_PER_SHARD))
+    shards = max(1, math.ceil(hidden.shape[1] / LOSS_TOKENS_PER_CHUNK))
     return TiledFusedLogitsLoss.apply(loss_fn, model.lm_head, hidden, shift_labels, None,
                                       shards, [model.lm_head.weight], "sum")
 
@@ -103,8 +103,8 @@ def _prepare(method, seq_len):
     config = LlamaConfig(**MODEL_SHAPE, max_position_embeddings=seq_len, attn_implementation="sdpa")
     model = LlamaForCausalLM(config).to(torch.float32)
     model.train()
-    if method != "stock" and method != "streambp":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method in ("hf_gc", "alst", "mst"):  # streambp replaces checkpointing, so not on it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method == "alst":
         for layer in model.model.layers:
             layer.mlp.forward = types.MethodType(_alst_mlp_forward, layer.mlp)
@@ -113,13 +113,11 @@ def _prepare(method, seq_len):
 
         if method == "mst":
             cfg = {"mini_seq": {"enabled": True, "mlp_num_chunks": 8},
-                   "lm_head": {"enabled": True, "chunk_size": 2048}}
+                   "lm_head": {"enabled": True, "chunk_size": LOSS_TOKENS_PER_CHUNK}}
         else:
             cfg = {"streambp": {"enabled": True, "chunk_size": 1024},
-                   "lm_head": {"enabled": True, "chunk_size": 2048}}
-        # enable() may patch in place or return the model; accept either.
-        enabled = ds_longseq.enable(model, cfg)
-        model = enabled if enabled is not None else model
+                   "lm_head": {"enabled": True, "chunk_size": LOSS_TOKENS_PER_CHUNK}}
+        ds_longseq.enable(model, cfg)
     elif method not in ("stock", "hf_gc"):
         raise ValueError(f"unknown method {method!r}")
 
@@ -162,14 +160,20 @@ def run_child(method, seq_len, budget_mib=None):
             "peak_mib": _maxrss_mib() - baseline, "step_s": step_s, "loss": loss}
 
 
-def _spawn(method, seq_len, budget_mib, timeout_s):
+def _spawn(method, seq_len, budget_mib, timeout_s, mmap_threshold=None):
     """Runs ``run_child`` in a fresh interpreter; failures become ``ok: False`` records."""
     cmd = [sys.executable, "-m", "benchmarks.memory", "--_child", method, str(seq_len)]
     if budget_mib:
         cmd += ["--budget-mib", str(budget_mib)]
+    env = dict(os.environ)
+    if mmap_threshold:
+        # A fixed threshold stops glibc from raising it (up to 32 MiB) after frees, which
+        # otherwise serves mid-sized tensors from the heap where freed pages stay in RSS.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     fail = {"ok": False, "method": method, "seq_len": seq_len}
     try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {**fail, "error": f"timeout after {timeout_s}s"}
     for line in reversed(proc.stdout.splitlines()):
@@ -218,8 +222,9 @@ def write_png(rows, methods, seq_lens, path):
             ax.plot(*zip(*pts), marker="o", label=method)
     ax.set_xscale("log", base=2)
     ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
+    ax.set_yscale("log")  # stock and chunked methods differ by over 10x: linear hides the latter
     ax.set_xlabel("sequence length (tokens, batch 1)")
-    ax.set_ylabel("peak RSS above post-build baseline (MiB)")
+    ax.set_ylabel("peak RSS above post-build baseline (MiB, log scale)")
     ax.set_title(_shape_str() + ", fp32, one fwd+bwd step", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -269,6 +274,9 @@ def write_md(rows, methods, seq_lens, path, argv, repeats_note):
     out += ["", "Step wall time (s, median; noisy: shared 2-core machine):", ""]
     out += table("step_s_median", lambda r: f"{r['step_s_median']:.1f}")
     out += ["", repeats_note + " The CSV has min/max and the successful repeat count per point.",
+            "", "Caveat: RSS also counts pages glibc keeps after frees, so a point can sit a few "
+            "hundred MiB above the live-tensor peak and curves need not be monotonic "
+            "(`--mmap-threshold 1048576` reduces this).",
             "", "Command: `python -m benchmarks.memory " + " ".join(argv) + "`", "",
             f"Versions: torch {_version('torch')}, transformers {_version('transformers')}, "
             f"deepspeed {_version('deepspeed')}; processor: "
@@ -295,6 +303,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke test: seq lens 512 1024, 1 repeat")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="cap each child's address-space growth after the baseline (RLIMIT_AS)")
+    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="set MALLOC_MMAP_THRESHOLD_ in children (less allocator retention in RSS)")
     p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds per child")
     p.add_argument("--_child", nargs=2, metavar=("METHOD", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -316,7 +326,7 @@ def main(argv=None):
     tqdm.write(f"{'method':>9} {'seq_len':>7} {'peak MiB (med/min/max)':>24} {'step s':>8}  error")
     for seq_len, method in bar:
         bar.set_postfix_str(f"{method}@{seq_len}")
-        runs = [_spawn(method, seq_len, args.budget_mib, args.child_timeout)
+        runs = [_spawn(method, seq_len, args.budget_mib, args.child_timeout, args.mmap_threshold)
                 for _ in range(overrides.get(seq_len, args.repeats))]
         row = summarize(method, seq_len, runs)
         rows.append(row)
