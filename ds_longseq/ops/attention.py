@@ -129,12 +129,20 @@ _KERNELS = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward), "math": (_ma
 
 
 def _tiles(S: int, K: int, C: int, block: int):
-    """Yield (source, start, end, causal): source 0 = prefix, 1 = own keys; the diagonal is last."""
+    """Yield (source, start, end, causal, offset): keys [start, end) of ``source`` (0 = prefix,
+    1 = own keys) sit at global key indices [offset + start, offset + end); the diagonal is last."""
     for a in range(0, S, block):
-        yield 0, a, min(a + block, S), False
+        yield 0, a, min(a + block, S), False, 0
     for a in range(0, K - C, block):
-        yield 1, a, min(a + block, K - C), False
-    yield 1, K - C, K, True
+        yield 1, a, min(a + block, K - C), False, S
+    yield 1, K - C, K, True, S
+
+
+def _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset):
+    """The (B, Hkv, b - a, D) keys/values of one tile and its (B, b - a) padding mask (or None)."""
+    kt, vt = (k_prefix, v_prefix) if src == 0 else (k, v)
+    valid = None if key_valid is None else key_valid[:, offset + a : offset + b]
+    return kt[:, :, a:b], vt[:, :, a:b], valid
 
 
 class _ChunkAttention(torch.autograd.Function):
@@ -148,10 +156,8 @@ class _ChunkAttention(torch.autograd.Function):
         cdt = _compute_dtype(q.dtype)
         q_stacked = q.reshape(B, Hkv, R * C, D)  # rows (r, c) of KV head h: no K/V repeat for GQA
         m = acc = None
-        for src, a, b, causal in _tiles(S, K, C, block):
-            kt, vt = (k_prefix, v_prefix) if src == 0 else (k, v)
-            kt, vt = kt[:, :, a:b], vt[:, :, a:b]
-            valid = None if key_valid is None else key_valid[:, a + (0 if src == 0 else S) : b + (0 if src == 0 else S)]
+        for src, a, b, causal, offset in _tiles(S, K, C, block):
+            kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
             if causal:
                 o_t, lse_t = tile_forward(q, kt.repeat_interleave(R, 1), vt.repeat_interleave(R, 1), True, valid, scale)
             else:
@@ -191,12 +197,10 @@ class _ChunkAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
         dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-        for src, a, b, causal in _tiles(S, K, C, block):
+        for src, a, b, causal, offset in _tiles(S, K, C, block):
             if src == 0 and sink_k is None:
                 continue
-            kt, vt = (k_prefix, v_prefix) if src == 0 else (k, v)
-            kt, vt = kt[:, :, a:b], vt[:, :, a:b]
-            valid = None if key_valid is None else key_valid[:, a + (0 if src == 0 else S) : b + (0 if src == 0 else S)]
+            kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
             if causal:
                 dq_t, dk_t, dv_t = tile_backward(
                     grad_out, q, kt.repeat_interleave(R, 1), vt.repeat_interleave(R, 1), out, lse, True, valid, scale
