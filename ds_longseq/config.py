@@ -1,7 +1,7 @@
 """Typed configuration of ds_longseq: the ``"long_seq"`` section of a DeepSpeed JSON file.
 
 Holds:
-    StreamBPConfig, MiniSeqConfig, LMHeadConfig: one dataclass per section.
+    StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig: one dataclass per section.
     LongSeqConfig: the whole section, with ``from_dict`` that reports every problem at once.
     LongSeqConfigError: the single error raised for a bad section.
 
@@ -17,7 +17,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["LongSeqConfig", "LongSeqConfigError", "StreamBPConfig", "MiniSeqConfig", "LMHeadConfig"]
+__all__ = [
+    "LongSeqConfig",
+    "LongSeqConfigError",
+    "StreamBPConfig",
+    "MiniSeqConfig",
+    "LMHeadConfig",
+    "SequenceParallelConfig",
+]
 
 
 class LongSeqConfigError(ValueError):
@@ -71,7 +78,27 @@ class LMHeadConfig:
     values (512 MiB at V = 128K), in forward and in backward."""
 
 
-_SECTIONS: dict[str, type] = {"streambp": StreamBPConfig, "mini_seq": MiniSeqConfig, "lm_head": LMHeadConfig}
+@dataclass
+class SequenceParallelConfig:
+    """DeepSpeed-Ulysses sequence parallelism (MsT paper Sec. 3.3 / App. E): ``size`` ranks share one
+    sequence, each holding ``T / size`` consecutive tokens; attention exchanges heads for tokens."""
+
+    size: int = 1
+    """Ranks per sequence (1 = off). The world size must be a multiple; the remaining factor is data
+    parallel. Must equal DeepSpeed's top-level ``sequence_parallel_size`` when that is set too."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether sequences are split over more than one rank."""
+        return self.size > 1 if isinstance(self.size, int) else False
+
+
+_SECTIONS: dict[str, type] = {
+    "streambp": StreamBPConfig,
+    "mini_seq": MiniSeqConfig,
+    "lm_head": LMHeadConfig,
+    "sequence_parallel": SequenceParallelConfig,
+}
 
 
 @dataclass
@@ -88,6 +115,8 @@ class LongSeqConfig:
     """MsT mini-sequence MLP."""
     lm_head: LMHeadConfig = field(default_factory=LMHeadConfig)
     """Chunked LM head and loss."""
+    sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
+    """Ulysses sequence parallelism over ``size`` ranks."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
@@ -137,7 +166,7 @@ class LongSeqConfig:
     @property
     def any_enabled(self) -> bool:
         """Whether at least one technique is switched on."""
-        return self.streambp.enabled or self.mini_seq.enabled or self.lm_head.enabled
+        return self.streambp.enabled or self.mini_seq.enabled or self.lm_head.enabled or self.sequence_parallel.enabled
 
     def _problems(self) -> list[str]:
         problems: list[str] = []
@@ -165,6 +194,8 @@ class LongSeqConfig:
         for name, value in data.items():
             section = getattr(self, name)
             default = type(section)()
+            if "enabled" not in {f.name for f in dataclasses.fields(section)}:
+                continue  # sections switched on by a size, not a flag
             changed = sorted(k for k in value if k != "enabled" and getattr(section, k) != getattr(default, k))
             if not section.enabled and changed:
                 warnings.warn(

@@ -12,8 +12,10 @@ What is changed, all on the given instance:
     - ``model.forward`` (lm_head, and streambp's ``use_cache=False`` default), ``lm_head.forward``
       (lm_head: the loss is computed inside the head module's call, for ZeRO-3's hooks);
     - ``_z3_leaf`` on decoder layers / MLPs (``mark_zero3_leaves``, DeepSpeed's own flag) so ZeRO-3
-      gathers a layer's weights once for its whole chunk loop.
-Instance attributes shadow the class methods, so ``disable`` only deletes them again.
+      gathers a layer's weights once for its whole chunk loop;
+    - sequence parallelism: ``config._attn_implementation`` -> "ds_longseq" (Ulysses attention) and a
+      forward pre-hook on the base model (``model.model``) that passes each forward's shard context.
+Instance attributes shadow the class methods, so ``disable`` only deletes them again; hooks are removed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention,
 from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
+from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook
 
 __all__ = ["enable", "disable", "PatchHandle", "is_enabled", "get_config", "mark_zero3_leaves"]
 
@@ -63,6 +66,10 @@ class PatchHandle:
 
         self._undo.append(restore)
 
+    def add_hook(self, hook_handle) -> None:
+        """Record a ``torch.utils.hooks.RemovableHandle`` to remove on undo."""
+        self._undo.append(hook_handle.remove)
+
     def set_attn_implementation(self, hf_config: Any, name: str) -> None:
         previous = hf_config._attn_implementation
         hf_config._attn_implementation = name
@@ -73,12 +80,42 @@ class PatchHandle:
             self._undo.pop()()
 
 
-def enable(model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | None) -> torch.nn.Module:
+def _sequence_parallel_group(cfg: LongSeqConfig, group):
+    """The process group for ``cfg.sequence_parallel``: ``group``, else DeepSpeed's initialised one."""
+    import torch.distributed as dist
+
+    size = cfg.sequence_parallel.size
+    if group is None:
+        try:
+            import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+
+            group = mpu._SEQUENCE_PARALLEL_GROUP
+        except ImportError:  # pragma: no cover - deepspeed is an install requirement
+            group = None
+    if group is None or not dist.is_initialized():
+        raise RuntimeError(
+            f"long_seq.sequence_parallel.size={size} needs a process group of {size} ranks: create the engine with "
+            "ds_longseq.engine.initialize(...), or pass enable(model, config, sp_group=<group>) after "
+            "torch.distributed.init_process_group"
+        )
+    if dist.get_world_size(group) != size:
+        raise ValueError(
+            f"long_seq.sequence_parallel.size={size} but the sequence-parallel group has "
+            f"{dist.get_world_size(group)} ranks: make them equal"
+        )
+    return group
+
+
+def enable(
+    model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | None, *, sp_group=None
+) -> torch.nn.Module:
     """Apply long-sequence training to a loaded ``*ForCausalLM`` in place and return it.
 
     Args:
         model: a supported Hugging Face causal LM instance (see ``SUPPORTED_MODEL_TYPES``).
         config: the ``long_seq`` section as a dict or :class:`LongSeqConfig`.
+        sp_group: with ``sequence_parallel.size > 1``, the process group of the ranks that share a
+            sequence; default: DeepSpeed's (``parallel_state_sp``), as ``engine.initialize`` sets up.
 
     Returns:
         The same model. Other instances of its class are untouched; ``disable(model)`` undoes it.
@@ -92,11 +129,23 @@ def enable(model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | N
     if is_enabled(model):
         raise RuntimeError("ds_longseq is already enabled on this model: call ds_longseq.disable(model) first")
     adapter = get_adapter(model, cfg)
+    sp = None
+    if cfg.sequence_parallel.enabled:
+        text = model.config.get_text_config()
+        sp = SequenceParallel(
+            _sequence_parallel_group(cfg, sp_group),
+            text.num_attention_heads,
+            getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        )
     handle = PatchHandle(model, cfg)
     try:
-        if cfg.streambp.enabled:
+        if cfg.streambp.enabled or sp is not None:
             _register_attention()
             handle.set_attn_implementation(model.config, ATTN_IMPLEMENTATION)
+        if sp is not None:
+            hook = SequenceParallelForwardHook(sp, cfg.streambp.kv_block_size)
+            handle.add_hook(adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
+        if cfg.streambp.enabled:
             for layer in adapter.layers:
                 handle.set_instance_attr(layer, "forward", StreamBPLayerForward(layer, layer.forward, cfg.streambp))
         if cfg.mini_seq.enabled:
@@ -106,8 +155,8 @@ def enable(model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | N
         if cfg.lm_head.enabled:
             head = adapter.lm_head
             handle.set_instance_attr(head, "forward", LMHeadLossForward(head, head.forward, cfg.lm_head.chunk_size))
-        if cfg.lm_head.enabled or cfg.streambp.enabled:
-            handle.set_instance_attr(model, "forward", CausalLMForward(model, model.forward, cfg))
+        if cfg.lm_head.enabled or cfg.streambp.enabled or sp is not None:
+            handle.set_instance_attr(model, "forward", CausalLMForward(model, model.forward, cfg, sp))
         handle.set_instance_attr(model, _HANDLE_ATTR, handle)
     except BaseException:
         handle.undo()

@@ -20,6 +20,7 @@ Distributed StreamBP (StreamBP paper App. A.3) needs no DeepSpeed internals here
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from typing import Any, Mapping
 import torch
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
 from ds_longseq.patch import enable, get_config, is_enabled, mark_zero3_leaves
 
 __all__ = ["initialize", "split_config", "check_sequence_length", "MIN_DEEPSPEED_VERSION"]
@@ -85,6 +87,26 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if stage not in SUPPORTED_ZERO_STAGES:
         problems.append(f"zero_optimization.stage={stage!r} is not supported: use one of {SUPPORTED_ZERO_STAGES}")
+    # DeepSpeed's own top-level key and ours name the same thing: either turns it on, both must agree.
+    ds_size = ds_config.get("sequence_parallel_size")
+    if ds_size is not None and (not isinstance(ds_size, int) or isinstance(ds_size, bool) or ds_size < 1):
+        problems.append(f"sequence_parallel_size must be a positive integer, got {ds_size!r}")
+    elif long_seq is not None and ds_size is not None:
+        ours = long_seq.sequence_parallel.size
+        if ours == 1 and ds_size > 1:
+            long_seq = dataclasses.replace(long_seq, sequence_parallel=dataclasses.replace(long_seq.sequence_parallel, size=ds_size))
+        elif ours != ds_size:
+            problems.append(
+                f"sequence_parallel_size={ds_size} but long_seq.sequence_parallel.size={ours}: set them equal "
+                "(or keep only one of them)"
+            )
+    if long_seq is not None and long_seq.sequence_parallel.enabled:
+        ds_config["sequence_parallel_size"] = long_seq.sequence_parallel.size
+        if "data_parallel_size" in ds_config:
+            problems.append(
+                "data_parallel_size is set: with sequence parallelism ds_longseq builds DeepSpeed's groups "
+                "(world / sequence_parallel_size data-parallel replicas); remove data_parallel_size"
+            )
     if problems:
         raise LongSeqConfigError(problems)
     return ds_config, long_seq
@@ -99,15 +121,21 @@ def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
     problems = []
     if seq_len <= 0:
         problems.append(f"sequence length must be positive, got {seq_len}")
-    if config.streambp.enabled and config.streambp.chunk_size > seq_len:
+    sp_size = config.sequence_parallel.size
+    where = f"the sequence length {seq_len}"
+    local_len = seq_len
+    if sp_size > 1:
+        local_len = -(-seq_len // sp_size)
+        where = f"the local shard {local_len} (sequence length {seq_len} / sequence_parallel size {sp_size})"
+    if config.streambp.enabled and config.streambp.chunk_size > local_len:
         problems.append(
-            f"long_seq.streambp.chunk_size={config.streambp.chunk_size} exceeds the sequence length {seq_len}: "
-            f"StreamBP would run one chunk (plain recompute); set chunk_size <= {seq_len}"
+            f"long_seq.streambp.chunk_size={config.streambp.chunk_size} exceeds {where}: "
+            f"StreamBP would run one chunk (plain recompute); set chunk_size <= {local_len}"
         )
-    if config.mini_seq.enabled and config.mini_seq.mlp_num_chunks > seq_len:
+    if config.mini_seq.enabled and config.mini_seq.mlp_num_chunks > local_len:
         problems.append(
-            f"long_seq.mini_seq.mlp_num_chunks={config.mini_seq.mlp_num_chunks} exceeds the sequence length "
-            f"{seq_len}: set mlp_num_chunks <= {seq_len}"
+            f"long_seq.mini_seq.mlp_num_chunks={config.mini_seq.mlp_num_chunks} exceeds {where}: "
+            f"set mlp_num_chunks <= {local_len}"
         )
     if problems:
         raise LongSeqConfigError(problems)
@@ -152,6 +180,17 @@ def initialize(
     if config is None:
         raise ValueError("ds_longseq.engine.initialize needs a DeepSpeed config: pass config= (path or dict)")
     ds_config, long_seq = split_config(config)
+    sp_group = None
+    if long_seq.sequence_parallel.enabled:
+        if mpu is not None:
+            raise ValueError(
+                "ds_longseq.engine.initialize builds DeepSpeed's sequence-parallel groups itself "
+                "(long_seq.sequence_parallel / sequence_parallel_size): do not pass mpu="
+            )
+        if not torch.distributed.is_initialized():
+            deepspeed.init_distributed(distributed_port=distributed_port if distributed_port is not None else 29500)
+        mpu = sequence_parallel_groups(long_seq.sequence_parallel.size)
+        sp_group = mpu.get_sequence_parallel_group()
     if is_enabled(model):
         if get_config(model) != long_seq:
             raise ValueError(
@@ -159,7 +198,7 @@ def initialize(
                 "call ds_longseq.disable(model) first, or pass the same settings"
             )
     elif long_seq.any_enabled:
-        enable(model, long_seq)
+        enable(model, long_seq, sp_group=sp_group)
     if long_seq.any_enabled and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
         mark_zero3_leaves(model)
     return deepspeed.initialize(

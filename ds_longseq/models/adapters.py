@@ -39,6 +39,11 @@ class DecoderLMAdapter:
     model: torch.nn.Module
 
     @property
+    def base_model(self) -> torch.nn.Module:
+        """The decoder stack (``model.model``): embeddings, layers, final norm."""
+        return self.model.model
+
+    @property
     def layers(self) -> list[torch.nn.Module]:
         return list(self.model.model.layers)
 

@@ -12,11 +12,16 @@ Shape legend: B batch, H heads, Hkv kv-heads, C query length, K key length, D he
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ds_longseq.ops.attention import chunk_causal_attention
-from ds_longseq.ops.streambp import KVStream
+from ds_longseq.ops.streambp import GlobalKVStream, KVStream
+from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
+
+if TYPE_CHECKING:  # runtime import would be circular (sequence_parallel -> decoder_layer -> here)
+    from ds_longseq.modules.sequence_parallel import ShardContext
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttnSpec", "longseq_attention", "longseq_mask", "SPEC_KWARG"]
 
@@ -29,10 +34,12 @@ DEFAULT_KV_BLOCK_SIZE = 1024
 class AttnSpec:
     """Per-call attention settings, passed through the layer's ``**kwargs`` as ``ds_longseq=``."""
 
-    stream: KVStream | None
-    """The chunk's KVStream (prefix keys and their gradient sink); None on the cached/generation path."""
+    stream: KVStream | GlobalKVStream | None
+    """The chunk's stream (prefix keys and their gradient sink); None outside a StreamBP chunk loop."""
     kv_block_size: int
     """Keys per attention tile."""
+    sp: "ShardContext | None" = None
+    """Sequence-parallel state of this forward (Ulysses exchange, global padding mask), or None."""
 
 
 def longseq_attention(
@@ -55,15 +62,23 @@ def longseq_attention(
         dropout: must be 0 (a re-forwarded chunk could not reproduce dropout masks).
         scaling: softmax scale, default D ** -0.5.
         sliding_window: rejected when the key span exceeds it.
-        kwargs: ``ds_longseq=AttnSpec`` from a StreamBP layer; other transformers kwargs are ignored.
+        kwargs: ``ds_longseq=AttnSpec`` from a StreamBP layer or the sequence-parallel forward hook;
+            other transformers kwargs are ignored. Under sequence parallelism (``AttnSpec.sp``) the
+            attention is Ulysses: a whole shard (:func:`ulysses_attention`) or, inside a StreamBP
+            chunk loop, one chunk against the exchanged K/V (:func:`ulysses_chunk_attention`).
 
     Returns:
         ((B, C, H, D) output, None): the layout transformers' attention modules expect.
     """
     spec: AttnSpec | None = kwargs.get(SPEC_KWARG)
     stream = spec.stream if spec is not None else None
-    k_prefix, v_prefix = stream.prefix() if stream is not None else (None, None)
-    num_keys = key.shape[2] + (0 if k_prefix is None else k_prefix.shape[2])
+    sp = spec.sp if spec is not None else None
+    if sp is not None:
+        k_prefix = v_prefix = None
+        num_keys = sp.local_len * sp.exchange.world_size
+    else:
+        k_prefix, v_prefix = stream.prefix() if stream is not None else (None, None)
+        num_keys = key.shape[2] + (0 if k_prefix is None else k_prefix.shape[2])
     if dropout:
         raise ValueError(
             f"attention dropout {dropout} in {type(module).__name__} is not supported with ds_longseq "
@@ -75,6 +90,27 @@ def longseq_attention(
             f"has {num_keys} tokens: ds_longseq streambp supports only full causal attention. Use sequences of at "
             "most the window, or set config.sliding_window=None if the model was trained with full attention."
         )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kv_block_size = spec.kv_block_size if spec is not None else DEFAULT_KV_BLOCK_SIZE
+    if sp is not None:  # the mask passed in is this rank's slice; sp.key_valid is the global one
+        if stream is not None:
+            out = ulysses_chunk_attention(
+                query,
+                sp.exchange,
+                stream.k_heads,
+                stream.v_heads,
+                stream.start,
+                stream.end,
+                scale=scale,
+                key_valid=sp.key_valid,
+                kv_block_size=kv_block_size,
+                grad_sink=stream.grad_sink,
+            )
+        else:
+            out = ulysses_attention(
+                query, key, value, sp.exchange, scale=scale, key_valid=sp.key_valid, kv_block_size=kv_block_size
+            )
+        return out.transpose(1, 2), None
     key_valid = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -87,11 +123,11 @@ def longseq_attention(
         query,
         key,
         value,
-        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        scale=scale,
         k_prefix=k_prefix,
         v_prefix=v_prefix,
         key_valid=key_valid,
-        kv_block_size=spec.kv_block_size if spec is not None else DEFAULT_KV_BLOCK_SIZE,
+        kv_block_size=kv_block_size,
         prefix_grad_sink=stream.prefix_grad_sink if stream is not None else None,
     )
     return out.transpose(1, 2), None

@@ -10,13 +10,17 @@ Holds:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
+
+if TYPE_CHECKING:
+    from ds_longseq.modules.sequence_parallel import SequenceParallel
 
 __all__ = ["CausalLMForward", "LMHeadLossForward"]
 
@@ -53,12 +57,24 @@ class CausalLMForward:
     logits=None)``: the (B x T x V) logits are never formed. Without labels, or when generating
     (``past_key_values`` given or ``use_cache=True``), calls the stock forward. Under StreamBP a
     training call defaults to ``use_cache=False`` (the stock default would keep every layer's K/V).
+
+    Under sequence parallelism (``sp``) the labels must come pre-shifted as ``shift_labels`` (the
+    shift crosses shard boundaries: ``engine.shard_batch`` does it before cutting) and the loss is
+    the token-weighted mean over the whole group (:meth:`SequenceParallel.token_mean`), with or
+    without the chunked LM head.
     """
 
-    def __init__(self, model: torch.nn.Module, orig_forward: Callable, config: LongSeqConfig):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        orig_forward: Callable,
+        config: LongSeqConfig,
+        sp: "SequenceParallel | None" = None,
+    ):
         self.model = model
         self.orig_forward = orig_forward
         self.config = config
+        self.sp = sp
 
     def __call__(
         self,
@@ -73,9 +89,10 @@ class CausalLMForward:
         **kwargs,
     ):
         generating = past_key_values is not None or use_cache is True
-        if not generating and self.config.streambp.enabled:
+        if not generating and (self.config.streambp.enabled or self.sp is not None):
             use_cache = False
-        if generating or labels is None or not self.config.lm_head.enabled:
+        wants_loss = labels is not None or (self.sp is not None and kwargs.get("shift_labels") is not None)
+        if generating or not wants_loss or (not self.config.lm_head.enabled and self.sp is None):
             return self.orig_forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -87,10 +104,16 @@ class CausalLMForward:
                 logits_to_keep=logits_to_keep,
                 **kwargs,
             )
+        if self.sp is not None and kwargs.get("shift_labels") is None:
+            raise ValueError(
+                "under sequence parallelism pass shift_labels= (labels shifted once over the whole sequence, then "
+                "cut like input_ids), not labels=: shifting a shard locally loses the label at every shard boundary. "
+                "ds_longseq.engine.shard_batch(batch, ...) returns shift_labels."
+            )
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError(
-                "logits_to_keep cannot be combined with labels under ds_longseq lm_head chunking (no logits are "
-                "returned): drop logits_to_keep, or disable long_seq.lm_head"
+                "logits_to_keep cannot be combined with labels under ds_longseq lm_head chunking or sequence "
+                "parallelism (the loss needs every position): drop logits_to_keep"
             )
         return_dict = kwargs.pop("return_dict", None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -105,13 +128,29 @@ class CausalLMForward:
             **kwargs,
         )
         targets = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
-        loss_sum, num_valid = self.model.lm_head(outputs.last_hidden_state, targets=targets, ignore_index=ignore_index)
-        denominator = num_items_in_batch if num_items_in_batch is not None else num_valid
-        if isinstance(denominator, torch.Tensor):
-            denominator = denominator.to(loss_sum.device)
+        hidden = outputs.last_hidden_state
+        logits = None
+        if self.config.lm_head.enabled:
+            loss_sum, num_valid = self.model.lm_head(hidden, targets=targets, ignore_index=ignore_index)
+        else:  # sequence parallel with the stock head: its logits, a summed loss, the group's mean below
+            logits = self.model.lm_head(hidden)
+            targets = targets.to(logits.device)
+            # float32 like the stock loss, but never below the model's own precision (float64 stays)
+            loss_dtype = torch.promote_types(logits.dtype, torch.float32)
+            loss_sum = F.cross_entropy(
+                logits.to(loss_dtype).flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+            )
+            num_valid = (targets != ignore_index).sum()
+        if self.sp is not None:
+            loss = self.sp.token_mean(loss_sum, num_valid, num_items_in_batch)
+        else:
+            denominator = num_items_in_batch if num_items_in_batch is not None else num_valid
+            if isinstance(denominator, torch.Tensor):
+                denominator = denominator.to(loss_sum.device)
+            loss = loss_sum / denominator
         output = CausalLMOutputWithPast(
-            loss=loss_sum / denominator,
-            logits=None,
+            loss=loss,
+            logits=logits,
             past_key_values=None,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,

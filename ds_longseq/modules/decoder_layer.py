@@ -15,7 +15,7 @@ import torch
 
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
-from ds_longseq.ops.streambp import KVStream, streambp_apply
+from ds_longseq.ops.streambp import KVStream, streambp_apply, streambp_sp_apply
 
 __all__ = ["StreamBPLayerForward", "check_not_packed", "check_zero3_leaf"]
 
@@ -78,6 +78,8 @@ class StreamBPLayerForward:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        outer_spec = kwargs.pop(SPEC_KWARG, None)  # set by the sequence-parallel forward hook
+        sp = outer_spec.sp if outer_spec is not None else None
         if past_key_values is not None:
             return self.orig_forward(
                 hidden_states,
@@ -107,18 +109,22 @@ class StreamBPLayerForward:
         cos, sin = position_embeddings
         orig = self.orig_forward
         kv_block_size = self.kv_block_size
+        params = list(layer.parameters())
 
-        def run_chunk(h_c: torch.Tensor, s: int, e: int, stream: KVStream) -> torch.Tensor:
+        def run_chunk(h_c: torch.Tensor, s: int, e: int, stream) -> torch.Tensor:
             out = orig(
                 h_c,
-                attention_mask=None if attention_mask is None else attention_mask[:, :e],
+                # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`.
+                attention_mask=None if attention_mask is None or sp is not None else attention_mask[:, :e],
                 position_ids=None if position_ids is None else position_ids[..., s:e],
                 past_key_values=stream,
                 use_cache=False,
                 position_embeddings=(cos[..., s:e, :], sin[..., s:e, :]),
-                **{SPEC_KWARG: AttnSpec(stream, kv_block_size)},
+                **{SPEC_KWARG: AttnSpec(stream, kv_block_size, sp)},
                 **kwargs,
             )
             return out[0] if isinstance(out, tuple) else out
 
-        return streambp_apply(run_chunk, hidden_states, list(layer.parameters()), self.chunk_size)
+        if sp is not None:
+            return streambp_sp_apply(run_chunk, hidden_states, params, self.chunk_size, sp.exchange)
+        return streambp_apply(run_chunk, hidden_states, params, self.chunk_size)

@@ -147,7 +147,7 @@ def _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset):
 
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel, sink_k, sink_v):
+    def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel, sink_k, sink_v, sink_own):
         B, H, C, D = q.shape
         Hkv, K = k.shape[1], k.shape[2]
         R = H // Hkv
@@ -177,7 +177,7 @@ class _ChunkAttention(torch.autograd.Function):
         out = acc.masked_fill(empty.unsqueeze(-1), 0.0).to(q.dtype)
         lse = m.masked_fill(empty, float("inf"))  # +inf: exp(s - lse) = 0 in backward
         ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, out, lse)
-        ctx.scale, ctx.block, ctx.kernel, ctx.sinks = scale, block, kernel, (sink_k, sink_v)
+        ctx.scale, ctx.block, ctx.kernel, ctx.sinks, ctx.sink_own = scale, block, kernel, (sink_k, sink_v), sink_own
         return out
 
     @staticmethod
@@ -195,8 +195,8 @@ class _ChunkAttention(torch.autograd.Function):
         stacked = (q.reshape(B, Hkv, R * C, D), grad_out.reshape(B, Hkv, R * C, D), out.reshape(B, Hkv, R * C, D))
         lse_stacked = lse.reshape(B, Hkv, R * C)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
-        dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+        dk = None if ctx.sink_own else torch.zeros(k.shape, dtype=cdt, device=k.device)
+        dv = None if ctx.sink_own else torch.zeros(v.shape, dtype=cdt, device=v.device)
         for src, a, b, causal, offset in _tiles(S, K, C, block):
             if src == 0 and sink_k is None:
                 continue
@@ -211,13 +211,16 @@ class _ChunkAttention(torch.autograd.Function):
                 dq_t, dk_t, dv_t = tile_backward(stacked[1], stacked[0], kt, vt, stacked[2], lse_stacked, False, valid, scale)
                 dq_t = dq_t.reshape(B, H, C, D)
             dq += dq_t
-            if src == 0:
-                sink_k[:, :, a:b] += dk_t.to(sink_k.dtype)
-                sink_v[:, :, a:b] += dv_t.to(sink_v.dtype)
+            if src == 0 or ctx.sink_own:
+                a_sink = a if src == 0 else S + a
+                sink_k[:, :, a_sink : a_sink + b - a] += dk_t.to(sink_k.dtype)
+                sink_v[:, :, a_sink : a_sink + b - a] += dv_t.to(sink_v.dtype)
             else:
                 dk[:, :, a:b] += dk_t
                 dv[:, :, a:b] += dv_t
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+        if ctx.sink_own:
+            return dq.to(q.dtype), None, None, None, None, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None, None
 
 
 def chunk_causal_attention(
@@ -231,6 +234,7 @@ def chunk_causal_attention(
     key_valid: torch.Tensor | None = None,
     kv_block_size: int = 1024,
     prefix_grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sink_own_keys: bool = False,
     kernel: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of the last C positions against all S + K keys, bottom-right aligned.
@@ -244,6 +248,9 @@ def chunk_causal_attention(
         kv_block_size: keys per full tile (the diagonal tile is always C x C).
         prefix_grad_sink: (dK, dV) buffers of shape (B, Hkv, >= S, D); backward ADDS the prefix
             gradients into ``[:, :, :S]`` in place. None: prefix gradients are not computed.
+        sink_own_keys: the chunk's own ``k`` / ``v`` are constants too: their gradients are ADDED into
+            ``prefix_grad_sink`` at ``[:, :, S:S + K]`` (the buffers must cover S + K keys). Sequence
+            parallelism uses this: every key comes from the exchanged, heads-sharded K/V.
         kernel: "auto", "cpu_flash" (CPU tensors only) or "math".
 
     Returns:
@@ -264,7 +271,9 @@ def chunk_causal_attention(
     kernel = attention_kernel_for(q, kernel)
     if kernel not in _KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}: use one of {sorted(_KERNELS)} or 'auto'")
+    if sink_own_keys and prefix_grad_sink is None:
+        raise ValueError("sink_own_keys=True needs prefix_grad_sink buffers to add the key gradients into")
     sink_k, sink_v = prefix_grad_sink if prefix_grad_sink is not None else (None, None)
     return _ChunkAttention.apply(
-        q, k, v, k_prefix, v_prefix, key_valid, float(scale), int(kv_block_size), kernel, sink_k, sink_v
+        q, k, v, k_prefix, v_prefix, key_valid, float(scale), int(kv_block_size), kernel, sink_k, sink_v, sink_own_keys
     )

@@ -42,12 +42,22 @@ class ChunkGrads:
         """A detached view of an input chunk that requires grad when the input does."""
         return x_chunk.detach().requires_grad_(self.need_input)
 
-    def backward(self, outputs, grad_outputs, x_chunk: torch.Tensor, start: int, end: int) -> None:
-        """Differentiate one chunk's ``outputs`` and fold the result into the totals."""
+    def backward(self, outputs, grad_outputs, x_chunk: torch.Tensor, start: int, end: int, add: bool = False) -> None:
+        """Differentiate one chunk's ``outputs`` and fold the result into the totals.
+
+        ``add=True`` adds to the chunk's input-gradient slice written by an earlier call (a second
+        pass over the same chunk) instead of overwriting it.
+        """
         inputs = ([x_chunk] if self.need_input else []) + [self.params[i] for i in self.trainable]
         grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
         if self.need_input:
-            self.grad_in[:, start:end] = grads[0]
+            if grads[0] is not None:
+                if add:
+                    self.grad_in[:, start:end] += grads[0]
+                else:
+                    self.grad_in[:, start:end] = grads[0]
+            elif not add:
+                self.grad_in[:, start:end] = 0
             grads = grads[1:]
         for i, g in zip(self.trainable, grads):
             if g is None:

@@ -3,6 +3,8 @@
 Holds:
     KVStream: the duck-typed cache a layer writes its post-RoPE K/V into, chunk by chunk.
     streambp_apply: run a layer through StreamBP (an autograd Function that saves only the input).
+    GlobalKVStream, streambp_sp_apply: the same under Ulysses sequence parallelism (K/V exchanged
+        once per pass, query chunks streamed, dK/dV exchanged back once; see the section below).
 
 Shape legend: B batch, T sequence, C chunk, d hidden, Hkv key/value heads, D head dim.
 
@@ -27,7 +29,7 @@ import torch
 
 from ds_longseq.ops.chunk_grads import ChunkGrads, acc_dtype
 
-__all__ = ["KVStream", "streambp_apply", "chunk_bounds"]
+__all__ = ["KVStream", "GlobalKVStream", "streambp_apply", "streambp_sp_apply", "chunk_bounds"]
 
 
 class _KVCaptured(Exception):
@@ -95,8 +97,8 @@ class KVStream:
 RunChunk = Callable[[torch.Tensor, int, int, KVStream], torch.Tensor]
 
 
-def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds) -> torch.Tensor:
-    stream = KVStream(hidden.shape[1])
+def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=None) -> torch.Tensor:
+    stream = KVStream(hidden.shape[1]) if stream is None else stream
     out = None
     for s, e in bounds:
         stream.start, stream.end = s, e
@@ -124,13 +126,7 @@ class _StreamBPFunction(torch.autograd.Function):
         stream = KVStream(hidden.shape[1])
         stream.mode = "capture"
         with torch.no_grad():
-            for s, e in bounds:
-                stream.start, stream.end = s, e
-                try:
-                    run_chunk(hidden[:, s:e], s, e, stream)
-                except _KVCaptured:
-                    continue
-                raise RuntimeError("StreamBP: the layer never called past_key_values.update(); cannot capture K/V")
+            _capture(run_chunk, hidden, bounds, stream)
         stream.alloc_grads()
         stream.mode = "replay"
         grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=3)
@@ -173,3 +169,173 @@ def streambp_apply(
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
         return _StreamBPFunction.apply(hidden, run_chunk, bounds, *params)
     return _forward_chunks(run_chunk, hidden, bounds)
+
+
+# --- sequence parallel (Ulysses) ------------------------------------------------------------------
+# Under sequence parallelism the reverse-chunk trick above no longer completes dK_c before chunk c
+# is replayed: keys of rank r also get gradient from every later rank's queries, in every chunk.
+# So all keys become constants of the chunk loop (heads-sharded, exchanged once per pass), their
+# gradient is accumulated over the loop, exchanged back once, and pushed through the layer's K/V
+# projections by a second, K/V-only pass over the chunks.
+
+
+class GlobalKVStream:
+    """The duck-typed cache of a StreamBP layer under sequence parallelism.
+
+    Modes: ``"capture"`` (store the chunk's K/V in the local (B, Hkv, T_l, D) buffers, then stop the
+    layer), ``"attend"`` (return K/V unchanged: the attention reads :attr:`k_heads` /
+    :attr:`v_heads`), ``"capture_grad"`` (keep the chunk's K/V with their autograd history, stop).
+
+    Attributes read by the attention function: ``exchange``, ``start``, ``end``, ``k_heads`` /
+    ``v_heads`` ((B, Hkv_l, P*T_l, D), heads-sharded K/V of the whole sequence) and
+    :attr:`grad_sink`.
+    """
+
+    def __init__(self, local_len: int, exchange):
+        self.local_len = local_len
+        self.exchange = exchange
+        self.mode = "capture"
+        self.start = self.end = 0
+        self.k = self.v = None
+        self.k_heads = self.v_heads = None
+        self.dk_heads = self.dv_heads = None
+        self.k_chunk = self.v_chunk = None
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        if self.mode == "attend":
+            return key_states, value_states
+        if self.mode == "capture_grad":
+            self.k_chunk, self.v_chunk = key_states, value_states
+            raise _KVCaptured
+        if self.k is None:
+            B, Hkv, _, D = key_states.shape
+            self.k = key_states.new_empty((B, Hkv, self.local_len, D))
+            self.v = value_states.new_empty((B, value_states.shape[1], self.local_len, value_states.shape[-1]))
+        with torch.no_grad():
+            self.k[:, :, self.start : self.end] = key_states
+            self.v[:, :, self.start : self.end] = value_states
+        raise _KVCaptured
+
+    def exchange_kv(self) -> None:
+        """Local K/V -> heads-sharded K/V of the whole sequence (one all-to-all each); frees the local copy."""
+        with torch.no_grad():
+            self.k_heads = self.exchange.kv_to_heads(self.k)
+            self.v_heads = self.exchange.kv_to_heads(self.v)
+        self.k = self.v = None
+
+    @property
+    def grad_sink(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.dk_heads is None else (self.dk_heads, self.dv_heads)
+
+    def alloc_grads(self) -> None:
+        dt = acc_dtype(self.k_heads.dtype)
+        self.dk_heads = torch.zeros(self.k_heads.shape, dtype=dt, device=self.k_heads.device)
+        self.dv_heads = torch.zeros(self.v_heads.shape, dtype=dt, device=self.v_heads.device)
+
+    def grads_to_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Hkv, T_l, D) gradients of this rank's keys/values (one all-to-all each); frees the rest."""
+        with torch.no_grad():
+            dk = self.exchange.kv_grad_to_tokens(self.dk_heads)
+            dv = self.exchange.kv_grad_to_tokens(self.dv_heads)
+        self.k_heads = self.v_heads = self.dk_heads = self.dv_heads = None
+        return dk, dv
+
+
+def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
+    """Run every chunk up to its cache update (no attention, no MLP) so ``stream`` holds its K/V."""
+    for s, e in bounds:
+        stream.start, stream.end = s, e
+        try:
+            run_chunk(hidden[:, s:e], s, e, stream)
+        except _KVCaptured:
+            continue
+        raise RuntimeError("StreamBP: the layer never called past_key_values.update(); cannot capture K/V")
+
+
+def _global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> GlobalKVStream:
+    stream = GlobalKVStream(hidden.shape[1], exchange)
+    with torch.no_grad():
+        _capture(run_chunk, hidden, bounds, stream)
+    stream.exchange_kv()
+    stream.mode = "attend"
+    return stream
+
+
+class _StreamBPSPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, run_chunk, bounds, exchange, *params):
+        with torch.no_grad():
+            stream = _global_kv(run_chunk, hidden, bounds, exchange)
+            out = _forward_chunks(run_chunk, hidden, bounds, stream)
+        ctx.save_for_backward(hidden)
+        ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (hidden,) = ctx.saved_tensors
+        run_chunk, bounds = ctx.run_chunk, ctx.bounds
+        stream = _global_kv(run_chunk, hidden, bounds, ctx.exchange)
+        stream.alloc_grads()
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=4)
+        # Pass 1: every chunk through the whole layer; keys are constants, their gradient goes to the sink.
+        with torch.enable_grad():
+            for s, e in bounds:
+                stream.start, stream.end = s, e
+                h_c = grads.leaf(hidden[:, s:e])
+                grads.backward([run_chunk(h_c, s, e, stream)], [grad_out[:, s:e]], h_c, s, e)
+        dk, dv = stream.grads_to_tokens()
+        # Pass 2: the chunk's K/V again (norm, projections, RoPE), now with grad, to push dK/dV through.
+        stream.mode = "capture_grad"
+        with torch.enable_grad():
+            for s, e in bounds:
+                stream.start, stream.end = s, e
+                h_c = grads.leaf(hidden[:, s:e])
+                try:
+                    run_chunk(h_c, s, e, stream)
+                except _KVCaptured:
+                    pass
+                outputs, grad_outputs = [], []
+                for t, g in ((stream.k_chunk, dk), (stream.v_chunk, dv)):
+                    if t is not None and t.requires_grad:
+                        outputs.append(t)
+                        grad_outputs.append(g[:, :, s:e].to(t.dtype))
+                if outputs:
+                    grads.backward(outputs, grad_outputs, h_c, s, e, add=True)
+                stream.k_chunk = stream.v_chunk = None
+        grad_in, param_grads = grads.result()
+        return (grad_in, None, None, None, *param_grads)
+
+
+def streambp_sp_apply(
+    run_chunk: RunChunk,
+    hidden: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    chunk_size: int,
+    exchange,
+) -> torch.Tensor:
+    """:func:`streambp_apply` for a layer whose attention is sequence parallel (Ulysses).
+
+    ``run_chunk`` gets a :class:`GlobalKVStream` instead of a :class:`KVStream`; its attention must
+    attend the stream's heads-sharded K/V (``ulysses_chunk_attention``). Every rank of the group
+    must call this with the same local length and ``chunk_size`` (the chunk loop runs collectives).
+
+    Per layer and pass, K and V are exchanged once each (and their gradients once each in
+    backward); queries and outputs are exchanged per chunk.
+
+    Args:
+        run_chunk: as for :func:`streambp_apply`.
+        hidden: (B, T_l, d) this rank's layer input.
+        params: every parameter the layer uses.
+        chunk_size: tokens per chunk of the local shard.
+        exchange: the group's ``UlyssesExchange``.
+
+    Returns:
+        (B, T_l, d) layer output; under grad mode only ``hidden`` is saved for backward.
+    """
+    bounds = chunk_bounds(hidden.shape[1], chunk_size)
+    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, *params)
+    with torch.no_grad():
+        stream = _global_kv(run_chunk, hidden, bounds, exchange)
+        return _forward_chunks(run_chunk, hidden, bounds, stream)

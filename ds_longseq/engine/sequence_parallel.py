@@ -1,0 +1,140 @@
+"""Sequence-parallel set-up for the engine and the batch sharding helper for training loops.
+
+Holds:
+    shard_batch: cut a batch along the sequence for one rank of a sequence-parallel group, with the
+        labels shifted once over the whole sequence first.
+    sequence_parallel_groups: DeepSpeed's ``parallel_state_sp`` (its ``mpu``), initialised for P ranks.
+    sequence_parallel_rank_and_size: this rank's place in its group (DeepSpeed's groups).
+
+Shape legend: B batch, T global length, P ranks per sequence, T_l = T / P.
+
+Groups are DeepSpeed's own (``deepspeed.runtime.sequence_parallel.parallel_state_sp``): ranks
+[g*P, (g+1)*P) share a sequence; ZeRO partitions and reduces over the whole world, and DeepSpeed
+averages gradients over the world / P data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["shard_batch", "sequence_parallel_groups", "sequence_parallel_rank_and_size"]
+
+_SEQ_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
+
+
+def sequence_parallel_groups(size: int):
+    """DeepSpeed's ``parallel_state_sp`` module with its groups built for ``size`` ranks per sequence.
+
+    ``torch.distributed`` must be initialised. Building twice with the same size reuses the groups.
+    """
+    import torch.distributed as dist
+
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+
+    world = dist.get_world_size()
+    if world % size:
+        raise ValueError(
+            f"sequence_parallel size {size} does not divide the world size {world}: launch a multiple of {size} "
+            f"ranks, or pick a size that divides {world}"
+        )
+    if mpu._SEQUENCE_PARALLEL_GROUP is None:
+        mpu.initialize_sequence_parallel(sequence_parallel_size=size)
+    elif mpu.get_sequence_parallel_world_size() != size:
+        raise ValueError(
+            f"DeepSpeed's sequence-parallel groups already exist with size {mpu.get_sequence_parallel_world_size()}, "
+            f"not {size}: one process can train with one sequence_parallel size"
+        )
+    return mpu
+
+
+def sequence_parallel_rank_and_size() -> tuple[int, int]:
+    """(rank in the sequence-parallel group, group size) from DeepSpeed's groups; (0, 1) if there are none."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+
+    if mpu._SEQUENCE_PARALLEL_GROUP is None:
+        return 0, 1
+    return mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_world_size()
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    sp_rank: int | None = None,
+    sp_size: int | None = None,
+    *,
+    pad: bool = False,
+    pad_token_id: int = 0,
+    ignore_index: int = -100,
+) -> dict[str, torch.Tensor]:
+    """This rank's 1/P of every sequence in ``batch``, ready for the model under sequence parallelism.
+
+    Labels are shifted once over the whole sequence (``shift_labels[t] = labels[t + 1]``, the last
+    one ignored) and then cut like the inputs, so no label is lost at a shard boundary. Position
+    ids default to the global ``arange(T)`` (what the stock model uses) and are cut too.
+
+    Args:
+        batch: (B, T) ``input_ids`` and optionally ``attention_mask``, ``labels`` (or already-shifted
+            ``shift_labels``) and ``position_ids`` ((B or 1, T)). Other keys are refused.
+        sp_rank, sp_size: this rank's place in its group; default: DeepSpeed's groups.
+        pad: when T is not a multiple of P, pad on the right to the next multiple (``pad_token_id``,
+            mask 0, label ``ignore_index``); causal attention makes right padding exact. Without it,
+            such a T is an error.
+        pad_token_id: token id used for that padding.
+        ignore_index: the label value that is not trained on.
+
+    Returns:
+        ``input_ids``, ``position_ids``, and ``attention_mask`` / ``shift_labels`` when given, each (B, T/P).
+    """
+    if sp_rank is None or sp_size is None:
+        sp_rank, sp_size = sequence_parallel_rank_and_size()
+    unknown = sorted(set(batch) - set(_SEQ_KEYS))
+    if unknown:
+        raise ValueError(f"shard_batch does not know how to cut {unknown}: pass only {list(_SEQ_KEYS)}")
+    if "input_ids" not in batch:
+        raise ValueError("shard_batch needs input_ids")
+    if "labels" in batch and "shift_labels" in batch:
+        raise ValueError("give labels or shift_labels, not both")
+    ids = torch.as_tensor(batch["input_ids"])
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(ids.shape)}")
+    B, T = ids.shape
+    for key in ("attention_mask", "labels", "shift_labels"):
+        if key in batch and tuple(batch[key].shape) != (B, T):
+            raise ValueError(f"{key} has shape {tuple(batch[key].shape)}, expected {(B, T)} like input_ids")
+    out: dict[str, torch.Tensor] = {"input_ids": ids}
+    if "attention_mask" in batch:
+        out["attention_mask"] = torch.as_tensor(batch["attention_mask"])
+    if "labels" in batch:
+        labels = torch.as_tensor(batch["labels"])
+        out["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((B, 1), ignore_index)], dim=1)
+    elif "shift_labels" in batch:
+        out["shift_labels"] = torch.as_tensor(batch["shift_labels"])
+    if "position_ids" in batch:
+        pos = torch.as_tensor(batch["position_ids"])
+        if pos.dim() != 2 or pos.shape[-1] != T or pos.shape[0] not in (1, B):
+            raise ValueError(f"position_ids has shape {tuple(pos.shape)}, expected (1 or {B}, {T})")
+        out["position_ids"] = pos
+    else:
+        out["position_ids"] = torch.arange(T, device=ids.device).unsqueeze(0)
+    remainder = T % sp_size
+    if remainder:
+        if not pad:
+            raise ValueError(
+                f"sequence length {T} is not divisible by sequence_parallel size {sp_size}: pad to "
+                f"{T + sp_size - remainder} tokens, or call shard_batch(..., pad=True)"
+            )
+        extra = sp_size - remainder
+        fill = {"input_ids": pad_token_id, "attention_mask": 0, "shift_labels": ignore_index}
+        if "attention_mask" not in out:
+            out["attention_mask"] = torch.ones_like(ids)
+        for key, value in fill.items():
+            if key in out:
+                t = out[key]
+                out[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+        pos = out["position_ids"]
+        tail = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)
+        out["position_ids"] = torch.cat([pos, tail], dim=1)
+        T += extra
+    local = T // sp_size
+    return {k: v[:, sp_rank * local : (sp_rank + 1) * local].contiguous() for k, v in out.items()}

@@ -1,0 +1,160 @@
+"""Ulysses sequence parallelism for a Hugging Face causal LM: per-forward shard state and the loss.
+
+Holds:
+    SequenceParallel: one model's sequence-parallel group (rank, size, ``UlyssesExchange``), the
+        per-forward checks and gathers, and the token-weighted loss over the group.
+    ShardContext: what one forward's attention calls need (global padding mask, local length).
+    SequenceParallelForwardHook: the forward pre-hook installed on the base model (``model.model``).
+
+Shape legend: B batch, P ranks per sequence, T = P * T_l global length, T_l local shard.
+
+Each rank holds tokens [p*T_l, (p+1)*T_l) of every sequence in its batch (``engine.shard_batch``
+cuts them). Once per forward the hook gathers the shards' padding masks and position ids (a
+(2, B, T_l) int64 tensor per rank) to check them and to give attention the GLOBAL padding mask;
+positions default to the global ones, p*T_l + arange(T_l), as the stock model uses arange(T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.decoder_layer import check_not_packed
+from ds_longseq.ops.ulysses import UlyssesExchange
+
+__all__ = ["SequenceParallel", "ShardContext", "SequenceParallelForwardHook"]
+
+
+@dataclass
+class ShardContext:
+    """One forward's sequence-parallel state, handed to every attention call (``AttnSpec.sp``)."""
+
+    exchange: UlyssesExchange
+    """The group's all-to-all exchanges."""
+    local_len: int
+    """T_l, tokens per rank."""
+    key_valid: torch.Tensor | None
+    """(B, T) bool padding mask of the global sequence (False = padding), or None if nothing is padded."""
+
+
+class SequenceParallel:
+    """The sequence-parallel group of one model.
+
+    Args:
+        group: process group of the P ranks that share each sequence.
+        num_heads, num_kv_heads: the model's attention head counts (checked against P).
+    """
+
+    def __init__(self, group, num_heads: int, num_kv_heads: int):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.exchange = UlyssesExchange(group, self.size, num_heads, num_kv_heads)
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        return out
+
+    def begin_forward(
+        self,
+        batch_size: int,
+        local_len: int,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        device: torch.device,
+    ) -> tuple[ShardContext, torch.Tensor]:
+        """Check the shards of this forward, gather the global padding mask; return it with the positions.
+
+        Returns:
+            (context for the attention calls, (B or 1, T_l) position ids to run the model with).
+        """
+        shapes = self._all_gather(torch.tensor([batch_size, local_len], dtype=torch.int64, device=device))
+        shapes = [tuple(s.tolist()) for s in shapes]
+        if len(set(shapes)) != 1:
+            raise ValueError(
+                f"the {self.size} ranks of a sequence-parallel group hold different (batch, local length) shards "
+                f"{shapes}: every rank must get its 1/{self.size} of the same sequences. Cut batches with "
+                "ds_longseq.engine.shard_batch."
+            )
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch_size, local_len):
+            raise ValueError(
+                f"under sequence parallelism attention_mask must be this rank's (batch, T/P) = "
+                f"{(batch_size, local_len)} slice of the 2D padding mask, got shape {tuple(attention_mask.shape)}"
+            )
+        if position_ids is None:
+            start = self.rank * local_len
+            position_ids = torch.arange(start, start + local_len, device=device).unsqueeze(0)
+        mask = torch.ones(batch_size, local_len, dtype=torch.int64, device=device)
+        if attention_mask is not None:
+            mask = attention_mask.to(device=device, dtype=torch.int64)
+        both = torch.stack([mask, position_ids.to(device=device, dtype=torch.int64).expand(batch_size, local_len)])
+        gathered = torch.cat(self._all_gather(both), dim=-1)  # (2, B, T), rank-major = global order
+        key_valid = gathered[0].bool()
+        if bool(key_valid.all()):
+            key_valid = None
+        # As in one process: restarting positions without padding mean packed documents (refused).
+        check_not_packed(gathered[1], key_valid)
+        ctx = ShardContext(self.exchange, local_len, key_valid)
+        return ctx, position_ids
+
+    def token_mean(
+        self, loss_sum: torch.Tensor, num_valid: torch.Tensor, denominator: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """The group's token-weighted mean loss, from this rank's (loss_sum, num_valid).
+
+        The value is the same on every rank of the group: sum over the group / count over the group
+        (or ``denominator``, e.g. a ``num_items_in_batch`` that already counts the whole group). The
+        gradient is this rank's share only, d(loss_sum)/denominator: summing the ranks' gradients
+        (DeepSpeed's reduction over the group) gives the gradient of the group's mean, exactly, also
+        when a rank holds no valid token (its share is 0, and its backward still runs the collectives).
+        """
+        stats = torch.stack([loss_sum.detach().to(torch.float64), num_valid.to(loss_sum.device, torch.float64)])
+        dist.all_reduce(stats, group=self.group)
+        total = stats[0].to(loss_sum.dtype)
+        denom = stats[1] if denominator is None else denominator
+        if isinstance(denom, torch.Tensor):
+            denom = denom.to(device=loss_sum.device, dtype=loss_sum.dtype)
+        # value = group total; gradient = this rank's own share
+        return (loss_sum - loss_sum.detach() + total) / denom
+
+
+class SequenceParallelForwardHook:
+    """Forward pre-hook (``with_kwargs=True``) of the base model under sequence parallelism.
+
+    Runs once per forward, before the embedding: checks the shards, gathers the global padding
+    mask, sets global position ids when none are given, turns off the KV cache (a cache of one
+    rank's shard could not be generated from) and passes the shard context to every layer and
+    attention call as ``ds_longseq=AttnSpec(...)``.
+    """
+
+    def __init__(self, sp: SequenceParallel, kv_block_size: int):
+        self.sp = sp
+        self.kv_block_size = kv_block_size
+
+    def __call__(self, module, args, kwargs):
+        names = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
+        if len(args) > len(names):
+            raise TypeError(f"{type(module).__name__} got {len(args)} positional arguments; pass them by name")
+        kwargs = {**dict(zip(names, args)), **kwargs}
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+            raise NotImplementedError(
+                "a KV cache (generation, use_cache=True) is not supported under ds_longseq sequence parallelism: "
+                "each rank holds only its shard of the sequence. Generate with the exported model on one "
+                "process, or call ds_longseq.disable(model) first."
+            )
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("the model needs input_ids or inputs_embeds")
+        ctx, position_ids = self.sp.begin_forward(
+            tokens.shape[0], tokens.shape[1], kwargs.get("attention_mask"), kwargs.get("position_ids"), tokens.device
+        )
+        kwargs["position_ids"] = position_ids
+        kwargs["use_cache"] = False
+        kwargs[SPEC_KWARG] = AttnSpec(None, self.kv_block_size, ctx)
+        return (), kwargs

@@ -1,0 +1,189 @@
+"""DeepSpeed-Ulysses layouts: tokens-sharded <-> heads-sharded, over DeepSpeed's own all-to-all.
+
+Holds:
+    UlyssesExchange: the four exchanges a sequence-parallel attention needs, for one process group.
+    ulysses_attention: causal attention of a whole local shard (exchange, attend, exchange back).
+    ulysses_chunk_attention: one query chunk of every rank against exchanged K/V (StreamBP under SP).
+
+Shape legend: B batch, P sequence-parallel ranks, p this rank, H query heads, Hkv kv-heads,
+H_l = H / P and Hkv_l = max(Hkv / P, 1) heads per rank, C tokens per rank (a whole local shard
+T_l, or one chunk of it), D head dim.
+
+Tokens-sharded: rank p holds all heads for its C tokens. Heads-sharded: rank p holds heads
+[p*H_l, (p+1)*H_l) for the P*C tokens of all ranks, ordered rank-major: row r*C + i is token i of
+rank r (for whole shards that is the global sequence order). When Hkv < P, K/V heads are repeated
+so every rank gets one (DeepSpeed's ``kv_replication_factor``); their gradients are summed back.
+
+The data movement is ``deepspeed.sequence.layer._dim_zero_all_to_all``: DeepSpeed's registered,
+differentiable all-to-all along dim 0 (its backward is the same exchange). Only the reshapes
+around it live here; ``tests/test_sequence_parallel.py`` checks them against DeepSpeed's
+``UlyssesSPAttentionHF`` layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_longseq.ops.attention import chunk_causal_attention
+
+__all__ = ["UlyssesExchange", "ulysses_attention", "ulysses_chunk_attention"]
+
+
+def _all_to_all():
+    try:
+        from deepspeed.sequence.layer import _dim_zero_all_to_all, register_all_to_all_group
+    except ImportError as err:  # pragma: no cover - deepspeed is an install requirement
+        raise ImportError("sequence parallelism needs DeepSpeed: pip install 'deepspeed>=0.19.8'") from err
+    return _dim_zero_all_to_all, register_all_to_all_group
+
+
+class UlyssesExchange:
+    """All-to-all exchanges of one sequence-parallel group for a model with H / Hkv heads.
+
+    Args:
+        group: the sequence-parallel process group (``torch.distributed`` / ``deepspeed.comm``).
+        world_size: P, its size.
+        num_heads: H, query heads (a multiple of P).
+        num_kv_heads: Hkv (a multiple of P, or a divisor of P).
+    """
+
+    def __init__(self, group, world_size: int, num_heads: int, num_kv_heads: int):
+        if num_heads % world_size:
+            raise ValueError(
+                f"{num_heads} attention heads are not divisible by sequence_parallel size {world_size}: "
+                f"choose a size that divides {num_heads}"
+            )
+        if num_kv_heads % world_size and world_size % num_kv_heads:
+            raise ValueError(
+                f"{num_kv_heads} key/value heads and sequence_parallel size {world_size}: one must divide the "
+                "other (DeepSpeed-Ulysses replicates K/V heads only by a whole factor)"
+            )
+        self.group = group
+        self.world_size = world_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.kv_repeat = max(world_size // num_kv_heads, 1)
+        self._a2a, register = _all_to_all()
+        # DeepSpeed's operator looks its group up by name; registration must precede the first call.
+        register(group)
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        # (B, P*h, C, D) -> (P, B, h, C, D): block r goes to rank r -> receive (P, B, h, C, D) indexed by source.
+        B, Hx, C, D = x.shape
+        P = self.world_size
+        blocks = x.reshape(B, P, Hx // P, C, D).transpose(0, 1)
+        received = self._a2a(self.group, blocks)
+        return received.permute(1, 2, 0, 3, 4).reshape(B, Hx // P, P * C, D)
+
+    def _to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        # (B, h, P*C, D) -> (P, B, h, C, D): token block r goes back to rank r -> (B, P*h, C, D).
+        B, h, PC, D = x.shape
+        P = self.world_size
+        blocks = x.reshape(B, h, P, PC // P, D).permute(2, 0, 1, 3, 4)
+        received = self._a2a(self.group, blocks)
+        return received.transpose(0, 1).reshape(B, P * h, PC // P, D)
+
+    def query_to_heads(self, q: torch.Tensor) -> torch.Tensor:
+        """(B, H, C, D) tokens-sharded -> (B, H_l, P*C, D) heads-sharded. Differentiable."""
+        return self._to_heads(q)
+
+    def kv_to_heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, C, D) tokens-sharded -> (B, Hkv_l, P*C, D) heads-sharded (repeated if Hkv < P). Differentiable."""
+        if self.kv_repeat > 1:
+            kv = kv.repeat_interleave(self.kv_repeat, dim=1)
+        return self._to_heads(kv)
+
+    def output_to_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, H_l, P*C, D) heads-sharded -> (B, H, C, D) tokens-sharded. Differentiable."""
+        return self._to_tokens(out)
+
+    def kv_grad_to_tokens(self, grad: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv_l, P*C, D) gradient of :meth:`kv_to_heads`'s output -> (B, Hkv, C, D), replicas summed."""
+        back = self._to_tokens(grad)
+        if self.kv_repeat > 1:
+            B, _, C, D = back.shape
+            back = back.reshape(B, self.num_kv_heads, self.kv_repeat, C, D).sum(2)
+        return back
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    exchange: UlyssesExchange,
+    *,
+    scale: float,
+    key_valid: torch.Tensor | None = None,
+    kv_block_size: int = 1024,
+) -> torch.Tensor:
+    """Causal attention of a whole local shard under Ulysses (the non-StreamBP path). Differentiable.
+
+    Args:
+        q: (B, H, T_l, D); k, v: (B, Hkv, T_l, D): this rank's tokens, post-RoPE.
+        exchange: the group's :class:`UlyssesExchange`.
+        scale: softmax scale.
+        key_valid: (B, P*T_l) bool padding mask of the GLOBAL sequence, or None.
+        kv_block_size: keys per attention tile.
+
+    Returns:
+        (B, H, T_l, D) attention output for this rank's tokens.
+    """
+    qh = exchange.query_to_heads(q)
+    kh, vh = exchange.kv_to_heads(k), exchange.kv_to_heads(v)
+    out = chunk_causal_attention(qh, kh, vh, scale=scale, key_valid=key_valid, kv_block_size=kv_block_size)
+    return exchange.output_to_tokens(out)
+
+
+def ulysses_chunk_attention(
+    q: torch.Tensor,
+    exchange: UlyssesExchange,
+    k_heads: torch.Tensor,
+    v_heads: torch.Tensor,
+    start: int,
+    end: int,
+    *,
+    scale: float,
+    key_valid: torch.Tensor | None = None,
+    kv_block_size: int = 1024,
+    grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Causal attention of one query chunk of every rank against exchanged, heads-sharded K/V.
+
+    Every rank calls this with the same ``[start, end)`` of its local shard (it runs collectives).
+    The queries of rank r sit at global positions r*T_l + [start, end) and attend keys
+    [0, r*T_l + end); all keys are constants whose gradients are ADDED into ``grad_sink``.
+
+    Args:
+        q: (B, H, C, D) this rank's chunk queries, C = end - start. Differentiable.
+        exchange: the group's :class:`UlyssesExchange`.
+        k_heads, v_heads: (B, Hkv_l, P*T_l, D) the layer's K/V of the whole sequence, heads-sharded.
+        start, end: the chunk's span inside the local shard.
+        scale: softmax scale.
+        key_valid: (B, P*T_l) bool global padding mask, or None.
+        kv_block_size: keys per attention tile.
+        grad_sink: (dK, dV) of ``k_heads`` / ``v_heads``'s shape (backward adds into them), or None.
+
+    Returns:
+        (B, H, C, D) attention output of this rank's chunk.
+    """
+    C = end - start
+    local_len = k_heads.shape[2] // exchange.world_size
+    qh = exchange.query_to_heads(q)  # (B, H_l, P*C, D): rank r's chunk is rows [r*C, (r+1)*C)
+    outs = []
+    for r in range(exchange.world_size):
+        a, b = r * local_len + start, r * local_len + end  # the chunk's own keys, global positions
+        outs.append(
+            chunk_causal_attention(
+                qh[:, :, r * C : (r + 1) * C],
+                k_heads[:, :, a:b],
+                v_heads[:, :, a:b],
+                scale=scale,
+                k_prefix=k_heads[:, :, :a],
+                v_prefix=v_heads[:, :, :a],
+                key_valid=None if key_valid is None else key_valid[:, :b],
+                kv_block_size=kv_block_size,
+                prefix_grad_sink=grad_sink,
+                sink_own_keys=grad_sink is not None,
+            )
+        )
+    return exchange.output_to_tokens(torch.cat(outs, dim=2))
