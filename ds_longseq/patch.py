@@ -14,7 +14,9 @@ What is changed, all on the given instance:
     - ``_z3_leaf`` on decoder layers / MLPs (``mark_zero3_leaves``, DeepSpeed's own flag) so ZeRO-3
       gathers a layer's weights once for its whole chunk loop;
     - sequence parallelism: ``config._attn_implementation`` -> "ds_longseq" (Ulysses attention) and a
-      forward pre-hook on the base model (``model.model``) that passes each forward's shard context.
+      forward pre-hook on the base model (``model.model``) that passes each forward's shard context;
+    - DeepSpeed ZeRO-3 + sequence parallelism: one method of the engine's optimizer INSTANCE
+      (``fix_zero3_sequence_parallel_average``), correcting DeepSpeed 0.19.8's gradient average.
 Instance attributes shadow the class methods, so ``disable`` only deletes them again; hooks are removed.
 """
 
@@ -32,7 +34,15 @@ from ds_longseq.modules.decoder_layer import StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
 from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook
 
-__all__ = ["enable", "disable", "PatchHandle", "is_enabled", "get_config", "mark_zero3_leaves"]
+__all__ = [
+    "enable",
+    "disable",
+    "PatchHandle",
+    "is_enabled",
+    "get_config",
+    "mark_zero3_leaves",
+    "fix_zero3_sequence_parallel_average",
+]
 
 _HANDLE_ATTR = "_ds_longseq_handle"
 _MISSING = object()
@@ -207,3 +217,72 @@ def get_config(model: torch.nn.Module) -> LongSeqConfig | None:
     """The :class:`LongSeqConfig` in effect on ``model``, or None."""
     handle = model.__dict__.get(_HANDLE_ATTR)
     return None if handle is None else handle.config
+
+
+_Z3_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+
+
+def _zero3_scatter_ignores_sequence_parallel() -> bool:
+    """Whether this DeepSpeed's ZeRO-3 reduce-scatter path averages gradients over the whole world.
+
+    In DeepSpeed 0.19.8 ``reduce_scatter_coalesced`` divides by the world size and
+    ``__avg_scatter_grads`` never multiplies ``sequence_parallel_size`` back, while every other
+    reduction (ZeRO-1/2, ZeRO-3's contiguous all-reduce path) divides by world / SP. Probed from the
+    source so that a DeepSpeed that fixes it is not corrected twice.
+    """
+    import inspect
+
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    def source(fn) -> str:
+        # DeepSpeed's nvtx decorator keeps the function in its closure, without functools.wraps.
+        while True:
+            inner = getattr(fn, "__wrapped__", None)
+            if inner is None:
+                cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
+                funcs = [c for c in cells if inspect.isfunction(c)]
+                inner = funcs[0] if len(funcs) == 1 and fn.__name__ == "wrapped_fn" else None
+            if inner is None:
+                return inspect.getsource(fn)
+            fn = inner
+
+    method = getattr(DeepSpeedZeroOptimizer_Stage3, _Z3_SCATTER, None)
+    try:
+        method_src = source(method)
+        scatter_src = source(coalesced_collectives.reduce_scatter_coalesced)
+    except (TypeError, OSError) as err:
+        raise RuntimeError(
+            "ds_longseq cannot read DeepSpeed's ZeRO-3 gradient averaging to check it under sequence parallelism "
+            f"(DeepSpeed 0.19.8 averages over the world instead of world / sequence_parallel_size): {err}. "
+            "Use ZeRO-2, or DeepSpeed 0.19.8."
+        ) from err
+    return "sequence_parallel_size" not in method_src and "div_(world_sz)" in scatter_src
+
+
+def fix_zero3_sequence_parallel_average(optimizer, sp_size: int) -> bool:
+    """Make a ZeRO-3 optimizer's reduce-scatter average over data-parallel replicas (world / SP).
+
+    Under sequence parallelism each rank's gradient is its share of its replica's loss, so the
+    replicas' gradients are the sums over their SP ranks and DeepSpeed must divide by world / SP, as
+    its other reduction paths do. DeepSpeed 0.19.8's ZeRO-3 reduce-scatter path (the default,
+    ``reduce_scatter: true``) divides by the world instead: gradients SP times too small. This wraps
+    that method on the given optimizer instance only, multiplying its partitions by ``sp_size``.
+
+    Returns:
+        Whether the fix was applied (False when this DeepSpeed does not need it).
+    """
+    if sp_size <= 1 or not _zero3_scatter_ignores_sequence_parallel():
+        return False
+    if not hasattr(optimizer, _Z3_SCATTER):
+        raise RuntimeError(
+            f"expected DeepSpeed's ZeRO-3 optimizer, got {type(optimizer).__name__}: cannot correct its gradient "
+            "average under sequence parallelism"
+        )
+    original = getattr(optimizer, _Z3_SCATTER)
+
+    def avg_scatter_grads(params, communication_data_type):
+        return [g.mul(sp_size) for g in original(params, communication_data_type)]
+
+    object.__setattr__(optimizer, _Z3_SCATTER, avg_scatter_grads)
+    return True

@@ -30,7 +30,7 @@ import torch
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
-from ds_longseq.patch import enable, get_config, is_enabled, mark_zero3_leaves
+from ds_longseq.patch import enable, fix_zero3_sequence_parallel_average, get_config, is_enabled, mark_zero3_leaves
 
 __all__ = ["initialize", "split_config", "check_sequence_length", "MIN_DEEPSPEED_VERSION"]
 
@@ -201,7 +201,7 @@ def initialize(
         enable(model, long_seq, sp_group=sp_group)
     if long_seq.any_enabled and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
         mark_zero3_leaves(model)
-    return deepspeed.initialize(
+    outputs = deepspeed.initialize(
         args=args,
         model=model,
         optimizer=optimizer,
@@ -215,3 +215,6 @@ def initialize(
         config=ds_config,
         **kwargs,
     )
+    if long_seq.sequence_parallel.enabled and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        fix_zero3_sequence_parallel_average(outputs[0].optimizer, long_seq.sequence_parallel.size)
+    return outputs

@@ -234,9 +234,10 @@ class GlobalKVStream:
 
     def grads_to_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, Hkv, T_l, D) gradients of this rank's keys/values (one all-to-all each); frees the rest."""
+        # Sent in the model dtype (a float32 accumulator would double a half-precision model's bytes).
         with torch.no_grad():
-            dk = self.exchange.kv_grad_to_tokens(self.dk_heads)
-            dv = self.exchange.kv_grad_to_tokens(self.dv_heads)
+            dk = self.exchange.kv_grad_to_tokens(self.dk_heads.to(self.k_heads.dtype))
+            dv = self.exchange.kv_grad_to_tokens(self.dv_heads.to(self.v_heads.dtype))
         self.k_heads = self.v_heads = self.dk_heads = self.dv_heads = None
         return dk, dv
 
