@@ -107,3 +107,91 @@ def test_sp4_matches_stock_float64():
     cases = ["streambp", "mini_seq"]
     results = run_distributed(exactness_worker, world_size=4, args=(4, "llama", {}, cases, None))
     _check(results, _reference("llama", {}), 4, cases)
+
+
+def layout_worker(rank: int, num_kv_heads: int):
+    """Our exchanges against DeepSpeed's UlyssesSPAttentionHF on the same tensors."""
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    from ds_longseq.ops.ulysses import UlyssesExchange
+
+    B, H, C, D, P = 2, 4, 5, 3, 2
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(B, H, C, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, num_kv_heads, C, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, num_kv_heads, C, D, generator=g, dtype=torch.float64)
+    seen = {}
+
+    def core_attn(module, query, key, value, mask, *args, **kwargs):
+        seen.update(q=query, k=key, v=value)
+        return query.transpose(1, 2), None  # context = the queries, in [bs, sl, hc_l, hs]
+
+    ds = UlyssesSPAttentionHF(core_attn, B, H, D, num_kv_heads, 1, dist.group.WORLD, local_seq_length=C, global_seq_length=P * C)
+    module = torch.nn.Module()
+    ds_out, _ = ds(module, q, k, v, None, position_ids=torch.arange(rank * C, (rank + 1) * C).unsqueeze(0))
+    ours = UlyssesExchange(dist.group.WORLD, P, H, num_kv_heads)
+    qh, kh, vh = ours.query_to_heads(q), ours.kv_to_heads(k), ours.kv_to_heads(v)
+    back = ours.output_to_tokens(qh).transpose(1, 2).reshape(B, C, H * D)
+    return {
+        "q": torch.equal(qh, seen["q"]),
+        "k": torch.equal(kh, seen["k"]),
+        "v": torch.equal(vh, seen["v"]),
+        "out": torch.equal(back, ds_out),
+        "roundtrip": torch.equal(ours.output_to_tokens(qh), q),
+        "kv_grad": torch.equal(ours.kv_grad_to_tokens(kh), k * ours.kv_repeat),
+    }
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+def test_exchange_layouts_equal_deepspeed_ulysses(num_kv_heads):
+    """Same heads-sharded q/k/v (kv replicated when fewer kv heads than ranks) and the same output."""
+    for result in run_distributed(layout_worker, 2, (num_kv_heads,)):
+        assert all(result.values()), result
+
+
+def misuse_worker(rank: int):
+    import torch.distributed as dist
+
+    import ds_longseq
+    from ds_longseq.engine import shard_batch
+
+    errors = {}
+    model = make_model("llama", torch.float32)
+    ds_longseq.enable(model, {"streambp": {"enabled": True, "chunk_size": 4}, "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+    batch = shard_batch(global_batch(), rank, 2)
+    for name, call in {
+        "labels_not_shifted": lambda: model(input_ids=batch["input_ids"], labels=batch["shift_labels"]),
+        "generation": lambda: model.generate(batch["input_ids"], max_new_tokens=1),
+        "uneven_shards": lambda: model(input_ids=batch["input_ids"][:, : 20 - rank], shift_labels=batch["shift_labels"][:, : 20 - rank]),
+        "mask_shape": lambda: model(input_ids=batch["input_ids"], attention_mask=torch.ones(2, 40, dtype=torch.long), shift_labels=batch["shift_labels"]),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as err:  # noqa: BLE001 - the message is what is tested
+            errors[name] = f"{type(err).__name__}: {err}"
+    # the model still trains after the refused calls, and disable() restores the stock forward
+    loss = model(**batch).loss
+    ds_longseq.disable(model)
+    errors["after"] = model(input_ids=batch["input_ids"]).logits.shape
+    errors["loss"] = float(loss)
+    return errors
+
+
+def test_misuse_gets_clear_errors_and_loses_nothing():
+    results = run_distributed(misuse_worker, 2)
+    for errors in results:
+        assert "pass shift_labels=" in errors["labels_not_shifted"]
+        assert "NotImplementedError" in errors["generation"] and "KV cache" in errors["generation"]
+        assert "different (batch, local length) shards" in errors["uneven_shards"]
+        assert "slice of the 2D padding mask" in errors["mask_shape"]
+        assert errors["after"] == (2, 20, VOCAB) and errors["loss"] == errors["loss"]
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+def test_enable_without_a_group_says_how():
+    import ds_longseq
+
+    with pytest.raises(RuntimeError, match="engine.initialize"):
+        ds_longseq.enable(make_model(), {"sequence_parallel": {"size": 2}})

@@ -1,0 +1,71 @@
+"""shard_batch (labels shifted once, then cut; padding on request) and the SP config checks."""
+
+import pytest
+import torch
+
+from ds_longseq import LongSeqConfig, LongSeqConfigError
+from ds_longseq.engine import check_sequence_length, shard_batch, split_config
+
+
+def _batch(T=10):
+    ids = torch.arange(100, 100 + 2 * T).view(2, T)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, :2] = 0
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_labels_are_shifted_over_the_whole_sequence_before_cutting():
+    batch = _batch()
+    shards = [shard_batch(batch, r, 2) for r in range(2)]
+    assert set(shards[0]) == {"input_ids", "attention_mask", "position_ids", "shift_labels"}
+    # rank 0's last target is rank 1's first token: nothing is lost at the boundary
+    assert shards[0]["shift_labels"][1, -1] == batch["input_ids"][1, 5]
+    assert shards[1]["shift_labels"][:, -1].tolist() == [-100, -100]
+    glued = {k: torch.cat([s[k] for s in shards], dim=1) for k in shards[0]}
+    assert torch.equal(glued["input_ids"], batch["input_ids"])
+    assert torch.equal(glued["shift_labels"][:, :-1], batch["labels"][:, 1:])
+    assert glued["position_ids"].tolist() == [list(range(10))]
+
+
+def test_indivisible_length_is_an_error_unless_padding_is_asked_for():
+    batch = _batch(T=10)
+    with pytest.raises(ValueError, match="sequence length 10 is not divisible by sequence_parallel size 4: pad to 12"):
+        shard_batch(batch, 0, 4)
+    shards = [shard_batch(batch, r, 4, pad=True, pad_token_id=7) for r in range(4)]
+    glued = {k: torch.cat([s[k] for s in shards], dim=1) for k in shards[0]}
+    assert glued["input_ids"].shape == (2, 12) and glued["input_ids"][:, 10:].eq(7).all()
+    assert glued["attention_mask"][:, 10:].eq(0).all() and glued["shift_labels"][:, 9:].eq(-100).all()
+    assert glued["position_ids"].tolist() == [list(range(12))]
+
+
+def test_bad_batches_are_refused():
+    batch = _batch()
+    with pytest.raises(ValueError, match="not know how to cut"):
+        shard_batch({**batch, "pixel_values": torch.zeros(1)}, 0, 2)
+    with pytest.raises(ValueError, match="labels or shift_labels, not both"):
+        shard_batch({**batch, "shift_labels": batch["labels"]}, 0, 2)
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        shard_batch({**batch, "attention_mask": batch["attention_mask"][:, :5]}, 0, 2)
+
+
+def test_sequence_parallel_config_and_deepspeed_key_agree():
+    assert LongSeqConfig.from_dict({"sequence_parallel": {"size": 4}}).any_enabled
+    with pytest.raises(LongSeqConfigError, match="sequence_parallel.size must be a positive integer, got 0"):
+        LongSeqConfig.from_dict({"sequence_parallel": {"size": 0}})
+    ds, ls = split_config({"sequence_parallel_size": 2, "long_seq": {"streambp": {"enabled": True}}})
+    assert ls.sequence_parallel.size == 2 and ds["sequence_parallel_size"] == 2
+    ds, ls = split_config({"long_seq": {"sequence_parallel": {"size": 2}}})
+    assert ds["sequence_parallel_size"] == 2  # DeepSpeed's batch-size arithmetic then counts replicas
+    with pytest.raises(LongSeqConfigError, match="sequence_parallel_size=4 but long_seq.sequence_parallel.size=2"):
+        split_config({"sequence_parallel_size": 4, "long_seq": {"sequence_parallel": {"size": 2}}})
+    with pytest.raises(LongSeqConfigError, match="remove data_parallel_size"):
+        split_config({"data_parallel_size": 2, "long_seq": {"sequence_parallel": {"size": 2}}})
+
+
+def test_chunk_sizes_are_checked_against_the_local_shard():
+    _, ls = split_config({"long_seq": {"streambp": {"enabled": True, "chunk_size": 1024}, "sequence_parallel": {"size": 4}}})
+    check_sequence_length(ls, 4096)
+    with pytest.raises(LongSeqConfigError, match=r"exceeds the local shard 512 \(sequence length 2048"):
+        check_sequence_length(ls, 2048)
