@@ -3,6 +3,7 @@
 Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl):
 
     deepspeed --num_gpus 2 examples/sft.py --ds_config ds_configs/zero2_streambp.json
+    deepspeed --num_gpus 2 examples/sft.py --ds_config ds_configs/zero3_ulysses_streambp.json  # SP 2
     deepspeed --hostfile launch/hostfile examples/sft.py --ds_config ds_configs/zero3_streambp.json
     mpirun -np 2 python examples/sft.py --ds_config ds_configs/zero2_streambp.json
 
@@ -15,6 +16,10 @@ is trained on. No token of the copy can be guessed better than chance (ln 224) w
 Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
 ``latest``), ``metrics.jsonl`` (one line per step), ``loss.png`` and an HF-format export in
 ``hf_model/``. ``--resume`` continues from ``latest`` with the same data order and losses.
+
+With ``long_seq.sequence_parallel.size = P`` (or DeepSpeed's ``sequence_parallel_size``) every P
+consecutive ranks share each sequence: they build the same batch and ``shard_batch`` gives each
+its 1/P (labels shifted first); the world / P groups are data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import time
 import torch
 
 import ds_longseq.engine
-from ds_longseq.engine import check_sequence_length, split_config
+from ds_longseq.engine import check_sequence_length, sequence_parallel_rank_and_size, shard_batch, split_config
 from ds_longseq.logging import get_logger
 
 logger = get_logger("ds_longseq.examples.sft")
@@ -57,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"peak learning rate (default: the config's; {DEFAULT_LR} for the built-in model)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: bf16 on GPU, fp32 on CPU (overrides the config's bf16 section)")
+    p.add_argument("--pad-for-sp", action="store_true",
+                   help="pad sequences on the right to a multiple of the sequence_parallel size (else: an error)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     # Fault injection for the crash-safety test: exit abruptly in the middle of saving this step.
     p.add_argument("--_crash-during-save-at-step", dest="crash_step", type=int, default=0, help=argparse.SUPPRESS)
@@ -233,6 +240,14 @@ def main(argv=None) -> int:
     # Validate everything before any training starts.
     ds_config, long_seq = split_config(args.ds_config)
     check_sequence_length(long_seq, args.seq_len)
+    sp = long_seq.sequence_parallel.size
+    if world % sp:
+        raise SystemExit(f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}")
+    if args.seq_len % sp and not args.pad_for_sp:
+        raise SystemExit(
+            f"--seq-len {args.seq_len} is not divisible by sequence_parallel size {sp}: use --seq-len "
+            f"{args.seq_len + sp - args.seq_len % sp}, or pass --pad-for-sp"
+        )
     if args.data and not args.model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
     if args.max_steps <= 0:
@@ -252,10 +267,10 @@ def main(argv=None) -> int:
         from transformers import AutoTokenizer
 
         data = JsonlData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len)
-        source, chance = data.__getitem__, None
+        source, chance, pad_id = data.__getitem__, None, data.pad_id
     else:
         copy_example(0, args.seq_len, args.seed)  # fail early if --seq-len is too short
-        source, chance = (lambda i: copy_example(i, args.seq_len, args.seed)), math.log(len(DOC_TOKENS))
+        source, chance, pad_id = (lambda i: copy_example(i, args.seq_len, args.seed)), math.log(len(DOC_TOKENS)), 0
     lr = args.lr if args.lr is not None else (None if args.model else DEFAULT_LR)
     if lr is not None:
         ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = lr
@@ -265,6 +280,9 @@ def main(argv=None) -> int:
     model = build_model(args, torch.bfloat16 if use_bf16 else torch.float32)
     engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     device = engine.device
+    # Ranks of one sequence-parallel group build the same batch and keep their shard of it.
+    sp_rank, sp_size = sequence_parallel_rank_and_size()
+    replica, num_replicas = rank // sp_size, world // sp_size
 
     os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
@@ -294,13 +312,16 @@ def main(argv=None) -> int:
     for step in range(start_step, args.max_steps):
         step_loss = torch.zeros((), device=device)
         for micro in range(gas):
-            batch = {k: v.to(device) for k, v in micro_batch(source, step, micro, gas, rank, world, micro_bs).items()}
+            batch = micro_batch(source, step, micro, gas, replica, num_replicas, micro_bs)
+            if sp_size > 1:
+                batch = shard_batch(batch, sp_rank, sp_size, pad=args.pad_for_sp, pad_token_id=pad_id)
+            batch = {k: v.to(device) for k, v in batch.items()}
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
             step_loss += loss.detach().float() / gas
             tokens += int(batch["attention_mask"].sum()) * world
-        dist.all_reduce(step_loss)
+        dist.all_reduce(step_loss)  # ranks of a sequence-parallel group report the same value
         step_loss = step_loss.item() / world
         metrics.append({"step": step + 1, "loss": step_loss})
         elapsed = time.perf_counter() - t_start
@@ -320,7 +341,9 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - t_start
         first, last = metrics[0]["loss"], metrics[-1]["loss"]
         print(
-            f"\nsummary: {args.max_steps - start_step} steps on {world} rank(s), seq_len {args.seq_len}, "
+            f"\nsummary: {args.max_steps - start_step} steps on {world} rank(s)"
+            + (f" (sequence parallel {sp_size} x data parallel {num_replicas})" if sp_size > 1 else "")
+            + f", seq_len {args.seq_len}, "
             f"loss {first:.4f} -> {last:.4f}"
             + (f" (chance without looking back {chance:.4f})" if chance is not None else "")
             + f", {tokens / elapsed:.0f} tokens/s, peak memory {peak_memory_gib():.2f} GiB/rank\n"

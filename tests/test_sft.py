@@ -11,20 +11,23 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _config(tmp_path, stage=2):
-    with open(os.path.join(ROOT, "ds_configs", f"zero{stage}_streambp.json")) as f:
+def _config(tmp_path, stage=2, name=None, sp=None):
+    name = name or f"zero{stage}_streambp.json"
+    with open(os.path.join(ROOT, "ds_configs", name)) as f:
         config = json.load(f)
     config["long_seq"]["streambp"]["chunk_size"] = 96  # 256 tokens: 3 chunks, the last one short
     config["long_seq"]["lm_head"]["chunk_size"] = 5
-    path = tmp_path / f"zero{stage}.json"
+    if sp is not None:
+        config["long_seq"]["sequence_parallel"] = {"size": sp}
+    path = tmp_path / f"{name}.sp{sp}.json"
     path.write_text(json.dumps(config))
     return str(path)
 
 
-def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600):
+def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2):
     if shutil.which("deepspeed") is None:
         pytest.fail("the deepspeed launcher is not on PATH: pip install deepspeed")
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_port()), os.path.join(ROOT, "examples", "sft.py"),
+    cmd = ["deepspeed", "--num_gpus", str(num_ranks), "--master_port", str(_port()), os.path.join(ROOT, "examples", "sft.py"),
            "--ds_config", config, "--seq-len", "256", "--save-dir", str(save_dir), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -132,3 +135,24 @@ def test_jsonl_records_mask_the_prompt():
     assert item["labels"].tolist() == [-100, -100, 99, 100, 101, -100, -100, -100]
     assert item["attention_mask"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
     os.unlink(f.name)
+
+
+def test_sequence_parallel_run_equals_one_process_on_the_whole_sequence(tmp_path):
+    """ds_configs/zero3_ulysses_streambp.json: 2 ranks share each 256-token sequence (128 each, chunks of
+    96). Its losses equal a 1-rank run of the same model and data without sequence parallelism."""
+    sp_run, single = tmp_path / "sp", tmp_path / "single"
+    proc = run_sft(_config(tmp_path, name="zero3_ulysses_streambp.json"), sp_run, "--max-steps", "3")
+    assert "sequence parallel 2 x data parallel 1" in proc.stdout
+    run_sft(_config(tmp_path, name="zero3_ulysses_streambp.json", sp=1), single, "--max-steps", "3", num_ranks=1)
+    a, b = losses(sp_run), losses(single)
+    assert len(a) == len(b) == 3
+    # float32; AdamW steps amplify reduction-order round-off a little over 3 steps
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(y), (a, b)
+    assert (sp_run / "hf_model" / "config.json").exists()
+
+    bad = run_sft(_config(tmp_path, name="zero3_ulysses_streambp.json"), tmp_path / "bad", "--seq-len", "255",
+                  "--max-steps", "1", expect_ok=False)
+    assert "--seq-len 255 is not divisible by sequence_parallel size 2: use --seq-len 256, or pass --pad-for-sp" in (
+        bad.stdout + bad.stderr
+    )
