@@ -43,7 +43,9 @@ def global_batch(seed: int = 3, batch: int = 2, seq_len: int = SEQ, no_labels_af
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def exactness_worker(rank: int, world: int, arch: str, overrides: dict, cases: list[str], no_labels_after):
+def exactness_worker(
+    rank: int, world: int, arch: str, overrides: dict, cases: list[str], no_labels_after, dtype=torch.float64
+):
     import torch.distributed as dist
 
     import ds_longseq
@@ -54,9 +56,11 @@ def exactness_worker(rank: int, world: int, arch: str, overrides: dict, cases: l
     out = {}
     for name in cases:
         cfg = {**SP_CASES[name], "sequence_parallel": {"size": world}}
-        model = full_precision_norms(make_model(arch, torch.float64, **overrides))
+        model = make_model(arch, torch.float64, **overrides)
+        model = full_precision_norms(model) if dtype == torch.float64 else model.to(dtype)
         ds_longseq.enable(model, cfg, sp_group=dist.group.WORLD)
         loss, grads, embed_grad = loss_and_grads(model, local)
+        grads = {n: g.double() for n, g in grads.items()}  # summed over ranks without extra rounding
         for g in grads.values():
             dist.all_reduce(g)
         out[name] = {"loss": loss, "grads": grads, "embed_grad": embed_grad}
@@ -93,6 +97,21 @@ def test_sp2_matches_stock_float64(arch, overrides):
     cases = list(SP_CASES)
     results = run_distributed(exactness_worker, world_size=2, args=(2, arch, overrides, cases, None))
     _check(results, _reference(arch, overrides), 2, cases)
+
+
+def test_sp2_bf16_no_worse_than_stock_bf16():
+    """StreamBP paper App. B.1 protocol: error against float64, relative to stock bf16's own error."""
+    from tests.helpers import compare
+
+    exact = loss_and_grads(make_model("llama", torch.float64), global_batch(), use_reference=True, ref_dtype=torch.float64)
+    stock = compare(loss_and_grads(make_model("llama", torch.float64).to(torch.bfloat16), global_batch()), exact)
+    results = run_distributed(exactness_worker, 2, (2, "llama", {}, ["streambp", "mini_seq"], None, torch.bfloat16))
+    for rank, per_rank in enumerate(results):
+        for name, r in per_rank.items():
+            ours = {"loss": rel_err(r["loss"], exact[0]), "input_grad": rel_err(r["embed_grad"], exact[2][:, rank * 20 : (rank + 1) * 20])}
+            ours.update({f"grad:{n}": rel_err(g, exact[1][n]) for n, g in r["grads"].items()})
+            assert max(ours.values()) <= 1.5 * max(stock.values()), (name, max(ours.values()), max(stock.values()))
+            assert sum(ours.values()) / len(ours) <= 1.5 * sum(stock.values()) / len(stock), name
 
 
 def test_sp2_rank_without_valid_tokens():
