@@ -199,6 +199,7 @@ class LongSeqConfig:
             changed = sorted(k for k in value if k != "enabled" and getattr(section, k) != getattr(default, k))
             if not section.enabled and changed:
                 warnings.warn(
-                    f"long_seq.{name} sets {changed} but long_seq.{name}.enabled is false: those options have no effect",
+                    f"long_seq.{name} sets {changed} but long_seq.{name}.enabled is false: "
+                    "those options have no effect",
                     stacklevel=3,
                 )

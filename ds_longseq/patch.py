@@ -161,7 +161,9 @@ def enable(
         if cfg.mini_seq.enabled:
             for layer in adapter.layers:
                 mlp = adapter.mlp(layer)
-                handle.set_instance_attr(mlp, "forward", MiniSeqMLPForward(mlp, mlp.forward, cfg.mini_seq.mlp_num_chunks))
+                handle.set_instance_attr(
+                    mlp, "forward", MiniSeqMLPForward(mlp, mlp.forward, cfg.mini_seq.mlp_num_chunks)
+                )
         if cfg.lm_head.enabled:
             head = adapter.lm_head
             handle.set_instance_attr(head, "forward", LMHeadLossForward(head, head.forward, cfg.lm_head.chunk_size))

@@ -47,10 +47,14 @@ VOCAB = 256
 DEFAULT_LR = 3e-3  # the embedded tiny model trains from scratch; ds_configs/ hold fine-tuning rates
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/zero2_streambp.json",
                    help="DeepSpeed JSON config with an optional long_seq section")
-    p.add_argument("--model", default=None, help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")
+    p.add_argument(
+        "--model", default=None, help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama"
+    )
     p.add_argument("--data", default=None, help="JSONL with 'text' or 'prompt'/'completion' per line (needs --model)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--max-steps", type=int, default=400, help="optimizer steps")
@@ -132,7 +136,9 @@ class JsonlData:
         }
 
 
-def micro_batch(source, step: int, micro: int, gas: int, rank: int, world: int, micro_bs: int) -> dict[str, torch.Tensor]:
+def micro_batch(
+    source, step: int, micro: int, gas: int, rank: int, world: int, micro_bs: int
+) -> dict[str, torch.Tensor]:
     """The deterministic micro-batch of (step, micro-step, rank): resuming replays the same data."""
     base = ((step * gas + micro) * world + rank) * micro_bs
     items = [source(base + i) for i in range(micro_bs)]
@@ -242,7 +248,9 @@ def main(argv=None) -> int:
     check_sequence_length(long_seq, args.seq_len)
     sp = long_seq.sequence_parallel.size
     if world % sp:
-        raise SystemExit(f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}")
+        raise SystemExit(
+            f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}"
+        )
     if args.seq_len % sp and not args.pad_for_sp:
         raise SystemExit(
             f"--seq-len {args.seq_len} is not divisible by sequence_parallel size {sp}: use --seq-len "

@@ -20,7 +20,9 @@ ARCHS = {
 VOCAB = 101
 
 
-def make_model(arch: str = "llama", dtype=torch.float64, tie: bool = False, seed: int = 0, num_layers: int = 2, **overrides):
+def make_model(
+    arch: str = "llama", dtype=torch.float64, tie: bool = False, seed: int = 0, num_layers: int = 2, **overrides
+):
     """A randomly initialised tiny ``*ForCausalLM`` with weights large enough for peaked attention."""
     config_name, model_name, extra = ARCHS[arch]
     kwargs = dict(

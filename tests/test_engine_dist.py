@@ -199,7 +199,7 @@ def test_zero2_reduces_every_gradient_once_with_the_same_traffic_as_no_chunking(
     stock = run_distributed(count_worker, 2, (2, None))
     for result in ours + stock:
         assert result["reductions"] == {n: 1 for n in result["names"]}, result["reductions"]
-    for a, b in zip(ours, stock):
+    for a, b in zip(ours, stock, strict=True):
         assert a["collectives"] == b["collectives"]  # same calls, same bytes
         assert any(name in ("reduce_scatter_fn", "all_reduce", "reduce") for name, _ in a["collectives"])
 
@@ -211,7 +211,7 @@ def test_zero3_gathers_each_layer_once_per_pass():
     backward then fails with "invalid gradient ... expected shape compatible with [0]")."""
     ours = run_distributed(count_worker, 2, (3, STREAMBP))
     stock = run_distributed(count_worker, 2, (3, None))
-    for a, b in zip(ours, stock):
+    for a, b in zip(ours, stock, strict=True):
         assert a["gathers"] == b["gathers"], (a["gathers"], b["gathers"])
         layer_counts = {n: c for n, c in a["gathers"].items() if ".layers." in n}
         assert set(layer_counts.values()) == {2}, layer_counts

@@ -46,7 +46,7 @@ def test_attention_matches_dense_reference(kernel, block, padded, C, K):
     out = chunk_causal_attention(q, k, v, scale=8**-0.5, key_valid=valid, kv_block_size=block, kernel=kernel)
     grads = torch.autograd.grad(out, (q, k, v), go)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
@@ -71,7 +71,7 @@ def test_attention_with_prefix_and_grad_sink_streams_exactly(kernel, chunk, bloc
         )
         gq, gk, gv = torch.autograd.grad(out, (qc, kc, vc), go[:, :, s:e])
         dq[:, :, s:e], dk[:, :, s:e], dv[:, :, s:e] = gq, dk[:, :, s:e] + gk, dv[:, :, s:e] + gv
-    for g, r in zip((dq, dk, dv), ref_grads):
+    for g, r in zip((dq, dk, dv), ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
@@ -95,7 +95,7 @@ def test_mini_sequence_matches_plain_autograd(num_chunks):
     ref = torch.autograd.grad(mlp(x), [x, *params], go)
     out = mini_sequence_apply(mlp, x, params, num_chunks)
     torch.testing.assert_close(out, mlp(x), rtol=0, atol=1e-14)
-    for g, r in zip(torch.autograd.grad(out, [x, *params], go), ref):
+    for g, r in zip(torch.autograd.grad(out, [x, *params], go), ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-13)
 
 
@@ -117,7 +117,7 @@ def test_chunked_lm_head_loss_matches_cross_entropy(chunk, bias):
     loss_sum, count = chunked_lm_head_loss(hidden, weight, targets, chunk_size=chunk, bias=b)
     assert count.item() == int((targets != -100).sum())
     torch.testing.assert_close(loss_sum, ref, rtol=1e-13, atol=0)
-    for g, r in zip(torch.autograd.grad(loss_sum * 0.5, inputs), ref_grads):
+    for g, r in zip(torch.autograd.grad(loss_sum * 0.5, inputs), ref_grads, strict=True):
         torch.testing.assert_close(g, 0.5 * r, rtol=1e-12, atol=1e-13)
 
 

@@ -20,7 +20,10 @@ from tests.helpers import VOCAB, full_precision_norms, loss_and_grads, make_mode
 # name -> long_seq config (the sequence_parallel section is added by the worker)
 SP_CASES = {
     # chunk 3 and 7 do not divide the local shard of 20 tokens
-    "streambp": {"streambp": {"enabled": True, "chunk_size": 3, "kv_block_size": 4}, "lm_head": {"enabled": True, "chunk_size": 7}},
+    "streambp": {
+        "streambp": {"enabled": True, "chunk_size": 3, "kv_block_size": 4},
+        "lm_head": {"enabled": True, "chunk_size": 7},
+    },
     "streambp_stock_head": {"streambp": {"enabled": True, "chunk_size": 7, "kv_block_size": 8}},
     "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 5}},
     "ulysses_only": {},
@@ -69,7 +72,9 @@ def exactness_worker(
 
 def _reference(arch, overrides, no_labels_after=None):
     model = full_precision_norms(make_model(arch, torch.float64, **overrides))
-    return loss_and_grads(model, global_batch(no_labels_after=no_labels_after), use_reference=True, ref_dtype=torch.float64)
+    return loss_and_grads(
+        model, global_batch(no_labels_after=no_labels_after), use_reference=True, ref_dtype=torch.float64
+    )
 
 
 def _check(results, reference, world, cases, tol=1e-10):
@@ -103,12 +108,17 @@ def test_sp2_bf16_no_worse_than_stock_bf16():
     """StreamBP paper App. B.1 protocol: error against float64, relative to stock bf16's own error."""
     from tests.helpers import compare
 
-    exact = loss_and_grads(make_model("llama", torch.float64), global_batch(), use_reference=True, ref_dtype=torch.float64)
+    exact = loss_and_grads(
+        make_model("llama", torch.float64), global_batch(), use_reference=True, ref_dtype=torch.float64
+    )
     stock = compare(loss_and_grads(make_model("llama", torch.float64).to(torch.bfloat16), global_batch()), exact)
     results = run_distributed(exactness_worker, 2, (2, "llama", {}, ["streambp", "mini_seq"], None, torch.bfloat16))
     for rank, per_rank in enumerate(results):
         for name, r in per_rank.items():
-            ours = {"loss": rel_err(r["loss"], exact[0]), "input_grad": rel_err(r["embed_grad"], exact[2][:, rank * 20 : (rank + 1) * 20])}
+            ours = {
+                "loss": rel_err(r["loss"], exact[0]),
+                "input_grad": rel_err(r["embed_grad"], exact[2][:, rank * 20 : (rank + 1) * 20]),
+            }
             ours.update({f"grad:{n}": rel_err(g, exact[1][n]) for n, g in r["grads"].items()})
             assert max(ours.values()) <= 1.5 * max(stock.values()), (name, max(ours.values()), max(stock.values()))
             assert sum(ours.values()) / len(ours) <= 1.5 * sum(stock.values()) / len(stock), name
@@ -146,7 +156,9 @@ def layout_worker(rank: int, num_kv_heads: int):
         seen.update(q=query, k=key, v=value)
         return query.transpose(1, 2), None  # context = the queries, in [bs, sl, hc_l, hs]
 
-    ds = UlyssesSPAttentionHF(core_attn, B, H, D, num_kv_heads, 1, dist.group.WORLD, local_seq_length=C, global_seq_length=P * C)
+    ds = UlyssesSPAttentionHF(
+        core_attn, B, H, D, num_kv_heads, 1, dist.group.WORLD, local_seq_length=C, global_seq_length=P * C
+    )
     module = torch.nn.Module()
     ds_out, _ = ds(module, q, k, v, None, position_ids=torch.arange(rank * C, (rank + 1) * C).unsqueeze(0))
     ours = UlyssesExchange(dist.group.WORLD, P, H, num_kv_heads)
@@ -177,13 +189,23 @@ def misuse_worker(rank: int):
 
     errors = {}
     model = make_model("llama", torch.float32)
-    ds_longseq.enable(model, {"streambp": {"enabled": True, "chunk_size": 4}, "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+    ds_longseq.enable(
+        model,
+        {"streambp": {"enabled": True, "chunk_size": 4}, "sequence_parallel": {"size": 2}},
+        sp_group=dist.group.WORLD,
+    )
     batch = shard_batch(global_batch(), rank, 2)
     for name, call in {
         "labels_not_shifted": lambda: model(input_ids=batch["input_ids"], labels=batch["shift_labels"]),
         "generation": lambda: model.generate(batch["input_ids"], max_new_tokens=1),
-        "uneven_shards": lambda: model(input_ids=batch["input_ids"][:, : 20 - rank], shift_labels=batch["shift_labels"][:, : 20 - rank]),
-        "mask_shape": lambda: model(input_ids=batch["input_ids"], attention_mask=torch.ones(2, 40, dtype=torch.long), shift_labels=batch["shift_labels"]),
+        "uneven_shards": lambda: model(
+            input_ids=batch["input_ids"][:, : 20 - rank], shift_labels=batch["shift_labels"][:, : 20 - rank]
+        ),
+        "mask_shape": lambda: model(
+            input_ids=batch["input_ids"],
+            attention_mask=torch.ones(2, 40, dtype=torch.long),
+            shift_labels=batch["shift_labels"],
+        ),
     }.items():
         try:
             call()

@@ -27,8 +27,21 @@ def _config(tmp_path, stage=2, name=None, sp=None):
 def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2):
     if shutil.which("deepspeed") is None:
         pytest.fail("the deepspeed launcher is not on PATH: pip install deepspeed")
-    cmd = ["deepspeed", "--num_gpus", str(num_ranks), "--master_port", str(_port()), os.path.join(ROOT, "examples", "sft.py"),
-           "--ds_config", config, "--seq-len", "256", "--save-dir", str(save_dir), *extra]
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        str(num_ranks),
+        "--master_port",
+        str(_port()),
+        os.path.join(ROOT, "examples", "sft.py"),
+        "--ds_config",
+        config,
+        "--seq-len",
+        "256",
+        "--save-dir",
+        str(save_dir),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     if expect_ok and proc.returncode != 0:
@@ -69,7 +82,7 @@ def test_resume_after_a_crash_during_save_matches_an_uninterrupted_run(tmp_path)
     assert len(a) == len(b) == 4
     # Same data order, same weights and optimizer state after step 2: float32 CPU runs repeat
     # bit for bit up to reduction order; 1e-6 relative leaves room for nothing else.
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert abs(x - y) <= 1e-6 * abs(x), (a, b)
 
 
@@ -147,7 +160,7 @@ def test_sequence_parallel_run_equals_one_process_on_the_whole_sequence(tmp_path
     a, b = losses(sp_run), losses(single)
     assert len(a) == len(b) == 3
     # float32; AdamW steps amplify reduction-order round-off a little over 3 steps
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert abs(x - y) <= 1e-5 * abs(y), (a, b)
     assert (sp_run / "hf_model" / "config.json").exists()
 

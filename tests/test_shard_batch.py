@@ -65,7 +65,9 @@ def test_sequence_parallel_config_and_deepspeed_key_agree():
 
 
 def test_chunk_sizes_are_checked_against_the_local_shard():
-    _, ls = split_config({"long_seq": {"streambp": {"enabled": True, "chunk_size": 1024}, "sequence_parallel": {"size": 4}}})
+    _, ls = split_config(
+        {"long_seq": {"streambp": {"enabled": True, "chunk_size": 1024}, "sequence_parallel": {"size": 4}}}
+    )
     check_sequence_length(ls, 4096)
     with pytest.raises(LongSeqConfigError, match=r"exceeds the local shard 512 \(sequence length 2048"):
         check_sequence_length(ls, 2048)

@@ -94,7 +94,9 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
     elif long_seq is not None and ds_size is not None:
         ours = long_seq.sequence_parallel.size
         if ours == 1 and ds_size > 1:
-            long_seq = dataclasses.replace(long_seq, sequence_parallel=dataclasses.replace(long_seq.sequence_parallel, size=ds_size))
+            long_seq = dataclasses.replace(
+                long_seq, sequence_parallel=dataclasses.replace(long_seq.sequence_parallel, size=ds_size)
+            )
         elif ours != ds_size:
             problems.append(
                 f"sequence_parallel_size={ds_size} but long_seq.sequence_parallel.size={ours}: set them equal "

@@ -29,9 +29,8 @@ def sequence_parallel_groups(size: int):
 
     ``torch.distributed`` must be initialised. Building twice with the same size reuses the groups.
     """
-    import torch.distributed as dist
-
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+    import torch.distributed as dist
 
     world = dist.get_world_size()
     if world % size:

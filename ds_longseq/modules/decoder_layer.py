@@ -15,7 +15,7 @@ import torch
 
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
-from ds_longseq.ops.streambp import KVStream, streambp_apply, streambp_sp_apply
+from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
 
 __all__ = ["StreamBPLayerForward", "check_not_packed", "check_zero3_leaf"]
 
@@ -94,8 +94,8 @@ class StreamBPLayerForward:
         layer = self.layer
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             raise RuntimeError(
-                "activation (gradient) checkpointing is on for a ds_longseq streambp model: StreamBP already keeps only "
-                "each layer's input, so checkpointing would only recompute twice. Call "
+                "activation (gradient) checkpointing is on for a ds_longseq streambp model: StreamBP already keeps "
+                "only each layer's input, so checkpointing would only recompute twice. Call "
                 "model.activation_checkpointing_disable()."
             )
         if position_embeddings is None:

@@ -139,7 +139,7 @@ class SequenceParallelForwardHook:
         names = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
         if len(args) > len(names):
             raise TypeError(f"{type(module).__name__} got {len(args)} positional arguments; pass them by name")
-        kwargs = {**dict(zip(names, args)), **kwargs}
+        kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
             raise NotImplementedError(
                 "a KV cache (generation, use_cache=True) is not supported under ds_longseq sequence parallelism: "

@@ -208,7 +208,9 @@ class _ChunkAttention(torch.autograd.Function):
                 dk_t = dk_t.reshape(B, Hkv, R, b - a, D).sum(2)
                 dv_t = dv_t.reshape(B, Hkv, R, b - a, D).sum(2)
             else:
-                dq_t, dk_t, dv_t = tile_backward(stacked[1], stacked[0], kt, vt, stacked[2], lse_stacked, False, valid, scale)
+                dq_t, dk_t, dv_t = tile_backward(
+                    stacked[1], stacked[0], kt, vt, stacked[2], lse_stacked, False, valid, scale
+                )
                 dq_t = dq_t.reshape(B, H, C, D)
             dq += dq_t
             if src == 0 or ctx.sink_own:

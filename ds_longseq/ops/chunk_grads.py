@@ -59,7 +59,7 @@ class ChunkGrads:
             elif not add:
                 self.grad_in[:, start:end] = 0
             grads = grads[1:]
-        for i, g in zip(self.trainable, grads):
+        for i, g in zip(self.trainable, grads, strict=True):
             if g is None:
                 continue
             if self.sums[i] is None:
@@ -69,4 +69,4 @@ class ChunkGrads:
 
     def result(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """(input gradient, parameter gradients in their parameters' dtypes)."""
-        return self.grad_in, [None if g is None else g.to(p.dtype) for g, p in zip(self.sums, self.params)]
+        return self.grad_in, [None if g is None else g.to(p.dtype) for g, p in zip(self.sums, self.params, strict=True)]

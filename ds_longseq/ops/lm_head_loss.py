@@ -13,9 +13,9 @@ exists at a time, in forward and in backward (StreamBP Sec. 3.2.1, MsT Alg. 2).
 
 The numerics follow transformers' ``ForCausalLMLoss``: logits are computed in the model dtype and
 upcast to float32 before the softmax (float64 models stay in float64, where transformers would
-round to float32: exactness tests then reach 1e-10 against a float64 reference). Tokens whose target is ``ignore_index`` are skipped
-entirely, so they cost no FLOPs. The op returns a SUM and a COUNT: callers divide once by the
-global number of valid tokens (or ``num_items_in_batch``).
+round to float32: exactness tests then reach 1e-10 against a float64 reference). Tokens whose
+target is ``ignore_index`` are skipped entirely, so they cost no FLOPs. The op returns a SUM and a
+COUNT: callers divide once by the global number of valid tokens (or ``num_items_in_batch``).
 """
 
 from __future__ import annotations
@@ -120,10 +120,13 @@ def chunked_lm_head_loss(
         ignore_index: targets equal to this are skipped.
 
     Returns:
-        (loss_sum, num_valid): float32 (float64 for float64 inputs) scalar with autograd history, and an int64 scalar tensor.
+        (loss_sum, num_valid): float32 (float64 for float64 inputs) scalar with autograd history, and
+        an int64 scalar tensor.
     """
     if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"targets of shape {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape[:-1])}")
+        raise ValueError(
+            f"targets of shape {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape[:-1])}"
+        )
     flat = targets.reshape(-1).to(hidden.device)
     index = (flat != ignore_index).nonzero().squeeze(-1)
     num_valid = torch.tensor(index.numel(), device=hidden.device)
