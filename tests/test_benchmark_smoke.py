@@ -1,4 +1,4 @@
-"""Smoke test for the memory benchmark (slow: spawns one interpreter per point)."""
+"""Smoke tests for the benchmarks (slow: they spawn one interpreter per point) and the max-length search."""
 
 import csv
 import subprocess
@@ -10,23 +10,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_memory_benchmark_quick(tmp_path):
-    """``--quick`` on the methods that need no ds_longseq writes 6 positive points and a plot."""
-    out = tmp_path / "m"
+def _run_module(out, module, *args):
+    """``python -m module *args --out out`` from the repo root; returns the rows of ``out``.csv."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.memory",
-            "--quick",
-            "--methods",
-            "stock",
-            "hf_gc",
-            "alst",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", module, *args, "--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -34,7 +21,14 @@ def test_memory_benchmark_quick(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     with open(f"{out}.csv") as f:
-        rows = list(csv.DictReader(f))
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_memory_benchmark_quick(tmp_path):
+    """``--quick`` on the methods that need no ds_longseq writes 6 positive points and a plot."""
+    out = tmp_path / "m"
+    rows = _run_module(out, "benchmarks.memory", "--quick", "--methods", "stock", "hf_gc", "alst")
     assert len(rows) == 6  # 3 methods x seq lens (512, 1024)
     for row in rows:
         assert not row["error"], row
@@ -73,30 +67,9 @@ def test_benchmark_runner_smoke_suite(tmp_path):
     """``benchmarks.run --suite smoke``: the DeepSpeed ZeRO-3 + optimizer-offload path of the GPU suite,
     on CPU with a tiny model; every method trains the same loss; CSV, plot and report are written."""
     out = tmp_path / "s"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.run",
-            "--suite",
-            "smoke",
-            "--seq-lens",
-            "256",
-            "--methods",
-            "alst",
-            "streambp",
-            "--no-search",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    rows = _run_module(
+        out, "benchmarks.run", "--suite", "smoke", "--seq-lens", "256", "--methods", "alst", "streambp", "--no-search"
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    with open(f"{out}.csv") as f:
-        rows = list(csv.DictReader(f))
     assert [r["method"] for r in rows] == ["alst", "streambp"]
     assert all(not r["error"] and float(r["peak_mib"]) > 0 and float(r["tokens_per_s"]) > 0 for r in rows), rows
     assert abs(float(rows[0]["loss"]) - float(rows[1]["loss"])) < 1e-4  # same model, same data
