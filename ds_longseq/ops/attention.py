@@ -145,6 +145,16 @@ def _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset):
     return kt[:, :, a:b], vt[:, :, a:b], valid
 
 
+def _repeat_heads(t: torch.Tensor, R: int) -> torch.Tensor:
+    # (B, Hkv, n, D) -> (B, Hkv * R, n, D); no copy without GQA
+    return t if R == 1 else t.repeat_interleave(R, 1)
+
+
+def _sum_heads(t: torch.Tensor, R: int) -> torch.Tensor:
+    # (B, Hkv * R, n, D) -> (B, Hkv, n, D): the gradient of _repeat_heads
+    return t if R == 1 else t.reshape(t.shape[0], t.shape[1] // R, R, *t.shape[2:]).sum(2)
+
+
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel, sink_k, sink_v, sink_own):
@@ -159,7 +169,7 @@ class _ChunkAttention(torch.autograd.Function):
         for src, a, b, causal, offset in _tiles(S, K, C, block):
             kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
             if causal:
-                o_t, lse_t = tile_forward(q, kt.repeat_interleave(R, 1), vt.repeat_interleave(R, 1), True, valid, scale)
+                o_t, lse_t = tile_forward(q, _repeat_heads(kt, R), _repeat_heads(vt, R), True, valid, scale)
             else:
                 o_t, lse_t = tile_forward(q_stacked, kt, vt, False, valid, scale)
                 o_t, lse_t = o_t.reshape(B, H, C, D), lse_t.reshape(B, H, C)
@@ -173,9 +183,13 @@ class _ChunkAttention(torch.autograd.Function):
             acc = acc * torch.exp(m - m_safe).unsqueeze(-1) + o_t * torch.exp(lse_t - m_safe).unsqueeze(-1)
             m = m_new
         # acc is the normalised output; m the log-sum-exp. Rows with no valid key: 0 and -inf.
-        empty = m == _NEG_INF
-        out = acc.masked_fill(empty.unsqueeze(-1), 0.0).to(q.dtype)
-        lse = m.masked_fill(empty, float("inf"))  # +inf: exp(s - lse) = 0 in backward
+        # Without padding every row sees at least its own key. acc is a fresh tensor (a kernel's
+        # output or the merge's), so it is zeroed in place rather than copied.
+        if key_valid is not None:
+            empty = m == _NEG_INF
+            acc.masked_fill_(empty.unsqueeze(-1), 0.0)
+            m = m.masked_fill(empty, float("inf"))  # +inf: exp(s - lse) = 0 in backward
+        out, lse = acc.to(q.dtype), m
         ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, out, lse)
         ctx.scale, ctx.block, ctx.kernel, ctx.sinks, ctx.sink_own = scale, block, kernel, (sink_k, sink_v), sink_own
         return out
@@ -194,29 +208,37 @@ class _ChunkAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         stacked = (q.reshape(B, Hkv, R * C, D), grad_out.reshape(B, Hkv, R * C, D), out.reshape(B, Hkv, R * C, D))
         lse_stacked = lse.reshape(B, Hkv, R * C)
-        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        dk = None if ctx.sink_own else torch.zeros(k.shape, dtype=cdt, device=k.device)
-        dv = None if ctx.sink_own else torch.zeros(v.shape, dtype=cdt, device=v.device)
+        # The first tile's gradients become the accumulators (kernel outputs are fresh tensors); dK/dV
+        # need zeroed buffers only when several tiles cover the chunk's own keys.
+        dq = None
+        dk = dv = None
+        if not ctx.sink_own and K > C:
+            dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+            dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
         for src, a, b, causal, offset in _tiles(S, K, C, block):
             if src == 0 and sink_k is None:
                 continue
             kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
             if causal:
                 dq_t, dk_t, dv_t = tile_backward(
-                    grad_out, q, kt.repeat_interleave(R, 1), vt.repeat_interleave(R, 1), out, lse, True, valid, scale
+                    grad_out, q, _repeat_heads(kt, R), _repeat_heads(vt, R), out, lse, True, valid, scale
                 )
-                dk_t = dk_t.reshape(B, Hkv, R, b - a, D).sum(2)
-                dv_t = dv_t.reshape(B, Hkv, R, b - a, D).sum(2)
+                dk_t, dv_t = _sum_heads(dk_t, R), _sum_heads(dv_t, R)
             else:
                 dq_t, dk_t, dv_t = tile_backward(
                     stacked[1], stacked[0], kt, vt, stacked[2], lse_stacked, False, valid, scale
                 )
                 dq_t = dq_t.reshape(B, H, C, D)
-            dq += dq_t
+            if dq is None:
+                dq = dq_t.to(cdt)
+            else:
+                dq += dq_t
             if src == 0 or ctx.sink_own:
                 a_sink = a if src == 0 else S + a
                 sink_k[:, :, a_sink : a_sink + b - a] += dk_t.to(sink_k.dtype)
                 sink_v[:, :, a_sink : a_sink + b - a] += dv_t.to(sink_v.dtype)
+            elif dk is None:  # the diagonal tile covers all own keys (K == C)
+                dk, dv = dk_t, dv_t
             else:
                 dk[:, :, a:b] += dk_t
                 dv[:, :, a:b] += dv_t
