@@ -139,7 +139,7 @@ def _prepare(method, seq_len):
 def _set_budget(budget_mib):
     """Caps further address-space growth of this process at ``budget_mib`` MiB."""
     with open("/proc/self/status") as f:
-        vm_kib = next(int(l.split()[1]) for l in f if l.startswith("VmSize:"))
+        vm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
     limit = vm_kib * 1024 + int(budget_mib * 2**20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
@@ -181,7 +181,7 @@ def _spawn(method, seq_len, budget_mib, timeout_s, mmap_threshold=None):
             return json.loads(line)
     if proc.returncode < 0:  # killed by a signal: SIGKILL here is almost always the OOM killer
         return {**fail, "error": f"killed by signal {-proc.returncode} (OOM?)"}
-    tail = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    tail = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     return {**fail, "error": tail[-1] if tail else f"exit code {proc.returncode}"}
 
 
@@ -219,7 +219,7 @@ def write_png(rows, methods, seq_lens, path):
         pts = [(r["seq_len"], r["peak_mib_median"]) for r in rows
                if r["method"] == method and r["peak_mib_median"] != ""]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=method)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=method)
     ax.set_xscale("log", base=2)
     ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
     ax.set_yscale("log")  # stock and chunked methods differ by over 10x: linear hides the latter
