@@ -74,3 +74,15 @@ def test_benchmark_runner_smoke_suite(tmp_path):
     assert all(not r["error"] and float(r["peak_mib"]) > 0 and float(r["tokens_per_s"]) > 0 for r in rows), rows
     assert abs(float(rows[0]["loss"]) - float(rows[1]["loss"])) < 1e-4  # same model, same data
     assert Path(f"{out}.png").stat().st_size > 0 and "Tokens per second" in Path(f"{out}.md").read_text()
+
+
+@pytest.mark.slow
+def test_sp_memory_benchmark_smoke(tmp_path):
+    """``benchmarks.sp_memory --smoke``: 2 gloo ranks per point; every method trains the same loss."""
+    rows = _run_module(tmp_path / "sp", "benchmarks.sp_memory", "--smoke", "--sp", "2")
+    assert rows and all(not r["error"] and float(r["peak_mib_median"]) > 0 for r in rows), rows
+    by_len = {}
+    for r in rows:
+        by_len.setdefault(r["seq_len"], set()).add(round(float(r["loss"]), 4))
+    assert all(len(losses) == 1 for losses in by_len.values()), by_len  # alst_sp, mst_sp, streambp_sp agree
+    assert {r["method"] for r in rows} == {"alst_sp", "mst_sp", "streambp_sp"}
