@@ -99,8 +99,8 @@ class Suite:
 
 
 SUITES = {
-    # Sized for a 2-core CI-class machine: the budget leaves ~250 MiB for activations
-    # after the ~520 MiB of gradients and AdamW states, so every search ends below ~16K tokens.
+    # Sized for a 2-core CI-class machine: the budget leaves ~500 MiB for activations after the
+    # ~520 MiB of gradients and AdamW states, so every search ends below ~32K tokens.
     "cpu": Suite(
         MODEL_SHAPE,
         "float32",
@@ -109,7 +109,7 @@ SUITES = {
         ("stock", "hf_gc", "alst", "mst", "streambp"),
         (1024, 65536),
         1024,
-        768.0,
+        1024.0,
     ),
     "gpu": Suite(
         LLAMA3_8B,
