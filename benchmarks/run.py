@@ -346,15 +346,17 @@ def spawn(suite_name, method, seq_len, budget_mib, warmup, steps, timeout_s) -> 
     return {**fail, "error": tail[-1][:200] if tail else f"exit code {proc.returncode}"}
 
 
-def search_max_len(suite_name: str, method: str, budget_mib, timeout_s, log) -> tuple[int | None, list[dict]]:
+def search_max_len(
+    suite_name: str, method: str, budget_mib, timeout_s, log, search_range=None, granularity=None
+) -> tuple[int | None, list[dict]]:
     """Largest length (a multiple of the suite's granularity) whose first training step fits the budget.
 
     Doubles from the range's low end until a step fails or the high end passes, then bisects.
     Only out-of-memory failures count as "too long"; any other error stops the search and is reported.
     """
     suite = SUITES[suite_name]
-    lo, hi = suite.search_range
-    g = suite.granularity
+    lo, hi = search_range or suite.search_range
+    g = granularity or suite.granularity
     probes = []
 
     def fits(n):
@@ -550,6 +552,16 @@ def main(argv=None):
         help="CPU memory budget per child for the max-length search (default: the suite's)",
     )
     p.add_argument("--no-search", action="store_true", help="skip the max-length search")
+    p.add_argument("--no-grid", action="store_true", help="only the max-length search")
+    p.add_argument(
+        "--search-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="tokens: the search starts at LO and doubles up to HI (default: the suite's)",
+    )
+    p.add_argument("--granularity", type=int, default=None, help="search resolution in tokens (default: the suite's)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
     p.add_argument(
         "--out", default=None, help="output prefix for .csv/.png/.md (default benchmarks/results/<suite>_suite)"
@@ -575,7 +587,7 @@ def main(argv=None):
     out = args.out or f"benchmarks/results/{args.suite}_suite"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    points = [(s, m) for s in seq_lens for m in methods]
+    points = [] if args.no_grid else [(s, m) for s in seq_lens for m in methods]
     bar = tqdm(points, desc=f"{args.suite} suite", unit="pt")
     for seq_len, method in bar:
         bar.set_postfix_str(f"{method}@{seq_len}")
@@ -599,6 +611,8 @@ def main(argv=None):
                 None if suite.engine == "deepspeed" and not budget else budget,
                 args.timeout,
                 tqdm.write,
+                args.search_range,
+                args.granularity,
             )
             row = dict.fromkeys(CSV_COLUMNS, "")
             row.update(
