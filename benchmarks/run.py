@@ -108,7 +108,7 @@ SUITES = {
         (1024, 2048, 4096, 8192),
         ("stock", "hf_gc", "alst", "mst", "streambp"),
         (1024, 65536),
-        1024,
+        8192,  # coarse: each probe near 32K tokens is a multi-minute CPU step
         1024.0,
     ),
     "gpu": Suite(
