@@ -73,12 +73,19 @@ def _alst_mlp_forward(self, x):
 def _alst_loss(model, input_ids, labels):
     """Mean causal-LM loss via TiledFusedLogitsLoss, never materialising full logits."""
     import torch.nn.functional as F
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
     hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
     # Shift once, HF style: pad with -100 so targets keep the hidden states' length.
     shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
     n_valid = (shift_labels != -100).sum().clamp(min=1)
+    return tiled_fused_loss(model, hidden, shift_labels, n_valid, LOSS_TOKENS_PER_CHUNK)
+
+
+def tiled_fused_loss(model, hidden, shift_labels, n_valid, tokens_per_tile):
+    """sum(cross entropy of ``model.lm_head(hidden)`` vs ``shift_labels``) / ``n_valid``, computed by
+    DeepSpeed's TiledFusedLogitsLoss in tiles of ``tokens_per_tile`` tokens (no full logits)."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
     def loss_fn(lm_head, x, y):
         # Divide inside the tile rather than after TiledFusedLogitsLoss: it runs the
@@ -87,7 +94,7 @@ def _alst_loss(model, input_ids, labels):
         logits = lm_head(x).float()
         return F.cross_entropy(logits, y, ignore_index=-100, reduction="sum") / n_valid
 
-    shards = max(1, math.ceil(hidden.shape[1] / LOSS_TOKENS_PER_CHUNK))
+    shards = max(1, math.ceil(hidden.shape[1] / tokens_per_tile))
     return TiledFusedLogitsLoss.apply(loss_fn, model.lm_head, hidden, shift_labels, None,
                                       shards, [model.lm_head.weight], "sum")
 

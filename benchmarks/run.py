@@ -152,12 +152,13 @@ CSV_COLUMNS = (
 )
 
 
-def _long_seq(method: str, suite: Suite) -> dict:
+def _long_seq(method: str, suite: Suite, seq_len: int) -> dict:
     base = method.removesuffix("_offload")
     loss = {"enabled": True, "chunk_size": LOSS_TOKENS_PER_CHUNK}
     if base == "mst":
-        # as many MLP chunks as ALST's TiledMLP tiles: ceil(T / hidden) (set per length in _build)
-        return {"mini_seq": {"enabled": True, "mlp_num_chunks": 8}, "lm_head": loss}
+        # as many MLP chunks as ALST's TiledMLP tiles: ceil(T / hidden)
+        num_chunks = max(1, math.ceil(seq_len / suite.shape["hidden_size"]))
+        return {"mini_seq": {"enabled": True, "mlp_num_chunks": num_chunks}, "lm_head": loss}
     if base == "streambp":
         return {
             "streambp": {"enabled": True, "chunk_size": suite.chunk_size, "kv_block_size": suite.chunk_size},
@@ -189,9 +190,7 @@ def _build(suite: Suite, method: str, seq_len: int):
 
         for layer in model.model.layers:
             layer.mlp.forward = types.MethodType(_alst_mlp_forward, layer.mlp)
-    long_seq = _long_seq(method, suite)
-    if base == "mst":
-        long_seq["mini_seq"]["mlp_num_chunks"] = max(1, math.ceil(seq_len / suite.shape["hidden_size"]))
+    long_seq = _long_seq(method, suite, seq_len)
     ids = torch.randint(0, suite.shape["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(SEED + 1))
     offload = torch.autograd.graph.save_on_cpu(pin_memory=cuda) if method.endswith("_offload") else None
 

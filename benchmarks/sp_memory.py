@@ -52,6 +52,7 @@ from benchmarks.memory import (
     _alst_mlp_forward,
     _maxrss_mib,
     _version,
+    tiled_fused_loss,
 )
 
 METHODS = ("alst_sp", "mst_sp", "streambp_sp")
@@ -110,21 +111,11 @@ def _alst_sp_loss(model, input_ids, position_ids, shift_labels, n_valid_global, 
     """This rank's share of the group's mean loss: (local loss sum) / (global valid-token count).
 
     Summing the ranks' gradients then gives the gradient of the group mean. The division sits
-    inside the tile (see ``benchmarks.memory._alst_loss``): TiledFusedLogitsLoss runs the lm_head
-    backward during its forward with an incoming gradient of 1.
+    inside the tile (see ``benchmarks.memory.tiled_fused_loss``): TiledFusedLogitsLoss runs the
+    lm_head backward during its forward with an incoming gradient of 1.
     """
-    import torch.nn.functional as F
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
-
     hidden = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-
-    def loss_fn(lm_head, x, y):
-        logits = lm_head(x).float()
-        return F.cross_entropy(logits, y, ignore_index=-100, reduction="sum") / n_valid_global
-
-    shards = max(1, math.ceil(hidden.shape[1] / tokens_per_tile))
-    return TiledFusedLogitsLoss.apply(loss_fn, model.lm_head, hidden, shift_labels, None,
-                                      shards, [model.lm_head.weight], "sum")
+    return tiled_fused_loss(model, hidden, shift_labels, n_valid_global, tokens_per_tile)
 
 
 def _alst_shard(input_ids, rank, sp):

@@ -182,6 +182,7 @@ def initialize(
     if config is None:
         raise ValueError("ds_longseq.engine.initialize needs a DeepSpeed config: pass config= (path or dict)")
     ds_config, long_seq = split_config(config)
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     sp_group = None
     if long_seq.sequence_parallel.enabled:
         if mpu is not None:
@@ -201,7 +202,7 @@ def initialize(
             )
     elif long_seq.any_enabled:
         enable(model, long_seq, sp_group=sp_group)
-    if long_seq.any_enabled and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+    if long_seq.any_enabled and zero_stage == 3:
         mark_zero3_leaves(model)
     outputs = deepspeed.initialize(
         args=args,
@@ -217,6 +218,6 @@ def initialize(
         config=ds_config,
         **kwargs,
     )
-    if long_seq.sequence_parallel.enabled and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+    if long_seq.sequence_parallel.enabled and zero_stage == 3:
         fix_zero3_sequence_parallel_average(outputs[0].optimizer, long_seq.sequence_parallel.size)
     return outputs
