@@ -49,9 +49,10 @@ class StreamBPConfig:
     chunk_size: int = 1024
     """Tokens per chunk of the query sequence, in forward and in backward. The last chunk may be
     shorter; a sequence shorter than ``chunk_size`` is one chunk."""
-    kv_block_size: int = 1024
-    """Keys per tile inside the chunk attention kernel. Bounds the attention scores held at once
-    to (B, H, chunk_size, kv_block_size); larger tiles mean fewer, bigger matmuls."""
+    kv_block_size: int | None = None
+    """Keys per tile inside the chunk attention kernel. None (default): the whole prefix in one
+    tile on CUDA (the fused kernels hold no score tile, and one call per chunk is fastest), 1024
+    keys on CPU, where a tile bounds the scores held at once to (B, H, chunk_size, kv_block_size)."""
 
 
 @dataclass
@@ -178,6 +179,8 @@ class LongSeqConfig:
                 if f.name == "enabled":
                     if not isinstance(value, bool):
                         problems.append(f"{where} must be true or false, got {value!r}")
+                elif value is None and f.default is None:
+                    continue  # an optional size left to its device default
                 elif not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{where} must be a positive integer, got {value!r}")
                 elif value <= 0:

@@ -9,10 +9,13 @@ from ds_longseq import LongSeqConfig, LongSeqConfigError
 
 def test_defaults_and_round_trip():
     cfg = LongSeqConfig.from_dict({"streambp": {"enabled": True, "chunk_size": 512}, "lm_head": {"enabled": True}})
-    assert cfg.streambp.enabled and cfg.streambp.chunk_size == 512 and cfg.streambp.kv_block_size == 1024
+    assert cfg.streambp.enabled and cfg.streambp.chunk_size == 512 and cfg.streambp.kv_block_size is None
     assert cfg.lm_head.chunk_size == 1024 and not cfg.mini_seq.enabled
     assert LongSeqConfig.from_dict(cfg.to_dict()) == cfg
     assert LongSeqConfig.from_dict(None) == LongSeqConfig() and not LongSeqConfig().any_enabled
+    assert LongSeqConfig.from_dict({"streambp": {"enabled": True, "kv_block_size": 256}}).streambp.kv_block_size == 256
+    with pytest.raises(LongSeqConfigError, match="kv_block_size must be a positive integer"):
+        LongSeqConfig.from_dict({"streambp": {"enabled": True, "kv_block_size": 0}})
 
 
 def test_every_problem_is_listed_in_one_error():

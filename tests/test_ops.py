@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_longseq.ops import chunk_causal_attention, chunked_lm_head_loss, mini_sequence_apply, shift_causal_labels
+from ds_longseq.ops.attention import KERNELS, TileMask, attention_kernel_for, kernel_chain
 
 DT = torch.float64
 
@@ -178,3 +179,73 @@ def test_chunked_lm_head_holds_one_chunk_of_logits_at_a_time():
                 loss.backward()
         assert chunk * V // 2 <= tracker.largest <= chunk * V, (phase, tracker.largest)  # the check sees the chunks
         assert tracker.max_live == 1, (phase, tracker.max_live)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_lm_head_weight_grad_has_no_per_chunk_temporaries(dtype):
+    """The (V x d) weight gradient is accumulated in place in float32: backward allocates the
+    accumulator and (for half precision) its final cast, whatever the number of chunks; no chunk's
+    share is rounded through a half-precision (V x d) temporary."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    V, d, T, chunk = 97, 8, 300, 16
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.weight_sized = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            flat = torch.utils._pytree.tree_leaves((args, kwargs))
+            inputs = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                # new storage only: views and in-place results of an input allocate nothing
+                if isinstance(t, torch.Tensor) and t.numel() == V * d and t.untyped_storage().data_ptr() not in inputs:
+                    self.weight_sized.append((str(func), t.dtype))
+            return out
+
+    hidden = torch.randn(1, T, d, dtype=dtype, requires_grad=True)
+    weight = torch.randn(V, d, dtype=dtype, requires_grad=True)
+    targets = shift_causal_labels(torch.randint(0, V, (1, T)))
+    loss, _ = chunked_lm_head_loss(hidden, weight, targets, chunk_size=chunk)
+    sizes = Sizes()
+    with sizes:
+        loss.backward()
+    expected = 1 if dtype == torch.float32 else 2  # the float32 accumulator (+ its cast to bf16)
+    assert len(sizes.weight_sized) == expected, sizes.weight_sized
+    # and the float32 sum over chunks is what one float32 GEMM of the rounded chunk gradients gives
+    h32, w32 = hidden.detach().float(), weight.detach().float()
+    logits = (h32 @ w32.t()).to(dtype).float()[0, :-1]
+    dl = (torch.softmax(logits, -1) - F.one_hot(targets[0, :-1], V)).to(dtype).float()
+    torch.testing.assert_close(weight.grad.float(), (dl.t() @ h32[0, :-1]).to(dtype).float(), rtol=2e-2, atol=1e-2)
+
+
+def test_attention_kernel_choice_and_clear_refusals():
+    q, k, v = _qkv()
+    assert attention_kernel_for(q) == "cpu_flash" and kernel_chain("cpu") == ("cpu_flash", "math")
+    assert kernel_chain("cuda") == ("cuda_flash", "cuda_efficient", "math")
+    assert KERNELS["cuda_flash"].refuses(q, TileMask(False)) == "tensors on cpu, not CUDA"
+    # a kernel named explicitly that cannot take the tile is an error naming why and the fallback
+    with pytest.raises(ValueError, match="'cuda_efficient' cannot take this tile: tensors on cpu"):
+        chunk_causal_attention(q, k, v, scale=0.3, kernel="cuda_efficient")
+    with pytest.raises(ValueError, match="unknown attention kernel 'flash3'"):
+        chunk_causal_attention(q, k, v, scale=0.3, kernel="flash3")
+    with pytest.raises(ValueError, match="different dtypes"):
+        chunk_causal_attention(q.float(), k.float(), v.to(torch.bfloat16), scale=0.3)
+
+
+def test_attention_under_autocast_runs_in_the_autocast_dtype_like_sdpa():
+    q, k, v = (t.detach().float().requires_grad_() for t in _qkv(C=37, K=37))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # float32 q with a bf16 k, as a layer under autocast produces (RoPE promotes, projections don't)
+        ours = chunk_causal_attention(q, k.to(torch.bfloat16), v, scale=8**-0.5, kv_block_size=5)
+        ref = F.scaled_dot_product_attention(
+            q, k.to(torch.bfloat16), v, is_causal=True, enable_gqa=True, scale=8**-0.5
+        )
+    assert ours.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)  # bf16 rounding of merged tiles
+    go = torch.randn_like(ref)
+    for g, r in zip(torch.autograd.grad(ours, (q, v), go), torch.autograd.grad(ref, (q, v), go), strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)

@@ -27,7 +27,6 @@ __all__ = ["ATTN_IMPLEMENTATION", "AttnSpec", "longseq_attention", "longseq_mask
 
 ATTN_IMPLEMENTATION = "ds_longseq"
 SPEC_KWARG = "ds_longseq"
-DEFAULT_KV_BLOCK_SIZE = 1024
 
 
 @dataclass
@@ -36,8 +35,8 @@ class AttnSpec:
 
     stream: KVStream | GlobalKVStream | None
     """The chunk's stream (prefix keys and their gradient sink); None outside a StreamBP chunk loop."""
-    kv_block_size: int
-    """Keys per attention tile."""
+    kv_block_size: int | None
+    """Keys per attention tile; None: the device default (the whole prefix on CUDA, 1024 on CPU)."""
     sp: "ShardContext | None" = None
     """Sequence-parallel state of this forward (Ulysses exchange, global padding mask), or None."""
 
@@ -91,7 +90,7 @@ def longseq_attention(
             "most the window, or set config.sliding_window=None if the model was trained with full attention."
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    kv_block_size = spec.kv_block_size if spec is not None else DEFAULT_KV_BLOCK_SIZE
+    kv_block_size = spec.kv_block_size if spec is not None else None
     if sp is not None:  # the mask passed in is this rank's slice; sp.key_valid is the global one
         if stream is not None:
             out = ulysses_chunk_attention(

@@ -2,7 +2,8 @@
 
 Holds:
     chunk_causal_attention: the public op.
-    attention_kernel_for: which per-tile kernel a tensor runs on ("cpu_flash" or "math").
+    TileMask: what one tile's kernel must apply (the causal diagonal, padding).
+    TileKernel, KERNELS: the per-tile kernels; kernel_chain / attention_kernel_for: which one runs.
 
 Shape legend: B batch, H query heads, Hkv key/value heads (H = Hkv * R, GQA), C query chunk,
 S key prefix, K keys of the chunk itself, D head dim.
@@ -10,17 +11,43 @@ S key prefix, K keys of the chunk itself, D head dim.
 The queries are the LAST C positions of the S + K keys (bottom-right aligned causal mask): query i
 sits at global key index S + K - C + i and attends keys [0, S + K - C + i]. That covers both a
 StreamBP chunk (K == C, the prefix holds earlier chunks' keys) and generation with a KV cache
-(S == 0, K >= C). The keys are split into tiles: "full" tiles that every query sees (only the
-padding mask applies; GQA query heads are stacked along rows, so K/V are never repeated) and one
-square "diagonal" tile over the last C keys with a top-left causal mask (square, so top-left and
-bottom-right agree). No mask over the whole key range is ever built: a padding mask is a
-(B, 1, 1, tile) additive bias.
+(S == 0, K >= C). For S = 5, K = C = 3 (``x`` = attended)::
+
+        keys:  0 1 2 3 4 | 5 6 7
+    query 0:   x x x x x | x . .
+    query 1:   x x x x x | x x .
+    query 2:   x x x x x | x x x
+               "full" tiles | square "diagonal" tile
+
+The keys are split into tiles: "full" tiles that every query sees (only the padding mask applies;
+GQA query heads are stacked along rows, so K/V are never repeated) and one square "diagonal" tile
+over the last C keys with a causal mask (square, so top-left and bottom-right agree). No mask over
+the whole key range is ever built: a padding mask is a (B, 1, 1, tile) additive bias.
 
 Each tile runs a kernel that returns its output and row log-sum-exp; tiles are merged exactly by
 log-sum-exp (as ring attention merges blocks). Backward calls each tile's kernel backward with the
 FINAL output and log-sum-exp, which yields exactly that tile's share of dQ, dK, dV
-(FlashAttention-2's recompute backward). Kernels: torch's fused CPU flash-attention op
-("cpu_flash"), or a pure-PyTorch tile ("math": any device, scores of one tile at a time).
+(FlashAttention-2's recompute backward; torch's own ring attention does the same).
+
+Kernels, chosen per tile by what the tile needs (:func:`kernel_chain`):
+    "cuda_flash":     torch's FlashAttention-2 op (``aten._scaled_dot_product_flash_attention`` and
+                      its backward): CUDA, fp16/bf16, no padding in the tile, head dim a multiple
+                      of 8 up to 256; native GQA on the diagonal tile (no K/V repeat).
+    "cuda_efficient": torch's memory-efficient op (``aten._efficient_attention_forward`` /
+                      ``_backward``): CUDA, fp16/bf16/fp32, padding as an additive bias broadcast
+                      over heads and rows by stride 0.
+    "cpu_flash":      torch's fused CPU flash-attention op.
+    "math":           pure PyTorch on any device and dtype, one tile of scores at a time: the
+                      reference the fused kernels are tested against, and the last fallback.
+"auto" walks the device's chain (CUDA: cuda_flash, cuda_efficient, math; CPU: cpu_flash, math)
+and runs the first kernel that accepts the tile, so a dtype, head dim or mask a kernel cannot take
+goes to the next kernel, never to a wrong result. A kernel named explicitly that cannot take a tile
+is an error. On CUDA the default tile covers the whole prefix (the fused kernels hold no score
+tile); on CPU it is 1024 keys.
+
+Autocast: like ``scaled_dot_product_attention``, the op runs in the autocast dtype when autocast is
+on for the tensors' device (float32 inputs are cast; float64 stays), and its kernels run with
+autocast off.
 
 The prefix keys/values are constants of this op. Their gradients, when wanted, are ADDED IN PLACE
 into caller-owned buffers (``prefix_grad_sink``): StreamBP accumulates dK/dV of the whole sequence
@@ -30,30 +57,69 @@ allocation per chunk.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["chunk_causal_attention", "attention_kernel_for"]
+__all__ = [
+    "chunk_causal_attention",
+    "attention_kernel_for",
+    "kernel_chain",
+    "TileMask",
+    "TileKernel",
+    "KERNELS",
+    "CPU_KV_BLOCK_SIZE",
+]
 
 _NEG_INF = float("-inf")
+CPU_KV_BLOCK_SIZE = 1024
+"""Default keys per full tile on CPU (the fused CPU kernel and the math tile hold a score tile)."""
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half-precision tiles are merged in float32, as flash-attention accumulates.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return torch.float32 if dtype in _HALF else dtype
 
 
-def attention_kernel_for(t: torch.Tensor, requested: str = "auto") -> str:
-    """The tile kernel used for tensors like ``t``: "cpu_flash" on CPU, else "math"."""
-    if requested != "auto":
-        return requested
-    return "cpu_flash" if t.device.type == "cpu" else "math"
+@dataclass(frozen=True)
+class TileMask:
+    """What a tile's kernel applies besides the softmax scale.
+
+    New mask kinds (document segments, a sliding window, a logit softcap) become fields here; each
+    kernel's :meth:`TileKernel.refuses` then names what it cannot apply and the chain moves on.
+    """
+
+    causal: bool
+    """Square tile over the chunk's own keys: query row i sees keys [0, i]."""
+    valid: torch.Tensor | None = None
+    """(B, n) bool, False for the tile's padding keys; None when every key is real."""
 
 
-# --- tile kernels -------------------------------------------------------------------------------
-# forward(q (B,h,r,D), k (B,h,n,D), v, causal, valid (B,n)|None, scale) -> (o (B,h,r,D), lse (B,h,r))
-#   lse is -inf on rows that see no valid key (their o is 0).
-# backward(do, q, k, v, out, lse, causal, valid, scale) -> (dq, dk, dv), where out/lse are the FINAL
-#   merged output and log-sum-exp, lse = +inf on rows without any valid key (their p is 0).
+class TileKernel:
+    """One tile's attention, forward and backward.
+
+    ``forward(q (B,h,r,D), k (B,hk,n,D), v, mask, scale) -> (o (B,h,r,D), lse (B,h,r))``: ``hk == h``
+    unless the kernel has ``native_gqa`` and the tile is causal. ``lse`` is -inf and ``o`` is 0 on
+    rows that see no valid key.
+
+    ``backward(do, q, k, v, out, lse, mask, scale) -> (dq, dk, dv)``: ``out``/``lse`` are the FINAL
+    merged output and log-sum-exp (``lse`` = +inf on rows without a valid key, so their p is 0);
+    the result is this tile's share of the gradients, dk/dv with k's heads.
+    """
+
+    name = ""
+    native_gqa = False
+
+    def refuses(self, q: torch.Tensor, mask: TileMask) -> str | None:
+        """Why this kernel cannot take the tile, or None when it can."""
+        raise NotImplementedError
+
+    def forward(self, q, k, v, mask: TileMask, scale: float):
+        raise NotImplementedError
+
+    def backward(self, do, q, k, v, out, lse, mask: TileMask, scale: float):
+        raise NotImplementedError
 
 
 def _empty_rows(valid: torch.Tensor | None, causal: bool, rows: int, heads: int) -> torch.Tensor | None:
@@ -67,6 +133,14 @@ def _empty_rows(valid: torch.Tensor | None, causal: bool, rows: int, heads: int)
     return (~valid.any(-1)).view(B, 1, 1).expand(B, heads, rows)
 
 
+def _mask_empty_rows(o, lse, mask: TileMask):
+    # Fused kernels report lse = 0 (CPU) or leave undefined values on rows with no valid key.
+    empty = _empty_rows(mask.valid, mask.causal, o.shape[2], o.shape[1])
+    if empty is None:
+        return o, lse
+    return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, _NEG_INF)
+
+
 def _bias(valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if valid is None:
         return None
@@ -74,55 +148,193 @@ def _bias(valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None
     return torch.zeros((B, 1, 1, n), dtype=dtype, device=valid.device).masked_fill(~valid.view(B, 1, 1, n), _NEG_INF)
 
 
-def _cpu_flash_forward(q, k, v, causal, valid, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=_bias(valid, q.dtype), scale=scale
-    )
-    empty = _empty_rows(valid, causal, q.shape[2], q.shape[1])
-    if empty is not None:  # the kernel reports lse = 0 for rows with no valid key
-        lse = lse.masked_fill(empty, _NEG_INF)
-    return out, lse
+class _CpuFlash(TileKernel):
+    name = "cpu_flash"
+
+    def refuses(self, q, mask):
+        if q.device.type != "cpu":
+            return f"tensors on {q.device.type}, not the CPU"
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            return f"dtype {q.dtype}"
+        return None
+
+    def forward(self, q, k, v, mask, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, mask.causal, attn_mask=_bias(mask.valid, q.dtype), scale=scale
+        )
+        return _mask_empty_rows(out, lse, mask)
+
+    def backward(self, do, q, k, v, out, lse, mask, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, mask.causal, attn_mask=_bias(mask.valid, q.dtype), scale=scale
+        )
 
 
-def _cpu_flash_backward(do, q, k, v, out, lse, causal, valid, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        do, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(valid, q.dtype), scale=scale
-    )
+# The fused CUDA ops return dropout RNG state that their backward takes back. Dropout is always 0
+# here, so the values are never read, but the backward still needs tensors of the right kind: the
+# last forward's are kept per device instead of being saved per tile.
+_RNG_STATE: dict[tuple[str, torch.device], tuple] = {}
 
 
-def _math_scores(q, k, causal, valid, scale):
+def _cuda_refuses(q: torch.Tensor, dtypes: tuple, what: str) -> str | None:
+    if q.device.type != "cuda":
+        return f"tensors on {q.device.type}, not CUDA"
+    if q.dtype not in dtypes:
+        return f"{what} takes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}, not {q.dtype}"
+    return None
+
+
+class _CudaFlash(TileKernel):
+    """FlashAttention-2 as built into torch; is_causal on a square tile."""
+
+    name = "cuda_flash"
+    native_gqa = True
+
+    def refuses(self, q, mask):
+        why = _cuda_refuses(q, _HALF, "flash attention")
+        if why:
+            return why
+        if mask.valid is not None:
+            return "the tile has padding (flash attention takes no mask)"
+        D = q.shape[-1]
+        if D % 8 or D > 256:
+            return f"head dim {D} (flash attention needs a multiple of 8, at most 256)"
+        if torch.cuda.get_device_capability(q.device) < (8, 0):
+            return "flash attention needs an sm80+ GPU"
+        return None
+
+    def forward(self, q, k, v, mask, scale):
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, mask.causal, False, scale=scale)
+        # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)
+        _RNG_STATE[("flash", q.device)] = (res[2], res[3], res[6], res[7])
+        return res[0], res[1]
+
+    def backward(self, do, q, k, v, out, lse, mask, scale):
+        cum_q, cum_k, rng, unused = _RNG_STATE[("flash", q.device)]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q, cum_k, q.shape[2], k.shape[2],
+            0.0, mask.causal, rng, unused, scale=scale,
+        )
+
+
+def _efficient_bias(valid: torch.Tensor | None, dtype: torch.dtype, heads: int, rows: int) -> torch.Tensor | None:
+    """(B, heads, rows, n) additive bias as a stride-0 view of one (B, n) row per sequence."""
+    if valid is None:
+        return None
+    B, n = valid.shape
+    # The kernel wants the batch stride aligned (16 elements covers every dtype it takes).
+    storage = torch.zeros((B, 1, 1, -(-n // 16) * 16), dtype=dtype, device=valid.device)
+    bias = storage[..., :n]
+    bias.masked_fill_(~valid.view(B, 1, 1, n), _NEG_INF)
+    return bias.expand(B, heads, rows, n)
+
+
+class _CudaEfficient(TileKernel):
+    """The memory-efficient (CUTLASS) kernel torch ships; takes an additive bias and float32."""
+
+    name = "cuda_efficient"
+
+    def refuses(self, q, mask):
+        why = _cuda_refuses(q, (*_HALF, torch.float32), "the memory-efficient kernel")
+        if why:
+            return why
+        if q.shape[-1] % 8:
+            return f"head dim {q.shape[-1]} (the memory-efficient kernel wants a multiple of 8)"
+        return None
+
+    def forward(self, q, k, v, mask, scale):
+        B, h, r, _ = q.shape
+        res = torch.ops.aten._efficient_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _efficient_bias(mask.valid, q.dtype, h, r),
+            None, None, None, None, 0.0, 1 if mask.causal else 0, True, scale=scale,
+        )
+        _RNG_STATE[("efficient", q.device)] = (res[2], res[3])
+        # logsumexp comes padded to a multiple of 32 rows
+        return _mask_empty_rows(res[0].transpose(1, 2), res[1][:, :, :r], mask)
+
+    def backward(self, do, q, k, v, out, lse, mask, scale):
+        B, h, r, _ = q.shape
+        seed, offset = _RNG_STATE[("efficient", q.device)]
+        lse_padded = torch.zeros((B, h, -(-r // 32) * 32), dtype=torch.float32, device=q.device)
+        lse_padded[:, :, :r] = lse
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            do.transpose(1, 2).contiguous(), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            _efficient_bias(mask.valid, q.dtype, h, r), out.transpose(1, 2).contiguous(), None, None, r, k.shape[2],
+            lse_padded, 0.0, seed, offset, 1 if mask.causal else 0, False, scale=scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _math_scores(q, k, mask, scale):
     cdt = _compute_dtype(q.dtype)
     scores = (q.to(cdt) * scale) @ k.to(cdt).transpose(-1, -2)
     keep = None
-    if causal:
+    if mask.causal:
         n = k.shape[2]
         keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().view(1, 1, n, n)
-    if valid is not None:
-        pad = valid.view(valid.shape[0], 1, 1, -1)
+    if mask.valid is not None:
+        pad = mask.valid.view(mask.valid.shape[0], 1, 1, -1)
         keep = pad if keep is None else keep & pad
     return scores if keep is None else scores.masked_fill(~keep, _NEG_INF)
 
 
-def _math_forward(q, k, v, causal, valid, scale):
-    scores = _math_scores(q, k, causal, valid, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1))
-    return p @ v.to(p.dtype), lse
+class _Math(TileKernel):
+    name = "math"
+
+    def refuses(self, q, mask):
+        return None
+
+    def forward(self, q, k, v, mask, scale):
+        scores = _math_scores(q, k, mask, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1))
+        return p @ v.to(p.dtype), lse
+
+    def backward(self, do, q, k, v, out, lse, mask, scale):
+        cdt = _compute_dtype(q.dtype)
+        p = torch.exp(_math_scores(q, k, mask, scale) - lse.to(cdt).unsqueeze(-1))
+        do, out = do.to(cdt), out.to(cdt)
+        delta = (do * out).sum(-1, keepdim=True)  # the softmax-backward correction per row
+        ds = p * (do @ v.to(cdt).transpose(-1, -2) - delta)
+        dq = (ds @ k.to(cdt)) * scale
+        dk = (ds.transpose(-1, -2) @ q.to(cdt)) * scale
+        dv = p.transpose(-1, -2) @ do
+        return dq, dk, dv
 
 
-def _math_backward(do, q, k, v, out, lse, causal, valid, scale):
-    cdt = _compute_dtype(q.dtype)
-    p = torch.exp(_math_scores(q, k, causal, valid, scale) - lse.to(cdt).unsqueeze(-1))
-    do, out = do.to(cdt), out.to(cdt)
-    delta = (do * out).sum(-1, keepdim=True)  # the softmax-backward correction per row
-    ds = p * (do @ v.to(cdt).transpose(-1, -2) - delta)
-    dq = (ds @ k.to(cdt)) * scale
-    dk = (ds.transpose(-1, -2) @ q.to(cdt)) * scale
-    dv = p.transpose(-1, -2) @ do
-    return dq, dk, dv
+KERNELS: dict[str, TileKernel] = {k.name: k for k in (_CudaFlash(), _CudaEfficient(), _CpuFlash(), _Math())}
+"""Every tile kernel by name."""
+_CHAINS = {"cuda": ("cuda_flash", "cuda_efficient", "math"), "cpu": ("cpu_flash", "math")}
 
 
-_KERNELS = {"cpu_flash": (_cpu_flash_forward, _cpu_flash_backward), "math": (_math_forward, _math_backward)}
+def kernel_chain(device: torch.device | str) -> tuple[str, ...]:
+    """Kernel names "auto" tries, in order, for tensors on ``device``."""
+    return _CHAINS.get(torch.device(device).type, ("math",))
+
+
+def _pick(requested: str, q: torch.Tensor, mask: TileMask) -> TileKernel:
+    if requested != "auto":
+        kernel = KERNELS[requested]
+        why = kernel.refuses(q, mask)
+        if why:
+            raise ValueError(
+                f"attention kernel {requested!r} cannot take this tile: {why}. Use kernel='auto' to fall back "
+                f"to the next kernel ({' -> '.join(kernel_chain(q.device))})"
+            )
+        return kernel
+    for name in kernel_chain(q.device):
+        kernel = KERNELS[name]
+        if kernel.refuses(q, mask) is None:
+            return kernel
+    return KERNELS["math"]
+
+
+def attention_kernel_for(
+    q: torch.Tensor, requested: str = "auto", *, padded: bool = False, causal: bool = False
+) -> str:
+    """The kernel a tile of queries like ``q`` runs on (``padded``: the tile has padding keys)."""
+    valid = torch.zeros(1, 1, dtype=torch.bool, device=q.device) if padded else None
+    return _pick(requested, q, TileMask(causal, valid)).name
 
 
 # --- the op -------------------------------------------------------------------------------------
@@ -142,6 +354,8 @@ def _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset):
     """The (B, Hkv, b - a, D) keys/values of one tile and its (B, b - a) padding mask (or None)."""
     kt, vt = (k_prefix, v_prefix) if src == 0 else (k, v)
     valid = None if key_valid is None else key_valid[:, offset + a : offset + b]
+    if valid is not None and bool(valid.all()):
+        valid = None  # an unpadded tile can take the faster unmasked kernels
     return kt[:, :, a:b], vt[:, :, a:b], valid
 
 
@@ -158,38 +372,8 @@ def _sum_heads(t: torch.Tensor, R: int) -> torch.Tensor:
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel, sink_k, sink_v, sink_own):
-        B, H, C, D = q.shape
-        Hkv, K = k.shape[1], k.shape[2]
-        R = H // Hkv
-        S = 0 if k_prefix is None else k_prefix.shape[2]
-        tile_forward = _KERNELS[kernel][0]
-        cdt = _compute_dtype(q.dtype)
-        q_stacked = q.reshape(B, Hkv, R * C, D)  # rows (r, c) of KV head h: no K/V repeat for GQA
-        m = acc = None
-        for src, a, b, causal, offset in _tiles(S, K, C, block):
-            kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
-            if causal:
-                o_t, lse_t = tile_forward(q, _repeat_heads(kt, R), _repeat_heads(vt, R), True, valid, scale)
-            else:
-                o_t, lse_t = tile_forward(q_stacked, kt, vt, False, valid, scale)
-                o_t, lse_t = o_t.reshape(B, H, C, D), lse_t.reshape(B, H, C)
-            o_t, lse_t = o_t.to(cdt), lse_t.to(cdt)
-            if m is None:
-                m, acc = lse_t, o_t
-                continue
-            # acc is normalised over the tiles so far, whose total log-mass is m.
-            m_new = torch.logaddexp(m, lse_t)
-            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows still empty: weights exp(-inf) = 0
-            acc = acc * torch.exp(m - m_safe).unsqueeze(-1) + o_t * torch.exp(lse_t - m_safe).unsqueeze(-1)
-            m = m_new
-        # acc is the normalised output; m the log-sum-exp. Rows with no valid key: 0 and -inf.
-        # Without padding every row sees at least its own key. acc is a fresh tensor (a kernel's
-        # output or the merge's), so it is zeroed in place rather than copied.
-        if key_valid is not None:
-            empty = m == _NEG_INF
-            acc.masked_fill_(empty.unsqueeze(-1), 0.0)
-            m = m.masked_fill(empty, float("inf"))  # +inf: exp(s - lse) = 0 in backward
-        out, lse = acc.to(q.dtype), m
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel)
         ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, out, lse)
         ctx.scale, ctx.block, ctx.kernel, ctx.sinks, ctx.sink_own = scale, block, kernel, (sink_k, sink_v), sink_own
         return out
@@ -197,54 +381,115 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, k_prefix, v_prefix, key_valid, out, lse = ctx.saved_tensors
-        sink_k, sink_v = ctx.sinks
-        scale, block = ctx.scale, ctx.block
-        tile_backward = _KERNELS[ctx.kernel][1]
-        B, H, C, D = q.shape
-        Hkv, K = k.shape[1], k.shape[2]
-        R = H // Hkv
-        S = 0 if k_prefix is None else k_prefix.shape[2]
-        cdt = _compute_dtype(q.dtype)
-        grad_out = grad_out.contiguous()
-        stacked = (q.reshape(B, Hkv, R * C, D), grad_out.reshape(B, Hkv, R * C, D), out.reshape(B, Hkv, R * C, D))
-        lse_stacked = lse.reshape(B, Hkv, R * C)
-        # The first tile's gradients become the accumulators (kernel outputs are fresh tensors); dK/dV
-        # need zeroed buffers only when several tiles cover the chunk's own keys.
-        dq = None
-        dk = dv = None
-        if not ctx.sink_own and K > C:
-            dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
-            dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-        for src, a, b, causal, offset in _tiles(S, K, C, block):
-            if src == 0 and sink_k is None:
-                continue
-            kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
-            if causal:
-                dq_t, dk_t, dv_t = tile_backward(
-                    grad_out, q, _repeat_heads(kt, R), _repeat_heads(vt, R), out, lse, True, valid, scale
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _attention_backward(
+                grad_out, q, k, v, k_prefix, v_prefix, key_valid, out, lse, ctx.scale, ctx.block, ctx.kernel,
+                ctx.sinks, ctx.sink_own,
+            )
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel):
+    B, H, C, D = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    R = H // Hkv
+    S = 0 if k_prefix is None else k_prefix.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    q_stacked = q.reshape(B, Hkv, R * C, D)  # rows (r, c) of KV head h: no K/V repeat for GQA
+    m = acc = None
+    for src, a, b, causal, offset in _tiles(S, K, C, block):
+        kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
+        mask = TileMask(causal, valid)
+        if causal:
+            tile = _pick(kernel, q, mask)
+            if not tile.native_gqa:
+                kt, vt = _repeat_heads(kt, R), _repeat_heads(vt, R)
+            o_t, lse_t = tile.forward(q, kt, vt, mask, scale)
+        else:
+            o_t, lse_t = _pick(kernel, q_stacked, mask).forward(q_stacked, kt, vt, mask, scale)
+            o_t, lse_t = o_t.reshape(B, H, C, D), lse_t.reshape(B, H, C)
+        o_t, lse_t = o_t.to(cdt), lse_t.to(cdt)
+        if m is None:
+            m, acc = lse_t, o_t
+            continue
+        # acc is normalised over the tiles so far, whose total log-mass is m.
+        m_new = torch.logaddexp(m, lse_t)
+        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows still empty: weights exp(-inf) = 0
+        acc = acc * torch.exp(m - m_safe).unsqueeze(-1) + o_t * torch.exp(lse_t - m_safe).unsqueeze(-1)
+        m = m_new
+    # acc is the normalised output; m the log-sum-exp. Rows with no valid key: 0 and -inf.
+    # Without padding every row sees at least its own key. acc may be a kernel's output (a view
+    # for some kernels), so it is masked out of place.
+    if key_valid is not None:
+        empty = m == _NEG_INF
+        acc = acc.masked_fill(empty.unsqueeze(-1), 0.0)
+        m = m.masked_fill(empty, float("inf"))  # +inf: exp(s - lse) = 0 in backward
+    return acc.to(q.dtype), m
+
+
+def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, out, lse, scale, block, kernel, sinks,
+                        sink_own):
+    sink_k, sink_v = sinks
+    B, H, C, D = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    R = H // Hkv
+    S = 0 if k_prefix is None else k_prefix.shape[2]
+    cdt = _compute_dtype(q.dtype)
+    grad_out = grad_out.contiguous()
+    stacked = (q.reshape(B, Hkv, R * C, D), grad_out.reshape(B, Hkv, R * C, D), out.reshape(B, Hkv, R * C, D))
+    lse_stacked = lse.reshape(B, Hkv, R * C)
+    # The first tile's gradients become the accumulators (kernel outputs are fresh tensors); dK/dV
+    # need zeroed buffers only when several tiles cover the chunk's own keys.
+    dq = None
+    dk = dv = None
+    if not sink_own and K > C:
+        dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+        dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+    for src, a, b, causal, offset in _tiles(S, K, C, block):
+        if src == 0 and sink_k is None:
+            continue
+        kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
+        mask = TileMask(causal, valid)
+        if causal:
+            tile = _pick(kernel, q, mask)
+            if tile.native_gqa:
+                dq_t, dk_t, dv_t = tile.backward(grad_out, q, kt, vt, out, lse, mask, scale)
+            else:
+                dq_t, dk_t, dv_t = tile.backward(
+                    grad_out, q, _repeat_heads(kt, R), _repeat_heads(vt, R), out, lse, mask, scale
                 )
                 dk_t, dv_t = _sum_heads(dk_t, R), _sum_heads(dv_t, R)
-            else:
-                dq_t, dk_t, dv_t = tile_backward(
-                    stacked[1], stacked[0], kt, vt, stacked[2], lse_stacked, False, valid, scale
-                )
-                dq_t = dq_t.reshape(B, H, C, D)
-            if dq is None:
-                dq = dq_t.to(cdt)
-            else:
-                dq += dq_t
-            if src == 0 or ctx.sink_own:
-                a_sink = a if src == 0 else S + a
-                sink_k[:, :, a_sink : a_sink + b - a] += dk_t.to(sink_k.dtype)
-                sink_v[:, :, a_sink : a_sink + b - a] += dv_t.to(sink_v.dtype)
-            elif dk is None:  # the diagonal tile covers all own keys (K == C)
-                dk, dv = dk_t, dv_t
-            else:
-                dk[:, :, a:b] += dk_t
-                dv[:, :, a:b] += dv_t
-        if ctx.sink_own:
-            return dq.to(q.dtype), None, None, None, None, None, None, None, None, None, None, None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None, None
+        else:
+            tile = _pick(kernel, stacked[0], mask)
+            dq_t, dk_t, dv_t = tile.backward(stacked[1], stacked[0], kt, vt, stacked[2], lse_stacked, mask, scale)
+            dq_t = dq_t.reshape(B, H, C, D)
+        if dq is None:
+            dq = dq_t.to(cdt)
+        else:
+            dq += dq_t
+        if src == 0 or sink_own:
+            a_sink = a if src == 0 else S + a
+            sink_k[:, :, a_sink : a_sink + b - a] += dk_t.to(sink_k.dtype)
+            sink_v[:, :, a_sink : a_sink + b - a] += dv_t.to(sink_v.dtype)
+        elif dk is None:  # the diagonal tile covers all own keys (K == C)
+            dk, dv = dk_t, dv_t
+        else:
+            dk[:, :, a:b] += dk_t
+            dv[:, :, a:b] += dv_t
+    if sink_own:
+        return dq.to(q.dtype), None, None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _autocast_inputs(tensors, device_type: str):
+    """Cast floating inputs to the autocast dtype, as autocast does for ``scaled_dot_product_attention``
+    (float32 and other non-float64 floats; float64 and None pass through)."""
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(
+        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors
+    )
 
 
 def chunk_causal_attention(
@@ -256,7 +501,7 @@ def chunk_causal_attention(
     k_prefix: torch.Tensor | None = None,
     v_prefix: torch.Tensor | None = None,
     key_valid: torch.Tensor | None = None,
-    kv_block_size: int = 1024,
+    kv_block_size: int | None = None,
     prefix_grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
     sink_own_keys: bool = False,
     kernel: str = "auto",
@@ -269,21 +514,26 @@ def chunk_causal_attention(
         scale: softmax scale (usually D ** -0.5).
         k_prefix, v_prefix: (B, Hkv, S, D) keys/values before ``k``; constants of this op.
         key_valid: (B, S + K) bool, False for padding keys; None means all valid.
-        kv_block_size: keys per full tile (the diagonal tile is always C x C).
+        kv_block_size: keys per full tile (the diagonal tile is always C x C). None: the whole
+            prefix in one tile on CUDA, :data:`CPU_KV_BLOCK_SIZE` elsewhere.
         prefix_grad_sink: (dK, dV) buffers of shape (B, Hkv, >= S, D); backward ADDS the prefix
             gradients into ``[:, :, :S]`` in place. None: prefix gradients are not computed.
         sink_own_keys: the chunk's own ``k`` / ``v`` are constants too: their gradients are ADDED into
             ``prefix_grad_sink`` at ``[:, :, S:S + K]`` (the buffers must cover S + K keys). Sequence
             parallelism uses this: every key comes from the exchanged, heads-sharded K/V.
-        kernel: "auto", "cpu_flash" (CPU tensors only) or "math".
+        kernel: "auto" (per tile, the first of :func:`kernel_chain` that takes it) or one of
+            :data:`KERNELS` for every tile.
 
     Returns:
-        (B, H, C, D) attention output in q's dtype. Queries with no valid key give zeros.
+        (B, H, C, D) attention output in q's dtype (the autocast dtype under autocast). Queries with
+        no valid key give zeros.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if k.shape[2] < q.shape[2]:
         raise ValueError(f"chunk attention needs at least as many own keys ({k.shape[2]}) as queries ({q.shape[2]})")
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}: use one of {sorted(KERNELS)} or 'auto'")
     num_prefix = 0 if k_prefix is None else k_prefix.shape[2]
     if key_valid is not None:
         if key_valid.shape[-1] != num_prefix + k.shape[2]:
@@ -292,11 +542,17 @@ def chunk_causal_attention(
             key_valid = None
     if num_prefix == 0:
         k_prefix = v_prefix = None
-    kernel = attention_kernel_for(q, kernel)
-    if kernel not in _KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}: use one of {sorted(_KERNELS)} or 'auto'")
     if sink_own_keys and prefix_grad_sink is None:
         raise ValueError("sink_own_keys=True needs prefix_grad_sink buffers to add the key gradients into")
+    if kv_block_size is None:
+        kv_block_size = max(num_prefix + k.shape[2], 1) if q.device.type == "cuda" else CPU_KV_BLOCK_SIZE
+    q, k, v, k_prefix, v_prefix = _autocast_inputs((q, k, v, k_prefix, v_prefix), q.device.type)
+    if len({t.dtype for t in (q, k, v, k_prefix, v_prefix) if t is not None}) > 1:
+        raise ValueError(
+            "queries, keys and values have different dtypes "
+            f"({q.dtype}, {k.dtype}, {v.dtype}" + ("" if k_prefix is None else f", prefix {k_prefix.dtype}") + "): "
+            "cast them to one dtype, or run the model under torch.autocast"
+        )
     sink_k, sink_v = prefix_grad_sink if prefix_grad_sink is not None else (None, None)
     return _ChunkAttention.apply(
         q, k, v, k_prefix, v_prefix, key_valid, float(scale), int(kv_block_size), kernel, sink_k, sink_v, sink_own_keys

@@ -2,6 +2,8 @@
 
 Holds:
     acc_dtype: the dtype sums over chunks are kept in.
+    AutocastState: the forward's autocast settings, re-entered by the backward's replays.
+    autocast_dtype: the dtype autocast gives a tensor in a lower-precision op (attention, matmul).
     ChunkGrads: writes per-chunk input-gradient slices and sums per-chunk parameter gradients, so
         the Function returns each parameter's gradient once (one hook call per parameter: what
         DeepSpeed ZeRO and DDP expect).
@@ -9,16 +11,57 @@ Holds:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-__all__ = ["acc_dtype", "ChunkGrads"]
+__all__ = ["acc_dtype", "ChunkGrads", "AutocastState", "autocast_dtype"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Sums over chunks of half-precision gradients are kept in float32 and rounded once."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype:
+    """``t``'s dtype after autocast's lower-precision cast (attention, matmuls): the autocast dtype
+    when autocast is on for ``t``'s device and ``t`` is a non-float64 float, else ``t.dtype``."""
+    device_type = t.device.type
+    if t.is_floating_point() and t.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The autocast settings in force when a chunked Function ran forward.
+
+    Its backward re-forwards chunks; like ``torch.utils.checkpoint``, the re-forward must run under
+    the same settings, or it would recompute a different (float32) function than the forward did.
+    Only the re-forward runs under them: the gradients are taken outside, as for any forward.
+    """
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device_type: str) -> "AutocastState":
+        """The current settings for ``device_type`` ("cpu", "cuda", ...)."""
+        return cls(
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled(),
+        )
+
+    def replay(self) -> torch.autocast:
+        """A context manager that re-enters these settings."""
+        return torch.autocast(
+            self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache_enabled
+        )
 
 
 class ChunkGrads:

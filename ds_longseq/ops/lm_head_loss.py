@@ -11,11 +11,15 @@ cross entropy; backward recomputes each chunk's logits and forms dLogits = softm
 place. Only the hidden states, the weight and the targets are saved: one (C x V) chunk of logits
 exists at a time, in forward and in backward (StreamBP Sec. 3.2.1, MsT Alg. 2).
 
-The numerics follow transformers' ``ForCausalLMLoss``: logits are computed in the model dtype and
-upcast to float32 before the softmax (float64 models stay in float64, where transformers would
-round to float32: exactness tests then reach 1e-10 against a float64 reference). Tokens whose
-target is ``ignore_index`` are skipped entirely, so they cost no FLOPs. The op returns a SUM and a
-COUNT: callers divide once by the global number of valid tokens (or ``num_items_in_batch``).
+The numerics follow transformers' ``ForCausalLMLoss``: logits are computed in the model dtype (the
+autocast dtype under autocast, as the stock head's linear) and upcast to float32 before the
+softmax (float64 models stay in float64, where transformers would round to float32: exactness
+tests then reach 1e-10 against a float64 reference). Tokens whose target is ``ignore_index`` are
+skipped entirely, so they cost no FLOPs. The op returns a SUM and a COUNT: callers divide once by
+the global number of valid tokens (or ``num_items_in_batch``).
+
+The weight gradient is accumulated over chunks in float32 (the model dtype for float32/float64),
+in place, with no per-chunk (V x d) temporary: half-precision chunk shares are never rounded.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds_longseq.ops.chunk_grads import acc_dtype
+from ds_longseq.ops.chunk_grads import acc_dtype, autocast_dtype
 
 __all__ = ["shift_causal_labels", "chunked_lm_head_loss"]
 
@@ -46,58 +50,112 @@ def _cross_entropy_sum_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return (sum_exp.log_() + row_max.squeeze(1) - target_logits).sum()
 
 
+_MIXED_ADDMM_WORKS: dict[torch.device, bool] = {}
+
+
+def _mixed_addmm_works(device: torch.device) -> bool:
+    """Whether ``addmm`` can add half-precision products into a float32 buffer in place on ``device``
+    (``aten::addmm.dtype_out``: CUDA in recent torch); probed once on tiny tensors."""
+    if device not in _MIXED_ADDMM_WORKS:
+        ok = False
+        if device.type == "cuda":
+            try:
+                acc = torch.ones(2, 2, device=device)
+                a = torch.ones(2, 3, dtype=torch.bfloat16, device=device)
+                torch.ops.aten.addmm.dtype_out(acc, a, a.t(), torch.float32, out=acc)
+                ok = bool((acc == 4.0).all())
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _MIXED_ADDMM_WORKS[device] = ok
+    return _MIXED_ADDMM_WORKS[device]
+
+
+def _add_weight_grad_(dw: torch.Tensor, dl: torch.Tensor, h_c: torch.Tensor, scratch: torch.Tensor) -> None:
+    """``dw += dl.T @ h_c`` with the products summed in ``dw``'s dtype, in place.
+
+    ``dw`` (V, d) is float32 for half-precision heads; ``dl`` (C, V) and ``h_c`` (C, d) are in the
+    head's matmul dtype. ``dw += dl.t() @ h_c`` would round each chunk's (V x d) share to half
+    precision in a temporary; here each share is exact in float32 and no (V x d) temporary exists.
+    ``scratch`` is the chunk's (C, V) float32 logits buffer, reused where no mixed-dtype GEMM exists.
+    """
+    if dl.dtype == dw.dtype:
+        dw.addmm_(dl.t(), h_c)
+    elif _mixed_addmm_works(dw.device):
+        torch.ops.aten.addmm.dtype_out(dw, dl.t(), h_c, dw.dtype, out=dw)
+    else:  # no mixed-dtype GEMM (CPU): the rounded values, in float32
+        scratch.copy_(dl)
+        dw.addmm_(scratch.t(), h_c.to(dw.dtype))
+
+
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, index, targets, chunk_size):
+        # The dtype the stock head's F.linear runs in: the autocast dtype under autocast (as the
+        # stock head under autocast), else the hidden states' dtype. Casts are explicit and autocast
+        # is off inside, so forward and backward compute the same logits whatever autocast is doing.
+        mm_dtype = autocast_dtype(hidden)
         h2 = hidden.reshape(-1, hidden.shape[-1])
         total = torch.zeros((), dtype=_loss_dtype(hidden.dtype), device=hidden.device)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
             for s in range(0, index.numel(), chunk_size):
                 idx = index[s : s + chunk_size]
-                total += _cross_entropy_sum_(F.linear(h2.index_select(0, idx), weight, bias).to(total.dtype),
-                                             targets[s : s + chunk_size])
+                logits = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(total.dtype)
+                total += _cross_entropy_sum_(logits, targets[s : s + chunk_size])
+                del logits
         ctx.save_for_backward(hidden, weight, bias, index, targets)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.mm_dtype = chunk_size, mm_dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         hidden, weight, bias, index, targets = ctx.saved_tensors
-        chunk_size = ctx.chunk_size
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        h2 = hidden.reshape(-1, hidden.shape[-1])
-        acc = acc_dtype(weight.dtype)
-        dh = torch.zeros_like(h2) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        for s in range(0, index.numel(), chunk_size):
-            idx = index[s : s + chunk_size]
-            h_c = h2.index_select(0, idx)
-            # dLogits = (softmax - onehot) * grad, all in place on one (C x V) buffer
-            # (torch.softmax / logsumexp / a plain multiply would each allocate a second one).
-            dlogits = F.linear(h_c, weight, bias).to(_loss_dtype(hidden.dtype))
-            dlogits.sub_(dlogits.amax(dim=-1, keepdim=True)).exp_()
-            dlogits.div_(dlogits.sum(dim=-1, keepdim=True))
-            dlogits[torch.arange(idx.numel(), device=idx.device), targets[s : s + chunk_size]] -= 1.0
-            dlogits.mul_(grad_total)
-            # Cast like the backward of HF's `logits.float()`: the gradient reaches the matmuls in
-            # the model dtype (a copy only for half-precision models).
-            dlogits = dlogits.to(hidden.dtype)
-            if need_h:
-                dh.index_copy_(0, idx, dlogits @ weight)
-            if need_w:
-                dw += dlogits.t() @ h_c
-            if need_b:
-                db += dlogits.sum(0)
-            del dlogits  # free this chunk's logits before the next chunk allocates its own
-        return (
-            None if dh is None else dh.view_as(hidden),
-            None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias.dtype),
-            None,
-            None,
-            None,
-        )
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets)
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets):
+    chunk_size, mm_dtype = ctx.chunk_size, ctx.mm_dtype
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    loss_dtype = _loss_dtype(hidden.dtype)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    acc = acc_dtype(weight.dtype)
+    w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
+    dh = torch.zeros_like(h2) if need_h else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+    for s in range(0, index.numel(), chunk_size):
+        idx = index[s : s + chunk_size]
+        h_c = h2.index_select(0, idx).to(mm_dtype)
+        # dLogits = (softmax - onehot) * grad, all in place on one (C x V) buffer
+        # (torch.softmax / logsumexp / a plain multiply would each allocate a second one).
+        dlogits = F.linear(h_c, w, b).to(loss_dtype)
+        dlogits.sub_(dlogits.amax(dim=-1, keepdim=True)).exp_()
+        dlogits.div_(dlogits.sum(dim=-1, keepdim=True))
+        dlogits[torch.arange(idx.numel(), device=idx.device), targets[s : s + chunk_size]] -= 1.0
+        dlogits.mul_(grad_total)
+        # Cast like the backward of HF's `logits.float()`: the gradient reaches the matmuls in the
+        # matmul dtype (a copy only for half precision).
+        dl = dlogits.to(mm_dtype)
+        if need_h:
+            dh.index_copy_(0, idx, (dl @ w).to(dh.dtype))
+        if need_w:
+            _add_weight_grad_(dw, dl, h_c, dlogits)
+        if need_b:
+            db += torch.sum(dl, 0, dtype=acc)
+        del dlogits, dl  # free this chunk's logits before the next chunk allocates its own
+    return (
+        None if dh is None else dh.view_as(hidden),
+        None if dw is None else dw.to(weight.dtype),
+        None if db is None else db.to(bias.dtype),
+        None,
+        None,
+        None,
+    )
 
 
 def chunked_lm_head_loss(

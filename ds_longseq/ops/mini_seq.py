@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ds_longseq.ops.chunk_grads import ChunkGrads
+from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads
 
 __all__ = ["mini_sequence_apply"]
 
@@ -44,6 +44,7 @@ class _MiniSeqFunction(torch.autograd.Function):
                 out[:, s:e] = y
         ctx.save_for_backward(x)
         ctx.fn, ctx.bounds, ctx.params = fn, bounds, params
+        ctx.autocast = AutocastState.capture(x.device.type)
         return out
 
     @staticmethod
@@ -53,7 +54,9 @@ class _MiniSeqFunction(torch.autograd.Function):
         with torch.enable_grad():
             for s, e in ctx.bounds:
                 x_c = grads.leaf(x[:, s:e])
-                grads.backward(ctx.fn(x_c), grad_out[:, s:e], x_c, s, e)
+                with ctx.autocast.replay():  # recompute exactly what the forward computed
+                    y_c = ctx.fn(x_c)
+                grads.backward(y_c, grad_out[:, s:e], x_c, s, e)
         grad_in, param_grads = grads.result()
         return (grad_in, None, None, *param_grads)
 

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ds_longseq.ops.chunk_grads import ChunkGrads, acc_dtype
+from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads, acc_dtype, autocast_dtype
 
 __all__ = ["KVStream", "GlobalKVStream", "streambp_apply", "streambp_sp_apply", "chunk_bounds"]
 
@@ -62,10 +62,14 @@ class KVStream:
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         if self.k is None:
+            # Stored as the attention will read them: under autocast, in the autocast dtype (half the
+            # bytes of float32 post-RoPE keys, and no per-chunk cast of the whole prefix).
             B, Hkv, _, D = key_states.shape
             shape = (B, Hkv, self.total_len, D)
-            self.k = key_states.new_empty(shape)
-            self.v = value_states.new_empty((B, value_states.shape[1], self.total_len, value_states.shape[-1]))
+            self.k = key_states.new_empty(shape, dtype=autocast_dtype(key_states))
+            self.v = value_states.new_empty(
+                (B, value_states.shape[1], self.total_len, value_states.shape[-1]), dtype=autocast_dtype(value_states)
+            )
         if self.mode == "replay":
             self.k_chunk, self.v_chunk = key_states, value_states
             return key_states, value_states
@@ -117,6 +121,7 @@ class _StreamBPFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden)
         ctx.run_chunk, ctx.bounds = run_chunk, bounds
         ctx.params = params
+        ctx.autocast = AutocastState.capture(hidden.device.type)
         return out
 
     @staticmethod
@@ -125,7 +130,7 @@ class _StreamBPFunction(torch.autograd.Function):
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1])
         stream.mode = "capture"
-        with torch.no_grad():
+        with torch.no_grad(), ctx.autocast.replay():
             _capture(run_chunk, hidden, bounds, stream)
         stream.alloc_grads()
         stream.mode = "replay"
@@ -134,7 +139,8 @@ class _StreamBPFunction(torch.autograd.Function):
             for s, e in reversed(bounds):
                 stream.start, stream.end = s, e
                 h_c = grads.leaf(hidden[:, s:e])
-                out_c = run_chunk(h_c, s, e, stream)
+                with ctx.autocast.replay():
+                    out_c = run_chunk(h_c, s, e, stream)
                 outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
                 for t, buf in ((stream.k_chunk, stream.dk), (stream.v_chunk, stream.dv)):
                     if t.requires_grad:
@@ -207,10 +213,12 @@ class GlobalKVStream:
         if self.mode == "capture_grad":
             self.k_chunk, self.v_chunk = key_states, value_states
             raise _KVCaptured
-        if self.k is None:
+        if self.k is None:  # in the dtype the attention reads (see KVStream.update)
             B, Hkv, _, D = key_states.shape
-            self.k = key_states.new_empty((B, Hkv, self.local_len, D))
-            self.v = value_states.new_empty((B, value_states.shape[1], self.local_len, value_states.shape[-1]))
+            self.k = key_states.new_empty((B, Hkv, self.local_len, D), dtype=autocast_dtype(key_states))
+            self.v = value_states.new_empty(
+                (B, value_states.shape[1], self.local_len, value_states.shape[-1]), dtype=autocast_dtype(value_states)
+            )
         with torch.no_grad():
             self.k[:, :, self.start : self.end] = key_states
             self.v[:, :, self.start : self.end] = value_states
@@ -270,13 +278,15 @@ class _StreamBPSPFunction(torch.autograd.Function):
             out = _forward_chunks(run_chunk, hidden, bounds, stream)
         ctx.save_for_backward(hidden)
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
+        ctx.autocast = AutocastState.capture(hidden.device.type)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         (hidden,) = ctx.saved_tensors
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
-        stream = _global_kv(run_chunk, hidden, bounds, ctx.exchange)
+        with ctx.autocast.replay():
+            stream = _global_kv(run_chunk, hidden, bounds, ctx.exchange)
         stream.alloc_grads()
         grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=4)
         # Pass 1: every chunk through the whole layer; keys are constants, their gradient goes to the sink.
@@ -284,7 +294,9 @@ class _StreamBPSPFunction(torch.autograd.Function):
             for s, e in bounds:
                 stream.start, stream.end = s, e
                 h_c = grads.leaf(hidden[:, s:e])
-                grads.backward([run_chunk(h_c, s, e, stream)], [grad_out[:, s:e]], h_c, s, e)
+                with ctx.autocast.replay():
+                    out_c = run_chunk(h_c, s, e, stream)
+                grads.backward([out_c], [grad_out[:, s:e]], h_c, s, e)
         dk, dv = stream.grads_to_tokens()
         # Pass 2: the chunk's K/V again (norm, projections, RoPE), now with grad, to push dK/dV through.
         stream.mode = "capture_grad"
@@ -293,7 +305,8 @@ class _StreamBPSPFunction(torch.autograd.Function):
                 stream.start, stream.end = s, e
                 h_c = grads.leaf(hidden[:, s:e])
                 try:
-                    run_chunk(h_c, s, e, stream)
+                    with ctx.autocast.replay():
+                        run_chunk(h_c, s, e, stream)
                 except _KVCaptured:
                     pass
                 outputs, grad_outputs = [], []

@@ -114,7 +114,7 @@ def ulysses_attention(
     *,
     scale: float,
     key_valid: torch.Tensor | None = None,
-    kv_block_size: int = 1024,
+    kv_block_size: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a whole local shard under Ulysses (the non-StreamBP path). Differentiable.
 
@@ -123,7 +123,7 @@ def ulysses_attention(
         exchange: the group's :class:`UlyssesExchange`.
         scale: softmax scale.
         key_valid: (B, P*T_l) bool padding mask of the GLOBAL sequence, or None.
-        kv_block_size: keys per attention tile.
+        kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
 
     Returns:
         (B, H, T_l, D) attention output for this rank's tokens.
@@ -144,7 +144,7 @@ def ulysses_chunk_attention(
     *,
     scale: float,
     key_valid: torch.Tensor | None = None,
-    kv_block_size: int = 1024,
+    kv_block_size: int | None = None,
     grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of one query chunk of every rank against exchanged, heads-sharded K/V.
@@ -160,7 +160,7 @@ def ulysses_chunk_attention(
         start, end: the chunk's span inside the local shard.
         scale: softmax scale.
         key_valid: (B, P*T_l) bool global padding mask, or None.
-        kv_block_size: keys per attention tile.
+        kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
         grad_sink: (dK, dV) of ``k_heads`` / ``v_heads``'s shape (backward adds into them), or None.
 
     Returns:
