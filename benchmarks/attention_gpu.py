@@ -13,6 +13,8 @@ Methods, each one layer's attention work in a training step with recomputation (
               into float32 sinks: what a StreamBP layer does (kernel "auto": cuda_flash here).
     streambp_math: the same with the pure-PyTorch math tile (what CUDA ran before the fused
               kernels), at lengths up to ``--math-max-len``.
+    sdpa_gc_flash / sdpa_gc_cudnn / streambp_flash: the same with one backend forced
+              (FlashAttention-2 or cuDNN), to show which kernel the speed comes from.
 Reported: median milliseconds of ``--repeats`` runs after a warm-up, attention TFLOP/s (the causal
 FLOPs of two forwards and one backward, ``_flops``; the same count for every method) and peak
 memory above the inputs.
@@ -81,8 +83,24 @@ def _streambp(q, k, v, go, chunk, kernel="auto"):
     return dq, dk, dv
 
 
-METHODS = {"sdpa_gc": _sdpa_gc, "streambp": _streambp,
-           "streambp_math": lambda *a: _streambp(*a, kernel="math")}
+def _sdpa_backend(backend):
+    def run(*args):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return _sdpa_gc(*args)
+
+    return run
+
+
+METHODS = {
+    "sdpa_gc": _sdpa_gc,  # torch's own choice of backend
+    "sdpa_gc_flash": _sdpa_backend("FLASH_ATTENTION"),
+    "sdpa_gc_cudnn": _sdpa_backend("CUDNN_ATTENTION"),
+    "streambp": _streambp,  # kernel "auto"
+    "streambp_flash": lambda *a: _streambp(*a, kernel="cuda_flash"),
+    "streambp_math": lambda *a: _streambp(*a, kernel="math"),
+}
 
 
 def measure(method, T, H, Hkv, D, chunk, repeats, dtype=torch.bfloat16) -> dict:
@@ -106,6 +124,8 @@ def measure(method, T, H, Hkv, D, chunk, repeats, dtype=torch.bfloat16) -> dict:
             times.append(start.elapsed_time(end))
     except torch.OutOfMemoryError as err:
         return {**record, "error": "oom: " + str(err).splitlines()[0][:100]}
+    except RuntimeError as err:  # a backend that cannot take this shape on this GPU
+        return {**record, "error": str(err).splitlines()[0][:100]}
     ms = statistics.median(times)
     return {**record, "ms": ms, "tflops": _flops(T, H, D) / (ms / 1e3) / 1e12,
             "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}

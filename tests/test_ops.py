@@ -224,7 +224,7 @@ def test_chunked_lm_head_weight_grad_has_no_per_chunk_temporaries(dtype):
 def test_attention_kernel_choice_and_clear_refusals():
     q, k, v = _qkv()
     assert attention_kernel_for(q) == "cpu_flash" and kernel_chain("cpu") == ("cpu_flash", "math")
-    assert kernel_chain("cuda") == ("cuda_flash", "cuda_efficient", "math")
+    assert kernel_chain("cuda") == ("cuda_cudnn", "cuda_flash", "cuda_efficient", "math")
     assert KERNELS["cuda_flash"].refuses(q, TileMask(False)) == "tensors on cpu, not CUDA"
     # a kernel named explicitly that cannot take the tile is an error naming why and the fallback
     with pytest.raises(ValueError, match="'cuda_efficient' cannot take this tile: tensors on cpu"):

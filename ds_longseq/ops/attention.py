@@ -30,6 +30,9 @@ FINAL output and log-sum-exp, which yields exactly that tile's share of dQ, dK, 
 (FlashAttention-2's recompute backward; torch's own ring attention does the same).
 
 Kernels, chosen per tile by what the tile needs (:func:`kernel_chain`):
+    "cuda_cudnn":     torch's cuDNN attention op (``aten._scaled_dot_product_cudnn_attention``):
+                      sm90+, fp16/bf16, no padding, head dim up to 128; about twice FlashAttention-2's
+                      speed on an H100 (``benchmarks/attention_gpu.py``).
     "cuda_flash":     torch's FlashAttention-2 op (``aten._scaled_dot_product_flash_attention`` and
                       its backward): CUDA, fp16/bf16, no padding in the tile, head dim a multiple
                       of 8 up to 256; native GQA on the diagonal tile (no K/V repeat).
@@ -39,7 +42,8 @@ Kernels, chosen per tile by what the tile needs (:func:`kernel_chain`):
     "cpu_flash":      torch's fused CPU flash-attention op.
     "math":           pure PyTorch on any device and dtype, one tile of scores at a time: the
                       reference the fused kernels are tested against, and the last fallback.
-"auto" walks the device's chain (CUDA: cuda_flash, cuda_efficient, math; CPU: cpu_flash, math)
+"auto" walks the device's chain (CUDA: cuda_cudnn, cuda_flash, cuda_efficient, math; CPU:
+cpu_flash, math)
 and runs the first kernel that accepts the tile, so a dtype, head dim or mask a kernel cannot take
 goes to the next kernel, never to a wrong result. A kernel named explicitly that cannot take a tile
 is an error. On CUDA the default tile covers the whole prefix (the fused kernels hold no score
@@ -217,6 +221,50 @@ class _CudaFlash(TileKernel):
         )
 
 
+class _CudaCudnn(TileKernel):
+    """cuDNN's fused attention as built into torch (``aten._scaled_dot_product_cudnn_attention``):
+    on Hopper it runs about twice as fast as FlashAttention-2 (benchmarks/attention_gpu.py). Its
+    causal mask is top-left aligned, which is right for our square diagonal tiles only; full tiles
+    are unmasked. Tiles with padding go to the next kernel."""
+
+    name = "cuda_cudnn"
+
+    def refuses(self, q, mask):
+        why = _cuda_refuses(q, _HALF, "cuDNN attention")
+        if why:
+            return why
+        if mask.valid is not None:
+            return "the tile has padding (this path takes no mask)"
+        D = q.shape[-1]
+        if D % 8 or D > 128:
+            return f"head dim {D} (cuDNN attention here takes multiples of 8 up to 128)"
+        if q.shape[2] < 16:
+            # cuDNN 9 (torch 2.11, H100) crashed the process in backward on a 1-query tile; tiles of
+            # 13 and more queries were tested exact. Short tiles are cheap on flash anyway.
+            return f"{q.shape[2]} query rows (cuDNN attention is used from 16 rows)"
+        if not torch.backends.cudnn.is_available() or torch.cuda.get_device_capability(q.device) < (9, 0):
+            return "cuDNN attention is used on sm90+ GPUs only (elsewhere flash is as fast)"
+        return None
+
+    def forward(self, q, k, v, mask, scale):
+        # cuDNN wants (B, H, L, D) with matching strides for q/out/dO: contiguous copies of a
+        # chunk's queries are small next to the keys.
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, mask.causal, False, scale=scale
+        )
+        # (output, logsumexp (B, H, L, 1), cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug)
+        _RNG_STATE[("cudnn", q.device)] = (res[2], res[3], res[6], res[7])
+        return res[0], res[1].squeeze(-1)
+
+    def backward(self, do, q, k, v, out, lse, mask, scale):
+        cum_q, cum_k, seed, offset = _RNG_STATE[("cudnn", q.device)]
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+            lse.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, q.shape[2], k.shape[2], 0.0,
+            mask.causal, scale=scale,
+        )
+
+
 def _efficient_bias(valid: torch.Tensor | None, dtype: torch.dtype, heads: int, rows: int) -> torch.Tensor | None:
     """(B, heads, rows, n) additive bias as a stride-0 view of one (B, n) row per sequence."""
     if valid is None:
@@ -302,9 +350,11 @@ class _Math(TileKernel):
         return dq, dk, dv
 
 
-KERNELS: dict[str, TileKernel] = {k.name: k for k in (_CudaFlash(), _CudaEfficient(), _CpuFlash(), _Math())}
+KERNELS: dict[str, TileKernel] = {
+    k.name: k for k in (_CudaCudnn(), _CudaFlash(), _CudaEfficient(), _CpuFlash(), _Math())
+}
 """Every tile kernel by name."""
-_CHAINS = {"cuda": ("cuda_flash", "cuda_efficient", "math"), "cpu": ("cpu_flash", "math")}
+_CHAINS = {"cuda": ("cuda_cudnn", "cuda_flash", "cuda_efficient", "math"), "cpu": ("cpu_flash", "math")}
 
 
 def kernel_chain(device: torch.device | str) -> tuple[str, ...]:

@@ -41,9 +41,11 @@ def _inputs(B, H, Hkv, C, S, D, padding, seed=0):
     v = torch.randn(B, Hkv, S + C, D, generator=g, dtype=torch.float64)
     go = torch.randn(B, H, C, D, generator=g, dtype=torch.float64)
     valid = None
-    if padding == "left":  # rows of the chunk can see no key at all when S < 9
+    if padding == "left":  # the first 9 keys: rows of the chunk see no key at all when S == 0
+        # (Not the whole prefix: a row whose only key is its own has dK = 0 exactly, a cancellation
+        # whose float32 noise, relative to the tiny dK norm, measures nothing about the kernels.)
         valid = torch.ones(B, S + C, dtype=torch.bool)
-        valid[0, : min(S + C - 1, S + 9)] = False
+        valid[0, : min(S + C - 1, 9)] = False
     elif padding == "right":
         valid = torch.ones(B, S + C, dtype=torch.bool)
         valid[-1, -3:] = False
@@ -127,14 +129,18 @@ def test_auto_kernels_match_math_tile(heads, lengths, D, padding, dtype):
             _report(test="auto", H=H, Hkv=Hkv, C=C, S=S, D=D, padding=padding, dtype=str(dtype), block=block,
                     tensor=name, err=err_o, err_math=err_m, err_sdpa=err_b)
             if dtype == torch.float32:
-                # fp32 kernels accumulate in fp32 (the efficient kernel's fp32 GEMMs emulate fp32 with 3xTF32)
-                assert err_o < 2e-5, (name, block, err_o, err_m)
+                # float32 kernels accumulate in float32; where torch's own SDPA (the same efficient
+                # kernel) loses more, e.g. dK of a row whose only key is its own (dS cancels to ~0), we
+                # may lose as much
+                assert err_o < max(2e-5, 1.5 * err_b), (name, block, err_o, err_m, err_b)
             else:
                 # half precision: no worse than the math tile or torch's own SDPA in the same dtype
                 assert err_o <= 1.5 * max(err_m, err_b) + 1e-3, (name, block, err_o, err_m, err_b)
 
 
 @pytest.mark.parametrize("kernel,dtype,padding", [
+    ("cuda_cudnn", torch.bfloat16, "none"),
+    ("cuda_cudnn", torch.float16, "none"),
     ("cuda_flash", torch.bfloat16, "none"),
     ("cuda_flash", torch.float16, "none"),
     ("cuda_efficient", torch.float32, "left"),
@@ -151,13 +157,15 @@ def test_each_named_kernel_against_reference(kernel, dtype, padding):
     for name, o, m, b, r in zip(NAMES, ours, math_, base, ref, strict=True):
         err_o, err_m, err_b = _rel(o, r), _rel(m, r), _rel(b, r)
         _report(test=kernel, dtype=str(dtype), padding=padding, tensor=name, err=err_o, err_math=err_m, err_sdpa=err_b)
-        bound = 2e-5 if dtype == torch.float32 else 1.5 * max(err_m, err_b) + 1e-3
+        bound = max(2e-5, 1.5 * err_b) if dtype == torch.float32 else 1.5 * max(err_m, err_b) + 1e-3
         assert err_o <= bound, (name, err_o, err_m, err_b)
 
 
 def test_auto_picks_fused_kernels_and_falls_back_without_error():
     q = torch.zeros(1, 4, 8, 64, device=CUDA, dtype=torch.bfloat16)
-    assert attention_kernel_for(q) == "cuda_flash"
+    fastest = "cuda_cudnn" if torch.cuda.get_device_capability() >= (9, 0) else "cuda_flash"
+    assert attention_kernel_for(q) == fastest
+    assert attention_kernel_for(torch.zeros_like(q[..., :1]).expand(1, 4, 8, 200)) == "cuda_flash"  # head dim 200
     assert attention_kernel_for(q, padded=True) == "cuda_efficient"
     assert attention_kernel_for(q.float()) == "cuda_efficient"
     assert attention_kernel_for(q.double()) == "math"
