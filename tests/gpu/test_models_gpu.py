@@ -28,11 +28,11 @@ def _on(batch, device):
 
 
 def _run(model, batch, autocast=None):
+    """(loss, grads, input grad) of one step on CUDA, returned on the CPU."""
     model = model.to(CUDA)
-    if autocast is None:
-        return loss_and_grads(model, _on(batch, CUDA))
-    with torch.autocast("cuda", dtype=autocast):
-        return loss_and_grads(model, _on(batch, CUDA))
+    with torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss, grads, gin = loss_and_grads(model, _on(batch, CUDA))
+    return loss.cpu(), {n: g.cpu() for n, g in grads.items()}, gin.cpu()
 
 
 def _worst_mean(errs):
