@@ -2,7 +2,8 @@
 
 Holds:
     KVStream: the duck-typed cache a layer writes its post-RoPE K/V into, chunk by chunk.
-    streambp_apply: run a layer through StreamBP (an autograd Function that saves only the input).
+    streambp_apply: run a layer through StreamBP (an autograd Function that saves only the input,
+        on the device or through a ``LayerInputOffloader`` in host memory).
     GlobalKVStream, streambp_sp_apply: the same under Ulysses sequence parallelism (K/V exchanged
         once per pass, query chunks streamed, dK/dV exchanged back once; see the section below).
 
@@ -28,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from ds_longseq.ops.chunk_grads import ChunkGrads, acc_dtype
+from ds_longseq.ops.offload import LayerInputOffloader
 
 __all__ = ["KVStream", "GlobalKVStream", "streambp_apply", "streambp_sp_apply", "chunk_bounds"]
 
@@ -109,19 +111,35 @@ def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=No
     return out
 
 
+def _save_input(ctx, hidden: torch.Tensor, offloader: LayerInputOffloader | None) -> None:
+    """Keep the layer input for backward: on its device, or in host memory through ``offloader``."""
+    if offloader is None:
+        ctx.save_for_backward(hidden)
+        ctx.offloaded_input = None
+    else:
+        ctx.offloaded_input = offloader.save(hidden)
+
+
+def _load_input(ctx) -> torch.Tensor:
+    if ctx.offloaded_input is None:
+        (hidden,) = ctx.saved_tensors
+        return hidden
+    return ctx.offloaded_input.load()
+
+
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, *params):
+    def forward(ctx, hidden, run_chunk, bounds, offloader, *params):
         with torch.no_grad():
             out = _forward_chunks(run_chunk, hidden, bounds)
-        ctx.save_for_backward(hidden)
+        _save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds = run_chunk, bounds
         ctx.params = params
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (hidden,) = ctx.saved_tensors
+        hidden = _load_input(ctx)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1])
         stream.mode = "capture"
@@ -129,7 +147,7 @@ class _StreamBPFunction(torch.autograd.Function):
             _capture(run_chunk, hidden, bounds, stream)
         stream.alloc_grads()
         stream.mode = "replay"
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=3)
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=4)
         with torch.enable_grad():
             for s, e in reversed(bounds):
                 stream.start, stream.end = s, e
@@ -143,7 +161,7 @@ class _StreamBPFunction(torch.autograd.Function):
                 grads.backward(outputs, grad_outputs, h_c, s, e)
                 stream.k_chunk = stream.v_chunk = None
         grad_in, param_grads = grads.result()
-        return (grad_in, None, None, *param_grads)
+        return (grad_in, None, None, None, *param_grads)
 
 
 def streambp_apply(
@@ -151,6 +169,7 @@ def streambp_apply(
     hidden: torch.Tensor,
     params: Sequence[torch.nn.Parameter],
     chunk_size: int,
+    offloader: LayerInputOffloader | None = None,
 ) -> torch.Tensor:
     """Run a causal layer over ``hidden`` with StreamBP.
 
@@ -161,13 +180,15 @@ def streambp_apply(
         hidden: (B, T, d) layer input.
         params: every parameter the layer uses; those with ``requires_grad`` get exact gradients.
         chunk_size: tokens per chunk.
+        offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
 
     Returns:
-        (B, T, d) layer output. Under grad mode the only tensor saved for backward is ``hidden``.
+        (B, T, d) layer output. Under grad mode the only tensor saved for backward is ``hidden``
+        (in the offloader, if given).
     """
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _StreamBPFunction.apply(hidden, run_chunk, bounds, *params)
+        return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, *params)
     return _forward_chunks(run_chunk, hidden, bounds)
 
 
@@ -264,21 +285,21 @@ def _global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> G
 
 class _StreamBPSPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, exchange, *params):
+    def forward(ctx, hidden, run_chunk, bounds, exchange, offloader, *params):
         with torch.no_grad():
             stream = _global_kv(run_chunk, hidden, bounds, exchange)
             out = _forward_chunks(run_chunk, hidden, bounds, stream)
-        ctx.save_for_backward(hidden)
+        _save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (hidden,) = ctx.saved_tensors
+        hidden = _load_input(ctx)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = _global_kv(run_chunk, hidden, bounds, ctx.exchange)
         stream.alloc_grads()
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=4)
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
         # Pass 1: every chunk through the whole layer; keys are constants, their gradient goes to the sink.
         with torch.enable_grad():
             for s, e in bounds:
@@ -305,7 +326,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
                     grads.backward(outputs, grad_outputs, h_c, s, e, add=True)
                 stream.k_chunk = stream.v_chunk = None
         grad_in, param_grads = grads.result()
-        return (grad_in, None, None, None, *param_grads)
+        return (grad_in, None, None, None, None, *param_grads)
 
 
 def streambp_sp_apply(
@@ -314,6 +335,7 @@ def streambp_sp_apply(
     params: Sequence[torch.nn.Parameter],
     chunk_size: int,
     exchange,
+    offloader: LayerInputOffloader | None = None,
 ) -> torch.Tensor:
     """:func:`streambp_apply` for a layer whose attention is sequence parallel (Ulysses).
 
@@ -330,13 +352,15 @@ def streambp_sp_apply(
         params: every parameter the layer uses.
         chunk_size: tokens per chunk of the local shard.
         exchange: the group's ``UlyssesExchange``.
+        offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
 
     Returns:
-        (B, T_l, d) layer output; under grad mode only ``hidden`` is saved for backward.
+        (B, T_l, d) layer output; under grad mode only ``hidden`` is saved for backward (in the
+        offloader, if given).
     """
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, *params)
+        return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, offloader, *params)
     with torch.no_grad():
         stream = _global_kv(run_chunk, hidden, bounds, exchange)
         return _forward_chunks(run_chunk, hidden, bounds, stream)
