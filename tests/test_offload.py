@@ -333,6 +333,22 @@ def test_offloader_stack_prefetch_and_slab_reuse(monkeypatch):
         assert pool.free_bytes == pool.num_bytes
 
 
+def test_shorter_sequences_reuse_larger_slabs():
+    pool = HostBufferPool()
+    long, short = 2 * 100 * 64 * 4, 2 * 37 * 64 * 4  # bytes of a (2, T, 64) float32 input: 64 and 32 KiB slabs
+    offloader = LayerInputOffloader(pool)
+    for handle in reversed([offloader.save(torch.randn(2, 100, 64)) for _ in range(2)]):
+        handle.load()
+    owned = pool.num_bytes
+    assert owned == 2 * 65536 and pool.bytes_to_allocate([short] * 2, pinned=False) == 0
+    offloader = LayerInputOffloader(pool)
+    x = torch.randn(2, 37, 64)
+    handles = [offloader.save(x) for _ in range(2)]
+    assert pool.num_bytes == owned and pool.free_bytes == 0
+    assert pool.bytes_to_allocate([short], pinned=False) == 32768 and pool.bytes_to_allocate([long], False) == 65536
+    assert torch.equal(handles[1].load(), x) and torch.equal(handles[0].load(), x)
+
+
 def test_graph_freed_without_backward_returns_its_slabs():
     pool = HostBufferPool()
     offloader = LayerInputOffloader(pool)

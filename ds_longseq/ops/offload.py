@@ -20,7 +20,7 @@ Timeline on CUDA, compute stream S and copy stream X (one per device, owned by t
 Slabs: a tensor is stored in fixed-size host slabs (``SLAB_BYTES``; one power of two smaller than that for
 a small tensor). torch's pinned-memory allocator rounds every block up to a power of two, so one buffer per
 layer input could waste up to half of host memory; slabs waste at most one partial slab per tensor, and
-slabs of one size serve any sequence length of a later step.
+a free slab serves any tensor that fits in it, so a later step with other sequence lengths reuses them.
 
 On CPU tensors the same bookkeeping runs (copies into separate host slabs, synchronous, no streams): it
 saves no memory, but lets CPU tests exercise the exact path a GPU run takes.
@@ -117,13 +117,23 @@ class HostBufferPool:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
+    def _reusable(self, pinned: bool, size: int, taken: dict[int, int] | None = None) -> int | None:
+        """Size of the smallest free slab of at least ``size`` bytes (after ``taken`` of each size), or None.
+
+        A larger slab serves a smaller tensor (a later step with shorter sequences allocates nothing).
+        """
+        for have in sorted(k for p, k in self._free if p == pinned and k >= size):
+            if len(self._free[(pinned, have)]) > (taken or {}).get(have, 0):
+                return have
+        return None
+
     def acquire(self, nbytes: int, pinned: bool) -> list[torch.Tensor]:
-        """Slabs (flat uint8 host tensors) that together hold ``nbytes``."""
+        """Slabs (flat uint8 host tensors) that together hold ``nbytes``, in order."""
         slabs = []
         for size in _slab_sizes(nbytes):
-            free = self._free.get((pinned, size))
-            if free:
-                slabs.append(free.pop())
+            have = self._reusable(pinned, size)
+            if have is not None:
+                slabs.append(self._free[(pinned, have)].pop())
             else:
                 slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=pinned))
                 self.num_bytes += size
@@ -143,12 +153,18 @@ class HostBufferPool:
         return sum(slab.numel() for slabs in self._free.values() for slab in slabs)
 
     def bytes_to_allocate(self, sizes: list[int], pinned: bool) -> int:
-        """New host bytes that saving tensors of ``sizes`` bytes would allocate, after reusing free slabs."""
-        need: dict[int, int] = {}
+        """New host bytes that saving tensors of ``sizes`` bytes would allocate, after reusing free slabs
+        (the same choices :meth:`acquire` makes, without making them)."""
+        taken: dict[int, int] = {}
+        new = 0
         for nbytes in sizes:
             for size in _slab_sizes(nbytes):
-                need[size] = need.get(size, 0) + 1
-        return sum(size * max(count - len(self._free.get((pinned, size), ())), 0) for size, count in need.items())
+                have = self._reusable(pinned, size, taken)
+                if have is None:
+                    new += size
+                else:
+                    taken[have] = taken.get(have, 0) + 1
+        return new
 
     def clear(self) -> None:
         """Drop every slab and stream; slabs still holding a saved tensor are dropped when it is loaded.
@@ -163,7 +179,7 @@ class HostBufferPool:
         self._free.clear()
         self._streams.clear()
         self.closed = True
-        if pinned and hasattr(torch, "accelerator") and hasattr(torch.accelerator, "empty_host_cache"):
+        if pinned:
             torch.accelerator.empty_host_cache()
 
 
