@@ -1,7 +1,8 @@
 """Typed configuration of ds_longseq: the ``"long_seq"`` section of a DeepSpeed JSON file.
 
 Holds:
-    StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig: one dataclass per section.
+    StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig, OffloadConfig: one dataclass
+        per section.
     LongSeqConfig: the whole section, with ``from_dict`` that reports every problem at once.
     LongSeqConfigError: the single error raised for a bad section.
 
@@ -13,9 +14,10 @@ attention kernel (``kv_block_size``).
 from __future__ import annotations
 
 import dataclasses
+import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 __all__ = [
     "LongSeqConfig",
@@ -24,6 +26,7 @@ __all__ = [
     "MiniSeqConfig",
     "LMHeadConfig",
     "SequenceParallelConfig",
+    "OffloadConfig",
 ]
 
 
@@ -94,12 +97,43 @@ class SequenceParallelConfig:
         return self.size > 1 if isinstance(self.size, int) else False
 
 
+@dataclass
+class OffloadConfig:
+    """Where the tensors kept between forward and backward live (ALST-style offload to host memory)."""
+
+    layer_inputs: Literal["cpu"] | None = None
+    """``"cpu"``: keep each decoder layer's input, the only activation StreamBP (or, with mini_seq, a
+    per-layer checkpoint) holds from forward to backward, in pinned host memory instead of on the
+    GPU; it is copied back one layer ahead in backward. ``None``: keep it on the device. Host
+    memory needed: num_layers x batch x T x hidden_size x dtype bytes, i.e. num_layers x d x dtype
+    bytes x batch per token (256 KiB per token at the Llama-3-8B shape in bf16: 32 x 4096 x 2).
+    Needs ``streambp`` or ``mini_seq``."""
+
+
 _SECTIONS: dict[str, type] = {
     "streambp": StreamBPConfig,
     "mini_seq": MiniSeqConfig,
     "lm_head": LMHeadConfig,
     "sequence_parallel": SequenceParallelConfig,
+    "offload": OffloadConfig,
 }
+
+
+def _choices(section_cls: type, name: str) -> tuple[Any, ...] | None:
+    """The allowed values of a ``Literal[...]`` (or ``Literal[...] | None``) field, else None.
+
+    Read from the annotation, so a field's choices are written once, in its type.
+    """
+    hint = typing.get_type_hints(section_cls)[name]
+    values: list[Any] = []
+    for arg in typing.get_args(hint) or (hint,):
+        if arg is type(None):
+            values.append(None)
+        elif typing.get_origin(arg) is Literal:
+            values.extend(typing.get_args(arg))
+        else:
+            return None
+    return tuple(values)
 
 
 @dataclass
@@ -118,6 +152,8 @@ class LongSeqConfig:
     """Chunked LM head and loss."""
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
     """Ulysses sequence parallelism over ``size`` ranks."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Offload of the layer inputs kept for backward to host memory."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
@@ -176,9 +212,14 @@ class LongSeqConfig:
             for f in dataclasses.fields(section):
                 value = getattr(section, f.name)
                 where = f"long_seq.{name}.{f.name}"
+                choices = _choices(type(section), f.name)
                 if f.name == "enabled":
                     if not isinstance(value, bool):
                         problems.append(f"{where} must be true or false, got {value!r}")
+                elif choices is not None:
+                    if value not in choices:
+                        allowed = " or ".join("null (None)" if c is None else repr(c) for c in choices)
+                        problems.append(f"{where} must be {allowed}, got {value!r}")
                 elif value is None and f.default is None:
                     continue  # an optional size left to its device default
                 elif not isinstance(value, int) or isinstance(value, bool):
@@ -190,6 +231,14 @@ class LongSeqConfig:
                 "long_seq.streambp and long_seq.mini_seq are both enabled: StreamBP already runs each "
                 "layer's MLP on chunk_size tokens at a time, so mini_seq would only add overhead; "
                 "set long_seq.mini_seq.enabled=false (or disable streambp to use MsT alone)"
+            )
+        if self.offload.layer_inputs is not None and not (
+            self.streambp.enabled is True or self.mini_seq.enabled is True
+        ):
+            problems.append(
+                f"long_seq.offload.layer_inputs={self.offload.layer_inputs!r} needs long_seq.streambp or "
+                "long_seq.mini_seq: only those keep just each layer's input for backward (the stock model keeps "
+                "every activation); enable one of them, or remove long_seq.offload.layer_inputs"
             )
         return problems
 

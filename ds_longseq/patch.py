@@ -8,11 +8,15 @@ What is changed, all on the given instance:
     - ``config._attn_implementation`` -> "ds_longseq" (streambp), after registering that NEW name
       with transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (existing names such
       as "sdpa" are never overwritten, so other models in the process are unaffected);
-    - ``layer.forward`` of each decoder layer (streambp), ``mlp.forward`` of each MLP (mini_seq);
-    - ``model.forward`` (lm_head, and streambp's ``use_cache=False`` default), ``lm_head.forward``
-      (lm_head: the loss is computed inside the head module's call, for ZeRO-3's hooks);
+    - ``layer.forward`` of each decoder layer (streambp; mini_seq with offload: a layer checkpoint),
+      ``mlp.forward`` of each MLP (mini_seq);
+    - ``model.forward`` (lm_head, and the ``use_cache=False`` default of streambp and offload),
+      ``lm_head.forward`` (lm_head: the loss is computed inside the head module's call, for ZeRO-3's hooks);
     - ``_z3_leaf`` on decoder layers / MLPs (``mark_zero3_leaves``, DeepSpeed's own flag) so ZeRO-3
       gathers a layer's weights once for its whole chunk loop;
+    - offload of layer inputs: a forward pre-hook and a forward hook on the base model (``model.model``)
+      that check host memory and hand each training forward a fresh offloader; ``disable`` frees the
+      pooled host memory;
     - sequence parallelism: ``config._attn_implementation`` -> "ds_longseq" (Ulysses attention) and a
       forward pre-hook on the base model (``model.model``) that passes each forward's shard context;
     - DeepSpeed ZeRO-3 + sequence parallelism: one method of the engine's optimizer INSTANCE
@@ -30,8 +34,9 @@ from ds_longseq.config import LongSeqConfig
 from ds_longseq.models.adapters import get_adapter
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
 from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
-from ds_longseq.modules.decoder_layer import StreamBPLayerForward
+from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
+from ds_longseq.modules.offload import LayerInputOffload
 from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook
 
 __all__ = [
@@ -79,6 +84,10 @@ class PatchHandle:
     def add_hook(self, hook_handle) -> None:
         """Record a ``torch.utils.hooks.RemovableHandle`` to remove on undo."""
         self._undo.append(hook_handle.remove)
+
+    def add_undo(self, fn: Callable[[], None]) -> None:
+        """Record a call to make on undo (after everything recorded later is undone)."""
+        self._undo.append(fn)
 
     def set_attn_implementation(self, hf_config: Any, name: str) -> None:
         previous = hf_config._attn_implementation
@@ -155,19 +164,31 @@ def enable(
         if sp is not None:
             hook = SequenceParallelForwardHook(sp, cfg.streambp.kv_block_size)
             handle.add_hook(adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
+        offload = None
+        if cfg.offload.layer_inputs == "cpu":
+            offload = LayerInputOffload(len(adapter.layers), model.config.get_text_config().hidden_size)
+            handle.add_undo(offload.close)
+            # After the sequence-parallel hook (registration order), so it sees the local shard's shape.
+            base = adapter.base_model
+            handle.add_hook(base.register_forward_pre_hook(offload.before_forward, with_kwargs=True))
+            handle.add_hook(base.register_forward_hook(offload.after_forward, with_kwargs=True, always_call=True))
         if cfg.streambp.enabled:
             for layer in adapter.layers:
-                handle.set_instance_attr(layer, "forward", StreamBPLayerForward(layer, layer.forward, cfg.streambp))
+                handle.set_instance_attr(
+                    layer, "forward", StreamBPLayerForward(layer, layer.forward, cfg.streambp, offload)
+                )
         if cfg.mini_seq.enabled:
             for layer in adapter.layers:
                 mlp = adapter.mlp(layer)
                 handle.set_instance_attr(
                     mlp, "forward", MiniSeqMLPForward(mlp, mlp.forward, cfg.mini_seq.mlp_num_chunks)
                 )
+                if offload is not None:
+                    handle.set_instance_attr(layer, "forward", CheckpointLayerForward(layer, layer.forward, offload))
         if cfg.lm_head.enabled:
             head = adapter.lm_head
             handle.set_instance_attr(head, "forward", LMHeadLossForward(head, head.forward, cfg.lm_head.chunk_size))
-        if cfg.lm_head.enabled or cfg.streambp.enabled or sp is not None:
+        if cfg.lm_head.enabled or cfg.streambp.enabled or sp is not None or offload is not None:
             handle.set_instance_attr(model, "forward", CausalLMForward(model, model.forward, cfg, sp))
         handle.set_instance_attr(model, _HANDLE_ATTR, handle)
     except BaseException:
@@ -194,6 +215,11 @@ def mark_zero3_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:
     leaves = []
     if handle.config.streambp.enabled:
         leaves = adapter.layers
+    elif handle.config.mini_seq.enabled and handle.config.offload.layer_inputs is not None:
+        # The layer checkpoint passes all the layer's weights to one Function, so the whole layer is
+        # gathered for it; its MLP is marked too only to pass the MLP's own leaf check (DeepSpeed never
+        # looks at the children of a leaf).
+        leaves = [m for layer in adapter.layers for m in (layer, adapter.mlp(layer))]
     elif handle.config.mini_seq.enabled:
         leaves = [adapter.mlp(layer) for layer in adapter.layers]
     for module in leaves:

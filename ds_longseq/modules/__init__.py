@@ -2,8 +2,9 @@
 
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, AttnSpec, longseq_attention, longseq_mask
 from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
-from ds_longseq.modules.decoder_layer import StreamBPLayerForward, check_not_packed
+from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward, check_not_packed
 from ds_longseq.modules.mlp import MiniSeqMLPForward
+from ds_longseq.modules.offload import HostMemoryError, LayerInputOffload
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -13,6 +14,9 @@ __all__ = [
     "CausalLMForward",
     "LMHeadLossForward",
     "StreamBPLayerForward",
+    "CheckpointLayerForward",
     "check_not_packed",
     "MiniSeqMLPForward",
+    "LayerInputOffload",
+    "HostMemoryError",
 ]

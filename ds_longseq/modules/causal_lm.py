@@ -55,8 +55,9 @@ class CausalLMForward:
 
     With ``labels`` and the chunked LM head enabled, returns ``CausalLMOutputWithPast(loss=...,
     logits=None)``: the (B x T x V) logits are never formed. Without labels, or when generating
-    (``past_key_values`` given or ``use_cache=True``), calls the stock forward. Under StreamBP a
-    training call defaults to ``use_cache=False`` (the stock default would keep every layer's K/V).
+    (``past_key_values`` given or ``use_cache=True``), calls the stock forward. Under StreamBP or with
+    offloaded layer inputs a training call defaults to ``use_cache=False`` (the stock default would keep
+    every layer's K/V).
 
     Under sequence parallelism (``sp``) the labels must come pre-shifted as ``shift_labels`` (the
     shift crosses shard boundaries: ``engine.shard_batch`` does it before cutting) and the loss is
@@ -89,7 +90,11 @@ class CausalLMForward:
         **kwargs,
     ):
         generating = past_key_values is not None or use_cache is True
-        if not generating and (self.config.streambp.enabled or self.sp is not None):
+        # The stock default (config.use_cache) would keep every layer's K/V, and with a cache the
+        # layers run their stock forward: no streaming, nothing offloaded.
+        if not generating and (
+            self.config.streambp.enabled or self.sp is not None or self.config.offload.layer_inputs is not None
+        ):
             use_cache = False
         wants_loss = labels is not None or (self.sp is not None and kwargs.get("shift_labels") is not None)
         if generating or not wants_loss or (not self.config.lm_head.enabled and self.sp is None):

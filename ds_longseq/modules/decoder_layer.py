@@ -2,22 +2,28 @@
 through ``past_key_values.update``).
 
 Holds:
-    StreamBPLayerForward: the callable installed as a decoder layer's ``forward``.
+    StreamBPLayerForward: the callable installed as a decoder layer's ``forward`` (streambp).
+    CheckpointLayerForward: the same for mini_seq with offloaded layer inputs: the layer as one
+        activation checkpoint whose input lives in host memory until backward.
 
 Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
+from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
 
-__all__ = ["StreamBPLayerForward", "check_not_packed", "check_zero3_leaf"]
+if TYPE_CHECKING:
+    from ds_longseq.modules.offload import LayerInputOffload
+
+__all__ = ["StreamBPLayerForward", "CheckpointLayerForward", "check_not_packed", "check_zero3_leaf"]
 
 
 def check_zero3_leaf(module: torch.nn.Module) -> None:
@@ -59,14 +65,21 @@ class StreamBPLayerForward:
     Without a KV cache, runs the stock layer chunk by chunk through :func:`streambp_apply`
     (the forward keeps only the layer input; backward re-forwards chunks in reverse order).
     With a cache (generation), calls the stock forward unchanged: attention then goes through
-    ``longseq_attention`` on the cached keys.
+    ``longseq_attention`` on the cached keys. With ``offload``, the saved input goes to host memory.
     """
 
-    def __init__(self, layer: torch.nn.Module, orig_forward: Callable, config: StreamBPConfig):
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        orig_forward: Callable,
+        config: StreamBPConfig,
+        offload: "LayerInputOffload | None" = None,
+    ):
         self.layer = layer
         self.orig_forward = orig_forward
         self.chunk_size = config.chunk_size
         self.kv_block_size = config.kv_block_size
+        self.offload = offload
 
     def __call__(
         self,
@@ -125,6 +138,58 @@ class StreamBPLayerForward:
             )
             return out[0] if isinstance(out, tuple) else out
 
+        offloader = None if self.offload is None else self.offload.offloader()
         if sp is not None:
-            return streambp_sp_apply(run_chunk, hidden_states, params, self.chunk_size, sp.exchange)
-        return streambp_apply(run_chunk, hidden_states, params, self.chunk_size)
+            return streambp_sp_apply(run_chunk, hidden_states, params, self.chunk_size, sp.exchange, offloader)
+        return streambp_apply(run_chunk, hidden_states, params, self.chunk_size, offloader)
+
+
+def _check_no_grad_kwargs(layer: torch.nn.Module, kwargs: dict) -> None:
+    """Raise if a layer argument other than the hidden states requires grad (its gradient would be lost)."""
+    for name, value in kwargs.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+            raise ValueError(
+                f"{type(layer).__name__} got {name} that requires grad: long_seq.offload with mini_seq "
+                "differentiates each layer with respect to its hidden states and weights only. Detach it, or "
+                "remove long_seq.offload.layer_inputs"
+            )
+
+
+class CheckpointLayerForward:
+    """Replacement ``forward`` of one decoder layer under mini_seq with ``offload.layer_inputs``.
+
+    Runs the stock layer (whose MLP is the MsT mini-sequence MLP) as one activation checkpoint
+    (:func:`checkpoint_apply`): forward under no_grad, the (B, T, d) input saved in host memory
+    through the current forward's offloader, the layer re-run with grad in backward. This replaces
+    Hugging Face gradient checkpointing, which would keep the input on the device (and, on top of
+    this, recompute twice), so that must be off. With a KV cache (generation) the stock forward runs.
+    """
+
+    def __init__(self, layer: torch.nn.Module, orig_forward: Callable, offload: "LayerInputOffload"):
+        self.layer = layer
+        self.orig_forward = orig_forward
+        self.offload = offload
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if kwargs.get("past_key_values") is not None or args:
+            # A cache (generation), or the stock positional signature nobody in transformers uses.
+            return self.orig_forward(hidden_states, *args, **kwargs)
+        layer = self.layer
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            raise RuntimeError(
+                "gradient (activation) checkpointing is on for a model with long_seq.mini_seq and "
+                "long_seq.offload.layer_inputs: offload with mini_seq checkpoints each layer itself (keeping its "
+                "input in host memory), so checkpointing would recompute every layer twice. Call "
+                "model.activation_checkpointing_disable() (gradient_checkpointing_disable() is its deprecated name)."
+            )
+        check_zero3_leaf(layer)
+        if torch.is_grad_enabled():
+            _check_no_grad_kwargs(layer, kwargs)
+        orig = self.orig_forward
+
+        def run(h: torch.Tensor) -> torch.Tensor:
+            out = orig(h, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+
+        return checkpoint_apply(run, hidden_states, list(layer.parameters()), self.offload.offloader())

@@ -2,7 +2,8 @@
 
 Holds:
     KVStream: the duck-typed cache a layer writes its post-RoPE K/V into, chunk by chunk.
-    streambp_apply: run a layer through StreamBP (an autograd Function that saves only the input).
+    streambp_apply: run a layer through StreamBP (an autograd Function that saves only the input,
+        on the device or through a ``LayerInputOffloader`` in host memory).
     GlobalKVStream, streambp_sp_apply: the same under Ulysses sequence parallelism (K/V exchanged
         once per pass, query chunks streamed, dK/dV exchanged back once; see the section below).
 
@@ -28,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads, acc_dtype, autocast_dtype
+from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
 
 __all__ = ["KVStream", "GlobalKVStream", "streambp_apply", "streambp_sp_apply", "chunk_bounds"]
 
@@ -115,10 +117,10 @@ def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=No
 
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, *params):
+    def forward(ctx, hidden, run_chunk, bounds, offloader, *params):
         with torch.no_grad():
             out = _forward_chunks(run_chunk, hidden, bounds)
-        ctx.save_for_backward(hidden)
+        save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds = run_chunk, bounds
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
@@ -126,7 +128,7 @@ class _StreamBPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (hidden,) = ctx.saved_tensors
+        hidden = load_input(ctx)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1])
         stream.mode = "capture"
@@ -134,7 +136,7 @@ class _StreamBPFunction(torch.autograd.Function):
             _capture(run_chunk, hidden, bounds, stream)
         stream.alloc_grads()
         stream.mode = "replay"
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=3)
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=4)
         with torch.enable_grad():
             for s, e in reversed(bounds):
                 stream.start, stream.end = s, e
@@ -149,7 +151,7 @@ class _StreamBPFunction(torch.autograd.Function):
                 grads.backward(outputs, grad_outputs, h_c, s, e)
                 stream.k_chunk = stream.v_chunk = None
         grad_in, param_grads = grads.result()
-        return (grad_in, None, None, *param_grads)
+        return (grad_in, None, None, None, *param_grads)
 
 
 def streambp_apply(
@@ -157,6 +159,7 @@ def streambp_apply(
     hidden: torch.Tensor,
     params: Sequence[torch.nn.Parameter],
     chunk_size: int,
+    offloader: LayerInputOffloader | None = None,
 ) -> torch.Tensor:
     """Run a causal layer over ``hidden`` with StreamBP.
 
@@ -167,13 +170,15 @@ def streambp_apply(
         hidden: (B, T, d) layer input.
         params: every parameter the layer uses; those with ``requires_grad`` get exact gradients.
         chunk_size: tokens per chunk.
+        offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
 
     Returns:
-        (B, T, d) layer output. Under grad mode the only tensor saved for backward is ``hidden``.
+        (B, T, d) layer output. Under grad mode the only tensor saved for backward is ``hidden``
+        (in the offloader, if given).
     """
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _StreamBPFunction.apply(hidden, run_chunk, bounds, *params)
+        return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, *params)
     return _forward_chunks(run_chunk, hidden, bounds)
 
 
@@ -272,23 +277,23 @@ def _global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> G
 
 class _StreamBPSPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, exchange, *params):
+    def forward(ctx, hidden, run_chunk, bounds, exchange, offloader, *params):
         with torch.no_grad():
             stream = _global_kv(run_chunk, hidden, bounds, exchange)
             out = _forward_chunks(run_chunk, hidden, bounds, stream)
-        ctx.save_for_backward(hidden)
+        save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (hidden,) = ctx.saved_tensors
+        hidden = load_input(ctx)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         with ctx.autocast.replay():
             stream = _global_kv(run_chunk, hidden, bounds, ctx.exchange)
         stream.alloc_grads()
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=4)
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
         # Pass 1: every chunk through the whole layer; keys are constants, their gradient goes to the sink.
         with torch.enable_grad():
             for s, e in bounds:
@@ -318,7 +323,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
                     grads.backward(outputs, grad_outputs, h_c, s, e, add=True)
                 stream.k_chunk = stream.v_chunk = None
         grad_in, param_grads = grads.result()
-        return (grad_in, None, None, None, *param_grads)
+        return (grad_in, None, None, None, None, *param_grads)
 
 
 def streambp_sp_apply(
@@ -327,6 +332,7 @@ def streambp_sp_apply(
     params: Sequence[torch.nn.Parameter],
     chunk_size: int,
     exchange,
+    offloader: LayerInputOffloader | None = None,
 ) -> torch.Tensor:
     """:func:`streambp_apply` for a layer whose attention is sequence parallel (Ulysses).
 
@@ -343,13 +349,15 @@ def streambp_sp_apply(
         params: every parameter the layer uses.
         chunk_size: tokens per chunk of the local shard.
         exchange: the group's ``UlyssesExchange``.
+        offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
 
     Returns:
-        (B, T_l, d) layer output; under grad mode only ``hidden`` is saved for backward.
+        (B, T_l, d) layer output; under grad mode only ``hidden`` is saved for backward (in the
+        offloader, if given).
     """
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, *params)
+        return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, offloader, *params)
     with torch.no_grad():
         stream = _global_kv(run_chunk, hidden, bounds, exchange)
         return _forward_chunks(run_chunk, hidden, bounds, stream)

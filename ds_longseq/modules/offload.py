@@ -1,0 +1,128 @@
+"""Layer-input offload for one model: the host pool, the per-forward offloader and the host-memory check.
+
+Holds:
+    LayerInputOffload: installed by ``enable`` when ``long_seq.offload.layer_inputs == "cpu"``; its
+        forward pre-hook on the base model (``model.model``) checks host memory and starts a fresh
+        :class:`~ds_longseq.ops.offload.LayerInputOffloader` for each training forward, which every
+        decoder layer (StreamBP, or the mini_seq layer checkpoint) saves its input through.
+    HostMemoryError: a training forward whose layer inputs would not fit in host memory.
+
+Shape legend: B batch, T sequence (the local shard under sequence parallelism), d hidden; L layers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ds_longseq.ops import offload as offload_ops
+from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader
+
+__all__ = ["LayerInputOffload", "HostMemoryError"]
+
+_INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
+
+
+class HostMemoryError(MemoryError):
+    """The layer inputs of a training forward would not fit in the host memory that is available."""
+
+
+def _fmt_bytes(num_bytes: int) -> str:
+    """``"75776 bytes (74.0 KiB)"``: exact, and readable at any size."""
+    size, unit = float(num_bytes), "bytes"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, next_unit
+    return f"{num_bytes} bytes" if unit == "bytes" else f"{num_bytes} bytes ({size:.1f} {unit})"
+
+
+def _ranks_on_this_host() -> int:
+    """Processes of the job on this host (the launchers' ``LOCAL_WORLD_SIZE``; 1 when not set)."""
+    try:
+        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+class LayerInputOffload:
+    """One model's offload of decoder-layer inputs to host memory.
+
+    Args:
+        num_layers: L, the decoder layers that save their input through :meth:`offloader`.
+        hidden_size: d.
+    """
+
+    def __init__(self, num_layers: int, hidden_size: int):
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.pool = HostBufferPool()
+        self.current: LayerInputOffloader | None = None
+        """The offloader of the training forward in progress (None between forwards)."""
+
+    def offloader(self) -> LayerInputOffloader:
+        """What a layer saves its input through: the current forward's offloader, or a fresh one for a
+        layer called on its own (outside the model's forward), which then gets no prefetch."""
+        return self.current if self.current is not None else LayerInputOffloader(self.pool)
+
+    def bytes_needed(self, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
+        """Host bytes that saving L inputs of (B, T, d) ``dtype`` takes: L x B x T x d x itemsize."""
+        return self.num_layers * batch_size * seq_len * self.hidden_size * dtype.itemsize
+
+    def before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook (``with_kwargs=True``) of the base model: runs before the embedding."""
+        self.current = None
+        kwargs = {**dict(zip(_INPUT_NAMES, args, strict=False)), **kwargs}
+        embeds = kwargs.get("inputs_embeds")
+        tokens = embeds if embeds is not None else kwargs.get("input_ids")
+        if tokens is None or tokens.dim() < 2 or kwargs.get("past_key_values") is not None:
+            return  # generation (layers run the stock forward) or a call the model itself will refuse
+        training = torch.is_grad_enabled() and (
+            (embeds is not None and embeds.requires_grad) or any(p.requires_grad for p in module.parameters())
+        )
+        if not training:
+            return  # nothing is kept for backward, so nothing is offloaded
+        # The residual stream has the embedding's dtype, also under autocast (embeddings are not autocast).
+        dtype = embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
+        self.check_host_memory(tokens.shape[0], tokens.shape[1], dtype, pinned=tokens.device.type == "cuda")
+        self.current = LayerInputOffloader(self.pool)
+
+    def after_forward(self, module, args, kwargs, output) -> None:
+        """Forward hook (``always_call=True``): the forward's handles stay with its autograd graph."""
+        self.current = None
+
+    def check_host_memory(self, batch_size: int, seq_len: int, dtype: torch.dtype, pinned: bool) -> None:
+        """Raise :class:`HostMemoryError` if this forward's layer inputs cannot fit in host memory.
+
+        Slabs the pool already holds count as available (they are reused, and host memory reports
+        them as used). Every process of the job on this host is assumed to offload as much at the same
+        time: their sum must fit.
+        """
+        per_layer = batch_size * seq_len * self.hidden_size * dtype.itemsize
+        to_allocate = self.pool.bytes_to_allocate([per_layer] * self.num_layers, pinned)
+        if to_allocate == 0:
+            return
+        ranks = _ranks_on_this_host()
+        available = offload_ops.host_available_bytes()
+        if to_allocate * ranks <= available:
+            return
+        needed = self.bytes_needed(batch_size, seq_len, dtype)
+        shape = (
+            f"{self.num_layers} layers x batch {batch_size} x {seq_len} tokens x hidden {self.hidden_size} x "
+            f"{dtype.itemsize} bytes ({dtype})"
+        )
+        per_host = f", x {ranks} processes on this host" if ranks > 1 else ""
+        raise HostMemoryError(
+            f"long_seq.offload.layer_inputs='cpu' needs {_fmt_bytes(needed)} of host memory for this forward's "
+            f"layer inputs ({shape}{per_host}; {_fmt_bytes(to_allocate * ranks)} still to allocate after reusing "
+            f"{_fmt_bytes(self.pool.free_bytes)} already pooled) but only {_fmt_bytes(available)} is available. "
+            "Use shorter sequences or a smaller batch, more sequence-parallel ranks (long_seq.sequence_parallel.size: "
+            "each rank keeps T / size tokens), or remove long_seq.offload.layer_inputs to keep the inputs on the "
+            "device. Nothing was computed."
+        )
+
+    def close(self) -> None:
+        """Free the pool's host memory (``disable``)."""
+        self.current = None
+        self.pool.clear()
