@@ -1,246 +1,247 @@
-"""One entry point for the speed, memory and maximum-length benchmarks.
+"""One entry point for full-training-step benchmarks: memory, speed and maximum length per method.
 
-For each method at each sequence length, a fresh child process builds the same model (same seed,
-same weights, same random tokens), runs ``--warmup`` full training steps (forward, backward,
-optimizer step) and then ``--steps`` timed ones, and reports:
+For each method at each sequence length, a fresh child process (``benchmarks.harness.spawn``) builds
+the same model (same seed, same weights, same random tokens), runs ``--warmup`` full training steps
+(forward, backward, optimizer step) and then ``--steps`` timed ones, and reports:
     peak memory: CPU: peak RSS minus the RSS after the model (and optimizer) are built;
-                 GPU: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` minus the
-                 allocation after build;
+                 GPU: ``max_memory_allocated`` and ``max_memory_reserved``, each minus its value after
+                 build, and the host RSS growth (what offloading moves to the host);
     step time:   median of the timed steps; tokens/s = tokens per step / that median.
-Then, per method, the longest sequence that completes one training step under a memory budget
-(binary search over fresh children; CPU: ``--budget-mib`` enforced with RLIMIT_AS on each child,
-GPU: the device's memory).
+Then, per method, the longest sequence whose first training step fits (CPU: ``--budget-mib`` per
+child, enforced with RLIMIT_AS; GPU: the device's memory): probes of explicit ``--search-lengths``
+(the GPU suites' default: few, chosen lengths) or doubling + bisection over ``--search-range``. Only
+running out of memory means "too long"; a probe that times out or crashes is recorded with its error
+and ends that method's search (reporting the last length that fit and why it stopped), never the
+suite. On GPU the timed points count as probes (same device, same step), and a method's longer
+points are skipped once a shorter one ran out of memory.
 
-Suites:
-    cpu:   Llama h512 / 4 layers / vocab 32000 (``benchmarks.memory.MODEL_SHAPE``), float32,
-           single process, torch AdamW. Methods: stock, hf_gc, alst, mst, streambp.
-    gpu:   a Llama-3-8B-shaped model with random weights (no download), bf16, DeepSpeed ZeRO-3 with
-           CPU optimizer offload on 1 GPU, the same settings for every method. Methods add
-           ``*_offload`` variants (saved activations offloaded to CPU with
-           ``torch.autograd.graph.save_on_cpu``, as ALST's checkpoint offload).
-    smoke: a tiny model through the same DeepSpeed ZeRO-3 + optimizer-offload path as ``gpu``,
-           runnable on CPU in seconds (what the test runs).
+``--time-budget-min``: no point starts once the budget is spent (a running child is cut at it); the
+rest are recorded as "not run: time budget". The CSV, PNG and markdown are rewritten after every
+point, so a killed run leaves usable partial results; ``--append`` merges runs of different
+methods into one result file.
 
-Methods:
-    stock:    plain Hugging Face model, SDPA attention.
-    hf_gc:    HF gradient checkpointing (non-reentrant).
-    alst:     hf_gc + DeepSpeed's ``TiledMLP`` + ``TiledFusedLogitsLoss`` (the ALST recipe on one rank).
-    mst:      hf_gc + ds_longseq mini-sequence MLP + chunked LM head.
-    streambp: ds_longseq StreamBP layers + chunked LM head (no checkpointing).
+Holds: Suite and SUITES, the child's ``build_step`` / ``measure``, the parent's ``Runner`` (points,
+searches, time budget, outputs), ``report_markdown`` and the CLI (``main``).
+
+Suites (models and methods from ``benchmarks.recipes``):
+    cpu:        Llama h512 / 4 layers / vocab 32000, float32, single process, torch AdamW.
+                Methods: stock, hf_gc, alst, mst, streambp.
+    gpu_full:   Qwen3-4B shape, bf16, full fine-tuning, DeepSpeed ZeRO-3 with CPU optimizer offload
+                (DeepSpeedCPUAdam, compiled once before the points), 1 GPU.
+    gpu_lora:   Llama-3-8B shape, frozen bf16 base + PEFT LoRA (rank 16, alpha 32, q/k/v/o/gate/up/down),
+                torch AdamW on the adapters only, single process (no DeepSpeed engine).
+                GPU methods: hf_gc, alst, alst_offload, mst, streambp, streambp_offload.
+    smoke:      the gpu_full path (ZeRO-3 + optimizer offload, torch's AdamW behind it) with a tiny Qwen3,
+                on CPU in seconds (what the test runs); on a GPU machine it runs there.
+    smoke_lora: the gpu_lora path with a tiny Llama (needs peft).
 
 Examples:
     python -m benchmarks.run --suite cpu --out benchmarks/results/cpu_suite
-    python -m benchmarks.run --suite gpu --out benchmarks/results/gpu_suite_h100
+    python -m benchmarks.run --suite gpu_lora --time-budget-min 9 --out benchmarks/results/gpu_lora_h100
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-import types
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable, Literal
 
-from benchmarks.memory import (
+from benchmarks import harness
+from benchmarks.recipes import (
+    LLAMA3_8B,
+    LLAMA_SMALL,
+    LLAMA_TINY,
     LOSS_TOKENS_PER_CHUNK,
-    MODEL_SHAPE,
-    _alst_loss,
-    _alst_mlp_forward,
-    _maxrss_mib,
-    _set_budget,
+    QWEN3_4B,
+    QWEN3_TINY,
+    ModelShape,
+    apply_lora,
+    build_model,
+    compute_loss,
+    get_recipe,
+    long_seq_config,
+    prepare,
+    random_tokens,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SEED = 0
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    rope_theta=500000.0,
-)
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-)
+MODULE = "benchmarks.run"
+GPU_METHODS = ("hf_gc", "alst", "alst_offload", "mst", "streambp", "streambp_offload")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Suite:
-    """What one suite runs: model, precision, training engine, lengths, methods and search range."""
+    """What one suite runs: model, precision, training engine, lengths, methods and max-length search."""
 
-    shape: dict
+    description: str
+    shape: ModelShape
     dtype: str
-    engine: str  # "torch" (single process, torch AdamW) or "deepspeed" (ZeRO-3 + CPU optimizer offload)
+    device: Literal["cpu", "auto"]  # auto: CUDA when the child sees a GPU, else CPU
+    engine: Literal["torch", "deepspeed"]  # torch: one process, torch AdamW; deepspeed: ZeRO-3 + CPU optimizer
     seq_lens: tuple
     methods: tuple
-    search_range: tuple  # (lo, hi) tokens for the max-length search
-    granularity: int  # the search stops at this resolution
-    budget_mib: float | None  # CPU budget per child for the search (None on GPU: the device is the budget)
-    chunk_size: int = 1024
+    search_range: tuple = (1024, 65536)  # doubling from LO up to HI, then bisection to ``granularity``
+    granularity: int = 1024
+    search_lengths: tuple | None = None  # explicit probes instead of doubling + bisection
+    budget_mib: float | None = None  # CPU memory budget per search child (None: the device is the budget)
+    lora: bool = False
+    chunk_size: int = 1024  # StreamBP chunk and key-block tokens
+    loss_chunk_size: int = LOSS_TOKENS_PER_CHUNK  # chunked LM head / ALST loss tile tokens
     warmup: int = 1
     steps: int = 2
-    extra: dict = field(default_factory=dict)
+    timeout_s: float = 3600.0
+    torch_adam: bool = False  # deepspeed engine: torch's AdamW behind the offload (no DeepSpeedCPUAdam build)
+    lr: float = 1e-5
 
 
 SUITES = {
     # Sized for a 2-core CI-class machine: the budget leaves ~500 MiB for activations after the
     # ~520 MiB of gradients and AdamW states, so every search ends below ~32K tokens.
     "cpu": Suite(
-        MODEL_SHAPE,
+        "Full training steps on CPU, single process, torch AdamW.",
+        LLAMA_SMALL,
         "float32",
+        "cpu",
         "torch",
         (1024, 2048, 4096, 8192),
         ("stock", "hf_gc", "alst", "mst", "streambp"),
-        (1024, 65536),
-        8192,  # coarse: each probe near 32K tokens is a multi-minute CPU step
-        1024.0,
+        search_range=(1024, 65536),
+        granularity=8192,  # coarse: each probe near 32K tokens is a multi-minute CPU step
+        budget_mib=1024.0,
     ),
-    "gpu": Suite(
-        LLAMA3_8B,
+    # 4B bf16 weights (8 GiB) and gradients stay on the GPU; fp32 master weights, Adam moments and
+    # fp32 gradients (~64 GiB) live in pinned host memory, which fits a 128 GiB host.
+    "gpu_full": Suite(
+        "Full fine-tuning, DeepSpeed ZeRO-3 with CPU optimizer offload (DeepSpeedCPUAdam), 1 GPU.",
+        QWEN3_4B,
         "bfloat16",
+        "auto",
         "deepspeed",
         (8192, 16384, 32768, 65536),
-        ("hf_gc", "alst", "alst_offload", "mst", "streambp", "streambp_offload"),
-        (8192, 1048576),
-        4096,
-        None,
+        GPU_METHODS,
+        search_lengths=(131072, 196608, 262144),
         chunk_size=4096,
+        timeout_s=540.0,  # under a 10-minute device command, with room to write the outputs
     ),
-    # torch's AdamW behind the offload: DeepSpeedCPUAdam would first compile for ~2 minutes
+    "gpu_lora": Suite(
+        "LoRA fine-tuning (PEFT, rank 16, alpha 32, q/k/v/o/gate/up/down), frozen bf16 base, torch AdamW "
+        "on the adapters, single process.",
+        LLAMA3_8B,
+        "bfloat16",
+        "auto",
+        "torch",
+        (8192, 16384, 32768, 65536),
+        GPU_METHODS,
+        search_lengths=(131072, 196608, 262144),
+        lora=True,
+        chunk_size=4096,
+        timeout_s=540.0,
+        lr=1e-4,
+    ),
     "smoke": Suite(
-        TINY,
+        "The gpu_full path (ZeRO-3 + optimizer offload) with a tiny model: seconds on CPU.",
+        QWEN3_TINY,
         "float32",
+        "auto",
         "deepspeed",
         (256, 512),
-        ("hf_gc", "alst", "mst", "streambp"),
-        (128, 1024),
-        128,
-        512.0,
+        GPU_METHODS,
+        search_range=(128, 1024),
+        granularity=128,
+        budget_mib=512.0,
         chunk_size=128,
+        loss_chunk_size=128,
         warmup=0,
         steps=1,
-        extra={"torch_adam": True},
+        timeout_s=600.0,
+        torch_adam=True,  # DeepSpeedCPUAdam would first compile for ~2 minutes
+    ),
+    "smoke_lora": Suite(
+        "The gpu_lora path (PEFT LoRA on a frozen base, torch AdamW) with a tiny model: seconds on CPU.",
+        LLAMA_TINY,
+        "float32",
+        "auto",
+        "torch",
+        (256, 512),
+        GPU_METHODS,
+        search_range=(128, 1024),
+        granularity=128,
+        budget_mib=512.0,
+        lora=True,
+        chunk_size=128,
+        loss_chunk_size=128,
+        warmup=0,
+        steps=1,
+        timeout_s=600.0,
+        lr=1e-4,
     ),
 }
-CSV_COLUMNS = (
-    "kind",
-    "method",
-    "seq_len",
-    "peak_mib",
-    "reserved_mib",
-    "step_s",
-    "tokens_per_s",
-    "loss",
-    "budget_mib",
-    "error",
-)
 
 
-def _long_seq(method: str, suite: Suite, seq_len: int) -> dict:
-    base = method.removesuffix("_offload")
-    loss = {"enabled": True, "chunk_size": LOSS_TOKENS_PER_CHUNK}
-    if base == "mst":
-        # as many MLP chunks as ALST's TiledMLP tiles: ceil(T / hidden)
-        num_chunks = max(1, math.ceil(seq_len / suite.shape["hidden_size"]))
-        return {"mini_seq": {"enabled": True, "mlp_num_chunks": num_chunks}, "lm_head": loss}
-    if base == "streambp":
-        return {
-            "streambp": {"enabled": True, "chunk_size": suite.chunk_size, "kv_block_size": suite.chunk_size},
-            "lm_head": loss,
-        }
-    return {}
+# ---------------------------------------------------------------------------------------------
+# Child: build and measure one point
+# ---------------------------------------------------------------------------------------------
 
 
-def _build(suite: Suite, method: str, seq_len: int):
-    """(step function, is_cuda). The step runs forward, backward and the optimizer step, returns the loss."""
+def resolve_device(suite: Suite) -> str:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return "cuda" if suite.device == "auto" and torch.cuda.is_available() else "cpu"
+
+
+def build_step(suite: Suite, method: str, seq_len: int, device: str) -> Callable[[], float]:
+    """The model, recipe and optimizer of one point; returns a step (forward, backward, optimizer
+    step) that returns the loss."""
+    import torch
 
     import ds_longseq
 
-    base = method.removesuffix("_offload")
-    if base not in ("stock", "hf_gc", "alst", "mst", "streambp"):
-        raise ValueError(f"unknown method {method!r}")
-    cuda = torch.cuda.is_available()
-    dtype = getattr(torch, suite.dtype)
-    torch.manual_seed(SEED)
-    config = LlamaConfig(**suite.shape, max_position_embeddings=max(seq_len, 4096), attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(dtype)
-    model.train()
-    if base in ("hf_gc", "alst", "mst"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if base == "alst":
-        import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401  (import before the baseline)
-
-        for layer in model.model.layers:
-            layer.mlp.forward = types.MethodType(_alst_mlp_forward, layer.mlp)
-    long_seq = _long_seq(method, suite, seq_len)
-    ids = torch.randint(0, suite.shape["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(SEED + 1))
-    offload = torch.autograd.graph.save_on_cpu(pin_memory=cuda) if method.endswith("_offload") else None
+    recipe = get_recipe(method)
+    cuda = device == "cuda"
+    model = build_model(suite.shape, dtype=suite.dtype, device=device, seq_len=seq_len)
+    if suite.lora:
+        _, model = apply_lora(model)  # the recipe goes on the inner *ForCausalLM, which we call directly
+    prepare(model, recipe, frozen_inputs=suite.lora)
+    long_seq = long_seq_config(
+        recipe, suite.shape, seq_len, chunk_size=suite.chunk_size, loss_chunk_size=suite.loss_chunk_size
+    )
+    ids = random_tokens(suite.shape, seq_len, device)
+    loss_kwargs = dict(loss_chunk_size=suite.loss_chunk_size, pin_memory=cuda)
 
     if suite.engine == "torch":
         if long_seq:
             ds_longseq.enable(model, long_seq)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-        def forward_backward():
-            loss = _alst_loss(model, ids, ids) if base == "alst" else model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            return loss
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=suite.lr)
 
         def step():
-            with offload or contextlib.nullcontext():
-                loss = forward_backward()
+            loss = compute_loss(recipe, model, ids, **loss_kwargs)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return float(loss.detach())
 
-        return step, cuda
+        return step
 
     import deepspeed
 
     import ds_longseq.engine
 
-    os.environ.update(
-        {
-            k: os.environ.get(k, v)
-            for k, v in dict(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(29600 + os.getpid() % 1000),
-                RANK="0",
-                LOCAL_RANK="0",
-                WORLD_SIZE="1",
-            ).items()
-        }
-    )
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(harness.free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    ).items():
+        os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
-    ids = ids.to("cuda" if cuda else "cpu")
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": suite.dtype == "bfloat16"},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": 1e-5, **({"torch_adam": True} if suite.extra.get("torch_adam") else {})},
-        },
-        "zero_force_ds_cpu_optimizer": not suite.extra.get("torch_adam", False),
+        "optimizer": {"type": "AdamW", "params": {"lr": suite.lr, "torch_adam": suite.torch_adam}},
+        "zero_force_ds_cpu_optimizer": not suite.torch_adam,
         "zero_optimization": {
             "stage": 3,
             "offload_optimizer": {"device": "cpu", "pin_memory": cuda},
@@ -252,272 +253,288 @@ def _build(suite: Suite, method: str, seq_len: int):
     engine, *_ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
     def step():
-        with offload or contextlib.nullcontext():
-            if base == "alst":
-                loss = _alst_loss(engine.module, ids, ids)
-            else:
-                loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
+        loss = compute_loss(recipe, engine.module, ids, call=engine, **loss_kwargs)
+        engine.backward(loss)
         engine.step()
         return float(loss.detach())
 
-    return step, cuda
+    return step
 
 
-def run_child(suite_name: str, method: str, seq_len: int, budget_mib: float | None, warmup: int, steps: int) -> dict:
-    """Measure in this (fresh) process; an out-of-memory step becomes ``ok: False, error: 'oom'``."""
+def measure(spec: dict) -> dict:
+    """One point in this fresh process (``spec``: suite, method, seq_len, warmup, steps, budget_mib)."""
     import torch
 
+    if spec.get("setup") == "cpu_adam":
+        start = time.perf_counter()
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load()
+        return {"step_s": time.perf_counter() - start}
+
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    suite = SUITES[suite_name]
-    step, cuda = _build(suite, method, seq_len)
-    record = {"method": method, "seq_len": seq_len}
+    suite = SUITES[spec["suite"]]
+    device = resolve_device(suite)
+    cuda = device == "cuda"
+    step = build_step(suite, spec["method"], spec["seq_len"], device)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base_alloc = torch.cuda.memory_allocated()
-    base_rss = _maxrss_mib()
-    if budget_mib and not cuda:
-        _set_budget(budget_mib)
+        base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    base_rss = harness.maxrss_mib()
+    if spec.get("budget_mib") and not cuda:
+        harness.set_address_space_budget(spec["budget_mib"])
     times, losses = [], []
-    try:
-        for _ in range(warmup + steps):
-            start = time.perf_counter()
-            losses.append(step())
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    except (MemoryError, torch.OutOfMemoryError) as err:
-        return {**record, "ok": False, "error": f"oom: {type(err).__name__}"}
-    except RuntimeError as err:  # CPU allocator failures under RLIMIT_AS are RuntimeErrors
-        if "alloc" in str(err) or "out of memory" in str(err):
-            return {**record, "ok": False, "error": "oom: " + str(err).splitlines()[0][:120]}
-        raise
-    timed = times[warmup:]
-    step_s = statistics.median(timed)
+    for _ in range(spec["warmup"] + spec["steps"]):
+        start = time.perf_counter()
+        losses.append(step())
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times[spec["warmup"] :])
+    host = harness.maxrss_mib() - base_rss
+    record = {"step_s": step_s, "tokens_per_s": spec["seq_len"] / step_s, "loss": losses[-1], "losses": losses}
     if cuda:
-        peak = (torch.cuda.max_memory_allocated() - base_alloc) / 2**20
-        reserved = torch.cuda.max_memory_reserved() / 2**20
+        peak, reserved = harness.gpu_memory_above_baseline(
+            base_allocated, base_reserved, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        )
+        record.update(peak_mib=peak, reserved_mib=reserved, host_peak_mib=host, device=torch.cuda.get_device_name())
     else:
-        peak, reserved = _maxrss_mib() - base_rss, None
-    return {
-        **record,
-        "ok": True,
-        "peak_mib": peak,
-        "reserved_mib": reserved,
-        "step_s": step_s,
-        "tokens_per_s": seq_len / step_s,
-        "loss": losses[-1],
-        "losses": losses,
-    }
+        record.update(peak_mib=host, device="cpu")
+    if not all(math.isfinite(x) for x in losses):
+        record["error"] = "non-finite loss"
+    return record
 
 
-def spawn(suite_name, method, seq_len, budget_mib, warmup, steps, timeout_s) -> dict:
-    """``run_child`` in a fresh interpreter; crashes and timeouts become ``ok: False`` records."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.run",
-        "--_child",
-        suite_name,
-        method,
-        str(seq_len),
-        "--warmup",
-        str(warmup),
-        "--steps",
-        str(steps),
-    ]
-    if budget_mib:
-        cmd += ["--budget-mib", str(budget_mib)]
-    # A fixed mmap threshold keeps glibc from serving big tensors from a heap whose freed pages stay in RSS.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576")
-    fail = {"method": method, "seq_len": seq_len, "ok": False}
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {**fail, "error": f"timeout after {timeout_s:.0f}s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    if proc.returncode < 0:
-        return {**fail, "error": f"oom: killed by signal {-proc.returncode}"}
-    tail = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    return {**fail, "error": tail[-1][:200] if tail else f"exit code {proc.returncode}"}
+# ---------------------------------------------------------------------------------------------
+# Parent: points, searches, time budget, outputs
+# ---------------------------------------------------------------------------------------------
 
 
-def search_max_len(
-    suite_name: str, method: str, budget_mib, timeout_s, log, search_range=None, granularity=None
-) -> tuple[int | None, list[dict]]:
-    """Largest length (a multiple of the suite's granularity) whose first training step fits the budget.
-
-    Doubles from the range's low end until a step fails or the high end passes, then bisects.
-    Only out-of-memory failures count as "too long"; any other error stops the search and is reported.
-    """
-    suite = SUITES[suite_name]
-    lo, hi = search_range or suite.search_range
-    g = granularity or suite.granularity
-    probes = []
-
-    def fits(n):
-        r = spawn(suite_name, method, n, budget_mib, 0, 1, timeout_s)
-        probes.append(r)
-        log(f"  search {method} @ {n}: " + ("ok" if r["ok"] else r["error"]))
-        if not r["ok"] and not r["error"].startswith("oom"):
-            raise RuntimeError(f"{method} @ {n}: {r['error']}")
-        return r["ok"]
-
-    if not fits(lo):
-        return None, probes
-    good, bad = lo, None
-    while bad is None and good < hi:
-        n = min(good * 2, hi)
-        if fits(n):
-            good = n
-        else:
-            bad = n
-    if bad is None:
-        return good, probes  # the whole range fits
-    while bad - good > g:
-        mid = (good + bad) // 2 // g * g
-        if mid <= good:
-            break
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    return good, probes
+def _round(value, digits=1):
+    return "" if value is None else round(value, digits)
 
 
-def _row(kind, r, budget_mib=None):
-    row = dict.fromkeys(CSV_COLUMNS, "")
-    row.update(
+def record_row(suite_name: str, kind: str, r: dict, *, budget_mib=None, command="") -> dict:
+    """A CSV row for one child's record."""
+    ok = r.get("status") == "ok"
+    return harness.new_row(
+        suite=suite_name,
         kind=kind,
         method=r["method"],
         seq_len=r["seq_len"],
-        budget_mib=budget_mib or "",
-        error="" if r.get("ok") else r.get("error", ""),
+        status=r.get("status", "crash"),
+        repeats=1 if ok else 0,
+        peak_mib=_round(r.get("peak_mib")) if ok else "",
+        reserved_mib=_round(r.get("reserved_mib")) if ok else "",
+        host_peak_mib=_round(r.get("host_peak_mib")) if ok else "",
+        step_s=_round(r.get("step_s"), 3) if ok else "",
+        tokens_per_s=_round(r.get("tokens_per_s")) if ok else "",
+        loss=_round(r.get("loss"), 5) if ok else "",
+        budget_mib=budget_mib,
+        device=r.get("device", ""),
+        error=r.get("error", ""),
+        command=command,
     )
-    if r.get("ok"):
-        row.update(
-            peak_mib=round(r["peak_mib"], 1),
-            reserved_mib="" if r.get("reserved_mib") is None else round(r["reserved_mib"], 1),
-            step_s=round(r["step_s"], 3),
-            tokens_per_s=round(r["tokens_per_s"], 1),
-            loss=round(r["loss"], 5),
+
+
+class Runner:
+    """Runs one suite's points and searches through fresh children, recording every outcome."""
+
+    def __init__(self, suite_name: str, args, argv, rows=(), spawn=harness.spawn, clock=time.monotonic, log=print):
+        self.suite_name, self.suite, self.args = suite_name, SUITES[suite_name], args
+        self.command = "python -m benchmarks.run " + " ".join(argv)
+        self.rows = list(rows)
+        self.spawn, self.log = spawn, log
+        self.budget = harness.TimeBudget(args.time_budget_min, clock=clock)
+        self.timeout_s = args.timeout or self.suite.timeout_s
+        self.points: dict[str, list[dict]] = {}  # this run's timed-point records per method
+
+    # -- outputs
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.write()
+
+    def write(self) -> None:
+        """Rewrite the CSV, markdown and plot from every row so far."""
+        if self.args.out:
+            harness.write_outputs(
+                self.rows,
+                self.args.out,
+                report_markdown(self.rows, self.suite_name),
+                lambda path: harness.plot(
+                    self.rows,
+                    path,
+                    f"benchmarks.run --suite {self.suite_name}: {self.suite.shape.describe()}, {self.suite.dtype}",
+                    peak_label=_peak_label(self.rows),
+                ),
+            )
+
+    def not_run(self, kind, method, seq_len, why, budget_mib=None):
+        self.add(
+            harness.new_row(
+                suite=self.suite_name, kind=kind, method=method, seq_len=seq_len, status="not_run",
+                budget_mib=budget_mib, error=why, command=self.command,
+            )
         )
-    return row
+
+    # -- one child
+    def child(self, method, seq_len, *, warmup, steps, budget_mib) -> dict | None:
+        """One point in a fresh child; None when the time budget is spent (nothing started)."""
+        if self.budget.spent():
+            return None
+        spec = dict(suite=self.suite_name, method=method, seq_len=seq_len, warmup=warmup, steps=steps,
+                    budget_mib=budget_mib)
+        # A fixed mmap threshold keeps glibc from serving big tensors from a heap whose freed pages stay in RSS.
+        env = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
+        (record,) = self.spawn(MODULE, spec, timeout_s=self.budget.timeout(self.timeout_s), env=env)
+        if record.get("status") == "timeout" and self.budget.spent():
+            record["error"] += " (cut at the time budget)"
+        return record
+
+    def unsupported(self, method) -> str | None:
+        """Why ``method`` cannot run with this checkout, or None."""
+        from benchmarks.recipes import offload_supported
+
+        if get_recipe(method).offload_layer_inputs and not offload_supported():
+            return "not run: this ds_longseq has no long_seq.offload section (OffloadConfig)"
+        return None
+
+    # -- the suite
+    def setup(self) -> None:
+        """Compile DeepSpeedCPUAdam once, so no point's timeout or time pays for it."""
+        if self.suite.engine != "deepspeed" or self.suite.torch_adam or self.budget.spent():
+            return
+        self.log("building DeepSpeedCPUAdam (once; cached for the points)...")
+        (r,) = self.spawn(MODULE, {"setup": "cpu_adam"}, timeout_s=self.budget.timeout(900.0))
+        self.log(f"  {r['status']} {r.get('error', '')} ({r.get('step_s', 0):.0f} s)")
+        self.add(harness.new_row(suite=self.suite_name, kind="setup", method="cpu_adam_build", status=r["status"],
+                                 step_s=_round(r.get("step_s"), 1), error=r.get("error", ""), command=self.command))
+
+    def run_points(self, methods, seq_lens, warmup, steps) -> None:
+        from tqdm import tqdm
+
+        oom_at: dict[str, int] = {}
+        bar = tqdm([(s, m) for s in seq_lens for m in methods], desc=f"{self.suite_name} points", unit="pt")
+        for seq_len, method in bar:
+            bar.set_postfix_str(f"{method}@{seq_len}")
+            why = self.unsupported(method)
+            if why:
+                self.not_run("step", method, seq_len, why)
+                continue
+            if method in oom_at and self.device_is_budget:
+                self.not_run("step", method, seq_len, f"not run: oom at {oom_at[method]}")
+                continue
+            r = self.child(method, seq_len, warmup=warmup, steps=steps, budget_mib=None)
+            if r is None:
+                self.not_run("step", method, seq_len, harness.NOT_RUN_BUDGET)
+                continue
+            if r["status"] == "oom":
+                oom_at.setdefault(method, seq_len)
+            self.points.setdefault(method, []).append(r)
+            self.log(_describe(method, seq_len, r))
+            self.add(record_row(self.suite_name, "step", r, command=self.command))
+
+    @property
+    def device_is_budget(self) -> bool:
+        """Whether the timed points ran under the search's memory limit (GPU suites: the device)."""
+        return self.budget_mib is None
+
+    @property
+    def budget_mib(self):
+        b = self.suite.budget_mib if self.args.budget_mib is None else self.args.budget_mib
+        return b or None
+
+    def run_search(self, method) -> None:
+        why = self.unsupported(method)
+        if why:
+            self.not_run("max_len", method, "", why, self.budget_mib)
+            return
+        # The timed points ran one step or more under the same memory limit (the device): reuse them.
+        known = self.points.get(method, []) if self.device_is_budget else []
+
+        def probe(n):
+            r = self.child(method, n, warmup=0, steps=1, budget_mib=self.budget_mib)
+            if r is not None:
+                self.log("  search " + _describe(method, n, r))
+                self.add(record_row(self.suite_name, "probe", r, budget_mib=self.budget_mib, command=self.command))
+            return r
+
+        lo, hi = self.args.search_range or self.suite.search_range
+        lengths = self.args.search_lengths
+        if lengths is None and self.args.search_range is None:
+            lengths = self.suite.search_lengths
+        result = harness.search_max_len(
+            probe, lo=lo, hi=hi, granularity=self.args.granularity or self.suite.granularity, lengths=lengths,
+            known=known,
+        )
+        self.log(f"  {method}: longest that fit {result.best}; stopped: {result.stop}")
+        self.add(
+            harness.new_row(
+                suite=self.suite_name, kind="max_len", method=method, seq_len=result.best, status=_status_of(result),
+                budget_mib=self.budget_mib, error=result.stop, command=self.command,
+            )
+        )
 
 
-def write_outputs(rows, suite_name, argv, out):
-    with open(out + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    measured = [r for r in rows if r["kind"] == "step"]
-    searched = [r for r in rows if r["kind"] == "max_len"]
-    methods = list(dict.fromkeys(r["method"] for r in measured + searched))
-    seq_lens = sorted({r["seq_len"] for r in measured})
-    _plot(measured, searched, methods, seq_lens, suite_name, out + ".png")
-    Path(out + ".md").write_text(report_markdown(measured, searched, methods, seq_lens, suite_name, argv))
+def _status_of(result: harness.SearchResult) -> str:
+    if result.best is not None:
+        return "ok"
+    head = result.stop.split(" ")[0]
+    return {"time": "not_run"}.get(head, head if head in harness.STATUSES else "crash")
 
 
-def _plot(measured, searched, methods, seq_lens, suite_name, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for key, ax, label in (("peak_mib", axes[0], "peak memory (MiB, log)"), ("step_s", axes[1], "step time (s, log)")):
-        for m in methods:
-            pts = [(r["seq_len"], r[key]) for r in measured if r["method"] == m and r[key] != ""]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=m)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        if seq_lens:
-            ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
-        ax.set_xlabel("sequence length (tokens, batch 1)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    if searched:
-        names = [r["method"] for r in searched]
-        vals = [r["seq_len"] if r["seq_len"] != "" else 0 for r in searched]
-        axes[2].bar(names, vals, color="tab:green")
-        for i, v in enumerate(vals):
-            axes[2].text(i, v, f"{v:,}", ha="center", va="bottom", fontsize=8)
-        budget = searched[0]["budget_mib"]
-        axes[2].set_title("max length, one training step" + (f" within {budget} MiB" if budget else ""), fontsize=9)
-        axes[2].set_ylabel("tokens")
-    else:
-        axes[2].set_visible(False)
-    fig.suptitle(f"benchmarks.run --suite {suite_name}: {_shape_str(SUITES[suite_name])}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _shape_str(suite: Suite) -> str:
-    s = suite.shape
+def _describe(method, seq_len, r) -> str:
+    if r["status"] != "ok":
+        return f"{method:>16} {seq_len:>7} {r['status']}: {r.get('error', '')}"
+    reserved = f", reserved {r['reserved_mib']:.0f}" if r.get("reserved_mib") is not None else ""
     return (
-        f"Llama h={s['hidden_size']} ffn={s['intermediate_size']} L={s['num_hidden_layers']} "
-        f"heads={s['num_attention_heads']}/{s['num_key_value_heads']} vocab={s['vocab_size']}, {suite.dtype}, "
-        + ("single process, torch AdamW" if suite.engine == "torch" else "DeepSpeed ZeRO-3 + CPU optimizer offload")
+        f"{method:>16} {seq_len:>7} peak {r['peak_mib']:.0f} MiB{reserved}, {r['step_s']:.2f} s/step, "
+        f"{r['tokens_per_s']:.0f} tok/s, loss {r['loss']:.4f}"
     )
 
 
-def _versions() -> str:
-    from importlib import metadata
-
-    def v(pkg):
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    device = "cpu"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            device = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return (
-        f"torch {v('torch')}, transformers {v('transformers')}, deepspeed {v('deepspeed')}; device: {device}; "
-        f"processor: {platform.processor() or platform.machine()}, cpu_count {os.cpu_count()}"
-    )
+def _peak_label(rows) -> str:
+    gpu = any(r["reserved_mib"] != "" for r in rows)
+    return "peak allocated above post-build" if gpu else "peak RSS above post-build"
 
 
-def report_markdown(measured, searched, methods, seq_lens, suite_name, argv) -> str:
-    by = {(r["method"], r["seq_len"]): r for r in measured}
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
 
-    def table(key, fmt):
-        lines = ["| seq_len | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
-        for s in seq_lens:
-            cells = []
-            for m in methods:
-                r = by.get((m, s))
-                cells.append("" if r is None else (fmt(r[key]) if r[key] != "" else f"failed ({r['error'][:40]})"))
-            lines.append(f"| {s} | " + " | ".join(cells) + " |")
-        return lines
 
+def report_markdown(rows: list[dict], suite_name: str) -> str:
     suite = SUITES[suite_name]
+    points = [r for r in rows if r["kind"] == "step"]
+    searched = [r for r in rows if r["kind"] == "max_len"]
+    methods = list(dict.fromkeys(r["method"] for r in points + searched))
+    seq_lens = sorted({int(r["seq_len"]) for r in points})
+    gpu = any(r["reserved_mib"] != "" for r in rows)
+    devices = sorted({r["device"] for r in rows if r["device"]})
     out = [
         f"# benchmarks.run --suite {suite_name}",
         "",
-        f"Model: {_shape_str(suite)}; batch 1; one step = "
-        "forward + backward + optimizer step; random weights and tokens, same for every method.",
+        suite.description,
         "",
-        "## Peak memory above the post-build baseline (MiB)",
+        f"Model: {suite.shape.describe()}, {suite.dtype}, random weights and tokens (the same for every method); "
+        "batch 1; one step = forward + backward + optimizer step; a fresh process per point.",
         "",
     ]
-    out += table("peak_mib", lambda x: f"{x:.0f}")
+    if gpu:
+        out += ["## Peak allocated GPU memory above the post-build allocation (MiB)", ""]
+        out += harness.grid_table(points, methods, seq_lens, "peak_mib", lambda x: f"{x:.0f}")
+        out += ["", "## Peak reserved GPU memory above the post-build reservation (MiB)", ""]
+        out += harness.grid_table(points, methods, seq_lens, "reserved_mib", lambda x: f"{x:.0f}")
+        out += ["", "## Host memory: peak RSS above the post-build RSS (MiB)", ""]
+        out += harness.grid_table(points, methods, seq_lens, "host_peak_mib", lambda x: f"{x:.0f}")
+    else:
+        out += ["## Peak memory above the post-build baseline (MiB)", ""]
+        out += harness.grid_table(points, methods, seq_lens, "peak_mib", lambda x: f"{x:.0f}")
     out += ["", "## Step time (s, median of the timed steps)", ""]
-    out += table("step_s", lambda x: f"{x:.2f}")
+    out += harness.grid_table(points, methods, seq_lens, "step_s", lambda x: f"{x:.2f}")
     out += ["", "## Tokens per second", ""]
-    out += table("tokens_per_s", lambda x: f"{x:.0f}")
+    out += harness.grid_table(points, methods, seq_lens, "tokens_per_s", lambda x: f"{x:.0f}")
     if searched:
         budget = searched[0]["budget_mib"]
         out += [
@@ -525,106 +542,96 @@ def report_markdown(measured, searched, methods, seq_lens, suite_name, argv) -> 
             "## Maximum sequence length for one training step"
             + (f" within {budget} MiB per process (RLIMIT_AS)" if budget else " on this device"),
             "",
-            "| method | max seq_len |",
-            "|---|---:|",
         ]
-        out += [
-            f"| {r['method']} | {r['seq_len'] if r['seq_len'] != '' else 'none: ' + r['error'][:60]} |"
-            for r in searched
-        ]
-    out += ["", f"Command: `python -m benchmarks.run {' '.join(argv)}`", "", f"Versions: {_versions()}", ""]
+        out += harness.max_len_table(rows, methods)
+        probes = harness.probes_table(rows)
+        if probes:
+            out += ["", "Probes (one training step each, in order):", ""] + probes
+    setup = [r for r in rows if r["kind"] == "setup"]
+    if setup:
+        out += ["", "Setup: " + "; ".join(f"{r['method']} {r['status']} in {r['step_s']} s {r['error']}".rstrip()
+                                         for r in setup) + "."]
+    not_run = [r for r in rows if r["status"] == "not_run"]
+    if not_run:
+        out += ["", f"Not run: {len(not_run)} point(s), " + "; ".join(
+            f"{r['method']}@{r['seq_len'] or 'search'}: {r['error']}" for r in not_run) + "."]
+    out += [""] + harness.environment([r["command"] for r in rows], device=", ".join(devices) or None) + [""]
     return "\n".join(out)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=sorted(SUITES), default="cpu")
     p.add_argument("--methods", nargs="+", default=None, help="default: the suite's methods")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default: the suite's lengths")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the suite's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: the suite's)")
-    p.add_argument(
-        "--budget-mib",
-        type=float,
-        default=None,
-        help="CPU memory budget per child for the max-length search (default: the suite's)",
-    )
+    p.add_argument("--budget-mib", type=float, default=None,
+                   help="CPU memory budget per child for the max-length search (default: the suite's)")
     p.add_argument("--no-search", action="store_true", help="skip the max-length search")
     p.add_argument("--no-grid", action="store_true", help="only the max-length search")
-    p.add_argument(
-        "--search-range",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("LO", "HI"),
-        help="tokens: the search starts at LO and doubles up to HI (default: the suite's)",
-    )
-    p.add_argument("--granularity", type=int, default=None, help="search resolution in tokens (default: the suite's)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
-    p.add_argument(
-        "--out", default=None, help="output prefix for .csv/.png/.md (default benchmarks/results/<suite>_suite)"
-    )
-    p.add_argument("--_child", nargs=3, metavar=("SUITE", "METHOD", "SEQ_LEN"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    p.add_argument("--search-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="tokens: double from LO up to HI, then bisect to --granularity (default: the suite's)")
+    p.add_argument("--granularity", type=int, default=None, help="bisection resolution in tokens")
+    p.add_argument("--search-lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="probe exactly these lengths (ascending, stop at the first that does not fit) instead of "
+                        "doubling + bisection; default: the suite's, if it has them")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per child (default: the suite's)")
+    p.add_argument("--time-budget-min", type=float, default=None,
+                   help="start no point after this many minutes (a running child is cut there); the rest are "
+                        "recorded as 'not run: time budget'")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows already in <out>.csv that this run does not measure again "
+                        "(e.g. one method per command)")
+    p.add_argument("--out", default=None,
+                   help="output prefix for .csv/.png/.md (default benchmarks/results/<suite>_suite)")
+    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None, spawn=harness.spawn, clock=time.monotonic):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if args._child:
-        suite_name, method, seq_len = args._child
-        suite = SUITES[suite_name]
-        warmup = suite.warmup if args.warmup is None else args.warmup
-        steps = suite.steps if args.steps is None else args.steps
-        print(json.dumps(run_child(suite_name, method, int(seq_len), args.budget_mib, warmup, steps)), flush=True)
-        return 0
+        return harness.child_main(measure, args._child)
+
+    from pathlib import Path
 
     from tqdm import tqdm
 
     suite = SUITES[args.suite]
     methods = args.methods or list(suite.methods)
+    for m in methods:
+        get_recipe(m)  # an unknown name fails here, before any child starts
     seq_lens = args.seq_lens or list(suite.seq_lens)
     warmup = suite.warmup if args.warmup is None else args.warmup
     steps = suite.steps if args.steps is None else args.steps
-    budget = suite.budget_mib if args.budget_mib is None else args.budget_mib
-    out = args.out or f"benchmarks/results/{args.suite}_suite"
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    points = [] if args.no_grid else [(s, m) for s in seq_lens for m in methods]
-    bar = tqdm(points, desc=f"{args.suite} suite", unit="pt")
-    for seq_len, method in bar:
-        bar.set_postfix_str(f"{method}@{seq_len}")
-        r = spawn(args.suite, method, seq_len, None, warmup, steps, args.timeout)
-        rows.append(_row("step", r))
-        tqdm.write(
-            f"{method:>16} {seq_len:>7} "
-            + (
-                f"peak {r['peak_mib']:.0f} MiB, {r['step_s']:.2f} s/step, "
-                f"{r['tokens_per_s']:.0f} tok/s, loss {r['loss']:.4f}"
-                if r["ok"]
-                else "failed: " + r["error"]
-            )
+    args.out = args.out or f"benchmarks/results/{args.suite}_suite"
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if args.append:
+        grid, search = not args.no_grid, not args.no_search
+        kept = harness.keep_rows(
+            harness.read_csv(args.out + ".csv"),
+            lambda r: r["suite"] != args.suite  # another suite's file: replace it
+            or r["kind"] == "setup"
+            or (grid and r["kind"] == "step" and r["method"] in methods and int(r["seq_len"]) in seq_lens)
+            or (search and r["kind"] in ("probe", "max_len") and r["method"] in methods),
         )
-        write_outputs(rows, args.suite, argv, out)
+    runner = Runner(args.suite, args, argv, rows=kept, spawn=spawn, clock=clock, log=tqdm.write)
+    runner.setup()
+    if not args.no_grid:
+        runner.run_points(methods, seq_lens, warmup, steps)
     if not args.no_search:
-        for method in tqdm(methods, desc="max-length search", unit="method"):
-            best, _ = search_max_len(
-                args.suite,
-                method,
-                None if suite.engine == "deepspeed" and not budget else budget,
-                args.timeout,
-                tqdm.write,
-                args.search_range,
-                args.granularity,
-            )
-            row = dict.fromkeys(CSV_COLUMNS, "")
-            row.update(
-                kind="max_len",
-                method=method,
-                seq_len=best or "",
-                budget_mib=budget or "",
-                error="" if best else "the range's low end does not fit",
-            )
-            rows.append(row)
-            write_outputs(rows, args.suite, argv, out)
-    write_outputs(rows, args.suite, argv, out)
-    print(f"wrote {out}.csv, {out}.png, {out}.md")
+        for method in methods:
+            runner.run_search(method)
+    runner.write()  # also when nothing ran (e.g. --no-grid --no-search): the files reflect the CSV
+    print(f"wrote {args.out}.csv, {args.out}.png, {args.out}.md")
     return 0
 
 

@@ -1,0 +1,344 @@
+"""Model builders and method recipes, defined once for every benchmark suite.
+
+Holds:
+    ModelShape and the shapes: LLAMA_SMALL (the CPU suites' h512 / 4 layers / vocab 32000),
+        LLAMA_TINY and QWEN3_TINY (CPU smoke runs in seconds), SP_SMOKE (the SP smoke run),
+        LLAMA3_8B and QWEN3_4B (the GPU suites; random weights, no download).
+    build_model: a ``*ForCausalLM`` with the shape's config, built directly on its device in its
+        dtype (never initialised on CPU and moved: an 8B model would take minutes), same seed ->
+        same weights.
+    apply_lora: PEFT LoRA (rank 16, alpha 32, all seven projections) on a model; returns the PEFT
+        wrapper and the inner ``*ForCausalLM`` that recipes are applied to.
+    Recipe and METHODS: what each method does to a model (stock, hf_gc, alst, alst_offload, mst,
+        streambp, streambp_offload, and the sequence-parallel alst_sp, mst_sp, streambp_sp);
+        ``prepare`` applies one, ``long_seq_config`` is its ds_longseq section, ``compute_loss``
+        runs its forward (inside the checkpoint-offload context where the recipe has one).
+    ALST pieces (DeepSpeed's own ops): alst_mlp_forward (TiledMLP), tiled_fused_loss and alst_loss
+        (TiledFusedLogitsLoss).
+
+Methods:
+    stock:            plain Hugging Face model, SDPA attention.
+    hf_gc:            HF gradient checkpointing (non-reentrant).
+    alst:             hf_gc + DeepSpeed's TiledMLP + TiledFusedLogitsLoss (the ALST recipe on one rank).
+    alst_offload:     alst with ALST's checkpoint offload: REENTRANT checkpointing, whose
+                      CheckpointFunction saves each layer's input with save_for_backward, and
+                      ``torch.autograd.graph.save_on_cpu`` around the forward only, so exactly those
+                      checkpoints go to host memory (the backward's recomputations stay on the device).
+    mst:              hf_gc + ds_longseq mini-sequence MLP (as many chunks as ALST's tiles) + chunked LM head.
+    streambp:         ds_longseq StreamBP layers + chunked LM head (no checkpointing).
+    streambp_offload: streambp with ds_longseq's ``long_seq.offload.layer_inputs = "cpu"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from dataclasses import dataclass, replace
+from typing import Literal
+
+SEED = 0
+# Loss tile: 1024 tokens (125 MiB of fp32 logits at vocab 32000) for ALST's shards and for our
+# lm_head chunk_size (its default), so the two loss paths are compared like for like.
+LOSS_TOKENS_PER_CHUNK = 1024
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only model's dimensions; ``family`` picks the transformers config and model classes."""
+
+    name: str
+    family: Literal["llama", "qwen3"]
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rope_theta: float | None = None  # None: the config's default
+    tie_word_embeddings: bool = False
+
+    def config(self, max_position_embeddings: int):
+        import transformers
+
+        cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[self.family]
+        kwargs = dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=max_position_embeddings,
+            attn_implementation="sdpa",
+        )
+        if self.head_dim is not None:
+            kwargs["head_dim"] = self.head_dim
+        if self.rope_theta is not None:
+            kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        return cls(**kwargs)
+
+    def describe(self) -> str:
+        head = f" head_dim={self.head_dim}" if self.head_dim else ""
+        return (
+            f"{self.name} ({self.family} h={self.hidden_size} ffn={self.intermediate_size} "
+            f"L={self.num_hidden_layers} heads={self.num_attention_heads}/{self.num_key_value_heads}{head} "
+            f"vocab={self.vocab_size}{', tied embeddings' if self.tie_word_embeddings else ''})"
+        )
+
+
+LLAMA_SMALL = ModelShape("llama-small", "llama", 512, 1376, 4, 8, 8, 32000)
+LLAMA_TINY = ModelShape("llama-tiny", "llama", 64, 160, 2, 4, 2, 512)
+QWEN3_TINY = ModelShape("qwen3-tiny", "qwen3", 64, 160, 2, 4, 2, 512, head_dim=16, tie_word_embeddings=True)
+SP_SMOKE = ModelShape("llama-sp-smoke", "llama", 64, 96, 2, 4, 4, 1000)
+LLAMA3_8B = ModelShape("llama3-8b", "llama", 4096, 14336, 32, 32, 8, 128256, rope_theta=500000.0)
+QWEN3_4B = ModelShape(
+    "qwen3-4b", "qwen3", 2560, 9728, 36, 32, 8, 151936, head_dim=128, rope_theta=1e6, tie_word_embeddings=True
+)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(shape: ModelShape, *, dtype: str, device: str, seq_len: int, seed: int = SEED):
+    """A randomly initialised ``*ForCausalLM`` of ``shape``, in training mode.
+
+    Built under ``torch.device(device)`` with the default dtype set, so parameters are created and
+    initialised (HF's normal(0, 0.02)) where they live, in their final dtype. The same seed gives
+    the same weights (on CPU in float32 exactly those of ``LlamaForCausalLM(config)`` under the seed,
+    as the committed CPU results were built).
+    """
+    import torch
+    import transformers
+
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[shape.family]
+    config = shape.config(max_position_embeddings=max(seq_len, 4096))
+    torch.manual_seed(seed)
+    with _default_dtype(getattr(torch, dtype)), torch.device(device):
+        model = cls(config)
+    model.train()
+    return model
+
+
+def random_tokens(shape: ModelShape, seq_len: int, device="cpu", seed: int = SEED + 1):
+    """(1, seq_len) token ids, the same for every method (drawn on CPU, then moved)."""
+    import torch
+
+    ids = torch.randint(0, shape.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+    return ids.to(device)
+
+
+def apply_lora(model, rank: int = 16, alpha: int = 32):
+    """Freeze ``model`` and add PEFT LoRA adapters on the attention and MLP projections.
+
+    Returns (peft_model, inner): ``inner`` is ``peft_model.base_model.model``, the ``*ForCausalLM``
+    whose projections now carry the adapters; recipes (checkpointing, ALST tiles, ``ds_longseq.enable``)
+    are applied to it and the benchmark calls it directly.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("the LoRA suites need PEFT: pip install peft (or pip install -e '.[bench]')") from err
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM"
+    )
+    peft_model = get_peft_model(model, config)
+    return peft_model, peft_model.base_model.model
+
+
+# ---------------------------------------------------------------------------------------------
+# ALST: DeepSpeed's TiledMLP and TiledFusedLogitsLoss
+# ---------------------------------------------------------------------------------------------
+
+
+def alst_mlp_forward(self, x):
+    """``*MLP.forward`` replacement that tiles the sequence with DeepSpeed's TiledMLP."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def mlp_compute(mlp, x_shard):
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x_shard)) * mlp.up_proj(x_shard))
+
+    # Shard count as DeepSpeed's TiledMLP docstring suggests: ceil(seqlen / hidden).
+    num_shards = math.ceil(x.shape[-2] / x.shape[-1])
+    # ``.weight`` of a LoRA-wrapped projection is its frozen base weight; TiledMLP drops frozen ones
+    params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+    return TiledMLP.apply(mlp_compute, self, x, num_shards, params)
+
+
+def tiled_fused_loss(model, hidden, shift_labels, n_valid, tokens_per_tile):
+    """sum(cross entropy of ``model.lm_head(hidden)`` vs ``shift_labels``) / ``n_valid``, computed by
+    DeepSpeed's TiledFusedLogitsLoss in tiles of ``tokens_per_tile`` tokens (no full logits)."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    def loss_fn(lm_head, x, y):
+        # Divide inside the tile rather than after TiledFusedLogitsLoss: it runs the
+        # lm_head backward during its forward with an incoming grad of 1, so scaling
+        # the returned sum afterwards would leave lm_head.weight.grad n_valid times too big.
+        logits = lm_head(x).float()
+        return F.cross_entropy(logits, y, ignore_index=-100, reduction="sum") / n_valid
+
+    shards = max(1, math.ceil(hidden.shape[1] / tokens_per_tile))
+    weight = model.lm_head.weight
+    tied = weight is model.get_input_embeddings().weight
+    if not tied:
+        return TiledFusedLogitsLoss.apply(loss_fn, model.lm_head, hidden, shift_labels, None, shards, [weight], "sum")
+    # Tied embeddings (Qwen3-4B): TiledFusedLogitsLoss runs the lm_head backward inside its forward and
+    # marks the weight ready for ZeRO's reduction on its last tile; the embedding backward then marks
+    # the same weight ready again, and DeepSpeed 0.19.8's ZeRO-3 asserts on the duplicate. Hold the
+    # weight "not ready" through the loss (its gradient accumulates, as between tiles) and let the
+    # embedding backward reduce both contributions once.
+    weight.ds_grad_is_ready = False
+    try:
+        return TiledFusedLogitsLoss.apply(loss_fn, model.lm_head, hidden, shift_labels, None, shards, [], "sum")
+    finally:
+        weight.ds_grad_is_ready = True
+
+
+def alst_loss(model, input_ids, labels, tokens_per_tile: int = LOSS_TOKENS_PER_CHUNK):
+    """Mean causal-LM loss via TiledFusedLogitsLoss, never materialising full logits."""
+    import torch.nn.functional as F
+
+    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+    # Shift once, HF style: pad with -100 so targets keep the hidden states' length.
+    shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    n_valid = (shift_labels != -100).sum().clamp(min=1)
+    return tiled_fused_loss(model, hidden, shift_labels, n_valid, tokens_per_tile)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one method does to a model. See the module docstring for each method."""
+
+    name: str
+    checkpointing: Literal["none", "non_reentrant", "reentrant"] = "none"
+    alst: bool = False  # DeepSpeed TiledMLP on every MLP and TiledFusedLogitsLoss for the loss
+    # save_on_cpu around the forward only. With reentrant checkpointing, as ALST does it: its
+    # CheckpointFunction saves each layer's input with save_for_backward, which save_on_cpu intercepts.
+    offload_checkpoints: bool = False
+    long_seq: Literal["none", "mst", "streambp"] = "none"
+    offload_layer_inputs: bool = False  # ds_longseq long_seq.offload.layer_inputs = "cpu" (StreamBP)
+    sequence_parallel: bool = False
+
+
+_BASE = (
+    Recipe("stock"),
+    Recipe("hf_gc", checkpointing="non_reentrant"),
+    Recipe("alst", checkpointing="non_reentrant", alst=True),
+    Recipe("alst_offload", checkpointing="reentrant", alst=True, offload_checkpoints=True),
+    Recipe("mst", checkpointing="non_reentrant", long_seq="mst"),
+    Recipe("streambp", long_seq="streambp"),
+    Recipe("streambp_offload", long_seq="streambp", offload_layer_inputs=True),
+)
+METHODS: dict[str, Recipe] = {r.name: r for r in _BASE}
+for _name in ("alst", "mst", "streambp"):
+    METHODS[f"{_name}_sp"] = replace(METHODS[_name], name=f"{_name}_sp", sequence_parallel=True)
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}: choose from {sorted(METHODS)}") from None
+
+
+def offload_supported() -> bool:
+    """Whether this ds_longseq has the ``long_seq.offload`` section that ``streambp_offload`` uses."""
+    import ds_longseq.config
+
+    return hasattr(ds_longseq.config, "OffloadConfig")
+
+
+def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_size: int, loss_chunk_size: int,
+                    sp: int = 1) -> dict:
+    """The recipe's ``long_seq`` section ({} for methods that do not use ds_longseq)."""
+    lm_head = {"enabled": True, "chunk_size": loss_chunk_size}
+    if recipe.long_seq == "mst":
+        # as many MLP chunks as ALST's TiledMLP tiles on this rank's tokens: ceil(T_local / hidden)
+        num_chunks = max(1, math.ceil((seq_len // sp) / shape.hidden_size))
+        cfg = {"mini_seq": {"enabled": True, "mlp_num_chunks": num_chunks}, "lm_head": lm_head}
+    elif recipe.long_seq == "streambp":
+        cfg = {"streambp": {"enabled": True, "chunk_size": chunk_size, "kv_block_size": chunk_size}, "lm_head": lm_head}
+        if recipe.offload_layer_inputs:
+            cfg["offload"] = {"layer_inputs": "cpu"}
+    else:
+        return {}
+    if recipe.sequence_parallel:
+        cfg["sequence_parallel"] = {"size": sp}
+    return cfg
+
+
+def enable_checkpointing(model, reentrant: bool) -> None:
+    """HF activation checkpointing on every decoder layer.
+
+    transformers 5.23 renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``
+    (the old name warns); older 5.x (the GPU image's 5.17) has only the old name.
+    """
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def prepare(model, recipe: Recipe, *, frozen_inputs: bool = False) -> None:
+    """Apply the recipe's model changes that are not ds_longseq's (checkpointing, ALST tiles).
+
+    ds_longseq's part (``long_seq_config``) is applied by the caller: ``ds_longseq.enable`` in a
+    single process, or the DeepSpeed config's ``long_seq`` section under ``ds_longseq.engine``.
+    ``frozen_inputs``: the embeddings are frozen (LoRA); reentrant checkpointing then needs the
+    embedding output to require grad, or no gradient reaches the checkpointed layers (what HF and
+    PEFT do for reentrant checkpointing with adapters).
+    """
+    if recipe.checkpointing != "none":
+        enable_checkpointing(model, reentrant=recipe.checkpointing == "reentrant")
+        if recipe.checkpointing == "reentrant" and frozen_inputs:
+            model.enable_input_require_grads()
+    if recipe.alst:
+        import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401  (import cost before any baseline)
+
+        for layer in model.model.layers:
+            layer.mlp.forward = types.MethodType(alst_mlp_forward, layer.mlp)
+
+
+def checkpoint_offload(recipe: Recipe, pin_memory: bool):
+    """The context around a recipe's FORWARD: ``save_on_cpu`` for alst_offload, else nothing.
+
+    Only the forward: the backward's recomputations save their own tensors, which must stay on the
+    device (offloading them would copy each layer's activations to the host and straight back).
+    """
+    import torch
+
+    if recipe.offload_checkpoints:
+        return torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
+    return contextlib.nullcontext()
+
+
+def compute_loss(recipe: Recipe, model, input_ids, *, call=None, loss_chunk_size: int = LOSS_TOKENS_PER_CHUNK,
+                 pin_memory: bool = False):
+    """The recipe's forward and mean causal-LM loss (labels = inputs), ready for ``backward``.
+
+    ``call``: what to call for the HF forward (a DeepSpeed engine), default ``model``; ALST runs the
+    base model and its tiled loss on ``model`` directly.
+    """
+    with checkpoint_offload(recipe, pin_memory):
+        if recipe.alst:
+            return alst_loss(model, input_ids, input_ids, loss_chunk_size)
+        return (call or model)(input_ids=input_ids, labels=input_ids, use_cache=False).loss

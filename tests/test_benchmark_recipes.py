@@ -1,0 +1,185 @@
+"""``benchmarks.recipes``: the model builders and what each method's recipe does, on tiny models.
+
+The ALST checkpoint offload is checked by what it moves (each decoder layer's input, during the
+forward only) and by its gradients (equal to the plain model's); the LoRA path by gradients
+reaching the adapters through reentrant checkpointing.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from benchmarks import recipes
+from benchmarks.recipes import LLAMA_TINY, QWEN3_TINY, build_model, compute_loss, get_recipe, prepare, random_tokens
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ = 96  # several ALST loss tiles and MLP shards at the chunk sizes below
+# float32 on CPU: recomputation and tiling change only the summation order (~1e-7 relative)
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_build_model_gives_the_committed_cpu_weights_and_restores_the_default_dtype():
+    """Same seed -> the weights of ``LlamaForCausalLM(config)`` built under it, as the committed CPU runs were."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(recipes.SEED)
+    reference = LlamaForCausalLM(LLAMA_TINY.config(max_position_embeddings=4096)).to(torch.float32)
+    model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
+    bf16 = build_model(QWEN3_TINY, dtype="bfloat16", device="cpu", seq_len=SEQ)
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16} and torch.get_default_dtype() == torch.float32
+    assert bf16.lm_head.weight is bf16.get_input_embeddings().weight  # tied, as Qwen3-4B
+    assert bf16.config.rope_parameters["rope_theta"] == 1e6 or QWEN3_TINY.rope_theta is None
+
+
+def test_long_seq_config_per_recipe():
+    cfg = recipes.long_seq_config(get_recipe("streambp_offload"), LLAMA_TINY, 4096, chunk_size=512, loss_chunk_size=256)
+    assert cfg["offload"] == {"layer_inputs": "cpu"} and cfg["streambp"]["chunk_size"] == 512
+    assert "offload" not in recipes.long_seq_config(get_recipe("streambp"), LLAMA_TINY, 4096, chunk_size=512,
+                                                    loss_chunk_size=256)
+    mst = recipes.long_seq_config(get_recipe("mst"), LLAMA_TINY, 1000, chunk_size=512, loss_chunk_size=256)
+    assert mst["mini_seq"]["mlp_num_chunks"] == 16  # ceil(1000 / 64): ALST's TiledMLP tile count
+    sp = recipes.long_seq_config(get_recipe("mst_sp"), LLAMA_TINY, 1024, chunk_size=512, loss_chunk_size=256, sp=2)
+    assert sp["mini_seq"]["mlp_num_chunks"] == 8 and sp["sequence_parallel"] == {"size": 2}
+    assert recipes.long_seq_config(get_recipe("alst_offload"), LLAMA_TINY, 1024, chunk_size=1, loss_chunk_size=1) == {}
+    with pytest.raises(ValueError, match="unknown method"):
+        get_recipe("gpu")
+
+
+class _Recorder:
+    """Stands in for ``save_on_cpu``: keeps what is packed while it is open."""
+
+    def __init__(self, pin_memory=False):
+        self.packed = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.packed.append(t)
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def test_alst_offload_moves_each_layer_input_in_the_forward_only(monkeypatch):
+    """The reentrant checkpoints (each layer's input, saved with save_for_backward) go to the host in
+    the forward; the backward's recomputations keep their saved tensors on the device."""
+    opened = []
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", lambda pin_memory: opened.append(_Recorder()) or opened[0])
+    recipe = get_recipe("alst_offload")
+    model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    prepare(model, recipe)
+    layer_inputs = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda mod, args, kwargs: layer_inputs.append(
+            kwargs.get("hidden_states", args[0] if args else None)), with_kwargs=True)
+    ids = random_tokens(LLAMA_TINY, SEQ)
+    with _Recorder() as around_backward:  # what a context kept open through the backward would see
+        loss = compute_loss(recipe, model, ids, loss_chunk_size=32)
+        (forward,) = opened
+        assert around_backward.packed == []  # the recipe's own context is the innermost in the forward
+        in_forward = len(forward.packed)
+        loss.backward()
+    packed = {t.data_ptr() for t in forward.packed}
+    assert len(layer_inputs) == LLAMA_TINY.num_hidden_layers and all(x.data_ptr() in packed for x in layer_inputs)
+    assert len(forward.packed) == in_forward  # nothing saved in the backward reached the recipe's context
+    # the defect this guards against: the old recipe kept save_on_cpu open through the backward, and
+    # every recomputed layer's saved tensors went to the host and straight back
+    assert len(around_backward.packed) > 0
+
+
+@pytest.mark.parametrize("method", ["hf_gc", "alst", "alst_offload"])
+def test_checkpointing_recipes_give_the_plain_gradients(method):
+    reference = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    ids = random_tokens(LLAMA_TINY, SEQ)
+    ref_loss = compute_loss(get_recipe("stock"), reference, ids)
+    ref_loss.backward()
+    model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    prepare(model, get_recipe(method))
+    loss = compute_loss(get_recipe(method), model, ids, loss_chunk_size=32)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    got, want = _grads(model), _grads(reference)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("method", ["hf_gc", "alst_offload", "mst", "streambp"])
+def test_lora_recipes_train_the_adapters(method):
+    """LoRA on the inner model: every recipe gives the adapters the gradients of the plain LoRA model
+    (alst_offload's reentrant checkpointing needs ``enable_input_require_grads`` for that)."""
+    pytest.importorskip("peft")
+    import ds_longseq
+
+    ids = random_tokens(LLAMA_TINY, SEQ)
+    grads = {}
+    for name in ("stock", method):
+        recipe = get_recipe(name)
+        _, inner = recipes.apply_lora(build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ))
+        for p_name, p in inner.named_parameters():
+            if "lora_B" in p_name:  # PEFT starts B at zero, which would leave A's gradient zero
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(p_name)))
+        prepare(inner, recipe, frozen_inputs=True)
+        cfg = recipes.long_seq_config(recipe, LLAMA_TINY, SEQ, chunk_size=32, loss_chunk_size=32)
+        if cfg:
+            ds_longseq.enable(inner, cfg)
+        compute_loss(recipe, inner, ids, loss_chunk_size=32).backward()
+        grads[name] = _grads(inner)
+    assert grads[method].keys() == grads["stock"].keys() and grads["stock"]
+    assert all("lora_" in n for n in grads["stock"])  # the base is frozen
+    for name, want in grads["stock"].items():
+        assert want.abs().max() > 0, name
+        torch.testing.assert_close(grads[method][name], want, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.slow
+def test_alst_with_tied_embeddings_under_zero3_gives_the_plain_gradients():
+    """Qwen3-4B ties its embeddings: the ALST loss holds the tied weight "not ready" so DeepSpeed's
+    ZeRO-3 reduces its gradient once (0.19.8 asserts on a duplicate otherwise) and completely."""
+    script = textwrap.dedent(
+        """
+        import os
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
+        import deepspeed, torch
+        from deepspeed.utils import safe_get_full_grad
+        import ds_longseq.engine
+        from benchmarks.recipes import QWEN3_TINY, build_model, compute_loss, get_recipe, prepare, random_tokens
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        grads = {}
+        for method in ("stock", "alst", "alst_offload"):
+            model = build_model(QWEN3_TINY, dtype="float32", device="cpu", seq_len=128)
+            recipe = get_recipe(method)
+            prepare(model, recipe)
+            config = {"train_micro_batch_size_per_gpu": 1, "zero_force_ds_cpu_optimizer": False,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "long_seq": {}}
+            engine, *_ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=config)
+            ids = random_tokens(QWEN3_TINY, 128)
+            engine.backward(compute_loss(recipe, engine.module, ids, call=engine, loss_chunk_size=32))
+            grads[method] = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+        for method in ("alst", "alst_offload"):
+            for name, want in grads["stock"].items():
+                torch.testing.assert_close(grads[method][name], want, rtol=1e-4, atol=1e-6, msg=name)
+        print("GRADS MATCH", sorted(grads["stock"])[0])
+        """
+    )
+    from benchmarks.harness import free_port
+
+    env = dict(os.environ, PORT=str(free_port()), PYTHONPATH=REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "GRADS MATCH" in proc.stdout, proc.stderr[-3000:]
