@@ -275,7 +275,8 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
         num_chunks = max(1, math.ceil((seq_len // sp) / shape.hidden_size))
         cfg = {"mini_seq": {"enabled": True, "mlp_num_chunks": num_chunks}, "lm_head": lm_head}
     elif recipe.long_seq == "streambp":
-        cfg = {"streambp": {"enabled": True, "chunk_size": chunk_size, "kv_block_size": chunk_size}, "lm_head": lm_head}
+        # kv_block_size left to the device default: the whole prefix per tile on CUDA, 1024 keys on CPU
+        cfg = {"streambp": {"enabled": True, "chunk_size": chunk_size}, "lm_head": lm_head}
         if recipe.offload_layer_inputs:
             cfg["offload"] = {"layer_inputs": "cpu"}
     else:
