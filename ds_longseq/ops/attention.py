@@ -188,6 +188,21 @@ def _cuda_refuses(q: torch.Tensor, dtypes: tuple, what: str) -> str | None:
     return None
 
 
+def _unmasked_half_refuses(q, mask, what: str, max_head_dim: int, min_capability: tuple[int, int]) -> str | None:
+    """Why a fused CUDA kernel without a mask argument cannot take the tile, or None."""
+    why = _cuda_refuses(q, _HALF, what)
+    if why:
+        return why
+    if mask.valid is not None:
+        return f"the tile has padding ({what} is called without a mask)"
+    D = q.shape[-1]
+    if D % 8 or D > max_head_dim:
+        return f"head dim {D} ({what} needs a multiple of 8, at most {max_head_dim})"
+    if torch.cuda.get_device_capability(q.device) < min_capability:
+        return f"{what} is used on sm{min_capability[0]}{min_capability[1]}+ GPUs"
+    return None
+
+
 class _CudaFlash(TileKernel):
     """FlashAttention-2 as built into torch; is_causal on a square tile."""
 
@@ -195,17 +210,7 @@ class _CudaFlash(TileKernel):
     native_gqa = True
 
     def refuses(self, q, mask):
-        why = _cuda_refuses(q, _HALF, "flash attention")
-        if why:
-            return why
-        if mask.valid is not None:
-            return "the tile has padding (flash attention takes no mask)"
-        D = q.shape[-1]
-        if D % 8 or D > 256:
-            return f"head dim {D} (flash attention needs a multiple of 8, at most 256)"
-        if torch.cuda.get_device_capability(q.device) < (8, 0):
-            return "flash attention needs an sm80+ GPU"
-        return None
+        return _unmasked_half_refuses(q, mask, "flash attention", max_head_dim=256, min_capability=(8, 0))
 
     def forward(self, q, k, v, mask, scale):
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, mask.causal, False, scale=scale)
@@ -230,20 +235,16 @@ class _CudaCudnn(TileKernel):
     name = "cuda_cudnn"
 
     def refuses(self, q, mask):
-        why = _cuda_refuses(q, _HALF, "cuDNN attention")
+        # sm90+ only: elsewhere flash is as fast
+        why = _unmasked_half_refuses(q, mask, "cuDNN attention", max_head_dim=128, min_capability=(9, 0))
         if why:
             return why
-        if mask.valid is not None:
-            return "the tile has padding (this path takes no mask)"
-        D = q.shape[-1]
-        if D % 8 or D > 128:
-            return f"head dim {D} (cuDNN attention here takes multiples of 8 up to 128)"
         if q.shape[2] < 16:
             # cuDNN 9 (torch 2.11, H100) crashed the process in backward on a 1-query tile; tiles of
             # 13 and more queries were tested exact. Short tiles are cheap on flash anyway.
             return f"{q.shape[2]} query rows (cuDNN attention is used from 16 rows)"
-        if not torch.backends.cudnn.is_available() or torch.cuda.get_device_capability(q.device) < (9, 0):
-            return "cuDNN attention is used on sm90+ GPUs only (elsewhere flash is as fast)"
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this torch build"
         return None
 
     def forward(self, q, k, v, mask, scale):

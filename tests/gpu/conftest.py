@@ -4,8 +4,13 @@ Every test here is marked ``gpu`` and skipped where CUDA is unavailable, so the 
 them at no cost. On a GPU machine: ``python -m pytest -q tests/gpu``.
 """
 
+import os
+
 import pytest
 import torch
+
+# Deterministic cuBLAS for the bitwise offload tests (read when the first cuBLAS handle is made).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def pytest_collection_modifyitems(config, items):
