@@ -19,8 +19,6 @@ import torch
 import ds_longseq
 from tests.helpers import clone, loss_and_grads, make_batch, make_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
 NUM_LAYERS, HIDDEN = 4, 512
 OFFLOAD = {"offload": {"layer_inputs": "cpu"}}
 STREAMBP = {
