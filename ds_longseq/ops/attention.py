@@ -61,12 +61,14 @@ allocation per chunk.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "chunk_causal_attention",
+    "query_lower_bounds",
     "attention_kernel_for",
     "kernel_chain",
     "TileMask",
@@ -98,6 +100,18 @@ class TileMask:
     """Square tile over the chunk's own keys: query row i sees keys [0, i]."""
     valid: torch.Tensor | None = None
     """(B, n) bool, False for the tile's padding keys; None when every key is real."""
+    key_lo: torch.Tensor | None = None
+    """(B, r) int64: query row i sees only the tile's keys [key_lo[:, i], n) (its document's start or
+    its sliding window's first key, relative to the tile; <= 0 for no limit); None: no limit."""
+    softcap: float | None = None
+    """Logit softcapping (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask."""
+    n: int = 0
+    """Keys in the tile (set by the op; used to find rows that see none of them)."""
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but (optionally) the causal diagonal: what the unmasked fused kernels take."""
+        return self.valid is None and self.key_lo is None and self.softcap is None
 
 
 class TileKernel:
@@ -126,30 +140,65 @@ class TileKernel:
         raise NotImplementedError
 
 
-def _empty_rows(valid: torch.Tensor | None, causal: bool, rows: int, heads: int) -> torch.Tensor | None:
-    """(B, heads, rows) True where a row sees no valid key of this tile, or None if none can."""
+def _keep(mask: TileMask, rows: int, n: int, device) -> torch.Tensor | None:
+    """(B or 1, 1, rows, n) bool: which keys each query row of the tile attends; None: all of them.
+    Materialised only for the kernels that take a mask tensor (rows x n per sequence)."""
+    keep = None
+    cols = torch.arange(n, device=device)
+    if mask.causal:
+        keep = (cols.view(1, n) <= torch.arange(rows, device=device).view(rows, 1)).view(1, 1, rows, n)
+    if mask.valid is not None:
+        pad = mask.valid.view(mask.valid.shape[0], 1, 1, n)
+        keep = pad if keep is None else keep & pad
+    if mask.key_lo is not None:
+        lo = cols.view(1, 1, 1, n) >= mask.key_lo.view(mask.key_lo.shape[0], 1, rows, 1)
+        keep = lo if keep is None else keep & lo
+    return keep
+
+
+def _empty_rows(mask: TileMask, rows: int, heads: int, n: int) -> torch.Tensor | None:
+    """(B, heads, rows) True where a row sees no key of this tile, or None if every row sees one."""
+    valid, key_lo = mask.valid, mask.key_lo
+    if valid is None and key_lo is None:
+        return None  # a causal row sees at least its own key; a full tile every key
+    if key_lo is None:
+        B = valid.shape[0]
+        if mask.causal:  # row i of a square causal tile sees keys [0, i]
+            seen = valid.cumsum(-1) > 0
+            return (~seen).view(B, 1, rows).expand(B, heads, rows)
+        return (~valid.any(-1)).view(B, 1, 1).expand(B, heads, rows)
+    # Keys [lo_i, hi_i) of row i: hi = n (full tile) or i + 1 (causal); count the valid ones among them.
+    B = key_lo.shape[0]
+    lo = key_lo.clamp(0, n)
+    hi = torch.arange(1, rows + 1, device=lo.device).view(1, rows) if mask.causal else torch.full_like(lo, n)
     if valid is None:
-        return None
-    B = valid.shape[0]
-    if causal:  # row i of a square causal tile sees keys [0, i]
-        seen = valid.cumsum(-1) > 0
-        return (~seen).view(B, 1, rows).expand(B, heads, rows)
-    return (~valid.any(-1)).view(B, 1, 1).expand(B, heads, rows)
+        empty = lo >= hi
+    else:
+        counts = torch.nn.functional.pad(valid.to(torch.int32).cumsum(-1), (1, 0))  # (B, n + 1)
+        empty = counts.gather(1, hi.expand(B, rows)) - counts.gather(1, lo) <= 0
+    return empty.view(B, 1, rows).expand(B, heads, rows)
 
 
 def _mask_empty_rows(o, lse, mask: TileMask):
     # Fused kernels report lse = 0 (CPU) or leave undefined values on rows with no valid key.
-    empty = _empty_rows(mask.valid, mask.causal, o.shape[2], o.shape[1])
+    empty = _empty_rows(mask, o.shape[2], o.shape[1], mask.n)
     if empty is None:
         return o, lse
     return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, _NEG_INF)
 
 
-def _bias(valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if valid is None:
+def _bias(mask: TileMask, rows: int, n: int, dtype: torch.dtype, device, causal_in_bias: bool = False):
+    """Additive (B, 1, 1 or rows, n) bias for the padding / key_lo mask (the causal diagonal too when
+    ``causal_in_bias``), or None when the tile needs none."""
+    if mask.valid is None and mask.key_lo is None:
         return None
-    B, n = valid.shape
-    return torch.zeros((B, 1, 1, n), dtype=dtype, device=valid.device).masked_fill(~valid.view(B, 1, 1, n), _NEG_INF)
+    if mask.key_lo is None:
+        B = mask.valid.shape[0]
+        return torch.zeros((B, 1, 1, n), dtype=dtype, device=device).masked_fill(
+            ~mask.valid.view(B, 1, 1, n), _NEG_INF
+        )
+    keep = _keep(TileMask(causal_in_bias and mask.causal, mask.valid, mask.key_lo), rows, n, device)
+    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, _NEG_INF)
 
 
 class _CpuFlash(TileKernel):
@@ -160,17 +209,21 @@ class _CpuFlash(TileKernel):
             return f"tensors on {q.device.type}, not the CPU"
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             return f"dtype {q.dtype}"
+        if mask.softcap is not None:
+            return "logit softcapping (the fused CPU kernel has no softcap)"
         return None
 
     def forward(self, q, k, v, mask, scale):
+        bias = _bias(mask, q.shape[2], k.shape[2], q.dtype, q.device)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, mask.causal, attn_mask=_bias(mask.valid, q.dtype), scale=scale
+            q, k, v, 0.0, mask.causal, attn_mask=bias, scale=scale
         )
         return _mask_empty_rows(out, lse, mask)
 
     def backward(self, do, q, k, v, out, lse, mask, scale):
+        bias = _bias(mask, q.shape[2], k.shape[2], q.dtype, q.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, mask.causal, attn_mask=_bias(mask.valid, q.dtype), scale=scale
+            do, q, k, v, out, lse, 0.0, mask.causal, attn_mask=bias, scale=scale
         )
 
 
@@ -193,8 +246,12 @@ def _unmasked_half_refuses(q, mask, what: str, max_head_dim: int, min_capability
     why = _cuda_refuses(q, _HALF, what)
     if why:
         return why
+    if mask.softcap is not None:
+        return f"logit softcapping ({what} has no softcap)"
     if mask.valid is not None:
         return f"the tile has padding ({what} is called without a mask)"
+    if mask.key_lo is not None:
+        return f"the tile is cut by a document boundary or sliding window ({what} is called without a mask)"
     D = q.shape[-1]
     if D % 8 or D > max_head_dim:
         return f"head dim {D} ({what} needs a multiple of 8, at most {max_head_dim})"
@@ -266,15 +323,17 @@ class _CudaCudnn(TileKernel):
         )
 
 
-def _efficient_bias(valid: torch.Tensor | None, dtype: torch.dtype, heads: int, rows: int) -> torch.Tensor | None:
-    """(B, heads, rows, n) additive bias as a stride-0 view of one (B, n) row per sequence."""
-    if valid is None:
+def _efficient_bias(mask: TileMask, dtype: torch.dtype, heads: int, rows: int, n: int) -> torch.Tensor | None:
+    """(B, heads, rows, n) additive bias as a stride-0 view (over heads, and over rows for padding
+    alone) of a (B, 1, 1 or rows, n) tensor whose rows are 16-element aligned, as the kernel wants."""
+    if mask.valid is None and mask.key_lo is None:
         return None
-    B, n = valid.shape
-    # The kernel wants the batch stride aligned (16 elements covers every dtype it takes).
-    storage = torch.zeros((B, 1, 1, -(-n // 16) * 16), dtype=dtype, device=valid.device)
+    B = (mask.valid if mask.valid is not None else mask.key_lo).shape[0]
+    device = (mask.valid if mask.valid is not None else mask.key_lo).device
+    keep = _keep(TileMask(False, mask.valid, mask.key_lo), rows, n, device)  # causal: the kernel's own mask
+    storage = torch.zeros((B, 1, keep.shape[2], -(-n // 16) * 16), dtype=dtype, device=device)
     bias = storage[..., :n]
-    bias.masked_fill_(~valid.view(B, 1, 1, n), _NEG_INF)
+    bias.masked_fill_(~keep, _NEG_INF)
     return bias.expand(B, heads, rows, n)
 
 
@@ -287,6 +346,8 @@ class _CudaEfficient(TileKernel):
         why = _cuda_refuses(q, (*_HALF, torch.float32), "the memory-efficient kernel")
         if why:
             return why
+        if mask.softcap is not None:
+            return "logit softcapping (the memory-efficient kernel has no softcap)"
         if q.shape[-1] % 8:
             return f"head dim {q.shape[-1]} (the memory-efficient kernel wants a multiple of 8)"
         return None
@@ -294,7 +355,7 @@ class _CudaEfficient(TileKernel):
     def forward(self, q, k, v, mask, scale):
         B, h, r, _ = q.shape
         res = torch.ops.aten._efficient_attention_forward(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _efficient_bias(mask.valid, q.dtype, h, r),
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _efficient_bias(mask, q.dtype, h, r, k.shape[2]),
             None, None, None, None, 0.0, 1 if mask.causal else 0, True, scale=scale,
         )
         _RNG_STATE[("efficient", q.device)] = (res[2], res[3])
@@ -308,23 +369,23 @@ class _CudaEfficient(TileKernel):
         lse_padded[:, :, :r] = lse
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
             do.transpose(1, 2).contiguous(), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            _efficient_bias(mask.valid, q.dtype, h, r), out.transpose(1, 2).contiguous(), None, None, r, k.shape[2],
+            _efficient_bias(mask, q.dtype, h, r, k.shape[2]), out.transpose(1, 2).contiguous(), None, None, r,
+            k.shape[2],
             lse_padded, 0.0, seed, offset, 1 if mask.causal else 0, False, scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _math_scores(q, k, mask, scale):
+    """(B, h, r, n) masked scores in the compute dtype, and (softcap only) tanh of the raw scores / cap."""
     cdt = _compute_dtype(q.dtype)
     scores = (q.to(cdt) * scale) @ k.to(cdt).transpose(-1, -2)
-    keep = None
-    if mask.causal:
-        n = k.shape[2]
-        keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().view(1, 1, n, n)
-    if mask.valid is not None:
-        pad = mask.valid.view(mask.valid.shape[0], 1, 1, -1)
-        keep = pad if keep is None else keep & pad
-    return scores if keep is None else scores.masked_fill(~keep, _NEG_INF)
+    tanh = None
+    if mask.softcap is not None:
+        tanh = torch.tanh(scores / mask.softcap)
+        scores = tanh * mask.softcap
+    keep = _keep(mask, q.shape[2], k.shape[2], q.device)
+    return (scores if keep is None else scores.masked_fill(~keep, _NEG_INF)), tanh
 
 
 class _Math(TileKernel):
@@ -334,17 +395,20 @@ class _Math(TileKernel):
         return None
 
     def forward(self, q, k, v, mask, scale):
-        scores = _math_scores(q, k, mask, scale)
+        scores, _ = _math_scores(q, k, mask, scale)
         lse = torch.logsumexp(scores, dim=-1)
         p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1))
         return p @ v.to(p.dtype), lse
 
     def backward(self, do, q, k, v, out, lse, mask, scale):
         cdt = _compute_dtype(q.dtype)
-        p = torch.exp(_math_scores(q, k, mask, scale) - lse.to(cdt).unsqueeze(-1))
+        scores, tanh = _math_scores(q, k, mask, scale)
+        p = torch.exp(scores - lse.to(cdt).unsqueeze(-1))
         do, out = do.to(cdt), out.to(cdt)
         delta = (do * out).sum(-1, keepdim=True)  # the softmax-backward correction per row
         ds = p * (do @ v.to(cdt).transpose(-1, -2) - delta)
+        if tanh is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+            ds = ds * (1 - tanh * tanh)
         dq = (ds @ k.to(cdt)) * scale
         dk = (ds.transpose(-1, -2) @ q.to(cdt)) * scale
         dv = p.transpose(-1, -2) @ do
@@ -390,24 +454,72 @@ def attention_kernel_for(
 
 # --- the op -------------------------------------------------------------------------------------
 
-
-def _tiles(S: int, K: int, C: int, block: int):
-    """Yield (source, start, end, causal, offset): keys [start, end) of ``source`` (0 = prefix,
-    1 = own keys) sit at global key indices [offset + start, offset + end); the diagonal is last."""
-    for a in range(0, S, block):
-        yield 0, a, min(a + block, S), False, 0
-    for a in range(0, K - C, block):
-        yield 1, a, min(a + block, K - C), False, S
-    yield 1, K - C, K, True, S
+_MAX_LO_CUTS = 16
+"""Tiles are cut at every distinct query lower bound (document start) when there are at most this
+many in a chunk, so no prefix tile needs a per-row mask; sliding windows give one bound per row and
+are masked per tile instead."""
 
 
-def _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset):
+@dataclass(frozen=True)
+class _Tile:
+    """Keys [a, b) of ``src`` (0 = prefix, 1 = own keys), at global key indices offset + [a, b),
+    serving query rows [0, rows); ``lo_shift``: subtract from ``query_lo`` for the tile's key_lo mask
+    (None: no row is cut by it)."""
+
+    src: int
+    a: int
+    b: int
+    offset: int
+    causal: bool
+    rows: int
+    lo_shift: int | None
+
+
+def _plan(S: int, K: int, C: int, block: int, lo: torch.Tensor | None) -> list[_Tile]:
+    """The tiles of one chunk, the causal diagonal last. ``lo``: (B, C) query lower bounds on the
+    CPU (non-decreasing along each row), or None.
+
+    With lower bounds, keys before the smallest bound are never visited, and a tile serves only the
+    leading rows whose bound is below its end (bounds are non-decreasing, so those rows are a prefix
+    of the chunk): a packed row costs the sum of its documents' squared lengths, a sliding window
+    C x (window + C) per chunk.
+    """
+    first_q = S + K - C  # global key index of query 0 (= the diagonal tile's first key)
+    tiles = []
+    if lo is None:
+        tiles += [_Tile(0, a, min(a + block, S), 0, False, C, None) for a in range(0, S, block)]
+        tiles += [_Tile(1, a, min(a + block, K - C), S, False, C, None) for a in range(0, K - C, block)]
+    else:
+        start = int(lo.min())
+        cuts = {start, first_q}
+        if start < S < first_q:
+            cuts.add(S)  # a tile never straddles the prefix and the own keys
+        bounds = torch.unique(lo)
+        if bounds.numel() <= _MAX_LO_CUTS * lo.shape[0]:
+            cuts.update(int(x) for x in bounds if start < x < first_q)
+        cuts = sorted(c for c in cuts if start <= c <= first_q)
+        for lo_cut, hi_cut in itertools.pairwise(cuts):
+            for ga in range(lo_cut, hi_cut, block):
+                gb = min(ga + block, hi_cut)
+                # rows whose bound is below gb see at least one key of the tile (all keys precede them)
+                rows = int(torch.searchsorted(lo.contiguous(), torch.full((lo.shape[0], 1), gb)).max())
+                if rows == 0:
+                    continue
+                cut = bool((lo[:, :rows] > ga).any())
+                src, offset = (0, 0) if gb <= S else (1, S)
+                tiles.append(_Tile(src, ga - offset, gb - offset, offset, False, rows, ga if cut else None))
+    cut = lo is not None and bool((lo > first_q).any())
+    tiles.append(_Tile(1, K - C, K, S, True, C, first_q if cut else None))
+    return tiles
+
+
+def _tile_keys(k, v, k_prefix, v_prefix, key_valid, t: _Tile):
     """The (B, Hkv, b - a, D) keys/values of one tile and its (B, b - a) padding mask (or None)."""
-    kt, vt = (k_prefix, v_prefix) if src == 0 else (k, v)
-    valid = None if key_valid is None else key_valid[:, offset + a : offset + b]
+    kt, vt = (k_prefix, v_prefix) if t.src == 0 else (k, v)
+    valid = None if key_valid is None else key_valid[:, t.offset + t.a : t.offset + t.b]
     if valid is not None and bool(valid.all()):
         valid = None  # an unpadded tile can take the faster unmasked kernels
-    return kt[:, :, a:b], vt[:, :, a:b], valid
+    return kt[:, :, t.a : t.b], vt[:, :, t.a : t.b], valid
 
 
 def _repeat_heads(t: torch.Tensor, R: int) -> torch.Tensor:
@@ -420,54 +532,83 @@ def _sum_heads(t: torch.Tensor, R: int) -> torch.Tensor:
     return t if R == 1 else t.reshape(t.shape[0], t.shape[1] // R, R, *t.shape[2:]).sum(2)
 
 
+def _stack(t: torch.Tensor, Hkv: int, rows: int) -> torch.Tensor:
+    """(B, H, C, ...) -> (B, Hkv, R * rows, ...) of rows [0, rows): GQA query heads stacked as rows
+    (row r * rows + c is query c of the KV head's r-th query head), so K/V are never repeated."""
+    t = t[:, :, :rows]
+    B, H = t.shape[:2]
+    return t.reshape(B, Hkv, (H // Hkv) * rows, *t.shape[3:])
+
+
+def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int) -> TileMask:
+    key_lo = None
+    if t.lo_shift is not None:
+        key_lo = query_lo[:, : t.rows] - t.lo_shift
+        if not t.causal and R > 1:
+            key_lo = key_lo.repeat(1, R)  # stacked rows: R blocks of the chunk's rows
+    return TileMask(t.causal, valid, key_lo, softcap, n)
+
+
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel, sink_k, sink_v, sink_own):
+    def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, block, kernel, sink_k, sink_v,
+                sink_own):
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel)
-        ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, out, lse)
-        ctx.scale, ctx.block, ctx.kernel, ctx.sinks, ctx.sink_own = scale, block, kernel, (sink_k, sink_v), sink_own
+            out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, block,
+                                          kernel)
+        ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse)
+        ctx.softcap, ctx.scale, ctx.block, ctx.kernel = softcap, scale, block, kernel
+        ctx.sinks, ctx.sink_own = (sink_k, sink_v), sink_own
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, k_prefix, v_prefix, key_valid, out, lse = ctx.saved_tensors
+        q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = _attention_backward(
-                grad_out, q, k, v, k_prefix, v_prefix, key_valid, out, lse, ctx.scale, ctx.block, ctx.kernel,
-                ctx.sinks, ctx.sink_own,
+                grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, ctx.softcap, out, lse, ctx.scale,
+                ctx.block, ctx.kernel, ctx.sinks, ctx.sink_own,
             )
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, *([None] * 11)
 
 
-def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, scale, block, kernel):
+def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, block, kernel):
     B, H, C, D = q.shape
     Hkv, K = k.shape[1], k.shape[2]
     R = H // Hkv
     S = 0 if k_prefix is None else k_prefix.shape[2]
     cdt = _compute_dtype(q.dtype)
-    q_stacked = q.reshape(B, Hkv, R * C, D)  # rows (r, c) of KV head h: no K/V repeat for GQA
     m = acc = None
-    for src, a, b, causal, offset in _tiles(S, K, C, block):
-        kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
-        mask = TileMask(causal, valid)
-        if causal:
+    owned = False  # acc/m are buffers of ours (not a kernel's output) that partial tiles update in place
+    for t in _plan(S, K, C, block, None if query_lo is None else query_lo.cpu()):
+        kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t)
+        mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R)
+        if t.causal:
             tile = _pick(kernel, q, mask)
             if not tile.native_gqa:
                 kt, vt = _repeat_heads(kt, R), _repeat_heads(vt, R)
             o_t, lse_t = tile.forward(q, kt, vt, mask, scale)
         else:
-            o_t, lse_t = _pick(kernel, q_stacked, mask).forward(q_stacked, kt, vt, mask, scale)
-            o_t, lse_t = o_t.reshape(B, H, C, D), lse_t.reshape(B, H, C)
+            q_t = _stack(q, Hkv, t.rows)
+            o_t, lse_t = _pick(kernel, q_t, mask).forward(q_t, kt, vt, mask, scale)
+            o_t, lse_t = o_t.reshape(B, H, t.rows, D), lse_t.reshape(B, H, t.rows)
         o_t, lse_t = o_t.to(cdt), lse_t.to(cdt)
-        if m is None:
+        if m is None and t.rows == C:
             m, acc = lse_t, o_t
             continue
+        if not owned:
+            acc = torch.zeros((B, H, C, D), dtype=cdt, device=q.device) if acc is None else acc.clone()
+            m = torch.full((B, H, C), _NEG_INF, dtype=cdt, device=q.device) if m is None else m.clone()
+            owned = True
         # acc is normalised over the tiles so far, whose total log-mass is m.
-        m_new = torch.logaddexp(m, lse_t)
+        r = t.rows
+        m_r = m[:, :, :r]
+        m_new = torch.logaddexp(m_r, lse_t)
         m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows still empty: weights exp(-inf) = 0
-        acc = acc * torch.exp(m - m_safe).unsqueeze(-1) + o_t * torch.exp(lse_t - m_safe).unsqueeze(-1)
-        m = m_new
+        acc[:, :, :r] = acc[:, :, :r] * torch.exp(m_r - m_safe).unsqueeze(-1) + o_t * torch.exp(
+            lse_t - m_safe
+        ).unsqueeze(-1)
+        m[:, :, :r] = m_new
     # acc is the normalised output; m the log-sum-exp. Rows with no valid key: 0 and -inf.
     # Without padding every row sees at least its own key. acc may be a kernel's output (a view
     # for some kernels), so it is masked out of place.
@@ -478,8 +619,8 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, scale, block, ker
     return acc.to(q.dtype), m
 
 
-def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, out, lse, scale, block, kernel, sinks,
-                        sink_own):
+def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, out, lse, scale, block,
+                        kernel, sinks, sink_own):
     sink_k, sink_v = sinks
     B, H, C, D = q.shape
     Hkv, K = k.shape[1], k.shape[2]
@@ -487,21 +628,20 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, out, l
     S = 0 if k_prefix is None else k_prefix.shape[2]
     cdt = _compute_dtype(q.dtype)
     grad_out = grad_out.contiguous()
-    stacked = (q.reshape(B, Hkv, R * C, D), grad_out.reshape(B, Hkv, R * C, D), out.reshape(B, Hkv, R * C, D))
-    lse_stacked = lse.reshape(B, Hkv, R * C)
-    # The first tile's gradients become the accumulators (kernel outputs are fresh tensors); dK/dV
-    # need zeroed buffers only when several tiles cover the chunk's own keys.
+    plan = _plan(S, K, C, block, None if query_lo is None else query_lo.cpu())
+    # The first tile's gradients become the accumulators (kernel outputs are fresh tensors) when it
+    # covers every row; dK/dV need zeroed buffers only when several tiles cover the chunk's own keys.
     dq = None
     dk = dv = None
     if not sink_own and K > C:
         dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
         dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-    for src, a, b, causal, offset in _tiles(S, K, C, block):
-        if src == 0 and sink_k is None:
+    for t in plan:
+        if t.src == 0 and sink_k is None:
             continue
-        kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, src, a, b, offset)
-        mask = TileMask(causal, valid)
-        if causal:
+        kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t)
+        mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R)
+        if t.causal:
             tile = _pick(kernel, q, mask)
             if tile.native_gqa:
                 dq_t, dk_t, dv_t = tile.backward(grad_out, q, kt, vt, out, lse, mask, scale)
@@ -511,22 +651,28 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, out, l
                 )
                 dk_t, dv_t = _sum_heads(dk_t, R), _sum_heads(dv_t, R)
         else:
-            tile = _pick(kernel, stacked[0], mask)
-            dq_t, dk_t, dv_t = tile.backward(stacked[1], stacked[0], kt, vt, stacked[2], lse_stacked, mask, scale)
-            dq_t = dq_t.reshape(B, H, C, D)
-        if dq is None:
+            q_t = _stack(q, Hkv, t.rows)
+            tile = _pick(kernel, q_t, mask)
+            dq_t, dk_t, dv_t = tile.backward(
+                _stack(grad_out, Hkv, t.rows), q_t, kt, vt, _stack(out, Hkv, t.rows), _stack(lse, Hkv, t.rows),
+                mask, scale,
+            )
+            dq_t = dq_t.reshape(B, H, t.rows, D)
+        if dq is None and t.rows == C:
             dq = dq_t.to(cdt)
         else:
-            dq += dq_t
-        if src == 0 or sink_own:
-            a_sink = a if src == 0 else S + a
-            sink_k[:, :, a_sink : a_sink + b - a] += dk_t.to(sink_k.dtype)
-            sink_v[:, :, a_sink : a_sink + b - a] += dv_t.to(sink_v.dtype)
+            if dq is None:
+                dq = torch.zeros((B, H, C, D), dtype=cdt, device=q.device)
+            dq[:, :, : t.rows] += dq_t
+        if t.src == 0 or sink_own:
+            a_sink = t.a if t.src == 0 else S + t.a
+            sink_k[:, :, a_sink : a_sink + t.b - t.a] += dk_t.to(sink_k.dtype)
+            sink_v[:, :, a_sink : a_sink + t.b - t.a] += dv_t.to(sink_v.dtype)
         elif dk is None:  # the diagonal tile covers all own keys (K == C)
             dk, dv = dk_t, dv_t
         else:
-            dk[:, :, a:b] += dk_t
-            dv[:, :, a:b] += dv_t
+            dk[:, :, t.a : t.b] += dk_t
+            dv[:, :, t.a : t.b] += dv_t
     if sink_own:
         return dq.to(q.dtype), None, None
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -555,6 +701,8 @@ def chunk_causal_attention(
     kv_block_size: int | None = None,
     prefix_grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
     sink_own_keys: bool = False,
+    query_lo: torch.Tensor | None = None,
+    softcap: float | None = None,
     kernel: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of the last C positions against all S + K keys, bottom-right aligned.
@@ -572,6 +720,11 @@ def chunk_causal_attention(
         sink_own_keys: the chunk's own ``k`` / ``v`` are constants too: their gradients are ADDED into
             ``prefix_grad_sink`` at ``[:, :, S:S + K]`` (the buffers must cover S + K keys). Sequence
             parallelism uses this: every key comes from the exchanged, heads-sharded K/V.
+        query_lo: (B, C) int64, for each query the global key index (0 = the first prefix key) of
+            the first key it may attend: its document's first token (packed rows) and/or its sliding
+            window's first key (:func:`query_lower_bounds`). Non-decreasing along the chunk, at most
+            the query's own index. None: every earlier key.
+        softcap: logit softcapping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
         kernel: "auto" (per tile, the first of :func:`kernel_chain` that takes it) or one of
             :data:`KERNELS` for every tile.
 
@@ -597,6 +750,10 @@ def chunk_causal_attention(
         raise ValueError("sink_own_keys=True needs prefix_grad_sink buffers to add the key gradients into")
     if kv_block_size is None:
         kv_block_size = max(num_prefix + k.shape[2], 1) if q.device.type == "cuda" else CPU_KV_BLOCK_SIZE
+    if query_lo is not None:
+        query_lo = _check_query_lo(query_lo, q.shape[0], q.shape[2], num_prefix + k.shape[2] - q.shape[2])
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number, got {softcap}")
     q, k, v, k_prefix, v_prefix = _autocast_inputs((q, k, v, k_prefix, v_prefix), q.device.type)
     if len({t.dtype for t in (q, k, v, k_prefix, v_prefix) if t is not None}) > 1:
         raise ValueError(
@@ -606,5 +763,43 @@ def chunk_causal_attention(
         )
     sink_k, sink_v = prefix_grad_sink if prefix_grad_sink is not None else (None, None)
     return _ChunkAttention.apply(
-        q, k, v, k_prefix, v_prefix, key_valid, float(scale), int(kv_block_size), kernel, sink_k, sink_v, sink_own_keys
+        q, k, v, k_prefix, v_prefix, key_valid, query_lo, None if softcap is None else float(softcap), float(scale),
+        int(kv_block_size), kernel, sink_k, sink_v, sink_own_keys,
     )
+
+
+def _check_query_lo(query_lo: torch.Tensor, B: int, C: int, first_q: int) -> torch.Tensor:
+    if query_lo.dim() != 2 or query_lo.shape[1] != C or query_lo.shape[0] not in (1, B):
+        raise ValueError(f"query_lo has shape {tuple(query_lo.shape)}, expected ({B}, {C}) (one bound per query)")
+    query_lo = query_lo.to(torch.int64).expand(B, C)
+    lo = query_lo.cpu()
+    if C > 1 and bool((lo[:, 1:] < lo[:, :-1]).any()):
+        raise ValueError("query_lo decreases along the chunk: bounds come from document starts and sliding windows, "
+                         "which never move back (documents must be contiguous)")
+    own = torch.arange(first_q, first_q + C).view(1, C)
+    if bool((lo > own).any()) or bool((lo < 0).any()):
+        raise ValueError("query_lo must lie in [0, the query's own key index]: every query attends at least itself")
+    return query_lo
+
+
+def query_lower_bounds(
+    positions: torch.Tensor,
+    doc_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """(B, C) first key index each query may attend (the ``query_lo`` of :func:`chunk_causal_attention`).
+
+    Args:
+        positions: (C,) global key indices of the queries.
+        doc_start: (B, C) global index of each query's document's first token, or None (one document).
+        sliding_window: the query sees at most this many keys, itself included (transformers'
+            convention: key j is visible to query i when i - window < j <= i), or None.
+
+    Returns:
+        (B or 1, C) int64 bounds, or None when nothing limits the queries.
+    """
+    lo = None if doc_start is None else doc_start.to(torch.int64)
+    if sliding_window is not None:
+        win = (positions.to(torch.int64) - (sliding_window - 1)).clamp(min=0).view(1, -1)
+        lo = win if lo is None else torch.maximum(lo, win.to(lo.device))
+    return lo

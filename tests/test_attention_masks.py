@@ -1,0 +1,137 @@
+"""Document segments, sliding windows and logit softcapping in the chunk attention op, against a
+dense float64 reference on every output and gradient (prefix gradients through the sink too)."""
+
+import pytest
+import torch
+
+from ds_longseq.ops.attention import _plan, chunk_causal_attention, query_lower_bounds
+
+
+def dense_reference(q, k_all, v_all, first_q, lo, valid, softcap, scale):
+    """(B, H, C, D) softmax attention with an explicit (B, C, N) mask; rows seeing nothing give 0."""
+    B, H, C, D = q.shape
+    R = H // k_all.shape[1]
+    k, v = k_all.repeat_interleave(R, 1), v_all.repeat_interleave(R, 1)
+    scores = (q * scale) @ k.transpose(-1, -2)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    N = k.shape[2]
+    pos = torch.arange(first_q, first_q + C).view(1, C, 1)
+    keys = torch.arange(N).view(1, 1, N)
+    keep = (keys <= pos).expand(B, C, N)
+    if lo is not None:
+        keep = keep & (keys >= lo.view(-1, C, 1))
+    if valid is not None:
+        keep = keep & valid.view(B, 1, N)
+    scores = scores.masked_fill(~keep.unsqueeze(1), float("-inf"))
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    return p @ v
+
+
+def doc_starts(lengths_per_row, T):
+    """(B, T) global index of each token's document start, from per-row document lengths."""
+    rows = []
+    for lengths in lengths_per_row:
+        assert sum(lengths) == T
+        starts = []
+        pos = 0
+        for n in lengths:
+            starts += [pos] * n
+            pos += n
+        rows.append(starts)
+    return torch.tensor(rows)
+
+
+CASES = {
+    # name: (B, H, Hkv, S, K, C, docs per row (None: one), window, softcap, padded)
+    "docs": (2, 4, 2, 13, 9, 9, [[1, 7, 5, 4, 5], [11, 1, 10]], None, None, False),
+    "docs_one_token_first": (1, 2, 2, 10, 6, 6, [[1, 15]], None, None, False),
+    "window": (1, 4, 1, 17, 7, 7, None, 5, None, False),
+    "window_wider_than_prefix": (2, 2, 2, 5, 4, 4, None, 40, None, False),
+    "docs_window_softcap": (2, 4, 2, 12, 8, 8, [[3, 9, 8], [14, 6]], 6, 1.5, False),
+    "softcap_only": (1, 4, 4, 9, 5, 5, None, None, 2.0, False),
+    "docs_padding": (2, 2, 1, 11, 7, 7, [[5, 6, 7], [18]], None, None, True),
+    "generation_form": (1, 4, 2, 0, 20, 6, [[4, 9, 7]], None, None, False),
+}
+
+
+@pytest.mark.parametrize("kernel", ["auto", "math"])
+@pytest.mark.parametrize("block", [3, 4, 1024])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_masked_chunk_attention_matches_dense_float64(case, block, kernel):
+    B, H, Hkv, S, K, C, docs, window, softcap, padded = CASES[case]
+    torch.manual_seed(hash(case) % 1000)
+    N, D = S + K, 8
+    dt = torch.float64
+    q = torch.randn(B, H, C, D, dtype=dt, requires_grad=True)
+    k_all = torch.randn(B, Hkv, N, D, dtype=dt, requires_grad=True)
+    v_all = torch.randn(B, Hkv, N, D, dtype=dt, requires_grad=True)
+    first_q = N - C
+    positions = torch.arange(first_q, N)
+    starts = None if docs is None else doc_starts(docs, N)[:, first_q:]
+    lo = query_lower_bounds(positions, starts, window)
+    valid = None
+    if padded:
+        valid = torch.ones(B, N, dtype=torch.bool)
+        valid[0, 2:4] = False  # padding inside a document of the prefix
+        valid[1, -3] = False
+    scale = D**-0.5
+    grad = torch.randn(B, H, C, D, dtype=dt)
+
+    ref = dense_reference(q, k_all, v_all, first_q, None if lo is None else lo.expand(B, C), valid, softcap, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k_all, v_all), grad)
+
+    sink = (torch.zeros(B, Hkv, S, D, dtype=dt), torch.zeros(B, Hkv, S, D, dtype=dt)) if S else None
+    out = chunk_causal_attention(
+        q, k_all[:, :, S:], v_all[:, :, S:], scale=scale,
+        k_prefix=k_all[:, :, :S].detach() if S else None, v_prefix=v_all[:, :, :S].detach() if S else None,
+        key_valid=valid, kv_block_size=block, prefix_grad_sink=sink, query_lo=lo, softcap=softcap, kernel=kernel,
+    )
+    dq, dk_own, dv_own = torch.autograd.grad(out, (q, k_all, v_all), grad, allow_unused=True)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dq, ref_grads[0], rtol=1e-10, atol=1e-10)
+    dk = dk_own.clone()
+    dv = dv_own.clone()
+    if S:
+        dk[:, :, :S] += sink[0]
+        dv[:, :, :S] += sink[1]
+    torch.testing.assert_close(dk, ref_grads[1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dv, ref_grads[2], rtol=1e-10, atol=1e-10)
+
+
+def test_plan_skips_tiles_outside_documents():
+    """A chunk of a packed row visits only the prefix keys of the document it starts in, and each
+    prefix tile serves only the rows that can see it: cost grows with the documents' sizes."""
+    S, C = 96, 16
+    # the chunk's queries: 4 rows of a document that began at key 80, then a new document at 100
+    lo = torch.tensor([[80] * 4 + [100] * 12])
+    tiles = _plan(S, C, C, 1024, lo)
+    prefix = [t for t in tiles if not t.causal]
+    assert [(t.offset + t.a, t.offset + t.b, t.rows, t.lo_shift) for t in prefix] == [(80, 96, 4, None)]
+    assert tiles[-1].causal and tiles[-1].lo_shift == S  # the new document cuts the diagonal tile
+    # no bounds: the whole prefix in blocks, every row
+    assert [(t.a, t.b, t.rows) for t in _plan(S, C, C, 32, None)[:-1]] == [(0, 32, C), (32, 64, C), (64, 96, C)]
+    # a window keeps C x (window + C) keys per chunk
+    win = query_lower_bounds(torch.arange(S, S + C), None, 8)
+    assert sum((t.b - t.a) for t in _plan(S, C, C, 4, win) if not t.causal) == 8 - 1
+
+
+@pytest.mark.parametrize(
+    "lo, match",
+    [
+        (torch.tensor([[0, 3, 2, 4]]), "decreases"),
+        (torch.tensor([[0, 0, 0, 9]]), r"\[0, the query's own key index\]"),
+        (torch.tensor([[0, 0, 0]]), "expected"),
+    ],
+)
+def test_bad_query_lo_is_refused(lo, match):
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=match):
+        chunk_causal_attention(q, k, k, scale=1.0, query_lo=lo)
+
+
+def test_explicit_fused_kernel_refuses_softcap():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="softcap"):
+        chunk_causal_attention(q, q, q, scale=1.0, softcap=5.0, kernel="cpu_flash")
