@@ -188,7 +188,8 @@ def enable(
         if cfg.lm_head.enabled:
             head = adapter.lm_head
             handle.set_instance_attr(head, "forward", LMHeadLossForward(head, head.forward, cfg.lm_head.chunk_size))
-        if cfg.lm_head.enabled or cfg.streambp.enabled or sp is not None or offload is not None:
+        # Every path: the model forward also masks packed documents' boundary targets.
+        if cfg.lm_head.enabled or cfg.streambp.enabled or cfg.mini_seq.enabled or sp is not None or offload is not None:
             handle.set_instance_attr(model, "forward", CausalLMForward(model, model.forward, cfg, sp))
         handle.set_instance_attr(model, _HANDLE_ATTR, handle)
     except BaseException:

@@ -87,23 +87,6 @@ def test_attention_dropout_is_rejected():
     ds_longseq.enable(model, {"mini_seq": {"enabled": True}})
 
 
-def test_sliding_window_shorter_than_sequence_is_rejected_at_first_forward():
-    model = ds_longseq.enable(make_model("mistral", torch.float32, sliding_window=16), STREAMBP)
-    with pytest.raises(NotImplementedError, match="sliding-window attention \\(window 16\\)"):
-        model(**make_batch())
-    short = make_batch(seq_len=16)
-    assert torch.isfinite(model(**short).loss)
-
-
-def test_packed_documents_are_rejected():
-    model = ds_longseq.enable(make_model("llama", torch.float32), STREAMBP)
-    batch = make_batch(batch=1, pad=False)
-    del batch["attention_mask"]
-    batch["position_ids"] = torch.cat([torch.arange(20), torch.arange(17)]).unsqueeze(0)
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        model(**batch)
-
-
 def test_gradient_checkpointing_with_streambp_is_rejected():
     model = ds_longseq.enable(make_model("llama", torch.float32), STREAMBP)
     model.activation_checkpointing_enable()

@@ -19,6 +19,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts, mask_document_starts
+
 __all__ = ["shard_batch", "sequence_parallel_groups", "sequence_parallel_rank_and_size"]
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
@@ -72,9 +74,16 @@ def shard_batch(
     one ignored) and then cut like the inputs, so no label is lost at a shard boundary. Position
     ids default to the global ``arange(T)`` (what the stock model uses) and are cut too.
 
+    Packed rows (several documents per row, no ``attention_mask``) keep their restarting
+    ``position_ids`` (the model finds every document's global boundaries from them, so a document
+    may span ranks); the varlen form (``cu_seq_lens_q/k``) is turned into such position ids. The
+    last token of a document is never trained to predict the next document's first token. With
+    ``pad=True`` the padding tail of a packed row is one more document (labels ignored).
+
     Args:
         batch: (B, T) ``input_ids`` and optionally ``attention_mask``, ``labels`` (or already-shifted
-            ``shift_labels``) and ``position_ids`` ((B or 1, T)). Other keys are refused.
+            ``shift_labels``), ``position_ids`` ((B or 1, T)) and the varlen kwargs
+            ``cu_seq_lens_q/k``, ``max_length_q/k``. Other keys are refused.
         sp_rank, sp_size: this rank's place in its group; default: DeepSpeed's groups.
         pad: when T is not a multiple of P, pad on the right to the next multiple (``pad_token_id``,
             mask 0, label ``ignore_index``); causal attention makes right padding exact. Without it,
@@ -87,7 +96,7 @@ def shard_batch(
     """
     if sp_rank is None or sp_size is None:
         sp_rank, sp_size = sequence_parallel_rank_and_size()
-    unknown = sorted(set(batch) - set(_SEQ_KEYS))
+    unknown = sorted(set(batch) - set(_SEQ_KEYS) - set(PACKED_KWARGS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to cut {unknown}: pass only {list(_SEQ_KEYS)}")
     if "input_ids" not in batch:
@@ -104,18 +113,20 @@ def shard_batch(
     out: dict[str, torch.Tensor] = {"input_ids": ids}
     if "attention_mask" in batch:
         out["attention_mask"] = torch.as_tensor(batch["attention_mask"])
-    if "labels" in batch:
-        labels = torch.as_tensor(batch["labels"])
-        out["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((B, 1), ignore_index)], dim=1)
-    elif "shift_labels" in batch:
-        out["shift_labels"] = torch.as_tensor(batch["shift_labels"])
+    pos = None
     if "position_ids" in batch:
         pos = torch.as_tensor(batch["position_ids"])
         if pos.dim() != 2 or pos.shape[-1] != T or pos.shape[0] not in (1, B):
             raise ValueError(f"position_ids has shape {tuple(pos.shape)}, expected (1 or {B}, {T})")
-        out["position_ids"] = pos
-    else:
-        out["position_ids"] = torch.arange(T, device=ids.device).unsqueeze(0)
+    doc_start = doc_starts(pos, out.get("attention_mask"), B, T, batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k"))
+    if doc_start is not None and pos is None:  # the varlen form: restarting positions carry it across ranks
+        pos = torch.arange(T, device=doc_start.device) - doc_start
+    if "labels" in batch:
+        labels = mask_document_starts(torch.as_tensor(batch["labels"]), doc_start, ignore_index)
+        out["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((B, 1), ignore_index)], dim=1)
+    elif "shift_labels" in batch:
+        out["shift_labels"] = torch.as_tensor(batch["shift_labels"])
+    out["position_ids"] = pos if pos is not None else torch.arange(T, device=ids.device).unsqueeze(0)
     remainder = T % sp_size
     if remainder:
         if not pad:
@@ -125,14 +136,17 @@ def shard_batch(
             )
         extra = sp_size - remainder
         fill = {"input_ids": pad_token_id, "attention_mask": 0, "shift_labels": ignore_index}
-        if "attention_mask" not in out:
+        if "attention_mask" not in out and doc_start is None:
             out["attention_mask"] = torch.ones_like(ids)
         for key, value in fill.items():
             if key in out:
                 t = out[key]
                 out[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
         pos = out["position_ids"]
-        tail = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)
+        if doc_start is None:
+            tail = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)
+        else:  # packed: the padding is one more document (a mask would hide the documents from transformers)
+            tail = torch.arange(extra, device=pos.device).expand(pos.shape[0], extra)
         out["position_ids"] = torch.cat([pos, tail], dim=1)
         T += extra
     local = T // sp_size

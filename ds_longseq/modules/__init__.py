@@ -2,7 +2,7 @@
 
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, AttnSpec, longseq_attention, longseq_mask
 from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
-from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward, check_not_packed
+from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
 from ds_longseq.modules.offload import HostMemoryError, LayerInputOffload
 
@@ -15,7 +15,6 @@ __all__ = [
     "LMHeadLossForward",
     "StreamBPLayerForward",
     "CheckpointLayerForward",
-    "check_not_packed",
     "MiniSeqMLPForward",
     "LayerInputOffload",
     "HostMemoryError",

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ds_longseq.ops.attention import chunk_causal_attention
+from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
+from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.streambp import GlobalKVStream, KVStream
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
 
@@ -39,6 +40,9 @@ class AttnSpec:
     """Keys per attention tile; None: the device default (the whole prefix on CUDA, 1024 on CPU)."""
     sp: "ShardContext | None" = None
     """Sequence-parallel state of this forward (Ulysses exchange, global padding mask), or None."""
+    doc_start: torch.Tensor | None = None
+    """(B, T) index of each token's document start in a packed row (``ops.packing.doc_starts``);
+    None: one document per row. Under sequence parallelism the global one is ``sp.doc_start``."""
 
 
 def longseq_attention(
@@ -60,9 +64,11 @@ def longseq_attention(
         attention_mask: None or a (B, S + K) bool/int padding mask (True/1 = real token).
         dropout: must be 0 (a re-forwarded chunk could not reproduce dropout masks).
         scaling: softmax scale, default D ** -0.5.
-        sliding_window: rejected when the key span exceeds it.
-        kwargs: ``ds_longseq=AttnSpec`` from a StreamBP layer or the sequence-parallel forward hook;
-            other transformers kwargs are ignored. Under sequence parallelism (``AttnSpec.sp``) the
+        sliding_window: each query attends at most this many keys, itself included (transformers'
+            convention), or None.
+        kwargs: ``ds_longseq=AttnSpec`` from a StreamBP layer or the sequence-parallel forward hook
+            (carrying packed documents' boundaries); ``softcap`` (Gemma 2's logit softcapping); other
+            transformers kwargs are ignored. Under sequence parallelism (``AttnSpec.sp``) the
             attention is Ulysses: a whole shard (:func:`ulysses_attention`) or, inside a StreamBP
             chunk loop, one chunk against the exchanged K/V (:func:`ulysses_chunk_attention`).
 
@@ -83,12 +89,14 @@ def longseq_attention(
             f"attention dropout {dropout} in {type(module).__name__} is not supported with ds_longseq "
             "streambp (the backward re-forward cannot replay dropout masks): set config.attention_dropout=0.0"
         )
-    if sliding_window is not None and num_keys > sliding_window:
-        raise NotImplementedError(
-            f"{type(module).__name__} uses sliding-window attention (window {sliding_window}) and the sequence "
-            f"has {num_keys} tokens: ds_longseq streambp supports only full causal attention. Use sequences of at "
-            "most the window, or set config.sliding_window=None if the model was trained with full attention."
+    if sp is not None and any(kwargs.get(name) is not None for name in PACKED_KWARGS):
+        raise ValueError(
+            "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids instead "
+            "(ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
         )
+    if sliding_window is not None and num_keys <= sliding_window:
+        sliding_window = None  # the window holds the whole sequence
+    softcap = kwargs.get("softcap")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kv_block_size = spec.kv_block_size if spec is not None else None
     if sp is not None:  # the mask passed in is this rank's slice; sp.key_valid is the global one
@@ -104,10 +112,14 @@ def longseq_attention(
                 key_valid=sp.key_valid,
                 kv_block_size=kv_block_size,
                 grad_sink=stream.grad_sink,
+                doc_start=sp.doc_start,
+                sliding_window=sliding_window,
+                softcap=softcap,
             )
         else:
             out = ulysses_attention(
-                query, key, value, sp.exchange, scale=scale, key_valid=sp.key_valid, kv_block_size=kv_block_size
+                query, key, value, sp.exchange, scale=scale, key_valid=sp.key_valid, kv_block_size=kv_block_size,
+                doc_start=sp.doc_start, sliding_window=sliding_window, softcap=softcap,
             )
         return out.transpose(1, 2), None
     key_valid = None
@@ -118,6 +130,14 @@ def longseq_attention(
                 f"{tuple(attention_mask.shape)}: pass the tokenizer's 2D mask instead of a prepared 4D one"
             )
         key_valid = attention_mask[:, -num_keys:].to(device=query.device, dtype=torch.bool)
+    C = query.shape[2]
+    doc_start = spec.doc_start if spec is not None else None
+    if doc_start is not None:  # the queries are the last C of the num_keys tokens of the row
+        doc_start = doc_start[:, num_keys - C : num_keys].to(query.device)
+    query_lo = None
+    if doc_start is not None or sliding_window is not None:
+        query_lo = query_lower_bounds(torch.arange(num_keys - C, num_keys, device=query.device), doc_start,
+                                      sliding_window)
     out = chunk_causal_attention(
         query,
         key,
@@ -128,6 +148,8 @@ def longseq_attention(
         key_valid=key_valid,
         kv_block_size=kv_block_size,
         prefix_grad_sink=stream.prefix_grad_sink if stream is not None else None,
+        query_lo=query_lo,
+        softcap=softcap,
     )
     return out.transpose(1, 2), None
 
@@ -144,8 +166,8 @@ def longseq_mask(
 ) -> torch.Tensor | None:
     """transformers mask-interface function: the 2D padding mask itself, or None when nothing is padded.
 
-    Causality is applied inside :func:`longseq_attention` by index, so no (q x kv) tensor is built.
-    Packed documents are rejected by the StreamBP layer before this mask is used.
+    Causality is applied inside :func:`longseq_attention` by index, so no (q x kv) tensor is built;
+    packed documents and sliding windows too (per-query key lower bounds).
     """
     if attention_mask is None:
         return None

@@ -18,6 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
+from ds_longseq.ops.packing import doc_starts, mask_document_starts
 
 if TYPE_CHECKING:
     from ds_longseq.modules.sequence_parallel import SequenceParallel
@@ -89,6 +90,19 @@ class CausalLMForward:
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ):
+        if past_key_values is None and self.sp is None:
+            doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
+            if doc_start is not None:
+                if use_cache:
+                    raise ValueError(
+                        "packed documents with use_cache=True: with a cache transformers ignores the document "
+                        "boundaries and attends across them. Pass use_cache=False for packed rows"
+                    )
+                # The stock default (config.use_cache) would create a cache, and with one transformers'
+                # own attention (the paths ds_longseq leaves stock) attends across the documents.
+                use_cache = False
+                if labels is not None:
+                    labels = mask_document_starts(labels, doc_start, kwargs.get("ignore_index", -100))
         generating = past_key_values is not None or use_cache is True
         # The stock default (config.use_cache) would keep every layer's K/V, and with a cache the
         # layers run their stock forward: no streaming, nothing offloaded.
@@ -133,6 +147,8 @@ class CausalLMForward:
             **kwargs,
         )
         targets = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
+        if self.sp is not None:  # packed rows: the documents' boundaries are known once the forward ran
+            targets = self.sp.mask_boundary_targets(targets.to(outputs.last_hidden_state.device), ignore_index)
         hidden = outputs.last_hidden_state
         logits = None
         if self.config.lm_head.enabled:
@@ -161,3 +177,20 @@ class CausalLMForward:
             attentions=outputs.attentions,
         )
         return output.to_tuple() if return_dict is False else output
+
+    def _documents(self, position_ids, attention_mask, input_ids, inputs_embeds, kwargs):
+        """(doc_start (B, T) or None, position ids to run with) of a packed batch, validated (clear errors).
+
+        Without ``position_ids``, restarting ones are derived from ``cu_seq_lens_*``: transformers' own
+        attention (the paths ds_longseq leaves stock) recognises documents only from them, and RoPE is
+        relative, so a document's attention is the same at any offset. Labels are masked by the caller
+        at each document's first token, so no target crosses a boundary. Under sequence parallelism
+        ``engine.shard_batch`` does this on the whole sequence instead.
+        """
+        B, T = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        doc_start = doc_starts(
+            position_ids, attention_mask, B, T, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        )
+        if doc_start is not None and position_ids is None:
+            position_ids = torch.arange(T, device=doc_start.device) - doc_start
+        return doc_start, position_ids

@@ -18,12 +18,13 @@ import torch
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
 from ds_longseq.ops.checkpoint import checkpoint_apply
+from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts
 from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
     from ds_longseq.modules.offload import LayerInputOffload
 
-__all__ = ["StreamBPLayerForward", "CheckpointLayerForward", "check_not_packed", "check_zero3_leaf"]
+__all__ = ["StreamBPLayerForward", "CheckpointLayerForward", "check_zero3_leaf"]
 
 
 def check_zero3_leaf(module: torch.nn.Module) -> None:
@@ -40,22 +41,6 @@ def check_zero3_leaf(module: torch.nn.Module) -> None:
             f"{type(module).__name__} has DeepSpeed ZeRO-3 partitioned weights but was not marked as a ZeRO-3 "
             "leaf module: create the engine with ds_longseq.engine.initialize(...), or call "
             "ds_longseq.patch.mark_zero3_leaves(model) before deepspeed.initialize(...)"
-        )
-
-
-def check_not_packed(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
-    """Raise if ``position_ids`` restart inside a row while no mask is given (packed documents).
-
-    transformers treats such rows as several documents (block-diagonal attention) only when the 2D
-    mask is absent; StreamBP does not implement that yet, and must not silently attend across them.
-    """
-    if attention_mask is not None or position_ids is None or position_ids.shape[-1] < 2:
-        return
-    if bool((torch.diff(position_ids, dim=-1) != 1).any()):
-        raise NotImplementedError(
-            "position_ids restart inside a row (packed documents) and no attention_mask is given: "
-            "ds_longseq streambp does not support packed sequences yet. Put one document per row and "
-            "pass a 2D attention_mask, or disable long_seq.streambp for this model."
         )
 
 
@@ -93,6 +78,8 @@ class StreamBPLayerForward:
     ) -> torch.Tensor:
         outer_spec = kwargs.pop(SPEC_KWARG, None)  # set by the sequence-parallel forward hook
         sp = outer_spec.sp if outer_spec is not None else None
+        # Packed rows in the varlen form: turned into document starts here, not passed to the layer.
+        packed = {name: kwargs.pop(name) for name in PACKED_KWARGS if name in kwargs}
         if past_key_values is not None:
             return self.orig_forward(
                 hidden_states,
@@ -117,7 +104,18 @@ class StreamBPLayerForward:
             raise ValueError(
                 f"streambp layers take a 2D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}"
             )
-        check_not_packed(position_ids, attention_mask)
+        if sp is not None:
+            if any(v is not None for v in packed.values()):
+                raise ValueError(
+                    "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids "
+                    "instead (ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
+                )
+            doc_start = None  # the attention reads the global one from sp
+        else:
+            B, T = hidden_states.shape[:2]
+            doc_start = doc_starts(
+                position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
+            )
         check_zero3_leaf(layer)
         cos, sin = position_embeddings
         orig = self.orig_forward
@@ -133,7 +131,7 @@ class StreamBPLayerForward:
                 past_key_values=stream,
                 use_cache=False,
                 position_embeddings=(cos[..., s:e, :], sin[..., s:e, :]),
-                **{SPEC_KWARG: AttnSpec(stream, kv_block_size, sp)},
+                **{SPEC_KWARG: AttnSpec(stream, kv_block_size, sp, doc_start)},
                 **kwargs,
             )
             return out[0] if isinstance(out, tuple) else out

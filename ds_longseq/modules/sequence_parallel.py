@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
-from ds_longseq.modules.decoder_layer import check_not_packed
+from ds_longseq.ops.packing import doc_starts
 from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["SequenceParallel", "ShardContext", "SequenceParallelForwardHook"]
@@ -38,6 +38,9 @@ class ShardContext:
     """T_l, tokens per rank."""
     key_valid: torch.Tensor | None
     """(B, T) bool padding mask of the global sequence (False = padding), or None if nothing is padded."""
+    doc_start: torch.Tensor | None = None
+    """(B, T) global index of each token's document start (packed rows; a document may span ranks),
+    or None when no row is packed."""
 
 
 class SequenceParallel:
@@ -94,12 +97,31 @@ class SequenceParallel:
         both = torch.stack([mask, position_ids.to(device=device, dtype=torch.int64).expand(batch_size, local_len)])
         gathered = torch.cat(self._all_gather(both), dim=-1)  # (2, B, T), rank-major = global order
         key_valid = gathered[0].bool()
+        # As in one process: positions that restart with no attention_mask mark packed documents,
+        # found on the GLOBAL positions, so a document may span ranks.
+        doc_start = doc_starts(
+            gathered[1], None if attention_mask is None else key_valid, batch_size, gathered.shape[-1]
+        )
         if bool(key_valid.all()):
             key_valid = None
-        # As in one process: restarting positions without padding mean packed documents (refused).
-        check_not_packed(gathered[1], key_valid)
-        ctx = ShardContext(self.exchange, local_len, key_valid)
+        ctx = ShardContext(self.exchange, local_len, key_valid, doc_start)
+        self.last_context = ctx  # the loss masks packed documents' boundary targets with it
         return ctx, position_ids
+
+    def mask_boundary_targets(self, shift_labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """This rank's (B, T_l) ``shift_labels`` with ``ignore_index`` where the next token starts a new
+        document (of the last forward's packed rows; also across the shard boundary), so no token is
+        trained to predict another document's first token. Unchanged when no row is packed."""
+        ctx = getattr(self, "last_context", None)
+        if ctx is None or ctx.doc_start is None:
+            return shift_labels
+        doc_start = ctx.doc_start.to(shift_labels.device)
+        N = doc_start.shape[-1]
+        nxt = torch.arange(self.rank * ctx.local_len + 1, (self.rank + 1) * ctx.local_len + 1, device=doc_start.device)
+        inside = nxt < N
+        starts = torch.zeros(doc_start.shape[0], ctx.local_len, dtype=torch.bool, device=doc_start.device)
+        starts[:, inside] = doc_start[:, nxt[inside]] == nxt[inside]
+        return shift_labels.masked_fill(starts, ignore_index)
 
     def token_mean(
         self, loss_sum: torch.Tensor, num_valid: torch.Tensor, denominator: torch.Tensor | int | None = None

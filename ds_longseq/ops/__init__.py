@@ -1,14 +1,18 @@
 """Autograd ops: pure functions and ``torch.autograd.Function``s. No transformers, no DeepSpeed."""
 
-from ds_longseq.ops.attention import chunk_causal_attention
+from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader, OffloadedTensor, host_available_bytes
+from ds_longseq.ops.packing import doc_starts, mask_document_starts
 from ds_longseq.ops.streambp import KVStream, chunk_bounds, streambp_apply
 
 __all__ = [
     "chunk_causal_attention",
+    "query_lower_bounds",
+    "doc_starts",
+    "mask_document_starts",
     "chunked_lm_head_loss",
     "shift_causal_labels",
     "mini_sequence_apply",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_longseq.ops.attention import chunk_causal_attention
+from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 
 __all__ = ["UlyssesExchange", "ulysses_attention", "ulysses_chunk_attention"]
 
@@ -115,6 +115,9 @@ def ulysses_attention(
     scale: float,
     key_valid: torch.Tensor | None = None,
     kv_block_size: int | None = None,
+    doc_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a whole local shard under Ulysses (the non-StreamBP path). Differentiable.
 
@@ -124,13 +127,21 @@ def ulysses_attention(
         scale: softmax scale.
         key_valid: (B, P*T_l) bool padding mask of the GLOBAL sequence, or None.
         kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
+        doc_start: (B, P*T_l) GLOBAL index of each token's document start (packed rows), or None.
+        sliding_window: keys each query attends at most, itself included, or None.
+        softcap: logit softcapping, or None.
 
     Returns:
         (B, H, T_l, D) attention output for this rank's tokens.
     """
     qh = exchange.query_to_heads(q)
     kh, vh = exchange.kv_to_heads(k), exchange.kv_to_heads(v)
-    out = chunk_causal_attention(qh, kh, vh, scale=scale, key_valid=key_valid, kv_block_size=kv_block_size)
+    N = kh.shape[2]
+    lo = None
+    if doc_start is not None or sliding_window is not None:
+        lo = query_lower_bounds(torch.arange(N, device=q.device), doc_start, sliding_window)
+    out = chunk_causal_attention(qh, kh, vh, scale=scale, key_valid=key_valid, kv_block_size=kv_block_size,
+                                 query_lo=lo, softcap=softcap)
     return exchange.output_to_tokens(out)
 
 
@@ -146,6 +157,9 @@ def ulysses_chunk_attention(
     key_valid: torch.Tensor | None = None,
     kv_block_size: int | None = None,
     grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    doc_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one query chunk of every rank against exchanged, heads-sharded K/V.
 
@@ -162,6 +176,10 @@ def ulysses_chunk_attention(
         key_valid: (B, P*T_l) bool global padding mask, or None.
         kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
         grad_sink: (dK, dV) of ``k_heads`` / ``v_heads``'s shape (backward adds into them), or None.
+        doc_start: (B, P*T_l) GLOBAL index of each token's document start (packed rows), or None:
+            a document may span ranks.
+        sliding_window: keys each query attends at most, itself included, or None.
+        softcap: logit softcapping, or None.
 
     Returns:
         (B, H, C, D) attention output of this rank's chunk.
@@ -172,6 +190,11 @@ def ulysses_chunk_attention(
     outs = []
     for r in range(exchange.world_size):
         a, b = r * local_len + start, r * local_len + end  # the chunk's own keys, global positions
+        lo = None
+        if doc_start is not None or sliding_window is not None:
+            lo = query_lower_bounds(
+                torch.arange(a, b, device=q.device), None if doc_start is None else doc_start[:, a:b], sliding_window
+            )
         outs.append(
             chunk_causal_attention(
                 qh[:, :, r * C : (r + 1) * C],
@@ -184,6 +207,8 @@ def ulysses_chunk_attention(
                 kv_block_size=kv_block_size,
                 prefix_grad_sink=grad_sink,
                 sink_own_keys=grad_sink is not None,
+                query_lo=lo,
+                softcap=softcap,
             )
         )
     return exchange.output_to_tokens(torch.cat(outs, dim=2))
