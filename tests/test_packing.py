@@ -192,3 +192,20 @@ def test_bad_packed_input_is_refused_before_compute(config, case, match):
         model(**bad)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_qwen2_sliding_layers_mixed_with_full_layers_float64():
+    """Qwen2 with use_sliding_window: layer 0 full attention, layer 1 a window of 5 (straddled by
+    chunks of 4), on padded rows, against the stock model."""
+    model = make_model("qwen2", torch.float64, use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (2, 29), generator=g)
+    mask = torch.ones(2, 29, dtype=torch.long)
+    mask[0, :3] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
+    config = {"streambp": {"enabled": True, "chunk_size": 4, "kv_block_size": 3},
+              "lm_head": {"enabled": True, "chunk_size": 10}}
+    errs = compare(loss_and_grads(ds_longseq.enable(clone(model), config), batch), ref)
+    assert max(errs.values()) < 1e-10, errs
