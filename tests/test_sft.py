@@ -42,8 +42,11 @@ def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2):
         str(save_dir),
         *extra,
     ]
+    # sys.path[0] of the launched script is examples/, so without PYTHONPATH the ranks would import
+    # whichever ds_longseq is pip-installed (another checkout's, with `pip install -e`), not this one.
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath))
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"sft.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
