@@ -74,6 +74,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad command-line values before anything starts, naming the flag to change.
+
+    Run before the config is read, so that an error here is never blamed on the config.
+    """
+    if args.seq_len <= 0:
+        raise SystemExit(f"--seq-len must be positive, got {args.seq_len}: pass the tokens per sequence, e.g. 2048")
+    if args.max_steps <= 0:
+        raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
+    if args.data and not args.model:
+        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+
+
 # ---------------------------------------------------------------------------------------------
 # Data
 
@@ -229,6 +242,7 @@ def plot_losses(metrics: list[dict], path: str, chance: float | None) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_args(args)
     import deepspeed
     import deepspeed.comm as dist
     from tqdm import tqdm
@@ -243,7 +257,7 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
-    # Validate everything before any training starts.
+    # Validate the config against the arguments before any training starts.
     ds_config, long_seq = split_config(args.ds_config)
     check_sequence_length(long_seq, args.seq_len)
     sp = long_seq.sequence_parallel.size
@@ -256,10 +270,6 @@ def main(argv=None) -> int:
             f"--seq-len {args.seq_len} is not divisible by sequence_parallel size {sp}: use --seq-len "
             f"{args.seq_len + sp - args.seq_len % sp}, or pass --pad-for-sp"
         )
-    if args.data and not args.model:
-        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
-    if args.max_steps <= 0:
-        raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and torch.cuda.is_available())
     ds_config["bf16"] = {"enabled": use_bf16}
     ds_config.pop("fp16", None)

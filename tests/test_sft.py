@@ -91,9 +91,11 @@ def test_resume_after_a_crash_during_save_matches_an_uninterrupted_run(tmp_path)
 
 def test_bad_input_fails_before_training(tmp_path):
     config = _config(tmp_path)
-    proc = run_sft(config, tmp_path / "bad", "--max-steps", "2", "--seq-len", "64", expect_ok=False)
+    proc = run_sft(config, tmp_path / "bad", "--max-steps", "2", "--seq-len", "0", expect_ok=False)
     assert proc.returncode != 0
-    assert "chunk_size=96 exceeds the sequence length 64" in proc.stdout + proc.stderr
+    # The flag is named, and the config is not blamed (it was once: "long_seq ... sequence length").
+    out = proc.stdout + proc.stderr
+    assert "--seq-len must be positive, got 0" in out and "long_seq" not in out
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
