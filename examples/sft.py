@@ -122,7 +122,16 @@ class JsonlData:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as err:
+                    # err's own "line 1 column N" counts within this one line: name the file's line instead.
+                    raise ValueError(
+                        f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno}); "
+                        "each line must be one JSON object"
+                    ) from err
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
                 if "text" in rec:
                     prompt, completion = "", rec["text"]
                 elif "prompt" in rec and "completion" in rec:

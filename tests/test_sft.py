@@ -155,6 +155,20 @@ def test_jsonl_records_mask_the_prompt():
     os.unlink(f.name)
 
 
+def test_malformed_jsonl_names_the_file_line(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import sft
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": "cut off\n')
+    # Line 4 of the file (the blank line 2 counts), not json's "line 1 column 10".
+    with pytest.raises(ValueError, match=r"data\.jsonl:4: not valid JSON: Unterminated string starting at \(column 10"):
+        sft.JsonlData(str(path), tokenizer=None, seq_len=8)
+    path.write_text('{"text": "fine"}\n["text"]\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: expected a JSON object, got list"):
+        sft.JsonlData(str(path), tokenizer=None, seq_len=8)
+
+
 def test_sequence_parallel_run_equals_one_process_on_the_whole_sequence(tmp_path):
     """ds_configs/zero3_ulysses_streambp.json: 2 ranks share each 256-token sequence (128 each, chunks of
     96). Its losses equal a 1-rank run of the same model and data without sequence parallelism."""
