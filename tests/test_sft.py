@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,7 +49,12 @@ def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath))
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"sft.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        # The output's tail is often another rank's "connection closed": name the ranks' own errors first.
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if re.match(r"\[rank\d+\]: \w*Error", line)]
+        raise AssertionError(
+            f"sft.py failed ({proc.returncode}):\n" + "\n".join(errors)
+            + f"\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
