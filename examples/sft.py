@@ -13,6 +13,10 @@ back: each sequence is a random document followed by the same document again, an
 is trained on. No token of the copy can be guessed better than chance (ln 224) without looking
 (T-1)/2 tokens back; once the model forms an induction head the loss drops well below chance.
 
+``--pack`` (with ``--data``) puts several documents in each row of exactly --seq-len tokens, in
+the padding-free form of transformers' ``DataCollatorWithFlattening``: position_ids restart at
+every document, no attention_mask (see :class:`PackedData`).
+
 Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
 ``latest``), ``metrics.jsonl`` (one line per step), ``loss.png`` and an HF-format export in
 ``hf_model/``. ``--resume`` continues from ``latest`` with the same data order and losses.
@@ -25,18 +29,21 @@ its 1/P (labels shifted first); the world / P groups are data-parallel replicas.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import math
 import os
 import resource
 import sys
 import time
+from typing import Sequence
 
 import torch
 
 import ds_longseq.engine
 from ds_longseq.engine import check_sequence_length, sequence_parallel_rank_and_size, shard_batch, split_config
-from ds_longseq.logging import get_logger
+from ds_longseq.logging import get_logger, log_rank0
 
 logger = get_logger("ds_longseq.examples.sft")
 
@@ -57,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--data", default=None, help="JSONL with 'text' or 'prompt'/'completion' per line (needs --model)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--pack", action="store_true",
+                   help="pack several --data documents into each row of --seq-len tokens (position_ids restart "
+                        "per document, no attention_mask); default: one document per row, padded")
     p.add_argument("--max-steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--save-dir", default="outputs/sft", help="checkpoints, metrics, plot and HF export")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -72,6 +82,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Fault injection for the crash-safety test: exit abruptly in the middle of saving this step.
     p.add_argument("--_crash-during-save-at-step", dest="crash_step", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad command-line values before anything starts, naming the flag to change.
+
+    Run before the config is read, so that an error here is never blamed on the config.
+    """
+    if args.seq_len <= 0:
+        raise SystemExit(f"--seq-len must be positive, got {args.seq_len}: pass the tokens per sequence, e.g. 2048")
+    if args.max_steps <= 0:
+        raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
+    if args.data and not args.model:
+        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+    if args.pack and not args.data:
+        raise SystemExit(
+            "--pack packs the documents of --data: add --data FILE.jsonl --model PATH, or drop --pack "
+            "(the built-in copy task has one sequence per row)"
+        )
+
+
+def check_parallel_args(args: argparse.Namespace, sp: int, world: int) -> None:
+    """Refuse arguments that do not fit ``sp`` (the sequence_parallel size) and ``world`` ranks."""
+    if world % sp:
+        raise SystemExit(
+            f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}"
+        )
+    up = args.seq_len + sp - args.seq_len % sp
+    if args.pack and args.seq_len % sp:
+        # --pad-for-sp would not do: shard_batch pads with an attention_mask, and a packed row must have none.
+        raise SystemExit(
+            f"--pack fills rows of exactly --seq-len tokens, which sequence_parallel size {sp} must divide: "
+            f"use --seq-len {up}"
+        )
+    if args.seq_len % sp and not args.pad_for_sp:
+        raise SystemExit(
+            f"--seq-len {args.seq_len} is not divisible by sequence_parallel size {sp}: use --seq-len {up}, "
+            "or pass --pad-for-sp"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +157,16 @@ class JsonlData:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as err:
+                    # err's own "line 1 column N" counts within this one line: name the file's line instead.
+                    raise ValueError(
+                        f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno}); "
+                        "each line must be one JSON object"
+                    ) from err
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
                 if "text" in rec:
                     prompt, completion = "", rec["text"]
                 elif "prompt" in rec and "completion" in rec:
@@ -122,12 +179,19 @@ class JsonlData:
         self.tokenizer, self.seq_len = tokenizer, seq_len
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def tokenize(self, index: int) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) of record ``index``, not truncated; labels are -100 on prompt tokens."""
         prompt, completion = self.records[index % len(self.records)]
         p_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
         c_ids = self.tokenizer(completion, add_special_tokens=not prompt)["input_ids"]
-        ids = (p_ids + c_ids)[: self.seq_len]
-        labels = ([-100] * len(p_ids) + c_ids)[: self.seq_len]
+        return p_ids + c_ids, [-100] * len(p_ids) + c_ids
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids, labels = self.tokenize(index)
+        ids, labels = ids[: self.seq_len], labels[: self.seq_len]
         pad = self.seq_len - len(ids)
         return {
             "input_ids": torch.tensor(ids + [self.pad_id] * pad),
@@ -136,12 +200,166 @@ class JsonlData:
         }
 
 
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Greedy bin packing: the indices of ``lengths`` grouped into bins of at most ``capacity``.
+
+    First-fit decreasing: items are taken longest first (ties in input order) and each goes into
+    the first bin with room, a new bin when none has. Deterministic; it never uses more than
+    11/9 OPT + 6/9 bins. Each bin lists its items in the order they were placed (longest first).
+    A max-tree over the bins' free space finds the first fitting bin in O(log n) rather than
+    scanning every open bin (O(n^2) for a large data set).
+
+    Args:
+        lengths: item sizes, each in [1, capacity].
+        capacity: bin size.
+
+    Returns:
+        One list of item indices per bin, bins in the order they were opened.
+    """
+    for i, n in enumerate(lengths):
+        if not 1 <= n <= capacity:
+            raise ValueError(f"item {i} has length {n}: lengths must be in [1, {capacity}]")
+    num_leaves = 1 << max(0, (len(lengths) - 1).bit_length())  # at most one bin per item
+    # free[num_leaves + b] is bin b's free space; an inner node holds the max of its two children.
+    # Bins not yet opened are full-capacity leaves to the right of every open one (an open bin
+    # holds at least one item), so "first leaf with room" opens a new bin exactly when no open one fits.
+    free = [capacity] * (2 * num_leaves)
+    bins: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        node = 1
+        while node < num_leaves:
+            node = 2 * node if free[2 * node] >= lengths[i] else 2 * node + 1
+        b = node - num_leaves
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        free[node] -= lengths[i]
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    return bins
+
+
+@dataclasses.dataclass(frozen=True)
+class PackStats:
+    """What packing did, for the start-of-run report."""
+
+    num_documents: int
+    """Documents packed (empty ones are dropped and counted in ``num_empty``)."""
+    num_rows: int
+    """Rows of ``seq_len`` tokens they fill."""
+    seq_len: int
+    """Tokens per row (``--seq-len``)."""
+    num_real_tokens: int
+    """Document tokens in all rows (after truncation); the rest is the pad tails."""
+    num_truncated: int
+    """Documents longer than ``seq_len``, cut to their first ``seq_len`` tokens."""
+    num_empty: int
+    """Documents with no token at all, skipped."""
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / (rows x seq_len): the fraction of computed positions that are not padding."""
+        return self.num_real_tokens / (self.num_rows * self.seq_len)
+
+
+class PackedData:
+    """Documents packed several to a row of exactly ``seq_len`` tokens, the padding-free form.
+
+    The form of transformers' ``DataCollatorWithFlattening`` (TRL's ``padding_free``), with fixed
+    row length. A row of seq_len 8 holding document a (3 tokens, the first two its prompt),
+    document b (2 tokens) and a pad tail of 3::
+
+        input_ids     a0   a1   a2   b0   b1   pad  pad  pad
+        position_ids  0    1    2    0    1    0    1    2
+        labels        -100 -100 a2   -100 b1   -100 -100 -100
+
+    - ``position_ids`` restart at 0 at every document's first token: that is how the model (or
+      transformers' mask builder, given no ``attention_mask``) knows the documents apart and keeps
+      attention inside each one. There is no ``attention_mask`` key.
+    - ``labels`` are -100 at every document's first token (the collator's convention): after the
+      causal shift, the last token of a document is never trained to predict the next document's
+      first token. Prompt tokens are -100 as in :class:`JsonlData`.
+    - The tail no document fills is one more "document" of pad tokens, all labels -100, whose
+      positions restart at 0, so it attends only to itself and nothing real attends to it.
+
+    Rows come from :func:`first_fit_decreasing` over the token counts, then are put in a random
+    order drawn from ``seed`` (first-fit decreasing opens rows longest documents first, and
+    training should not see the data sorted by length). Packing is deterministic, so every rank
+    builds the same rows. ``self[i]`` is row ``i % num_rows`` (epochs repeat).
+    """
+
+    def __init__(
+        self, documents: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, pad_id: int, seed: int = 0
+    ):
+        """
+        Args:
+            documents: (input_ids, labels) per document, labels -100 where not trained on; a
+                document longer than ``seq_len`` is cut to its first ``seq_len`` tokens.
+            seq_len: tokens per row.
+            pad_id: token id of the pad tail.
+            seed: seed of the row order.
+        """
+        self.seq_len, self.pad_id = seq_len, pad_id
+        docs = [(list(ids[:seq_len]), list(labels[:seq_len])) for ids, labels in documents if len(ids)]
+        if not docs:
+            raise ValueError("no document holds any token: nothing to pack")
+        self.docs = [(torch.tensor(ids), torch.tensor(labels)) for ids, labels in docs]
+        rows = first_fit_decreasing([len(ids) for ids, _ in docs], seq_len)
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.rows = [rows[r] for r in order]
+        self.stats = PackStats(
+            num_documents=len(docs),
+            num_rows=len(self.rows),
+            seq_len=seq_len,
+            num_real_tokens=sum(len(ids) for ids, _ in docs),
+            num_truncated=sum(len(ids) > seq_len for ids, _ in documents),
+            num_empty=len(documents) - len(docs),
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def num_real_tokens(self, index: int) -> int:
+        """Document tokens (not the pad tail) in row ``index % num_rows``."""
+        return sum(len(self.docs[d][0]) for d in self.rows[index % len(self.rows)])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """Row ``index % num_rows``: ``input_ids``, ``position_ids``, ``labels``, each (seq_len,)."""
+        ids, pos, labels = [], [], []
+        for d in self.rows[index % len(self.rows)]:
+            doc_ids, doc_labels = self.docs[d]
+            ids.append(doc_ids)
+            pos.append(torch.arange(len(doc_ids)))
+            labels.append(torch.cat([torch.tensor([-100]), doc_labels[1:]]))
+        tail = self.seq_len - sum(len(t) for t in ids)
+        if tail:
+            ids.append(torch.full((tail,), self.pad_id))
+            pos.append(torch.arange(tail))
+            labels.append(torch.full((tail,), -100))
+        return {"input_ids": torch.cat(ids), "position_ids": torch.cat(pos), "labels": torch.cat(labels)}
+
+
+def pack_jsonl(data: JsonlData, seed: int = 0) -> PackedData:
+    """Tokenise every record of ``data`` and pack them into rows of ``data.seq_len`` tokens."""
+    return PackedData([data.tokenize(i) for i in range(len(data))], data.seq_len, data.pad_id, seed)
+
+
+def micro_batch_indices(step: int, micro: int, gas: int, rank: int, world: int, micro_bs: int) -> range:
+    """Indices into the data of the micro-batch of (step, micro-step, data-parallel rank)."""
+    base = ((step * gas + micro) * world + rank) * micro_bs
+    return range(base, base + micro_bs)
+
+
 def micro_batch(
     source, step: int, micro: int, gas: int, rank: int, world: int, micro_bs: int
 ) -> dict[str, torch.Tensor]:
-    """The deterministic micro-batch of (step, micro-step, rank): resuming replays the same data."""
-    base = ((step * gas + micro) * world + rank) * micro_bs
-    items = [source(base + i) for i in range(micro_bs)]
+    """The deterministic micro-batch of (step, micro-step, rank): resuming replays the same data.
+
+    Stacks every key the source returns, each (micro_bs, T): ``position_ids`` of packed rows too.
+    """
+    items = [source(i) for i in micro_batch_indices(step, micro, gas, rank, world, micro_bs)]
     return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
 
@@ -161,6 +379,38 @@ def build_model(args, dtype: torch.dtype):
         tie_word_embeddings=False, attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config).to(dtype)
+
+
+def configure_logging(rank: int) -> None:
+    """Show ds_longseq's log records (INFO and up) on stderr, tagged with the rank.
+
+    The package configures no handler (no import-time side effects); an entry point does.
+    """
+    package_logger = logging.getLogger("ds_longseq")
+    if not package_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO)
+
+
+def log_packing(stats: PackStats) -> None:
+    """The start-of-run packing report, once (rank 0)."""
+    log_rank0(
+        logger,
+        f"--pack: {stats.num_documents} documents in {stats.num_rows} rows of {stats.seq_len} tokens "
+        f"(first-fit decreasing): packing efficiency {stats.efficiency:.1%} (real tokens / (rows x seq_len))",
+    )
+    if stats.num_truncated:
+        log_rank0(
+            logger,
+            f"--pack: {stats.num_truncated} of {stats.num_documents} documents were longer than --seq-len "
+            f"{stats.seq_len} and were truncated to their first {stats.seq_len} tokens: raise --seq-len to train "
+            "on all of them",
+            logging.WARNING,
+        )
+    if stats.num_empty:
+        log_rank0(logger, f"--pack: {stats.num_empty} documents with no tokens were skipped", logging.WARNING)
 
 
 def peak_memory_gib() -> float:
@@ -229,6 +479,7 @@ def plot_losses(metrics: list[dict], path: str, chance: float | None) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_args(args)
     import deepspeed
     import deepspeed.comm as dist
     from tqdm import tqdm
@@ -240,26 +491,14 @@ def main(argv=None) -> int:
         distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
     )
     rank, world = dist.get_rank(), dist.get_world_size()
+    configure_logging(rank)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
-    # Validate everything before any training starts.
+    # Validate the config against the arguments before any training starts.
     ds_config, long_seq = split_config(args.ds_config)
     check_sequence_length(long_seq, args.seq_len)
-    sp = long_seq.sequence_parallel.size
-    if world % sp:
-        raise SystemExit(
-            f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}"
-        )
-    if args.seq_len % sp and not args.pad_for_sp:
-        raise SystemExit(
-            f"--seq-len {args.seq_len} is not divisible by sequence_parallel size {sp}: use --seq-len "
-            f"{args.seq_len + sp - args.seq_len % sp}, or pass --pad-for-sp"
-        )
-    if args.data and not args.model:
-        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
-    if args.max_steps <= 0:
-        raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
+    check_parallel_args(args, long_seq.sequence_parallel.size, world)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and torch.cuda.is_available())
     ds_config["bf16"] = {"enabled": use_bf16}
     ds_config.pop("fp16", None)
@@ -271,11 +510,16 @@ def main(argv=None) -> int:
     micro_bs = ds_config.get("train_micro_batch_size_per_gpu", 1)
     gas = ds_config.get("gradient_accumulation_steps", 1)
 
+    packed: PackedData | None = None
     if args.data:
         from transformers import AutoTokenizer
 
         data = JsonlData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len)
         source, chance, pad_id = data.__getitem__, None, data.pad_id
+        if args.pack:
+            packed = pack_jsonl(data, args.seed)
+            log_packing(packed.stats)
+            source = packed.__getitem__
     else:
         copy_example(0, args.seq_len, args.seed)  # fail early if --seq-len is too short
         source, chance, pad_id = (lambda i: copy_example(i, args.seq_len, args.seed)), math.log(len(DOC_TOKENS)), 0
@@ -321,14 +565,23 @@ def main(argv=None) -> int:
         step_loss = torch.zeros((), device=device)
         for micro in range(gas):
             batch = micro_batch(source, step, micro, gas, replica, num_replicas, micro_bs)
+            # Text tokens of this replica's whole micro-batch (before sharding), times the replicas;
+            # padding is not counted. Packed rows have no mask: their data knows each row's pad tail.
+            if packed is None:
+                tokens += int(batch["attention_mask"].sum()) * num_replicas
+            else:
+                indices = micro_batch_indices(step, micro, gas, replica, num_replicas, micro_bs)
+                tokens += sum(packed.num_real_tokens(i) for i in indices) * num_replicas
             if sp_size > 1:
                 batch = shard_batch(batch, sp_rank, sp_size, pad=args.pad_for_sp, pad_token_id=pad_id)
             batch = {k: v.to(device) for k, v in batch.items()}
-            loss = engine(**batch).loss
+            # No KV cache in training. It also matters for packed rows: transformers reads restarting
+            # position_ids as separate documents only when no cache is passed, and with the config's
+            # default use_cache=True the stock model would build one and attend across documents.
+            loss = engine(**batch, use_cache=False).loss
             engine.backward(loss)
             engine.step()
             step_loss += loss.detach().float() / gas
-            tokens += int(batch["attention_mask"].sum()) * world
         dist.all_reduce(step_loss)  # ranks of a sequence-parallel group report the same value
         step_loss = step_loss.item() / world
         metrics.append({"step": step + 1, "loss": step_loss})

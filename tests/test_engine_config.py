@@ -2,6 +2,7 @@
 
 import glob
 import json
+import logging
 import os
 
 import pytest
@@ -42,11 +43,24 @@ def test_split_config_does_not_modify_its_input():
     assert "long_seq" in config
 
 
-def test_chunk_sizes_larger_than_the_sequence_are_rejected_before_training():
+def test_chunk_sizes_larger_than_the_sequence_warn_once_instead_of_failing(caplog):
+    """A chunk longer than the sequence is one chunk (README: "shorter than a chunk" is supported):
+    the shipped configs (chunk_size 1024) must run --seq-len 512, with a warning, not an error."""
     _, long_seq = split_config({"long_seq": {"streambp": {"enabled": True, "chunk_size": 4096}}})
+    caplog.set_level(logging.WARNING, logger="ds_longseq")
     check_sequence_length(long_seq, 4096)
-    with pytest.raises(LongSeqConfigError, match="chunk_size=4096 exceeds the sequence length 1000"):
-        check_sequence_length(long_seq, 1000)
+    assert not caplog.records
+    check_sequence_length(long_seq, 1000)
+    check_sequence_length(long_seq, 1000)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "chunk_size=4096 exceeds the sequence length 1000" in warned[0], warned
+    # ops.mini_seq skips empty chunks, so more MLP chunks than tokens is legal too.
+    _, mst = split_config({"long_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 8}}})
+    check_sequence_length(mst, 5)
+    assert "mlp_num_chunks=8 exceeds the sequence length 5" in caplog.records[-1].getMessage()
+    for bad in (0, -3):
+        with pytest.raises(LongSeqConfigError, match=f"sequence length must be positive, got {bad}"):
+            check_sequence_length(long_seq, bad)
 
 
 def test_version_parsing():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,10 +43,18 @@ def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2):
         str(save_dir),
         *extra,
     ]
+    # sys.path[0] of the launched script is examples/, so without PYTHONPATH the ranks would import
+    # whichever ds_longseq is pip-installed (another checkout's, with `pip install -e`), not this one.
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath))
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"sft.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        # The output's tail is often another rank's "connection closed": name the ranks' own errors first.
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if re.match(r"\[rank\d+\]: \w*Error", line)]
+        raise AssertionError(
+            f"sft.py failed ({proc.returncode}):\n" + "\n".join(errors)
+            + f"\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -88,9 +97,11 @@ def test_resume_after_a_crash_during_save_matches_an_uninterrupted_run(tmp_path)
 
 def test_bad_input_fails_before_training(tmp_path):
     config = _config(tmp_path)
-    proc = run_sft(config, tmp_path / "bad", "--max-steps", "2", "--seq-len", "64", expect_ok=False)
+    proc = run_sft(config, tmp_path / "bad", "--max-steps", "2", "--seq-len", "0", expect_ok=False)
     assert proc.returncode != 0
-    assert "chunk_size=96 exceeds the sequence length 64" in proc.stdout + proc.stderr
+    # The flag is named, and the config is not blamed (it was once: "long_seq ... sequence length").
+    out = proc.stdout + proc.stderr
+    assert "--seq-len must be positive, got 0" in out and "long_seq" not in out
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
@@ -148,6 +159,20 @@ def test_jsonl_records_mask_the_prompt():
     assert item["labels"].tolist() == [-100, -100, 99, 100, 101, -100, -100, -100]
     assert item["attention_mask"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
     os.unlink(f.name)
+
+
+def test_malformed_jsonl_names_the_file_line(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import sft
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": "cut off\n')
+    # Line 4 of the file (the blank line 2 counts), not json's "line 1 column 10".
+    with pytest.raises(ValueError, match=r"data\.jsonl:4: not valid JSON: Unterminated string starting at \(column 10"):
+        sft.JsonlData(str(path), tokenizer=None, seq_len=8)
+    path.write_text('{"text": "fine"}\n["text"]\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: expected a JSON object, got list"):
+        sft.JsonlData(str(path), tokenizer=None, seq_len=8)
 
 
 def test_sequence_parallel_run_equals_one_process_on_the_whole_sequence(tmp_path):

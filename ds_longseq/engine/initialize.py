@@ -3,7 +3,7 @@
 Holds:
     initialize: same arguments and return value as ``deepspeed.initialize``.
     split_config: load a DeepSpeed config (path or dict) and separate its ``long_seq`` section.
-    check_sequence_length: the pre-training check of a sequence length against the chunk sizes.
+    check_sequence_length: the pre-training check of a sequence length (warns when a chunk spans it all).
     MIN_DEEPSPEED_VERSION: the oldest DeepSpeed this package is tested with.
 
 Distributed StreamBP (StreamBP paper App. A.3) needs no DeepSpeed internals here:
@@ -30,9 +30,12 @@ import torch
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
+from ds_longseq.logging import get_logger, warn_once
 from ds_longseq.patch import enable, fix_zero3_sequence_parallel_average, get_config, is_enabled, mark_zero3_leaves
 
 __all__ = ["initialize", "split_config", "check_sequence_length", "MIN_DEEPSPEED_VERSION"]
+
+logger = get_logger(__name__)
 
 MIN_DEEPSPEED_VERSION = "0.19.8"
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
@@ -115,14 +118,18 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
 
 
 def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
-    """Raise before training if a chunk size cannot apply to sequences of ``seq_len`` tokens.
+    """Raise before training if ``seq_len`` cannot be trained with ``config``; warn about no-op chunking.
 
-    A chunk larger than the sequence is legal for a single forward (one chunk), but in a training
-    run configured for ``seq_len`` it means the technique does nothing: almost always a typo.
+    A chunk size larger than the (local) sequence is legal: the whole sequence becomes one chunk
+    (``ops.streambp.chunk_bounds`` returns one span; ``ops.mini_seq`` skips the empty MLP chunks),
+    so short-sequence runs with the shipped configs work. It is worth one warning, because the
+    chunking then does nothing (StreamBP becomes plain per-layer recompute), but not an error.
+
+    Raises:
+        LongSeqConfigError: ``seq_len`` is not positive.
     """
-    problems = []
     if seq_len <= 0:
-        problems.append(f"sequence length must be positive, got {seq_len}")
+        raise LongSeqConfigError([f"sequence length must be positive, got {seq_len}"])
     sp_size = config.sequence_parallel.size
     where = f"the sequence length {seq_len}"
     local_len = seq_len
@@ -130,17 +137,17 @@ def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
         local_len = -(-seq_len // sp_size)
         where = f"the local shard {local_len} (sequence length {seq_len} / sequence_parallel size {sp_size})"
     if config.streambp.enabled and config.streambp.chunk_size > local_len:
-        problems.append(
-            f"long_seq.streambp.chunk_size={config.streambp.chunk_size} exceeds {where}: "
-            f"StreamBP would run one chunk (plain recompute); set chunk_size <= {local_len}"
+        warn_once(
+            logger,
+            f"long_seq.streambp.chunk_size={config.streambp.chunk_size} exceeds {where}: each sequence is one "
+            f"chunk, so StreamBP acts as plain per-layer recompute; set chunk_size below {local_len} to stream",
         )
     if config.mini_seq.enabled and config.mini_seq.mlp_num_chunks > local_len:
-        problems.append(
-            f"long_seq.mini_seq.mlp_num_chunks={config.mini_seq.mlp_num_chunks} exceeds {where}: "
-            f"set mlp_num_chunks <= {local_len}"
+        warn_once(
+            logger,
+            f"long_seq.mini_seq.mlp_num_chunks={config.mini_seq.mlp_num_chunks} exceeds {where}: the MLP runs "
+            f"in {local_len} one-token chunks (the empty ones are skipped); set mlp_num_chunks <= {local_len}",
         )
-    if problems:
-        raise LongSeqConfigError(problems)
 
 
 def initialize(
