@@ -109,12 +109,6 @@ def check_parallel_args(args: argparse.Namespace, sp: int, world: int) -> None:
             f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}"
         )
     up = args.seq_len + sp - args.seq_len % sp
-    if args.pack and args.seq_len % sp:
-        # --pad-for-sp would not do: shard_batch pads with an attention_mask, and a packed row must have none.
-        raise SystemExit(
-            f"--pack fills rows of exactly --seq-len tokens, which sequence_parallel size {sp} must divide: "
-            f"use --seq-len {up}"
-        )
     if args.seq_len % sp and not args.pad_for_sp:
         raise SystemExit(
             f"--seq-len {args.seq_len} is not divisible by sequence_parallel size {sp}: use --seq-len {up}, "

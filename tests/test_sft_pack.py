@@ -181,12 +181,14 @@ def test_pack_argument_checks():
         sft.check_args(sft.parse_args(["--pack"]))
     with pytest.raises(SystemExit, match="--seq-len must be positive, got -1"):
         sft.check_args(sft.parse_args(["--seq-len", "-1", "--pack"]))
-    args = sft.parse_args(["--pack", "--data", "x.jsonl", "--model", "m", "--seq-len", "255", "--pad-for-sp"])
+    args = sft.parse_args(["--pack", "--data", "x.jsonl", "--model", "m", "--seq-len", "255"])
     sft.check_args(args)
     sft.check_parallel_args(args, sp=1, world=2)
-    with pytest.raises(SystemExit, match="--pack fills rows of exactly --seq-len tokens, .* size 2 must divide: use "
-                                         "--seq-len 256"):
+    with pytest.raises(SystemExit, match="not divisible by sequence_parallel size 2: use --seq-len 256"):
         sft.check_parallel_args(args, sp=2, world=2)
+    # packed rows pad like any other (shard_batch pads them with one more, ignored, document)
+    sft.check_parallel_args(sft.parse_args(["--pack", "--data", "x", "--model", "m", "--seq-len", "255",
+                                            "--pad-for-sp"]), sp=2, world=2)
 
 
 # ---------------------------------------------------------------------------------------------
