@@ -187,10 +187,16 @@ def enable(
                     handle.set_instance_attr(layer, "forward", CheckpointLayerForward(layer, layer.forward, offload))
         if cfg.lm_head.enabled:
             head = adapter.lm_head
-            handle.set_instance_attr(head, "forward", LMHeadLossForward(head, head.forward, cfg.lm_head.chunk_size))
+            handle.set_instance_attr(
+                head,
+                "forward",
+                LMHeadLossForward(head, head.forward, cfg.lm_head.chunk_size, adapter.final_logit_softcap),
+            )
         # Every path: the model forward also masks packed documents' boundary targets.
         if cfg.lm_head.enabled or cfg.streambp.enabled or cfg.mini_seq.enabled or sp is not None or offload is not None:
-            handle.set_instance_attr(model, "forward", CausalLMForward(model, model.forward, cfg, sp))
+            handle.set_instance_attr(
+                model, "forward", CausalLMForward(model, model.forward, cfg, sp, adapter.final_logit_softcap)
+            )
         handle.set_instance_attr(model, _HANDLE_ATTR, handle)
     except BaseException:
         handle.undo()

@@ -17,6 +17,24 @@ ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
 }
+# Families tested in tests/test_families.py (kept out of ARCHS, whose tests assume the Llama-like
+# parameter layout): Gemma 2 with both softcaps small enough to bite and a window shorter than the
+# test sequences (eager attention in the stock model: SDPA has no softcap).
+EXTRA_ARCHS = {
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 6,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "attn_implementation": "eager",
+        },
+    ),
+}
 VOCAB = 101
 
 
@@ -24,7 +42,7 @@ def make_model(
     arch: str = "llama", dtype=torch.float64, tie: bool = False, seed: int = 0, num_layers: int = 2, **overrides
 ):
     """A randomly initialised tiny ``*ForCausalLM`` with weights large enough for peaked attention."""
-    config_name, model_name, extra = ARCHS[arch]
+    config_name, model_name, extra = {**ARCHS, **EXTRA_ARCHS}[arch]
     kwargs = dict(
         hidden_size=64,
         intermediate_size=96,
@@ -134,7 +152,38 @@ def full_precision_norms(model):
         variance = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
+    def gemma_forward(self, x):  # Gemma's norms scale by (1 + weight) and name their epsilon eps
+        return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(forward, module)
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = types.MethodType(gemma_forward if name.startswith("Gemma") else forward, module)
+    return model
+
+
+def float64_eager_attention(model):
+    """Give ``model`` an eager attention whose softmax runs in the inputs' dtype; returns the model.
+
+    transformers' eager attention (the only stock one with logit softcapping: SDPA has none) takes
+    its softmax in float32 even in a float64 model; a float64 reference needs it in float64. Masks are
+    the eager ones (additive); rows that see no key give 0 instead of NaN.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+        R = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(R, 1), value.repeat_interleave(R, 1)
+        scores = (query @ k.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if attention_mask is not None:
+            scores = scores + attention_mask[..., : k.shape[2]]
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)
+        return (probs @ v).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("float64_eager", attention)
+    AttentionMaskInterface.register("float64_eager", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    model.config._attn_implementation = "float64_eager"
     return model

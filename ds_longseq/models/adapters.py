@@ -1,13 +1,15 @@
 """Model adapters: which Hugging Face causal LMs ds_longseq supports and where their parts live.
 
 Holds:
+    FamilySpec, FAMILIES: what differs between the supported families (one spec each).
     SUPPORTED_MODEL_TYPES: model_type -> ForCausalLM class name.
     UnsupportedModelError: raised at ``enable()`` with every reason at once.
     DecoderLMAdapter / get_adapter: access to layers, MLPs and LM head, plus the checks.
 
-All four supported families share the stock layout (``model.model.layers[i].self_attn`` calling
-``past_key_values.update``, ``layer.mlp``, ``model.model.norm``, ``model.lm_head``). A family
-joins this table once a test compares it against the stock model.
+Every supported family shares the stock layout (``model.model.layers[i].self_attn`` calling
+``past_key_values.update``, ``layer.mlp``, ``model.model.norm``, ``model.lm_head``); a spec names
+what is family-specific: its dropout fields and its final-logit softcap. A family joins
+:data:`FAMILIES` once a test compares it against the stock model.
 """
 
 from __future__ import annotations
@@ -18,14 +20,44 @@ import torch
 
 from ds_longseq.config import LongSeqConfig
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "DecoderLMAdapter", "get_adapter"]
+__all__ = [
+    "FamilySpec",
+    "FAMILIES",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "DecoderLMAdapter",
+    "get_adapter",
+]
 
-SUPPORTED_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What ds_longseq must know about one model family beyond the shared layout."""
+
+    causal_lm_class: str
+    """The ``*ForCausalLM`` class name transformers gives this ``model_type``."""
+    dropout_fields: tuple[str, ...] = ("attention_dropout",)
+    """Config fields that are dropout probabilities inside a decoder layer: StreamBP replays chunks
+    and cannot redraw the same masks, so each must be 0 under it."""
+    final_logit_softcap_field: str | None = None
+    """Config field of a final-logit softcap (``cap * tanh(logits / cap)`` after the LM head) that the
+    chunked LM head must apply, or None."""
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    "llama": FamilySpec("LlamaForCausalLM"),
+    "mistral": FamilySpec("MistralForCausalLM"),
+    "qwen2": FamilySpec("Qwen2ForCausalLM"),
+    "qwen3": FamilySpec("Qwen3ForCausalLM"),
+    # q/k RMSNorm over all heads' projections, norms after attention and MLP
+    "olmo2": FamilySpec("Olmo2ForCausalLM"),
+    # sliding-window layers alternating with full ones, attention-logit softcap (passed to the
+    # attention function as ``softcap``), final-logit softcap, pre/post feed-forward norms
+    "gemma2": FamilySpec("Gemma2ForCausalLM", final_logit_softcap_field="final_logit_softcapping"),
 }
+"""Every supported family by ``model_type``."""
+
+SUPPORTED_MODEL_TYPES = {name: spec.causal_lm_class for name, spec in FAMILIES.items()}
 
 
 class UnsupportedModelError(ValueError):
@@ -37,6 +69,13 @@ class DecoderLMAdapter:
     """Accessors for a stock ``*ForCausalLM`` decoder-only model."""
 
     model: torch.nn.Module
+    spec: FamilySpec
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """The family's final-logit softcap value for this model, or None."""
+        field = self.spec.final_logit_softcap_field
+        return None if field is None else getattr(self.model.config, field, None)
 
     @property
     def base_model(self) -> torch.nn.Module:
@@ -73,11 +112,14 @@ def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapt
         problems.append(f"{cls}.model.layers is not a non-empty ModuleList")
     if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         problems.append(f"{cls}.lm_head is not a torch.nn.Linear")
-    if config.streambp.enabled and getattr(hf_config, "attention_dropout", 0.0):
-        problems.append(
-            f"config.attention_dropout={hf_config.attention_dropout}: streambp re-forwards chunks in backward and "
-            "cannot replay dropout masks; set config.attention_dropout=0.0"
-        )
+    spec = FAMILIES[model_type]
+    if config.streambp.enabled:
+        for field in spec.dropout_fields:
+            if getattr(hf_config, field, 0.0):
+                problems.append(
+                    f"config.{field}={getattr(hf_config, field)}: streambp re-forwards chunks in backward and "
+                    f"cannot replay dropout masks; set config.{field}=0.0"
+                )
     if config.mini_seq.enabled and isinstance(layers, torch.nn.ModuleList):
         if not all(isinstance(getattr(layer, "mlp", None), torch.nn.Module) for layer in layers):
             problems.append(f"{cls} decoder layers have no .mlp module for mini_seq")
@@ -86,4 +128,4 @@ def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapt
         problems.append(f"model.loss_type={loss_type!r}: the chunked lm_head computes the causal-LM loss only")
     if problems:
         raise UnsupportedModelError(f"ds_longseq cannot be enabled on {cls}:\n  - " + "\n  - ".join(problems))
-    return DecoderLMAdapter(model)
+    return DecoderLMAdapter(model, spec)

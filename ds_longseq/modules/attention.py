@@ -29,6 +29,14 @@ __all__ = ["ATTN_IMPLEMENTATION", "AttnSpec", "longseq_attention", "longseq_mask
 ATTN_IMPLEMENTATION = "ds_longseq"
 SPEC_KWARG = "ds_longseq"
 
+_KNOWN_KWARGS = frozenset(
+    {SPEC_KWARG, "softcap", *PACKED_KWARGS}
+    # passed through by the decoder layers, with no effect on the attention itself
+    | {"position_ids", "use_cache", "cache_position", "output_attentions", "output_hidden_states", "return_dict"}
+)
+"""Keyword arguments :func:`longseq_attention` understands; any other one raises (an attention
+feature it would silently ignore, e.g. attention sinks)."""
+
 
 @dataclass
 class AttnSpec:
@@ -67,14 +75,23 @@ def longseq_attention(
         sliding_window: each query attends at most this many keys, itself included (transformers'
             convention), or None.
         kwargs: ``ds_longseq=AttnSpec`` from a StreamBP layer or the sequence-parallel forward hook
-            (carrying packed documents' boundaries); ``softcap`` (Gemma 2's logit softcapping); other
-            transformers kwargs are ignored. Under sequence parallelism (``AttnSpec.sp``) the
-            attention is Ulysses: a whole shard (:func:`ulysses_attention`) or, inside a StreamBP
-            chunk loop, one chunk against the exchanged K/V (:func:`ulysses_chunk_attention`).
+            (carrying packed documents' boundaries); ``softcap`` (Gemma 2's logit softcapping); the
+            bookkeeping kwargs decoder layers pass through. Any other kwarg raises
+            ``NotImplementedError`` naming it: it would change the attention and be ignored. Under
+            sequence parallelism (``AttnSpec.sp``) the attention is Ulysses: a whole shard
+            (:func:`ulysses_attention`) or, inside a StreamBP chunk loop, one chunk against the
+            exchanged K/V (:func:`ulysses_chunk_attention`).
 
     Returns:
         ((B, C, H, D) output, None): the layout transformers' attention modules expect.
     """
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {unknown} to its attention function, which ds_longseq's attention does "
+            "not implement (ignoring it could change the result): this model family is not supported with "
+            "long_seq.streambp or sequence parallelism"
+        )
     spec: AttnSpec | None = kwargs.get(SPEC_KWARG)
     stream = spec.stream if spec is not None else None
     sp = spec.sp if spec is not None else None

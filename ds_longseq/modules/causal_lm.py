@@ -33,10 +33,11 @@ class LMHeadLossForward:
     ``(loss_sum, num_valid)`` of the chunked cross entropy against already-shifted (B, T) targets.
     """
 
-    def __init__(self, head: torch.nn.Linear, orig_forward: Callable, chunk_size: int):
+    def __init__(self, head: torch.nn.Linear, orig_forward: Callable, chunk_size: int, softcap: float | None = None):
         self.head = head
         self.orig_forward = orig_forward
         self.chunk_size = chunk_size
+        self.softcap = softcap  # the family's final-logit softcap, applied inside the chunked loss
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100):
         if targets is None:
@@ -48,6 +49,7 @@ class LMHeadLossForward:
             chunk_size=self.chunk_size,
             bias=self.head.bias,
             ignore_index=ignore_index,
+            softcap=self.softcap,
         )
 
 
@@ -72,11 +74,13 @@ class CausalLMForward:
         orig_forward: Callable,
         config: LongSeqConfig,
         sp: "SequenceParallel | None" = None,
+        final_logit_softcap: float | None = None,
     ):
         self.model = model
         self.orig_forward = orig_forward
         self.config = config
         self.sp = sp
+        self.final_logit_softcap = final_logit_softcap
 
     def __call__(
         self,
@@ -155,6 +159,9 @@ class CausalLMForward:
             loss_sum, num_valid = self.model.lm_head(hidden, targets=targets, ignore_index=ignore_index)
         else:  # sequence parallel with the stock head: its logits, a summed loss, the group's mean below
             logits = self.model.lm_head(hidden)
+            if self.final_logit_softcap is not None:  # as the stock forward does after its head
+                cap = self.final_logit_softcap
+                logits = torch.tanh(logits / cap) * cap
             targets = targets.to(logits.device)
             # float32 like the stock loss, but never below the model's own precision (float64 stays)
             loss_dtype = torch.promote_types(logits.dtype, torch.float32)

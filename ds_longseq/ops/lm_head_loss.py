@@ -20,6 +20,10 @@ the global number of valid tokens (or ``num_items_in_batch``).
 
 The weight gradient is accumulated over chunks in float32 (the model dtype for float32/float64),
 in place, with no per-chunk (V x d) temporary: half-precision chunk shares are never rounded.
+
+Final-logit softcapping (Gemma 2: ``logits = cap * tanh(logits / cap)`` after the head, in the
+loss dtype here) is applied per chunk in forward and differentiated exactly in backward, which then
+holds a second (C x V) buffer for the chunk.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def _add_weight_grad_(dw: torch.Tensor, dl: torch.Tensor, h_c: torch.Tensor, scr
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, targets, chunk_size):
+    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap):
         # The dtype the stock head's F.linear runs in: the autocast dtype under autocast (as the
         # stock head under autocast), else the hidden states' dtype. Casts are explicit and autocast
         # is off inside, so forward and backward compute the same logits whatever autocast is doing.
@@ -101,10 +105,12 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             for s in range(0, index.numel(), chunk_size):
                 idx = index[s : s + chunk_size]
                 logits = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(total.dtype)
+                if softcap is not None:
+                    logits.div_(softcap).tanh_().mul_(softcap)
                 total += _cross_entropy_sum_(logits, targets[s : s + chunk_size])
                 del logits
         ctx.save_for_backward(hidden, weight, bias, index, targets)
-        ctx.chunk_size, ctx.mm_dtype = chunk_size, mm_dtype
+        ctx.chunk_size, ctx.mm_dtype, ctx.softcap = chunk_size, mm_dtype, softcap
         return total
 
     @staticmethod
@@ -134,10 +140,17 @@ def _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets):
         # dLogits = (softmax - onehot) * grad, all in place on one (C x V) buffer
         # (torch.softmax / logsumexp / a plain multiply would each allocate a second one).
         dlogits = F.linear(h_c, w, b).to(loss_dtype)
+        tanh = None
+        if ctx.softcap is not None:  # softmax of the capped logits; tanh kept for the chain rule
+            tanh = dlogits.div_(ctx.softcap).tanh_()
+            dlogits = tanh * ctx.softcap
         dlogits.sub_(dlogits.amax(dim=-1, keepdim=True)).exp_()
         dlogits.div_(dlogits.sum(dim=-1, keepdim=True))
         dlogits[torch.arange(idx.numel(), device=idx.device), targets[s : s + chunk_size]] -= 1.0
         dlogits.mul_(grad_total)
+        if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
+            dlogits.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+            del tanh
         # Cast like the backward of HF's `logits.float()`: the gradient reaches the matmuls in the
         # matmul dtype (a copy only for half precision).
         dl = dlogits.to(mm_dtype)
@@ -155,6 +168,7 @@ def _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets):
         None,
         None,
         None,
+        None,
     )
 
 
@@ -166,6 +180,7 @@ def chunked_lm_head_loss(
     chunk_size: int,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross entropies of ``hidden @ weight.T (+ bias)`` against ``targets``.
 
@@ -176,6 +191,7 @@ def chunked_lm_head_loss(
         chunk_size: valid tokens per chunk of logits.
         bias: optional (V,) LM-head bias.
         ignore_index: targets equal to this are skipped.
+        softcap: final-logit softcapping (``cap * tanh(logits / cap)``, Gemma 2), or None.
 
     Returns:
         (loss_sum, num_valid): float32 (float64 for float64 inputs) scalar with autograd history, and
@@ -188,5 +204,10 @@ def chunked_lm_head_loss(
     flat = targets.reshape(-1).to(hidden.device)
     index = (flat != ignore_index).nonzero().squeeze(-1)
     num_valid = torch.tensor(index.numel(), device=hidden.device)
-    loss_sum = _ChunkedLMHeadLoss.apply(hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size))
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number, got {softcap}")
+    loss_sum = _ChunkedLMHeadLoss.apply(
+        hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
+        None if softcap is None else float(softcap),
+    )
     return loss_sum, num_valid

@@ -1,0 +1,109 @@
+"""Model families beyond the Llama-like four (OLMo2, Gemma 2) against the stock model: float64 to
+1e-10 on the loss, the input gradient and every parameter gradient, with padding, GQA, tied and
+untied heads, and each family's features on (Gemma 2: attention-logit and final-logit softcaps, a
+sliding window shorter than the sequence on alternating layers; OLMo2: q/k norms over all heads).
+
+The float64 references compute in float64 throughout: ``full_precision_norms`` (Gemma's stock
+norm computes ``1 + weight`` in float32 even in a float64 model, so its weight gradient is a float32
+sum over tokens, which a chunked backward sums in a different order) and ``float64_eager_attention``
+(transformers' eager attention, the only stock one with a softcap, takes its softmax in float32).
+Both are applied to the model before it is cloned, so ours runs the same norms; the float32 test
+runs the unmodified stock model."""
+
+import pytest
+import torch
+
+import ds_longseq
+from ds_longseq.models.adapters import UnsupportedModelError
+from tests.helpers import (
+    EXTRA_ARCHS,
+    clone,
+    compare,
+    float64_eager_attention,
+    full_precision_norms,
+    loss_and_grads,
+    make_batch,
+    make_model,
+)
+from tests.test_packing import documents_alone, packed_batch, packed_run
+
+
+def exact(model):
+    """The model with float64 norms and attention (see the module docstring)."""
+    return float64_eager_attention(full_precision_norms(model))
+
+
+def right_padded_batch():
+    """Right padding and a masked prompt. No left padding: stock Gemma 2 (eager) returns NaN for
+    rows that see no key (left-padded positions), which would poison the reference's gradients."""
+    batch = make_batch()
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    mask[0] = 1
+    mask[0, -2:] = 0
+    labels[0] = ids[0].masked_fill(mask[0] == 0, -100)
+    return batch
+
+
+CONFIGS = {
+    "streambp": {"streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 4},
+                 "lm_head": {"enabled": True, "chunk_size": 7}},
+    "streambp_stock_head": {"streambp": {"enabled": True, "chunk_size": 8}},
+    "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 6}},
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("arch", sorted(EXTRA_ARCHS))
+def test_family_float64_exact(arch, tie, config):
+    model = exact(make_model(arch, torch.float64, tie=tie))
+    batch = right_padded_batch()
+    ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
+    own_loss = "lm_head" in CONFIGS[config]
+    ours = loss_and_grads(ds_longseq.enable(clone(model), CONFIGS[config]), batch,
+                          use_reference=not own_loss, ref_dtype=torch.float64)
+    errs = compare(ours, ref)
+    assert max(errs.values()) < 1e-10, errs
+
+
+@pytest.mark.parametrize("arch", sorted(EXTRA_ARCHS))
+def test_family_float32_against_stock(arch):
+    model = make_model(arch, torch.float32)
+    batch = right_padded_batch()
+    ref = loss_and_grads(model, batch)
+    ours = loss_and_grads(ds_longseq.enable(clone(model), CONFIGS["streambp"]), batch)
+    assert max(compare(ours, ref).values()) < 1e-5
+
+
+def test_gemma2_softcaps_actually_bite():
+    """The test settings are not vacuous: without its caps the model's loss differs."""
+    model = make_model("gemma2", torch.float64)
+    batch = right_padded_batch()
+    capped = model(**batch).loss
+    model.config.final_logit_softcapping = None
+    assert abs(float(model(**batch).loss) - float(capped)) > 1e-3
+
+
+def test_gemma2_packed_documents_float64():
+    """Documents, sliding windows and both softcaps at once, against each document alone."""
+    model = exact(make_model("gemma2", torch.float64))
+    batch, documents = packed_batch([[1, 9, 7, 12, 8], [14, 1, 22]], "position_ids", collator_labels=True)
+    ref = documents_alone(model, documents)
+    errs = compare(packed_run(ds_longseq.enable(clone(model), CONFIGS["streambp"]), batch), ref)
+    assert max(errs.values()) < 1e-10, errs
+
+
+def test_dropout_under_streambp_is_refused():
+    model = make_model("gemma2", torch.float32, attention_dropout=0.1)
+    with pytest.raises(UnsupportedModelError, match=r"config.attention_dropout=0.1"):
+        ds_longseq.enable(model, CONFIGS["streambp"])
+
+
+def test_unknown_attention_kwarg_is_refused_not_ignored():
+    """An attention feature ds_longseq does not implement (here: attention sinks passed as s_aux)
+    raises, naming it, instead of being silently dropped."""
+    from ds_longseq.modules.attention import longseq_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match=r"\['s_aux'\]"):
+        longseq_attention(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
