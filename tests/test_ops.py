@@ -249,3 +249,26 @@ def test_attention_under_autocast_runs_in_the_autocast_dtype_like_sdpa():
     for g, r in zip(torch.autograd.grad(ours, (q, v), go), torch.autograd.grad(ref, (q, v), go), strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_chunked_lm_head_final_logit_softcap_float64(softcap):
+    """Gemma 2's final-logit softcap inside the chunked head: loss and every gradient against
+    autograd through cap * tanh(logits / cap), with ignored targets and an uneven last chunk."""
+    from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 7, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (torch.randn(11, 8, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    b = torch.randn(11, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 11, (2, 7), generator=g)
+    t[0, 3] = -100
+    loss, count = chunked_lm_head_loss(h, w, t, chunk_size=3, bias=b, softcap=softcap)
+    z = h @ w.t() + b
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    ref = torch.nn.functional.cross_entropy(z.flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum")
+    assert int(count) == 13
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    for a, r in zip(torch.autograd.grad(loss, (h, w, b)), torch.autograd.grad(ref, (h, w, b)), strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-14)
