@@ -50,6 +50,18 @@ __all__ = [
 ]
 
 _HANDLE_ATTR = "_ds_longseq_handle"
+
+
+def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``*ForCausalLM`` inside a PEFT ``PeftModel`` (``get_base_model()``), or ``model`` itself.
+
+    ds_longseq patches that inner model; the PEFT wrapper's forward reaches it unchanged, and its
+    LoRA layers sit inside the patched decoder layers, so either order (enable then wrap, or wrap
+    then enable) trains the same. Duck-typed: peft stays an optional dependency.
+    """
+    if type(model).__name__.startswith("Peft") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
 _MISSING = object()
 
 
@@ -131,7 +143,8 @@ def enable(
     """Apply long-sequence training to a loaded ``*ForCausalLM`` in place and return it.
 
     Args:
-        model: a supported Hugging Face causal LM instance (see ``SUPPORTED_MODEL_TYPES``).
+        model: a supported Hugging Face causal LM instance (see ``SUPPORTED_MODEL_TYPES``), or a PEFT
+            ``PeftModel`` around one (the inner model is patched; LoRA may also be added after).
         config: the ``long_seq`` section as a dict or :class:`LongSeqConfig`.
         sp_group: with ``sequence_parallel.size > 1``, the process group of the ranks that share a
             sequence; default: DeepSpeed's (``parallel_state_sp``), as ``engine.initialize`` sets up.
@@ -145,6 +158,7 @@ def enable(
         RuntimeError: the model is already enabled.
     """
     cfg = LongSeqConfig.from_dict(config)
+    wrapper, model = model, _causal_lm(model)  # a PEFT model: its inner *ForCausalLM is patched
     if is_enabled(model):
         raise RuntimeError("ds_longseq is already enabled on this model: call ds_longseq.disable(model) first")
     adapter = get_adapter(model, cfg)
@@ -201,7 +215,7 @@ def enable(
     except BaseException:
         handle.undo()
         raise
-    return model
+    return wrapper
 
 
 def mark_zero3_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -215,6 +229,7 @@ def mark_zero3_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:
     Returns:
         The modules marked.
     """
+    model = _causal_lm(model)
     handle = model.__dict__.get(_HANDLE_ATTR)
     if handle is None:
         raise RuntimeError("mark_zero3_leaves needs ds_longseq.enable(model, ...) first")
@@ -237,20 +252,20 @@ def mark_zero3_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`enable` on ``model`` (a no-op for a model that is not enabled) and return it."""
-    handle = model.__dict__.get(_HANDLE_ATTR)
+    handle = _causal_lm(model).__dict__.get(_HANDLE_ATTR)
     if handle is not None:
         handle.undo()
     return model
 
 
 def is_enabled(model: torch.nn.Module) -> bool:
-    """Whether :func:`enable` is in effect on ``model``."""
-    return _HANDLE_ATTR in model.__dict__
+    """Whether :func:`enable` is in effect on ``model`` (or on the model inside a PEFT wrapper)."""
+    return _HANDLE_ATTR in _causal_lm(model).__dict__
 
 
 def get_config(model: torch.nn.Module) -> LongSeqConfig | None:
     """The :class:`LongSeqConfig` in effect on ``model``, or None."""
-    handle = model.__dict__.get(_HANDLE_ATTR)
+    handle = _causal_lm(model).__dict__.get(_HANDLE_ATTR)
     return None if handle is None else handle.config
 
 
