@@ -247,7 +247,28 @@ def mark_zero3_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:
     for module in leaves:
         # The same attribute deepspeed.utils.set_z3_leaf_modules sets, on these instances only.
         handle.set_instance_attr(module, "_z3_leaf", True)
+        handle.add_hook(module.register_forward_pre_hook(_leaf_input_requires_grad, with_kwargs=True, prepend=True))
     return leaves
+
+
+def _leaf_input_requires_grad(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a ZeRO-3 leaf: give its hidden-state input ``requires_grad`` when only
+    its weights need gradients (a frozen embedding below LoRA layers, say).
+
+    DeepSpeed reduces a leaf module's gradients in the module's full backward hook, and PyTorch fires
+    that hook *before* the module's backward when no input requires grad: the leaf's weights would be
+    reduced as zeros and released before their real gradients arrive. A detached alias that requires
+    grad makes the hook fire after; its input gradient (one extra product in the first layer) is
+    discarded.
+    """
+    if not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
+        return None
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() and not args[0].requires_grad:
+        return (args[0].detach().requires_grad_(), *args[1:]), kwargs
+    hidden = kwargs.get("hidden_states")
+    if not args and isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and not hidden.requires_grad:
+        return args, {**kwargs, "hidden_states": hidden.detach().requires_grad_()}
+    return None
 
 
 def disable(model: torch.nn.Module) -> torch.nn.Module:

@@ -19,10 +19,13 @@ STREAMBP = {
 MST = {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 6}}
 
 
-def lora(model):
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora(model, targets=ALL_LINEAR):
     config = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,  # random A and B: nonzero gradients
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=list(targets),
     )
     torch.manual_seed(1)
     return peft.get_peft_model(model, config)
@@ -58,15 +61,18 @@ def test_disable_under_peft_restores_the_stock_forward():
     assert model(**batch).logits.shape == (2, 37, 101)
 
 
-def _lora_llama():
-    return lora(make_model("llama", torch.float32))
+STREAMBP_2R = {"streambp": {"enabled": True, "chunk_size": 3}, "lm_head": {"enabled": True, "chunk_size": 7}}
+# LoRA on the MLPs only: under ZeRO-3 the MLPs are leaf modules whose input (the frozen first layer's
+# attention output) needs no gradient; DeepSpeed's leaf gradient hook then fires before their backward.
+MST_2R = {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 7}}
+MLP_ONLY = ("gate_proj", "up_proj", "down_proj")
 
 
-def zero_lora_worker(rank: int, stage: int, gas: int, long_seq: dict):
+def zero_lora_worker(rank: int, stage: int, gas: int, long_seq: dict, targets: tuple):
     import ds_longseq.engine
     from tests.test_engine_dist import _gathered_state, ds_config, rank_batches
 
-    model = _lora_llama()  # wrap, then engine.initialize enables the inner model
+    model = lora(make_model("llama", torch.float32), targets)  # wrap, then engine.initialize enables the inner model
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     engine, *_ = ds_longseq.engine.initialize(model=model, optimizer=optimizer, config=ds_config(stage, gas, long_seq))
     for batch in rank_batches(rank, 3 * gas):
@@ -76,26 +82,19 @@ def zero_lora_worker(rank: int, stage: int, gas: int, long_seq: dict):
 
 
 @pytest.mark.parametrize(
-    "stage,gas",
-    [
-        (2, 2),
-        pytest.param(3, 1, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-            "known bug (open, issue 11): ZeRO-3 + LoRA + StreamBP fails in backward with 'The size of tensor a (0) "
-            "must match the size of tensor b (64)': a partitioned frozen base weight is not gathered for the "
-            "StreamBP replay; ZeRO-3 + LoRA without StreamBP and with only the chunked LM head runs"
-        ))),
-    ],
-    ids=["zero2-gas2", "zero3-gas1"],
+    "stage,gas,long_seq,targets",
+    [(2, 2, STREAMBP_2R, ALL_LINEAR), (3, 1, STREAMBP_2R, ALL_LINEAR), (3, 1, MST_2R, MLP_ONLY)],
+    ids=["zero2-gas2-streambp", "zero3-streambp", "zero3-mini_seq-mlp_lora"],
 )
-def test_zero_lora_on_two_ranks_matches_single_process(stage, gas):
-    """ZeRO-2/3 + LoRA + StreamBP on 2 CPU ranks with different data per rank: after 3 optimizer
-    steps the LoRA weights equal a single-process PEFT run averaging the ranks' losses (fp32)."""
+def test_zero_lora_on_two_ranks_matches_single_process(stage, gas, long_seq, targets):
+    """ZeRO-2/3 + LoRA on 2 CPU ranks with different data per rank: after 3 optimizer steps the LoRA
+    weights equal a single-process PEFT run averaging the ranks' losses (fp32). Under ZeRO-3 the
+    first decoder layer (MLP) is a leaf module whose input needs no gradient (the base is frozen)."""
     from tests.dist_utils import run_distributed
     from tests.test_engine_dist import rank_batches
 
-    config = {"streambp": {"enabled": True, "chunk_size": 3}, "lm_head": {"enabled": True, "chunk_size": 7}}
-    results = run_distributed(zero_lora_worker, 2, (stage, gas, config))
-    model = _lora_llama()
+    results = run_distributed(zero_lora_worker, 2, (stage, gas, long_seq, targets))
+    model = lora(make_model("llama", torch.float32), targets)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     per_rank = [rank_batches(r, 3 * gas) for r in range(2)]
     for step in range(3):
