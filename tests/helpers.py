@@ -34,6 +34,23 @@ EXTRA_ARCHS = {
             "attn_implementation": "eager",
         },
     ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 3.0,
+            "attn_implementation": "eager",
+        },
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
 }
 VOCAB = 101
 

@@ -1,7 +1,9 @@
-"""Model families beyond the Llama-like four (OLMo2, Gemma 2) against the stock model: float64 to
-1e-10 on the loss, the input gradient and every parameter gradient, with padding, GQA, tied and
-untied heads, and each family's features on (Gemma 2: attention-logit and final-logit softcaps, a
-sliding window shorter than the sequence on alternating layers; OLMo2: q/k norms over all heads).
+"""Model families beyond the Llama-like four (OLMo2, Gemma 2, Gemma 3, Phi-3) against the stock
+model: float64 to 1e-10 on the loss, the input gradient and every parameter gradient, with padding,
+GQA, tied and untied heads, and each family's features on (Gemma 2: attention-logit and final-logit
+softcaps, a sliding window shorter than the sequence on alternating layers; Gemma 3: sliding and
+full layers with their own RoPE bases, q/k norms, final-logit softcap; OLMo2: q/k norms over all
+heads; Phi-3: fused qkv and gate/up projections, partial rotary).
 
 The float64 references compute in float64 throughout: ``full_precision_norms`` (Gemma's stock
 norm computes ``1 + weight`` in float32 even in a float64 model, so its weight gradient is a float32
@@ -75,13 +77,24 @@ def test_family_float32_against_stock(arch):
     assert max(compare(ours, ref).values()) < 1e-5
 
 
-def test_gemma2_softcaps_actually_bite():
-    """The test settings are not vacuous: without its caps the model's loss differs."""
-    model = make_model("gemma2", torch.float64)
+# Each family's special settings in the test models, and the value that switches each off: the
+# tests above would pass vacuously if a setting did not change the model.
+FEATURES = {
+    "gemma2": {"final_logit_softcapping": None, "attn_logit_softcapping": None, "sliding_window": 4096},
+    # (Gemma 3's attention ignores attn_logit_softcapping in transformers: not a feature to test)
+    "gemma3_text": {"final_logit_softcapping": None, "sliding_window": 4096},
+    "phi3": {"partial_rotary_factor": 1.0},
+}
+
+
+@pytest.mark.parametrize("arch,field", [(a, f) for a in sorted(FEATURES) for f in FEATURES[a]])
+def test_family_features_actually_bite(arch, field):
+    """Switching one feature off changes the stock model's loss."""
     batch = right_padded_batch()
-    capped = model(**batch).loss
-    model.config.final_logit_softcapping = None
-    assert abs(float(model(**batch).loss) - float(capped)) > 1e-3
+    with torch.no_grad():
+        on = make_model(arch, torch.float64)(**batch).loss.item()
+        off = make_model(arch, torch.float64, **{field: FEATURES[arch][field]})(**batch).loss.item()
+    assert abs(on - off) > 1e-4, (arch, field)
 
 
 def test_gemma2_packed_documents_float64():
@@ -93,9 +106,17 @@ def test_gemma2_packed_documents_float64():
     assert max(errs.values()) < 1e-10, errs
 
 
-def test_dropout_under_streambp_is_refused():
-    model = make_model("gemma2", torch.float32, attention_dropout=0.1)
-    with pytest.raises(UnsupportedModelError, match=r"config.attention_dropout=0.1"):
+@pytest.mark.parametrize("arch,field", [("gemma2", "attention_dropout"), ("phi3", "resid_pdrop")])
+def test_dropout_under_streambp_is_refused(arch, field):
+    model = make_model(arch, torch.float32, **{field: 0.1})
+    with pytest.raises(UnsupportedModelError, match=rf"config.{field}=0.1"):
+        ds_longseq.enable(model, CONFIGS["streambp"])
+
+
+def test_bidirectional_attention_is_refused():
+    """Gemma 3 can be configured with bidirectional attention; every ds_longseq attention is causal."""
+    model = make_model("gemma3_text", torch.float32, use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedModelError, match=r"is_causal=False.*use_bidirectional_attention"):
         ds_longseq.enable(model, CONFIGS["streambp"])
 
 

@@ -54,6 +54,11 @@ FAMILIES: dict[str, FamilySpec] = {
     # sliding-window layers alternating with full ones, attention-logit softcap (passed to the
     # attention function as ``softcap``), final-logit softcap, pre/post feed-forward norms
     "gemma2": FamilySpec("Gemma2ForCausalLM", final_logit_softcap_field="final_logit_softcapping"),
+    # five sliding-window layers per full one, each kind with its own RoPE base, q/k RMSNorm,
+    # optional softcaps as in Gemma 2, scaled embeddings
+    "gemma3_text": FamilySpec("Gemma3ForCausalLM", final_logit_softcap_field="final_logit_softcapping"),
+    # fused qkv_proj and gate_up_proj, optional partial rotary, residual dropout inside the layer
+    "phi3": FamilySpec("Phi3ForCausalLM", dropout_fields=("attention_dropout", "resid_pdrop")),
 }
 """Every supported family by ``model_type``."""
 
@@ -113,6 +118,14 @@ def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapt
     if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         problems.append(f"{cls}.lm_head is not a torch.nn.Linear")
     spec = FAMILIES[model_type]
+    if isinstance(layers, torch.nn.ModuleList):
+        attns = [getattr(layer, "self_attn", None) for layer in layers]
+        bidirectional = [i for i, attn in enumerate(attns) if getattr(attn, "is_causal", True) is False]
+        if bidirectional:
+            problems.append(
+                f"layers {bidirectional} have self_attn.is_causal=False (bidirectional attention, e.g. "
+                "config.use_bidirectional_attention=True): ds_longseq trains causal LMs only; set it to False"
+            )
     if config.streambp.enabled:
         for field in spec.dropout_fields:
             if getattr(hf_config, field, 0.0):
