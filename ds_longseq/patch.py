@@ -36,6 +36,7 @@ from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention,
 from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
+from ds_longseq.modules.moe import RouterTap, check_output_capturing
 from ds_longseq.modules.offload import LayerInputOffload
 from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook
 
@@ -186,19 +187,33 @@ def enable(
             base = adapter.base_model
             handle.add_hook(base.register_forward_pre_hook(offload.before_forward, with_kwargs=True))
             handle.add_hook(base.register_forward_hook(offload.after_forward, with_kwargs=True, always_call=True))
+        taps = {}  # mixture-of-experts layers: chunked layers return their router logits whole
+        if cfg.streambp.enabled or cfg.mini_seq.enabled:
+            for layer in adapter.layers:
+                router = adapter.router(layer)
+                if router is not None:
+                    check_output_capturing()
+                    taps[layer] = RouterTap()
+                    handle.add_hook(router.register_forward_hook(taps[layer]))
         if cfg.streambp.enabled:
             for layer in adapter.layers:
                 handle.set_instance_attr(
-                    layer, "forward", StreamBPLayerForward(layer, layer.forward, cfg.streambp, offload)
+                    layer,
+                    "forward",
+                    StreamBPLayerForward(layer, layer.forward, cfg.streambp, offload, router_tap=taps.get(layer)),
                 )
         if cfg.mini_seq.enabled:
             for layer in adapter.layers:
                 mlp = adapter.mlp(layer)
                 handle.set_instance_attr(
-                    mlp, "forward", MiniSeqMLPForward(mlp, mlp.forward, cfg.mini_seq.mlp_num_chunks)
+                    mlp,
+                    "forward",
+                    MiniSeqMLPForward(mlp, mlp.forward, cfg.mini_seq.mlp_num_chunks, router_tap=taps.get(layer)),
                 )
                 if offload is not None:
-                    handle.set_instance_attr(layer, "forward", CheckpointLayerForward(layer, layer.forward, offload))
+                    handle.set_instance_attr(
+                        layer, "forward", CheckpointLayerForward(layer, layer.forward, offload, moe=layer in taps)
+                    )
         if cfg.lm_head.enabled:
             head = adapter.lm_head
             handle.set_instance_attr(

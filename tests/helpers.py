@@ -46,6 +46,35 @@ EXTRA_ARCHS = {
             "attn_implementation": "eager",
         },
     ),
+    # 2 layers: a sparse MoE block and a dense MLP (mlp_only_layers); a load-balancing loss large
+    # enough to matter; the eager experts (grouped_mm has no float64)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "moe_intermediate_size": 32,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.5,
+            "experts_implementation": "eager",
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 6,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.5,
+            "experts_implementation": "eager",
+        },
+    ),
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -110,10 +139,13 @@ def reference_loss(model, batch, dtype=None):
     the loss in float64 too, so the reference computes it here.
     """
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
-    logits = logits.to(dtype or logits.dtype)
+    out = model(**inputs)
+    logits = out.logits.to(dtype or out.logits.dtype)
     targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    if getattr(out, "aux_loss", None) is not None:  # a mixture of experts: + its load-balancing loss
+        loss = loss + model.router_aux_loss_coef * out.aux_loss.to(loss.dtype)
+    return loss
 
 
 def loss_and_grads(model, batch, use_reference=False, ref_dtype=None):
@@ -204,3 +236,40 @@ def float64_eager_attention(model):
     AttentionMaskInterface.register("float64_eager", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     model.config._attn_implementation = "float64_eager"
     return model
+
+
+def float64_routers(model):
+    """Make the model's MoE routers keep the input dtype (stock ones take their softmax in float32
+    even in a float64 model, so routing weights carry float32 rounding); returns the model."""
+    import types
+
+    def forward(self, hidden_states):
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        top, index = torch.topk(torch.softmax(logits, -1), self.top_k, dim=-1)
+        if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
+            top = top / top.sum(-1, keepdim=True)
+        return logits, top, index
+
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.forward = types.MethodType(forward, module)
+    return model
+
+
+def float64_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """transformers' MoE load-balancing loss (Switch Transformer eqs. 4-6) in the logits' dtype:
+    the stock one accumulates in float32. A test reference, monkeypatched into the modeling module
+    (where both the stock forward and ds_longseq's look it up)."""
+    if gate_logits is None or not isinstance(gate_logits, tuple):
+        return 0
+    probs = [torch.softmax(g, -1) for g in gate_logits]
+    rows = probs[0].shape[0]
+    mask = torch.ones(rows, dtype=probs[0].dtype) if attention_mask is None else attention_mask.reshape(-1)
+    mask = mask.to(probs[0])
+    counts, prob_sum = 0, 0
+    for p in probs:
+        chosen = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
+        counts = counts + torch.zeros(num_experts, dtype=p.dtype).scatter_add_(0, chosen, mask.repeat_interleave(top_k))
+        prob_sum = prob_sum + (p * mask[:, None]).sum(0)
+    total = len(probs) * mask.sum()
+    return (counts / total * (prob_sum / total)).sum() * num_experts

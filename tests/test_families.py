@@ -22,6 +22,8 @@ from tests.helpers import (
     clone,
     compare,
     float64_eager_attention,
+    float64_load_balancing_loss,
+    float64_routers,
     full_precision_norms,
     loss_and_grads,
     make_batch,
@@ -31,8 +33,19 @@ from tests.test_packing import documents_alone, packed_batch, packed_run
 
 
 def exact(model):
-    """The model with float64 norms and attention (see the module docstring)."""
-    return float64_eager_attention(full_precision_norms(model))
+    """The model with float64 norms, attention and routers (see the module docstring)."""
+    return float64_routers(float64_eager_attention(full_precision_norms(model)))
+
+
+@pytest.fixture(autouse=True)
+def float64_load_balancing(monkeypatch):
+    """The MoE families' load-balancing loss in the logits' dtype (stock: float32 accumulators), in
+    their modeling modules, where the stock forward and ds_longseq's both look it up."""
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3_moe
+
+    for module in (mixtral, qwen3_moe):
+        monkeypatch.setattr(module, "load_balancing_loss_func", float64_load_balancing_loss)
 
 
 def right_padded_batch():

@@ -100,6 +100,37 @@ def test_mini_sequence_matches_plain_autograd(num_chunks):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("used", ["both", "main_only", "aux_only"])
+def test_mini_sequence_auxiliary_output_is_differentiable(used):
+    """A chunk function returning (out, aux) (an MoE block and its router logits): both come back
+    whole, and a loss on either or both gets plain autograd's gradients."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.SiLU(), torch.nn.Linear(40, 16)).to(DT)
+    router = torch.nn.Linear(16, 5, bias=False).to(DT)
+
+    def fn(x):
+        return mlp(x), router(x)
+
+    x = torch.randn(2, 37, 16, dtype=DT, requires_grad=True)
+    params = [*mlp.parameters(), *router.parameters()]
+    w_out, w_aux = torch.randn(2, 37, 16, dtype=DT), torch.randn(2, 37, 5, dtype=DT)
+
+    def loss(out, aux):
+        terms = {"main_only": [(out * w_out).sum()], "aux_only": [(aux.softmax(-1) * w_aux).sum()]}
+        terms["both"] = terms["main_only"] + terms["aux_only"]
+        return sum(terms[used])
+
+    ref = torch.autograd.grad(loss(*fn(x)), [x, *params], allow_unused=True)
+    out, aux = mini_sequence_apply(fn, x, params, 4)
+    torch.testing.assert_close(aux, router(x), rtol=0, atol=1e-14)
+    got = torch.autograd.grad(loss(out, aux), [x, *params], allow_unused=True)
+    for g, r in zip(got, ref, strict=True):
+        if r is None:
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 16, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 def test_chunked_lm_head_loss_matches_cross_entropy(chunk, bias):

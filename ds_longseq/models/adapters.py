@@ -8,7 +8,8 @@ Holds:
 
 Every supported family shares the stock layout (``model.model.layers[i].self_attn`` calling
 ``past_key_values.update``, ``layer.mlp``, ``model.model.norm``, ``model.lm_head``); a spec names
-what is family-specific: its dropout fields and its final-logit softcap. A family joins
+what is family-specific: its dropout and MLP-noise fields, its final-logit softcap, and its
+mixture-of-experts block (whose ``gate`` is the router). A family joins
 :data:`FAMILIES` once a test compares it against the stock model.
 """
 
@@ -42,6 +43,12 @@ class FamilySpec:
     final_logit_softcap_field: str | None = None
     """Config field of a final-logit softcap (``cap * tanh(logits / cap)`` after the LM head) that the
     chunked LM head must apply, or None."""
+    moe_block_class: str | None = None
+    """Class name of the family's mixture-of-experts block (a layer's ``mlp``, whose ``gate`` is the
+    router); layers whose ``mlp`` is another class are dense. None for dense families."""
+    mlp_noise_fields: tuple[str, ...] = ()
+    """Config fields of random noise inside the MLP (router jitter): StreamBP and mini_seq both
+    recompute the MLP in backward and cannot redraw it, so each must be 0 under either."""
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -59,6 +66,13 @@ FAMILIES: dict[str, FamilySpec] = {
     "gemma3_text": FamilySpec("Gemma3ForCausalLM", final_logit_softcap_field="final_logit_softcapping"),
     # fused qkv_proj and gate_up_proj, optional partial rotary, residual dropout inside the layer
     "phi3": FamilySpec("Phi3ForCausalLM", dropout_fields=("attention_dropout", "resid_pdrop")),
+    # Qwen3 attention; sparse MoE blocks (top-k of num_experts, optionally renormalised), dense MLPs
+    # on config.mlp_only_layers; load-balancing loss from the routers' logits
+    "qwen3_moe": FamilySpec("Qwen3MoeForCausalLM", moe_block_class="Qwen3MoeSparseMoeBlock"),
+    # Mistral attention; sparse MoE blocks (top-2 of 8, renormalised), router jitter in training
+    "mixtral": FamilySpec(
+        "MixtralForCausalLM", moe_block_class="MixtralSparseMoeBlock", mlp_noise_fields=("router_jitter_noise",)
+    ),
 }
 """Every supported family by ``model_type``."""
 
@@ -98,6 +112,13 @@ class DecoderLMAdapter:
     def mlp(self, layer: torch.nn.Module) -> torch.nn.Module:
         return layer.mlp
 
+    def router(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        """The router of ``layer``'s mixture-of-experts block, or None for a dense layer."""
+        mlp = layer.mlp
+        if self.spec.moe_block_class is None or type(mlp).__name__ != self.spec.moe_block_class:
+            return None
+        return mlp.gate
+
 
 def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapter:
     """Check that ``config`` can be applied to ``model`` exactly; raise listing every problem."""
@@ -133,6 +154,19 @@ def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapt
                     f"config.{field}={getattr(hf_config, field)}: streambp re-forwards chunks in backward and "
                     f"cannot replay dropout masks; set config.{field}=0.0"
                 )
+    if config.streambp.enabled or config.mini_seq.enabled:
+        for field in spec.mlp_noise_fields:
+            if getattr(hf_config, field, 0.0):
+                problems.append(
+                    f"config.{field}={getattr(hf_config, field)}: streambp and mini_seq recompute the MLP in backward "
+                    f"and cannot redraw its random noise; set config.{field}=0.0"
+                )
+    if spec.moe_block_class is not None and isinstance(layers, torch.nn.ModuleList):
+        for i, layer in enumerate(layers):
+            mlp = getattr(layer, "mlp", None)
+            has_router = isinstance(getattr(mlp, "gate", None), torch.nn.Module)
+            if type(mlp).__name__ == spec.moe_block_class and not has_router:
+                problems.append(f"layer {i}: {spec.moe_block_class} has no .gate router module")
     if config.mini_seq.enabled and isinstance(layers, torch.nn.ModuleList):
         if not all(isinstance(getattr(layer, "mlp", None), torch.nn.Module) for layer in layers):
             problems.append(f"{cls} decoder layers have no .mlp module for mini_seq")

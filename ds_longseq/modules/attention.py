@@ -33,6 +33,7 @@ _KNOWN_KWARGS = frozenset(
     {SPEC_KWARG, "softcap", *PACKED_KWARGS}
     # passed through by the decoder layers, with no effect on the attention itself
     | {"position_ids", "use_cache", "cache_position", "output_attentions", "output_hidden_states", "return_dict"}
+    | {"output_router_logits"}
 )
 """Keyword arguments :func:`longseq_attention` understands; any other one raises (an attention
 feature it would silently ignore, e.g. attention sinks)."""

@@ -10,11 +10,12 @@ Holds:
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
@@ -138,6 +139,7 @@ class CausalLMForward:
                 "logits_to_keep cannot be combined with labels under ds_longseq lm_head chunking or sequence "
                 "parallelism (the loss needs every position): drop logits_to_keep"
             )
+        router_aux = self._router_aux_loss_wanted(kwargs)
         return_dict = kwargs.pop("return_dict", None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
@@ -176,14 +178,49 @@ class CausalLMForward:
             if isinstance(denominator, torch.Tensor):
                 denominator = denominator.to(loss_sum.device)
             loss = loss_sum / denominator
-        output = CausalLMOutputWithPast(
-            loss=loss,
+        if router_aux:
+            output = self._with_router_aux_loss(loss, logits, outputs, attention_mask)
+        else:
+            output = CausalLMOutputWithPast(
+                loss=loss,
+                logits=logits,
+                past_key_values=None,
+                hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions,
+            )
+        return output.to_tuple() if return_dict is False else output
+
+    def _router_aux_loss_wanted(self, kwargs: dict) -> bool:
+        """Whether this forward adds a mixture-of-experts load-balancing loss, as the stock one would."""
+        model = self.model
+        if getattr(model, "router_aux_loss_coef", None) is None:
+            return False  # a dense family
+        wanted = kwargs.get("output_router_logits")
+        if wanted is None:
+            wanted = getattr(model.config, "output_router_logits", False)
+        if wanted and self.sp is not None:
+            raise NotImplementedError(
+                "output_router_logits (the mixture-of-experts load-balancing loss) under sequence parallelism: each "
+                "rank routes only its shard, so the loss would need the group's routing statistics. Pass "
+                "output_router_logits=False (or set config.output_router_logits=False), or disable sequence_parallel"
+            )
+        return bool(wanted)
+
+    def _with_router_aux_loss(self, loss, logits, outputs, attention_mask):
+        """The stock MoE ending: ``loss + coef * load_balancing_loss(router_logits)`` with the
+        family's own loss function (from its modeling module) on the recorded (B*T, E) logits."""
+        model = self.model
+        balancing = sys.modules[type(model).__module__].load_balancing_loss_func
+        aux_loss = balancing(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+        return MoeCausalLMOutputWithPast(
+            loss=loss + model.router_aux_loss_coef * aux_loss.to(loss.device),
+            aux_loss=aux_loss,
             logits=logits,
             past_key_values=None,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
         )
-        return output.to_tuple() if return_dict is False else output
 
     def _documents(self, position_ids, attention_mask, input_ids, inputs_embeds, kwargs):
         """(doc_start (B, T) or None, position ids to run with) of a packed batch, validated (clear errors).

@@ -11,12 +11,14 @@ Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts
 from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
@@ -59,12 +61,14 @@ class StreamBPLayerForward:
         orig_forward: Callable,
         config: StreamBPConfig,
         offload: "LayerInputOffload | None" = None,
+        router_tap: RouterTap | None = None,
     ):
         self.layer = layer
         self.orig_forward = orig_forward
         self.chunk_size = config.chunk_size
         self.kv_block_size = config.kv_block_size
         self.offload = offload
+        self.router_tap = router_tap  # a mixture-of-experts layer: its router's logits (see modules/moe.py)
 
     def __call__(
         self,
@@ -121,25 +125,45 @@ class StreamBPLayerForward:
         orig = self.orig_forward
         kv_block_size = self.kv_block_size
         params = list(layer.parameters())
-
-        def run_chunk(h_c: torch.Tensor, s: int, e: int, stream) -> torch.Tensor:
-            out = orig(
-                h_c,
-                # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`.
-                attention_mask=None if attention_mask is None or sp is not None else attention_mask[:, :e],
-                position_ids=None if position_ids is None else position_ids[..., s:e],
-                past_key_values=stream,
-                use_cache=False,
-                position_embeddings=(cos[..., s:e, :], sin[..., s:e, :]),
-                **{SPEC_KWARG: AttnSpec(stream, kv_block_size, sp, doc_start)},
-                **kwargs,
+        tap = self.router_tap
+        with_router_logits = tap is not None and router_logits_requested()
+        if with_router_logits and sp is not None:
+            raise NotImplementedError(
+                "output_router_logits (the mixture-of-experts load-balancing loss) under sequence parallelism: each "
+                "rank routes only its shard, so the loss would need the group's routing statistics. Pass "
+                "output_router_logits=False (or set config.output_router_logits=False), or disable sequence_parallel"
             )
-            return out[0] if isinstance(out, tuple) else out
+
+        def run_chunk(h_c: torch.Tensor, s: int, e: int, stream):
+            def call():
+                out = orig(
+                    h_c,
+                    # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`.
+                    attention_mask=None if attention_mask is None or sp is not None else attention_mask[:, :e],
+                    position_ids=None if position_ids is None else position_ids[..., s:e],
+                    past_key_values=stream,
+                    use_cache=False,
+                    position_embeddings=(cos[..., s:e, :], sin[..., s:e, :]),
+                    **{SPEC_KWARG: AttnSpec(stream, kv_block_size, sp, doc_start)},
+                    **kwargs,
+                )
+                return out[0] if isinstance(out, tuple) else out
+
+            if with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
+                return tap.call_recording(call, h_c.shape[0], e - s)
+            return call()
 
         offloader = None if self.offload is None else self.offload.offloader()
-        if sp is not None:
-            return streambp_sp_apply(run_chunk, hidden_states, params, self.chunk_size, sp.exchange, offloader)
-        return streambp_apply(run_chunk, hidden_states, params, self.chunk_size, offloader)
+        # The router runs once per chunk (and again in backward): not what transformers should record.
+        with collection_paused() if tap is not None else nullcontext():
+            if sp is not None:
+                return streambp_sp_apply(run_chunk, hidden_states, params, self.chunk_size, sp.exchange, offloader)
+            result = streambp_apply(run_chunk, hidden_states, params, self.chunk_size, offloader)
+        if with_router_logits:
+            out, logits = result
+            record_router_logits(logits.flatten(0, 1))
+            return out
+        return result
 
 
 def _check_no_grad_kwargs(layer: torch.nn.Module, kwargs: dict) -> None:
@@ -164,10 +188,13 @@ class CheckpointLayerForward:
     this, recompute twice), so that must be off. With a KV cache (generation) the stock forward runs.
     """
 
-    def __init__(self, layer: torch.nn.Module, orig_forward: Callable, offload: "LayerInputOffload"):
+    def __init__(
+        self, layer: torch.nn.Module, orig_forward: Callable, offload: "LayerInputOffload", moe: bool = False
+    ):
         self.layer = layer
         self.orig_forward = orig_forward
         self.offload = offload
+        self.moe = moe  # a mixture-of-experts layer (router logits cannot leave the checkpoint yet)
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if kwargs.get("past_key_values") is not None or args:
@@ -182,6 +209,13 @@ class CheckpointLayerForward:
                 "model.activation_checkpointing_disable() (gradient_checkpointing_disable() is its deprecated name)."
             )
         check_zero3_leaf(layer)
+        if self.moe and torch.is_grad_enabled() and router_logits_requested():
+            raise NotImplementedError(
+                "output_router_logits (the mixture-of-experts load-balancing loss) with mini_seq and "
+                "long_seq.offload.layer_inputs: the layer checkpoint would record router logits without their "
+                "gradient. Use streambp (with or without offload), drop offload.layer_inputs, or pass "
+                "output_router_logits=False"
+            )
         if torch.is_grad_enabled():
             _check_no_grad_kwargs(layer, kwargs)
         orig = self.orig_forward

@@ -11,19 +11,46 @@ from typing import Callable
 import torch
 
 from ds_longseq.modules.decoder_layer import check_zero3_leaf
+from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 
 __all__ = ["MiniSeqMLPForward"]
 
 
 class MiniSeqMLPForward:
-    """Replacement ``forward`` of one MLP instance: (B, T, d) -> (B, T, d) in ``num_chunks`` chunks."""
+    """Replacement ``forward`` of one MLP instance: (B, T, d) -> (B, T, d) in ``num_chunks`` chunks.
 
-    def __init__(self, mlp: torch.nn.Module, orig_forward: Callable, num_chunks: int):
+    A mixture-of-experts block (``router_tap`` given) routes each chunk's tokens itself; its router
+    logits are returned whole by the chunked Function and recorded once (see modules/moe.py).
+    """
+
+    def __init__(
+        self, mlp: torch.nn.Module, orig_forward: Callable, num_chunks: int, router_tap: RouterTap | None = None
+    ):
         self.mlp = mlp
         self.orig_forward = orig_forward
         self.num_chunks = num_chunks
+        self.router_tap = router_tap
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         check_zero3_leaf(self.mlp)
-        return mini_sequence_apply(self.orig_forward, x, list(self.mlp.parameters()), self.num_chunks)
+        params = list(self.mlp.parameters())
+        tap = self.router_tap
+        if tap is None:
+            return mini_sequence_apply(self.orig_forward, x, params, self.num_chunks)
+
+        def block(x_c: torch.Tensor) -> torch.Tensor:
+            # MoE blocks .view() their input flat; a chunk of a batch > 1 is not contiguous
+            return self.orig_forward(x_c.contiguous())
+
+        if not router_logits_requested():
+            with collection_paused():
+                return mini_sequence_apply(block, x, params, self.num_chunks)
+
+        def fn(x_c: torch.Tensor):
+            return tap.call_recording(lambda: block(x_c), x_c.shape[0], x_c.shape[1])
+
+        with collection_paused():
+            out, logits = mini_sequence_apply(fn, x, params, self.num_chunks)
+        record_router_logits(logits.flatten(0, 1))
+        return out

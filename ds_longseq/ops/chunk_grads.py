@@ -7,16 +7,27 @@ Holds:
     ChunkGrads: writes per-chunk input-gradient slices and sums per-chunk parameter gradients, so
         the Function returns each parameter's gradient once (one hook call per parameter: what
         DeepSpeed ZeRO and DDP expect).
+    split_outputs, assemble_chunks, with_aux_grads: a chunk function may return auxiliary per-token
+        outputs besides its main one (a mixture-of-experts layer's router logits, which feed the
+        load-balancing loss); the Functions return them whole and replay their gradients per chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["acc_dtype", "ChunkGrads", "AutocastState", "autocast_dtype"]
+__all__ = [
+    "acc_dtype",
+    "ChunkGrads",
+    "AutocastState",
+    "autocast_dtype",
+    "split_outputs",
+    "assemble_chunks",
+    "with_aux_grads",
+]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -113,3 +124,31 @@ class ChunkGrads:
     def result(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """(input gradient, parameter gradients in their parameters' dtypes)."""
         return self.grad_in, [None if g is None else g.to(p.dtype) for g, p in zip(self.sums, self.params, strict=True)]
+
+
+def split_outputs(result) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A chunk function's return value -> (main output, [auxiliary outputs])."""
+    if isinstance(result, tuple):
+        return result[0], list(result[1:])
+    return result, []
+
+
+def assemble_chunks(fn: Callable, x: torch.Tensor, bounds) -> list[torch.Tensor]:
+    """[out, *aux]: ``fn(x_c, s, e)`` over ``bounds``, each output concatenated along dim 1 (B, T, ...)."""
+    outs = None
+    for s, e in bounds:
+        out_c, aux_c = split_outputs(fn(x[:, s:e], s, e))
+        parts = [out_c, *aux_c]
+        if outs is None:
+            outs = [p.new_empty((p.shape[0], x.shape[1], *p.shape[2:])) for p in parts]
+        for full, part in zip(outs, parts, strict=True):
+            full[:, s:e] = part
+    return outs
+
+
+def with_aux_grads(outputs: list, grad_outputs: list, aux, grad_aux, s: int, e: int) -> None:
+    """Append a chunk's auxiliary outputs whose totals received a gradient, with that gradient's slice."""
+    for t, g in zip(aux, grad_aux, strict=True):
+        if g is not None and t.requires_grad:
+            outputs.append(t)
+            grad_outputs.append(g[:, s:e].to(t.dtype))

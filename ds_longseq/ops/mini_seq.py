@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads
+from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads, assemble_chunks, split_outputs, with_aux_grads
 
 __all__ = ["mini_sequence_apply"]
 
@@ -35,45 +35,51 @@ def _bounds(total: int, num_chunks: int) -> list[tuple[int, int]]:
 class _MiniSeqFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, bounds, *params):
-        out = None
         with torch.no_grad():
-            for s, e in bounds:
-                y = fn(x[:, s:e])
-                if out is None:
-                    out = y.new_empty((y.shape[0], x.shape[1], *y.shape[2:]))
-                out[:, s:e] = y
+            outs = assemble_chunks(lambda x_c, s, e: fn(x_c), x, bounds)
         ctx.save_for_backward(x)
         ctx.fn, ctx.bounds, ctx.params = fn, bounds, params
         ctx.autocast = AutocastState.capture(x.device.type)
-        return out
+        ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *grad_aux):
         (x,) = ctx.saved_tensors
         grads = ChunkGrads(x, ctx.params, ctx.needs_input_grad, first_param=3)
         with torch.enable_grad():
             for s, e in ctx.bounds:
                 x_c = grads.leaf(x[:, s:e])
                 with ctx.autocast.replay():  # recompute exactly what the forward computed
-                    y_c = ctx.fn(x_c)
-                grads.backward(y_c, grad_out[:, s:e], x_c, s, e)
+                    y_c, aux_c = split_outputs(ctx.fn(x_c))
+                outputs, grad_outputs = [], []
+                if grad_out is not None:
+                    outputs, grad_outputs = [y_c], [grad_out[:, s:e]]
+                with_aux_grads(outputs, grad_outputs, aux_c, grad_aux, s, e)
+                if outputs:
+                    grads.backward(outputs, grad_outputs, x_c, s, e)
+                elif grads.need_input:
+                    grads.grad_in[:, s:e] = 0
         grad_in, param_grads = grads.result()
         return (grad_in, None, None, *param_grads)
 
 
 def mini_sequence_apply(
-    fn: Callable[[torch.Tensor], torch.Tensor],
+    fn: Callable[[torch.Tensor], "torch.Tensor | tuple[torch.Tensor, ...]"],
     x: torch.Tensor,
     params: Sequence[torch.nn.Parameter],
     num_chunks: int,
-) -> torch.Tensor:
+) -> "torch.Tensor | tuple[torch.Tensor, ...]":
     """Apply a token-wise ``fn`` to ``x`` (B, T, d) in ``num_chunks`` sequence chunks.
 
     ``fn`` must treat tokens independently (an MLP); ``params`` are the parameters it uses.
-    Returns (B, T, d_out). Only ``x`` is saved for backward.
+    Returns (B, T, d_out); when ``fn`` returns ``(y_c, *aux_c)`` (auxiliary per-token outputs such
+    as router logits, (B, C, ...)), the tuple ``(y, *aux)`` assembled along dim 1, all
+    differentiable. Only ``x`` is saved for backward.
     """
     bounds = _bounds(x.shape[1], num_chunks)
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return _MiniSeqFunction.apply(x, fn, bounds, *params)
     with torch.no_grad():
-        return torch.cat([fn(x[:, s:e]) for s, e in bounds], dim=1)
+        outs = assemble_chunks(lambda x_c, s, e: fn(x_c), x, bounds)
+    return outs[0] if len(outs) == 1 else tuple(outs)

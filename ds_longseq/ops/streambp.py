@@ -28,10 +28,24 @@ from typing import Callable, Sequence
 
 import torch
 
-from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads, acc_dtype, autocast_dtype
+from ds_longseq.ops.chunk_grads import (
+    AutocastState,
+    ChunkGrads,
+    acc_dtype,
+    assemble_chunks,
+    autocast_dtype,
+    split_outputs,
+    with_aux_grads,
+)
 from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
 
-__all__ = ["KVStream", "GlobalKVStream", "streambp_apply", "streambp_sp_apply", "chunk_bounds"]
+__all__ = [
+    "KVStream",
+    "GlobalKVStream",
+    "streambp_apply",
+    "streambp_sp_apply",
+    "chunk_bounds",
+]
 
 
 class _KVCaptured(Exception):
@@ -99,36 +113,39 @@ class KVStream:
         self.dv = torch.zeros(self.v.shape, dtype=acc_dtype(self.v.dtype), device=self.v.device)
 
 
-# run_chunk(hidden_chunk (B, C, d), start, end, stream) -> out_chunk (B, C, d)
-RunChunk = Callable[[torch.Tensor, int, int, KVStream], torch.Tensor]
+# run_chunk(hidden_chunk (B, C, d), start, end, stream) -> out_chunk (B, C, d), or a tuple
+# (out_chunk, *aux_chunks) with auxiliary per-token outputs (B, C, ...) such as router logits
+RunChunk = Callable[[torch.Tensor, int, int, KVStream], "torch.Tensor | tuple[torch.Tensor, ...]"]
 
 
-def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=None) -> torch.Tensor:
+def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=None) -> list[torch.Tensor]:
+    """[out, *aux] of a forward over the chunks, K/V appended to ``stream`` (a new KVStream if None)."""
     stream = KVStream(hidden.shape[1]) if stream is None else stream
-    out = None
-    for s, e in bounds:
+
+    def fn(h_c, s, e):
         stream.start, stream.end = s, e
-        out_c = run_chunk(hidden[:, s:e], s, e, stream)
-        if out is None:
-            out = out_c.new_empty((out_c.shape[0], hidden.shape[1], *out_c.shape[2:]))
-        out[:, s:e] = out_c
-    return out
+        return run_chunk(h_c, s, e, stream)
+
+    return assemble_chunks(fn, hidden, bounds)
 
 
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, run_chunk, bounds, offloader, *params):
         with torch.no_grad():
-            out = _forward_chunks(run_chunk, hidden, bounds)
+            outs = _forward_chunks(run_chunk, hidden, bounds)
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds = run_chunk, bounds
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
-        return out
+        ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *grad_aux):
         hidden = load_input(ctx)
+        if grad_out is None:
+            grad_out = torch.zeros_like(hidden)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1])
         stream.mode = "capture"
@@ -142,8 +159,9 @@ class _StreamBPFunction(torch.autograd.Function):
                 stream.start, stream.end = s, e
                 h_c = grads.leaf(hidden[:, s:e])
                 with ctx.autocast.replay():
-                    out_c = run_chunk(h_c, s, e, stream)
+                    out_c, aux_c = split_outputs(run_chunk(h_c, s, e, stream))
                 outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
+                with_aux_grads(outputs, grad_outputs, aux_c, grad_aux, s, e)
                 for t, buf in ((stream.k_chunk, stream.dk), (stream.v_chunk, stream.dv)):
                     if t.requires_grad:
                         outputs.append(t)
@@ -173,13 +191,16 @@ def streambp_apply(
         offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
 
     Returns:
-        (B, T, d) layer output. Under grad mode the only tensor saved for backward is ``hidden``
+        (B, T, d) layer output; when ``run_chunk`` returns ``(out_c, *aux_c)``, the tuple ``(out,
+        *aux)`` with each auxiliary output assembled along dim 1 and differentiable (its gradient
+        joins the chunk's replay). Under grad mode the only tensor saved for backward is ``hidden``
         (in the offloader, if given).
     """
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
         return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, *params)
-    return _forward_chunks(run_chunk, hidden, bounds)
+    outs = _forward_chunks(run_chunk, hidden, bounds)
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 # --- sequence parallel (Ulysses) ------------------------------------------------------------------
@@ -280,7 +301,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
     def forward(ctx, hidden, run_chunk, bounds, exchange, offloader, *params):
         with torch.no_grad():
             stream = _global_kv(run_chunk, hidden, bounds, exchange)
-            out = _forward_chunks(run_chunk, hidden, bounds, stream)
+            out = _single_output(_forward_chunks(run_chunk, hidden, bounds, stream))
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
         ctx.autocast = AutocastState.capture(hidden.device.type)
@@ -360,4 +381,12 @@ def streambp_sp_apply(
         return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, offloader, *params)
     with torch.no_grad():
         stream = _global_kv(run_chunk, hidden, bounds, exchange)
-        return _forward_chunks(run_chunk, hidden, bounds, stream)
+        return _single_output(_forward_chunks(run_chunk, hidden, bounds, stream))
+
+
+def _single_output(outs: list[torch.Tensor]) -> torch.Tensor:
+    if len(outs) != 1:
+        raise NotImplementedError(
+            "streambp_sp_apply: auxiliary chunk outputs (router logits) under sequence parallelism are not supported"
+        )
+    return outs[0]

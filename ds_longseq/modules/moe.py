@@ -1,0 +1,110 @@
+"""Mixture-of-experts layers under chunked execution: router logits kept whole and differentiable.
+
+Holds:
+    RouterTap: a forward hook on one router module that hands the logits of the call it was armed
+        for to the chunk function that armed it.
+    router_logits_requested, collection_paused, record_router_logits: the link to transformers'
+        output capturing, which collects ``router_logits`` (``output_router_logits=True``, what the
+        load-balancing loss reads) through forward hooks on the routers.
+
+Why: the stock model records each router call's (B*T, E) logits once per layer. A chunked layer
+(StreamBP, mini_seq) calls its router once per chunk, under no_grad in forward: recorded as is, the
+load-balancing loss would get num_chunks detached pieces per layer, so wrong shapes and no router
+gradient. Instead the chunk loop pauses that recording, returns each chunk's logits as an
+auxiliary output of the chunked autograd Function (their gradient joins the chunk's replay in
+backward), and records the whole (B*T, E) tensor once per layer, as the stock layer would, rows in
+the same (batch-major) order.
+
+Shape legend: B batch, T sequence, C chunk, E experts.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "RouterTap",
+    "check_output_capturing",
+    "router_logits_requested",
+    "collection_paused",
+    "record_router_logits",
+]
+
+_KEY = "router_logits"
+
+
+def _collector_var():
+    # transformers' per-forward collector of recorded outputs (a ContextVar wrapper): private API,
+    # checked at enable() (check_output_capturing) so a transformers that moved it fails there, clearly.
+    from transformers.utils.output_capturing import _active_collector
+
+    return _active_collector
+
+
+def check_output_capturing() -> None:
+    """Raise ImportError naming the problem if transformers' output capturing is not where we read it."""
+    try:
+        var = _collector_var()
+    except ImportError as e:
+        raise ImportError(
+            "ds_longseq's mixture-of-experts support reads transformers.utils.output_capturing._active_collector "
+            "(transformers >= 5), which this transformers lacks: upgrade transformers"
+        ) from e
+    for name in ("get", "set", "reset"):
+        if not callable(getattr(var, name, None)):
+            raise ImportError(f"transformers' output collector has no {name}(): upgrade ds_longseq or transformers")
+
+
+def router_logits_requested() -> bool:
+    """Whether the running model forward collects router logits (``output_router_logits``)."""
+    collected = _collector_var().get()
+    return collected is not None and _KEY in collected
+
+
+@contextmanager
+def collection_paused():
+    """No output recording inside: per-chunk router calls must not be recorded as layers."""
+    var = _collector_var()
+    token = var.set(None)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def record_router_logits(logits: torch.Tensor) -> None:
+    """Record one layer's whole (B*T, E) router logits, as the stock router's hook would have."""
+    collected = _collector_var().get()
+    if collected is not None and _KEY in collected:
+        collected[_KEY].append(logits)
+
+
+class RouterTap:
+    """Forward hook of one router (``mlp.gate``), whose output is ``(logits (N, E), ...)`` or logits."""
+
+    def __init__(self):
+        self.armed = False
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.armed:
+            self.logits = output[0] if isinstance(output, tuple) else output
+
+    def call_recording(self, fn: Callable[[], Any], batch: int, length: int) -> tuple[Any, torch.Tensor]:
+        """``(fn(), logits (batch, length, E))`` of the one router call ``fn`` makes.
+
+        Raises:
+            RuntimeError: ``fn`` returned without calling the router.
+        """
+        self.armed, self.logits = True, None
+        try:
+            out = fn()
+        finally:
+            self.armed = False
+        logits, self.logits = self.logits, None
+        if logits is None:
+            raise RuntimeError("the mixture-of-experts block returned without calling its router (mlp.gate)")
+        return out, logits.reshape(batch, length, logits.shape[-1])

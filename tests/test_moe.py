@@ -1,0 +1,93 @@
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral) beyond the family exactness test in
+test_families.py: router logits and the load-balancing loss equal to stock, routing ties broken
+the same way, the loss without router logits, and clear refusals.
+
+The float64 references use float64 routers and load-balancing loss (test_families.py explains why);
+the float32 test runs the stock model with its default grouped_mm experts."""
+
+import pytest
+import torch
+
+import ds_longseq
+from ds_longseq.models.adapters import UnsupportedModelError
+from tests.helpers import clone, compare, loss_and_grads, make_model
+from tests.test_families import CONFIGS, exact, float64_load_balancing, right_padded_batch  # noqa: F401
+
+MOE = ["qwen3_moe", "mixtral"]
+
+
+@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("config", ["streambp", "mini_seq"])
+def test_router_logits_and_aux_loss_equal_stock(arch, config):
+    """The recorded router logits: one (B*T, E) tensor per sparse layer, stock's to 1e-12, in
+    training and in a no_grad forward (where the chunked layers take their no-grad path)."""
+    model = exact(make_model(arch, torch.float64))
+    ours = ds_longseq.enable(clone(model), CONFIGS[config])
+    batch = right_padded_batch()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            ref, out = model(**batch), ours(**batch)
+        sparse = 1 if arch == "qwen3_moe" else 2  # Qwen3-MoE's layer 1 is dense (mlp_only_layers)
+        assert len(out.router_logits) == len(ref.router_logits) == sparse
+        for a, b in zip(out.router_logits, ref.router_logits, strict=True):
+            assert a.shape == b.shape == (2 * 37, model.num_experts)
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-12, atol=0)
+        assert out.aux_loss.requires_grad == grad
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_routing_ties_are_broken_the_same_way(arch):
+    """Two experts with identical router rows tie at every token: top-k picks the same one as stock
+    (and the gradient, which differs per expert, matches)."""
+    model = make_model(arch, torch.float64)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight[1] = gate.weight[0]
+    model = exact(model)
+    batch = right_padded_batch()
+    ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
+    errs = compare(loss_and_grads(ds_longseq.enable(clone(model), CONFIGS["streambp"]), batch), ref)
+    assert max(errs.values()) < 1e-10, errs
+
+
+def test_without_router_logits_only_the_lm_loss():
+    """output_router_logits=False: no aux loss, the LM loss alone, exact; with it the loss differs
+    (the load-balancing term is not vacuous in these tests)."""
+    model = exact(make_model("mixtral", torch.float64))
+    batch = right_padded_batch()
+    ref = loss_and_grads(model, {**batch, "output_router_logits": False}, use_reference=True,
+                         ref_dtype=torch.float64)
+    ours = ds_longseq.enable(clone(model), CONFIGS["streambp"])
+    out = ours(**batch, output_router_logits=False)
+    assert getattr(out, "aux_loss", None) is None
+    errs = compare(loss_and_grads(ours, {**batch, "output_router_logits": False}), ref)
+    assert max(errs.values()) < 1e-10, errs
+    assert abs(ours(**batch).loss.item() - out.loss.item()) > 1e-3
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_moe_float32_with_stock_grouped_mm_experts(arch):
+    model = make_model(arch, torch.float32, experts_implementation="grouped_mm")
+    batch = right_padded_batch()
+    ref = loss_and_grads(model, batch)
+    errs = compare(loss_and_grads(ds_longseq.enable(clone(model), CONFIGS["streambp"]), batch), ref)
+    assert max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.parametrize("config", ["streambp", "mini_seq"])
+def test_router_jitter_is_refused(config):
+    model = make_model("mixtral", torch.float32, router_jitter_noise=0.1)
+    with pytest.raises(UnsupportedModelError, match=r"router_jitter_noise=0.1.*set config.router_jitter_noise=0"):
+        ds_longseq.enable(model, CONFIGS[config])
+
+
+def test_router_logits_with_mini_seq_offload_are_refused():
+    """The layer checkpoint of mini_seq + offload would record router logits without gradient."""
+    model = make_model("qwen3_moe", torch.float32)
+    ours = ds_longseq.enable(model, {**CONFIGS["mini_seq"], "offload": {"layer_inputs": "cpu"}})
+    with pytest.raises(NotImplementedError, match=r"output_router_logits.*offload.layer_inputs"):
+        ours(**right_padded_batch())
+    ours(**right_padded_batch(), output_router_logits=False).loss.backward()  # the LM loss alone runs
