@@ -28,6 +28,7 @@ from tests.helpers import (
     loss_and_grads,
     make_batch,
     make_model,
+    rel_err,
 )
 from tests.test_packing import documents_alone, packed_batch, packed_run
 
@@ -141,3 +142,70 @@ def test_unknown_attention_kwarg_is_refused_not_ignored():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match=r"\['s_aux'\]"):
         longseq_attention(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+
+
+# --- sequence parallelism (Ulysses, 2 CPU ranks) --------------------------------------------------
+
+SP_FAMILIES = ["olmo2", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral"]
+
+
+def sp_batch():
+    """The sequence-parallel tests' batch without its left padding (the last padded position would
+    predict the first real token, from a row that sees no key: stock eager gives NaN there, see
+    ``right_padded_batch``); row 1 keeps its masked prompt (rank 0) and right padding (rank 1)."""
+    from tests.test_sequence_parallel import global_batch
+
+    batch = global_batch()
+    batch["attention_mask"][0] = 1
+    batch["labels"][0] = batch["input_ids"][0]
+    return batch
+
+
+def families_sp_worker(rank: int, archs: list[str], cases: list[str]):
+    """Each family under SP=2 (StreamBP and mini_seq), float64, ranks' gradients summed; MoE
+    families without router logits, then with them (refused under SP)."""
+    import torch.distributed as dist
+
+    from ds_longseq.engine import shard_batch
+    from tests.test_sequence_parallel import SP_CASES
+
+    local = shard_batch(sp_batch(), rank, 2)
+    out = {}
+    for arch in archs:
+        for name in cases:
+            model = exact(make_model(arch, torch.float64, output_router_logits=False))
+            ds_longseq.enable(model, {**SP_CASES[name], "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+            loss, grads, embed_grad = loss_and_grads(model, local)
+            for g in grads.values():
+                dist.all_reduce(g)
+            out[arch, name] = {"loss": loss, "grads": grads, "embed_grad": embed_grad}
+            if arch in ("qwen3_moe", "mixtral"):
+                try:
+                    model(**local, output_router_logits=True)
+                    out[arch, name, "refusal"] = None
+                except NotImplementedError as err:
+                    out[arch, name, "refusal"] = str(err)
+    return out
+
+
+def test_families_under_sequence_parallelism_float64():
+    from tests.dist_utils import run_distributed
+    from tests.test_sequence_parallel import SEQ
+
+    cases = ["streambp", "mini_seq"]
+    results = run_distributed(families_sp_worker, 2, (SP_FAMILIES, cases))
+    for arch in SP_FAMILIES:
+        ref_loss, ref_grads, ref_embed = loss_and_grads(
+            exact(make_model(arch, torch.float64, output_router_logits=False)), sp_batch(),
+            use_reference=True, ref_dtype=torch.float64,
+        )
+        for rank, per_rank in enumerate(results):
+            for name in cases:
+                r = per_rank[arch, name]
+                errs = {"loss": rel_err(r["loss"], ref_loss),
+                        "embed_grad": rel_err(r["embed_grad"], ref_embed[:, rank * SEQ // 2 : (rank + 1) * SEQ // 2])}
+                assert set(r["grads"]) == set(ref_grads)
+                errs.update({n: rel_err(g, ref_grads[n]) for n, g in r["grads"].items()})
+                assert max(errs.values()) < 1e-10, (arch, name, rank, max(errs, key=errs.get), max(errs.values()))
+                if arch in ("qwen3_moe", "mixtral"):
+                    assert "under sequence parallelism" in per_rank[arch, name, "refusal"]
