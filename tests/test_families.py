@@ -134,6 +134,17 @@ def test_bidirectional_attention_is_refused():
         ds_longseq.enable(model, CONFIGS["streambp"])
 
 
+def test_missing_parts_are_named_at_enable():
+    """A model whose LM head is not a Linear or whose layer list is empty is refused at enable(),
+    naming the attribute, every problem at once."""
+    model = make_model("olmo2", torch.float32)
+    model.lm_head = torch.nn.Identity()
+    model.model.layers = torch.nn.ModuleList()
+    with pytest.raises(UnsupportedModelError, match=r"(?s)Olmo2ForCausalLM.model.layers is not a non-empty.*"
+                       r"Olmo2ForCausalLM.lm_head is not a torch.nn.Linear"):
+        ds_longseq.enable(model, CONFIGS["streambp"])
+
+
 def test_unknown_attention_kwarg_is_refused_not_ignored():
     """An attention feature ds_longseq does not implement (here: attention sinks passed as s_aux)
     raises, naming it, instead of being silently dropped."""

@@ -6,10 +6,10 @@ Holds:
     UnsupportedModelError: raised at ``enable()`` with every reason at once.
     DecoderLMAdapter / get_adapter: access to layers, MLPs and LM head, plus the checks.
 
-Every supported family shares the stock layout (``model.model.layers[i].self_attn`` calling
-``past_key_values.update``, ``layer.mlp``, ``model.model.norm``, ``model.lm_head``); a spec names
-what is family-specific: its dropout and MLP-noise fields, its final-logit softcap, and its
-mixture-of-experts block (whose ``gate`` is the router). A family joins
+A spec names where a family's parts are (decoder stack, layers, MLP, router, LM head; every
+supported family uses the stock ``model.model.layers[i].mlp`` / ``model.lm_head`` layout, whose
+attention modules write K/V through ``past_key_values.update``) and what else is family-specific:
+its dropout and MLP-noise fields, its final-logit softcap, its mixture-of-experts block. A family joins
 :data:`FAMILIES` once a test compares it against the stock model.
 """
 
@@ -37,6 +37,15 @@ class FamilySpec:
 
     causal_lm_class: str
     """The ``*ForCausalLM`` class name transformers gives this ``model_type``."""
+    decoder_attr: str = "model"
+    """Attribute of the ``*ForCausalLM`` holding the decoder stack (embeddings, layers, final norm)."""
+    layers_attr: str = "layers"
+    """Attribute of the decoder stack holding the decoder layers (an ``nn.ModuleList``); each layer's
+    attention module is ``self_attn`` and writes its K/V through ``past_key_values.update``."""
+    mlp_attr: str = "mlp"
+    """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block)."""
+    lm_head_attr: str = "lm_head"
+    """Attribute of the ``*ForCausalLM`` holding the LM head (an ``nn.Linear``)."""
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
     """Config fields that are dropout probabilities inside a decoder layer: StreamBP replays chunks
     and cannot redraw the same masks, so each must be 0 under it."""
@@ -44,8 +53,11 @@ class FamilySpec:
     """Config field of a final-logit softcap (``cap * tanh(logits / cap)`` after the LM head) that the
     chunked LM head must apply, or None."""
     moe_block_class: str | None = None
-    """Class name of the family's mixture-of-experts block (a layer's ``mlp``, whose ``gate`` is the
-    router); layers whose ``mlp`` is another class are dense. None for dense families."""
+    """Class name of the family's mixture-of-experts block (a layer's MLP); layers whose MLP is
+    another class are dense. None for dense families."""
+    router_attr: str = "gate"
+    """Attribute of the mixture-of-experts block holding its router, whose output is
+    ``(router_logits (N, E), ...)``."""
     mlp_noise_fields: tuple[str, ...] = ()
     """Config fields of random noise inside the MLP (router jitter): StreamBP and mini_seq both
     recompute the MLP in backward and cannot redraw it, so each must be 0 under either."""
@@ -98,26 +110,26 @@ class DecoderLMAdapter:
 
     @property
     def base_model(self) -> torch.nn.Module:
-        """The decoder stack (``model.model``): embeddings, layers, final norm."""
-        return self.model.model
+        """The decoder stack (e.g. ``model.model``): embeddings, layers, final norm."""
+        return getattr(self.model, self.spec.decoder_attr)
 
     @property
     def layers(self) -> list[torch.nn.Module]:
-        return list(self.model.model.layers)
+        return list(getattr(self.base_model, self.spec.layers_attr))
 
     @property
     def lm_head(self) -> torch.nn.Linear:
-        return self.model.lm_head
+        return getattr(self.model, self.spec.lm_head_attr)
 
     def mlp(self, layer: torch.nn.Module) -> torch.nn.Module:
-        return layer.mlp
+        return getattr(layer, self.spec.mlp_attr)
 
     def router(self, layer: torch.nn.Module) -> torch.nn.Module | None:
         """The router of ``layer``'s mixture-of-experts block, or None for a dense layer."""
-        mlp = layer.mlp
+        mlp = self.mlp(layer)
         if self.spec.moe_block_class is None or type(mlp).__name__ != self.spec.moe_block_class:
             return None
-        return mlp.gate
+        return getattr(mlp, self.spec.router_attr)
 
 
 def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapter:
@@ -133,20 +145,21 @@ def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapt
             "Load the model with AutoModelForCausalLM, or disable long_seq for this model."
         )
     problems = []
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
-        problems.append(f"{cls}.model.layers is not a non-empty ModuleList")
-    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
-        problems.append(f"{cls}.lm_head is not a torch.nn.Linear")
     spec = FAMILIES[model_type]
-    if isinstance(layers, torch.nn.ModuleList):
-        attns = [getattr(layer, "self_attn", None) for layer in layers]
-        bidirectional = [i for i, attn in enumerate(attns) if getattr(attn, "is_causal", True) is False]
-        if bidirectional:
-            problems.append(
-                f"layers {bidirectional} have self_attn.is_causal=False (bidirectional attention, e.g. "
-                "config.use_bidirectional_attention=True): ds_longseq trains causal LMs only; set it to False"
-            )
+    where = f"{cls}.{spec.decoder_attr}.{spec.layers_attr}"
+    layers = getattr(getattr(model, spec.decoder_attr, None), spec.layers_attr, None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        problems.append(f"{where} is not a non-empty ModuleList")
+        layers = []
+    if not isinstance(getattr(model, spec.lm_head_attr, None), torch.nn.Linear):
+        problems.append(f"{cls}.{spec.lm_head_attr} is not a torch.nn.Linear")
+    attns = [getattr(layer, "self_attn", None) for layer in layers]
+    bidirectional = [i for i, attn in enumerate(attns) if getattr(attn, "is_causal", True) is False]
+    if bidirectional:
+        problems.append(
+            f"{where}{bidirectional} have self_attn.is_causal=False (bidirectional attention, e.g. "
+            "config.use_bidirectional_attention=True): ds_longseq trains causal LMs only; set it to False"
+        )
     if config.streambp.enabled:
         for field in spec.dropout_fields:
             if getattr(hf_config, field, 0.0):
@@ -161,15 +174,15 @@ def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapt
                     f"config.{field}={getattr(hf_config, field)}: streambp and mini_seq recompute the MLP in backward "
                     f"and cannot redraw its random noise; set config.{field}=0.0"
                 )
-    if spec.moe_block_class is not None and isinstance(layers, torch.nn.ModuleList):
-        for i, layer in enumerate(layers):
-            mlp = getattr(layer, "mlp", None)
-            has_router = isinstance(getattr(mlp, "gate", None), torch.nn.Module)
-            if type(mlp).__name__ == spec.moe_block_class and not has_router:
-                problems.append(f"layer {i}: {spec.moe_block_class} has no .gate router module")
-    if config.mini_seq.enabled and isinstance(layers, torch.nn.ModuleList):
-        if not all(isinstance(getattr(layer, "mlp", None), torch.nn.Module) for layer in layers):
-            problems.append(f"{cls} decoder layers have no .mlp module for mini_seq")
+    mlps = [getattr(layer, spec.mlp_attr, None) for layer in layers]
+    if config.mini_seq.enabled and not all(isinstance(mlp, torch.nn.Module) for mlp in mlps):
+        problems.append(f"{where}[i].{spec.mlp_attr} is not a module in every layer: mini_seq needs the MLP")
+    for i, mlp in enumerate(mlps):
+        if spec.moe_block_class is not None and type(mlp).__name__ == spec.moe_block_class:
+            if not isinstance(getattr(mlp, spec.router_attr, None), torch.nn.Module):
+                problems.append(
+                    f"{where}[{i}].{spec.mlp_attr} ({spec.moe_block_class}) has no .{spec.router_attr} router"
+                )
     loss_type = getattr(model, "loss_type", None)
     if config.lm_head.enabled and loss_type not in (None, "ForCausalLM"):
         problems.append(f"model.loss_type={loss_type!r}: the chunked lm_head computes the causal-LM loss only")

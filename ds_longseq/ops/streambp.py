@@ -284,7 +284,11 @@ def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
             run_chunk(hidden[:, s:e], s, e, stream)
         except _KVCaptured:
             continue
-        raise RuntimeError("StreamBP: the layer never called past_key_values.update(); cannot capture K/V")
+        raise RuntimeError(
+            "StreamBP: the layer never called past_key_values.update(), so its keys/values cannot be captured "
+            "(its attention does not write them through the cache): disable long_seq.streambp for this model "
+            "and use mini_seq"
+        )
 
 
 def _global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> GlobalKVStream:
