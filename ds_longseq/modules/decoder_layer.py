@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ds_longseq.config import StreamBPConfig
-from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts
 from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
@@ -24,24 +25,7 @@ from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
 if TYPE_CHECKING:
     from ds_longseq.modules.offload import LayerInputOffload
 
-__all__ = ["StreamBPLayerForward", "CheckpointLayerForward", "check_zero3_leaf"]
-
-
-def check_zero3_leaf(module: torch.nn.Module) -> None:
-    """Raise if ``module`` has ZeRO-3 partitioned weights but is not a ZeRO-3 leaf module.
-
-    Its chunk loop calls the submodules many times; without the leaf flag (set before
-    ``deepspeed.initialize``) DeepSpeed releases their weights between chunks and the backward
-    fails deep inside DeepSpeed ("invalid gradient ... expected shape compatible with [0]").
-    """
-    if getattr(module, "_z3_leaf", False):
-        return
-    if any(hasattr(p, "ds_id") for p in module.parameters(recurse=True)):
-        raise RuntimeError(
-            f"{type(module).__name__} has DeepSpeed ZeRO-3 partitioned weights but was not marked as a ZeRO-3 "
-            "leaf module: create the engine with ds_longseq.engine.initialize(...), or call "
-            "ds_longseq.patch.mark_zero3_leaves(model) before deepspeed.initialize(...)"
-        )
+__all__ = ["StreamBPLayerForward", "CheckpointLayerForward"]
 
 
 class StreamBPLayerForward:

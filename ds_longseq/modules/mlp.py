@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.modules.decoder_layer import check_zero3_leaf
+from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 
 __all__ = ["MiniSeqMLPForward"]
