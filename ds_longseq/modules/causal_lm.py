@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
 from ds_longseq.ops.packing import doc_starts, mask_document_starts
 
@@ -62,6 +63,10 @@ class CausalLMForward:
     offloaded layer inputs a training call defaults to ``use_cache=False`` (the stock default would keep
     every layer's K/V).
 
+    Packed documents are found here, once per forward (:func:`~ds_longseq.ops.packing.doc_starts`):
+    their first labels are masked, and under StreamBP every layer gets them as
+    ``ds_longseq=AttnSpec(doc_start=...)`` through the model forward's ``**kwargs``.
+
     Under sequence parallelism (``sp``) the labels must come pre-shifted as ``shift_labels`` (the
     shift crosses shard boundaries: ``engine.shard_batch`` does it before cutting) and the loss is
     the token-weighted mean over the whole group (:meth:`SequenceParallel.token_mean`), with or
@@ -96,6 +101,11 @@ class CausalLMForward:
     ):
         if past_key_values is None and self.sp is None:
             doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
+            if self.config.streambp.enabled:
+                # The StreamBP layers take the documents from here (None: no row is packed) instead of
+                # finding them again, with host syncs, in every layer. transformers' model forward
+                # passes its **kwargs on to every decoder layer.
+                kwargs[SPEC_KWARG] = AttnSpec(None, self.config.streambp.kv_block_size, doc_start=doc_start)
             if doc_start is not None:
                 if use_cache:
                     raise ValueError(

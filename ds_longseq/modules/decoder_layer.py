@@ -35,6 +35,10 @@ class StreamBPLayerForward:
     (the forward keeps only the layer input; backward re-forwards chunks in reverse order).
     With a cache (generation), calls the stock forward unchanged: attention then goes through
     ``longseq_attention`` on the cached keys. With ``offload``, the saved input goes to host memory.
+
+    Packed documents' starts come from the forward's ``ds_longseq=AttnSpec`` (``CausalLMForward``
+    finds them once per forward; under sequence parallelism ``AttnSpec.sp`` holds the global ones).
+    Called without one (``model.model(...)`` directly), the layer finds them itself.
     """
 
     def __init__(
@@ -60,7 +64,8 @@ class StreamBPLayerForward:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        outer_spec = kwargs.pop(SPEC_KWARG, None)  # set by the sequence-parallel forward hook
+        # The whole forward's state, from the sequence-parallel forward hook or CausalLMForward.
+        outer_spec = kwargs.pop(SPEC_KWARG, None)
         sp = outer_spec.sp if outer_spec is not None else None
         # Packed rows in the varlen form: turned into document starts here, not passed to the layer.
         packed = {name: kwargs.pop(name) for name in PACKED_KWARGS if name in kwargs}
@@ -95,7 +100,9 @@ class StreamBPLayerForward:
                     "instead (ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
                 )
             doc_start = None  # the attention reads the global one from sp
-        else:
+        elif outer_spec is not None:  # found once for the whole forward by CausalLMForward
+            doc_start = outer_spec.doc_start
+        else:  # a caller that bypasses CausalLMForward (model.model(...) directly): found per layer
             B, T = hidden_states.shape[:2]
             doc_start = doc_starts(
                 position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
