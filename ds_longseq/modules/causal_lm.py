@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
-from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
+from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels, softcap_logits
 from ds_longseq.ops.packing import doc_starts, mask_document_starts
 
 if TYPE_CHECKING:
@@ -170,8 +170,7 @@ class CausalLMForward:
         else:  # sequence parallel with the stock head: its logits, a summed loss, the group's mean below
             logits = self.model.lm_head(hidden)
             if self.final_logit_softcap is not None:  # as the stock forward does after its head
-                cap = self.final_logit_softcap
-                logits = torch.tanh(logits / cap) * cap
+                logits = softcap_logits(logits, self.final_logit_softcap)
             targets = targets.to(logits.device)
             # float32 like the stock loss, but never below the model's own precision (float64 stays)
             loss_dtype = torch.promote_types(logits.dtype, torch.float32)
