@@ -303,3 +303,26 @@ def test_chunked_lm_head_final_logit_softcap_float64(softcap):
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
     for a, r in zip(torch.autograd.grad(loss, (h, w, b)), torch.autograd.grad(ref, (h, w, b)), strict=True):
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_logits_is_the_stock_formula_bit_for_bit(dtype):
+    """``softcap_logits`` (used by the chunked head and by the sequence-parallel stock head) gives
+    Gemma 2's own ``tanh(logits / cap) * cap`` exactly, in place (same storage, no new buffer) or not
+    (input untouched, gradient through it)."""
+    from ds_longseq.ops.lm_head_loss import softcap_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 11, generator=g) * 20).to(dtype)
+    cap = 7.5
+    stock = torch.tanh(logits / cap) * cap  # transformers' Gemma2ForCausalLM.forward, op by op
+    assert stock.abs().max() <= cap < logits.abs().max()  # the cap bites
+    x = logits.clone().requires_grad_()
+    out = softcap_logits(x, cap)
+    assert torch.equal(out, stock) and torch.equal(x.detach(), logits)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(grad.float(), (1 - torch.tanh(logits.float() / cap) ** 2), rtol=2e-2, atol=1e-2)
+    y = logits.clone()
+    ptr = y.data_ptr()
+    res = softcap_logits(y, cap, inplace=True)
+    assert res.data_ptr() == ptr and torch.equal(res, stock)

@@ -6,6 +6,8 @@ parameter), in float64 to 1e-10. Both packed forms are covered: restarting ``pos
 (TRL's padding_free) and ``cu_seq_lens_q/k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``).
 """
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -209,3 +211,54 @@ def test_qwen2_sliding_layers_mixed_with_full_layers_float64():
               "lm_head": {"enabled": True, "chunk_size": 10}}
     errs = compare(loss_and_grads(ds_longseq.enable(clone(model), config), batch), ref)
     assert max(errs.values()) < 1e-10, errs
+
+
+def _count_doc_starts(monkeypatch) -> list[int]:
+    """Count the calls of ``ops.packing.doc_starts`` from every ds_longseq module that imported it."""
+    from ds_longseq.ops import packing
+
+    original, calls = packing.doc_starts, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("ds_longseq") and getattr(module, "doc_starts", None) is original:
+            monkeypatch.setattr(module, "doc_starts", counting)
+            patched.append(name)
+    assert {"ds_longseq.modules.causal_lm", "ds_longseq.modules.decoder_layer"} <= set(patched), patched
+    return calls
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("form", ["position_ids", "cu_seq_lens", "not_packed"])
+def test_documents_are_found_once_per_forward(monkeypatch, config, form):
+    """One forward + backward of a 2-layer model finds the documents once (in the model forward),
+    not again in every StreamBP layer: ``doc_starts`` validates with host syncs. Rows that are not
+    packed too (the layers would otherwise look for documents in their arange positions)."""
+    model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=2), CONFIGS[config])
+    if form == "not_packed":
+        batch = {k: v for k, v in packed_batch(DOCS, "position_ids", collator_labels=True)[0].items()
+                 if k in ("input_ids", "labels")}
+    else:
+        batch, _ = packed_batch(DOCS, form, collator_labels=True)
+    calls = _count_doc_starts(monkeypatch)
+    model(**batch).loss.backward()
+    assert len(calls) == 1
+
+
+def test_base_model_called_directly_finds_documents_in_each_layer(monkeypatch):
+    """Without CausalLMForward (``model.model(...)`` directly) each StreamBP layer finds the documents
+    itself, and they stay apart: the hidden states match the stock base model's (which keeps
+    documents apart for restarting position_ids without a mask and without a cache)."""
+    model = make_model("llama", torch.float64, num_layers=2)
+    batch, _ = packed_batch(DOCS, "position_ids", collator_labels=True)
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    ref = model.model(**inputs).last_hidden_state
+    ours = ds_longseq.enable(clone(model), STREAMBP)
+    calls = _count_doc_starts(monkeypatch)
+    out = ours.model(**inputs).last_hidden_state
+    assert len(calls) == 2  # one per layer
+    assert (out - ref).abs().max() < 1e-10

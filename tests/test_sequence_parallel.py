@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import VOCAB, full_precision_norms, loss_and_grads, make_model, rel_err
+from tests.helpers import VOCAB, float64_eager_attention, full_precision_norms, loss_and_grads, make_model, rel_err
 
 # name -> long_seq config (the sequence_parallel section is added by the worker)
 SP_CASES = {
@@ -31,12 +31,19 @@ SP_CASES = {
 SEQ = 40
 
 
-def global_batch(seed: int = 3, batch: int = 2, seq_len: int = SEQ, no_labels_after: int | None = None):
-    """Left padding (row 0), right padding and a masked prompt (row 1): uneven valid tokens per shard."""
+def global_batch(
+    seed: int = 3, batch: int = 2, seq_len: int = SEQ, no_labels_after: int | None = None, left_pad: bool = True
+):
+    """Left padding (row 0), right padding and a masked prompt (row 1): uneven valid tokens per shard.
+
+    With left padding the last padding token is trained to predict the first real one, so the loss
+    depends on what attention gives a query that sees no key (0 here and in stock SDPA; the float64
+    eager reference of tests/helpers.py differs): ``left_pad=False`` for models checked against it."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (batch, seq_len), generator=g)
     mask = torch.ones(batch, seq_len, dtype=torch.long)
-    mask[0, :6] = 0
+    if left_pad:
+        mask[0, :6] = 0
     mask[-1, seq_len - 9 :] = 0
     labels = ids.clone()
     labels[mask == 0] = -100
@@ -47,14 +54,15 @@ def global_batch(seed: int = 3, batch: int = 2, seq_len: int = SEQ, no_labels_af
 
 
 def exactness_worker(
-    rank: int, world: int, arch: str, overrides: dict, cases: list[str], no_labels_after, dtype=torch.float64
+    rank: int, world: int, arch: str, overrides: dict, cases: list[str], no_labels_after, dtype=torch.float64,
+    left_pad: bool = True,
 ):
     import torch.distributed as dist
 
     import ds_longseq
     from ds_longseq.engine import shard_batch
 
-    batch = global_batch(no_labels_after=no_labels_after)
+    batch = global_batch(no_labels_after=no_labels_after, left_pad=left_pad)
     local = shard_batch(batch, rank, world)
     out = {}
     for name in cases:
@@ -102,6 +110,20 @@ def test_sp2_matches_stock_float64(arch, overrides):
     cases = list(SP_CASES)
     results = run_distributed(exactness_worker, world_size=2, args=(2, arch, overrides, cases, None))
     _check(results, _reference(arch, overrides), 2, cases)
+
+
+def test_sp2_gemma2_stock_head_float64():
+    """Gemma 2 with the stock LM head: the final-logit softcap that CausalLMForward applies after the
+    head itself (the chunked head is off), the attention-logit softcap and a sliding window (6) shorter
+    than a shard (20), against the stock model in float64 (its eager attention in float64, see
+    tests/test_families.py; no left padding, see global_batch)."""
+    cases = ["streambp_stock_head", "ulysses_only"]
+    results = run_distributed(
+        exactness_worker, world_size=2, args=(2, "gemma2", {}, cases, None, torch.float64, False)
+    )
+    model = float64_eager_attention(full_precision_norms(make_model("gemma2", torch.float64)))
+    batch = global_batch(left_pad=False)
+    _check(results, loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64), 2, cases)
 
 
 def test_sp2_bf16_no_worse_than_stock_bf16():

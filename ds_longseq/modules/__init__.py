@@ -1,6 +1,7 @@
 """Modules: replacement forwards for Hugging Face layers, built on ``ds_longseq.ops``."""
 
-from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, AttnSpec, longseq_attention, longseq_mask
+from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
+from ds_longseq.modules.attn_spec import AttnSpec
 from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward

@@ -2,32 +2,26 @@
 
 Holds:
     ATTN_IMPLEMENTATION: the name ("ds_longseq") a StreamBP model's ``config._attn_implementation`` gets.
-    AttnSpec: what a StreamBP layer passes down to the attention call (its KVStream, tile size).
     longseq_attention: an ``AttentionInterface`` function (bottom-right causal, 2D padding mask).
     longseq_mask: an ``AttentionMaskInterface`` function that keeps the mask 2D (never (T x T)).
+
+What the callers pass down (``ds_longseq=AttnSpec(...)``) is defined in ``modules.attn_spec``.
 
 Shape legend: B batch, H heads, Hkv kv-heads, C query length, K key length, D head dim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
-from ds_longseq.ops.streambp import GlobalKVStream, KVStream
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
 
-if TYPE_CHECKING:  # runtime import would be circular (sequence_parallel -> decoder_layer -> here)
-    from ds_longseq.modules.sequence_parallel import ShardContext
-
-__all__ = ["ATTN_IMPLEMENTATION", "AttnSpec", "longseq_attention", "longseq_mask", "SPEC_KWARG"]
+__all__ = ["ATTN_IMPLEMENTATION", "longseq_attention", "longseq_mask"]
 
 ATTN_IMPLEMENTATION = "ds_longseq"
-SPEC_KWARG = "ds_longseq"
 
 _KNOWN_KWARGS = frozenset(
     {SPEC_KWARG, "softcap", *PACKED_KWARGS}
@@ -37,21 +31,6 @@ _KNOWN_KWARGS = frozenset(
 )
 """Keyword arguments :func:`longseq_attention` understands; any other one raises (an attention
 feature it would silently ignore, e.g. attention sinks)."""
-
-
-@dataclass
-class AttnSpec:
-    """Per-call attention settings, passed through the layer's ``**kwargs`` as ``ds_longseq=``."""
-
-    stream: KVStream | GlobalKVStream | None
-    """The chunk's stream (prefix keys and their gradient sink); None outside a StreamBP chunk loop."""
-    kv_block_size: int | None
-    """Keys per attention tile; None: the device default (the whole prefix on CUDA, 1024 on CPU)."""
-    sp: "ShardContext | None" = None
-    """Sequence-parallel state of this forward (Ulysses exchange, global padding mask), or None."""
-    doc_start: torch.Tensor | None = None
-    """(B, T) index of each token's document start in a packed row (``ops.packing.doc_starts``);
-    None: one document per row. Under sequence parallelism the global one is ``sp.doc_start``."""
 
 
 def longseq_attention(

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
-from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
+from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels, softcap_logits
 from ds_longseq.ops.packing import doc_starts, mask_document_starts
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ class CausalLMForward:
     offloaded layer inputs a training call defaults to ``use_cache=False`` (the stock default would keep
     every layer's K/V).
 
+    Packed documents are found here, once per forward (:func:`~ds_longseq.ops.packing.doc_starts`):
+    their first labels are masked, and under StreamBP every layer gets them as
+    ``ds_longseq=AttnSpec(doc_start=...)`` through the model forward's ``**kwargs``.
+
     Under sequence parallelism (``sp``) the labels must come pre-shifted as ``shift_labels`` (the
     shift crosses shard boundaries: ``engine.shard_batch`` does it before cutting) and the loss is
     the token-weighted mean over the whole group (:meth:`SequenceParallel.token_mean`), with or
@@ -97,6 +102,11 @@ class CausalLMForward:
     ):
         if past_key_values is None and self.sp is None:
             doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
+            if self.config.streambp.enabled:
+                # The StreamBP layers take the documents from here (None: no row is packed) instead of
+                # finding them again, with host syncs, in every layer. transformers' model forward
+                # passes its **kwargs on to every decoder layer.
+                kwargs[SPEC_KWARG] = AttnSpec(None, self.config.streambp.kv_block_size, doc_start=doc_start)
             if doc_start is not None:
                 if use_cache:
                     raise ValueError(
@@ -162,8 +172,7 @@ class CausalLMForward:
         else:  # sequence parallel with the stock head: its logits, a summed loss, the group's mean below
             logits = self.model.lm_head(hidden)
             if self.final_logit_softcap is not None:  # as the stock forward does after its head
-                cap = self.final_logit_softcap
-                logits = torch.tanh(logits / cap) * cap
+                logits = softcap_logits(logits, self.final_logit_softcap)
             targets = targets.to(logits.device)
             # float32 like the stock loss, but never below the model's own precision (float64 stays)
             loss_dtype = torch.promote_types(logits.dtype, torch.float32)

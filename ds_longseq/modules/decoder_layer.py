@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ds_longseq.config import StreamBPConfig
-from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
+from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts
 from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
@@ -26,24 +27,7 @@ from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
 if TYPE_CHECKING:
     from ds_longseq.modules.offload import LayerInputOffload
 
-__all__ = ["StreamBPLayerForward", "CheckpointLayerForward", "check_zero3_leaf"]
-
-
-def check_zero3_leaf(module: torch.nn.Module) -> None:
-    """Raise if ``module`` has ZeRO-3 partitioned weights but is not a ZeRO-3 leaf module.
-
-    Its chunk loop calls the submodules many times; without the leaf flag (set before
-    ``deepspeed.initialize``) DeepSpeed releases their weights between chunks and the backward
-    fails deep inside DeepSpeed ("invalid gradient ... expected shape compatible with [0]").
-    """
-    if getattr(module, "_z3_leaf", False):
-        return
-    if any(hasattr(p, "ds_id") for p in module.parameters(recurse=True)):
-        raise RuntimeError(
-            f"{type(module).__name__} has DeepSpeed ZeRO-3 partitioned weights but was not marked as a ZeRO-3 "
-            "leaf module: create the engine with ds_longseq.engine.initialize(...), or call "
-            "ds_longseq.patch.mark_zero3_leaves(model) before deepspeed.initialize(...)"
-        )
+__all__ = ["StreamBPLayerForward", "CheckpointLayerForward"]
 
 
 class StreamBPLayerForward:
@@ -53,6 +37,10 @@ class StreamBPLayerForward:
     (the forward keeps only the layer input; backward re-forwards chunks in reverse order).
     With a cache (generation), calls the stock forward unchanged: attention then goes through
     ``longseq_attention`` on the cached keys. With ``offload``, the saved input goes to host memory.
+
+    Packed documents' starts come from the forward's ``ds_longseq=AttnSpec`` (``CausalLMForward``
+    finds them once per forward; under sequence parallelism ``AttnSpec.sp`` holds the global ones).
+    Called without one (``model.model(...)`` directly), the layer finds them itself.
     """
 
     def __init__(
@@ -80,7 +68,8 @@ class StreamBPLayerForward:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        outer_spec = kwargs.pop(SPEC_KWARG, None)  # set by the sequence-parallel forward hook
+        # The whole forward's state, from the sequence-parallel forward hook or CausalLMForward.
+        outer_spec = kwargs.pop(SPEC_KWARG, None)
         sp = outer_spec.sp if outer_spec is not None else None
         # Packed rows in the varlen form: turned into document starts here, not passed to the layer.
         packed = {name: kwargs.pop(name) for name in PACKED_KWARGS if name in kwargs}
@@ -115,7 +104,9 @@ class StreamBPLayerForward:
                     "instead (ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
                 )
             doc_start = None  # the attention reads the global one from sp
-        else:
+        elif outer_spec is not None:  # found once for the whole forward by CausalLMForward
+            doc_start = outer_spec.doc_start
+        else:  # a caller that bypasses CausalLMForward (model.model(...) directly): found per layer
             B, T = hidden_states.shape[:2]
             doc_start = doc_starts(
                 position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")

@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.modules.decoder_layer import check_zero3_leaf
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
+from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 
 __all__ = ["MiniSeqMLPForward"]

@@ -3,7 +3,6 @@
 Holds:
     SequenceParallel: one model's sequence-parallel group (rank, size, ``UlyssesExchange``), the
         per-forward checks and gathers, and the token-weighted loss over the group.
-    ShardContext: what one forward's attention calls need (global padding mask, local length).
     SequenceParallelForwardHook: the forward pre-hook installed on the base model (``model.model``).
 
 Shape legend: B batch, P ranks per sequence, T = P * T_l global length, T_l local shard.
@@ -12,35 +11,19 @@ Each rank holds tokens [p*T_l, (p+1)*T_l) of every sequence in its batch (``engi
 cuts them). Once per forward the hook gathers the shards' padding masks and position ids (a
 (2, B, T_l) int64 tensor per rank) to check them and to give attention the GLOBAL padding mask;
 positions default to the global ones, p*T_l + arange(T_l), as the stock model uses arange(T).
+The resulting per-forward state, ``ShardContext``, is defined in ``modules.attn_spec``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from ds_longseq.modules.attention import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, ShardContext
 from ds_longseq.ops.packing import doc_starts
 from ds_longseq.ops.ulysses import UlyssesExchange
 
-__all__ = ["SequenceParallel", "ShardContext", "SequenceParallelForwardHook"]
-
-
-@dataclass
-class ShardContext:
-    """One forward's sequence-parallel state, handed to every attention call (``AttnSpec.sp``)."""
-
-    exchange: UlyssesExchange
-    """The group's all-to-all exchanges."""
-    local_len: int
-    """T_l, tokens per rank."""
-    key_valid: torch.Tensor | None
-    """(B, T) bool padding mask of the global sequence (False = padding), or None if nothing is padded."""
-    doc_start: torch.Tensor | None = None
-    """(B, T) global index of each token's document start (packed rows; a document may span ranks),
-    or None when no row is packed."""
+__all__ = ["SequenceParallel", "SequenceParallelForwardHook"]
 
 
 class SequenceParallel:

@@ -2,7 +2,7 @@
 
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.checkpoint import checkpoint_apply
-from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
+from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels, softcap_logits
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader, OffloadedTensor, host_available_bytes
 from ds_longseq.ops.packing import doc_starts, mask_document_starts
@@ -15,6 +15,7 @@ __all__ = [
     "mask_document_starts",
     "chunked_lm_head_loss",
     "shift_causal_labels",
+    "softcap_logits",
     "mini_sequence_apply",
     "KVStream",
     "chunk_bounds",

@@ -2,6 +2,7 @@
 
 Holds:
     shift_causal_labels: HF's label shift (pad with ignore_index, drop the first position).
+    softcap_logits: final-logit softcapping, ``cap * tanh(logits / cap)`` (Gemma 2).
     chunked_lm_head_loss: (loss_sum, num_valid) over valid tokens, chunk by chunk.
 
 Shape legend: B batch, T sequence, d hidden, V vocab, N valid tokens, C chunk.
@@ -33,12 +34,27 @@ import torch.nn.functional as F
 
 from ds_longseq.ops.chunk_grads import acc_dtype, autocast_dtype
 
-__all__ = ["shift_causal_labels", "chunked_lm_head_loss"]
+__all__ = ["shift_causal_labels", "softcap_logits", "chunked_lm_head_loss"]
 
 
 def shift_causal_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """(B, T) labels -> (B, T) targets: position t predicts labels[t + 1]; the last predicts nothing."""
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def softcap_logits(logits: torch.Tensor, cap: float, *, inplace: bool = False) -> torch.Tensor:
+    """Final-logit softcapping, ``cap * tanh(logits / cap)``, with the stock forwards' ops in their
+    order (Gemma 2's ``final_logit_softcapping``): the same logits give the same bits.
+
+    Args:
+        logits: (..., V) logits.
+        cap: the softcap, > 0.
+        inplace: overwrite ``logits`` (no second (..., V) buffer; only outside autograd, whose
+            tanh backward needs its output unchanged) and return it.
+    """
+    if inplace:
+        return logits.div_(cap).tanh_().mul_(cap)
+    return torch.tanh(logits / cap) * cap
 
 
 def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,7 +122,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 idx = index[s : s + chunk_size]
                 logits = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(total.dtype)
                 if softcap is not None:
-                    logits.div_(softcap).tanh_().mul_(softcap)
+                    softcap_logits(logits, softcap, inplace=True)
                 total += _cross_entropy_sum_(logits, targets[s : s + chunk_size])
                 del logits
         ctx.save_for_backward(hidden, weight, bias, index, targets)
@@ -141,7 +157,7 @@ def _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets):
         # (torch.softmax / logsumexp / a plain multiply would each allocate a second one).
         dlogits = F.linear(h_c, w, b).to(loss_dtype)
         tanh = None
-        if ctx.softcap is not None:  # softmax of the capped logits; tanh kept for the chain rule
+        if ctx.softcap is not None:  # softcap_logits with its tanh kept for the chain rule
             tanh = dlogits.div_(ctx.softcap).tanh_()
             dlogits = tanh * ctx.softcap
         dlogits.sub_(dlogits.amax(dim=-1, keepdim=True)).exp_()

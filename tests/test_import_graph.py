@@ -1,0 +1,139 @@
+"""The package's import graph: no circles, and every import goes down the layers.
+
+Layers, each importing only from the ones below it: config and logging -> ops -> modules -> models
+-> patch -> engine -> the top-level package. The graph is read from the source with ``ast`` and
+counts EVERY import of a ds_longseq module: at the top, inside functions and under
+``if TYPE_CHECKING:`` (a TYPE_CHECKING import of a sibling that imports the file back is a circle
+that only type annotations hide; the next runtime use of the name would be an ImportError).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import ds_longseq
+
+PACKAGE_DIR = Path(ds_longseq.__file__).parent
+LAYERS = {"config": 0, "logging": 0, "ops": 1, "modules": 2, "models": 3, "patch": 4, "engine": 5}
+"""Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
+TOP_RANK = 6  # ds_longseq/__init__.py: the public surface, above everything
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """{module: modules of the package it imports}, from {module: (source, is_package)}.
+
+    ``from pkg import name`` counts as an import of ``pkg.name`` when that is a module of the
+    package, else of ``pkg`` itself (its ``__init__``, which imports its submodules).
+    """
+    names = set(sources)
+    root = next(iter(names)).split(".")[0]
+    graph: dict[str, set[str]] = {}
+    for module, (source, is_package) in sources.items():
+        package = module if is_package else module.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: from the package, up level - 1 parents
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    deps.add(sub if sub in names else target)
+        graph[module] = {d for d in deps if d in names and d != module and d.split(".")[0] == root}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None when the graph is acyclic."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state:
+                found = visit(dep)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def package_sources(directory: Path = PACKAGE_DIR) -> dict[str, tuple[str, bool]]:
+    return {
+        _module_name(path, directory): (path.read_text(), path.name == "__init__.py")
+        for path in sorted(directory.rglob("*.py"))
+    }
+
+
+def _rank(module: str) -> int:
+    parts = module.split(".")
+    return TOP_RANK if len(parts) == 1 else LAYERS[parts[1]]
+
+
+def test_modules_import_graph_is_acyclic():
+    """ds_longseq.modules on its own (the reason for ``modules.attn_spec`` and ``modules.zero3``)."""
+    graph = import_graph(package_sources())
+    modules = {m: {d for d in deps if d.startswith("ds_longseq.modules")}
+               for m, deps in graph.items() if m.startswith("ds_longseq.modules")}
+    assert len(modules) >= 8, sorted(modules)  # the files were found
+    assert find_cycle(modules) is None, " -> ".join(find_cycle(modules))
+
+
+def test_package_import_graph_is_acyclic():
+    graph = import_graph(package_sources())
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_imports_go_down_the_layers():
+    graph = import_graph(package_sources())
+    unknown = sorted({m.split(".")[1] for m in graph if "." in m} - set(LAYERS))
+    assert not unknown, f"new top-level parts {unknown}: give them a rank in LAYERS"
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if _rank(d) > _rank(m))
+    assert not upward, upward
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_circle_is_found_also_under_type_checking(guarded):
+    """The checks above catch the circle this file guards against (attention.py importing
+    ShardContext from sequence_parallel under TYPE_CHECKING, sequence_parallel importing attention)."""
+    back = "from pkg.sp import ShardContext"
+    if guarded:
+        back = f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    {back}"
+    sources = {
+        "pkg": ("from pkg.attention import f\n", True),
+        "pkg.attention": (back + "\n", False),
+        "pkg.sp": ("from pkg import attention\nfrom .layer import g\n", False),
+        "pkg.layer": ("import torch\n", False),
+    }
+    graph = import_graph(sources)
+    assert graph["pkg.sp"] == {"pkg.attention", "pkg.layer"}  # `from pkg import attention`, relative import
+    assert find_cycle(graph) == ["pkg.attention", "pkg.sp", "pkg.attention"]
+    del sources["pkg.attention"]
+    assert find_cycle(import_graph({**sources, "pkg.attention": ("import torch\n", False)})) is None
