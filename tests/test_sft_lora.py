@@ -92,31 +92,41 @@ def test_lora_run_trains_only_the_adapter_and_its_export_reproduces_the_model(tm
     assert (_logits(merged, ids) - ref).abs().max() <= 1e-5 * scale
 
 
+@pytest.mark.slow  # two 2-rank launches: 70-100 s on the 2-core machine
 def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    config = _config(tmp_path, stage=3)
+    with open(_config(tmp_path, stage=3)) as f:
+        ds_config = json.load(f)
+    # ZeRO-3 keeps parameters under 1e5 elements whole on every rank (persistence threshold), and
+    # all of this model's LoRA weights are that small: threshold 0 partitions them, so that the
+    # export has to gather them.
+    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    config = str(tmp_path / "zero3_partition_all.json")
+    with open(config, "w") as f:
+        json.dump(ds_config, f)
     straight = tmp_path / "straight"
-    run_sft(config, straight, "--max-steps", "4", "--save-every", "2", *LORA)
+    run_sft(config, straight, "--max-steps", "5", "--save-every", "3", *LORA)
     assert not (straight / "hf_model").exists()  # no --merge-lora: the base is unchanged, only the adapter
-    # DeepSpeed's own consolidation of the 2 ranks' partitions of the step-4 checkpoint.
-    gathered = get_fp32_state_dict_from_zero_checkpoint(str(straight), tag="step4", exclude_frozen_parameters=True)
+    # DeepSpeed's own consolidation of the 2 ranks' partitions of the last checkpoint.
+    gathered = get_fp32_state_dict_from_zero_checkpoint(str(straight), tag="step5", exclude_frozen_parameters=True)
     saved, want = _adapter_file(straight), _as_saved(gathered)
     assert len(want) == 2 * len(PROJECTIONS) * 2 and set(saved) == set(want)
     for key, value in want.items():
         assert saved[key].shape == value.shape and value.abs().max() > 0, key
         assert torch.equal(saved[key], value), key
 
-    # Resume from the step-2 checkpoint (as if the run had died after it): steps 3-4 are trained again
-    # from the restored LoRA weights, optimizer state and step.
+    # Resume from the step-3 checkpoint (as if the run had died after it): steps 4-5 are trained again
+    # from the restored LoRA weights, optimizer state and step. Not step 2: WarmupLR's rate is 0 for
+    # the first two steps, so the adapter first moves in step 3.
     resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step4", "hf_adapter"))
-    sft.write_latest(str(resumed), "step2")
-    proc = run_sft(config, resumed, "--max-steps", "4", *LORA, "--resume")
+    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step5", "hf_adapter"))
+    sft.write_latest(str(resumed), "step3")
+    proc = run_sft(config, resumed, "--max-steps", "5", *LORA, "--resume")
     assert "summary: 2 steps on 2 rank(s)" in proc.stdout
-    assert (resumed / "latest").read_text() == "step4"
+    assert (resumed / "latest").read_text() == "step5"
     a, b = losses(straight), losses(resumed)
-    assert len(a) == len(b) == 4
+    assert len(a) == len(b) == 5
     # Same data, weights and optimizer state: float32 CPU runs repeat up to reduction order.
     for x, y in zip(a, b, strict=True):
         assert abs(x - y) <= 1e-6 * abs(x), (a, b)
@@ -126,6 +136,9 @@ def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp
 
 
 def test_bad_lora_arguments_fail_before_training(monkeypatch):
+    # main() imports deepspeed right after checking its arguments: reaching it would raise a different
+    # ImportError, so each error below must come from the argument checks, before anything starts.
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(SystemExit, match=r"^--lora-rank must be >= 0 \(0: no LoRA\), got -2: pass e\.g\. --lora-rank"):
         sft.main(["--lora-rank", "-2"])
     with pytest.raises(SystemExit, match=r"^--lora-alpha, --merge-lora only apply to a LoRA run: add --lora-rank N"):
