@@ -117,10 +117,14 @@ def check_args(args: argparse.Namespace) -> None:
     if args.lora_rank < 0:
         raise SystemExit(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}: pass e.g. --lora-rank 16")
     if args.lora_rank == 0:
-        unused = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
-                                           ("--merge-lora", args.merge_lora)) if value not in (None, False)]
+        given = {"--lora-alpha": args.lora_alpha is not None, "--lora-targets": args.lora_targets is not None,
+                 "--merge-lora": args.merge_lora}
+        unused = [flag for flag, is_given in given.items() if is_given]
         if unused:
-            raise SystemExit(f"{', '.join(unused)} only apply to a LoRA run: add --lora-rank N (N > 0)")
+            flags = ", ".join(unused)
+            raise SystemExit(
+                f"{flags} given without --lora-rank (no LoRA): add --lora-rank N (N > 0), or leave out {flags}"
+            )
         return
     if args.lora_alpha is not None and not args.lora_alpha > 0:
         raise SystemExit(f"--lora-alpha must be positive, got {args.lora_alpha}")
@@ -424,7 +428,12 @@ def decoder_linear_names(model: torch.nn.Module) -> list[str]:
     PEFT's "all-linear" would pick the same modules in our families, but it writes every module's full
     path into adapter_config.json; short names keep the config readable and apply to every layer.
     """
-    layers = model.model.layers
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.Module):
+        raise SystemExit(
+            f"--lora-rank: {type(model).__name__} has no decoder layers at model.layers to find the projections "
+            "in: name the modules to adapt with --lora-targets"
+        )
     return list(dict.fromkeys(
         name.rsplit(".", 1)[-1] for name, module in layers.named_modules() if isinstance(module, torch.nn.Linear)
     ))

@@ -141,8 +141,13 @@ def test_bad_lora_arguments_fail_before_training(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(SystemExit, match=r"^--lora-rank must be >= 0 \(0: no LoRA\), got -2: pass e\.g\. --lora-rank"):
         sft.main(["--lora-rank", "-2"])
-    with pytest.raises(SystemExit, match=r"^--lora-alpha, --merge-lora only apply to a LoRA run: add --lora-rank N"):
+    with pytest.raises(SystemExit, match=(
+        r"^--lora-alpha, --merge-lora given without --lora-rank \(no LoRA\): add --lora-rank N \(N > 0\), "
+        r"or leave out --lora-alpha, --merge-lora$"
+    )):
         sft.main(["--lora-alpha", "16", "--merge-lora"])
+    with pytest.raises(SystemExit, match=r"^--lora-alpha given without --lora-rank"):
+        sft.main(["--lora-alpha", "0"])  # 0 is a value given, not "unset"
     with pytest.raises(SystemExit, match=r"^--lora-alpha must be positive, got 0\.0$"):
         sft.main(["--lora-rank", "4", "--lora-alpha", "0"])
     with pytest.raises(SystemExit, match=r"^--lora-targets 'q_proj,' has an empty name"):
@@ -162,6 +167,12 @@ def test_lora_targets_are_checked_against_the_model():
     args = _args("--lora-rank", "4", "--lora-targets", "v_proj,lm_head")
     with pytest.raises(SystemExit, match=r"^--lora-targets must not adapt the LM head \(lm_head\)"):
         sft.add_lora(sft.build_model(args, torch.float32), args)
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32))  # layers at transformer.h
+    with pytest.raises(SystemExit, match=r"^--lora-rank: GPT2LMHeadModel has no decoder layers at model\.layers"):
+        sft.add_lora(gpt2, _args("--lora-rank", "4"))
 
     args = _args("--lora-rank", "4", "--lora-targets", "q_proj, v_proj", "--lora-alpha", "2")
     model = sft.add_lora(sft.build_model(args, torch.float32), args)
