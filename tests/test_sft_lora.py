@@ -92,7 +92,6 @@ def test_lora_run_trains_only_the_adapter_and_its_export_reproduces_the_model(tm
     assert (_logits(merged, ids) - ref).abs().max() <= 1e-5 * scale
 
 
-@pytest.mark.slow  # two 2-rank launches: 70-100 s on the 2-core machine
 def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
