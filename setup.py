@@ -20,8 +20,10 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        # peft: the LoRA benchmark suites (benchmarks.run --suite gpu_lora / smoke_lora) and their tests
+        # peft: examples/sft.py --lora-rank, the LoRA benchmark suites (benchmarks.run --suite gpu_lora /
+        # smoke_lora) and their tests; tested with 0.21.2
         "test": ["pytest>=8", "peft>=0.21"],
+        "lora": ["peft>=0.21"],
         "bench": ["peft>=0.21"],
         "flash": ["flash-attn>=2.6"],
         "mpi": ["mpi4py>=4.1.2", "mpich>=5.0.2"],

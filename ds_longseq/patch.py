@@ -223,9 +223,16 @@ def enable(
             )
         # Every path: the model forward also masks packed documents' boundary targets.
         if cfg.lm_head.enabled or cfg.streambp.enabled or cfg.mini_seq.enabled or sp is not None or offload is not None:
-            handle.set_instance_attr(
-                model, "forward", CausalLMForward(model, model.forward, cfg, sp, adapter.final_logit_softcap)
+            forward = CausalLMForward(
+                model,
+                model.forward,
+                cfg,
+                sp,
+                adapter.final_logit_softcap,
+                decoder=adapter.base_model,
+                head=adapter.lm_head,
             )
+            handle.set_instance_attr(model, "forward", forward)
         handle.set_instance_attr(model, _HANDLE_ATTR, handle)
     except BaseException:
         handle.undo()

@@ -17,9 +17,14 @@ is trained on. No token of the copy can be guessed better than chance (ln 224) w
 the padding-free form of transformers' ``DataCollatorWithFlattening``: position_ids restart at
 every document, no attention_mask (see :class:`PackedData`).
 
+``--lora-rank N`` (needs peft) freezes the model and trains a LoRA adapter of rank N on every
+linear projection of the decoder layers (or on ``--lora-targets``), scaled by ``--lora-alpha / N``.
+
 Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
 ``latest``), ``metrics.jsonl`` (one line per step), ``loss.png`` and an HF-format export in
-``hf_model/``. ``--resume`` continues from ``latest`` with the same data order and losses.
+``hf_model/``; with ``--lora-rank``, the adapter in PEFT's format in ``hf_adapter/`` instead (for
+``PeftModel.from_pretrained(base, path)``), and with ``--merge-lora`` also the base with the adapter
+merged in as ``hf_model/``. ``--resume`` continues from ``latest`` with the same data order and losses.
 
 With ``long_seq.sequence_parallel.size = P`` (or DeepSpeed's ``sequence_parallel_size``) every P
 consecutive ranks share each sequence: they build the same batch and ``shard_batch`` gives each
@@ -78,6 +83,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto: bf16 on GPU, fp32 on CPU (overrides the config's bf16 section)")
     p.add_argument("--pad-for-sp", action="store_true",
                    help="pad sequences on the right to a multiple of the sequence_parallel size (else: an error)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="freeze the model and train a LoRA adapter of this rank (needs peft); 0: train every weight")
+    p.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA scale numerator: the update is (alpha / rank) B A; default: 2 x --lora-rank")
+    p.add_argument("--lora-targets", default=None,
+                   help="comma-separated names of the modules LoRA adapts, e.g. q_proj,v_proj; default: every "
+                        "linear projection of the decoder layers")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="with --lora-rank: also write the base model with the adapter merged in to hf_model/")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     # Fault injection for the crash-safety test: exit abruptly in the middle of saving this step.
     p.add_argument("--_crash-during-save-at-step", dest="crash_step", type=int, default=0, help=argparse.SUPPRESS)
@@ -100,6 +114,23 @@ def check_args(args: argparse.Namespace) -> None:
             "--pack packs the documents of --data: add --data FILE.jsonl --model PATH, or drop --pack "
             "(the built-in copy task has one sequence per row)"
         )
+    if args.lora_rank < 0:
+        raise SystemExit(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}: pass e.g. --lora-rank 16")
+    if args.lora_rank == 0:
+        given = {"--lora-alpha": args.lora_alpha is not None, "--lora-targets": args.lora_targets is not None,
+                 "--merge-lora": args.merge_lora}
+        unused = [flag for flag, is_given in given.items() if is_given]
+        if unused:
+            flags = ", ".join(unused)
+            raise SystemExit(
+                f"{flags} given without --lora-rank (no LoRA): add --lora-rank N (N > 0), or leave out {flags}"
+            )
+        return
+    if args.lora_alpha is not None and not args.lora_alpha > 0:
+        raise SystemExit(f"--lora-alpha must be positive, got {args.lora_alpha}")
+    if args.lora_targets is not None and not all(lora_targets(args)):
+        raise SystemExit(f"--lora-targets {args.lora_targets!r} has an empty name: pass e.g. q_proj,v_proj")
+    import_peft()  # a missing peft fails here, before DeepSpeed starts
 
 
 def check_parallel_args(args: argparse.Namespace, sp: int, world: int) -> None:
@@ -375,6 +406,79 @@ def build_model(args, dtype: torch.dtype):
     return LlamaForCausalLM(config).to(dtype)
 
 
+def import_peft():
+    """peft, which only LoRA runs need (it is not an install requirement of ds_longseq)."""
+    try:
+        import peft
+    except ImportError as err:
+        raise ImportError(
+            "--lora-rank needs peft, which is not installed: pip install 'peft>=0.21' (or pip install -e '.[lora]')"
+        ) from err
+    return peft
+
+
+def lora_targets(args) -> list[str]:
+    """The names given with --lora-targets (empty names kept, for check_args to refuse)."""
+    return [name.strip() for name in args.lora_targets.split(",")]
+
+
+def decoder_linear_names(model: torch.nn.Module) -> list[str]:
+    """Names (last component, first-seen order) of the linear modules inside ``model.model.layers``.
+
+    PEFT's "all-linear" would pick the same modules in our families, but it writes every module's full
+    path into adapter_config.json; short names keep the config readable and apply to every layer.
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.Module):
+        raise SystemExit(
+            f"--lora-rank: {type(model).__name__} has no decoder layers at model.layers to find the projections "
+            "in: name the modules to adapt with --lora-targets"
+        )
+    return list(dict.fromkeys(
+        name.rsplit(".", 1)[-1] for name, module in layers.named_modules() if isinstance(module, torch.nn.Linear)
+    ))
+
+
+def add_lora(model: torch.nn.Module, args) -> torch.nn.Module:
+    """Freeze ``model`` and wrap it in a PEFT LoRA model per --lora-rank / --lora-alpha / --lora-targets.
+
+    lora_dropout is 0 and not an option: StreamBP re-forwards chunks in backward and cannot replay
+    dropout masks. ``lora_A`` is initialised from --seed (``lora_B`` starts at zero), so a run and
+    its resume, and every rank, start from the same adapter.
+    """
+    peft = import_peft()
+    names = {name for name, _ in model.named_modules()}
+    head = next((name for name, module in model.named_modules() if module is model.get_output_embeddings()), None)
+    if args.lora_targets is None:
+        targets = decoder_linear_names(model)
+    else:
+        targets = lora_targets(args)
+        # PEFT's rule: a target names a module whose path is that name or ends with "." + name.
+        matches = {t: [n for n in names if n == t or n.endswith("." + t)] for t in targets}
+        missing = [t for t, found in matches.items() if not found]
+        if missing:
+            raise SystemExit(
+                f"--lora-targets: {', '.join(missing)} matches no module of {type(model).__name__}; "
+                f"its decoder layers' linear projections are {','.join(decoder_linear_names(model))}"
+            )
+        if head is not None and any(head in found for found in matches.values()):
+            raise SystemExit(
+                f"--lora-targets must not adapt the LM head ({head}): ds_longseq's chunked loss reads "
+                f"{head}.weight directly and needs it to stay a torch.nn.Linear; adapt the decoder layers only"
+            )
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank
+    config = peft.LoraConfig(r=args.lora_rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+    torch.manual_seed(args.seed)
+    model = peft.get_peft_model(model, config)
+    trainable, total = model.get_nb_trainable_parameters()
+    log_rank0(
+        logger,
+        f"LoRA rank {args.lora_rank}, alpha {alpha:g} on {','.join(targets)}: training {trainable:,} of "
+        f"{total:,} parameters ({trainable / total:.2%}); the rest are frozen",
+    )
+    return model
+
+
 def configure_logging(rank: int) -> None:
     """Show ds_longseq's log records (INFO and up) on stderr, tagged with the rank.
 
@@ -438,15 +542,51 @@ def save_checkpoint(engine, args, step: int, rank: int) -> None:
     dist.barrier()
 
 
-def export_hf(engine, model, args, rank: int) -> None:
+def gathered_state_dict(model: torch.nn.Module, rank: int, trainable_only: bool = False) -> dict | None:
+    """``model.state_dict()`` (or only its trainable parameters) as CPU copies on rank 0; None elsewhere.
+
+    Under ZeRO-3 every rank holds 1/world of each parameter: all ranks must call this, which
+    gathers the selected parameters for the copy (and only those: a LoRA export gathers no base weight).
+    """
     import deepspeed
 
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
     is_zero3 = hasattr(params[0], "ds_id")
     with deepspeed.zero.GatheredParameters(params, enabled=is_zero3):
+        if rank != 0:
+            return None
+        if trainable_only:
+            return {k: v.detach().cpu().clone() for k, v in model.named_parameters() if v.requires_grad}
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def merge_lora(args, dtype: torch.dtype, adapter_dir: str, out_dir: str) -> None:
+    """Write the base model with the adapter in ``adapter_dir`` merged in, as a plain HF model.
+
+    The base is built again as for training (--model, or the seeded built-in model): LoRA never
+    changes it, so this is exactly what a user does with the adapter later.
+    """
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(build_model(args, dtype), adapter_dir).merge_and_unload()
+    merged.save_pretrained(out_dir)
+
+
+def export_hf(model, args, rank: int, dtype: torch.dtype) -> None:
+    """The end-of-run export: ``hf_model/``, or with LoRA ``hf_adapter/`` (and, with --merge-lora, ``hf_model/``)."""
+    if not args.lora_rank:
+        state = gathered_state_dict(model, rank)
         if rank == 0:
-            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             model.save_pretrained(os.path.join(args.save_dir, "hf_model"), state_dict=state)
+        return
+    state = gathered_state_dict(model, rank, trainable_only=True)
+    if rank == 0:
+        adapter_dir = os.path.join(args.save_dir, "hf_adapter")
+        # PeftModel.save_pretrained keeps only the adapter's entries of state_dict and writes
+        # adapter_config.json + adapter_model.safetensors, PEFT's own format.
+        model.save_pretrained(adapter_dir, state_dict=state)
+        if args.merge_lora:
+            merge_lora(args, dtype, adapter_dir, os.path.join(args.save_dir, "hf_model"))
 
 
 def plot_losses(metrics: list[dict], path: str, chance: float | None) -> None:
@@ -523,8 +663,13 @@ def main(argv=None) -> int:
         if ds_config.get("scheduler", {}).get("type") == "WarmupLR":
             ds_config["scheduler"]["params"]["warmup_max_lr"] = lr
 
-    model = build_model(args, torch.bfloat16 if use_bf16 else torch.float32)
-    engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    model = build_model(args, dtype)
+    if args.lora_rank:
+        model = add_lora(model, args)
+    # Frozen weights (the base under LoRA) get no optimizer state.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=trainable, config=ds_config)
     device = engine.device
     # Ranks of one sequence-parallel group build the same batch and keep their shard of it.
     sp_rank, sp_size = sequence_parallel_rank_and_size()
@@ -590,8 +735,9 @@ def main(argv=None) -> int:
     bar.close()
 
     save_checkpoint(engine, args, args.max_steps, rank)
-    export_hf(engine, model, args, rank)
+    export_hf(model, args, rank, dtype)
     if rank == 0:
+        exported = "hf_model/" if not args.lora_rank else "hf_adapter/" + (", hf_model/" if args.merge_lora else "")
         plot_losses(metrics, os.path.join(args.save_dir, "loss.png"), chance)
         elapsed = time.perf_counter() - t_start
         first, last = metrics[0]["loss"], metrics[-1]["loss"]
@@ -602,7 +748,7 @@ def main(argv=None) -> int:
             f"loss {first:.4f} -> {last:.4f}"
             + (f" (chance without looking back {chance:.4f})" if chance is not None else "")
             + f", {tokens / elapsed:.0f} tokens/s, peak memory {peak_memory_gib():.2f} GiB/rank\n"
-            f"outputs: {args.save_dir}/ (latest checkpoint, metrics.jsonl, loss.png, hf_model/)",
+            f"outputs: {args.save_dir}/ (latest checkpoint, metrics.jsonl, loss.png, {exported})",
             flush=True,
         )
     dist.barrier()

@@ -81,12 +81,17 @@ class CausalLMForward:
         config: LongSeqConfig,
         sp: "SequenceParallel | None" = None,
         final_logit_softcap: float | None = None,
+        decoder: torch.nn.Module | None = None,
+        head: torch.nn.Module | None = None,
     ):
         self.model = model
         self.orig_forward = orig_forward
         self.config = config
         self.sp = sp
         self.final_logit_softcap = final_logit_softcap
+        # where the family keeps them (models/adapters.py); the stock layout by default
+        self.decoder = model.model if decoder is None else decoder
+        self.head = model.lm_head if head is None else head
 
     def __call__(
         self,
@@ -154,7 +159,7 @@ class CausalLMForward:
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         ignore_index = kwargs.pop("ignore_index", -100)
-        outputs = self.model.model(
+        outputs = self.decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -168,9 +173,9 @@ class CausalLMForward:
         hidden = outputs.last_hidden_state
         logits = None
         if self.config.lm_head.enabled:
-            loss_sum, num_valid = self.model.lm_head(hidden, targets=targets, ignore_index=ignore_index)
+            loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
         else:  # sequence parallel with the stock head: its logits, a summed loss, the group's mean below
-            logits = self.model.lm_head(hidden)
+            logits = self.head(hidden)
             if self.final_logit_softcap is not None:  # as the stock forward does after its head
                 logits = softcap_logits(logits, self.final_logit_softcap)
             targets = targets.to(logits.device)
