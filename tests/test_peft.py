@@ -108,3 +108,17 @@ def test_zero_lora_on_two_ranks_matches_single_process(stage, gas, long_seq, tar
         for name, ref in reference.items():
             err = ((result[name] - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("config", [STREAMBP, MST], ids=["streambp", "mini_seq"])
+def test_lora_dropout_is_refused_when_training(config):
+    """LoRA dropout inside a replayed layer/MLP would draw new masks in backward: a clear error in
+    training (either wrapping order), and eval forwards still run."""
+    base = make_model("llama", torch.float32)
+    lora_config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=list(ALL_LINEAR))
+    model = ds_longseq.enable(peft.get_peft_model(base, lora_config), config).train()
+    with pytest.raises(ValueError, match=r"lora_dropout.*p=0.1.*LoraConfig\(lora_dropout=0.0\)"):
+        model(**make_batch())
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(**make_batch()).loss)

@@ -19,6 +19,7 @@ import torch
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
+from ds_longseq.modules.replay import check_no_active_dropout
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts
@@ -112,6 +113,7 @@ class StreamBPLayerForward:
                 position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
             )
         check_zero3_leaf(layer)
+        check_no_active_dropout(layer, "long_seq.streambp")
         cos, sin = position_embeddings
         orig = self.orig_forward
         kv_block_size = self.kv_block_size

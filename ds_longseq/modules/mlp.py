@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
+from ds_longseq.modules.replay import check_no_active_dropout
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 
@@ -34,6 +35,7 @@ class MiniSeqMLPForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         check_zero3_leaf(self.mlp)
+        check_no_active_dropout(self.mlp, "long_seq.mini_seq")
         params = list(self.mlp.parameters())
         tap = self.router_tap
         if tap is None:
