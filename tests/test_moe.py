@@ -91,3 +91,38 @@ def test_router_logits_with_mini_seq_offload_are_refused():
     with pytest.raises(NotImplementedError, match=r"output_router_logits.*offload.layer_inputs"):
         ours(**right_padded_batch())
     ours(**right_padded_batch(), output_router_logits=False).loss.backward()  # the LM loss alone runs
+
+
+def zero3_moe_worker(rank: int, long_seq: dict):
+    import ds_longseq.engine
+    from tests.test_engine_dist import _gathered_state, ds_config, rank_batches
+
+    model = make_model("qwen3_moe", torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, *_ = ds_longseq.engine.initialize(model=model, optimizer=optimizer, config=ds_config(3, 1, long_seq))
+    for batch in rank_batches(rank, 2):
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    return _gathered_state(engine)
+
+
+def test_zero3_moe_with_load_balancing_on_two_ranks_matches_single_process():
+    """Qwen3-MoE under ZeRO-3 with StreamBP and the chunked head on 2 CPU ranks, different data per
+    rank, LM + load-balancing loss: after 2 SGD steps every weight (experts and routers included)
+    equals a single process averaging the ranks' losses (fp32)."""
+    from tests.dist_utils import run_distributed
+    from tests.test_engine_dist import rank_batches
+
+    config = {"streambp": {"enabled": True, "chunk_size": 3}, "lm_head": {"enabled": True, "chunk_size": 7}}
+    results = run_distributed(zero3_moe_worker, 2, (config,))
+    model = make_model("qwen3_moe", torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    per_rank = [rank_batches(r, 2) for r in range(2)]
+    for step in range(2):
+        optimizer.zero_grad()
+        (sum(model(**per_rank[r][step]).loss for r in range(2)) / 2).backward()
+        optimizer.step()
+    for result in results:
+        for name, p in model.named_parameters():
+            err = ((result[name] - p.detach()).norm() / p.detach().norm()).item()
+            assert err < 1e-5, (name, err)
