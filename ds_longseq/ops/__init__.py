@@ -2,8 +2,14 @@
 
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.checkpoint import checkpoint_apply
-from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels, softcap_logits
+from ds_longseq.ops.lm_head_loss import (
+    chunked_lm_head_loss,
+    chunked_token_logprobs,
+    shift_causal_labels,
+    softcap_logits,
+)
 from ds_longseq.ops.mini_seq import mini_sequence_apply
+from ds_longseq.ops.objectives import TokenLogprobs, dpo_loss, group_advantages, grpo_loss
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader, OffloadedTensor, host_available_bytes
 from ds_longseq.ops.packing import doc_starts, mask_document_starts
 from ds_longseq.ops.streambp import KVStream, chunk_bounds, streambp_apply
@@ -14,6 +20,11 @@ __all__ = [
     "doc_starts",
     "mask_document_starts",
     "chunked_lm_head_loss",
+    "chunked_token_logprobs",
+    "TokenLogprobs",
+    "dpo_loss",
+    "group_advantages",
+    "grpo_loss",
     "shift_causal_labels",
     "softcap_logits",
     "mini_sequence_apply",

@@ -4,6 +4,8 @@ Holds:
     shift_causal_labels: HF's label shift (pad with ignore_index, drop the first position).
     softcap_logits: final-logit softcapping, ``cap * tanh(logits / cap)`` (Gemma 2).
     chunked_lm_head_loss: (loss_sum, num_valid) over valid tokens, chunk by chunk.
+    chunked_token_logprobs: (B, T) per-token log-probabilities (and entropies) of given targets,
+        chunk by chunk, for objectives built on them (DPO, GRPO).
 
 Shape legend: B batch, T sequence, d hidden, V vocab, N valid tokens, C chunk.
 
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from ds_longseq.ops.chunk_grads import acc_dtype, autocast_dtype
 
-__all__ = ["shift_causal_labels", "softcap_logits", "chunked_lm_head_loss"]
+__all__ = ["shift_causal_labels", "softcap_logits", "chunked_lm_head_loss", "chunked_token_logprobs"]
 
 
 def shift_causal_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -133,7 +135,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_total):
         hidden, weight, bias, index, targets = ctx.saved_tensors
         with torch.autocast(hidden.device.type, enabled=False):
-            return _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets)
+            grads = _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets)
+        return (*grads, None, None, None, None)
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -141,6 +144,30 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets):
+    def dlogits_ce(z: torch.Tensor, rows: slice, t: torch.Tensor) -> torch.Tensor:
+        # (softmax - onehot) * grad, all in place on the one (C x V) buffer
+        # (torch.softmax / a plain multiply would each allocate a second one).
+        _softmax_(z)
+        z[torch.arange(z.shape[0], device=z.device), t] -= 1.0
+        return z.mul_(grad_total)
+
+    return _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_ce)
+
+
+def _softmax_(z: torch.Tensor) -> torch.Tensor:
+    """Row softmax of ``z`` (C, V) in place."""
+    z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
+    return z.div_(z.sum(dim=-1, keepdim=True))
+
+
+def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
+    """Gradients of the chunked head given, per chunk, dLoss/dLogits from ``dlogits_fn``.
+
+    ``dlogits_fn(z, rows, t)`` gets the chunk's (C, V) logits ``z`` in the loss dtype (after the
+    softcap; it may overwrite them), the slice ``rows`` of the chunk among the valid tokens and their
+    targets ``t`` (C,), and returns dLoss/dz (C, V). The softcap's chain rule, the casts and the
+    three products (input, weight, bias gradients) are shared by every objective.
+    """
     chunk_size, mm_dtype = ctx.chunk_size, ctx.mm_dtype
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     loss_dtype = _loss_dtype(hidden.dtype)
@@ -153,17 +180,13 @@ def _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets):
     for s in range(0, index.numel(), chunk_size):
         idx = index[s : s + chunk_size]
         h_c = h2.index_select(0, idx).to(mm_dtype)
-        # dLogits = (softmax - onehot) * grad, all in place on one (C x V) buffer
-        # (torch.softmax / logsumexp / a plain multiply would each allocate a second one).
-        dlogits = F.linear(h_c, w, b).to(loss_dtype)
+        z = F.linear(h_c, w, b).to(loss_dtype)
         tanh = None
         if ctx.softcap is not None:  # softcap_logits with its tanh kept for the chain rule
-            tanh = dlogits.div_(ctx.softcap).tanh_()
-            dlogits = tanh * ctx.softcap
-        dlogits.sub_(dlogits.amax(dim=-1, keepdim=True)).exp_()
-        dlogits.div_(dlogits.sum(dim=-1, keepdim=True))
-        dlogits[torch.arange(idx.numel(), device=idx.device), targets[s : s + chunk_size]] -= 1.0
-        dlogits.mul_(grad_total)
+            tanh = z.div_(ctx.softcap).tanh_()
+            z = tanh * ctx.softcap
+        rows = slice(s, s + idx.numel())
+        dlogits = dlogits_fn(z, rows, targets[rows])
         if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
             dlogits.mul_(tanh.mul_(tanh).neg_().add_(1.0))
             del tanh
@@ -176,16 +199,117 @@ def _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets):
             _add_weight_grad_(dw, dl, h_c, dlogits)
         if need_b:
             db += torch.sum(dl, 0, dtype=acc)
-        del dlogits, dl  # free this chunk's logits before the next chunk allocates its own
+        del z, dlogits, dl  # free this chunk's logits before the next chunk allocates its own
     return (
         None if dh is None else dh.view_as(hidden),
         None if dw is None else dw.to(weight.dtype),
         None if db is None else db.to(bias.dtype),
-        None,
-        None,
-        None,
-        None,
     )
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """(N,) log p(target) of each valid token, and (N,) entropies when asked; one (C x V) chunk of
+    logits at a time, recomputed in backward (the upstream gradient is per token, so unlike the
+    loss the chunk's dLogits cannot be formed in forward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, with_entropy):
+        mm_dtype = autocast_dtype(hidden)
+        loss_dtype = _loss_dtype(hidden.dtype)
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        logps = torch.empty(index.numel(), dtype=loss_dtype, device=hidden.device)
+        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
+            for s in range(0, index.numel(), chunk_size):
+                idx = index[s : s + chunk_size]
+                rows = slice(s, s + idx.numel())
+                z = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(loss_dtype)
+                if softcap is not None:
+                    softcap_logits(z, softcap, inplace=True)
+                lse = torch.logsumexp(z, dim=-1)
+                logps[rows] = z.gather(1, targets[rows].unsqueeze(1)).squeeze(1) - lse
+                if with_entropy:  # H = lse - sum_v p_v z_v
+                    entropy[rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+                del z
+        ctx.save_for_backward(hidden, weight, bias, index, targets)
+        ctx.chunk_size, ctx.mm_dtype, ctx.softcap = chunk_size, mm_dtype, softcap
+        ctx.set_materialize_grads(False)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, bias, index, targets = ctx.saved_tensors
+
+        def dlogits_token(z: torch.Tensor, rows: slice, t: torch.Tensor) -> torch.Tensor:
+            # d logp_t / dz = onehot_t - p;  dH / dz = -p * (z - sum_v p_v z_v)
+            g_lp = None if grad_logps is None else grad_logps[rows].to(z.dtype).unsqueeze(1)
+            g_h = None if grad_entropy is None else grad_entropy[rows].to(z.dtype).unsqueeze(1)
+            if g_h is None:  # in place on the one (C x V) buffer
+                p = _softmax_(z)
+                d = p.mul_(-g_lp)
+            else:
+                p = torch.softmax(z, dim=-1)
+                d = p * (z - (p * z).sum(-1, keepdim=True)) * (-g_h)
+                if g_lp is not None:
+                    d -= p * g_lp
+            if g_lp is not None:
+                d[torch.arange(d.shape[0], device=d.device), t] += g_lp.squeeze(1)
+            return d
+
+        if grad_logps is None and grad_entropy is None:
+            return (None,) * 8
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_token)
+        return (*grads, None, None, None, None, None)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probabilities of ``targets`` under ``hidden @ weight.T (+ bias)``, chunked.
+
+    The differentiable core of every objective that is a function of per-token log-probs (DPO,
+    GRPO; see ``ops/objectives.py``): no (B, T, V) logits, one (C x V) chunk at a time in forward
+    and in backward, exact gradients for any upstream (B, T) gradient. Numerics as
+    :func:`chunked_lm_head_loss` (model-dtype matmul, float32 softmax, float64 kept).
+
+    Args:
+        hidden: (B, T, d) final hidden states; weight (V, d); targets (B, T) already shifted.
+        chunk_size: valid tokens per chunk of logits.
+        bias, ignore_index, softcap: as :func:`chunked_lm_head_loss`.
+        entropy: also return the entropy of each valid position's predicted distribution.
+
+    Returns:
+        (logprobs, mask, entropy): (B, T) float32 (float64 for float64 inputs) log-probs, 0 where
+        ``mask`` (B, T, bool: target valid) is False; (B, T) entropies likewise, or None.
+    """
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets of shape {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape[:-1])}"
+        )
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number, got {softcap}")
+    flat = targets.reshape(-1).to(hidden.device)
+    mask = flat != ignore_index
+    index = mask.nonzero().squeeze(-1)
+    logps, ent = _ChunkedTokenLogprobs.apply(
+        hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
+        None if softcap is None else float(softcap), bool(entropy),
+    )
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(flat.shape).index_put((index,), values).view(targets.shape)
+
+    return scatter(logps), mask.view(targets.shape), scatter(ent) if entropy else None
 
 
 def chunked_lm_head_loss(
