@@ -3,9 +3,14 @@
 Holds:
     CausalLMForward: the callable installed as the model instance's ``forward``.
     LMHeadLossForward: the callable installed as the LM head's ``forward``: logits, or with
-        ``targets=`` the chunked (loss_sum, num_valid). Going through the head module's own call
-        lets DeepSpeed ZeRO-3's module hooks gather its weight once per forward and once per
-        backward, instead of once per chunk.
+        ``targets=`` the chunked (loss_sum, num_valid) or per-token log-probs. Going through the
+        head module's own call lets DeepSpeed ZeRO-3's module hooks gather its weight once per
+        forward and once per backward, instead of once per chunk.
+
+``model(..., labels=labels, return_token_logprobs=True)`` (``return_token_entropy=True`` for the
+entropies too) returns an ``ops.objectives.TokenLogprobs`` instead of a loss: ``logprobs[b, t] =
+log p(labels[b, t + 1] | tokens <= t)`` at positions whose next label is not -100 (the targets the
+loss would use, shifted as the loss shifts them), the input of DPO / GRPO objectives.
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
-from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels, softcap_logits
+from ds_longseq.ops.lm_head_loss import (
+    chunked_lm_head_loss,
+    chunked_token_logprobs,
+    shift_causal_labels,
+    softcap_logits,
+)
+from ds_longseq.ops.objectives import TokenLogprobs
 from ds_longseq.ops.packing import doc_starts, mask_document_starts
 
 if TYPE_CHECKING:
@@ -32,7 +43,9 @@ class LMHeadLossForward:
     """Replacement ``forward`` of the LM head (an ``nn.Linear``) instance.
 
     ``head(hidden)`` is the stock linear (logits); ``head(hidden, targets=t)`` returns
-    ``(loss_sum, num_valid)`` of the chunked cross entropy against already-shifted (B, T) targets.
+    ``(loss_sum, num_valid)`` of the chunked cross entropy against already-shifted (B, T) targets;
+    ``head(hidden, targets=t, per_token=True, entropy=...)`` returns ``(logprobs, mask, entropy)``
+    of :func:`chunked_token_logprobs`.
     """
 
     def __init__(self, head: torch.nn.Linear, orig_forward: Callable, chunk_size: int, softcap: float | None = None):
@@ -41,9 +54,27 @@ class LMHeadLossForward:
         self.chunk_size = chunk_size
         self.softcap = softcap  # the family's final-logit softcap, applied inside the chunked loss
 
-    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100):
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        per_token: bool = False,
+        entropy: bool = False,
+    ):
         if targets is None:
             return self.orig_forward(hidden)
+        if per_token:
+            return chunked_token_logprobs(
+                hidden,
+                self.head.weight,
+                targets.to(hidden.device),
+                chunk_size=self.chunk_size,
+                bias=self.head.bias,
+                ignore_index=ignore_index,
+                softcap=self.softcap,
+                entropy=entropy,
+            )
         return chunked_lm_head_loss(
             hidden,
             self.head.weight,
@@ -105,6 +136,8 @@ class CausalLMForward:
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ):
+        want_entropy = bool(kwargs.pop("return_token_entropy", False))
+        per_token = bool(kwargs.pop("return_token_logprobs", False)) or want_entropy
         if past_key_values is None and self.sp is None:
             doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
             if self.config.streambp.enabled:
@@ -131,7 +164,9 @@ class CausalLMForward:
         ):
             use_cache = False
         wants_loss = labels is not None or (self.sp is not None and kwargs.get("shift_labels") is not None)
-        if generating or not wants_loss or (not self.config.lm_head.enabled and self.sp is None):
+        if per_token:
+            _check_token_logprobs_call(generating, wants_loss)
+        elif generating or not wants_loss or (not self.config.lm_head.enabled and self.sp is None):
             return self.orig_forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -171,6 +206,8 @@ class CausalLMForward:
         if self.sp is not None:  # packed rows: the documents' boundaries are known once the forward ran
             targets = self.sp.mask_boundary_targets(targets.to(outputs.last_hidden_state.device), ignore_index)
         hidden = outputs.last_hidden_state
+        if per_token:
+            return self._token_logprobs(hidden, targets, ignore_index, want_entropy)
         logits = None
         if self.config.lm_head.enabled:
             loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
@@ -203,6 +240,22 @@ class CausalLMForward:
                 attentions=outputs.attentions,
             )
         return output.to_tuple() if return_dict is False else output
+
+    def _token_logprobs(self, hidden, targets, ignore_index: int, entropy: bool) -> TokenLogprobs:
+        """Per-token log-probs (and entropies) of ``targets``: chunked, or from the stock head's logits."""
+        if self.config.lm_head.enabled:
+            logps, mask, ent = self.head(hidden, targets=targets, ignore_index=ignore_index, per_token=True,
+                                         entropy=entropy)
+        else:  # the stock head: (B, T, V) logits, as the user configured
+            logits = self.head(hidden)
+            if self.final_logit_softcap is not None:
+                logits = softcap_logits(logits, self.final_logit_softcap)
+            targets = targets.to(logits.device)
+            log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+            mask = targets != ignore_index
+            logps = log_p.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1) * mask
+            ent = -(log_p.exp() * log_p).sum(-1) * mask if entropy else None
+        return TokenLogprobs(logps, mask, ent, group=None if self.sp is None else self.sp.group)
 
     def _router_aux_loss_wanted(self, kwargs: dict) -> bool:
         """Whether this forward adds a mixture-of-experts load-balancing loss, as the stock one would."""
@@ -252,3 +305,16 @@ class CausalLMForward:
         if doc_start is not None and position_ids is None:
             position_ids = torch.arange(T, device=doc_start.device) - doc_start
         return doc_start, position_ids
+
+
+def _check_token_logprobs_call(generating: bool, has_targets: bool) -> None:
+    if generating:
+        raise ValueError(
+            "return_token_logprobs with a KV cache (past_key_values / use_cache=True): log-probs are for training "
+            "and scoring; pass use_cache=False"
+        )
+    if not has_targets:
+        raise ValueError(
+            "return_token_logprobs needs the targets: pass labels= (shift_labels= under sequence parallelism) with "
+            "-100 where no log-prob is wanted (the prompt, padding)"
+        )
