@@ -258,3 +258,102 @@ def test_bad_input_gets_clear_errors_before_compute():
     batch = rows([2], [5])
     with pytest.raises(ValueError, match="return_token_logprobs needs the targets"):
         model(input_ids=batch["input_ids"], return_token_logprobs=True)
+
+
+# --- sequence parallelism and ZeRO-3 on 2 CPU ranks -------------------------------------------------
+
+
+def sp_objective(name: str, lp: TokenLogprobs, ref: TokenLogprobs) -> torch.Tensor:
+    if name == "dpo":
+        return dpo_objective(lp, ref, beta=0.2)
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.1], dtype=torch.float64), 3)
+    return grpo_loss(lp, advantages, ref_logprobs=ref.logprobs, beta=0.1, loss_type="grpo")[0]
+
+
+def sp_objectives_worker(rank: int):
+    """DPO and GRPO with each sequence split over 2 ranks (Ulysses + StreamBP, chunked head)."""
+    import torch.distributed as dist
+
+    from ds_longseq.engine import shard_batch
+
+    policy, reference = models()
+    cfg = {**CONFIGS["streambp"], "sequence_parallel": {"size": 2}}
+    ours = ds_longseq.enable(copy.deepcopy(policy), cfg, sp_group=dist.group.WORLD)
+    ref_model = ds_longseq.enable(copy.deepcopy(reference), cfg, sp_group=dist.group.WORLD)
+    out = {}
+    for name, batch in (("dpo", dpo_batch()), ("grpo", grpo_batch())):
+        batch = {k: v[:, :28] for k, v in batch.items()}  # an even length: 14 tokens per rank
+        local = shard_batch(batch, rank, 2)
+        with torch.no_grad():
+            ref = ours_logprobs(ref_model, local)
+        loss_fn = lambda name=name, local=local, ref=ref: sp_objective(name, ours_logprobs(ours, local), ref)  # noqa: E731
+        loss, grads, embed = grads_of(ours, loss_fn)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[name] = (loss, grads, embed)
+    return out
+
+
+def test_dpo_and_grpo_under_sequence_parallelism_match_one_process():
+    """The loss on every rank equals one process on whole sequences; the ranks' gradients summed
+    (DeepSpeed's reduction) equal its gradients, float64 to 1e-10."""
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(sp_objectives_worker, 2)
+    policy, reference = models()
+    for name, batch in (("dpo", dpo_batch()), ("grpo", grpo_batch())):
+        batch = {k: v[:, :28] for k, v in batch.items()}
+        with torch.no_grad():
+            ref = naive_logprobs(reference, batch)
+        loss_fn = lambda name=name, batch=batch, ref=ref: sp_objective(name, naive_logprobs(policy, batch), ref)  # noqa: E731
+        expected = grads_of(policy, loss_fn)
+        for rank, per_rank in enumerate(results):
+            loss, grads, embed = per_rank[name]
+            shard = expected[2][:, rank * 14 : (rank + 1) * 14]
+            errs = compare((loss, grads, embed), (expected[0], expected[1], shard))
+            assert max(errs.values()) < 1e-10, (name, rank, errs)
+
+
+def zero3_dpo_worker(rank: int, ref_logps: torch.Tensor):
+    import ds_longseq.engine
+    from tests.test_engine_dist import _gathered_state, ds_config
+
+    model = make_model("llama", torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, *_ = ds_longseq.engine.initialize(
+        model=model, optimizer=optimizer, config=ds_config(3, 1, CONFIGS["streambp"], batch=6)
+    )
+    batch = rows([4, 2, 6, 4, 2, 6], [12, 20, 7, 18, 5, 15], seed=10 + rank)  # different pairs per rank
+    for _ in range(2):
+        lp = engine(**batch, return_token_logprobs=True)
+        seq = lp.sequence_logprobs()
+        loss, _ = dpo_loss(seq[:3], seq[3:], ref_logps[rank, :3], ref_logps[rank, 3:], beta=0.2)
+        engine.backward(loss)
+        engine.step()
+    return _gathered_state(engine)
+
+
+def test_zero3_dpo_on_two_ranks_matches_one_process():
+    """ZeRO-3 + StreamBP + chunked head, each rank its own pairs, precomputed reference log-probs:
+    after 2 SGD steps every weight equals one process averaging the ranks' losses (fp32)."""
+    from tests.dist_utils import run_distributed
+
+    batches = [rows([4, 2, 6, 4, 2, 6], [12, 20, 7, 18, 5, 15], seed=10 + r) for r in range(2)]
+    reference = make_model("llama", torch.float32, seed=1)
+    with torch.no_grad():
+        ref_logps = torch.stack([naive_logprobs(reference, b).sequence_logprobs().float() for b in batches])
+    results = run_distributed(zero3_dpo_worker, 2, (ref_logps,))
+    model = make_model("llama", torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        optimizer.zero_grad()
+        losses = []
+        for r in range(2):
+            seq = naive_logprobs(model, batches[r]).sequence_logprobs()
+            losses.append(dpo_loss(seq[:3], seq[3:], ref_logps[r, :3].double(), ref_logps[r, 3:].double(), beta=0.2)[0])
+        (sum(losses) / 2).backward()
+        optimizer.step()
+    for result in results:
+        for name, p in model.named_parameters():
+            err = ((result[name] - p.detach()).norm() / p.detach().norm()).item()
+            assert err < 1e-5, (name, err)
