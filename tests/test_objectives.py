@@ -250,6 +250,9 @@ def test_bad_input_gets_clear_errors_before_compute():
     with pytest.raises(ValueError, match="cannot be split into groups of 3"):
         group_advantages(torch.ones(4), 3)
     lp = TokenLogprobs(torch.zeros(2, 5, dtype=torch.float64), torch.tensor([[True] * 5, [False] * 5]))
+    with pytest.raises(ValueError, match=r"rows \[1\] have no target token \(an empty completion"):
+        lp.sequence_logprobs()  # the DPO input: an empty chosen or rejected completion
+    assert lp.sequence_logprobs(allow_empty=True).tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match=r"rows \[1\] have no completion token"):
         grpo_loss(lp, torch.zeros(2))
     with pytest.raises(ValueError, match="beta != 0 needs ref_logprobs"):

@@ -76,8 +76,20 @@ class TokenLogprobs:
             dist.all_reduce(local, group=self.group)
         return local
 
-    def sequence_logprobs(self) -> torch.Tensor:
-        """(B,) log-probability of each row's targets: the sum of its per-token log-probs."""
+    def sequence_logprobs(self, allow_empty: bool = False) -> torch.Tensor:
+        """(B,) log-probability of each row's targets: the sum of its per-token log-probs.
+
+        Raises:
+            ValueError: a row has no valid target (an empty completion, or a prompt that fills the
+                row), unless ``allow_empty``: its log-probability would be a silent 0.
+        """
+        if not allow_empty:
+            empty = (self.count() == 0).nonzero().flatten().tolist()
+            if empty:
+                raise ValueError(
+                    f"rows {empty} have no target token (an empty completion, or a prompt as long as the row): "
+                    "drop them, or give them a completion (allow_empty=True to accept a log-probability of 0)"
+                )
         return self.sum(self.logprobs)
 
 
