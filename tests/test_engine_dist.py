@@ -137,8 +137,9 @@ def _nbytes(value) -> int:
     return 0
 
 
-def count_worker(rank: int, stage: int, long_seq: dict | None):
-    """One micro-step + optimizer step; counts collectives, per-parameter reductions and gathers."""
+def count_worker(rank: int, stage: int, long_seq: dict | None, logprobs: bool = False):
+    """One micro-step + optimizer step; counts collectives, per-parameter reductions and gathers.
+    ``logprobs``: the step's objective is the sum of the per-token log-probs (the path of DPO / GRPO)."""
     import deepspeed.comm as dscomm
 
     import ds_longseq.engine
@@ -183,7 +184,10 @@ def count_worker(rank: int, stage: int, long_seq: dict | None):
             p.all_gather_coalesced = gather_hook
     try:
         batch = rank_batches(rank, 1)[0]
-        loss = engine(**batch).loss
+        if logprobs:
+            loss = -engine(**batch, return_token_logprobs=True).logprobs.sum()
+        else:
+            loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()
     finally:
@@ -191,6 +195,16 @@ def count_worker(rank: int, stage: int, long_seq: dict | None):
             setattr(dscomm, fname, orig)
     return {"collectives": dict(collectives), "reductions": dict(reductions), "gathers": dict(gathers),
             "names": sorted(names.values())}
+
+
+def test_zero3_token_logprobs_gather_each_weight_once_per_pass():
+    """The per-token log-prob path (DPO / GRPO) gathers like the loss path: every weight once in
+    forward and once in backward, the LM head included."""
+    ours = run_distributed(count_worker, 2, (3, STREAMBP, True))
+    stock = run_distributed(count_worker, 2, (3, None))
+    for a, b in zip(ours, stock, strict=True):
+        assert a["gathers"] == b["gathers"], (a["gathers"], b["gathers"])
+        assert a["gathers"]["lm_head.weight"] == 2
 
 
 def test_zero2_reduces_every_gradient_once_with_the_same_traffic_as_no_chunking():
