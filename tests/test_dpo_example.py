@@ -1,0 +1,118 @@
+"""examples/dpo.py end to end on 2 CPU ranks through the DeepSpeed launcher (ZeRO-2), and its bad input."""
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import dpo  # noqa: E402
+
+from tests.test_sft import _config, _port, _tiny_hf_model_with_tokenizer  # noqa: E402
+
+
+def run_example(script, config, save_dir, *extra, expect_ok=True, timeout=300):
+    """``deepspeed --num_gpus 2 examples/<script> --seq-len 256`` on CPU ranks; the CompletedProcess."""
+    if shutil.which("deepspeed") is None:
+        pytest.fail("the deepspeed launcher is not on PATH: pip install deepspeed")
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_port()), os.path.join(ROOT, "examples", script),
+           "--ds_config", config, "--seq-len", "256", "--save-dir", str(save_dir), *extra]
+    # The launched script's sys.path[0] is examples/: PYTHONPATH makes the ranks import this checkout's package.
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath))
+    if expect_ok and proc.returncode != 0:
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if re.match(r"\[rank\d+\]: \w*Error", line)]
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n" + "\n".join(errors)
+                             + f"\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(save_dir):
+    with open(os.path.join(save_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_embedded_default_learns_the_preference(tmp_path):
+    out = tmp_path / "dpo"
+    proc = run_example("dpo.py", _config(tmp_path), out, "--max-steps", "8", "--lr", "1e-3")
+    assert "summary: 8 steps on 2 rank(s)" in proc.stdout
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for r in rows:
+        for key in ("loss", "rewards/accuracies", "rewards/margins", "tokens/s"):
+            assert math.isfinite(r[key]), r
+    # Step 1 runs the untouched policy: it IS the reference, so every margin is 0 and the loss ln 2
+    # (float32 log-probs of 128 tokens summed: 1e-5 covers their round-off between two model copies).
+    assert abs(rows[0]["loss"] - math.log(2)) < 1e-5 and abs(rows[0]["rewards/margins"]) < 1e-5
+    # At 1e-3 the loss is ~0.36 by step 4 and ~2e-3 by step 8 (seed 0); 0.5 leaves a wide margin.
+    assert rows[-1]["loss"] < 0.5 and rows[-1]["rewards/margins"] > 0 and rows[-1]["rewards/accuracies"] == 1.0
+    assert (out / "dpo.png").stat().st_size > 0 and (out / "hf_model" / "config.json").exists()
+
+
+class CharTokenizer:
+    pad_token_id, eos_token_id = 0, 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def _write(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def test_preference_rows_mask_the_prompt_and_put_chosen_first(tmp_path):
+    path = _write(tmp_path / "pairs.jsonl", [{"prompt": "ab", "chosen": "cd", "rejected": "e"}])
+    data = dpo.PreferenceData(path, CharTokenizer(), seq_len=6)
+    batch, ref = dpo.micro_batch(data.__getitem__, range(1))
+    assert batch["input_ids"].tolist() == [[97, 98, 99, 100, 0, 0], [97, 98, 101, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, 99, 100, -100, -100], [-100, -100, 101, -100, -100, -100]]
+    assert ref is None and not data.precomputed_ref
+    path = _write(tmp_path / "ref.jsonl", [{"prompt": "ab", "chosen": "c", "rejected": "d", "ref_chosen_logp": -1.5,
+                                             "ref_rejected_logp": -2}])
+    _, ref = dpo.micro_batch(dpo.PreferenceData(path, CharTokenizer(), seq_len=6).__getitem__, range(1))
+    assert ref.tolist() == [-1.5, -2.0]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt": "ab", "chosen": "c"}, r"pairs\.jsonl:3: missing 'rejected': each line needs 'prompt', 'chosen'"),
+        ({"prompt": "ab", "chosen": "", "rejected": "d"}, r"pairs\.jsonl:3: 'chosen' is empty \(no tokens\)"),
+        ({"prompt": "abcdefgh", "chosen": "c", "rejected": "d"}, r"pairs\.jsonl:3: the prompt fills --seq-len 6"),
+        ({"prompt": "a", "chosen": "c", "rejected": "d", "ref_chosen_logp": -1.0},
+         r"pairs\.jsonl:3: give both 'ref_chosen_logp' and 'ref_rejected_logp', or neither"),
+        ('{"prompt": "a", "chosen": "c",', r"pairs\.jsonl:3: not valid JSON"),
+    ],
+    ids=["missing-rejected", "empty-chosen", "prompt-too-long", "half-reference", "bad-json"],
+)
+def test_bad_pairs_name_the_file_line(tmp_path, bad, message):
+    # Line 2 is blank: line numbers count the file's lines.
+    path = _write(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, "", bad])
+    with pytest.raises(ValueError, match=message):
+        dpo.PreferenceData(path, CharTokenizer(), seq_len=6)
+
+
+def test_bad_jsonl_fails_before_training_through_the_launcher(tmp_path):
+    model_dir = tmp_path / "model"
+    _tiny_hf_model_with_tokenizer(model_dir)
+    data = _write(tmp_path / "pairs.jsonl", [{"prompt": "the quick", "chosen": " brown fox", "rejected": ""}])
+    proc = run_example("dpo.py", _config(tmp_path), tmp_path / "bad", "--model", str(model_dir), "--data", data,
+                       "--max-steps", "2", expect_ok=False)
+    assert proc.returncode != 0
+    assert "pairs.jsonl:1: 'rejected' is empty (no tokens)" in proc.stdout + proc.stderr
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_bad_flags_are_refused_before_start():
+    for argv, message in ((["--beta", "0"], "--beta must be > 0, got 0.0"),
+                          (["--label-smoothing", "0.5"], r"--label-smoothing must be in \[0, 0.5\), got 0.5")):
+        with pytest.raises(SystemExit, match=message):
+            dpo.check_args(dpo.parse_args(argv))

@@ -1,0 +1,107 @@
+"""examples/grpo.py end to end on 2 CPU ranks through the DeepSpeed launcher (ZeRO-2), and its bad input."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import grpo  # noqa: E402
+
+from tests.test_dpo_example import CharTokenizer, _write, metrics, run_example  # noqa: E402
+from tests.test_sft import _config, _tiny_hf_model_with_tokenizer  # noqa: E402
+
+
+def test_embedded_default_favours_high_reward_completions(tmp_path):
+    """2 updates per batch (so the ratio to the old policy moves off 1 and clipping bites) with a KL
+    term to the frozen initial policy."""
+    out = tmp_path / "grpo"
+    proc = run_example("grpo.py", _config(tmp_path), out, "--max-steps", "6", "--num-iterations", "2",
+                       "--lr", "1e-3", "--epsilon", "0.05", "--beta", "0.04")
+    assert "summary: 6 steps x 2 update(s) on 2 rank(s)" in proc.stdout
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    keys = ("loss", "loss/update1", "loss/update2", "clip_ratio", "kl", "adv_logp", "reward_mean", "tokens/s")
+    for r in rows:
+        for key in keys:
+            assert math.isfinite(r[key]), r
+    # The mean advantage-weighted log-prob, measured before each step's updates, rises: the policy
+    # moves probability to the completions with more rule-following tokens (seed 0: about -5.5e-3
+    # -> +0.3 over 6 steps; the test asks for any clear rise).
+    assert rows[-1]["adv_logp"] - rows[0]["adv_logp"] > 0.05, [r["adv_logp"] for r in rows]
+    # The second update of a batch starts where the first moved the policy, in the advantages' direction:
+    # its surrogate loss is lower, and some of its tokens leave the 0.05 clip range.
+    assert sum(r["loss/update2"] < r["loss/update1"] for r in rows[1:]) >= 4, rows
+    assert max(r["clip_ratio"] for r in rows) > 0
+    assert rows[-1]["kl"] > 0 and 0 < rows[0]["reward_mean"] < 1
+    assert (out / "grpo.png").stat().st_size > 0 and (out / "hf_model" / "config.json").exists()
+
+
+def test_rollout_rows_rewards_and_completion_tokens(tmp_path):
+    path = _write(tmp_path / "r.jsonl", [{"prompt": "ab", "completions": ["cd", "e"], "rewards": [1, 0.5]}])
+    data = grpo.RolloutData(path, CharTokenizer(), seq_len=5, scale_rewards="group")
+    batch, rewards = grpo.micro_batch(data.__getitem__, range(1))
+    assert batch["labels"].tolist() == [[-100, -100, 99, 100, -100], [-100, -100, 101, -100, -100]]
+    assert rewards.tolist() == [1.0, 0.5] and data.group_size == 2
+    assert grpo.completion_tokens(batch) == 3
+
+
+def test_synthetic_rewards_follow_the_corruption_level():
+    group = grpo.synthetic_group(3, 64, seed=0)
+    assert group["rewards"][0] == 1.0 and group["rewards"][-1] == 0.0
+    assert group["rewards"] == sorted(group["rewards"], reverse=True)
+    for row in group["rows"]:
+        assert row["input_ids"].shape == (64,) and int((row["labels"] != -100).sum()) >= 16
+    assert torch.equal(grpo.synthetic_group(3, 64, seed=0)["rows"][1]["input_ids"], group["rows"][1]["input_ids"])
+
+
+GOOD = {"prompt": "a", "completions": ["b", "c"], "rewards": [1.0, 0.0]}
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt": "a", "completions": ["b", "c"]}, r"r\.jsonl:3: missing 'rewards'"),
+        ({"prompt": "a", "completions": ["b", ""], "rewards": [1, 0]}, r"r\.jsonl:3: completion 1 is empty"),
+        ({"prompt": "a", "completions": ["b", "c", "d"], "rewards": [1, 0, 0]},
+         r"r\.jsonl:3: 3 completions, but the first line has 2: every prompt needs the same number G"),
+        ({"prompt": "a", "completions": ["b", "c"], "rewards": [1]}, r"r\.jsonl:3: 2 completions but 1 rewards"),
+        ({"prompt": "a", "completions": ["b", "c"], "rewards": [1, "x"]},
+         r"r\.jsonl:3: 'rewards' must be a list of finite numbers"),
+    ],
+    ids=["missing-rewards", "empty-completion", "different-G", "reward-count", "non-numeric-reward"],
+)
+def test_bad_rollouts_name_the_file_line(tmp_path, bad, message):
+    path = _write(tmp_path / "r.jsonl", [GOOD, "", bad])
+    with pytest.raises(ValueError, match=message):
+        grpo.RolloutData(path, CharTokenizer(), seq_len=8, scale_rewards="group")
+
+
+def test_group_of_one_needs_another_reward_scale(tmp_path):
+    path = _write(tmp_path / "r.jsonl", [{"prompt": "a", "completions": ["b"], "rewards": [1.0]}])
+    with pytest.raises(ValueError, match=r"r\.jsonl:1: groups of 1 completion with --scale-rewards group"):
+        grpo.RolloutData(path, CharTokenizer(), seq_len=8, scale_rewards="group")
+    assert grpo.RolloutData(path, CharTokenizer(), seq_len=8, scale_rewards="batch").group_size == 1
+
+
+def test_group_of_one_fails_before_training_through_the_launcher(tmp_path):
+    model_dir = tmp_path / "model"
+    _tiny_hf_model_with_tokenizer(model_dir)
+    data = _write(tmp_path / "r.jsonl", [{"prompt": "the quick", "completions": [" brown fox"], "rewards": [1.0]}])
+    proc = run_example("grpo.py", _config(tmp_path), tmp_path / "bad", "--model", str(model_dir), "--data", data,
+                       "--max-steps", "2", expect_ok=False)
+    assert proc.returncode != 0
+    assert ("r.jsonl:1: groups of 1 completion with --scale-rewards group: a group of size 1 has no reward standard "
+            "deviation") in proc.stdout + proc.stderr
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_bad_flags_are_refused_before_start():
+    for argv, message in ((["--num-iterations", "0"], "--num-iterations must be >= 1, got 0"),
+                          (["--epsilon", "1.5"], r"--epsilon must be in \(0, 1\), got 1.5"),
+                          (["--beta", "-1"], "--beta must be >= 0, got -1.0")):
+        with pytest.raises(SystemExit, match=message):
+            grpo.check_args(grpo.parse_args(argv))
