@@ -52,8 +52,7 @@ from _common import (
 from sft import BOS, DOC_TOKENS, micro_batch_indices
 
 from ds_longseq.logging import get_logger, log_rank0
-from ds_longseq.ops import group_advantages, grpo_loss
-from ds_longseq.ops.objectives import GRPO_LOSS_TYPES
+from ds_longseq.ops import GRPO_LOSS_TYPES, group_advantages, grpo_loss
 
 logger = get_logger("ds_longseq.examples.grpo")
 DEFAULT_LR = 5e-4  # the embedded tiny model starts from scratch; ds_configs/ hold fine-tuning rates

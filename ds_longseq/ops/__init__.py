@@ -9,7 +9,14 @@ from ds_longseq.ops.lm_head_loss import (
     softcap_logits,
 )
 from ds_longseq.ops.mini_seq import mini_sequence_apply
-from ds_longseq.ops.objectives import TokenLogprobs, dpo_loss, group_advantages, grpo_loss
+from ds_longseq.ops.objectives import (
+    DPO_LOSS_TYPES,
+    GRPO_LOSS_TYPES,
+    TokenLogprobs,
+    dpo_loss,
+    group_advantages,
+    grpo_loss,
+)
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader, OffloadedTensor, host_available_bytes
 from ds_longseq.ops.packing import doc_starts, mask_document_starts
 from ds_longseq.ops.streambp import KVStream, chunk_bounds, streambp_apply
@@ -25,6 +32,8 @@ __all__ = [
     "dpo_loss",
     "group_advantages",
     "grpo_loss",
+    "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
     "shift_causal_labels",
     "softcap_logits",
     "mini_sequence_apply",
