@@ -1,0 +1,26 @@
+"""Test-session housekeeping.
+
+DeepSpeed's CPU communication backend (``deepspeed_shm_comm_op``) backs its all-reduce with files
+``/dev/shm/deepspeed_allreduce_buffer_*`` that it never removes. Every multi-rank test leaves some
+behind, and /dev/shm is memory: one full suite left 20 GiB there, enough for the OOM killer to hit
+later tests and benchmarks on a 24 GiB machine. Each test removes the buffers it created (its ranks
+have exited by then; files that existed before the test are left alone).
+"""
+
+import glob
+import os
+
+import pytest
+
+_SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+@pytest.fixture(autouse=True)
+def _remove_deepspeed_shm_buffers():
+    before = set(glob.glob(_SHM_BUFFERS))
+    yield
+    for path in set(glob.glob(_SHM_BUFFERS)) - before:
+        try:
+            os.remove(path)
+        except OSError:  # already gone, or not ours to remove
+            pass
