@@ -29,16 +29,16 @@ from sft import (
     add_lora,
     build_model,
     check_args,
-    check_parallel_args,
-    configure_logging,
     export_hf,
     peak_memory_gib,
     save_checkpoint,
+    set_learning_rate,
+    start_distributed,
 )
 
 import ds_longseq
 import ds_longseq.engine
-from ds_longseq.engine import check_sequence_length, sequence_parallel_rank_and_size, shard_batch, split_config
+from ds_longseq.engine import sequence_parallel_rank_and_size, shard_batch
 from ds_longseq.ops import TokenLogprobs
 
 __all__ = ["add_common_args", "check_common_args", "Run", "setup_run", "Reference", "token_logprobs",
@@ -111,35 +111,8 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     ``before_model()`` runs after the config checks and before the model is built: the place to
     read and validate data, so that bad input fails before any weight is allocated.
     """
-    import deepspeed
-    import deepspeed.comm as dist
-
-    deepspeed.init_distributed(
-        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-        auto_mpi_discovery=True,
-        distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
-    )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    configure_logging(rank)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-
-    ds_config, long_seq = split_config(args.ds_config)
-    check_sequence_length(long_seq, args.seq_len)
-    check_parallel_args(args, long_seq.sequence_parallel.size, world)
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and torch.cuda.is_available())
-    ds_config["bf16"] = {"enabled": use_bf16}
-    ds_config.pop("fp16", None)
-    if not torch.cuda.is_available():
-        for key in ("offload_optimizer", "offload_param"):  # nothing to pin without a GPU
-            if key in ds_config.get("zero_optimization", {}):
-                ds_config["zero_optimization"][key]["pin_memory"] = False
-    ds_config["long_seq"] = long_seq.to_dict()
-    lr = args.lr if args.lr is not None else (None if args.model else args.default_lr)
-    if lr is not None:
-        ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = lr
-        if ds_config.get("scheduler", {}).get("type") == "WarmupLR":
-            ds_config["scheduler"]["params"]["warmup_max_lr"] = lr
+    rank, world, ds_config, long_seq, use_bf16 = start_distributed(args)
+    set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
     if before_model is not None:
         before_model()
 

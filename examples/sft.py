@@ -611,12 +611,15 @@ def plot_losses(metrics: list[dict], path: str, chance: float | None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    check_args(args)
+def start_distributed(args: argparse.Namespace):
+    """Start DeepSpeed's process group and check the config against the arguments before any
+    training starts (shared by sft.py, dpo.py and grpo.py).
+
+    Returns:
+        (rank, world, ds_config with its bf16 and long_seq sections set, LongSeqConfig, use_bf16).
+    """
     import deepspeed
     import deepspeed.comm as dist
-    from tqdm import tqdm
 
     # Under mpirun, DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: honour the caller's.
     deepspeed.init_distributed(
@@ -629,7 +632,6 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
-    # Validate the config against the arguments before any training starts.
     ds_config, long_seq = split_config(args.ds_config)
     check_sequence_length(long_seq, args.seq_len)
     check_parallel_args(args, long_seq.sequence_parallel.size, world)
@@ -641,6 +643,24 @@ def main(argv=None) -> int:
             if key in ds_config.get("zero_optimization", {}):
                 ds_config["zero_optimization"][key]["pin_memory"] = False
     ds_config["long_seq"] = long_seq.to_dict()
+    return rank, world, ds_config, long_seq, use_bf16
+
+
+def set_learning_rate(ds_config: dict, lr: float | None) -> None:
+    """Put ``lr`` (None: keep the config's) into the optimizer and a WarmupLR scheduler's peak."""
+    if lr is not None:
+        ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = lr
+        if ds_config.get("scheduler", {}).get("type") == "WarmupLR":
+            ds_config["scheduler"]["params"]["warmup_max_lr"] = lr
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_args(args)
+    import deepspeed.comm as dist
+    from tqdm import tqdm
+
+    rank, world, ds_config, long_seq, use_bf16 = start_distributed(args)
     micro_bs = ds_config.get("train_micro_batch_size_per_gpu", 1)
     gas = ds_config.get("gradient_accumulation_steps", 1)
 
@@ -657,11 +677,7 @@ def main(argv=None) -> int:
     else:
         copy_example(0, args.seq_len, args.seed)  # fail early if --seq-len is too short
         source, chance, pad_id = (lambda i: copy_example(i, args.seq_len, args.seed)), math.log(len(DOC_TOKENS)), 0
-    lr = args.lr if args.lr is not None else (None if args.model else DEFAULT_LR)
-    if lr is not None:
-        ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = lr
-        if ds_config.get("scheduler", {}).get("type") == "WarmupLR":
-            ds_config["scheduler"]["params"]["warmup_max_lr"] = lr
+    set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else DEFAULT_LR))
 
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     model = build_model(args, dtype)
