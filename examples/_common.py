@@ -7,11 +7,12 @@ Holds:
     Reference: a frozen copy of the initial policy run through the same chunked path under no_grad
         (with LoRA: the policy itself with its adapters disabled).
     token_logprobs: one micro-batch's per-token log-probs (sharded under sequence parallelism).
-    read_jsonl: records of a JSONL file, with errors that name path:line.
+    read_jsonl: (re-exported from sft.py) records of a JSONL file, with errors that name path:line.
     MetricsLog: metrics.jsonl, the rank-0 progress bar and the end-of-run plot.
 
-sft.py stays the owner of the model builder, LoRA, checkpoint and export code; this module imports
-them from there (the launched script's directory, examples/, is on sys.path).
+sft.py stays the owner of the start-up, model builder, LoRA, JSONL reader, checkpoint and export
+code; this module imports them from there (the launched script's directory, examples/, is on
+sys.path).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import dataclasses
 import json
 import os
 import time
-from typing import Iterator
 
 import torch
 from sft import (
@@ -31,6 +31,7 @@ from sft import (
     check_args,
     export_hf,
     peak_memory_gib,
+    read_jsonl,
     save_checkpoint,
     set_learning_rate,
     start_distributed,
@@ -162,26 +163,6 @@ def prepare(run: Run, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, 
     if run.sp_size > 1:
         batch = shard_batch(batch, run.sp_rank, run.sp_size, pad=run.args.pad_for_sp, pad_token_id=pad_id)
     return {k: v.to(run.engine.device) for k, v in batch.items()}
-
-
-def read_jsonl(path: str, flag: str = "--data") -> Iterator[tuple[int, dict]]:
-    """(line number, record) for every non-blank line of ``path``; errors name ``path:line``."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{flag} {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno}); "
-                    "each line must be one JSON object"
-                ) from err
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            yield lineno, rec
 
 
 def pad_row(ids: list[int], labels: list[int], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ import os
 import resource
 import sys
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -171,34 +171,40 @@ def copy_example(index: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def read_jsonl(path: str, flag: str = "--data") -> Iterator[tuple[int, dict]]:
+    """(line number, record) for every non-blank line of ``path``; errors name ``path:line``."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{flag} {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                # err's own "line 1 column N" counts within this one line: name the file's line instead.
+                raise ValueError(
+                    f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno}); "
+                    "each line must be one JSON object"
+                ) from err
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            yield lineno, rec
+
+
 class JsonlData:
     """Tokenised JSONL records padded/truncated to ``seq_len``; prompt tokens are not trained on."""
 
     def __init__(self, path: str, tokenizer, seq_len: int):
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"--data {path} does not exist")
         self.records = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as err:
-                    # err's own "line 1 column N" counts within this one line: name the file's line instead.
-                    raise ValueError(
-                        f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno}); "
-                        "each line must be one JSON object"
-                    ) from err
-                if not isinstance(rec, dict):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-                if "text" in rec:
-                    prompt, completion = "", rec["text"]
-                elif "prompt" in rec and "completion" in rec:
-                    prompt, completion = rec["prompt"], rec["completion"]
-                else:
-                    raise ValueError(f"{path}:{lineno}: each line needs 'text' or 'prompt' and 'completion'")
-                self.records.append((prompt, completion))
+        for lineno, rec in read_jsonl(path):
+            if "text" in rec:
+                prompt, completion = "", rec["text"]
+            elif "prompt" in rec and "completion" in rec:
+                prompt, completion = rec["prompt"], rec["completion"]
+            else:
+                raise ValueError(f"{path}:{lineno}: each line needs 'text' or 'prompt' and 'completion'")
+            self.records.append((prompt, completion))
         if not self.records:
             raise ValueError(f"--data {path} holds no records")
         self.tokenizer, self.seq_len = tokenizer, seq_len
