@@ -150,6 +150,16 @@ def reference_loss(model, batch, dtype=None):
 
 def loss_and_grads(model, batch, use_reference=False, ref_dtype=None):
     """(loss, {name: grad}, embedding-output grad) after one backward."""
+    if use_reference:
+        return grads_of(model, lambda: reference_loss(model, batch, ref_dtype))
+    return grads_of(model, lambda: model(**batch).loss)
+
+
+def grads_of(model, loss_fn):
+    """(loss, {name: grad}, input-embedding-output grad) of ``loss_fn()`` after one backward.
+
+    The embedding-output gradient is the last forward's (``loss_fn`` may run the model more than once).
+    """
     model.zero_grad(set_to_none=True)
     captured = {}
 
@@ -159,7 +169,7 @@ def loss_and_grads(model, batch, use_reference=False, ref_dtype=None):
 
     h = model.get_input_embeddings().register_forward_hook(hook)
     try:
-        loss = reference_loss(model, batch, ref_dtype) if use_reference else model(**batch).loss
+        loss = loss_fn()
         loss.backward()
     finally:
         h.remove()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import ds_longseq
 from ds_longseq.ops import TokenLogprobs, dpo_loss, group_advantages, grpo_loss
-from tests.helpers import VOCAB, compare, full_precision_norms, make_model
+from tests.helpers import VOCAB, compare, full_precision_norms, grads_of, make_model
 
 CONFIGS = {
     "streambp": {"streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 4},
@@ -49,25 +49,6 @@ def naive_logprobs(model, batch) -> TokenLogprobs:
 
 def ours_logprobs(model, batch, entropy=False) -> TokenLogprobs:
     return model(**batch, return_token_logprobs=True, return_token_entropy=entropy)
-
-
-def grads_of(model, loss_fn):
-    """(loss, {name: grad}, input-embedding grad) of ``loss_fn()`` after one backward."""
-    model.zero_grad(set_to_none=True)
-    captured = {}
-
-    def hook(module, inputs, output):
-        output.retain_grad()
-        captured["embeds"] = output
-
-    handle = model.get_input_embeddings().register_forward_hook(hook)
-    try:
-        loss = loss_fn()
-        loss.backward()
-    finally:
-        handle.remove()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, captured["embeds"].grad.detach().clone()
 
 
 def models(seed=0):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ds_longseq
-from tests.helpers import clone, compare, make_model
-from tests.test_objectives import CONFIGS, grads_of
+from tests.helpers import clone, compare, grads_of, make_model
+from tests.test_objectives import CONFIGS
 from tests.test_packing import packed_batch
 
 DOCS = [[7, 9, 1, 6], [11, 12]]  # a 1-token document too
