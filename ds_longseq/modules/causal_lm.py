@@ -64,26 +64,12 @@ class LMHeadLossForward:
     ):
         if targets is None:
             return self.orig_forward(hidden)
+        head = self.head
+        common = dict(chunk_size=self.chunk_size, bias=head.bias, ignore_index=ignore_index, softcap=self.softcap)
+        targets = targets.to(hidden.device)
         if per_token:
-            return chunked_token_logprobs(
-                hidden,
-                self.head.weight,
-                targets.to(hidden.device),
-                chunk_size=self.chunk_size,
-                bias=self.head.bias,
-                ignore_index=ignore_index,
-                softcap=self.softcap,
-                entropy=entropy,
-            )
-        return chunked_lm_head_loss(
-            hidden,
-            self.head.weight,
-            targets.to(hidden.device),
-            chunk_size=self.chunk_size,
-            bias=self.head.bias,
-            ignore_index=ignore_index,
-            softcap=self.softcap,
-        )
+            return chunked_token_logprobs(hidden, head.weight, targets, entropy=entropy, **common)
+        return chunked_lm_head_loss(hidden, head.weight, targets, **common)
 
 
 class CausalLMForward:
