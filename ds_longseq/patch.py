@@ -20,13 +20,17 @@ What is changed, all on the given instance:
     - sequence parallelism: ``config._attn_implementation`` -> "ds_longseq" (Ulysses attention) and a
       forward pre-hook on the base model (``model.model``) that passes each forward's shard context;
     - DeepSpeed ZeRO-3 + sequence parallelism: one method of the engine's optimizer INSTANCE
-      (``fix_zero3_sequence_parallel_average``), correcting DeepSpeed 0.19.8's gradient average.
+      (``fix_zero3_sequence_parallel_average``), correcting DeepSpeed 0.19.8's gradient average;
+    - ``deepspeed.initialize`` itself, only inside ``deepspeed_initialize_replaced`` (restored on
+      exit): the Hugging Face Trainer integration reaches DeepSpeed through accelerate, which looks
+      the function up on the module at call time.
 Instance attributes shadow the class methods, so ``disable`` only deletes them again; hooks are removed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -48,6 +52,8 @@ __all__ = [
     "get_config",
     "mark_zero3_leaves",
     "fix_zero3_sequence_parallel_average",
+    "sequence_parallel_of",
+    "deepspeed_initialize_replaced",
 ]
 
 _HANDLE_ATTR = "_ds_longseq_handle"
@@ -81,6 +87,7 @@ class PatchHandle:
         self.model = model
         self.config = config
         self._undo: list[Callable[[], None]] = []
+        self.sp: SequenceParallel | None = None  # the model's sequence-parallel group, when enabled with one
 
     def set_instance_attr(self, obj: Any, name: str, value: Any) -> None:
         previous = obj.__dict__.get(name, _MISSING)
@@ -172,6 +179,7 @@ def enable(
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         )
     handle = PatchHandle(model, cfg)
+    handle.sp = sp
     try:
         if cfg.streambp.enabled or sp is not None:
             _register_attention()
@@ -310,6 +318,33 @@ def get_config(model: torch.nn.Module) -> LongSeqConfig | None:
     """The :class:`LongSeqConfig` in effect on ``model``, or None."""
     handle = _causal_lm(model).__dict__.get(_HANDLE_ATTR)
     return None if handle is None else handle.config
+
+
+def sequence_parallel_of(model: torch.nn.Module) -> SequenceParallel | None:
+    """The :class:`SequenceParallel` of an enabled model (``paused()``, ``local_losses()``), or None."""
+    handle = _causal_lm(model).__dict__.get(_HANDLE_ATTR)
+    return None if handle is None else handle.sp
+
+
+@contextlib.contextmanager
+def deepspeed_initialize_replaced(stand_in: Callable[..., Any]) -> Iterator[None]:
+    """Inside: ``deepspeed.initialize`` is ``functools.partial(stand_in, original)``; restored on exit.
+
+    ``stand_in(original, **kwargs)`` receives the original function first, to call it. Used around
+    Hugging Face ``Trainer`` calls, whose accelerate looks ``deepspeed.initialize`` up on the module
+    when it prepares the model, so the engine is built the way ``ds_longseq.engine.initialize``
+    builds it (sequence-parallel groups, ZeRO-3 leaves and its average fix).
+    """
+    import functools
+
+    import deepspeed
+
+    original = deepspeed.initialize
+    deepspeed.initialize = functools.partial(stand_in, original)
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
 
 
 _Z3_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"

@@ -47,7 +47,7 @@ def test_token_logprobs_match_full_logits(chunk, softcap, use):
 
     ref_lp, ref_mask, ref_h = _naive(hidden, weight, bias, targets, softcap)
     ref_grads = torch.autograd.grad(objective(ref_lp, ref_h), params)
-    lp, mask, h = chunked_token_logprobs(
+    lp, mask, h, _ = chunked_token_logprobs(
         hidden, weight, targets, chunk_size=chunk, bias=bias, softcap=softcap, entropy=True
     )
     assert torch.equal(mask, ref_mask)
@@ -61,7 +61,7 @@ def test_token_logprobs_without_entropy_and_masked_rows():
     """entropy=False returns None; a row with no valid target gets zeros and no gradient."""
     hidden, weight, _, targets = _inputs(bias=False)
     targets[1] = -100
-    lp, mask, h = chunked_token_logprobs(hidden, weight, targets, chunk_size=5)
+    lp, mask, h, _ = chunked_token_logprobs(hidden, weight, targets, chunk_size=5)
     assert h is None and not mask[1].any() and not lp[1].any()
     (grad_h,) = torch.autograd.grad(lp.sum(), [hidden])
     assert not grad_h[1].any() and grad_h[0].abs().sum() > 0

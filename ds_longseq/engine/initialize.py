@@ -2,6 +2,7 @@
 
 Holds:
     initialize: same arguments and return value as ``deepspeed.initialize``.
+    initialize_with: the same, calling a given ``deepspeed.initialize`` (for a stand-in for it).
     split_config: load a DeepSpeed config (path or dict) and separate its ``long_seq`` section.
     check_sequence_length: the pre-training check of a sequence length (warns when a chunk spans it all).
     MIN_DEEPSPEED_VERSION: the oldest DeepSpeed this package is tested with.
@@ -24,7 +25,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -33,7 +34,7 @@ from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
 from ds_longseq.logging import get_logger, warn_once
 from ds_longseq.patch import enable, fix_zero3_sequence_parallel_average, get_config, is_enabled, mark_zero3_leaves
 
-__all__ = ["initialize", "split_config", "check_sequence_length", "MIN_DEEPSPEED_VERSION"]
+__all__ = ["initialize", "initialize_with", "split_config", "check_sequence_length", "MIN_DEEPSPEED_VERSION"]
 
 logger = get_logger(__name__)
 
@@ -177,6 +178,46 @@ def initialize(
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
     """
     deepspeed = _check_deepspeed()
+    return initialize_with(
+        deepspeed.initialize,
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        distributed_port=distributed_port,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=config,
+        config_params=config_params,
+        **kwargs,
+    )
+
+
+def initialize_with(
+    ds_initialize: Callable,
+    args=None,
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int | None = None,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    config_params: Mapping[str, Any] | None = None,
+    **kwargs,
+):
+    """:func:`initialize` that calls ``ds_initialize`` (``deepspeed.initialize``'s signature) in its place.
+
+    For a caller that stands in for ``deepspeed.initialize`` itself (``ds_longseq.trainer`` routes the
+    one accelerate calls through here) and so must reach the original function.
+    """
+    deepspeed = _check_deepspeed()
     if model is None:
         raise ValueError("ds_longseq.engine.initialize needs model=")
     if config is None and config_params is not None:
@@ -211,7 +252,7 @@ def initialize(
         enable(model, long_seq, sp_group=sp_group)
     if long_seq.any_enabled and zero_stage == 3:
         mark_zero3_leaves(model)
-    outputs = deepspeed.initialize(
+    outputs = ds_initialize(
         args=args,
         model=model,
         optimizer=optimizer,

@@ -24,6 +24,8 @@ from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts, mask_document_star
 __all__ = ["shard_batch", "sequence_parallel_groups", "sequence_parallel_rank_and_size"]
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
+SHARDED_KEYS = frozenset(_SEQ_KEYS) | frozenset(PACKED_KWARGS)
+"""Batch keys :func:`shard_batch` takes (the packed-document kwargs are turned into position ids)."""
 
 
 def sequence_parallel_groups(size: int):

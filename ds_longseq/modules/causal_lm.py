@@ -11,16 +11,22 @@ Holds:
 entropies too) returns an ``ops.objectives.TokenLogprobs`` instead of a loss: ``logprobs[b, t] =
 log p(labels[b, t + 1] | tokens <= t)`` at positions whose next label is not -100 (the targets the
 loss would use, shifted as the loss shifts them), the input of DPO / GRPO objectives.
+
+``model(..., labels=labels, fused_lm_head=True)`` is TRL's fused-LM-head call (TRL >= 1.16, its
+``add_fused_lm_head``): it returns a :class:`FusedLMHeadOutput` with TRL's field names, computed by
+the chunked head (``log_probs``, ``entropy``, ``is_top1``, ``label_mask``, ``loss``), so TRL's
+trainers get ds_longseq's head, chunk size and sequence-parallel handling.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput, MoeCausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
@@ -36,7 +42,36 @@ from ds_longseq.ops.packing import doc_starts, mask_document_starts
 if TYPE_CHECKING:
     from ds_longseq.modules.sequence_parallel import SequenceParallel
 
-__all__ = ["CausalLMForward", "LMHeadLossForward"]
+__all__ = ["CausalLMForward", "LMHeadLossForward", "FusedLMHeadOutput"]
+
+
+@dataclass
+class FusedLMHeadOutput(ModelOutput):
+    """What TRL's fused-LM-head call (``fused_lm_head=True``) returns, field for field.
+
+    Shapes: (B, T - 1) with ``labels`` (shifted as the loss shifts them), (B, T) with pre-shifted
+    ``shift_labels``; every per-token field is 0 / False where the label is ignored.
+
+    Attributes:
+        loss: the mean negative log-likelihood (over ``num_items_in_batch`` when given, else the
+            valid tokens; the group's under sequence parallelism), plus the weighted MoE
+            load-balancing loss when router logits are requested.
+        log_probs: log-probability of each next-token label, differentiable.
+        entropy: entropy of each next-token distribution, differentiable.
+        is_top1: whether the label has the largest logit.
+        label_mask: whether the label is valid.
+        aux_loss: the MoE load-balancing loss, when requested.
+        log_sum_sq_probs, mean_logits: TRL fields ds_longseq does not compute (always None).
+    """
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 class LMHeadLossForward:
@@ -44,8 +79,8 @@ class LMHeadLossForward:
 
     ``head(hidden)`` is the stock linear (logits); ``head(hidden, targets=t)`` returns
     ``(loss_sum, num_valid)`` of the chunked cross entropy against already-shifted (B, T) targets;
-    ``head(hidden, targets=t, per_token=True, entropy=...)`` returns ``(logprobs, mask, entropy)``
-    of :func:`chunked_token_logprobs`.
+    ``head(hidden, targets=t, per_token=True, entropy=..., top1=...)`` returns ``(logprobs, mask,
+    entropy, top1)`` of :func:`chunked_token_logprobs`.
     """
 
     def __init__(self, head: torch.nn.Linear, orig_forward: Callable, chunk_size: int, softcap: float | None = None):
@@ -61,6 +96,7 @@ class LMHeadLossForward:
         ignore_index: int = -100,
         per_token: bool = False,
         entropy: bool = False,
+        top1: bool = False,
     ):
         if targets is None:
             return self.orig_forward(hidden)
@@ -68,7 +104,7 @@ class LMHeadLossForward:
         common = dict(chunk_size=self.chunk_size, bias=head.bias, ignore_index=ignore_index, softcap=self.softcap)
         targets = targets.to(hidden.device)
         if per_token:
-            return chunked_token_logprobs(hidden, head.weight, targets, entropy=entropy, **common)
+            return chunked_token_logprobs(hidden, head.weight, targets, entropy=entropy, top1=top1, **common)
         return chunked_lm_head_loss(hidden, head.weight, targets, **common)
 
 
@@ -110,6 +146,11 @@ class CausalLMForward:
         self.decoder = model.model if decoder is None else decoder
         self.head = model.lm_head if head is None else head
 
+    @property
+    def active_sp(self) -> "SequenceParallel | None":
+        """The sequence-parallel group, unless paused (``SequenceParallel.paused``: whole sequences)."""
+        return None if self.sp is None or self.sp.is_paused else self.sp
+
     def __call__(
         self,
         input_ids: torch.Tensor | None = None,
@@ -122,9 +163,11 @@ class CausalLMForward:
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ):
-        want_entropy = bool(kwargs.pop("return_token_entropy", False))
+        sp = self.active_sp
+        fused = bool(kwargs.pop("fused_lm_head", False))  # TRL's call: per-token outputs, its field names
+        want_entropy = bool(kwargs.pop("return_token_entropy", False)) or fused
         per_token = bool(kwargs.pop("return_token_logprobs", False)) or want_entropy
-        if past_key_values is None and self.sp is None:
+        if past_key_values is None and sp is None:
             doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
             if self.config.streambp.enabled:
                 # The StreamBP layers take the documents from here (None: no row is packed) instead of
@@ -146,13 +189,13 @@ class CausalLMForward:
         # The stock default (config.use_cache) would keep every layer's K/V, and with a cache the
         # layers run their stock forward: no streaming, nothing offloaded.
         if not generating and (
-            self.config.streambp.enabled or self.sp is not None or self.config.offload.layer_inputs is not None
+            self.config.streambp.enabled or sp is not None or self.config.offload.layer_inputs is not None
         ):
             use_cache = False
-        wants_loss = labels is not None or (self.sp is not None and kwargs.get("shift_labels") is not None)
+        wants_loss = labels is not None or (sp is not None and kwargs.get("shift_labels") is not None)
         if per_token:
             _check_token_logprobs_call(generating, wants_loss)
-        elif generating or not wants_loss or (not self.config.lm_head.enabled and self.sp is None):
+        elif generating or not wants_loss or (not self.config.lm_head.enabled and sp is None):
             return self.orig_forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -164,7 +207,7 @@ class CausalLMForward:
                 logits_to_keep=logits_to_keep,
                 **kwargs,
             )
-        if self.sp is not None and kwargs.get("shift_labels") is None:
+        if sp is not None and kwargs.get("shift_labels") is None:
             raise ValueError(
                 "under sequence parallelism pass shift_labels= (labels shifted once over the whole sequence, then "
                 "cut like input_ids), not labels=: shifting a shard locally loses the label at every shard boundary. "
@@ -189,11 +232,15 @@ class CausalLMForward:
             **kwargs,
         )
         targets = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
-        if self.sp is not None:  # packed rows: the documents' boundaries are known once the forward ran
-            targets = self.sp.mask_boundary_targets(targets.to(outputs.last_hidden_state.device), ignore_index)
+        if sp is not None:  # packed rows: the documents' boundaries are known once the forward ran
+            targets = sp.mask_boundary_targets(targets.to(outputs.last_hidden_state.device), ignore_index)
         hidden = outputs.last_hidden_state
+        if fused:
+            aux = self._router_aux_loss(outputs, attention_mask) if router_aux else None
+            return self._fused_output(hidden, targets, ignore_index, num_items_in_batch, shift_labels is None, aux)
         if per_token:
-            return self._token_logprobs(hidden, targets, ignore_index, want_entropy)
+            logps, mask, ent, _ = self._per_token(hidden, targets, ignore_index, want_entropy, top1=False)
+            return TokenLogprobs(logps, mask, ent, group=None if sp is None else sp.group)
         logits = None
         if self.config.lm_head.enabled:
             loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
@@ -208,8 +255,8 @@ class CausalLMForward:
                 logits.to(loss_dtype).flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
             )
             num_valid = (targets != ignore_index).sum()
-        if self.sp is not None:
-            loss = self.sp.token_mean(loss_sum, num_valid, num_items_in_batch)
+        if sp is not None:
+            loss = sp.token_mean(loss_sum, num_valid, num_items_in_batch)
         else:
             denominator = num_items_in_batch if num_items_in_batch is not None else num_valid
             if isinstance(denominator, torch.Tensor):
@@ -227,21 +274,44 @@ class CausalLMForward:
             )
         return output.to_tuple() if return_dict is False else output
 
-    def _token_logprobs(self, hidden, targets, ignore_index: int, entropy: bool) -> TokenLogprobs:
-        """Per-token log-probs (and entropies) of ``targets``: chunked, or from the stock head's logits."""
+    def _per_token(self, hidden, targets, ignore_index: int, entropy: bool, top1: bool):
+        """(logprobs, mask, entropy or None, top1 or None) of ``targets``, (B, T) each: chunked, or
+        from the stock head's logits."""
         if self.config.lm_head.enabled:
-            logps, mask, ent = self.head(hidden, targets=targets, ignore_index=ignore_index, per_token=True,
-                                         entropy=entropy)
-        else:  # the stock head: (B, T, V) logits, as the user configured
-            logits = self.head(hidden)
-            if self.final_logit_softcap is not None:
-                logits = softcap_logits(logits, self.final_logit_softcap)
-            targets = targets.to(logits.device)
-            log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-            mask = targets != ignore_index
-            logps = log_p.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1) * mask
-            ent = -(log_p.exp() * log_p).sum(-1) * mask if entropy else None
-        return TokenLogprobs(logps, mask, ent, group=None if self.sp is None else self.sp.group)
+            return self.head(hidden, targets=targets, ignore_index=ignore_index, per_token=True, entropy=entropy,
+                             top1=top1)
+        # the stock head: (B, T, V) logits, as the user configured
+        logits = self.head(hidden)
+        if self.final_logit_softcap is not None:
+            logits = softcap_logits(logits, self.final_logit_softcap)
+        targets = targets.to(logits.device)
+        log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        mask = targets != ignore_index
+        index = targets.clamp_min(0).unsqueeze(-1)
+        logps = log_p.gather(-1, index).squeeze(-1) * mask
+        ent = -(log_p.exp() * log_p).sum(-1) * mask if entropy else None
+        hit = (logits.gather(-1, index).squeeze(-1) >= logits.amax(dim=-1)) & mask if top1 else None
+        return logps, mask, ent, hit
+
+    def _fused_output(self, hidden, targets, ignore_index: int, num_items_in_batch, trim: bool, aux_loss):
+        """TRL's fused-LM-head output. ``trim``: the targets came from unshifted ``labels``, so the
+        last position (never a target) is dropped, as TRL's own head returns (B, T - 1)."""
+        if trim:
+            hidden, targets = hidden[:, :-1], targets[:, :-1]
+        logps, mask, ent, hit = self._per_token(hidden, targets, ignore_index, entropy=True, top1=True)
+        loss_sum, num_valid = -logps.sum(), mask.sum()
+        if self.active_sp is not None:
+            loss = self.active_sp.token_mean(loss_sum, num_valid, num_items_in_batch)
+        else:
+            denominator = num_items_in_batch if num_items_in_batch is not None else num_valid.clamp(min=1)
+            if isinstance(denominator, torch.Tensor):
+                denominator = denominator.to(loss_sum.device)
+            loss = loss_sum / denominator
+        if aux_loss is not None:
+            loss = loss + self.model.router_aux_loss_coef * aux_loss.to(loss.device)
+        return FusedLMHeadOutput(
+            loss=loss, log_probs=logps, entropy=ent, is_top1=hit, label_mask=mask, aux_loss=aux_loss
+        )
 
     def _router_aux_loss_wanted(self, kwargs: dict) -> bool:
         """Whether this forward adds a mixture-of-experts load-balancing loss, as the stock one would."""
@@ -251,7 +321,7 @@ class CausalLMForward:
         wanted = kwargs.get("output_router_logits")
         if wanted is None:
             wanted = getattr(model.config, "output_router_logits", False)
-        if wanted and self.sp is not None:
+        if wanted and self.active_sp is not None:
             raise NotImplementedError(
                 "output_router_logits (the mixture-of-experts load-balancing loss) under sequence parallelism: each "
                 "rank routes only its shard, so the loss would need the group's routing statistics. Pass "
@@ -259,12 +329,17 @@ class CausalLMForward:
             )
         return bool(wanted)
 
-    def _with_router_aux_loss(self, loss, logits, outputs, attention_mask):
-        """The stock MoE ending: ``loss + coef * load_balancing_loss(router_logits)`` with the
-        family's own loss function (from its modeling module) on the recorded (B*T, E) logits."""
+    def _router_aux_loss(self, outputs, attention_mask) -> torch.Tensor:
+        """The family's own load-balancing loss (from its modeling module) on the recorded (B*T, E)
+        router logits, as the stock forward computes it."""
         model = self.model
         balancing = sys.modules[type(model).__module__].load_balancing_loss_func
-        aux_loss = balancing(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+        return balancing(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+
+    def _with_router_aux_loss(self, loss, logits, outputs, attention_mask):
+        """The stock MoE ending: ``loss + coef * load_balancing_loss(router_logits)``."""
+        model = self.model
+        aux_loss = self._router_aux_loss(outputs, attention_mask)
         return MoeCausalLMOutputWithPast(
             loss=loss + model.router_aux_loss_coef * aux_loss.to(loss.device),
             aux_loss=aux_loss,

@@ -16,6 +16,8 @@ The resulting per-forward state, ``ShardContext``, is defined in ``modules.attn_
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,29 @@ class SequenceParallel:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.exchange = UlyssesExchange(group, self.size, num_heads, num_kv_heads)
+        self.is_paused = False
+        self.local_loss_values = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside: the model runs as if sequence parallelism were off (whole sequences, no collective),
+        for evaluation and generation on unsharded batches."""
+        previous, self.is_paused = self.is_paused, True
+        try:
+            yield
+        finally:
+            self.is_paused = previous
+
+    @contextlib.contextmanager
+    def local_losses(self):
+        """Inside: :meth:`token_mean` returns this rank's share as the value too (the gradient is the
+        share as always), for a caller that sums loss values over the group itself: the Trainer
+        integration, where TRL's loss is computed from per-token log-probs on each rank."""
+        previous, self.local_loss_values = self.local_loss_values, True
+        try:
+            yield
+        finally:
+            self.local_loss_values = previous
 
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.size)]
@@ -123,6 +148,8 @@ class SequenceParallel:
         denom = stats[1] if denominator is None else denominator
         if isinstance(denom, torch.Tensor):
             denom = denom.to(device=loss_sum.device, dtype=loss_sum.dtype)
+        if self.local_loss_values:
+            return loss_sum / denom
         # value = group total; gradient = this rank's own share
         return (loss_sum - loss_sum.detach() + total) / denom
 
@@ -141,6 +168,8 @@ class SequenceParallelForwardHook:
         self.kv_block_size = kv_block_size
 
     def __call__(self, module, args, kwargs):
+        if self.sp.is_paused:
+            return None
         names = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
         if len(args) > len(names):
             raise TypeError(f"{type(module).__name__} got {len(args)} positional arguments; pass them by name")

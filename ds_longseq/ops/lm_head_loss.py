@@ -208,17 +208,18 @@ def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """(N,) log p(target) of each valid token, and (N,) entropies when asked; one (C x V) chunk of
-    logits at a time, recomputed in backward (the upstream gradient is per token, so unlike the
-    loss the chunk's dLogits cannot be formed in forward)."""
+    """(N,) log p(target) of each valid token, and (N,) entropies and (N,) bool "target is a top
+    logit" when asked; one (C x V) chunk of logits at a time, recomputed in backward (the upstream
+    gradient is per token, so unlike the loss the chunk's dLogits cannot be formed in forward)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, with_entropy):
+    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, with_entropy, with_top1):
         mm_dtype = autocast_dtype(hidden)
         loss_dtype = _loss_dtype(hidden.dtype)
         h2 = hidden.reshape(-1, hidden.shape[-1])
         logps = torch.empty(index.numel(), dtype=loss_dtype, device=hidden.device)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        top1 = torch.empty(index.numel() if with_top1 else 0, dtype=torch.bool, device=hidden.device)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
             for s in range(0, index.numel(), chunk_size):
@@ -228,17 +229,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if softcap is not None:
                     softcap_logits(z, softcap, inplace=True)
                 lse = torch.logsumexp(z, dim=-1)
-                logps[rows] = z.gather(1, targets[rows].unsqueeze(1)).squeeze(1) - lse
+                z_target = z.gather(1, targets[rows].unsqueeze(1)).squeeze(1)
+                logps[rows] = z_target - lse
                 if with_entropy:  # H = lse - sum_v p_v z_v
                     entropy[rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+                if with_top1:  # ties count: the target is "a" most likely token
+                    top1[rows] = z_target >= z.amax(dim=-1)
                 del z
         ctx.save_for_backward(hidden, weight, bias, index, targets)
         ctx.chunk_size, ctx.mm_dtype, ctx.softcap = chunk_size, mm_dtype, softcap
         ctx.set_materialize_grads(False)
-        return logps, entropy
+        ctx.mark_non_differentiable(top1)
+        return logps, entropy, top1
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
+    def backward(ctx, grad_logps, grad_entropy, _grad_top1):
         hidden, weight, bias, index, targets = ctx.saved_tensors
 
         def dlogits_token(z: torch.Tensor, rows: slice, t: torch.Tensor) -> torch.Tensor:
@@ -258,10 +263,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             return d
 
         if grad_logps is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_token)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def chunked_token_logprobs(
@@ -274,7 +279,8 @@ def chunked_token_logprobs(
     ignore_index: int = -100,
     softcap: float | None = None,
     entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    top1: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token log-probabilities of ``targets`` under ``hidden @ weight.T (+ bias)``, chunked.
 
     The differentiable core of every objective that is a function of per-token log-probs (DPO,
@@ -287,10 +293,13 @@ def chunked_token_logprobs(
         chunk_size: valid tokens per chunk of logits.
         bias, ignore_index, softcap: as :func:`chunked_lm_head_loss`.
         entropy: also return the entropy of each valid position's predicted distribution.
+        top1: also return whether each valid target has the largest logit (ties included; for
+            token-accuracy metrics, no gradient).
 
     Returns:
-        (logprobs, mask, entropy): (B, T) float32 (float64 for float64 inputs) log-probs, 0 where
-        ``mask`` (B, T, bool: target valid) is False; (B, T) entropies likewise, or None.
+        (logprobs, mask, entropy, top1): (B, T) float32 (float64 for float64 inputs) log-probs, 0
+        where ``mask`` (B, T, bool: target valid) is False; (B, T) entropies likewise, or None;
+        (B, T) bool top-1 flags (False where masked), or None.
     """
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(
@@ -301,15 +310,20 @@ def chunked_token_logprobs(
     flat = targets.reshape(-1).to(hidden.device)
     mask = flat != ignore_index
     index = mask.nonzero().squeeze(-1)
-    logps, ent = _ChunkedTokenLogprobs.apply(
+    logps, ent, hit = _ChunkedTokenLogprobs.apply(
         hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
-        None if softcap is None else float(softcap), bool(entropy),
+        None if softcap is None else float(softcap), bool(entropy), bool(top1),
     )
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(flat.shape).index_put((index,), values).view(targets.shape)
 
-    return scatter(logps), mask.view(targets.shape), scatter(ent) if entropy else None
+    return (
+        scatter(logps),
+        mask.view(targets.shape),
+        scatter(ent) if entropy else None,
+        scatter(hit) if top1 else None,
+    )
 
 
 def chunked_lm_head_loss(

@@ -1,0 +1,295 @@
+"""Hugging Face ``Trainer`` and TRL ``SFTTrainer`` with ds_longseq: one class line in user code.
+
+Holds:
+    LongSeqTrainerMixin: put it first among the bases of ``transformers.Trainer`` or a subclass.
+    LongSeqTrainer: ``LongSeqTrainerMixin`` + ``transformers.Trainer``.
+    with_long_seq: ``with_long_seq(SFTTrainer)`` builds that subclass for any Trainer class.
+
+Usage (the DeepSpeed JSON carries a ``"long_seq"`` section, as for ``ds_longseq.engine.initialize``)::
+
+    args = TrainingArguments(..., deepspeed="ds_configs/zero2_streambp.json")
+    trainer = LongSeqTrainer(model=model, args=args, train_dataset=data)   # or with_long_seq(SFTTrainer)(...)
+    trainer.train()
+
+In the Trainer, ``deepspeed.initialize`` is called by accelerate, not by the user, so the mixin does
+what ``engine.initialize`` would, at these points:
+
+- ``__init__`` (after the Trainer's own): takes ``long_seq`` out of the DeepSpeed config the Trainer
+  was given and validates it with ``engine.split_config`` (the same errors, before any training),
+  builds DeepSpeed's sequence-parallel groups and enables the model. It enables on top of TRL's
+  fused-LM-head forward, so TRL's ``fused_lm_head=True`` calls are served by ds_longseq's chunked
+  head (``modules.causal_lm.FusedLMHeadOutput``).
+- ``train`` / ``evaluate`` / ``predict``: inside them ``deepspeed.initialize`` is
+  ``engine.initialize_with`` (``patch.deepspeed_initialize_replaced``), so the engine gets the
+  sequence-parallel groups (``mpu``), ZeRO-3 leaf modules and the ZeRO-3 average fix.
+- data under sequence parallelism (P ranks per sequence): the P ranks of a group read the same
+  batches; accelerate's batch sampler is sharded over the world / P data-parallel replicas.
+- ``compute_loss`` in training under sequence parallelism: the Trainer has counted the batch's
+  tokens (``num_items_in_batch``) on the whole sequences; the batch is then cut with
+  ``engine.shard_batch``, the loss computed with this rank's share as its value, and the values
+  summed over the group. So each rank's loss value is that of the unsharded batch (what the Trainer
+  logs) and its gradient this rank's share (DeepSpeed sums the shares over the group).
+- evaluation and prediction under sequence parallelism: paused (``SequenceParallel.paused``), each
+  rank runs its own whole sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.engine import initialize_with, sequence_parallel_groups, shard_batch, split_config
+from ds_longseq.engine.sequence_parallel import SHARDED_KEYS
+from ds_longseq.logging import get_logger
+from ds_longseq.patch import (
+    deepspeed_initialize_replaced,
+    disable,
+    enable,
+    get_config,
+    is_enabled,
+    sequence_parallel_of,
+)
+
+__all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq"]
+
+logger = get_logger(__name__)
+
+# TRL trainers whose losses need more than ds_longseq's fused head gives (TRL's mean_logits,
+# log_sum_sq_probs, temperature) or whole-sequence sums: not integrated yet.
+_TRL_SUPPORTED = {"SFTTrainer", "_BaseTrainer", "BaseTrainer"}
+
+
+class LongSeqTrainerMixin:
+    """ds_longseq in a Hugging Face ``Trainer`` (or TRL ``SFTTrainer``); list it first among the bases.
+
+    Args:
+        long_seq: the ``long_seq`` section (dict or :class:`LongSeqConfig`) for a run WITHOUT a
+            DeepSpeed config (one process). With DeepSpeed, put it in the DeepSpeed JSON instead.
+        *args, **kwargs: the Trainer's own.
+
+    Raises (from ``__init__``, before any training):
+        LongSeqConfigError: the ``long_seq`` section or the ZeRO stage is invalid.
+        ValueError: the sequence-parallel size does not divide the world size; both accelerate's
+            and ds_longseq's sequence parallelism are configured; ``long_seq`` given twice.
+        UnsupportedModelError: the model family or one of its settings is not supported.
+        NotImplementedError: a TRL trainer other than ``SFTTrainer``.
+    """
+
+    def __init__(self, *args, long_seq: Mapping[str, Any] | LongSeqConfig | None = None, **kwargs):
+        self._check_trainer_class()
+        super().__init__(*args, **kwargs)
+        self._long_seq_routing = False
+        self._long_seq_section, self.long_seq_config = self._take_long_seq_section(long_seq)
+        cfg = self.long_seq_config
+        sp_group = None
+        if cfg.sequence_parallel.enabled:
+            sp_group = sequence_parallel_groups(cfg.sequence_parallel.size).get_sequence_parallel_group()
+        if is_enabled(self.model):
+            if get_config(self.model) != cfg:
+                raise ValueError(
+                    "the model was enabled with a different long_seq config than the Trainer's: call "
+                    "ds_longseq.disable(model) first, or pass the same settings"
+                )
+            # re-enabled on top of whatever the Trainer (TRL's fused head) put over it
+            disable(self.model)
+        if cfg.any_enabled:
+            enable(self.model, cfg, sp_group=sp_group)
+        self._sp = sequence_parallel_of(self.model)
+
+    # ---- set-up ---------------------------------------------------------------------------------
+
+    def _take_long_seq_section(self, long_seq) -> tuple[dict[str, Any] | None, LongSeqConfig]:
+        """(the raw section for engine.initialize_with, validated config); removes it from the
+        DeepSpeed config, which DeepSpeed itself must not see."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is None:
+            if dist.is_initialized() and dist.get_world_size() > 1 and long_seq is not None:
+                raise ValueError(
+                    "ds_longseq's Trainer integration runs several processes through DeepSpeed: pass "
+                    "TrainingArguments(deepspeed=<config with a 'long_seq' section>) instead of long_seq="
+                )
+            cfg = LongSeqConfig.from_dict(long_seq)
+            if cfg.sequence_parallel.enabled:
+                raise LongSeqConfigError(
+                    ["sequence_parallel needs DeepSpeed: pass TrainingArguments(deepspeed=<config>) with the section"]
+                )
+            return None, cfg
+        ds_config = plugin.deepspeed_config
+        section = ds_config.pop("long_seq", None)
+        hf_config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None)
+        if hf_config is not None and hf_config is not ds_config:
+            hf_config.pop("long_seq", None)
+        if long_seq is not None:
+            if section is not None:
+                raise ValueError("long_seq is in the DeepSpeed config and passed as long_seq=: keep only one")
+            section = long_seq.to_dict() if isinstance(long_seq, LongSeqConfig) else dict(long_seq)
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and getattr(pc, "sp_enabled", False):
+            raise ValueError(
+                "accelerate's sequence parallelism (ParallelismConfig sp_size > 1) and ds_longseq's are both "
+                "configured: drop parallelism_config and set long_seq.sequence_parallel.size instead"
+            )
+        _, cfg = split_config({**ds_config, "long_seq": section})
+        return section, cfg
+
+    @classmethod
+    def _check_trainer_class(cls) -> None:
+        for base in cls.__mro__:
+            if base.__module__.split(".")[0] == "trl" and base.__name__.endswith("Trainer"):
+                if base.__name__ not in _TRL_SUPPORTED:
+                    raise NotImplementedError(
+                        f"ds_longseq's Trainer integration supports transformers' Trainer and TRL's SFTTrainer, not "
+                        f"TRL's {base.__name__} yet: use examples/dpo.py or examples/grpo.py (ds_longseq's exact "
+                        "chunked DPO / GRPO), or the plain TRL trainer"
+                    )
+
+    @property
+    def long_seq_sp_size(self) -> int:
+        """Ranks per sequence (1 without sequence parallelism)."""
+        return self.long_seq_config.sequence_parallel.size
+
+    def _deepspeed_initialize(self, original, **kwargs):
+        """Stands in for ``deepspeed.initialize`` while the Trainer runs: ``engine.initialize_with``."""
+        config = dict(kwargs.pop("config_params", None) or kwargs.pop("config", None) or {})
+        if self._long_seq_section is not None:
+            config["long_seq"] = self._long_seq_section
+        sp = self.long_seq_sp_size
+        if sp > 1 and "train_batch_size" in config and dist.is_initialized():
+            # accelerate counts every rank as a data-parallel replica; DeepSpeed checks world / P
+            config["train_batch_size"] = (
+                config["train_micro_batch_size_per_gpu"]
+                * config.get("gradient_accumulation_steps", 1)
+                * (dist.get_world_size() // sp)
+            )
+        return initialize_with(original, config=config, **kwargs)
+
+    @contextlib.contextmanager
+    def _long_seq_engine(self):
+        if self._long_seq_routing or getattr(self.accelerator.state, "deepspeed_plugin", None) is None:
+            yield
+            return
+        self._long_seq_routing = True
+        try:
+            with deepspeed_initialize_replaced(self._deepspeed_initialize):
+                yield
+        finally:
+            self._long_seq_routing = False
+
+    def train(self, *args, **kwargs):
+        with self._long_seq_engine():
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with self._long_seq_engine():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with self._long_seq_engine():
+            return super().predict(*args, **kwargs)
+
+    # ---- data -----------------------------------------------------------------------------------
+
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        if self._sp is None:
+            return dataloader
+        if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
+            raise ValueError(
+                "train_sampling_strategy='batch_rebalance' under ds_longseq sequence parallelism: that sampler "
+                "shards over every rank, but the ranks of a sequence-parallel group must read the same batches; "
+                "use 'random', 'sequential' or 'group_by_length'"
+            )
+        replicas, replica = dist.get_world_size() // self.long_seq_sp_size, dist.get_rank() // self.long_seq_sp_size
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        dataset = getattr(dataloader, "dataset", None)
+        if type(dataloader).__name__ == "DataLoaderDispatcher":
+            raise ValueError(
+                "accelerate dispatches batches from rank 0 (an iterable dataset, or dispatch_batches=True): under "
+                "ds_longseq sequence parallelism every rank reads its group's batches itself. Pass "
+                "TrainingArguments(accelerator_config={'dispatch_batches': False})"
+            )
+        if hasattr(batch_sampler, "num_processes") and hasattr(batch_sampler, "process_index"):
+            batch_sampler.num_processes, batch_sampler.process_index = replicas, replica
+        elif hasattr(dataset, "num_processes") and hasattr(dataset, "process_index"):  # IterableDatasetShard
+            dataset.num_processes, dataset.process_index = replicas, replica
+        elif dist.get_world_size() > 1:
+            raise ValueError(
+                f"cannot share the training batches within sequence-parallel groups: unknown dataloader "
+                f"{type(dataloader).__name__} (expected accelerate's DataLoaderShard)"
+            )
+        return dataloader
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Sequences per optimizer step: the world / P data-parallel replicas each read their own."""
+        return self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // self.long_seq_sp_size)
+
+    # ---- loss -----------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        sp = self._sp
+        if sp is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        if not self.model.training or not torch.is_grad_enabled():
+            with sp.paused():
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
+        inputs = _shard_inputs(inputs, sp.rank, sp.size)
+        with sp.local_losses():
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
+        loss = result[0] if return_outputs else result
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=sp.group)
+        loss = loss - loss.detach() + total  # value: the group's; gradient: this rank's share
+        return (loss, *result[1:]) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self._sp is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        with self._sp.paused():
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+
+def _shard_inputs(inputs: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
+    """This rank's part of a Trainer batch: the sequence tensors cut by ``shard_batch`` (labels become
+    ``shift_labels``), flags and other non-sequence values passed on unchanged."""
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("ds_longseq sequence parallelism in the Trainer needs (batch, seq) input_ids in each batch")
+    seq = {k: v for k, v in inputs.items() if k in SHARDED_KEYS}
+    rest = {k: v for k, v in inputs.items() if k not in SHARDED_KEYS}
+    for key, value in rest.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(ids.shape):
+            raise ValueError(
+                f"batch key {key!r} is a per-token tensor that ds_longseq cannot cut by sequence: drop it from the "
+                f"collator's output (keys it cuts: {sorted(SHARDED_KEYS)})"
+            )
+    return {**rest, **shard_batch(seq, sp_rank, sp_size, pad=True)}
+
+
+class LongSeqTrainer(LongSeqTrainerMixin, Trainer):
+    """``transformers.Trainer`` with ds_longseq (see :class:`LongSeqTrainerMixin`)."""
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def with_long_seq(trainer_cls: type) -> type:
+    """The subclass of ``trainer_cls`` (a Trainer class, e.g. TRL's ``SFTTrainer``) with
+    :class:`LongSeqTrainerMixin` first; the same class for the same argument."""
+    if not isinstance(trainer_cls, type):
+        raise TypeError(f"with_long_seq takes a Trainer class, got {trainer_cls!r}")
+    if issubclass(trainer_cls, LongSeqTrainerMixin):
+        return trainer_cls
+    if trainer_cls not in _CLASSES:
+        _CLASSES[trainer_cls] = type(f"LongSeq{trainer_cls.__name__}", (LongSeqTrainerMixin, trainer_cls), {
+            "__doc__": f"{trainer_cls.__name__} with ds_longseq (see LongSeqTrainerMixin).",
+            "__module__": __name__,
+        })
+    return _CLASSES[trainer_cls]
