@@ -97,6 +97,21 @@ class LongSeqTrainerMixin:
                 )
             # re-enabled on top of whatever the Trainer (TRL's fused head) put over it
             disable(self.model)
+        checkpointing = getattr(self.model, "is_activation_checkpointing", False) or any(
+            getattr(self.args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing")
+        )
+        if cfg.streambp.enabled and checkpointing:
+            # TRL's SFTConfig turns it on by default (the Trainer applies it in train()); StreamBP
+            # already keeps only each layer's input
+            if getattr(self.model, "is_activation_checkpointing", False):
+                self.model.activation_checkpointing_disable()
+            for name in ("activation_checkpointing", "gradient_checkpointing"):
+                if getattr(self.args, name, None):
+                    setattr(self.args, name, False)
+            logger.warning(
+                "ds_longseq: activation checkpointing turned off: StreamBP already recomputes each layer from its "
+                "input (pass gradient_checkpointing=False to silence this)"
+            )
         if cfg.any_enabled:
             enable(self.model, cfg, sp_group=sp_group)
         self._sp = sequence_parallel_of(self.model)
@@ -263,7 +278,9 @@ def _shard_inputs(inputs: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("ds_longseq sequence parallelism in the Trainer needs (batch, seq) input_ids in each batch")
     seq = {k: v for k, v in inputs.items() if k in SHARDED_KEYS}
-    rest = {k: v for k, v in inputs.items() if k not in SHARDED_KEYS}
+    # seq_idx (TRL's padding-free collator: each token's document) is read only by the short
+    # convolutions of linear-attention layers, which no family ds_longseq supports has.
+    rest = {k: v for k, v in inputs.items() if k not in SHARDED_KEYS and k != "seq_idx"}
     for key, value in rest.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(ids.shape):
             raise ValueError(

@@ -4,7 +4,7 @@ Every run trains a tiny float32 Llama for 3 optimizer steps with the real ``Trai
 the whole (unsharded) batch each rank was given at each micro-step. The reference replays those
 global batches in plain PyTorch in one process: per optimizer step the token-mean loss over every
 data-parallel replica and accumulation step (the Trainer's ``average_tokens_across_devices``),
-its gradient, and torch's AdamW with the Trainer's settings. Parameters after 3 steps (from the
+its gradient, and plain SGD (the Trainer's ``optim="sgd"``). Parameters after 3 steps (from the
 HF-format model the Trainer saved, loaded into the stock class) and every logged loss must match.
 Batches are right-padded with a different number of valid tokens per row and per rank.
 """
@@ -19,7 +19,10 @@ import torch
 
 from tests.dist_utils import run_distributed
 
-VOCAB, LR, STEPS = 64, 1e-3, 3
+# Plain SGD: the parameters after each step are linear in the gradients, so comparing them compares
+# the gradients. (Adam's first steps are sign-like: an element whose gradient is ~1e-9, whose sign
+# float32 rounding decides, moves by the whole learning rate.)
+VOCAB, LR, STEPS = 64, 0.5, 3
 
 
 def _samples(n: int = 24, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -85,7 +88,7 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
     args = TrainingArguments(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
         max_steps=opts.get("max_steps", STEPS), learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-        weight_decay=0.0, deepspeed=ds_config(stage, sp), report_to=[], logging_steps=1, use_cpu=True,
+        weight_decay=0.0, optim="sgd", deepspeed=ds_config(stage, sp), report_to=[], logging_steps=1, use_cpu=True,
         disable_tqdm=True, seed=opts.get("seed", 7), save_strategy=opts.get("save_strategy", "no"),
         save_steps=opts.get("save_steps", 1), remove_unused_columns=False,
     )
@@ -105,35 +108,91 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
     return seen, losses
 
 
+def tiny_tokenizer():
+    """A word-level tokenizer over the test vocabulary (TRL needs one for its pad token); offline."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token=f"t{VOCAB - 1}")
+
+
+def trl_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas: int, opts: dict):
+    """TRL's SFTTrainer (packing on or off) with ds_longseq on this rank."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from ds_longseq.trainer import with_long_seq
+
+    args = SFTConfig(
+        output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=opts.get("long_seq", True)), report_to=[], logging_steps=1,
+        use_cpu=True, disable_tqdm=True, seed=7, save_strategy="no", packing=opts["packing"], max_length=40,
+        bf16=False,  # SFTConfig's default is bf16 training
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    data = datasets.Dataset.from_list([{"input_ids": s["input_ids"]} for s in _samples()])
+    seen = []
+    trainer_cls = with_long_seq(SFTTrainer) if opts.get("long_seq", True) else SFTTrainer
+
+    class Recording(trainer_cls):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return super().training_step(model, inputs, num_items_in_batch=num_items_in_batch)
+
+    trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer())
+    trainer.train()
+    trainer.save_model(os.path.join(workdir, "hf_model"))
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return seen, [h["loss"] for h in logs], [h["mean_token_accuracy"] for h in logs]
+
+
 def reference(model_dir: str, steps: list[list[dict]]):
     """Plain PyTorch on one process: (per-step losses, model after the steps)."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for batches in steps:
         count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
         total = 0.0
         for b in batches:
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), b["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
-            ) / count
-            loss.backward()
-            total += loss.item()
+            for ids, mask, labels in _documents(b):
+                logits = model(input_ids=ids, attention_mask=mask).logits
+                loss = F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+                ) / count
+                loss.backward()
+                total += loss.item()
         opt.step()
         opt.zero_grad()
         losses.append(total)
     return losses, model
 
 
+def _documents(batch: dict):
+    """(input_ids, attention_mask, labels) to run through the stock model: the batch itself, or for
+    packed rows (TRL's padding-free collator: restarting position_ids, no mask) each document alone."""
+    if "attention_mask" in batch or "position_ids" not in batch:
+        return [(batch["input_ids"], batch.get("attention_mask"), batch["labels"])]
+    out = []
+    for ids, pos, labels in zip(batch["input_ids"], batch["position_ids"], batch["labels"], strict=True):
+        starts = (pos == 0).nonzero().flatten().tolist() + [len(pos)]
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            out.append((ids[None, a:b], None, labels[None, a:b]))
+    return out
+
+
 def global_steps(results, sp: int, gas: int) -> list[list[dict]]:
     """The global batches of each optimizer step, from each rank's record; checks that the ranks of
     a sequence-parallel group trained on the same batches and the replicas on different ones."""
     world = len(results)
-    per_rank = [seen for seen, _ in results]
+    per_rank = [r[0] for r in results]
     for r in range(world):
         leader = per_rank[r - r % sp]
         assert len(per_rank[r]) == len(leader)
@@ -151,8 +210,8 @@ def assert_matches_reference(tmp_path, results, model_dir, sp, gas):
     from transformers import AutoModelForCausalLM
 
     ref_losses, ref_model = reference(model_dir, global_steps(results, sp, gas))
-    for _, losses in results:
-        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for result in results:
+        assert result[1] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model", dtype=torch.float32)
     ref = dict(ref_model.named_parameters())
     for name, p in trained.named_parameters():
@@ -185,3 +244,49 @@ def test_trainer_matches_plain_pytorch(tmp_path, case):
     save_tiny_llama(model_dir)
     results = run_distributed(train_body, 2, (str(tmp_path), model_dir, stage, sp, gas, {}), timeout=600)
     assert_matches_reference(tmp_path, results, model_dir, sp, gas)
+
+
+@pytest.mark.parametrize("packing", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_trl_sft_trainer_matches_plain_pytorch(tmp_path, packing):
+    """TRL's SFTTrainer, its fused-LM-head calls served by ds_longseq's chunked head, ZeRO-3, SP=2;
+    with packing the rows are TRL's padding-free ones (restarting position_ids, cu_seq_lens)."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    results = run_distributed(trl_body, 2, (str(tmp_path), model_dir, 3, 2, 2, {"packing": packing}), timeout=600)
+    if packing:  # the records are TRL's packed rows
+        assert "position_ids" in results[0][0][0] and "attention_mask" not in results[0][0][0]
+    assert_matches_reference(tmp_path, results, model_dir, 2, 2)
+    for _, _, accuracy in results:
+        assert all(0.0 <= a <= 1.0 for a in accuracy)
+
+
+def test_trl_metrics_equal_trl_without_ds_longseq(tmp_path):
+    """One process, no SP: the loss and TRL's token-accuracy metric from ds_longseq's fused head equal
+    TRL's own fused head on the same batches."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    ours = run_distributed(trl_body, 1, (str(tmp_path / "a"), model_dir, 2, 1, 1, {"packing": True}), timeout=600)
+    theirs = run_distributed(
+        trl_body, 1, (str(tmp_path / "b"), model_dir, 2, 1, 1, {"packing": True, "long_seq": False}), timeout=600
+    )
+    assert ours[0][1] == pytest.approx(theirs[0][1], rel=1e-5)
+    assert ours[0][2] == pytest.approx(theirs[0][2], abs=1e-6)
+
+
+def test_trainer_resume_from_checkpoint(tmp_path):
+    """ZeRO-3, SP=2: a checkpoint the Trainer wrote at step 2 resumes to the uninterrupted step-3 loss."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    full = run_distributed(
+        train_body, 2, (str(tmp_path / "full"), model_dir, 3, 2, 1, {"save_strategy": "steps", "save_steps": 2}),
+        timeout=600,
+    )
+    checkpoint = str(tmp_path / "full" / "out" / "checkpoint-2")
+    assert os.path.isdir(checkpoint)
+    resumed = run_distributed(
+        train_body, 2, (str(tmp_path / "resumed"), model_dir, 3, 2, 1, {"resume": checkpoint}), timeout=600
+    )
+    for (_, full_losses), (resumed_seen, resumed_losses) in zip(full, resumed, strict=True):
+        assert len(resumed_seen) == 1  # one step trained after the checkpoint
+        # the log history of steps 1-2 comes back with the checkpoint; step 3 is trained again
+        assert resumed_losses == pytest.approx(full_losses, rel=1e-6)

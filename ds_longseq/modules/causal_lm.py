@@ -164,6 +164,10 @@ class CausalLMForward:
         **kwargs,
     ):
         sp = self.active_sp
+        # TRL's padding-free collator adds each token's document index for the short convolutions of
+        # linear-attention layers; no supported family has one, and ds_longseq's attention refuses
+        # arguments it does not implement
+        kwargs.pop("seq_idx", None)
         fused = bool(kwargs.pop("fused_lm_head", False))  # TRL's call: per-token outputs, its field names
         want_entropy = bool(kwargs.pop("return_token_entropy", False)) or fused
         per_token = bool(kwargs.pop("return_token_logprobs", False)) or want_entropy
