@@ -23,6 +23,7 @@ from tests.dist_utils import run_distributed
 # the gradients. (Adam's first steps are sign-like: an element whose gradient is ~1e-9, whose sign
 # float32 rounding decides, moves by the whole learning rate.)
 VOCAB, LR, STEPS = 64, 0.5, 3
+EVAL_SAMPLES = 8  # 4 eval batches of 2: accelerate gives batches 0, 2 to rank 0 and 1, 3 to rank 1
 
 
 def _samples(n: int = 24, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -90,7 +91,7 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
         max_steps=opts.get("max_steps", STEPS), learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
         weight_decay=0.0, optim="sgd", deepspeed=ds_config(stage, sp), report_to=[], logging_steps=1, use_cpu=True,
         disable_tqdm=True, seed=opts.get("seed", 7), save_strategy=opts.get("save_strategy", "no"),
-        save_steps=opts.get("save_steps", 1), remove_unused_columns=False,
+        save_steps=opts.get("save_steps", 1), remove_unused_columns=False, per_device_eval_batch_size=2,
     )
     # after TrainingArguments: under ZeRO-3 the model is created partitioned (zero.Init), as users do
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -103,9 +104,11 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
 
     trainer = Recording(model=model, args=args, train_dataset=_samples(), data_collator=collate)
     trainer.train(resume_from_checkpoint=opts.get("resume"))
+    # sequence parallelism is paused in evaluation: each rank runs its own whole eval batches
+    eval_loss = trainer.evaluate(eval_dataset=_samples(EVAL_SAMPLES, seed=1))["eval_loss"]
     trainer.save_model(os.path.join(workdir, "hf_model"))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return seen, losses
+    return seen, losses, eval_loss
 
 
 def tiny_tokenizer():
@@ -206,12 +209,35 @@ def global_steps(results, sp: int, gas: int) -> list[list[dict]]:
     return [[rep[s * gas + m] for rep in replicas for m in range(gas)] for s in range(STEPS)]
 
 
+def reference_eval_loss(model, world: int = 2) -> float:
+    """The Trainer's eval_loss: eval step k runs batches k*world + r (sequential, 2 samples each) on
+    the ranks r, its loss is their token-weighted mean (average_tokens_across_devices), and
+    eval_loss is the mean over the steps."""
+    import torch.nn.functional as F
+
+    samples = _samples(EVAL_SAMPLES, seed=1)
+    batches = [collate(samples[i : i + 2]) for i in range(0, EVAL_SAMPLES, 2)]
+    step_losses = []
+    with torch.no_grad():
+        for k in range(0, len(batches), world):
+            total, count = 0.0, 0
+            for b in batches[k : k + world]:
+                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                labels = b["labels"][:, 1:]
+                total += F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), reduction="sum").item()
+                count += int((labels != -100).sum())
+            step_losses.append(total / count)
+    return sum(step_losses) / len(step_losses)
+
+
 def assert_matches_reference(tmp_path, results, model_dir, sp, gas):
     from transformers import AutoModelForCausalLM
 
     ref_losses, ref_model = reference(model_dir, global_steps(results, sp, gas))
     for result in results:
         assert result[1] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        if len(result) == 3:  # the Trainer runs also evaluated after training
+            assert result[2] == pytest.approx(reference_eval_loss(ref_model), rel=1e-5)
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model", dtype=torch.float32)
     ref = dict(ref_model.named_parameters())
     for name, p in trained.named_parameters():
@@ -286,7 +312,56 @@ def test_trainer_resume_from_checkpoint(tmp_path):
     resumed = run_distributed(
         train_body, 2, (str(tmp_path / "resumed"), model_dir, 3, 2, 1, {"resume": checkpoint}), timeout=600
     )
-    for (_, full_losses), (resumed_seen, resumed_losses) in zip(full, resumed, strict=True):
+    for (_, full_losses, _), (resumed_seen, resumed_losses, _) in zip(full, resumed, strict=True):
         assert len(resumed_seen) == 1  # one step trained after the checkpoint
         # the log history of steps 1-2 comes back with the checkpoint; step 3 is trained again
         assert resumed_losses == pytest.approx(full_losses, rel=1e-6)
+
+
+def bad_input_body(rank: int, workdir: str, model_dir: str) -> dict[str, str]:
+    """Each bad set-up on one rank; returns {case: "ExceptionType: message"} (raised at construction)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from ds_longseq.trainer import LongSeqTrainer
+
+    def attempt(config: dict, model=None, **kwargs) -> str:
+        args = TrainingArguments(output_dir=workdir, deepspeed=config, use_cpu=True, report_to=[], max_steps=1)
+        try:
+            LongSeqTrainer(
+                model=model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir),
+                args=args, train_dataset=_samples(4), data_collator=collate, **kwargs,
+            )
+        except Exception as err:  # noqa: BLE001 - the test reads the type and the message
+            return f"{type(err).__name__}: {err}"
+        return "no error"
+
+    bad_chunk = ds_config(2, 1)
+    bad_chunk["long_seq"]["streambp"]["chunk_size"] = 0
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    return {
+        "invalid section": attempt(bad_chunk),
+        "sp does not divide world": attempt(ds_config(2, 2)),
+        "unsupported family": attempt(ds_config(2, 1), model=gpt2),
+        "given twice": attempt(ds_config(2, 1), long_seq={"lm_head": {"enabled": True}}),
+    }
+
+
+def test_trainer_bad_input_fails_at_construction(tmp_path):
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    errors = run_distributed(bad_input_body, 1, (str(tmp_path), model_dir), timeout=300)[0]
+    assert errors["invalid section"].startswith("LongSeqConfigError") and "chunk_size" in errors["invalid section"]
+    assert "does not divide the world size 1" in errors["sp does not divide world"]
+    assert errors["unsupported family"].startswith("UnsupportedModelError")
+    assert "keep only one" in errors["given twice"]
+
+
+def test_trl_trainers_without_integration_are_refused():
+    trl = pytest.importorskip("trl")
+    from ds_longseq.trainer import LongSeqTrainer, with_long_seq
+
+    for name in ("DPOTrainer", "GRPOTrainer"):
+        with pytest.raises(NotImplementedError, match=f"TRL's {name}.*examples/dpo.py"):
+            with_long_seq(getattr(trl, name))()  # refused before the Trainer's own __init__ runs
+    assert with_long_seq(trl.SFTTrainer) is with_long_seq(trl.SFTTrainer)
+    assert with_long_seq(LongSeqTrainer) is LongSeqTrainer
