@@ -264,6 +264,11 @@ class LongSeqTrainerMixin:
         loss = loss - loss.detach() + total  # value: the group's; gradient: this rank's share
         return (loss, *result[1:]) if return_outputs else loss
 
+    def sequence_parallel_paused(self):
+        """Context in which the model runs whole sequences on each rank (no sequence parallelism),
+        e.g. for ``trainer.model.generate(...)``; a no-op without sequence parallelism."""
+        return contextlib.nullcontext() if self._sp is None else self._sp.paused()
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if self._sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

@@ -106,6 +106,10 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
     trainer.train(resume_from_checkpoint=opts.get("resume"))
     # sequence parallelism is paused in evaluation: each rank runs its own whole eval batches
     eval_loss = trainer.evaluate(eval_dataset=_samples(EVAL_SAMPLES, seed=1))["eval_loss"]
+    if opts.get("generate"):
+        prompt = torch.tensor([_samples(1, seed=2)[0]["input_ids"][:6]])
+        with trainer.sequence_parallel_paused(), torch.no_grad():
+            seen.append({"generated": trainer.model.generate(prompt, max_new_tokens=4, do_sample=False)})
     trainer.save_model(os.path.join(workdir, "hf_model"))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return seen, losses, eval_loss
@@ -244,6 +248,7 @@ def assert_matches_reference(tmp_path, results, model_dir, sp, gas):
         torch.testing.assert_close(p, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     # the saved config is the stock one: no ds_longseq attention name leaks into it
     assert "ds_longseq" not in json.dumps(json.loads((tmp_path / "hf_model" / "config.json").read_text()))
+    return ref_model
 
 
 CASES = {
@@ -268,8 +273,15 @@ def test_trainer_matches_plain_pytorch(tmp_path, case):
     stage, sp, gas = {**CASES, **SLOW_CASES}[case]
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
-    results = run_distributed(train_body, 2, (str(tmp_path), model_dir, stage, sp, gas, {}), timeout=600)
-    assert_matches_reference(tmp_path, results, model_dir, sp, gas)
+    job = (str(tmp_path), model_dir, stage, sp, gas, {"generate": True})
+    results = run_distributed(train_body, 2, job, timeout=600)
+    generated = [seen.pop()["generated"] for seen, _, _ in results]
+    ref_model = assert_matches_reference(tmp_path, results, model_dir, sp, gas)
+    prompt = torch.tensor([_samples(1, seed=2)[0]["input_ids"][:6]])
+    with torch.no_grad():
+        expected = ref_model.generate(prompt, max_new_tokens=4, do_sample=False)
+    for tokens in generated:  # greedy generation after training, sequence parallelism paused
+        assert torch.equal(tokens, expected)
 
 
 @pytest.mark.parametrize("packing", [True, pytest.param(False, marks=pytest.mark.slow)])

@@ -177,8 +177,9 @@ class SequenceParallelForwardHook:
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
             raise NotImplementedError(
                 "a KV cache (generation, use_cache=True) is not supported under ds_longseq sequence parallelism: "
-                "each rank holds only its shard of the sequence. Generate with the exported model on one "
-                "process, or call ds_longseq.disable(model) first."
+                "each rank holds only its shard of the sequence. Generate inside "
+                "ds_longseq.patch.sequence_parallel_of(model).paused() (in the Trainer: "
+                "trainer.sequence_parallel_paused()), with the exported model, or after ds_longseq.disable(model)."
             )
         tokens = kwargs.get("input_ids")
         if tokens is None:
