@@ -1,6 +1,8 @@
 """ds_longseq: exact long-sequence training of Hugging Face causal LMs (StreamBP, MsT) with DeepSpeed.
 
 Public surface: ``enable`` / ``disable`` a model in place, the ``LongSeqConfig`` type, ``__version__``.
+DeepSpeed: ``ds_longseq.engine.initialize``. The Hugging Face Trainer and TRL's SFTTrainer:
+``ds_longseq.trainer`` (imported on its own, as it pulls in the Trainer).
 """
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError

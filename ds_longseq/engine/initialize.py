@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -151,21 +152,7 @@ def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
         )
 
 
-def initialize(
-    args=None,
-    model: torch.nn.Module | None = None,
-    optimizer=None,
-    model_parameters=None,
-    training_data=None,
-    lr_scheduler=None,
-    distributed_port: int | None = None,
-    mpu=None,
-    dist_init_required: bool | None = None,
-    collate_fn=None,
-    config: str | os.PathLike | Mapping[str, Any] | None = None,
-    config_params: Mapping[str, Any] | None = None,
-    **kwargs,
-):
+def initialize(*args, **kwargs):
     """``deepspeed.initialize`` with long-sequence training applied from the config's ``long_seq``.
 
     Takes exactly ``deepspeed.initialize``'s arguments; ``config`` (or ``config_params``, or
@@ -177,23 +164,7 @@ def initialize(
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
     """
-    deepspeed = _check_deepspeed()
-    return initialize_with(
-        deepspeed.initialize,
-        args=args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
-        distributed_port=distributed_port,
-        mpu=mpu,
-        dist_init_required=dist_init_required,
-        collate_fn=collate_fn,
-        config=config,
-        config_params=config_params,
-        **kwargs,
-    )
+    return initialize_with(_check_deepspeed().initialize, *args, **kwargs)
 
 
 def initialize_with(
@@ -269,3 +240,7 @@ def initialize_with(
     if long_seq.sequence_parallel.enabled and zero_stage == 3:
         fix_zero3_sequence_parallel_average(outputs[0].optimizer, long_seq.sequence_parallel.size)
     return outputs
+
+
+# initialize takes exactly deepspeed.initialize's arguments: show them (help(), IDEs)
+initialize.__signature__ = inspect.Signature(list(inspect.signature(initialize_with).parameters.values())[1:])
