@@ -95,6 +95,8 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
     )
     # after TrainingArguments: under ZeRO-3 the model is created partitioned (zero.Init), as users do
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if opts.get("lora"):
+        model = add_lora(model)
     seen = []
 
     class Recording(LongSeqTrainer):
@@ -113,6 +115,20 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
     trainer.save_model(os.path.join(workdir, "hf_model"))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return seen, losses, eval_loss
+
+
+def add_lora(model):
+    """LoRA on attention and MLP projections, seeded (the reference builds the same adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(123)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    model = get_peft_model(model, config)
+    with torch.no_grad():  # B starts at zero: make it non-zero so every LoRA gradient is non-trivial
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    return model
 
 
 def tiny_tokenizer():
@@ -157,13 +173,15 @@ def trl_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas: 
     return seen, [h["loss"] for h in logs], [h["mean_token_accuracy"] for h in logs]
 
 
-def reference(model_dir: str, steps: list[list[dict]]):
-    """Plain PyTorch on one process: (per-step losses, model after the steps)."""
+def reference(model_dir: str, steps: list[list[dict]], lora: bool = False):
+    """Plain PyTorch on one process: (per-step losses, model after the steps; merged with LoRA)."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    if lora:
+        model = add_lora(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for batches in steps:
         count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
@@ -179,7 +197,7 @@ def reference(model_dir: str, steps: list[list[dict]]):
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, model
+    return losses, model.merge_and_unload() if lora else model
 
 
 def _documents(batch: dict):
@@ -234,20 +252,27 @@ def reference_eval_loss(model, world: int = 2) -> float:
     return sum(step_losses) / len(step_losses)
 
 
-def assert_matches_reference(tmp_path, results, model_dir, sp, gas):
+def assert_matches_reference(tmp_path, results, model_dir, sp, gas, lora: bool = False):
     from transformers import AutoModelForCausalLM
 
-    ref_losses, ref_model = reference(model_dir, global_steps(results, sp, gas))
+    ref_losses, ref_model = reference(model_dir, global_steps(results, sp, gas), lora)
     for result in results:
         assert result[1] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
         if len(result) == 3:  # the Trainer runs also evaluated after training
             assert result[2] == pytest.approx(reference_eval_loss(ref_model), rel=1e-5)
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model", dtype=torch.float32)
+    if lora:  # the Trainer saved the adapter alone, in PEFT's format
+        from peft import PeftModel
+
+        assert (tmp_path / "hf_model" / "adapter_config.json").exists()
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        trained = PeftModel.from_pretrained(base, tmp_path / "hf_model").merge_and_unload()
+    else:
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model", dtype=torch.float32)
     ref = dict(ref_model.named_parameters())
     for name, p in trained.named_parameters():
         torch.testing.assert_close(p, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    # the saved config is the stock one: no ds_longseq attention name leaks into it
-    assert "ds_longseq" not in json.dumps(json.loads((tmp_path / "hf_model" / "config.json").read_text()))
+    if not lora:  # the saved config is the stock one: no ds_longseq attention name leaks into it
+        assert "ds_longseq" not in json.dumps(json.loads((tmp_path / "hf_model" / "config.json").read_text()))
     return ref_model
 
 
@@ -377,3 +402,13 @@ def test_trl_trainers_without_integration_are_refused():
             with_long_seq(getattr(trl, name))()  # refused before the Trainer's own __init__ runs
     assert with_long_seq(trl.SFTTrainer) is with_long_seq(trl.SFTTrainer)
     assert with_long_seq(LongSeqTrainer) is LongSeqTrainer
+
+
+@pytest.mark.slow
+def test_trainer_lora_zero3_sp2(tmp_path):
+    """A PEFT LoRA model (frozen base, the ZeRO-3 leaf case of ds_longseq's fix) in the Trainer,
+    ZeRO-3, SP=2: the saved adapter, merged, equals the plain-PyTorch LoRA reference."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    results = run_distributed(train_body, 2, (str(tmp_path), model_dir, 3, 2, 1, {"lora": True}), timeout=600)
+    assert_matches_reference(tmp_path, results, model_dir, 2, 1, lora=True)
