@@ -22,8 +22,13 @@ setup(
     extras_require={
         # peft: examples/sft.py --lora-rank, the LoRA benchmark suites (benchmarks.run --suite gpu_lora /
         # smoke_lora) and their tests; tested with 0.21.2
-        "test": ["pytest>=8", "peft>=0.21"],
+        # accelerate: the Hugging Face Trainer (ds_longseq.trainer, examples/trainer_sft.py); trl: TRL's
+        # SFTTrainer (examples/trainer_sft.py --trl), which requires accelerate and datasets; tested with
+        # trl 1.16.0, datasets 5.2.0, accelerate 1.15.0
+        "test": ["pytest>=8", "peft>=0.21", "trl>=1.16", "accelerate>=1.15"],
         "lora": ["peft>=0.21"],
+        "trainer": ["accelerate>=1.15"],
+        "trl": ["trl>=1.16", "accelerate>=1.15"],
         "bench": ["peft>=0.21"],
         "flash": ["flash-attn>=2.6"],
         "mpi": ["mpi4py>=4.1.2", "mpich>=5.0.2"],

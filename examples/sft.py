@@ -595,7 +595,7 @@ def export_hf(model, args, rank: int, dtype: torch.dtype) -> None:
             merge_lora(args, dtype, adapter_dir, os.path.join(args.save_dir, "hf_model"))
 
 
-def plot_losses(metrics: list[dict], path: str, chance: float | None) -> None:
+def plot_losses(metrics: list[dict], path: str, chance: float | None, title: str = "examples/sft.py") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -607,7 +607,7 @@ def plot_losses(metrics: list[dict], path: str, chance: float | None) -> None:
         ax.axhline(chance, color="gray", linestyle="--", label=f"chance without looking back (ln {len(DOC_TOKENS)})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.set_title("examples/sft.py")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -19,12 +19,29 @@ def test_the_promised_config_files_exist():
     assert {"zero2_streambp.json", "zero3_streambp.json", "zero3_offload_streambp.json", "zero2_mst.json"} <= names
 
 
+def filled_by_the_trainer(ds_config: dict, output_dir: str) -> dict:
+    """A Hugging Face Trainer config (ds_configs/trainer_*.json) with its "auto" values filled the way
+    transformers' own code fills them from TrainingArguments(bf16=True), which must accept the rest."""
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    try:
+        hf = HfTrainerDeepSpeedConfig(ds_config)
+        hf.trainer_config_process(TrainingArguments(output_dir=output_dir, bf16=True, use_cpu=True, report_to="none"))
+        return hf.config
+    finally:
+        unset_hf_deepspeed_config()
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
-def test_every_config_file_loads_and_validates(path):
+def test_every_config_file_loads_and_validates(path, tmp_path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     ds_config, long_seq = split_config(path)
     assert "long_seq" not in ds_config and long_seq.any_enabled
+    if os.path.basename(path).startswith("trainer_"):
+        ds_config = filled_by_the_trainer(ds_config, str(tmp_path))
+        assert "auto" not in json.dumps(ds_config)
     parsed = DeepSpeedConfig(ds_config)  # DeepSpeed's own validation (extra keys are errors there)
     assert parsed.zero_optimization_stage == json.load(open(path))["zero_optimization"]["stage"]
     assert ds_config["bf16"]["enabled"] is True  # GPU default; examples/sft.py switches CPU runs to fp32

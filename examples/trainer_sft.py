@@ -1,0 +1,138 @@
+"""examples/sft.py's job through the Hugging Face Trainer (or TRL's SFTTrainer) with ds_longseq.
+
+Compared with a stock Trainer script, two things change: the DeepSpeed config carries a
+``"long_seq"`` section, and the Trainer class is ``LongSeqTrainer`` (``with_long_seq(SFTTrainer)``
+for TRL). Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl):
+
+    deepspeed --num_gpus 2 examples/trainer_sft.py
+    deepspeed --num_gpus 2 examples/trainer_sft.py --trl        # TRL's SFTTrainer (pip install 'trl>=1.16')
+
+With no arguments it trains sft.py's embedded default: the tiny Llama-shaped model built from a
+config, from scratch, on the built-in copy task (a random document, then the same document again;
+only the copy is trained on, so the loss can fall below chance, ln 224, only once attention reaches
+back to the first copy), here at a shorter default length. Outputs under --output-dir: the model in
+HF format (``hf_model/``, loadable by the stock ``AutoModelForCausalLM``), ``trainer_state.json``
+(the Trainer's log history) and ``loss.png``.
+
+The default config, ds_configs/trainer_zero2_streambp.json, leaves batch sizes, gradient clipping
+and bf16 to the Trainer ("auto") and has no "optimizer" / "scheduler" section, so the Trainer's own
+AdamW and schedule from TrainingArguments are used, as in any Trainer script. Any other config works
+when the values the Trainer also sets are "auto" or equal to its own (the Trainer names each one
+that is not: sft.py's ds_configs/zero*_streambp.json fix lr 2e-5 and a micro-batch of 1); an
+"optimizer" section makes DeepSpeed build the optimizer. Under ZeRO-3 set
+``stage3_gather_16bit_weights_on_model_save`` for the HF-format save; with
+``long_seq.sequence_parallel.size = P`` the P ranks of a group train on the same rows, 1/P each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+from sft import DEFAULT_LR, DOC_TOKENS, VOCAB, build_model, copy_example, plot_losses, start_distributed
+from transformers import TrainingArguments
+
+from ds_longseq.trainer import LongSeqTrainer, with_long_seq
+
+BATCH = 8  # rows per rank and step: 8 x 256 tokens, the 2048 tokens per rank of sft.py's default step
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/trainer_zero2_streambp.json",
+                   help="DeepSpeed JSON config with a long_seq section; Trainer-set values 'auto' or equal to its own")
+    p.add_argument("--trl", action="store_true", help="train with TRL's SFTTrainer instead of transformers' Trainer")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--max-steps", type=int, default=150, help="optimizer steps")
+    p.add_argument("--output-dir", "--save-dir", dest="output_dir", default="outputs/trainer_sft",
+                   help="HF-format model, trainer_state.json (the logged losses) and loss plot")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
+    # start_distributed / build_model (shared with sft.py) read these sft.py flags
+    p.set_defaults(model=None, dtype="auto", pad_for_sp=False)
+    return p.parse_args(argv)
+
+
+def import_trl():
+    """TRL's SFTConfig and SFTTrainer (TRL is not an install requirement of ds_longseq)."""
+    try:
+        from trl import SFTConfig, SFTTrainer
+    except ImportError as err:
+        raise SystemExit(
+            "--trl needs TRL, which is not installed: pip install 'trl>=1.16' (or pip install -e '.[trl]')"
+        ) from err
+    return SFTConfig, SFTTrainer
+
+
+def copy_task_tokenizer():
+    """An offline tokenizer over the copy task's ids (token i is "t<i>", 0 the pad): TRL needs one."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                   pad_token="t0", eos_token="t2")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    copy_example(0, args.seq_len, args.seed)  # a too-short --seq-len fails here, before anything starts
+    if args.trl:
+        SFTConfig, SFTTrainer = import_trl()
+    # gloo on CPU, nccl on GPU; checks the config's long_seq section against --seq-len and the world size
+    _, world, ds_config, _, use_bf16 = start_distributed(args)
+
+    model = build_model(args, torch.bfloat16 if use_bf16 else torch.float32)
+    rows = [copy_example(i, args.seq_len, args.seed) for i in range(args.max_steps * world * BATCH)]
+    training = dict(
+        output_dir=args.output_dir, deepspeed=ds_config, max_steps=args.max_steps, per_device_train_batch_size=BATCH,
+        learning_rate=DEFAULT_LR, adam_beta2=0.95, weight_decay=0.0, warmup_steps=10,
+        lr_scheduler_type="constant_with_warmup", max_grad_norm=1.0, bf16=use_bf16,
+        use_cpu=not torch.cuda.is_available(), logging_steps=0.02,  # 50 logs per run
+        save_strategy="no", report_to="none", seed=args.seed,
+    )
+
+    # A stock script would say Trainer / SFTTrainer: the Trainer class is the only code change.
+    if not args.trl:
+        trainer = LongSeqTrainer(model=model, args=TrainingArguments(**training), train_dataset=rows)
+    else:
+        import datasets
+
+        # TRL pads each batch itself: the rows without their padding, as token lists
+        data = datasets.Dataset.from_list([
+            {"input_ids": r["input_ids"][r["attention_mask"] == 1].tolist(),
+             "labels": r["labels"][r["attention_mask"] == 1].tolist()} for r in rows
+        ])
+        config = SFTConfig(**training, max_length=args.seq_len, activation_checkpointing=False)
+        trainer = with_long_seq(SFTTrainer)(model=model, args=config, train_dataset=data,
+                                            processing_class=copy_task_tokenizer())
+    result = trainer.train()
+    trainer.save_model(os.path.join(args.output_dir, "hf_model"))  # every rank: ZeRO-3 gathers the weights
+    trainer.save_state()  # trainer_state.json, with the log history
+
+    if trainer.is_world_process_zero():
+        losses = [h for h in trainer.state.log_history if "loss" in h]
+        chance = math.log(len(DOC_TOKENS))
+        plot_losses(losses, os.path.join(args.output_dir, "loss.png"), chance,
+                    title="examples/trainer_sft.py" + (" --trl" if args.trl else ""))
+        sp = trainer.long_seq_sp_size
+        print(
+            f"\nsummary: {type(trainer).__name__}, {args.max_steps} steps on {world} rank(s)"
+            + (f" (sequence parallel {sp} x data parallel {world // sp})" if sp > 1 else "")
+            + f", seq_len {args.seq_len}, "
+            f"loss {losses[0]['loss']:.4f} (step {losses[0]['step']}) -> {losses[-1]['loss']:.4f} "
+            f"(step {losses[-1]['step']}; chance without looking back {chance:.4f}), "
+            f"{result.metrics['train_runtime']:.0f} s of training\n"
+            f"outputs: {args.output_dir}/ (hf_model/, trainer_state.json, loss.png)",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
