@@ -110,7 +110,7 @@ class LongSeqTrainerMixin:
                     setattr(self.args, name, False)
             logger.warning(
                 "ds_longseq: activation checkpointing turned off: StreamBP already recomputes each layer from its "
-                "input (pass gradient_checkpointing=False to silence this)"
+                "input (pass activation_checkpointing=False to silence this)"
             )
         if cfg.any_enabled:
             enable(self.model, cfg, sp_group=sp_group)
