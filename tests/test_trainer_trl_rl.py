@@ -189,54 +189,72 @@ def run_grpo(tmp_path, stage: int, beta: float):
         grpo_body, 2, (str(tmp_path / "theirs"), model_dir, stage, 1, {"beta": beta, "long_seq": False}), timeout=600
     )
     for (_, ours_seen), (_, theirs_seen) in zip(ours, theirs, strict=True):
-        # same sampled completions: the policy's generation is unchanged by ds_longseq
+        # same sampled completions: generation is unchanged by ds_longseq, and the policy is the same
         assert len(ours_seen) == len(theirs_seen) == STEPS
-        assert all(torch.equal(a, b) for a, b in zip(ours_seen, theirs_seen, strict=True))
+        for step, (a, b) in enumerate(zip(ours_seen, theirs_seen, strict=True)):
+            assert torch.equal(a, b), f"step {step + 1}: other completions sampled (the policies differ before it)"
     metrics = GRPO_METRICS + (("kl",) if beta > 0 else ())
     assert_same_training(tmp_path, model_dir, ours[0][0], theirs[0][0], metrics)
 
 
 @pytest.mark.parametrize(
     "stage,beta",
-    [(2, 0.0), pytest.param(3, 0.0, marks=pytest.mark.slow), pytest.param(2, 0.2, marks=pytest.mark.slow)],
-    ids=["zero2", "zero3", "zero2-ref-model"],
+    [(2, 0.0), pytest.param(3, 0.0, marks=pytest.mark.slow), pytest.param(3, 0.2, marks=pytest.mark.slow)],
+    ids=["zero2", "zero3", "zero3-ref-model"],
 )
 def test_grpo_trainer_matches_plain_trl(tmp_path, stage, beta):
     run_grpo(tmp_path, stage, beta)
 
 
-def refused_body(rank: int, workdir: str, model_dir: str) -> dict[str, str]:
-    """Each TRL trainer under sequence parallelism (2 ranks, size 2): the error it raises at construction."""
+def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
+    """Each TRL trainer built on this rank: under sequence parallelism (size 2) the error it raises at
+    construction; without, the fused-head settings ds_longseq's forward got from it."""
     import datasets
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
     from ds_longseq.trainer import with_long_seq
 
-    errors = {}
-    for name, trainer_cls, config_cls, extra in (
-        ("DPOTrainer", DPOTrainer, DPOConfig, {"train_dataset": datasets.Dataset.from_list(preference_pairs(4))}),
-        ("GRPOTrainer", GRPOTrainer, GRPOConfig,
-         {"train_dataset": datasets.Dataset.from_list(prompts(4)), "reward_funcs": even_token_reward}),
-    ):
-        options = {"num_generations": 2, "max_completion_length": 4} if name == "GRPOTrainer" else {}
-        args = config_cls(**common_args(os.path.join(workdir, name), 2, 2, True), **options)
+    def build(trainer_cls, sp: int, **options):
+        extra = {"train_dataset": datasets.Dataset.from_list(preference_pairs(4))}
+        config_cls = DPOConfig
+        if trainer_cls is GRPOTrainer:
+            extra = {"train_dataset": datasets.Dataset.from_list(prompts(4)), "reward_funcs": even_token_reward}
+            config_cls, options = GRPOConfig, {"num_generations": 2, "max_completion_length": 4, **options}
+        args = config_cls(**common_args(os.path.join(workdir, str(len(results))), 2, sp, True), **options)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return with_long_seq(trainer_cls)(model=model, args=args, processing_class=word_tokenizer(), **extra)
+
+    results = {}
+    for name, trainer_cls in (("DPOTrainer", DPOTrainer), ("GRPOTrainer", GRPOTrainer)):
         try:
-            with_long_seq(trainer_cls)(model=model, args=args, processing_class=word_tokenizer(), **extra)
+            build(trainer_cls, 2)
         except Exception as err:  # noqa: BLE001 - the test reads the type and the message
-            errors[name] = f"{type(err).__name__}: {err}"
+            results[name] = f"{type(err).__name__}: {err}"
         else:
-            errors[name] = "no error"
-    return errors
+            results[name] = "no error"
+    # the forward ds_longseq installed on the model (no PEFT here), and what it computes for fused calls
+    results["grpo"] = build(GRPOTrainer, 1, temperature=0.6, cast_lm_head_to_fp32=True).model.forward.fused_head
+    results["dpo"] = build(DPOTrainer, 1).model.forward.fused_head
+    results["dpo-wpo"] = build(DPOTrainer, 1, use_weighting=True).model.forward.fused_head
+    return results
 
 
-def test_dpo_grpo_refused_under_sequence_parallelism(tmp_path):
+def test_trl_trainers_at_construction(tmp_path):
+    """DPO and GRPO are refused under sequence parallelism; otherwise what each asked of its own fused
+    head (GRPO's temperature and cast_lm_head_to_fp32, DPO's fields with and without WPO) is what
+    ds_longseq's forward computes."""
+    from ds_longseq.modules.causal_lm import FusedHeadSettings
+
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
-    for errors in run_distributed(refused_body, 2, (str(tmp_path), model_dir), timeout=600):
+    dpo_fields = ("log_probs", "entropy", "mean_logits", "is_top1")
+    for results in run_distributed(construction_body, 2, (str(tmp_path), model_dir), timeout=600):
         for name in ("DPOTrainer", "GRPOTrainer"):
-            message = errors[name]
+            message = results[name]
             assert message.startswith("NotImplementedError"), message
             assert f"TRL's {name} with long_seq.sequence_parallel.size=2" in message
             assert "whole-sequence sums" in message and "sequence_parallel.size to 1" in message
+        assert results["grpo"] == FusedHeadSettings(0.6, ("log_probs", "entropy"), True)
+        assert results["dpo"] == FusedHeadSettings(1.0, dpo_fields)
+        assert results["dpo-wpo"] == FusedHeadSettings(1.0, (*dpo_fields, "log_sum_sq_probs"))
