@@ -37,7 +37,7 @@ import torch
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.models.adapters import get_adapter
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
-from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
+from ds_longseq.modules.causal_lm import CausalLMForward, FusedHeadSettings, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
 from ds_longseq.modules.moe import RouterTap, check_output_capturing
@@ -333,7 +333,7 @@ def configure_fused_lm_head(
     model: torch.nn.Module,
     *,
     temperature: float = 1.0,
-    outputs: tuple[str, ...] = ("log_probs", "entropy", "is_top1"),
+    outputs: tuple[str, ...] = FusedHeadSettings.outputs,
     cast_lm_head_to_fp32: bool = False,
 ) -> None:
     """Set what TRL's fused-LM-head calls (``model(..., labels=, fused_lm_head=True)``) compute on an
@@ -343,7 +343,8 @@ def configure_fused_lm_head(
     ``modules.causal_lm.CausalLMForward.configure_fused_head``), so the temperature (GRPO), the
     per-token fields the trainer reads (DPO's ``mean_logits``, ``log_sum_sq_probs``) and
     ``cast_lm_head_to_fp32`` must be given again here. ``LongSeqTrainerMixin`` does it from the TRL
-    trainer; call it yourself when you enable a model for a TRL trainer by hand.
+    trainer; call it yourself when you enable a model after TRL added its head, without the mixin.
+    (A model enabled before TRL adds its head is answered by TRL's head over ds_longseq's decoder.)
 
     Raises:
         RuntimeError: the model is not enabled, or enabled with nothing that installs ds_longseq's forward.

@@ -78,11 +78,12 @@ class FusedHeadSettings:
             self.temperature > 0
         ):
             raise ValueError(f"fused LM head temperature must be a positive number, got {self.temperature!r}")
+        if isinstance(self.outputs, str):
+            raise ValueError(f"fused LM head outputs must be a tuple of field names, got the string {self.outputs!r}")
         unknown = [name for name in self.outputs if name not in FUSED_HEAD_OUTPUTS]
-        if isinstance(self.outputs, str) or unknown:
+        if unknown:
             raise ValueError(
-                f"fused LM head outputs {list(unknown) or self.outputs!r} not computed by ds_longseq: give a tuple "
-                f"among {list(FUSED_HEAD_OUTPUTS)}"
+                f"fused LM head outputs {unknown} not computed by ds_longseq: choose among {list(FUSED_HEAD_OUTPUTS)}"
             )
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "outputs", tuple(self.outputs))
