@@ -10,8 +10,9 @@ when the updates are small against the tolerance).
 
 What each metric checks on our side: DPO's ``logits/chosen`` / ``logits/rejected`` are TRL's
 means of ``mean_logits``; with ``use_weighting`` (WPO) the loss weights are built from
-``log_sum_sq_probs``; GRPO runs at temperature 0.7, so its loss and ``entropy`` are those of the
-temperature-scaled distribution. The reference model (DPO; GRPO with ``beta > 0``) keeps TRL's
+``log_sum_sq_probs``; GRPO runs at temperature 0.7, so its gradients (hence the parameters) and
+``entropy`` are those of the temperature-scaled distribution (its loss value, with the policy as
+its own old policy, does not depend on the temperature). The reference model (DPO; GRPO with ``beta > 0``) keeps TRL's
 own fused head in both runs.
 """
 
@@ -76,7 +77,7 @@ def common_args(workdir: str, stage: int, sp: int, long_seq: bool) -> dict:
 
 
 def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts: dict):
-    """One DPOTrainer run on this rank: (logged metrics per step, names of the fused-head fields read)."""
+    """One DPOTrainer run on this rank: its logged metrics per step."""
     import datasets
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
