@@ -37,7 +37,7 @@ import torch
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.models.adapters import get_adapter
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
-from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
+from ds_longseq.modules.causal_lm import CausalLMForward, FusedHeadSettings, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
 from ds_longseq.modules.moe import RouterTap, check_output_capturing
@@ -53,6 +53,7 @@ __all__ = [
     "mark_zero3_leaves",
     "fix_zero3_sequence_parallel_average",
     "sequence_parallel_of",
+    "configure_fused_lm_head",
     "deepspeed_initialize_replaced",
 ]
 
@@ -88,6 +89,7 @@ class PatchHandle:
         self.config = config
         self._undo: list[Callable[[], None]] = []
         self.sp: SequenceParallel | None = None  # the model's sequence-parallel group, when enabled with one
+        self.forward: CausalLMForward | None = None  # the model forward installed, when one is
 
     def set_instance_attr(self, obj: Any, name: str, value: Any) -> None:
         previous = obj.__dict__.get(name, _MISSING)
@@ -241,6 +243,7 @@ def enable(
                 head=adapter.lm_head,
             )
             handle.set_instance_attr(model, "forward", forward)
+            handle.forward = forward
         handle.set_instance_attr(model, _HANDLE_ATTR, handle)
     except BaseException:
         handle.undo()
@@ -324,6 +327,40 @@ def sequence_parallel_of(model: torch.nn.Module) -> SequenceParallel | None:
     """The :class:`SequenceParallel` of an enabled model (``paused()``, ``local_losses()``), or None."""
     handle = _causal_lm(model).__dict__.get(_HANDLE_ATTR)
     return None if handle is None else handle.sp
+
+
+def configure_fused_lm_head(
+    model: torch.nn.Module,
+    *,
+    temperature: float = 1.0,
+    outputs: tuple[str, ...] = FusedHeadSettings.outputs,
+    cast_lm_head_to_fp32: bool = False,
+) -> None:
+    """Set what TRL's fused-LM-head calls (``model(..., labels=, fused_lm_head=True)``) compute on an
+    enabled model: the arguments TRL gave ``trl.trainer.utils.add_fused_lm_head`` for it.
+
+    ds_longseq's forward answers those calls in place of TRL's head (see
+    ``modules.causal_lm.CausalLMForward.configure_fused_head``), so the temperature (GRPO), the
+    per-token fields the trainer reads (DPO's ``mean_logits``, ``log_sum_sq_probs``) and
+    ``cast_lm_head_to_fp32`` must be given again here. ``LongSeqTrainerMixin`` does it from the TRL
+    trainer; call it yourself when you enable a model after TRL added its head, without the mixin.
+    (A model enabled before TRL adds its head is answered by TRL's head over ds_longseq's decoder.)
+
+    Raises:
+        RuntimeError: the model is not enabled, or enabled with nothing that installs ds_longseq's forward.
+        ValueError: a non-positive temperature or an output ds_longseq does not compute.
+    """
+    handle = _causal_lm(model).__dict__.get(_HANDLE_ATTR)
+    if handle is None:
+        raise RuntimeError("configure_fused_lm_head needs ds_longseq.enable(model, ...) first")
+    if handle.forward is None:
+        raise RuntimeError(
+            "configure_fused_lm_head: the long_seq config enables nothing, so ds_longseq installed no forward and "
+            "TRL's own fused head serves the calls; configure it through add_fused_lm_head instead"
+        )
+    handle.forward.configure_fused_head(
+        temperature=temperature, outputs=outputs, cast_lm_head_to_fp32=cast_lm_head_to_fp32
+    )
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` and TRL ``SFTTrainer`` with ds_longseq: one class line in user code.
+"""Hugging Face ``Trainer`` and TRL's SFT / DPO / GRPO trainers with ds_longseq: one class line in user code.
 
 Holds:
     LongSeqTrainerMixin: put it first among the bases of ``transformers.Trainer`` or a subclass.
@@ -18,7 +18,10 @@ what ``engine.initialize`` would, at these points:
   was given and validates it with ``engine.split_config`` (the same errors, before any training),
   builds DeepSpeed's sequence-parallel groups and enables the model. It enables on top of TRL's
   fused-LM-head forward, so TRL's ``fused_lm_head=True`` calls are served by ds_longseq's chunked
-  head (``modules.causal_lm.FusedLMHeadOutput``).
+  head (``modules.causal_lm.FusedLMHeadOutput``), configured as the TRL trainer configured its own
+  (``patch.configure_fused_lm_head``: GRPO's temperature and ``cast_lm_head_to_fp32``, the fields
+  DPO reads). TRL's reference model (DPO; GRPO with ``beta > 0``) keeps TRL's own fused head.
+  ``DPOTrainer`` and ``GRPOTrainer`` are refused under sequence parallelism.
 - ``train`` / ``evaluate`` / ``predict``: inside them ``deepspeed.initialize`` is
   ``engine.initialize_with`` (``patch.deepspeed_initialize_replaced``), so the engine gets the
   sequence-parallel groups (``mpu``), ZeRO-3 leaf modules and the ZeRO-3 average fix.
@@ -47,6 +50,7 @@ from ds_longseq.engine import initialize_with, sequence_parallel_groups, shard_b
 from ds_longseq.engine.sequence_parallel import SHARDED_KEYS
 from ds_longseq.logging import get_logger
 from ds_longseq.patch import (
+    configure_fused_lm_head,
     deepspeed_initialize_replaced,
     disable,
     enable,
@@ -59,13 +63,40 @@ __all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq"]
 
 logger = get_logger(__name__)
 
-# TRL trainers whose losses need more than ds_longseq's fused head gives (TRL's mean_logits,
-# log_sum_sq_probs, temperature) or whole-sequence sums: not integrated yet.
-_TRL_SUPPORTED = {"SFTTrainer", "_BaseTrainer", "BaseTrainer"}
+# TRL trainers integrated (their fused-LM-head calls served by ds_longseq's head); the others
+# (KTO, RLOO, ...) are refused until their losses are checked against TRL's.
+_TRL_SUPPORTED = {"SFTTrainer", "DPOTrainer", "GRPOTrainer", "_BaseTrainer", "BaseTrainer"}
+# Their losses are functions of whole-sequence sums of per-token log-probs (DPO: each completion's
+# log-likelihood; GRPO: each completion's token count and, for its sequence-level loss types, sums),
+# which TRL computes over the tokens on the rank: under sequence parallelism a rank holds a shard.
+_TRL_NO_SEQUENCE_PARALLEL = {"DPOTrainer", "GRPOTrainer"}
+
+
+def _trl_trainer_names(cls: type) -> set[str]:
+    return {b.__name__ for b in cls.__mro__ if b.__module__.split(".")[0] == "trl" and b.__name__.endswith("Trainer")}
+
+
+def _trl_fused_head(trainer) -> dict[str, Any] | None:
+    """The arguments the TRL trainer gave ``add_fused_lm_head`` for its policy (TRL 1.16), read back
+    from the trainer's own attributes; None for a non-TRL trainer."""
+    names = _trl_trainer_names(type(trainer))
+    if "DPOTrainer" in names:  # mean_logits and is_top1 feed its metrics, log_sum_sq_probs the WPO weights
+        weighting = ("log_sum_sq_probs",) if trainer.use_weighting else ()
+        return {"outputs": ("log_probs", "entropy", "mean_logits", "is_top1", *weighting)}
+    if "GRPOTrainer" in names:
+        return {
+            "temperature": trainer.temperature,
+            "cast_lm_head_to_fp32": bool(trainer.args.cast_lm_head_to_fp32),
+            "outputs": ("log_probs", "entropy"),
+        }
+    if "SFTTrainer" in names:
+        return {"outputs": ("log_probs", "entropy", "is_top1")}
+    return None
 
 
 class LongSeqTrainerMixin:
-    """ds_longseq in a Hugging Face ``Trainer`` (or TRL ``SFTTrainer``); list it first among the bases.
+    """ds_longseq in a Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``);
+    list it first among the bases.
 
     Args:
         long_seq: the ``long_seq`` section (dict or :class:`LongSeqConfig`) for a run WITHOUT a
@@ -77,7 +108,8 @@ class LongSeqTrainerMixin:
         ValueError: the sequence-parallel size does not divide the world size; both accelerate's
             and ds_longseq's sequence parallelism are configured; ``long_seq`` given twice.
         UnsupportedModelError: the model family or one of its settings is not supported.
-        NotImplementedError: a TRL trainer other than ``SFTTrainer``.
+        NotImplementedError: a TRL trainer other than ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``;
+            ``DPOTrainer`` or ``GRPOTrainer`` under sequence parallelism.
     """
 
     def __init__(self, *args, long_seq: Mapping[str, Any] | LongSeqConfig | None = None, **kwargs):
@@ -86,6 +118,7 @@ class LongSeqTrainerMixin:
         self._long_seq_routing = False
         self._long_seq_section, self.long_seq_config = self._take_long_seq_section(long_seq)
         cfg = self.long_seq_config
+        self._check_trl_sequence_parallel()
         sp_group = None
         if cfg.sequence_parallel.enabled:
             sp_group = sequence_parallel_groups(cfg.sequence_parallel.size).get_sequence_parallel_group()
@@ -114,6 +147,9 @@ class LongSeqTrainerMixin:
             )
         if cfg.any_enabled:
             enable(self.model, cfg, sp_group=sp_group)
+            fused_head = _trl_fused_head(self)
+            if fused_head is not None:
+                configure_fused_lm_head(self.model, **fused_head)
         self._sp = sequence_parallel_of(self.model)
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -158,10 +194,22 @@ class LongSeqTrainerMixin:
             if base.__module__.split(".")[0] == "trl" and base.__name__.endswith("Trainer"):
                 if base.__name__ not in _TRL_SUPPORTED:
                     raise NotImplementedError(
-                        f"ds_longseq's Trainer integration supports transformers' Trainer and TRL's SFTTrainer, not "
-                        f"TRL's {base.__name__} yet: use examples/dpo.py or examples/grpo.py (ds_longseq's exact "
-                        "chunked DPO / GRPO), or the plain TRL trainer"
+                        f"ds_longseq's Trainer integration supports transformers' Trainer and TRL's SFTTrainer, "
+                        f"DPOTrainer and GRPOTrainer, not TRL's {base.__name__} yet: use the plain TRL trainer, or "
+                        "examples/dpo.py / examples/grpo.py (ds_longseq's exact chunked DPO / GRPO)"
                     )
+
+    def _check_trl_sequence_parallel(self) -> None:
+        size = self.long_seq_config.sequence_parallel.size
+        for name in sorted(_trl_trainer_names(type(self)) & _TRL_NO_SEQUENCE_PARALLEL):
+            if size > 1:
+                raise NotImplementedError(
+                    f"TRL's {name} with long_seq.sequence_parallel.size={size}: its loss needs whole-sequence sums of "
+                    "per-token log-probs, which TRL computes from the tokens on each rank, and under sequence "
+                    "parallelism a rank holds only a shard of each sequence. Set sequence_parallel.size to 1 "
+                    "(streambp, mini_seq and lm_head still apply), or use examples/dpo.py / examples/grpo.py "
+                    "(ds_longseq's exact chunked DPO / GRPO under sequence parallelism)"
+                )
 
     @property
     def long_seq_sp_size(self) -> int:

@@ -2,19 +2,23 @@
 
 ds_longseq answers it with its chunked head (``FusedLMHeadOutput``). Checked against per-token
 quantities computed here from the stock model's float64 logits (values and every gradient, 1e-10),
-and, for the protocol (shapes, masking, loss normalisation), against TRL's own fused head on the
-stock model in float32.
+including TRL's ``mean_logits`` and ``log_sum_sq_probs`` and a temperature (the logits, after the
+family's final-logit softcap, divided by it), and, for the protocol (shapes, masking, loss
+normalisation, which fields are None), against TRL's own fused head on the stock model in float32.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ds_longseq
-from ds_longseq.modules.causal_lm import FusedLMHeadOutput
-from ds_longseq.ops import chunked_token_logprobs
-from tests.helpers import clone, grads_of, make_batch, make_model
+from ds_longseq.modules.causal_lm import FUSED_HEAD_OUTPUTS, FusedHeadSettings, FusedLMHeadOutput
+from ds_longseq.ops import chunked_token_logprobs, chunked_token_outputs
+from ds_longseq.patch import configure_fused_lm_head
+from tests.helpers import clone, grads_of, make_batch, make_model, rel_err
+from tests.test_families import exact, right_padded_batch
 
 CONFIGS = {
     "streambp+lm_head": {
@@ -107,3 +111,170 @@ def test_token_logprobs_top1_flags():
     _, mask, _, top1 = chunked_token_logprobs(hidden, weight, targets, chunk_size=4, top1=True)
     expected = (logits.argmax(-1) == targets) & mask
     assert torch.equal(top1, expected) and bool(top1[0, :4].all()) and not bool(top1[1, 2])
+
+
+def _stock_fields(model, batch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """Every field of TRL's fused head, (B, T - 1) each, from the stock float64 logits (after the
+    family's final-logit softcap, which the stock forward applies) divided by the temperature,
+    by the definitions: p = softmax, log sum_v p_v^2, the plain mean over the vocabulary."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1] / temperature
+    targets = batch["labels"][:, 1:]
+    mask = targets != -100
+    log_p = torch.log_softmax(logits, dim=-1)
+    p = log_p.exp()
+    index = targets.clamp_min(0).unsqueeze(-1)
+    return {
+        "log_probs": log_p.gather(-1, index).squeeze(-1) * mask,
+        "entropy": -(p * log_p).sum(-1) * mask,
+        "mean_logits": logits.mean(-1) * mask,
+        "log_sum_sq_probs": torch.log((p * p).sum(-1)) * mask,
+        "is_top1": (logits.gather(-1, index).squeeze(-1) >= logits.amax(-1)) & mask,
+        "label_mask": mask,
+    }
+
+
+# (family, long_seq config, temperature): Gemma 2 has a final-logit softcap (3.0 in the test model)
+FIELD_CASES = {
+    "llama-chunked-T0.7": ("llama", "streambp+lm_head", 0.7),
+    "llama-stock-head-T0.7": ("llama", "streambp, stock head", 0.7),
+    "llama-chunked-T1": ("llama", "streambp+lm_head", 1.0),
+    "gemma2-softcap-chunked-T1.3": ("gemma2", "streambp+lm_head", 1.3),
+    "gemma2-softcap-stock-head-T1.3": ("gemma2", "streambp, stock head", 1.3),
+}
+
+
+@pytest.mark.parametrize("case", list(FIELD_CASES))
+def test_fused_head_all_fields_and_temperature_exact(case):
+    """mean_logits, log_sum_sq_probs and the temperature: values against the stock float64 logits,
+    and the gradients of log_probs and entropy, to 1e-10."""
+    arch, config, temperature = FIELD_CASES[case]
+    if arch == "gemma2":  # float64 norms and attention in the reference (see tests/test_families.py)
+        model, batch = exact(make_model(arch, torch.float64)), right_padded_batch()
+    else:
+        model, batch = make_model(arch, torch.float64), make_batch()
+    ours = ds_longseq.enable(clone(model), CONFIGS[config])
+    configure_fused_lm_head(ours, temperature=temperature, outputs=FUSED_HEAD_OUTPUTS)
+    g = torch.Generator().manual_seed(5)
+    w_lp, w_h = (torch.randn(batch["labels"][:, 1:].shape, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def objective(log_probs, entropy):
+        return (log_probs * w_lp).sum() + (entropy * w_h).sum()
+
+    ref = {}
+
+    def reference():
+        ref.update(_stock_fields(model, batch, temperature))
+        return objective(ref["log_probs"], ref["entropy"])
+
+    got = {}
+
+    def fused():
+        got["out"] = ours(**batch, fused_lm_head=True)
+        return objective(got["out"].log_probs, got["out"].entropy)
+
+    _, ref_grads, ref_gin = grads_of(model, reference)
+    _, grads, gin = grads_of(ours, fused)
+    out = got["out"]
+    for field in ("log_probs", "entropy", "mean_logits", "log_sum_sq_probs"):
+        torch.testing.assert_close(getattr(out, field).detach(), ref[field].detach(), rtol=0, atol=1e-10,
+                                   msg=lambda m, f=field: f"{f}: {m}")
+    assert torch.equal(out.is_top1, ref["is_top1"]) and torch.equal(out.label_mask, ref["label_mask"])
+    assert not out.mean_logits.requires_grad and not out.log_sum_sq_probs.requires_grad  # statistics, as TRL's
+    torch.testing.assert_close(out.loss.detach(), -ref["log_probs"].detach().sum() / ref["label_mask"].sum(),
+                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(gin, ref_gin, rtol=1e-10, atol=1e-12)
+    assert set(grads) == set(ref_grads)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")
+    if temperature != 1.0:  # the temperature bites: the T = 1 values are far off
+        plain = _stock_fields(model, batch)
+        assert (plain["log_probs"] - ref["log_probs"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_head_matches_trl_with_every_field(temperature):
+    """TRL's own fused head on the stock float32 model, every output requested, with a temperature:
+    the same fields (values and the gradients of log_probs and entropy) as ds_longseq's."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    model = make_model("llama", torch.float32)
+    theirs = clone(model)
+    trl_utils.add_fused_lm_head(theirs, temperature=temperature, outputs=FUSED_HEAD_OUTPUTS)
+    ours = ds_longseq.enable(clone(model), CONFIGS["streambp+lm_head"])
+    configure_fused_lm_head(ours, temperature=temperature, outputs=FUSED_HEAD_OUTPUTS)
+    batch = make_batch()
+    w = torch.randn(batch["labels"][:, 1:].shape, generator=torch.Generator().manual_seed(3))
+    outs = {}
+
+    def run(name, m):
+        def loss():
+            outs[name] = m(**batch, fused_lm_head=True, num_items_in_batch=torch.tensor(50.0))
+            return (outs[name].log_probs * w).sum() + outs[name].entropy.sum() + outs[name].loss
+        return grads_of(m, loss)
+
+    _, g_ours, gin_ours = run("ours", ours)
+    _, g_theirs, gin_theirs = run("theirs", theirs)
+    a, b = outs["ours"], outs["theirs"]
+    for field in ("loss", "log_probs", "entropy", "mean_logits", "log_sum_sq_probs"):
+        torch.testing.assert_close(getattr(a, field).detach(), getattr(b, field).detach(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, f=field: f"{f}: {m}")
+    assert torch.equal(a.label_mask, b.label_mask) and torch.equal(a.is_top1, b.is_top1)
+    # norm-wise: float32 roundings of two different kernels (and StreamBP's chunked layers) sum differently
+    errs = {"input": rel_err(gin_ours, gin_theirs), **{n: rel_err(g_ours[n], g_theirs[n]) for n in g_theirs}}
+    assert set(g_ours) == set(g_theirs) and max(errs.values()) < 1e-5, errs
+
+
+def test_fused_head_unrequested_fields_are_none():
+    """As TRL's head: fields not requested are None (and not computed); the default request is
+    what TRL's SFTTrainer reads."""
+    ours = ds_longseq.enable(make_model("llama", torch.float32), CONFIGS["streambp+lm_head"])
+    batch = make_batch()
+    with torch.no_grad():
+        out = ours(**batch, fused_lm_head=True)
+        assert out.entropy is not None and out.is_top1 is not None
+        assert out.mean_logits is None and out.log_sum_sq_probs is None
+        configure_fused_lm_head(ours, outputs=("log_probs", "log_sum_sq_probs"))
+        out = ours(**batch, fused_lm_head=True)
+    assert out.log_sum_sq_probs is not None
+    assert out.entropy is None and out.is_top1 is None and out.mean_logits is None
+    hidden = torch.randn(2, 5, 8, dtype=torch.float64)
+    none = chunked_token_outputs(hidden, torch.randn(11, 8, dtype=torch.float64), torch.zeros(2, 5, dtype=torch.long),
+                                 chunk_size=4)
+    assert none[2:] == (None, None, None, None)
+
+
+def test_fused_head_cast_lm_head_to_fp32_under_autocast():
+    """GRPO's cast_lm_head_to_fp32: under bfloat16 autocast the head projects the hidden states it
+    is given in float32 (the log-probs equal a float64 projection of them to 1e-6); without it, in
+    bfloat16 (far off: the test would otherwise pass vacuously)."""
+    ours = ds_longseq.enable(make_model("llama", torch.float32), CONFIGS["streambp+lm_head"])
+    batch = make_batch()
+    seen = {}
+    ours.lm_head.register_forward_hook(lambda m, args, kwargs, out: seen.update(h=args[0]), with_kwargs=True)
+    targets = batch["labels"][:, 1:]
+    mask = targets != -100
+
+    def run(cast: bool):
+        configure_fused_lm_head(ours, temperature=0.7, cast_lm_head_to_fp32=cast)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ours(**batch, fused_lm_head=True)
+        logits = F.linear(seen["h"].double(), ours.lm_head.weight.double()) / 0.7
+        ref = torch.log_softmax(logits, -1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1) * mask
+        return (out.log_probs.double() - ref).abs().max().item()
+
+    assert run(True) < 1e-6
+    assert run(False) > 1e-4
+
+
+def test_fused_head_settings_refused():
+    with pytest.raises(ValueError, match="temperature must be a positive number"):
+        FusedHeadSettings(temperature=0.0)
+    with pytest.raises(ValueError, match=r"outputs \['logits'\] not computed by ds_longseq"):
+        FusedHeadSettings(outputs=("log_probs", "logits"))
+    with pytest.raises(RuntimeError, match="needs ds_longseq.enable"):
+        configure_fused_lm_head(make_model("llama", torch.float32), temperature=0.7)
+    hidden, weight = torch.randn(1, 3, 4), torch.randn(5, 4)
+    targets = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="temperature must be a positive number"):
+        chunked_token_outputs(hidden, weight, targets, chunk_size=2, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"unknown per-token outputs \['is_top1'\]"):
+        chunked_token_outputs(hidden, weight, targets, chunk_size=2, outputs=("is_top1",))

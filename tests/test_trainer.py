@@ -258,7 +258,8 @@ def assert_matches_reference(tmp_path, results, model_dir, sp, gas, lora: bool =
     ref_losses, ref_model = reference(model_dir, global_steps(results, sp, gas), lora)
     for result in results:
         assert result[1] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-        if len(result) == 3:  # the Trainer runs also evaluated after training
+        # train_body's runs also evaluated after training (trl_body's third item is its token accuracies)
+        if len(result) == 3 and isinstance(result[2], float):
             assert result[2] == pytest.approx(reference_eval_loss(ref_model), rel=1e-5)
     if lora:  # the Trainer saved the adapter alone, in PEFT's format
         from peft import PeftModel
@@ -397,8 +398,8 @@ def test_trl_trainers_without_integration_are_refused():
     trl = pytest.importorskip("trl")
     from ds_longseq.trainer import LongSeqTrainer, with_long_seq
 
-    for name in ("DPOTrainer", "GRPOTrainer"):
-        with pytest.raises(NotImplementedError, match=f"TRL's {name}.*examples/dpo.py"):
+    for name in ("KTOTrainer", "RLOOTrainer"):
+        with pytest.raises(NotImplementedError, match=f"TRL's {name} yet.*plain TRL trainer"):
             with_long_seq(getattr(trl, name))()  # refused before the Trainer's own __init__ runs
     assert with_long_seq(trl.SFTTrainer) is with_long_seq(trl.SFTTrainer)
     assert with_long_seq(LongSeqTrainer) is LongSeqTrainer

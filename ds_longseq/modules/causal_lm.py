@@ -14,12 +14,15 @@ loss would use, shifted as the loss shifts them), the input of DPO / GRPO object
 
 ``model(..., labels=labels, fused_lm_head=True)`` is TRL's fused-LM-head call (TRL >= 1.16, its
 ``add_fused_lm_head``): it returns a :class:`FusedLMHeadOutput` with TRL's field names, computed by
-the chunked head (``log_probs``, ``entropy``, ``is_top1``, ``label_mask``, ``loss``), so TRL's
-trainers get ds_longseq's head, chunk size and sequence-parallel handling.
+the chunked head, so TRL's trainers get ds_longseq's head, chunk size and sequence-parallel
+handling. What TRL configured when it added its head (the temperature, the per-token fields its
+trainer reads, ``cast_lm_head_to_fp32``) is set with :meth:`CausalLMForward.configure_fused_head`
+(``patch.configure_fused_lm_head``; the Trainer integration does it from the TRL trainer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -31,8 +34,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput, M
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
 from ds_longseq.ops.lm_head_loss import (
+    TokenHeadOutputs,
     chunked_lm_head_loss,
-    chunked_token_logprobs,
+    chunked_token_outputs,
     shift_causal_labels,
     softcap_logits,
 )
@@ -42,7 +46,52 @@ from ds_longseq.ops.packing import doc_starts, mask_document_starts
 if TYPE_CHECKING:
     from ds_longseq.modules.sequence_parallel import SequenceParallel
 
-__all__ = ["CausalLMForward", "LMHeadLossForward", "FusedLMHeadOutput"]
+__all__ = ["CausalLMForward", "LMHeadLossForward", "FusedLMHeadOutput", "FusedHeadSettings", "FUSED_HEAD_OUTPUTS"]
+
+FUSED_HEAD_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+"""The per-token fields of TRL's fused head (``add_fused_lm_head(outputs=...)``) ds_longseq computes."""
+
+# TRL's field names -> the chunked head's (``ops.lm_head_loss.TOKEN_HEAD_OUTPUTS``)
+_HEAD_OUTPUT_NAMES = {"entropy": "entropy", "is_top1": "top1", "mean_logits": "mean_logits",
+                      "log_sum_sq_probs": "log_sum_sq_probs"}
+
+
+@dataclass(frozen=True)
+class FusedHeadSettings:
+    """What a fused-LM-head call computes: TRL's ``add_fused_lm_head`` arguments.
+
+    Attributes:
+        temperature: the logits (after the final-logit softcap) are divided by it before the softmax;
+            every field, the loss and the gradients are those of the scaled distribution.
+        outputs: the per-token fields of :data:`FUSED_HEAD_OUTPUTS` to compute (``log_probs`` always is;
+            the others are None when not listed, as in TRL).
+        cast_lm_head_to_fp32: project the final hidden states through the head in float32, outside
+            autocast (GRPO's ``cast_lm_head_to_fp32``).
+    """
+
+    temperature: float = 1.0
+    outputs: tuple[str, ...] = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer reads
+    cast_lm_head_to_fp32: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+            self.temperature > 0
+        ):
+            raise ValueError(f"fused LM head temperature must be a positive number, got {self.temperature!r}")
+        if isinstance(self.outputs, str):
+            raise ValueError(f"fused LM head outputs must be a tuple of field names, got the string {self.outputs!r}")
+        unknown = [name for name in self.outputs if name not in FUSED_HEAD_OUTPUTS]
+        if unknown:
+            raise ValueError(
+                f"fused LM head outputs {unknown} not computed by ds_longseq: choose among {list(FUSED_HEAD_OUTPUTS)}"
+            )
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+
+    @property
+    def head_outputs(self) -> tuple[str, ...]:
+        """The requested optional fields under the chunked head's names."""
+        return tuple(_HEAD_OUTPUT_NAMES[name] for name in self.outputs if name != "log_probs")
 
 
 @dataclass
@@ -61,7 +110,13 @@ class FusedLMHeadOutput(ModelOutput):
         is_top1: whether the label has the largest logit.
         label_mask: whether the label is valid.
         aux_loss: the MoE load-balancing loss, when requested.
-        log_sum_sq_probs, mean_logits: TRL fields ds_longseq does not compute (always None).
+        log_sum_sq_probs: log sum_v p_v^2 of each next-token distribution, no gradient.
+        mean_logits: mean over the vocabulary of each position's logits (after the final-logit
+            softcap, divided by the temperature), no gradient.
+
+    ``entropy``, ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` are computed when requested
+    (:class:`FusedHeadSettings` ``outputs``, as TRL's ``add_fused_lm_head(outputs=...)``), else None.
+    Every field and the loss are those of the temperature-scaled distribution.
     """
 
     loss: torch.Tensor | None = None
@@ -79,8 +134,8 @@ class LMHeadLossForward:
 
     ``head(hidden)`` is the stock linear (logits); ``head(hidden, targets=t)`` returns
     ``(loss_sum, num_valid)`` of the chunked cross entropy against already-shifted (B, T) targets;
-    ``head(hidden, targets=t, per_token=True, entropy=..., top1=...)`` returns ``(logprobs, mask,
-    entropy, top1)`` of :func:`chunked_token_logprobs`.
+    ``head(hidden, targets=t, per_token=True, outputs=(...), temperature=...)`` returns the
+    ``TokenHeadOutputs`` of :func:`chunked_token_outputs`.
     """
 
     def __init__(self, head: torch.nn.Linear, orig_forward: Callable, chunk_size: int, softcap: float | None = None):
@@ -95,8 +150,8 @@ class LMHeadLossForward:
         targets: torch.Tensor | None = None,
         ignore_index: int = -100,
         per_token: bool = False,
-        entropy: bool = False,
-        top1: bool = False,
+        outputs: tuple[str, ...] = (),
+        temperature: float = 1.0,
     ):
         if targets is None:
             return self.orig_forward(hidden)
@@ -104,7 +159,9 @@ class LMHeadLossForward:
         common = dict(chunk_size=self.chunk_size, bias=head.bias, ignore_index=ignore_index, softcap=self.softcap)
         targets = targets.to(hidden.device)
         if per_token:
-            return chunked_token_logprobs(hidden, head.weight, targets, entropy=entropy, top1=top1, **common)
+            return chunked_token_outputs(
+                hidden, head.weight, targets, outputs=outputs, temperature=temperature, **common
+            )
         return chunked_lm_head_loss(hidden, head.weight, targets, **common)
 
 
@@ -145,6 +202,24 @@ class CausalLMForward:
         # where the family keeps them (models/adapters.py); the stock layout by default
         self.decoder = model.model if decoder is None else decoder
         self.head = model.lm_head if head is None else head
+        self.fused_head = FusedHeadSettings()
+
+    def configure_fused_head(
+        self,
+        *,
+        temperature: float = 1.0,
+        outputs: tuple[str, ...] = FusedHeadSettings.outputs,
+        cast_lm_head_to_fp32: bool = False,
+    ) -> FusedHeadSettings:
+        """Set what ``fused_lm_head=True`` calls compute: the arguments TRL gave ``add_fused_lm_head``
+        for this model (see :class:`FusedHeadSettings`; the TRL trainer's own head is shadowed by
+        this forward, so its settings must be repeated here). Other calls are unaffected.
+
+        Raises:
+            ValueError: a non-positive temperature or an output ds_longseq does not compute.
+        """
+        self.fused_head = FusedHeadSettings(temperature, tuple(outputs), bool(cast_lm_head_to_fp32))
+        return self.fused_head
 
     @property
     def active_sp(self) -> "SequenceParallel | None":
@@ -243,8 +318,8 @@ class CausalLMForward:
             aux = self._router_aux_loss(outputs, attention_mask) if router_aux else None
             return self._fused_output(hidden, targets, ignore_index, num_items_in_batch, shift_labels is None, aux)
         if per_token:
-            logps, mask, ent, _ = self._per_token(hidden, targets, ignore_index, want_entropy, top1=False)
-            return TokenLogprobs(logps, mask, ent, group=None if sp is None else sp.group)
+            out = self._per_token(hidden, targets, ignore_index, ("entropy",) if want_entropy else ())
+            return TokenLogprobs(out.log_probs, out.mask, out.entropy, group=None if sp is None else sp.group)
         logits = None
         if self.config.lm_head.enabled:
             loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
@@ -278,32 +353,49 @@ class CausalLMForward:
             )
         return output.to_tuple() if return_dict is False else output
 
-    def _per_token(self, hidden, targets, ignore_index: int, entropy: bool, top1: bool):
-        """(logprobs, mask, entropy or None, top1 or None) of ``targets``, (B, T) each: chunked, or
-        from the stock head's logits."""
+    def _per_token(self, hidden, targets, ignore_index: int, outputs: tuple[str, ...], temperature: float = 1.0):
+        """``TokenHeadOutputs`` of ``targets``, (B, T) each, with the ``outputs`` requested (names of
+        ``ops.lm_head_loss.TOKEN_HEAD_OUTPUTS``): chunked, or from the stock head's logits."""
         if self.config.lm_head.enabled:
-            return self.head(hidden, targets=targets, ignore_index=ignore_index, per_token=True, entropy=entropy,
-                             top1=top1)
+            return self.head(hidden, targets=targets, ignore_index=ignore_index, per_token=True, outputs=outputs,
+                             temperature=temperature)
         # the stock head: (B, T, V) logits, as the user configured
         logits = self.head(hidden)
         if self.final_logit_softcap is not None:
             logits = softcap_logits(logits, self.final_logit_softcap)
         targets = targets.to(logits.device)
-        log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_p = torch.log_softmax(logits, dim=-1)
         mask = targets != ignore_index
         index = targets.clamp_min(0).unsqueeze(-1)
         logps = log_p.gather(-1, index).squeeze(-1) * mask
-        ent = -(log_p.exp() * log_p).sum(-1) * mask if entropy else None
-        hit = (logits.gather(-1, index).squeeze(-1) >= logits.amax(dim=-1)) & mask if top1 else None
-        return logps, mask, ent, hit
+        ent = -(log_p.exp() * log_p).sum(-1) * mask if "entropy" in outputs else None
+        hit = None
+        if "top1" in outputs:
+            hit = (logits.gather(-1, index).squeeze(-1) >= logits.amax(dim=-1)) & mask
+        with torch.no_grad():  # statistics without gradient, as TRL's
+            mean = logits.mean(-1) * mask if "mean_logits" in outputs else None
+            sq = None
+            if "log_sum_sq_probs" in outputs:
+                sq = (torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1)) * mask
+        return TokenHeadOutputs(logps, mask, ent, hit, mean, sq)
 
     def _fused_output(self, hidden, targets, ignore_index: int, num_items_in_batch, trim: bool, aux_loss):
-        """TRL's fused-LM-head output. ``trim``: the targets came from unshifted ``labels``, so the
-        last position (never a target) is dropped, as TRL's own head returns (B, T - 1)."""
+        """TRL's fused-LM-head output, as :attr:`fused_head` configures it. ``trim``: the targets came
+        from unshifted ``labels``, so the last position (never a target) is dropped, as TRL's own
+        head returns (B, T - 1)."""
         if trim:
             hidden, targets = hidden[:, :-1], targets[:, :-1]
-        logps, mask, ent, hit = self._per_token(hidden, targets, ignore_index, entropy=True, top1=True)
-        loss_sum, num_valid = -logps.sum(), mask.sum()
+        settings = self.fused_head
+        precision = contextlib.nullcontext()
+        if settings.cast_lm_head_to_fp32:  # as TRL's head: float32 projection outside autocast
+            hidden = hidden.float()
+            precision = torch.autocast(hidden.device.type, enabled=False)
+        with precision:
+            out = self._per_token(hidden, targets, ignore_index, settings.head_outputs, settings.temperature)
+        loss_sum, num_valid = -out.log_probs.sum(), out.mask.sum()
         if self.active_sp is not None:
             loss = self.active_sp.token_mean(loss_sum, num_valid, num_items_in_batch)
         else:
@@ -314,7 +406,8 @@ class CausalLMForward:
         if aux_loss is not None:
             loss = loss + self.model.router_aux_loss_coef * aux_loss.to(loss.device)
         return FusedLMHeadOutput(
-            loss=loss, log_probs=logps, entropy=ent, is_top1=hit, label_mask=mask, aux_loss=aux_loss
+            loss=loss, log_probs=out.log_probs, entropy=out.entropy, log_sum_sq_probs=out.log_sum_sq_probs,
+            mean_logits=out.mean_logits, is_top1=out.top1, label_mask=out.mask, aux_loss=aux_loss,
         )
 
     def _router_aux_loss_wanted(self, kwargs: dict) -> bool:

@@ -3,8 +3,11 @@
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.lm_head_loss import (
+    TOKEN_HEAD_OUTPUTS,
+    TokenHeadOutputs,
     chunked_lm_head_loss,
     chunked_token_logprobs,
+    chunked_token_outputs,
     shift_causal_labels,
     softcap_logits,
 )
@@ -28,6 +31,9 @@ __all__ = [
     "mask_document_starts",
     "chunked_lm_head_loss",
     "chunked_token_logprobs",
+    "chunked_token_outputs",
+    "TokenHeadOutputs",
+    "TOKEN_HEAD_OUTPUTS",
     "TokenLogprobs",
     "dpo_loss",
     "group_advantages",

@@ -6,6 +6,9 @@ Holds:
     chunked_lm_head_loss: (loss_sum, num_valid) over valid tokens, chunk by chunk.
     chunked_token_logprobs: (B, T) per-token log-probabilities (and entropies) of given targets,
         chunk by chunk, for objectives built on them (DPO, GRPO).
+    chunked_token_outputs: the same with every per-token statistic of TRL's fused LM head
+        (entropy, top-1 flag, mean logit, log sum_v p_v^2) and a sampling temperature.
+    TokenHeadOutputs: what ``chunked_token_outputs`` returns.
 
 Shape legend: B batch, T sequence, d hidden, V vocab, N valid tokens, C chunk.
 
@@ -31,12 +34,22 @@ holds a second (C x V) buffer for the chunk.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from ds_longseq.ops.chunk_grads import acc_dtype, autocast_dtype
 
-__all__ = ["shift_causal_labels", "softcap_logits", "chunked_lm_head_loss", "chunked_token_logprobs"]
+__all__ = [
+    "shift_causal_labels",
+    "softcap_logits",
+    "chunked_lm_head_loss",
+    "chunked_token_logprobs",
+    "chunked_token_outputs",
+    "TokenHeadOutputs",
+    "TOKEN_HEAD_OUTPUTS",
+]
 
 
 def shift_causal_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -208,26 +221,36 @@ def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """(N,) log p(target) of each valid token, and (N,) entropies and (N,) bool "target is a top
-    logit" when asked; one (C x V) chunk of logits at a time, recomputed in backward (the upstream
-    gradient is per token, so unlike the loss the chunk's dLogits cannot be formed in forward)."""
+    """(N,) log p(target) of each valid token under the temperature-scaled distribution, and when
+    asked (N,) entropies, (N,) bool "target is a top logit", (N,) mean logits and (N,) log sum_v p_v^2;
+    one (C x V) chunk of logits at a time, recomputed in backward (the upstream gradient is per
+    token, so unlike the loss the chunk's dLogits cannot be formed in forward). The last three are
+    statistics without gradient; unrequested outputs are empty and cost nothing."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, with_entropy, with_top1):
+    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, temperature, with_entropy, with_top1,
+                with_mean_logits, with_log_sum_sq):
         mm_dtype = autocast_dtype(hidden)
         loss_dtype = _loss_dtype(hidden.dtype)
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        logps = torch.empty(index.numel(), dtype=loss_dtype, device=hidden.device)
-        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
-        top1 = torch.empty(index.numel() if with_top1 else 0, dtype=torch.bool, device=hidden.device)
+        n = index.numel()
+        logps = torch.empty(n, dtype=loss_dtype, device=hidden.device)
+
+        def optional(wanted: bool, dtype=loss_dtype) -> torch.Tensor:
+            return torch.empty(n if wanted else 0, dtype=dtype, device=hidden.device)
+
+        entropy, top1 = optional(with_entropy), optional(with_top1, torch.bool)
+        mean_logits, log_sum_sq = optional(with_mean_logits), optional(with_log_sum_sq)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
-            for s in range(0, index.numel(), chunk_size):
+            for s in range(0, n, chunk_size):
                 idx = index[s : s + chunk_size]
                 rows = slice(s, s + idx.numel())
                 z = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(loss_dtype)
                 if softcap is not None:
                     softcap_logits(z, softcap, inplace=True)
+                if temperature != 1.0:  # after the softcap, as TRL's head and generation's warper scale
+                    z.div_(temperature)
                 lse = torch.logsumexp(z, dim=-1)
                 z_target = z.gather(1, targets[rows].unsqueeze(1)).squeeze(1)
                 logps[rows] = z_target - lse
@@ -235,19 +258,27 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     entropy[rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
                 if with_top1:  # ties count: the target is "a" most likely token
                     top1[rows] = z_target >= z.amax(dim=-1)
+                if with_mean_logits:
+                    mean_logits[rows] = z.mean(dim=-1)
+                if with_log_sum_sq:  # log sum_v p_v^2 = logsumexp(2 z) - 2 lse, with no p_v^2 to underflow
+                    log_sum_sq[rows] = torch.logsumexp(z.mul_(2.0), dim=-1) - 2.0 * lse  # last use of z
                 del z
         ctx.save_for_backward(hidden, weight, bias, index, targets)
-        ctx.chunk_size, ctx.mm_dtype, ctx.softcap = chunk_size, mm_dtype, softcap
+        ctx.chunk_size, ctx.mm_dtype, ctx.softcap, ctx.temperature = chunk_size, mm_dtype, softcap, temperature
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(top1)
-        return logps, entropy, top1
+        ctx.mark_non_differentiable(top1, mean_logits, log_sum_sq)
+        return logps, entropy, top1, mean_logits, log_sum_sq
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropy, _grad_top1):
+    def backward(ctx, grad_logps, grad_entropy, _grad_top1, _grad_mean_logits, _grad_log_sum_sq):
         hidden, weight, bias, index, targets = ctx.saved_tensors
+        temperature = ctx.temperature
 
         def dlogits_token(z: torch.Tensor, rows: slice, t: torch.Tensor) -> torch.Tensor:
-            # d logp_t / dz = onehot_t - p;  dH / dz = -p * (z - sum_v p_v z_v)
+            # with y = z / T:  d logp_t / dy = onehot_t - p;  dH / dy = -p * (y - sum_v p_v y_v);
+            # dL / dz = dL / dy / T
+            if temperature != 1.0:
+                z = z.div_(temperature)
             g_lp = None if grad_logps is None else grad_logps[rows].to(z.dtype).unsqueeze(1)
             g_h = None if grad_entropy is None else grad_entropy[rows].to(z.dtype).unsqueeze(1)
             if g_h is None:  # in place on the one (C x V) buffer
@@ -260,13 +291,96 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     d -= p * g_lp
             if g_lp is not None:
                 d[torch.arange(d.shape[0], device=d.device), t] += g_lp.squeeze(1)
-            return d
+            return d.div_(temperature) if temperature != 1.0 else d
 
         if grad_logps is None and grad_entropy is None:
-            return (None,) * 9
+            return (None,) * 12
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_token)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, *(None,) * 9)
+
+
+TOKEN_HEAD_OUTPUTS = ("entropy", "top1", "mean_logits", "log_sum_sq_probs")
+"""The optional per-token outputs of :func:`chunked_token_outputs` (the log-probs are always computed)."""
+
+
+class TokenHeadOutputs(NamedTuple):
+    """Per-token outputs of the chunked head, (B, T) each, 0 / False where ``mask`` is False; the
+    optional ones are None when not requested.
+
+    Attributes:
+        log_probs: log p(target) under softmax(logits / temperature), differentiable.
+        mask: bool, the target is valid (not ``ignore_index``).
+        entropy: entropy of the temperature-scaled next-token distribution, differentiable.
+        top1: bool, the target has the largest logit (ties included); no gradient.
+        mean_logits: mean over the vocabulary of the temperature-scaled logits (after the softcap);
+            no gradient.
+        log_sum_sq_probs: log sum_v p_v^2 of the temperature-scaled distribution; no gradient.
+    """
+
+    log_probs: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+    top1: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+
+
+def chunked_token_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    outputs: tuple[str, ...] | frozenset[str] = (),
+) -> TokenHeadOutputs:
+    """Per-token log-probabilities of ``targets`` and the requested statistics of each next-token
+    distribution, chunked: :func:`chunked_token_logprobs` with every per-token field of TRL's fused
+    LM head (``trl.trainer.utils.add_fused_lm_head``) and its temperature.
+
+    Args:
+        hidden, weight, targets, chunk_size, bias, ignore_index, softcap: as :func:`chunked_token_logprobs`.
+        temperature: the logits (after the softcap) are divided by it before the softmax, > 0; the
+            gradients are exact for it.
+        outputs: which of :data:`TOKEN_HEAD_OUTPUTS` to compute as well; each is computed inside the
+            chunk loop only when requested.
+
+    Returns:
+        :class:`TokenHeadOutputs`.
+    """
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets of shape {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape[:-1])}"
+        )
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number, got {softcap}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature}")
+    unknown = set(outputs) - set(TOKEN_HEAD_OUTPUTS)
+    if unknown:
+        raise ValueError(f"unknown per-token outputs {sorted(unknown)}: choose among {list(TOKEN_HEAD_OUTPUTS)}")
+    flat = targets.reshape(-1).to(hidden.device)
+    mask = flat != ignore_index
+    index = mask.nonzero().squeeze(-1)
+    wanted = [name in outputs for name in TOKEN_HEAD_OUTPUTS]
+    values = _ChunkedTokenLogprobs.apply(
+        hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
+        None if softcap is None else float(softcap), float(temperature), *wanted,
+    )
+
+    def scatter(v: torch.Tensor) -> torch.Tensor:
+        return v.new_zeros(flat.shape).index_put((index,), v).view(targets.shape)
+
+    logps, *optional = values
+    return TokenHeadOutputs(
+        scatter(logps),
+        mask.view(targets.shape),
+        *(scatter(v) if want else None for v, want in zip(optional, wanted, strict=True)),
+    )
 
 
 def chunked_token_logprobs(
@@ -286,7 +400,8 @@ def chunked_token_logprobs(
     The differentiable core of every objective that is a function of per-token log-probs (DPO,
     GRPO; see ``ops/objectives.py``): no (B, T, V) logits, one (C x V) chunk at a time in forward
     and in backward, exact gradients for any upstream (B, T) gradient. Numerics as
-    :func:`chunked_lm_head_loss` (model-dtype matmul, float32 softmax, float64 kept).
+    :func:`chunked_lm_head_loss` (model-dtype matmul, float32 softmax, float64 kept). For a
+    temperature and the other statistics of TRL's fused head see :func:`chunked_token_outputs`.
 
     Args:
         hidden: (B, T, d) final hidden states; weight (V, d); targets (B, T) already shifted.
@@ -301,29 +416,11 @@ def chunked_token_logprobs(
         where ``mask`` (B, T, bool: target valid) is False; (B, T) entropies likewise, or None;
         (B, T) bool top-1 flags (False where masked), or None.
     """
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"targets of shape {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape[:-1])}"
-        )
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number, got {softcap}")
-    flat = targets.reshape(-1).to(hidden.device)
-    mask = flat != ignore_index
-    index = mask.nonzero().squeeze(-1)
-    logps, ent, hit = _ChunkedTokenLogprobs.apply(
-        hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
-        None if softcap is None else float(softcap), bool(entropy), bool(top1),
+    out = chunked_token_outputs(
+        hidden, weight, targets, chunk_size=chunk_size, bias=bias, ignore_index=ignore_index, softcap=softcap,
+        outputs=tuple(name for name, want in (("entropy", entropy), ("top1", top1)) if want),
     )
-
-    def scatter(values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(flat.shape).index_put((index,), values).view(targets.shape)
-
-    return (
-        scatter(logps),
-        mask.view(targets.shape),
-        scatter(ent) if entropy else None,
-        scatter(hit) if top1 else None,
-    )
+    return out.log_probs, out.mask, out.entropy, out.top1
 
 
 def chunked_lm_head_loss(

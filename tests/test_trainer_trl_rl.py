@@ -1,0 +1,261 @@
+"""TRL's DPOTrainer and GRPOTrainer through ``with_long_seq``: 2 CPU ranks, real DeepSpeed.
+
+Each test trains the same tiny float32 Llama twice from the same initial weights, data and seed:
+once with ``with_long_seq(TRLTrainer)`` (StreamBP + chunked LM head, no sequence parallelism), its
+fused-LM-head calls served by ds_longseq's head, once with the plain TRL trainer (TRL's own fused
+head). SGD (parameters after a step are linear in the gradients), no clipping, float32. The
+logged losses and metrics must agree, and the parameters each run saved must agree, as must their
+changes from the initial weights (relative to the size of the change: the test would otherwise pass
+when the updates are small against the tolerance).
+
+What each metric checks on our side: DPO's ``logits/chosen`` / ``logits/rejected`` are TRL's
+means of ``mean_logits``; with ``use_weighting`` (WPO) the loss weights are built from
+``log_sum_sq_probs``; GRPO runs at temperature 0.7, so its gradients (hence the parameters) and
+``entropy`` are those of the temperature-scaled distribution (its loss value, with the policy as
+its own old policy, does not depend on the temperature). The reference model (DPO; GRPO with ``beta > 0``) keeps TRL's
+own fused head in both runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_trainer import VOCAB, ds_config, save_tiny_llama
+
+LR, STEPS = 0.5, 3
+EOS = f"t{VOCAB - 1}"
+
+
+def word_tokenizer():
+    """Whitespace-split word-level tokenizer over the test vocabulary ("t1 t7 ..."), offline: TRL's
+    DPO and GRPO trainers take text prompts and completions."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token=EOS)
+
+
+def _words(g: torch.Generator, low: int, high: int) -> str:
+    n = int(torch.randint(low, high, (1,), generator=g))
+    return " ".join(f"t{i}" for i in torch.randint(1, VOCAB - 1, (n,), generator=g).tolist())
+
+
+def preference_pairs(n: int = 16, seed: int = 0) -> list[dict[str, str]]:
+    """Prompts of 2-5 words, chosen / rejected completions of 3-9 words ending with EOS (so TRL adds
+    none: its EOS is appended without a space)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"prompt": _words(g, 2, 6), "chosen": f" {_words(g, 3, 10)} {EOS}", "rejected": f" {_words(g, 3, 10)} {EOS}"}
+        for _ in range(n)
+    ]
+
+
+def prompts(n: int = 16, seed: int = 0) -> list[dict[str, str]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt": _words(g, 2, 7)} for _ in range(n)]
+
+
+def even_token_reward(completions, **kwargs) -> list[float]:
+    """A deterministic reward with spread inside each group: the fraction of even tokens."""
+    return [sum(int(w[1:]) % 2 == 0 for w in c.split()) / max(len(c.split()), 1) for c in completions]
+
+
+def common_args(workdir: str, stage: int, sp: int, long_seq: bool) -> dict:
+    return dict(
+        output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=long_seq), report_to=[], logging_steps=1, use_cpu=True,
+        disable_tqdm=True, seed=7, save_strategy="no", bf16=False,  # TRL configs default to bf16
+    )
+
+
+def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts: dict):
+    """One DPOTrainer run on this rank: its logged metrics per step."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from ds_longseq.trainer import with_long_seq
+
+    long_seq = opts.get("long_seq", True)
+    args = DPOConfig(**common_args(workdir, stage, sp, long_seq), beta=0.5, use_weighting=opts.get("weighting", False))
+    # after the config: under ZeRO-3 the model is created partitioned (zero.Init), as users do
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer_cls = with_long_seq(DPOTrainer) if long_seq else DPOTrainer
+    trainer = trainer_cls(
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(preference_pairs()),
+        processing_class=word_tokenizer(),
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(workdir, "hf_model"))
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def grpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts: dict):
+    """One GRPOTrainer run on this rank: (logged metrics per step, the completions it trained on)."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ds_longseq.trainer import with_long_seq
+
+    long_seq = opts.get("long_seq", True)
+    args = GRPOConfig(
+        **common_args(workdir, stage, sp, long_seq), num_generations=2, max_completion_length=4, temperature=0.7,
+        beta=opts.get("beta", 0.0), use_vllm=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer_cls = with_long_seq(GRPOTrainer) if long_seq else GRPOTrainer
+    seen = []
+
+    class Recording(trainer_cls):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            seen.append(out["completion_ids"].clone())
+            return out
+
+    trainer = Recording(
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(prompts()), reward_funcs=even_token_reward,
+        processing_class=word_tokenizer(),
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(workdir, "hf_model"))
+    return [h for h in trainer.state.log_history if "loss" in h], seen
+
+
+def assert_same_training(tmp_path, model_dir, ours_logs, theirs_logs, metrics):
+    from transformers import AutoModelForCausalLM
+
+    assert len(ours_logs) == len(theirs_logs) == STEPS
+    for step, (a, b) in enumerate(zip(ours_logs, theirs_logs, strict=True)):
+        for key in ("loss", *metrics):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"step {step + 1} {key}: {a[key]} vs {b[key]}"
+    initial = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours" / "hf_model", dtype=torch.float32)
+    theirs = dict(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "theirs" / "hf_model", dtype=torch.float32).named_parameters()
+    )
+    moved = 0.0
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p, theirs[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        delta, ref_delta = (p - initial[name]).detach(), (theirs[name] - initial[name]).detach()
+        moved = max(moved, ref_delta.norm().item())
+        err = (delta - ref_delta).norm() / ref_delta.norm().clamp_min(1e-30)
+        assert ref_delta.norm() == 0 or err < 1e-4, f"{name}: update differs by {err:.2e} of its size"
+    assert moved > 1e-3, "training did not move the parameters: the comparison would be vacuous"
+
+
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
+               "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
+
+
+def run_dpo(tmp_path, stage: int, weighting: bool):
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    ours = run_distributed(dpo_body, 2, (str(tmp_path / "ours"), model_dir, stage, 1, {"weighting": weighting}),
+                           timeout=600)
+    theirs = run_distributed(
+        dpo_body, 2, (str(tmp_path / "theirs"), model_dir, stage, 1, {"weighting": weighting, "long_seq": False}),
+        timeout=600,
+    )
+    assert_same_training(tmp_path, model_dir, ours[0], theirs[0], DPO_METRICS)
+    # the metrics read from mean_logits are real values, not TRL's 0.0 for "no tokens"
+    assert all(abs(h["logits/chosen"]) > 0 for h in ours[0])
+
+
+@pytest.mark.parametrize(
+    "stage,weighting",
+    [(2, True), pytest.param(2, False, marks=pytest.mark.slow), pytest.param(3, True, marks=pytest.mark.slow)],
+    ids=["zero2-wpo", "zero2", "zero3-wpo"],
+)
+def test_dpo_trainer_matches_plain_trl(tmp_path, stage, weighting):
+    run_dpo(tmp_path, stage, weighting)
+
+
+GRPO_METRICS = ("entropy", "reward", "reward_std")
+
+
+def run_grpo(tmp_path, stage: int, beta: float):
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    ours = run_distributed(grpo_body, 2, (str(tmp_path / "ours"), model_dir, stage, 1, {"beta": beta}), timeout=600)
+    theirs = run_distributed(
+        grpo_body, 2, (str(tmp_path / "theirs"), model_dir, stage, 1, {"beta": beta, "long_seq": False}), timeout=600
+    )
+    for (_, ours_seen), (_, theirs_seen) in zip(ours, theirs, strict=True):
+        # same sampled completions: generation is unchanged by ds_longseq, and the policy is the same
+        assert len(ours_seen) == len(theirs_seen) == STEPS
+        for step, (a, b) in enumerate(zip(ours_seen, theirs_seen, strict=True)):
+            assert torch.equal(a, b), f"step {step + 1}: other completions sampled (the policies differ before it)"
+    metrics = GRPO_METRICS + (("kl",) if beta > 0 else ())
+    assert_same_training(tmp_path, model_dir, ours[0][0], theirs[0][0], metrics)
+
+
+@pytest.mark.parametrize(
+    "stage,beta",
+    [(2, 0.0), pytest.param(3, 0.0, marks=pytest.mark.slow), pytest.param(3, 0.2, marks=pytest.mark.slow)],
+    ids=["zero2", "zero3", "zero3-ref-model"],
+)
+def test_grpo_trainer_matches_plain_trl(tmp_path, stage, beta):
+    run_grpo(tmp_path, stage, beta)
+
+
+def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
+    """Each TRL trainer built on this rank: under sequence parallelism (size 2) the error it raises at
+    construction; without, the fused-head settings ds_longseq's forward got from it."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+
+    from ds_longseq.trainer import with_long_seq
+
+    def build(trainer_cls, sp: int, **options):
+        extra = {"train_dataset": datasets.Dataset.from_list(preference_pairs(4))}
+        config_cls = DPOConfig
+        if trainer_cls is GRPOTrainer:
+            extra = {"train_dataset": datasets.Dataset.from_list(prompts(4)), "reward_funcs": even_token_reward}
+            config_cls, options = GRPOConfig, {"num_generations": 2, "max_completion_length": 4, **options}
+        args = config_cls(**common_args(os.path.join(workdir, str(len(results))), 2, sp, True), **options)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return with_long_seq(trainer_cls)(model=model, args=args, processing_class=word_tokenizer(), **extra)
+
+    results = {}
+    for name, trainer_cls in (("DPOTrainer", DPOTrainer), ("GRPOTrainer", GRPOTrainer)):
+        try:
+            build(trainer_cls, 2)
+        except Exception as err:  # noqa: BLE001 - the test reads the type and the message
+            results[name] = f"{type(err).__name__}: {err}"
+        else:
+            results[name] = "no error"
+    # the forward ds_longseq installed on the model (no PEFT here), and what it computes for fused calls
+    results["grpo"] = build(GRPOTrainer, 1, temperature=0.6, cast_lm_head_to_fp32=True).model.forward.fused_head
+    results["dpo"] = build(DPOTrainer, 1).model.forward.fused_head
+    results["dpo-wpo"] = build(DPOTrainer, 1, use_weighting=True).model.forward.fused_head
+    return results
+
+
+def test_trl_trainers_at_construction(tmp_path):
+    """DPO and GRPO are refused under sequence parallelism; otherwise what each asked of its own fused
+    head (GRPO's temperature and cast_lm_head_to_fp32, DPO's fields with and without WPO) is what
+    ds_longseq's forward computes."""
+    from ds_longseq.modules.causal_lm import FusedHeadSettings
+
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    dpo_fields = ("log_probs", "entropy", "mean_logits", "is_top1")
+    for results in run_distributed(construction_body, 2, (str(tmp_path), model_dir), timeout=600):
+        for name in ("DPOTrainer", "GRPOTrainer"):
+            message = results[name]
+            assert message.startswith("NotImplementedError"), message
+            assert f"TRL's {name} with long_seq.sequence_parallel.size=2" in message
+            assert "whole-sequence sums" in message and "sequence_parallel.size to 1" in message
+        assert results["grpo"] == FusedHeadSettings(0.6, ("log_probs", "entropy"), True)
+        assert results["dpo"] == FusedHeadSettings(1.0, dpo_fields)
+        assert results["dpo-wpo"] == FusedHeadSettings(1.0, (*dpo_fields, "log_sum_sq_probs"))
