@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+import ds_longseq
 from tests.dist_utils import run_distributed
 
 # Plain SGD: the parameters after each step are linear in the gradients, so comparing them compares
@@ -413,3 +414,33 @@ def test_trainer_lora_zero3_sp2(tmp_path):
     save_tiny_llama(model_dir)
     results = run_distributed(train_body, 2, (str(tmp_path), model_dir, 3, 2, 1, {"lora": True}), timeout=600)
     assert_matches_reference(tmp_path, results, model_dir, 2, 1, lora=True)
+
+
+def test_trainer_without_deepspeed_one_process(tmp_path):
+    """LongSeqTrainer(..., long_seq=...) without DeepSpeed, one process: the same losses and trained
+    parameters as the stock Trainer on the same data (sequential sampling: the same batches)."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from ds_longseq.trainer import LongSeqTrainer
+
+    save_tiny_llama(str(tmp_path / "init"))
+    runs = {}
+    for name in ("stock", "ds_longseq"):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
+            lr_scheduler_type="constant", max_grad_norm=0.0, optim="sgd", report_to=[], logging_steps=1,
+            use_cpu=True, disable_tqdm=True, save_strategy="no", remove_unused_columns=False,
+            train_sampling_strategy="sequential",
+        )
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32)
+        kwargs = dict(model=model, args=args, train_dataset=_samples(), data_collator=collate)
+        if name == "stock":
+            trainer = Trainer(**kwargs)
+        else:
+            trainer = LongSeqTrainer(**kwargs, long_seq=ds_config(2, 1)["long_seq"])
+            assert ds_longseq.is_enabled(model)
+        trainer.train()
+        runs[name] = ([h["loss"] for h in trainer.state.log_history if "loss" in h], dict(model.named_parameters()))
+    assert runs["ds_longseq"][0] == pytest.approx(runs["stock"][0], rel=1e-5)
+    for n, p in runs["stock"][1].items():
+        torch.testing.assert_close(runs["ds_longseq"][1][n], p, rtol=1e-5, atol=1e-5)
