@@ -130,13 +130,14 @@ class LongSeqTrainerMixin:
                 )
             # re-enabled on top of whatever the Trainer (TRL's fused head) put over it
             disable(self.model)
-        checkpointing = getattr(self.model, "is_activation_checkpointing", False) or any(
+        model_checkpointing = getattr(self.model, "is_activation_checkpointing", False)
+        checkpointing = model_checkpointing or any(
             getattr(self.args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing")
         )
         if cfg.streambp.enabled and checkpointing:
             # TRL's SFTConfig turns it on by default (the Trainer applies it in train()); StreamBP
             # already keeps only each layer's input
-            if getattr(self.model, "is_activation_checkpointing", False):
+            if model_checkpointing:
                 self.model.activation_checkpointing_disable()
             for name in ("activation_checkpointing", "gradient_checkpointing"):
                 if getattr(self.args, name, None):
@@ -190,14 +191,12 @@ class LongSeqTrainerMixin:
 
     @classmethod
     def _check_trainer_class(cls) -> None:
-        for base in cls.__mro__:
-            if base.__module__.split(".")[0] == "trl" and base.__name__.endswith("Trainer"):
-                if base.__name__ not in _TRL_SUPPORTED:
-                    raise NotImplementedError(
-                        f"ds_longseq's Trainer integration supports transformers' Trainer and TRL's SFTTrainer, "
-                        f"DPOTrainer and GRPOTrainer, not TRL's {base.__name__} yet: use the plain TRL trainer, or "
-                        "examples/dpo.py / examples/grpo.py (ds_longseq's exact chunked DPO / GRPO)"
-                    )
+        for name in sorted(_trl_trainer_names(cls) - _TRL_SUPPORTED):
+            raise NotImplementedError(
+                f"ds_longseq's Trainer integration supports transformers' Trainer and TRL's SFTTrainer, "
+                f"DPOTrainer and GRPOTrainer, not TRL's {name} yet: use the plain TRL trainer, or "
+                "examples/dpo.py / examples/grpo.py (ds_longseq's exact chunked DPO / GRPO)"
+            )
 
     def _check_trl_sequence_parallel(self) -> None:
         size = self.long_seq_config.sequence_parallel.size

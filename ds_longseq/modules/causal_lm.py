@@ -334,13 +334,7 @@ class CausalLMForward:
                 logits.to(loss_dtype).flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
             )
             num_valid = (targets != ignore_index).sum()
-        if sp is not None:
-            loss = sp.token_mean(loss_sum, num_valid, num_items_in_batch)
-        else:
-            denominator = num_items_in_batch if num_items_in_batch is not None else num_valid
-            if isinstance(denominator, torch.Tensor):
-                denominator = denominator.to(loss_sum.device)
-            loss = loss_sum / denominator
+        loss = self._token_mean(loss_sum, num_valid, num_items_in_batch)
         if router_aux:
             output = self._with_router_aux_loss(loss, logits, outputs, attention_mask)
         else:
@@ -395,20 +389,27 @@ class CausalLMForward:
             precision = torch.autocast(hidden.device.type, enabled=False)
         with precision:
             out = self._per_token(hidden, targets, ignore_index, settings.head_outputs, settings.temperature)
-        loss_sum, num_valid = -out.log_probs.sum(), out.mask.sum()
-        if self.active_sp is not None:
-            loss = self.active_sp.token_mean(loss_sum, num_valid, num_items_in_batch)
-        else:
-            denominator = num_items_in_batch if num_items_in_batch is not None else num_valid.clamp(min=1)
-            if isinstance(denominator, torch.Tensor):
-                denominator = denominator.to(loss_sum.device)
-            loss = loss_sum / denominator
+        # no valid token: a finite 0 as TRL's own head gives, not 0 / 0
+        loss = self._token_mean(-out.log_probs.sum(), out.mask.sum(), num_items_in_batch, empty_is_zero=True)
         if aux_loss is not None:
             loss = loss + self.model.router_aux_loss_coef * aux_loss.to(loss.device)
         return FusedLMHeadOutput(
             loss=loss, log_probs=out.log_probs, entropy=out.entropy, log_sum_sq_probs=out.log_sum_sq_probs,
             mean_logits=out.mean_logits, is_top1=out.top1, label_mask=out.mask, aux_loss=aux_loss,
         )
+
+    def _token_mean(self, loss_sum, num_valid, num_items_in_batch, empty_is_zero: bool = False) -> torch.Tensor:
+        """``loss_sum`` over ``num_items_in_batch`` when given, else over ``num_valid`` (at least 1 with
+        ``empty_is_zero``); under sequence parallelism the group's (:meth:`SequenceParallel.token_mean`)."""
+        sp = self.active_sp
+        if sp is not None:
+            return sp.token_mean(loss_sum, num_valid, num_items_in_batch)
+        denominator = num_items_in_batch
+        if denominator is None:
+            denominator = num_valid.clamp(min=1) if empty_is_zero else num_valid
+        if isinstance(denominator, torch.Tensor):
+            denominator = denominator.to(loss_sum.device)
+        return loss_sum / denominator
 
     def _router_aux_loss_wanted(self, kwargs: dict) -> bool:
         """Whether this forward adds a mixture-of-experts load-balancing loss, as the stock one would."""

@@ -45,25 +45,24 @@ class SequenceParallel:
         self.local_loss_values = False
 
     @contextlib.contextmanager
-    def paused(self):
-        """Inside: the model runs as if sequence parallelism were off (whole sequences, no collective),
-        for evaluation and generation on unsharded batches."""
-        previous, self.is_paused = self.is_paused, True
+    def _flag_set(self, name: str):
+        previous = getattr(self, name)
+        setattr(self, name, True)
         try:
             yield
         finally:
-            self.is_paused = previous
+            setattr(self, name, previous)
 
-    @contextlib.contextmanager
+    def paused(self):
+        """Context inside which the model runs as if sequence parallelism were off (whole sequences,
+        no collective), for evaluation and generation on unsharded batches."""
+        return self._flag_set("is_paused")
+
     def local_losses(self):
-        """Inside: :meth:`token_mean` returns this rank's share as the value too (the gradient is the
-        share as always), for a caller that sums loss values over the group itself: the Trainer
-        integration, where TRL's loss is computed from per-token log-probs on each rank."""
-        previous, self.local_loss_values = self.local_loss_values, True
-        try:
-            yield
-        finally:
-            self.local_loss_values = previous
+        """Context inside which :meth:`token_mean` returns this rank's share as the value too (the
+        gradient is the share as always), for a caller that sums loss values over the group itself:
+        the Trainer integration, where TRL's loss is computed from per-token log-probs on each rank."""
+        return self._flag_set("local_loss_values")
 
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.size)]
