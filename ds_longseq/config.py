@@ -1,8 +1,8 @@
 """Typed configuration of ds_longseq: the ``"long_seq"`` section of a DeepSpeed JSON file.
 
 Holds:
-    StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig, OffloadConfig: one dataclass
-        per section.
+    StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig, OffloadConfig, ApproxBPConfig:
+        one dataclass per section.
     LongSeqConfig: the whole section, with ``from_dict`` that reports every problem at once.
     LongSeqConfigError: the single error raised for a bad section.
 
@@ -27,6 +27,7 @@ __all__ = [
     "LMHeadConfig",
     "SequenceParallelConfig",
     "OffloadConfig",
+    "ApproxBPConfig",
 ]
 
 
@@ -110,12 +111,37 @@ class OffloadConfig:
     Needs ``streambp`` or ``mini_seq``."""
 
 
+@dataclass
+class ApproxBPConfig:
+    """Approx-BP activations and memory-sharing norms (Approx-BP paper, Secs. 4-5): smaller saved
+    activations for every path (stock, checkpointing, MsT, StreamBP), forward unchanged."""
+
+    activation: Literal["resilu2", "regelu2"] | None = None
+    """``"resilu2"`` (SiLU models) / ``"regelu2"`` (GELU models, erf or tanh form): the MLP activation keeps
+    its forward bit for bit but saves 2 bits per element (a quarter byte instead of the input) and
+    backpropagates the derivative of the paper's fitted 3-ReLU combination, a 4-step function. NOT the
+    exact gradient: the paper's claim, which docs/APPROX_BP.md measures, is unchanged convergence.
+    ``None``: the stock activation."""
+    norm: Literal["ms_rmsnorm", "ms_layernorm"] | None = None
+    """``"ms_rmsnorm"`` / ``"ms_layernorm"``: fold each norm's weight (and LayerNorm bias) into the linear
+    layers that consume it (q/k/v, gate/up, the LM head), so the norm saves only its output, which those
+    layers save anyway, plus one scalar per token. Exact: the folded model computes the same function
+    and its gradients are exact for the folded parameters (the weights are re-parameterised, see
+    docs/APPROX_BP.md). ``None``: stock norms."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any Approx-BP replacement is switched on."""
+        return self.activation is not None or self.norm is not None
+
+
 _SECTIONS: dict[str, type] = {
     "streambp": StreamBPConfig,
     "mini_seq": MiniSeqConfig,
     "lm_head": LMHeadConfig,
     "sequence_parallel": SequenceParallelConfig,
     "offload": OffloadConfig,
+    "approx_bp": ApproxBPConfig,
 }
 
 
@@ -154,6 +180,8 @@ class LongSeqConfig:
     """Ulysses sequence parallelism over ``size`` ranks."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Offload of the layer inputs kept for backward to host memory."""
+    approx_bp: ApproxBPConfig = field(default_factory=ApproxBPConfig)
+    """Approx-BP activations and memory-sharing norms."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
@@ -203,7 +231,13 @@ class LongSeqConfig:
     @property
     def any_enabled(self) -> bool:
         """Whether at least one technique is switched on."""
-        return self.streambp.enabled or self.mini_seq.enabled or self.lm_head.enabled or self.sequence_parallel.enabled
+        return (
+            self.streambp.enabled
+            or self.mini_seq.enabled
+            or self.lm_head.enabled
+            or self.sequence_parallel.enabled
+            or self.approx_bp.enabled is True
+        )
 
     def _problems(self) -> list[str]:
         problems: list[str] = []

@@ -21,6 +21,10 @@ What is changed, all on the given instance:
       forward pre-hook on the base model (``model.model``) that passes each forward's shard context;
     - DeepSpeed ZeRO-3 + sequence parallelism: one method of the engine's optimizer INSTANCE
       (``fix_zero3_sequence_parallel_average``), correcting DeepSpeed 0.19.8's gradient average;
+    - Approx-BP (``approx_bp``): ``forward`` of each SiLU/GELU activation module in the decoder layers
+      (``activation``); with ``norm``, each foldable norm's weight is folded into the weights of the
+      linear maps after it (a re-parameterisation that keeps the model's function; it is NOT undone by
+      ``disable``, see docs/APPROX_BP.md), the norm weight frozen at 1 and its ``forward`` replaced;
     - ``deepspeed.initialize`` itself, only inside ``deepspeed_initialize_replaced`` (restored on
       exit): the Hugging Face Trainer integration reaches DeepSpeed through accelerate, which looks
       the function up on the module at call time.
@@ -35,7 +39,9 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ds_longseq.config import LongSeqConfig
-from ds_longseq.models.adapters import get_adapter
+from ds_longseq.logging import get_logger, warn_once
+from ds_longseq.models.adapters import DecoderLMAdapter, norm_kind, get_adapter
+from ds_longseq.modules.approx_bp import ApproxActivationForward, MSNormForward, fold_norm, fold_targets
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
 from ds_longseq.modules.causal_lm import CausalLMForward, FusedHeadSettings, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward
@@ -43,6 +49,9 @@ from ds_longseq.modules.mlp import MiniSeqMLPForward
 from ds_longseq.modules.moe import RouterTap, check_output_capturing
 from ds_longseq.modules.offload import LayerInputOffload
 from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook
+from ds_longseq.ops.approx_bp import APPROX_ACTIVATIONS
+
+logger = get_logger(__name__)
 
 __all__ = [
     "enable",
@@ -183,6 +192,7 @@ def enable(
     handle = PatchHandle(model, cfg)
     handle.sp = sp
     try:
+        _apply_approx_bp(handle, adapter, cfg)
         if cfg.streambp.enabled or sp is not None:
             _register_attention()
             handle.set_attn_implementation(model.config, ATTN_IMPLEMENTATION)
@@ -249,6 +259,69 @@ def enable(
         handle.undo()
         raise
     return wrapper
+
+
+@contextlib.contextmanager
+def _gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Inside: ZeRO-3-partitioned ``params`` (a model built under ``deepspeed.zero.Init``) are whole, and
+    what rank 0 writes to them is partitioned back to every rank on exit; other params pass through."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
+        yield
+
+
+def _apply_approx_bp(handle: PatchHandle, adapter: DecoderLMAdapter, cfg: LongSeqConfig) -> None:
+    """Install ``cfg.approx_bp`` (validated by ``get_adapter``): step-derivative activations, folded MS norms."""
+    approx = cfg.approx_bp
+    if approx.activation is not None:
+        step = APPROX_ACTIVATIONS[approx.activation]
+        for layer in adapter.layers:
+            for _, act, _ in adapter.activations(layer):
+                handle.set_instance_attr(act, "forward", ApproxActivationForward(act, act.forward, step))
+    if approx.norm is None:
+        return
+    spec = adapter.spec
+    layers_where = f"{spec.decoder_attr}.{spec.layers_attr}"
+    folds = []  # (where, norm, [(consumer path, module, param name)])
+    for i, layer in enumerate(adapter.layers):
+        for norm_path, consumers in spec.norm_folds:
+            targets = []
+            for path in consumers:
+                module_path, _, param = path.rpartition(".")
+                targets.append((f"{layers_where}[{i}].{module_path}", layer.get_submodule(module_path), param))
+            folds.append((f"{layers_where}[{i}].{norm_path}", layer.get_submodule(norm_path), targets))
+    head = adapter.lm_head
+    final_where = f"{spec.decoder_attr}.{spec.final_norm_attr}"
+    if head.weight is adapter.model.get_input_embeddings().weight:
+        warn_once(
+            logger,
+            f"ds_longseq approx_bp.norm: {final_where} stays a stock norm: the LM head's weight is tied to the input "
+            "embeddings, and folding the norm's weight into it would change the embeddings",
+        )
+    else:
+        folds.append((final_where, adapter.final_norm, [(spec.lm_head_attr, head, "weight")]))
+    resolved = []
+    for where, norm, consumers in folds:
+        targets = [t for path, module, param in consumers for t in fold_targets(module, param, path)]
+        resolved.append((where, norm, targets))
+    params = [p for _, norm, targets in resolved for p in (*norm.parameters(), *(t.weight for t in targets))]
+    params += [t.bias for _, _, targets in resolved for t in targets if t.bias is not None]
+    with _gathered(list({id(p): p for p in params}.values())):
+        for where, norm, targets in resolved:
+            fold_norm(where, norm.weight, getattr(norm, "bias", None), targets)
+    for where, norm, _ in resolved:
+        kind = norm_kind(norm)
+        eps = norm.variance_epsilon if kind == "rms" else norm.eps
+        for p in norm.parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)  # fixed at 1 (0): the forward no longer reads it
+                handle.add_undo(lambda p=p: p.requires_grad_(True))
+        handle.set_instance_attr(norm, "forward", MSNormForward(norm, kind, eps, where))
 
 
 def mark_zero3_leaves(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from ds_longseq.config import LongSeqConfig
+from ds_longseq.modules.approx_bp import ACTIVATION_KINDS
+from ds_longseq.ops.approx_bp import APPROX_ACTIVATIONS
 
 __all__ = [
     "FamilySpec",
@@ -28,7 +30,23 @@ __all__ = [
     "UnsupportedModelError",
     "DecoderLMAdapter",
     "get_adapter",
+    "norm_kind",
 ]
+
+
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_LLAMA_NORM_FOLDS = (
+    ("input_layernorm", _QKV),
+    ("post_attention_layernorm", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+)
+_QK_NORMS = (
+    ("self_attn.q_norm", "normalises each head's query before RoPE, not the input of a linear layer"),
+    ("self_attn.k_norm", "normalises each head's key before RoPE, not the input of a linear layer"),
+)
+_POST_NORMS = (
+    ("post_attention_layernorm", "normalises the attention output before the residual add, not a linear layer's input"),
+    ("post_feedforward_layernorm", "normalises the MLP output before the residual add, not a linear layer's input"),
+)
 
 
 @dataclass(frozen=True)
@@ -61,29 +79,59 @@ class FamilySpec:
     mlp_noise_fields: tuple[str, ...] = ()
     """Config fields of random noise inside the MLP (router jitter): StreamBP and mini_seq both
     recompute the MLP in backward and cannot redraw it, so each must be 0 under either."""
+    norm_folds: tuple[tuple[str, tuple[str, ...]], ...] = _LLAMA_NORM_FOLDS
+    """Per decoder layer, each norm that only feeds linear maps and those maps' weights (paths inside
+    the layer; in-features on the weight's last dim): what ``approx_bp.norm`` folds. The final norm
+    folds into the LM head."""
+    unfoldable_norms: tuple[tuple[str, str], ...] = ()
+    """Norms inside a decoder layer that ``approx_bp.norm`` cannot fold, and why: the family is refused."""
+    final_norm_attr: str = "norm"
+    """Attribute of the decoder stack holding the norm before the LM head."""
 
 
 FAMILIES: dict[str, FamilySpec] = {
     "llama": FamilySpec("LlamaForCausalLM"),
     "mistral": FamilySpec("MistralForCausalLM"),
     "qwen2": FamilySpec("Qwen2ForCausalLM"),
-    "qwen3": FamilySpec("Qwen3ForCausalLM"),
+    "qwen3": FamilySpec("Qwen3ForCausalLM", unfoldable_norms=_QK_NORMS),
     # q/k RMSNorm over all heads' projections, norms after attention and MLP
-    "olmo2": FamilySpec("Olmo2ForCausalLM"),
+    "olmo2": FamilySpec("Olmo2ForCausalLM", norm_folds=(), unfoldable_norms=_QK_NORMS + _POST_NORMS),
     # sliding-window layers alternating with full ones, attention-logit softcap (passed to the
     # attention function as ``softcap``), final-logit softcap, pre/post feed-forward norms
-    "gemma2": FamilySpec("Gemma2ForCausalLM", final_logit_softcap_field="final_logit_softcapping"),
+    "gemma2": FamilySpec(
+        "Gemma2ForCausalLM", final_logit_softcap_field="final_logit_softcapping", unfoldable_norms=_POST_NORMS
+    ),
     # five sliding-window layers per full one, each kind with its own RoPE base, q/k RMSNorm,
     # optional softcaps as in Gemma 2, scaled embeddings
-    "gemma3_text": FamilySpec("Gemma3ForCausalLM", final_logit_softcap_field="final_logit_softcapping"),
+    "gemma3_text": FamilySpec(
+        "Gemma3ForCausalLM",
+        final_logit_softcap_field="final_logit_softcapping",
+        unfoldable_norms=_QK_NORMS + _POST_NORMS,
+    ),
     # fused qkv_proj and gate_up_proj, optional partial rotary, residual dropout inside the layer
-    "phi3": FamilySpec("Phi3ForCausalLM", dropout_fields=("attention_dropout", "resid_pdrop")),
+    "phi3": FamilySpec(
+        "Phi3ForCausalLM",
+        dropout_fields=("attention_dropout", "resid_pdrop"),
+        norm_folds=(
+            ("input_layernorm", ("self_attn.qkv_proj.weight",)),
+            ("post_attention_layernorm", ("mlp.gate_up_proj.weight",)),
+        ),
+    ),
     # Qwen3 attention; sparse MoE blocks (top-k of num_experts, optionally renormalised), dense MLPs
     # on config.mlp_only_layers; load-balancing loss from the routers' logits
-    "qwen3_moe": FamilySpec("Qwen3MoeForCausalLM", moe_block_class="Qwen3MoeSparseMoeBlock"),
+    "qwen3_moe": FamilySpec(
+        "Qwen3MoeForCausalLM", moe_block_class="Qwen3MoeSparseMoeBlock", unfoldable_norms=_QK_NORMS
+    ),
     # Mistral attention; sparse MoE blocks (top-2 of 8, renormalised), router jitter in training
     "mixtral": FamilySpec(
-        "MixtralForCausalLM", moe_block_class="MixtralSparseMoeBlock", mlp_noise_fields=("router_jitter_noise",)
+        "MixtralForCausalLM",
+        moe_block_class="MixtralSparseMoeBlock",
+        mlp_noise_fields=("router_jitter_noise",),
+        # the router's (E, d) weight and the experts' (E, 2I, d) gate/up weights consume the norm's output
+        norm_folds=(
+            ("input_layernorm", _QKV),
+            ("post_attention_layernorm", ("mlp.gate.weight", "mlp.experts.gate_up_proj")),
+        ),
     ),
 }
 """Every supported family by ``model_type``."""
@@ -123,6 +171,18 @@ class DecoderLMAdapter:
 
     def mlp(self, layer: torch.nn.Module) -> torch.nn.Module:
         return getattr(layer, self.spec.mlp_attr)
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        return getattr(self.base_model, self.spec.final_norm_attr)
+
+    def activations(self, layer: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+        """(path in the layer, module, stock kind) of every SiLU/GELU activation module in ``layer``."""
+        return [
+            (name, m, ACTIVATION_KINDS[type(m).__name__])
+            for name, m in layer.named_modules()
+            if type(m).__name__ in ACTIVATION_KINDS
+        ]
 
     def router(self, layer: torch.nn.Module) -> torch.nn.Module | None:
         """The router of ``layer``'s mixture-of-experts block, or None for a dense layer."""
@@ -183,9 +243,66 @@ def get_adapter(model: torch.nn.Module, config: LongSeqConfig) -> DecoderLMAdapt
                 problems.append(
                     f"{where}[{i}].{spec.mlp_attr} ({spec.moe_block_class}) has no .{spec.router_attr} router"
                 )
+    problems.extend(_approx_bp_problems(DecoderLMAdapter(model, spec), config, where) if layers else [])
     loss_type = getattr(model, "loss_type", None)
     if config.lm_head.enabled and loss_type not in (None, "ForCausalLM"):
         problems.append(f"model.loss_type={loss_type!r}: the chunked lm_head computes the causal-LM loss only")
     if problems:
         raise UnsupportedModelError(f"ds_longseq cannot be enabled on {cls}:\n  - " + "\n  - ".join(problems))
     return DecoderLMAdapter(model, spec)
+
+
+def norm_kind(norm: torch.nn.Module) -> str | None:
+    """ "rms" for a Llama-style RMSNorm (``weight * normalised``), "layer" for ``nn.LayerNorm``, else None."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return "layer"
+    if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+        return "rms"
+    return None
+
+
+def _approx_bp_problems(adapter: DecoderLMAdapter, config: LongSeqConfig, where: str) -> list[str]:
+    """Why ``config.approx_bp`` cannot be applied to this model (empty when it can)."""
+    problems: list[str] = []
+    approx = config.approx_bp
+    spec = adapter.spec
+    if approx.activation is not None:
+        step = APPROX_ACTIVATIONS[approx.activation]
+        for i, layer in enumerate(adapter.layers):
+            found = adapter.activations(layer)
+            if not found:
+                problems.append(
+                    f"long_seq.approx_bp.activation={approx.activation!r}: {where}[{i}] has no SiLU or GELU activation "
+                    f"module (config.hidden_act={getattr(adapter.model.config, 'hidden_act', None)!r}): set it to null"
+                )
+                break
+            wrong = [(name, m) for name, m, kind in found if kind != step.stock]
+            if wrong:
+                name, m = wrong[0]
+                other = next(s.name for s in APPROX_ACTIVATIONS.values() if s.stock != step.stock)
+                problems.append(
+                    f"long_seq.approx_bp.activation={approx.activation!r} approximates {step.stock.upper()}, but "
+                    f"{where}[{i}].{name} is {type(m).__name__}: use {other!r}"
+                )
+                break
+    if approx.norm is not None:
+        wanted = "rms" if approx.norm == "ms_rmsnorm" else "layer"
+        for path, why in spec.unfoldable_norms:
+            problems.append(
+                f"long_seq.approx_bp.norm={approx.norm!r}: {where}[i].{path} {why}, so its weight cannot be folded "
+                f"into a following linear layer ({spec.causal_lm_class}); set long_seq.approx_bp.norm=null "
+                "(approx_bp.activation still applies)"
+            )
+        norms = [
+            (f"{where}[{i}].{path}", layer.get_submodule(path))
+            for i, layer in enumerate(adapter.layers)
+            for path, _ in spec.norm_folds
+        ]
+        norms.append((f"{spec.decoder_attr}.{spec.final_norm_attr}", adapter.final_norm))
+        for name, norm in norms:
+            kind = norm_kind(norm)
+            if kind != wanted:
+                hint = {"rms": "use 'ms_rmsnorm'", "layer": "use 'ms_layernorm'"}.get(kind, "set it to null")
+                problems.append(f"long_seq.approx_bp.norm={approx.norm!r}: {name} is {type(norm).__name__}: {hint}")
+                break
+    return problems
