@@ -25,7 +25,8 @@ setup(
         # accelerate: the Hugging Face Trainer (ds_longseq.trainer, examples/trainer_sft.py); trl: TRL's
         # SFTTrainer (examples/trainer_sft.py --trl), which requires accelerate and datasets; tested with
         # trl 1.16.0, datasets 5.2.0, accelerate 1.15.0
-        "test": ["pytest>=8", "peft>=0.21", "trl>=1.16", "accelerate>=1.15"],
+        # triton: the Approx-BP activation kernels' tests run them in Triton's CPU interpreter; tested with 3.9.0
+        "test": ["pytest>=8", "peft>=0.21", "trl>=1.16", "accelerate>=1.15", "triton>=3.9"],
         "lora": ["peft>=0.21"],
         "trainer": ["accelerate>=1.15"],
         "trl": ["trl>=1.16", "accelerate>=1.15"],

@@ -40,7 +40,7 @@ import torch
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.logging import get_logger, warn_once
-from ds_longseq.models.adapters import DecoderLMAdapter, norm_kind, get_adapter
+from ds_longseq.models.adapters import DecoderLMAdapter, get_adapter, norm_kind
 from ds_longseq.modules.approx_bp import ApproxActivationForward, MSNormForward, fold_norm, fold_targets
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
 from ds_longseq.modules.causal_lm import CausalLMForward, FusedHeadSettings, LMHeadLossForward

@@ -30,7 +30,6 @@ from ds_longseq.ops.approx_bp import (
     ms_rms_norm,
     pack_codes,
     packed_numel,
-    step_codes,
     unpack_codes,
 )
 from tests.helpers import (
@@ -68,7 +67,9 @@ def test_forward_is_the_stock_activation_and_backward_the_step_derivative(step, 
     (gx,) = torch.autograd.grad(y, x, g)
     # the paper's derivative: autograd of h~ in float64 at the same inputs, with the thresholds rounded to
     # the dtype (the comparison runs in the input's dtype, as any comparison with a Python scalar does)
-    rounded = dataclasses.replace(step, thresholds=tuple(float(torch.tensor(c, dtype=torch.float64).to(dtype)) for c in step.thresholds))
+    rounded = dataclasses.replace(
+        step, thresholds=tuple(float(torch.tensor(c, dtype=torch.float64).to(dtype)) for c in step.thresholds)
+    )
     xr = x.detach().double().requires_grad_()
     (dref,) = torch.autograd.grad(rounded.primitive(xr), xr, torch.ones_like(xr))
     ref = (g.double() * dref).to(dtype)
@@ -114,8 +115,8 @@ def test_relative_gradient_error_against_the_exact_derivative(step, act, bounds)
     """Reported in docs/APPROX_BP.md: the step derivative's norm-wise error against SiLU'/GELU' on N(0, 1)
     and N(0, 3^2) inputs (measured 0.471 / 0.249 for ReSiLU2, 0.357 / 0.200 for ReGELU2). Large per
     element, by design: the paper's claim is about convergence, which the fine-tuning run measures."""
-    for scale, bound in zip((1.0, 3.0), bounds):
-        x = (torch.randn(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * scale)
+    for scale, bound in zip((1.0, 3.0), bounds, strict=True):
+        x = torch.randn(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * scale
         x.requires_grad_()
         (exact,) = torch.autograd.grad(act(x).sum(), x)
         (approx,) = torch.autograd.grad(approx_activation(x, act, step).sum(), x)
@@ -174,7 +175,7 @@ def test_fold_layer_norm_with_bias_into_linears_keeps_outputs():
     fold_norm("ln", ln.weight, ln.bias, [t for i, lin in enumerate(lins) for t in fold_targets(lin, "weight", f"l{i}")])
     assert torch.equal(ln.weight, torch.ones(32, dtype=torch.float64)) and not ln.bias.any()
     after = [lin(ms_layer_norm(x, 1e-5)) for lin in lins]
-    for a, b in zip(after, before):
+    for a, b in zip(after, before, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     no_bias = torch.nn.Linear(32, 4, bias=False).double()
     with torch.no_grad():
@@ -189,11 +190,15 @@ def test_fold_layer_norm_with_bias_into_linears_keeps_outputs():
 def _hand_fold(model, arch: str):
     """Fold every norm's weight into the layers after it, by hand (independent of ds_longseq)."""
     consumers = {
-        "llama": {"input_layernorm": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                  "post_attention_layernorm": ["mlp.gate_proj", "mlp.up_proj"]},
+        "llama": {
+            "input_layernorm": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            "post_attention_layernorm": ["mlp.gate_proj", "mlp.up_proj"],
+        },
         "phi3": {"input_layernorm": ["self_attn.qkv_proj"], "post_attention_layernorm": ["mlp.gate_up_proj"]},
-        "mixtral": {"input_layernorm": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                    "post_attention_layernorm": ["mlp.gate", "mlp.experts"]},
+        "mixtral": {
+            "input_layernorm": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            "post_attention_layernorm": ["mlp.gate", "mlp.experts"],
+        },
     }[arch]
     with torch.no_grad():
         for layer in model.model.layers:
@@ -271,7 +276,9 @@ def test_every_path_matches_the_reference_in_float64(path, approx):
     batch = make_batch()
     # without the chunked head the model's own loss is transformers' float32 one: take both from the logits
     own_loss = path == "streambp"
-    _check(loss_and_grads(model, batch, use_reference=not own_loss), loss_and_grads(ref, batch, use_reference=True), 1e-10)
+    _check(
+        loss_and_grads(model, batch, use_reference=not own_loss), loss_and_grads(ref, batch, use_reference=True), 1e-10
+    )
 
 
 @pytest.mark.parametrize("arch", ["phi3", "mixtral"])
@@ -314,26 +321,33 @@ def test_folded_gradients_map_back_to_the_unfolded_model_exactly():
         assert rel_err(dalpha, rgrads[norm_name]) < 1e-10, norm_name
 
 
-def test_autocast_bf16_is_no_worse_than_the_stock_models_own_bf16_error():
-    """float32 weights under CPU autocast bf16 (Trainer's bf16=True): the MS-norm model against its
-    float64 reference, next to the stock model's bf16 error against its float64 self."""
+@pytest.mark.parametrize("approx", ["ms_rmsnorm", "both"])
+def test_autocast_bf16_is_no_worse_than_the_references_own_bf16_error(approx):
+    """float32 weights under CPU autocast bf16 (Trainer's bf16=True), StreamBP: the enabled model against
+    the float64 reference, next to the reference's own bf16 error (the same reference model, float32 under
+    the same autocast, against its float64 self).
+
+    The baseline is the approximated reference, not the stock model: the step derivative jumps by ~1 at
+    its thresholds, so bf16 rounding of the activation's input moves elements across steps; that is the
+    approximated function's own bf16 sensitivity (0.06-0.10 relative on this model's gradients, against
+    0.02 for the stock model), which any implementation of it has. It is dominated by the few elements
+    that cross a step, so it varies with where rounding happens: StreamBP's chunks of 8 round differently
+    from the whole-sequence reference and measured 0.117 against the reference's 0.057 (unchunked: 0.057
+    against 0.057), hence the factor 3 with the activation on; 2 with the exact MS norm alone."""
     model = make_model("llama", torch.float32)
     ds_model = copy.deepcopy(model)
-    ds_longseq.enable(ds_model, {**PATHS["streambp"], "approx_bp": APPROX["ms_rmsnorm"]})
-    ref64 = approx_reference(model.double(), "llama", False, True)
-    stock64 = full_precision_norms(copy.deepcopy(model.double()))
-    model.float()
+    ds_longseq.enable(ds_model, {**PATHS["streambp"], "approx_bp": APPROX[approx]})
+    ref32 = approx_reference(model, "llama", approx == "both", True)
+    ref64 = copy.deepcopy(ref32).double()
     batch = make_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours = loss_and_grads(ds_model, batch)
-        stock = loss_and_grads(model, batch, use_reference=True)
-    ours_err = compare(ours, loss_and_grads(ref64, batch, use_reference=True))
-    stock_err = compare(stock, loss_and_grads(stock64, batch, use_reference=True))
-    # the folded and the stock parameterisation have different gradients; compare errors by role
-    worst_ours = max(v for k, v in ours_err.items())
-    worst_stock = max(v for k, v in stock_err.items() if "norm" not in k)
-    assert ours_err["loss"] < 2 * stock_err["loss"] + 1e-3
-    assert worst_ours < 2 * worst_stock, (worst_ours, worst_stock)
+        baseline = loss_and_grads(ref32, batch, use_reference=True)
+    exact = loss_and_grads(ref64, batch, use_reference=True)
+    ours_err, base_err = compare(ours, exact), compare(baseline, exact)
+    assert ours_err["loss"] < 2 * base_err["loss"] + 1e-3
+    worst_ours, worst_base = max(ours_err.values()), max(base_err.values())
+    assert worst_ours < (3 if approx == "both" else 2) * worst_base, (worst_ours, worst_base)
 
 
 def test_lora_adapters_are_folded_too():
@@ -341,8 +355,12 @@ def test_lora_adapters_are_folded_too():
     back by diag(1/a)."""
     peft = pytest.importorskip("peft")
     base = full_precision_norms(make_model("llama", torch.float64, num_layers=1))
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
-                           init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+        init_lora_weights=False,
+    )
     model = peft.get_peft_model(base, lora)
     stock = copy.deepcopy(model)
     alpha_in = base.model.layers[0].input_layernorm.weight.detach().clone()
@@ -398,25 +416,33 @@ def test_disable_keeps_the_function_and_unfreezes_the_norms():
 # ---- 2 ranks, ZeRO-3 ----------------------------------------------------------------------------
 
 
-def _zero3_worker(rank: int):
+def _zero3_worker(rank: int, zero_init: bool):
+    import deepspeed
+
     import ds_longseq.engine
-    from tests.test_engine_dist import ds_config, rank_batches, _gathered_state
+    from tests.test_engine_dist import _gathered_state, ds_config, rank_batches
 
     model = make_model("llama", torch.float32)
+    config = ds_config(3, 1, {**PATHS["streambp"], "approx_bp": APPROX["both"]})
+    if zero_init:
+        # partitioned before ds_longseq sees it, as from_pretrained under ZeRO-3 does: the fold gathers
+        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.zero.Init(module=model, config_dict_or_path={k: v for k, v in config.items() if k != "long_seq"})
+        assert hasattr(model.lm_head.weight, "ds_id") and model.lm_head.weight.numel() == 0
     optimizer = torch.optim.SGD([p for p in model.parameters()], lr=0.5)
-    long_seq = {**PATHS["streambp"], "approx_bp": APPROX["both"]}
-    engine, *_ = ds_longseq.engine.initialize(model=model, optimizer=optimizer, config=ds_config(3, 1, long_seq))
+    engine, *_ = ds_longseq.engine.initialize(model=model, optimizer=optimizer, config=config)
     for batch in rank_batches(rank, 3):
         engine.backward(engine(**batch).loss)
         engine.step()
     return _gathered_state(engine)
 
 
-def test_zero3_two_ranks_match_the_single_process_reference():
+@pytest.mark.parametrize("zero_init", [False, True], ids=["built-whole", "zero-init"])
+def test_zero3_two_ranks_match_the_single_process_reference(zero_init):
     from tests.dist_utils import run_distributed
     from tests.test_engine_dist import rank_batches
 
-    results = run_distributed(_zero3_worker, 2)
+    results = run_distributed(_zero3_worker, 2, (zero_init,))
     ref = approx_reference(make_model("llama", torch.float32), "llama", True, True)
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
     per_rank = [rank_batches(r, 3) for r in range(2)]
@@ -426,7 +452,61 @@ def test_zero3_two_ranks_match_the_single_process_reference():
         opt.step()
     for name, p in ref.named_parameters():
         for rank, state in enumerate(results):
+            # float32 round-off over 3 SGD steps, as in tests/test_engine_dist.py
             assert rel_err(state[name], p.detach()) < 1e-5, (name, rank)
+
+
+def test_sequence_parallel_zero2_two_ranks_match_the_single_process_reference():
+    """SP=2 (Ulysses, DeepSpeed's groups) x ZeRO-2, StreamBP + both approximations; each rank holds a
+    different number of valid tokens."""
+    from tests.dist_utils import run_distributed
+    from tests.test_sequence_parallel_engine import STREAMBP, replica_batch, sp_train_worker
+
+    results = run_distributed(sp_train_worker, 2, (2, 2, {**STREAMBP, "approx_bp": APPROX["both"]}))
+    ref = approx_reference(make_model("llama", torch.float32), "llama", True, True)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        ref(**replica_batch(0, step)).loss.backward()
+        opt.step()
+    for name, p in ref.named_parameters():
+        for rank, result in enumerate(results):
+            assert rel_err(result["params"][name], p.detach()) < 1e-5, (name, rank)
+
+
+def _resume_worker(rank: int, ckpt_dir: str):
+    import ds_longseq.engine
+    from tests.test_engine_dist import _gathered_state, ds_config, rank_batches
+
+    config = ds_config(2, 1, {**PATHS["streambp"], "approx_bp": APPROX["both"]})
+    batches = rank_batches(rank, 3)
+
+    def engine_for(seed):
+        model = make_model("llama", torch.float32, seed=seed)
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        return ds_longseq.engine.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    first = engine_for(0)
+    for batch in batches[:2]:
+        first.backward(first(**batch).loss)
+        first.step()
+    first.save_checkpoint(ckpt_dir)
+    first.backward(first(**batches[2]).loss)
+    first.step()
+    # a different model, folded by enable, then overwritten by the checkpoint's folded weights
+    resumed = engine_for(1)
+    resumed.load_checkpoint(ckpt_dir)
+    resumed.backward(resumed(**batches[2]).loss)
+    resumed.step()
+    return _gathered_state(first), _gathered_state(resumed)
+
+
+def test_zero2_checkpoint_resumes_the_folded_model_exactly(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    for uninterrupted, resumed in run_distributed(_resume_worker, 2, (str(tmp_path),)):
+        for name, value in uninterrupted.items():
+            assert torch.equal(resumed[name], value), name
 
 
 # ---- bad input ----------------------------------------------------------------------------------
@@ -444,7 +524,9 @@ def test_families_whose_norms_cannot_fold_are_refused_naming_the_layer():
 
 
 def test_wrong_activation_kind_is_refused():
-    with pytest.raises(UnsupportedModelError, match=r"approximates GELU, but LlamaForCausalLM.model.layers\[0\].mlp.act_fn is SiLU"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"approximates GELU, but LlamaForCausalLM.model.layers\[0\].mlp.act_fn is SiLU"
+    ):
         ds_longseq.enable(make_model("llama"), {"approx_bp": {"activation": "regelu2"}})
     with pytest.raises(UnsupportedModelError, match=r"mlp.act_fn is GELUTanh: use 'regelu2'"):
         ds_longseq.enable(make_model("gemma2"), {"approx_bp": {"activation": "resilu2"}})
@@ -477,3 +559,17 @@ def test_dora_and_a_changed_norm_weight_are_refused():
     model.load_state_dict(unfolded)  # a stock checkpoint loaded after the fold
     with pytest.raises(RuntimeError, match="input_layernorm.weight changed after ds_longseq folded it"):
         model(**make_batch())
+
+
+def test_saved_bytes_per_layer_match_the_design():
+    """One bf16 Llama layer (benchmarks.saved_bytes): ReSiLU2 keeps I/4 bytes per token where SiLU kept its
+    bf16 input (2I); each MS norm keeps its bf16 output (shared with the next layers) and one float32
+    scalar, and no longer the float32 copy of its input, its unweighted output or the weighted one."""
+    from benchmarks.saved_bytes import SHAPES, measure
+
+    d, inter = SHAPES["llama-small"][:2]
+    rows = {v: measure("llama-small", v, 8, torch.bfloat16) for v in ("stock", "resilu2", "ms_rmsnorm")}
+    assert rows["stock"]["mlp"] - rows["resilu2"]["mlp"] == 2 * inter - inter // 4
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        assert rows["stock"][norm] == 4 * d + 2 * d + 4 and rows["ms_rmsnorm"][norm] == 2 * d + 4
+    assert rows["stock"]["total"] - rows["ms_rmsnorm"]["total"] == 2 * 6 * d
