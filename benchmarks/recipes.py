@@ -27,6 +27,9 @@ Methods:
     mst:              hf_gc + ds_longseq mini-sequence MLP (as many chunks as ALST's tiles) + chunked LM head.
     streambp:         ds_longseq StreamBP layers + chunked LM head (no checkpointing).
     streambp_offload: streambp with ds_longseq's ``long_seq.offload.layer_inputs = "cpu"``.
+    <method>_approx:  stock, hf_gc, mst, streambp with ``long_seq.approx_bp`` (ReSiLU2 + MS-RMSNorm).
+    streambp_2x, streambp_approx_2x: StreamBP at twice the suite's chunk size, exact / with approx_bp
+                      (the larger chunk that approx_bp's smaller replay activations allow).
 """
 
 from __future__ import annotations
@@ -236,6 +239,8 @@ class Recipe:
     long_seq: Literal["none", "mst", "streambp"] = "none"
     offload_layer_inputs: bool = False  # ds_longseq long_seq.offload.layer_inputs = "cpu" (StreamBP)
     sequence_parallel: bool = False
+    approx_bp: bool = False  # ds_longseq long_seq.approx_bp: APPROX_BP (ReSiLU2 + MS-RMSNorm)
+    chunk_scale: int = 1  # StreamBP chunk = chunk_scale x the suite's chunk_size
 
 
 _BASE = (
@@ -250,6 +255,12 @@ _BASE = (
 METHODS: dict[str, Recipe] = {r.name: r for r in _BASE}
 for _name in ("alst", "mst", "streambp"):
     METHODS[f"{_name}_sp"] = replace(METHODS[_name], name=f"{_name}_sp", sequence_parallel=True)
+for _name in ("stock", "hf_gc", "mst", "streambp"):
+    METHODS[f"{_name}_approx"] = replace(METHODS[_name], name=f"{_name}_approx", approx_bp=True)
+METHODS["streambp_2x"] = replace(METHODS["streambp"], name="streambp_2x", chunk_scale=2)
+METHODS["streambp_approx_2x"] = replace(METHODS["streambp"], name="streambp_approx_2x", approx_bp=True, chunk_scale=2)
+APPROX_BP = {"activation": "resilu2", "norm": "ms_rmsnorm"}
+"""The ``approx_bp`` section of the ``*_approx`` methods (Llama-shaped models: SiLU, RMSNorm)."""
 
 
 def get_recipe(name: str) -> Recipe:
@@ -276,11 +287,15 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
         cfg = {"mini_seq": {"enabled": True, "mlp_num_chunks": num_chunks}, "lm_head": lm_head}
     elif recipe.long_seq == "streambp":
         # kv_block_size left to the device default: the whole prefix per tile on CUDA, 1024 keys on CPU
-        cfg = {"streambp": {"enabled": True, "chunk_size": chunk_size}, "lm_head": lm_head}
+        cfg = {"streambp": {"enabled": True, "chunk_size": chunk_size * recipe.chunk_scale}, "lm_head": lm_head}
         if recipe.offload_layer_inputs:
             cfg["offload"] = {"layer_inputs": "cpu"}
+    elif recipe.approx_bp:
+        return {"approx_bp": dict(APPROX_BP)}  # stock / hf_gc: only the approximations, HF's own loss
     else:
         return {}
+    if recipe.approx_bp:
+        cfg["approx_bp"] = dict(APPROX_BP)
     if recipe.sequence_parallel:
         cfg["sequence_parallel"] = {"size": sp}
     return cfg

@@ -34,6 +34,9 @@ Suites (models and methods from ``benchmarks.recipes``):
     smoke:      the gpu_full path (ZeRO-3 + optimizer offload, torch's AdamW behind it) with a tiny Qwen3,
                 on CPU in seconds (what the test runs); on a GPU machine it runs there.
     smoke_lora: the gpu_lora path with a tiny Llama (needs peft).
+    approx_cpu: the cpu suite's model and engine, each of stock, hf_gc, mst, streambp with and without
+                long_seq.approx_bp (ReSiLU2 + MS-RMSNorm), and StreamBP at twice the chunk, exact and
+                approximated; no max-length search by default.
 
 Examples:
     python -m benchmarks.run --suite cpu --out benchmarks/results/cpu_suite
@@ -141,6 +144,29 @@ SUITES = {
         chunk_size=4096,
         timeout_s=540.0,
         lr=1e-4,
+    ),
+    "approx_cpu": Suite(
+        "Full training steps on CPU, single process, torch AdamW; each method with and without long_seq.approx_bp "
+        "(ReSiLU2 + MS-RMSNorm).",
+        LLAMA_SMALL,
+        "float32",
+        "cpu",
+        "torch",
+        (1024, 2048, 4096),
+        (
+            "stock",
+            "stock_approx",
+            "hf_gc",
+            "hf_gc_approx",
+            "mst",
+            "mst_approx",
+            "streambp",
+            "streambp_approx",
+            "streambp_2x",
+            "streambp_approx_2x",
+        ),
+        granularity=8192,
+        budget_mib=1024.0,  # the cpu suite's; run it with --no-search (the grid is the point here)
     ),
     "smoke": Suite(
         "The gpu_full path (ZeRO-3 + optimizer offload) with a tiny model: seconds on CPU.",

@@ -54,6 +54,31 @@ def test_long_seq_config_per_recipe():
         get_recipe("gpu")
 
 
+def test_approx_recipes_add_the_approx_bp_section_and_train():
+    """The *_approx methods: the approx_bp section on top of their method's (alone for stock / hf_gc);
+    the _2x methods double StreamBP's chunk; a stock_approx step runs and its loss is the stock one
+    (same forward)."""
+    approx = {"activation": "resilu2", "norm": "ms_rmsnorm"}
+    cfg = recipes.long_seq_config(get_recipe("stock_approx"), LLAMA_TINY, 256, chunk_size=64, loss_chunk_size=64)
+    assert cfg == {"approx_bp": approx}
+    cfg = recipes.long_seq_config(get_recipe("streambp_approx_2x"), LLAMA_TINY, 256, chunk_size=64, loss_chunk_size=64)
+    assert cfg["approx_bp"] == approx and cfg["streambp"]["chunk_size"] == 128
+    cfg = recipes.long_seq_config(get_recipe("streambp_2x"), LLAMA_TINY, 256, chunk_size=64, loss_chunk_size=64)
+    assert "approx_bp" not in cfg and cfg["streambp"]["chunk_size"] == 128
+    assert "approx_bp" in recipes.long_seq_config(get_recipe("mst_approx"), LLAMA_TINY, 256, chunk_size=64,
+                                                  loss_chunk_size=64)
+    import ds_longseq
+
+    ids = random_tokens(LLAMA_TINY, SEQ)
+    stock = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    ds_longseq.enable(model, recipes.long_seq_config(get_recipe("stock_approx"), LLAMA_TINY, SEQ, chunk_size=64,
+                                                     loss_chunk_size=64))
+    with torch.no_grad():
+        torch.testing.assert_close(compute_loss(get_recipe("stock_approx"), model, ids),
+                                   compute_loss(get_recipe("stock"), stock, ids), rtol=RTOL, atol=ATOL)
+
+
 class _Recorder:
     """Stands in for ``save_on_cpu``: keeps what is packed while it is open."""
 
