@@ -208,3 +208,15 @@ def test_alst_with_tied_embeddings_under_zero3_gives_the_plain_gradients():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "GRADS MATCH" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_approx_convergence_summary():
+    from benchmarks.approx_convergence import _smooth, summarise
+
+    assert _smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    exact = [4.0] * 10 + [2.0] * 10
+    later = [4.0] * 14 + [2.0] * 6
+    rows, level = summarise({"exact": exact, "approx": later}, window=4)
+    by = {r["run"]: r for r in rows}
+    assert level == 3.0 and by["exact"]["below_step"] == 13 and by["approx"]["below_step"] == 17
+    assert by["exact"]["max_diff"] == 0.0 and by["approx"]["max_diff"] == 2.0 and by["approx"]["final"] == 2.0
