@@ -573,3 +573,36 @@ def test_saved_bytes_per_layer_match_the_design():
     for norm in ("input_layernorm", "post_attention_layernorm"):
         assert rows["stock"][norm] == 4 * d + 2 * d + 4 and rows["ms_rmsnorm"][norm] == 2 * d + 4
     assert rows["stock"]["total"] - rows["ms_rmsnorm"]["total"] == 2 * 6 * d
+
+
+def test_trainer_one_process_matches_the_reference_trainer(tmp_path):
+    """LongSeqTrainer(long_seq={streambp, lm_head, approx_bp both}) against the stock Trainer training the
+    hand-folded, step-derivative reference model: the same losses and trained parameters (float32)."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from ds_longseq.trainer import LongSeqTrainer
+    from tests.test_trainer import LR, STEPS, _samples, collate, ds_config, save_tiny_llama
+
+    save_tiny_llama(str(tmp_path / "init"))
+    runs = {}
+    for name in ("reference", "ds_longseq"):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
+            lr_scheduler_type="constant", max_grad_norm=0.0, optim="sgd", report_to=[], logging_steps=1,
+            use_cpu=True, disable_tqdm=True, save_strategy="no", remove_unused_columns=False,
+            train_sampling_strategy="sequential",
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32)
+        kwargs = dict(args=args, train_dataset=_samples(), data_collator=collate)
+        if name == "reference":
+            model = approx_reference(model, "llama", True, True)
+            trainer = Trainer(model=model, **kwargs)
+        else:
+            long_seq = {**ds_config(2, 1)["long_seq"], "approx_bp": APPROX["both"]}
+            trainer = LongSeqTrainer(model=model, **kwargs, long_seq=long_seq)
+        trainer.train()
+        runs[name] = ([h["loss"] for h in trainer.state.log_history if "loss" in h], dict(model.named_parameters()))
+    assert runs["ds_longseq"][0] == pytest.approx(runs["reference"][0], rel=1e-5)
+    for n, p in runs["reference"][1].items():
+        torch.testing.assert_close(runs["ds_longseq"][1][n], p, rtol=1e-5, atol=1e-5)
