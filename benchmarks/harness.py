@@ -9,7 +9,8 @@ Holds:
     Statuses: ``ok``, ``oom`` (too long: the only failure a max-length search reads as "does not fit"),
         ``timeout``, ``crash`` and ``not_run`` (the time budget was spent, or a shorter length already
         ran out of memory).
-    Memory readings: ``maxrss_mib``, ``set_address_space_budget`` (CPU budget via RLIMIT_AS),
+    Memory readings: ``maxrss_mib``, ``rss_mib`` and ``reset_peak_rss`` (a step's own peak, free of a
+        transient during the build), ``set_address_space_budget`` (CPU budget via RLIMIT_AS),
         ``gpu_memory_above_baseline`` (allocated AND reserved peaks minus their post-build values).
     ``TimeBudget``: stop starting points once a wall-clock budget is spent.
     ``search_max_len``: longest length whose step fits, by explicit lengths or doubling + bisection,
@@ -170,6 +171,33 @@ def keep_rows(rows: Iterable[dict], drop: Callable[[dict], bool]) -> list[dict]:
 def maxrss_mib() -> float:
     """Peak RSS of this process so far, in MiB (``ru_maxrss`` is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
+    except OSError:
+        return None
+
+
+def rss_mib() -> float:
+    """Current RSS of this process in MiB (``VmRSS``); the peak so far where /proc is not available."""
+    kib = _proc_status_kib("VmRSS")
+    return maxrss_mib() if kib is None else kib / 1024.0
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS to its current RSS (Linux ``/proc/self/clear_refs`` = 5), so that
+    ``maxrss_mib`` afterwards reads the peak from now on, not a transient from before (e.g. a weight
+    copy while the model was built). Returns whether it was reset (False: the peak stays cumulative)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    hwm, rss = _proc_status_kib("VmHWM"), _proc_status_kib("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + 1024  # within 1 MiB: the reset took
 
 
 def set_address_space_budget(budget_mib: float) -> None:

@@ -10,7 +10,8 @@ Holds:
     apply_lora: PEFT LoRA (rank 16, alpha 32, all seven projections) on a model; returns the PEFT
         wrapper and the inner ``*ForCausalLM`` that recipes are applied to.
     Recipe and METHODS: what each method does to a model (stock, hf_gc, alst, alst_offload, mst,
-        streambp, streambp_offload, and the sequence-parallel alst_sp, mst_sp, streambp_sp);
+        streambp, streambp_offload, streambp_2x, the sequence-parallel alst_sp, mst_sp, streambp_sp, and
+        the Approx-BP stock_approx, hf_gc_approx, mst_approx, streambp_approx, streambp_approx_2x);
         ``prepare`` applies one, ``long_seq_config`` is its ds_longseq section, ``compute_loss``
         runs its forward (inside the checkpoint-offload context where the recipe has one).
     ALST pieces (DeepSpeed's own ops): alst_mlp_forward (TiledMLP), tiled_fused_loss and alst_loss
@@ -27,9 +28,12 @@ Methods:
     mst:              hf_gc + ds_longseq mini-sequence MLP (as many chunks as ALST's tiles) + chunked LM head.
     streambp:         ds_longseq StreamBP layers + chunked LM head (no checkpointing).
     streambp_offload: streambp with ds_longseq's ``long_seq.offload.layer_inputs = "cpu"``.
-    <method>_approx:  stock, hf_gc, mst, streambp with ``long_seq.approx_bp`` (ReSiLU2 + MS-RMSNorm).
-    streambp_2x, streambp_approx_2x: StreamBP at twice the suite's chunk size, exact / with approx_bp
-                      (the larger chunk that approx_bp's smaller replay activations allow).
+    streambp_2x:      streambp with a chunk twice the suite's ``chunk_size`` (exact): the bigger chunk's own effect.
+    <m>_approx:       stock, hf_gc, mst, streambp with ds_longseq's Approx-BP on top (``APPROX_BP``: ReSiLU2
+                      activations, which backpropagate an approximate derivative, and MS-RMSNorm, an exact
+                      re-parameterisation); for stock / hf_gc the ds_longseq section is then only ``approx_bp``,
+                      so the HF forward and loss are unchanged.
+    streambp_approx_2x: streambp_approx with the chunk doubled (what the smaller saved activations could buy).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ SEED = 0
 # lm_head chunk_size (its default), so the two loss paths are compared like for like.
 LOSS_TOKENS_PER_CHUNK = 1024
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The Approx-BP section of the *_approx methods: both replacements on (the models here are SiLU / RMSNorm).
+APPROX_BP = {"activation": "resilu2", "norm": "ms_rmsnorm"}
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,7 @@ class Recipe:
     long_seq: Literal["none", "mst", "streambp"] = "none"
     offload_layer_inputs: bool = False  # ds_longseq long_seq.offload.layer_inputs = "cpu" (StreamBP)
     sequence_parallel: bool = False
-    approx_bp: bool = False  # ds_longseq long_seq.approx_bp: APPROX_BP (ReSiLU2 + MS-RMSNorm)
+    approx_bp: bool = False  # ds_longseq long_seq.approx_bp = APPROX_BP, on top of whatever else the recipe does
     chunk_scale: int = 1  # StreamBP chunk = chunk_scale x the suite's chunk_size
 
 
@@ -255,12 +261,20 @@ _BASE = (
 METHODS: dict[str, Recipe] = {r.name: r for r in _BASE}
 for _name in ("alst", "mst", "streambp"):
     METHODS[f"{_name}_sp"] = replace(METHODS[_name], name=f"{_name}_sp", sequence_parallel=True)
-for _name in ("stock", "hf_gc", "mst", "streambp"):
-    METHODS[f"{_name}_approx"] = replace(METHODS[_name], name=f"{_name}_approx", approx_bp=True)
 METHODS["streambp_2x"] = replace(METHODS["streambp"], name="streambp_2x", chunk_scale=2)
-METHODS["streambp_approx_2x"] = replace(METHODS["streambp"], name="streambp_approx_2x", approx_bp=True, chunk_scale=2)
-APPROX_BP = {"activation": "resilu2", "norm": "ms_rmsnorm"}
-"""The ``approx_bp`` section of the ``*_approx`` methods (Llama-shaped models: SiLU, RMSNorm)."""
+for _name in ("stock", "hf_gc", "mst", "streambp", "streambp_2x"):
+    _approx = _name.replace("_2x", "") + "_approx" + ("_2x" if _name.endswith("_2x") else "")
+    METHODS[_approx] = replace(METHODS[_name], name=_approx, approx_bp=True)
+
+
+def exact_counterpart(name: str) -> str | None:
+    """The method that differs from ``name`` only in having no Approx-BP (``streambp_approx_2x`` ->
+    ``streambp_2x``), or None for a method without Approx-BP."""
+    recipe = get_recipe(name)
+    if not recipe.approx_bp:
+        return None
+    exact = replace(recipe, approx_bp=False)
+    return next((m for m, r in METHODS.items() if replace(r, name=exact.name) == exact), None)
 
 
 def get_recipe(name: str) -> Recipe:
@@ -279,7 +293,12 @@ def offload_supported() -> bool:
 
 def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_size: int, loss_chunk_size: int,
                     sp: int = 1) -> dict:
-    """The recipe's ``long_seq`` section ({} for methods that do not use ds_longseq)."""
+    """The recipe's ``long_seq`` section ({} for methods that do not use ds_longseq).
+
+    With ``approx_bp`` the section gets ``APPROX_BP``; for a recipe that uses no other ds_longseq
+    technique (stock, hf_gc) it is then ``{"approx_bp": APPROX_BP}`` alone, which installs no model
+    forward: the HF forward computes the loss as for the plain recipe.
+    """
     lm_head = {"enabled": True, "chunk_size": loss_chunk_size}
     if recipe.long_seq == "mst":
         # as many MLP chunks as ALST's TiledMLP tiles on this rank's tokens: ceil(T_local / hidden)
@@ -290,12 +309,12 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
         cfg = {"streambp": {"enabled": True, "chunk_size": chunk_size * recipe.chunk_scale}, "lm_head": lm_head}
         if recipe.offload_layer_inputs:
             cfg["offload"] = {"layer_inputs": "cpu"}
-    elif recipe.approx_bp:
-        return {"approx_bp": dict(APPROX_BP)}  # stock / hf_gc: only the approximations, HF's own loss
     else:
-        return {}
+        cfg = {}
     if recipe.approx_bp:
         cfg["approx_bp"] = dict(APPROX_BP)
+    if not cfg:
+        return {}
     if recipe.sequence_parallel:
         cfg["sequence_parallel"] = {"size": sp}
     return cfg

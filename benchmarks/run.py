@@ -3,7 +3,8 @@
 For each method at each sequence length, a fresh child process (``benchmarks.harness.spawn``) builds
 the same model (same seed, same weights, same random tokens), runs ``--warmup`` full training steps
 (forward, backward, optimizer step) and then ``--steps`` timed ones, and reports:
-    peak memory: CPU: peak RSS minus the RSS after the model (and optimizer) are built;
+    peak memory: CPU: peak RSS minus the RSS after the model (and optimizer) are built (the peak counted
+                 from there: ``harness.reset_peak_rss``, so a transient during the build does not hide growth);
                  GPU: ``max_memory_allocated`` and ``max_memory_reserved``, each minus its value after
                  build, and the host RSS growth (what offloading moves to the host);
     step time:   median of the timed steps; tokens/s = tokens per step / that median.
@@ -34,13 +35,14 @@ Suites (models and methods from ``benchmarks.recipes``):
     smoke:      the gpu_full path (ZeRO-3 + optimizer offload, torch's AdamW behind it) with a tiny Qwen3,
                 on CPU in seconds (what the test runs); on a GPU machine it runs there.
     smoke_lora: the gpu_lora path with a tiny Llama (needs peft).
-    approx_cpu: the cpu suite's model and engine, each of stock, hf_gc, mst, streambp with and without
-                long_seq.approx_bp (ReSiLU2 + MS-RMSNorm), and StreamBP at twice the chunk, exact and
-                approximated; no max-length search by default.
+    approx_cpu: the cpu suite's model and engine, lengths 1024-4096, each of stock, hf_gc, mst, streambp
+                without and with ds_longseq's Approx-BP (``<m>_approx``: ReSiLU2 + MS-RMSNorm), plus
+                streambp_2x / streambp_approx_2x (StreamBP chunk doubled). No max-length search unless --search.
 
 Examples:
     python -m benchmarks.run --suite cpu --out benchmarks/results/cpu_suite
     python -m benchmarks.run --suite gpu_lora --time-budget-min 9 --out benchmarks/results/gpu_lora_h100
+    python -m benchmarks.run --suite approx_cpu --no-search --out benchmarks/results/approx_cpu
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from benchmarks.recipes import (
     apply_lora,
     build_model,
     compute_loss,
+    exact_counterpart,
     get_recipe,
     long_seq_config,
     prepare,
@@ -99,6 +102,7 @@ class Suite:
     timeout_s: float = 3600.0
     torch_adam: bool = False  # deepspeed engine: torch's AdamW behind the offload (no DeepSpeedCPUAdam build)
     lr: float = 1e-5
+    search: bool = True  # run the max-length search unless --no-search (False: only with --search)
 
 
 SUITES = {
@@ -145,29 +149,6 @@ SUITES = {
         timeout_s=540.0,
         lr=1e-4,
     ),
-    "approx_cpu": Suite(
-        "Full training steps on CPU, single process, torch AdamW; each method with and without long_seq.approx_bp "
-        "(ReSiLU2 + MS-RMSNorm).",
-        LLAMA_SMALL,
-        "float32",
-        "cpu",
-        "torch",
-        (1024, 2048, 4096),
-        (
-            "stock",
-            "stock_approx",
-            "hf_gc",
-            "hf_gc_approx",
-            "mst",
-            "mst_approx",
-            "streambp",
-            "streambp_approx",
-            "streambp_2x",
-            "streambp_approx_2x",
-        ),
-        granularity=8192,
-        budget_mib=1024.0,  # the cpu suite's; run it with --no-search (the grid is the point here)
-    ),
     "smoke": Suite(
         "The gpu_full path (ZeRO-3 + optimizer offload) with a tiny model: seconds on CPU.",
         QWEN3_TINY,
@@ -185,6 +166,24 @@ SUITES = {
         steps=1,
         timeout_s=600.0,
         torch_adam=True,  # DeepSpeedCPUAdam would first compile for ~2 minutes
+    ),
+    # Approx-BP on and off on every path, at the cpu suite's shape. The methods come in pairs (exact,
+    # approx) so each pair differs only in long_seq.approx_bp; the 2x pair shows what a doubled
+    # StreamBP chunk costs with and without it. Search: the cpu suite's budget, if asked for.
+    "approx_cpu": Suite(
+        "Full training steps on CPU, single process, torch AdamW: each method without and with Approx-BP "
+        "(ReSiLU2 + MS-RMSNorm).",
+        LLAMA_SMALL,
+        "float32",
+        "cpu",
+        "torch",
+        (1024, 2048, 4096),
+        ("stock", "stock_approx", "hf_gc", "hf_gc_approx", "mst", "mst_approx", "streambp", "streambp_approx",
+         "streambp_2x", "streambp_approx_2x"),
+        search_range=(1024, 65536),
+        granularity=8192,
+        budget_mib=1024.0,
+        search=False,  # 10 methods x minutes-long probes near 32K: ask for it with --search
     ),
     "smoke_lora": Suite(
         "The gpu_lora path (PEFT LoRA on a frozen base, torch AdamW) with a tiny model: seconds on CPU.",
@@ -307,7 +306,10 @@ def measure(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    base_rss = harness.maxrss_mib()
+    # The baseline is the RSS after the build, and the peak the steps' own: a transient during the build
+    # (approx_bp's norm fold makes a temporary copy of each weight it folds, 62.5 MiB for this LM head)
+    # would otherwise raise the cumulative peak that serves as baseline and hide part of the step's growth.
+    base_rss = harness.rss_mib() if harness.reset_peak_rss() else harness.maxrss_mib()
     if spec.get("budget_mib") and not cuda:
         harness.set_address_space_budget(spec["budget_mib"])
     times, losses = [], []
@@ -561,6 +563,12 @@ def report_markdown(rows: list[dict], suite_name: str) -> str:
     out += harness.grid_table(points, methods, seq_lens, "step_s", lambda x: f"{x:.2f}")
     out += ["", "## Tokens per second", ""]
     out += harness.grid_table(points, methods, seq_lens, "tokens_per_s", lambda x: f"{x:.0f}")
+    pairs = [(exact_counterpart(m), m) for m in methods if exact_counterpart(m) in methods]
+    if pairs:
+        out += ["", "## Approx-BP against the same method without it", "",
+                "Peak memory change, approx - exact (MiB, and % of the exact method's peak), and step time "
+                "(approx / exact).", ""]
+        out += approx_pairs_table(points, pairs, seq_lens, "peak_mib")
     if searched:
         budget = searched[0]["budget_mib"]
         out += [
@@ -585,6 +593,24 @@ def report_markdown(rows: list[dict], suite_name: str) -> str:
     return "\n".join(out)
 
 
+def approx_pairs_table(points: list[dict], pairs: list[tuple[str, str]], seq_lens, peak_key: str) -> list[str]:
+    """One row per length, one column per (exact, approx) pair: ``-saved MiB (-%) / time ratio``."""
+    by = {(r["method"], int(r["seq_len"])): r for r in points if r["status"] == "ok"}
+    lines = ["| seq_len | " + " | ".join(f"{a} vs {e}" for e, a in pairs) + " |", "|---:|" + "---:|" * len(pairs)]
+    for s in seq_lens:
+        cells = []
+        for e, a in pairs:
+            re, ra = by.get((e, s)), by.get((a, s))
+            pe, pa = (harness.num(r[peak_key]) if r else None for r in (re, ra))
+            te, ta = (harness.num(r["step_s"]) if r else None for r in (re, ra))
+            if None in (pe, pa, te, ta) or not pe or not te:
+                cells.append("")
+                continue
+            cells.append(f"{pa - pe:+.0f} MiB ({100 * (pa - pe) / pe:+.0f}%), time x{ta / te:.2f}")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
@@ -600,6 +626,8 @@ def parse_args(argv):
     p.add_argument("--budget-mib", type=float, default=None,
                    help="CPU memory budget per child for the max-length search (default: the suite's)")
     p.add_argument("--no-search", action="store_true", help="skip the max-length search")
+    p.add_argument("--search", action="store_true",
+                   help="run the max-length search also for a suite that skips it by default (approx_cpu)")
     p.add_argument("--no-grid", action="store_true", help="only the max-length search")
     p.add_argument("--search-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                    help="tokens: double from LO up to HI, then bisect to --granularity (default: the suite's)")
@@ -638,10 +666,11 @@ def main(argv=None, spawn=harness.spawn, clock=time.monotonic):
     warmup = suite.warmup if args.warmup is None else args.warmup
     steps = suite.steps if args.steps is None else args.steps
     args.out = args.out or f"benchmarks/results/{args.suite}_suite"
+    search = not args.no_search and (suite.search or args.search)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     kept = []
     if args.append:
-        grid, search = not args.no_grid, not args.no_search
+        grid = not args.no_grid
         kept = harness.keep_rows(
             harness.read_csv(args.out + ".csv"),
             lambda r: r["suite"] != args.suite  # another suite's file: replace it
@@ -653,7 +682,7 @@ def main(argv=None, spawn=harness.spawn, clock=time.monotonic):
     runner.setup()
     if not args.no_grid:
         runner.run_points(methods, seq_lens, warmup, steps)
-    if not args.no_search:
+    if search:
         for method in methods:
             runner.run_search(method)
     runner.write()  # also when nothing ran (e.g. --no-grid --no-search): the files reflect the CSV
