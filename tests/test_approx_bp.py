@@ -579,20 +579,15 @@ def test_trainer_one_process_matches_the_reference_trainer(tmp_path):
     """LongSeqTrainer(long_seq={streambp, lm_head, approx_bp both}) against the stock Trainer training the
     hand-folded, step-derivative reference model: the same losses and trained parameters (float32)."""
     pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer
 
     from ds_longseq.trainer import LongSeqTrainer
-    from tests.test_trainer import LR, STEPS, _samples, collate, ds_config, save_tiny_llama
+    from tests.test_trainer import _samples, collate, ds_config, one_process_args, save_tiny_llama
 
     save_tiny_llama(str(tmp_path / "init"))
     runs = {}
     for name in ("reference", "ds_longseq"):
-        args = TrainingArguments(
-            output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
-            lr_scheduler_type="constant", max_grad_norm=0.0, optim="sgd", report_to=[], logging_steps=1,
-            use_cpu=True, disable_tqdm=True, save_strategy="no", remove_unused_columns=False,
-            train_sampling_strategy="sequential",
-        )  # fmt: skip
+        args = one_process_args(str(tmp_path / name))
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32)
         kwargs = dict(args=args, train_dataset=_samples(), data_collator=collate)
         if name == "reference":

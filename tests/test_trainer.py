@@ -416,22 +416,30 @@ def test_trainer_lora_zero3_sp2(tmp_path):
     assert_matches_reference(tmp_path, results, model_dir, 2, 1, lora=True)
 
 
+def one_process_args(output_dir: str):
+    """TrainingArguments of the one-process comparisons: SGD at a constant rate, no clipping, sequential
+    batches (the same ones in both runs), a loss logged every step."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
+        lr_scheduler_type="constant", max_grad_norm=0.0, optim="sgd", report_to=[], logging_steps=1,
+        use_cpu=True, disable_tqdm=True, save_strategy="no", remove_unused_columns=False,
+        train_sampling_strategy="sequential",
+    )
+
+
 def test_trainer_without_deepspeed_one_process(tmp_path):
     """LongSeqTrainer(..., long_seq=...) without DeepSpeed, one process: the same losses and trained
     parameters as the stock Trainer on the same data (sequential sampling: the same batches)."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer
 
     from ds_longseq.trainer import LongSeqTrainer
 
     save_tiny_llama(str(tmp_path / "init"))
     runs = {}
     for name in ("stock", "ds_longseq"):
-        args = TrainingArguments(
-            output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
-            lr_scheduler_type="constant", max_grad_norm=0.0, optim="sgd", report_to=[], logging_steps=1,
-            use_cpu=True, disable_tqdm=True, save_strategy="no", remove_unused_columns=False,
-            train_sampling_strategy="sequential",
-        )
+        args = one_process_args(str(tmp_path / name))
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float32)
         kwargs = dict(model=model, args=args, train_dataset=_samples(), data_collator=collate)
         if name == "stock":

@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from ds_longseq.ops.chunk_grads import acc_dtype
+
 __all__ = [
     "StepDerivative",
     "RESILU2",
@@ -42,7 +44,6 @@ __all__ = [
     "approx_activation",
     "ms_rms_norm",
     "ms_layer_norm",
-    "norm_compute_dtype",
 ]
 
 
@@ -128,15 +129,11 @@ def unpack_codes(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) >> shifts) & 3).reshape(-1)[:numel]
 
 
-def _slope_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision gradients are multiplied in float32 and rounded once (what the Triton kernel does).
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def step_backward(packed: torch.Tensor, grad_out: torch.Tensor, step: StepDerivative) -> torch.Tensor:
     """``grad_out * step'(x)`` from the packed codes of ``x``: same shape and dtype as ``grad_out``."""
     codes = unpack_codes(packed, grad_out.numel())
-    table = torch.tensor(step.slopes, dtype=_slope_dtype(grad_out.dtype), device=grad_out.device)
+    # half-precision gradients are multiplied in float32 and rounded once (what the Triton kernel does)
+    table = torch.tensor(step.slopes, dtype=acc_dtype(grad_out.dtype), device=grad_out.device)
     grad = grad_out.reshape(-1).to(table.dtype) * table[codes.long()]
     return grad.to(grad_out.dtype).view(grad_out.shape)
 
@@ -192,16 +189,11 @@ def approx_activation(
     return _ApproxActivation.apply(x, act, step)
 
 
-def norm_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a norm computes in: float32 for half/float32 inputs (as transformers' RMSNorms do),
-    float64 for float64 (transformers' RMSNorms drop float64 to float32; MS norms keep it)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _rms_normalise(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     # The same operations as transformers' Llama-style RMSNorm without its weight, so the output is
-    # bit-identical to the stock norm with weight 1 (for half and float32 inputs).
-    h = x.to(norm_compute_dtype(x.dtype))
+    # bit-identical to the stock norm with weight 1 (for half and float32 inputs). float64 stays float64
+    # (transformers' RMSNorms drop it to float32; MS norms keep it).
+    h = x.to(acc_dtype(x.dtype))
     rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h * rstd).to(x.dtype), rstd
 
@@ -234,7 +226,7 @@ class _MSLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_z):
         z, rstd = ctx.saved_tensors
-        cdtype = norm_compute_dtype(z.dtype)
+        cdtype = acc_dtype(z.dtype)
         g = grad_z.to(cdtype)
         zc = z.to(cdtype)
         # Alg. 2: dx = rstd (H - z z^T / d) dz, with H = I - 1 1^T / d
