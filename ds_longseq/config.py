@@ -1,8 +1,8 @@
 """Typed configuration of ds_longseq: the ``"long_seq"`` section of a DeepSpeed JSON file.
 
 Holds:
-    StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig, OffloadConfig, ApproxBPConfig:
-        one dataclass per section.
+    StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig, OffloadConfig, ApproxBPConfig,
+        AdjointConfig: one dataclass per section.
     LongSeqConfig: the whole section, with ``from_dict`` that reports every problem at once.
     LongSeqConfigError: the single error raised for a bad section.
 
@@ -28,6 +28,7 @@ __all__ = [
     "SequenceParallelConfig",
     "OffloadConfig",
     "ApproxBPConfig",
+    "AdjointConfig",
 ]
 
 
@@ -135,6 +136,27 @@ class ApproxBPConfig:
         return self.activation is not None or self.norm is not None
 
 
+@dataclass
+class AdjointConfig:
+    """Adjoint sharding (paper 002) for ``ds_longseq.adjoint.ResidualSSMForCausalLM``: gradients of the
+    residual SSM stack from an adjoint scan and per-token vector-Jacobian products, with the layers
+    split across the ranks of the job (one stage per rank). For SSM models only: the transformer
+    techniques (streambp, mini_seq, sequence_parallel, offload, approx_bp) must be off."""
+
+    enabled: bool = False
+    """Compute the SSM model's gradients by adjoint sharding instead of autograd."""
+    chunk_size: int = 1024
+    """Tokens per batched vector-Jacobian product and per chunk of LM-head logits: memory holds one
+    chunk's graph (and C x V logits) at a time."""
+    truncation: int | None = None
+    """T-bar of truncated adjoint sharding (Sec. 4.3): each token's loss reaches back through its last
+    T-bar state transitions only. NOT the exact gradient unless T-bar >= the sequence length
+    (docs/ADJOINT.md measures the error). None: exact."""
+    layer_split: list[int] | None = None
+    """Layers per rank, one entry per process of the job (summing to the model's layers). None: as
+    even as possible. A single process owns every layer."""
+
+
 _SECTIONS: dict[str, type] = {
     "streambp": StreamBPConfig,
     "mini_seq": MiniSeqConfig,
@@ -142,6 +164,7 @@ _SECTIONS: dict[str, type] = {
     "sequence_parallel": SequenceParallelConfig,
     "offload": OffloadConfig,
     "approx_bp": ApproxBPConfig,
+    "adjoint": AdjointConfig,
 }
 
 
@@ -182,6 +205,8 @@ class LongSeqConfig:
     """Offload of the layer inputs kept for backward to host memory."""
     approx_bp: ApproxBPConfig = field(default_factory=ApproxBPConfig)
     """Approx-BP activations and memory-sharing norms."""
+    adjoint: AdjointConfig = field(default_factory=AdjointConfig)
+    """Adjoint sharding of residual SSM models."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
@@ -237,6 +262,7 @@ class LongSeqConfig:
             or self.lm_head.enabled
             or self.sequence_parallel.enabled
             or self.approx_bp.enabled is True
+            or self.adjoint.enabled is True
         )
 
     def _problems(self) -> list[str]:
@@ -256,10 +282,16 @@ class LongSeqConfig:
                         problems.append(f"{where} must be {allowed}, got {value!r}")
                 elif value is None and f.default is None:
                     continue  # an optional size left to its device default
+                elif f.name == "layer_split":
+                    if not isinstance(value, (list, tuple)) or not value or any(
+                        isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value
+                    ):
+                        problems.append(f"{where} must be a list of positive layer counts (one per rank), got {value!r}")
                 elif not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{where} must be a positive integer, got {value!r}")
                 elif value <= 0:
-                    problems.append(f"{where} must be a positive integer, got {value}")
+                    hint = " (T-bar >= 1; null for exact gradients)" if f.name == "truncation" else ""
+                    problems.append(f"{where} must be a positive integer{hint}, got {value}")
         if self.streambp.enabled is True and self.mini_seq.enabled is True:
             problems.append(
                 "long_seq.streambp and long_seq.mini_seq are both enabled: StreamBP already runs each "
@@ -274,6 +306,23 @@ class LongSeqConfig:
                 "long_seq.mini_seq: only those keep just each layer's input for backward (the stock model keeps "
                 "every activation); enable one of them, or remove long_seq.offload.layer_inputs"
             )
+        if self.adjoint.enabled is True:
+            others = [
+                name
+                for name in ("streambp", "mini_seq", "sequence_parallel", "approx_bp")
+                if getattr(self, name).enabled is True
+            ] + (["offload"] if self.offload.layer_inputs is not None else [])
+            if others:
+                problems.append(
+                    f"long_seq.adjoint is enabled together with {others}: adjoint sharding trains residual SSM "
+                    "models, those options patch transformer layers; disable them (long_seq.lm_head is not needed "
+                    "either: the adjoint path always chunks the LM head by adjoint.chunk_size)"
+                )
+            if self.lm_head.enabled is True:
+                problems.append(
+                    "long_seq.lm_head is enabled with long_seq.adjoint: the adjoint path already chunks the LM head "
+                    "(by long_seq.adjoint.chunk_size); remove long_seq.lm_head"
+                )
         return problems
 
     def _warn_no_effect(self, data: Mapping[str, Any]) -> None:

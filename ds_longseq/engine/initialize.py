@@ -213,6 +213,16 @@ def initialize_with(
             deepspeed.init_distributed(distributed_port=distributed_port if distributed_port is not None else 29500)
         mpu = sequence_parallel_groups(long_seq.sequence_parallel.size)
         sp_group = mpu.get_sequence_parallel_group()
+    if long_seq.adjoint.enabled:
+        if zero_stage == 3:
+            raise ValueError(
+                "long_seq.adjoint with ZeRO stage 3: each rank already holds only its own layers' activations "
+                "and computes only their gradients, and the adjoint backward reads whole layer weights; use "
+                "zero_optimization.stage 0, 1 or 2 (ZeRO-2 partitions the optimizer states and gradients)"
+            )
+        if not torch.distributed.is_initialized():
+            # before enable: the layer split is over the world
+            deepspeed.init_distributed(distributed_port=distributed_port if distributed_port is not None else 29500)
     if is_enabled(model):
         if get_config(model) != long_seq:
             raise ValueError(
