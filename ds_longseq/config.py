@@ -286,7 +286,9 @@ class LongSeqConfig:
                     if not isinstance(value, (list, tuple)) or not value or any(
                         isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value
                     ):
-                        problems.append(f"{where} must be a list of positive layer counts (one per rank), got {value!r}")
+                        problems.append(
+                            f"{where} must be a list of positive layer counts (one per rank), got {value!r}"
+                        )
                 elif not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{where} must be a positive integer, got {value!r}")
                 elif value <= 0:

@@ -90,7 +90,7 @@ def adjoint(model, chunk_size, truncation=None):
 def assert_close(result, reference, tol):
     (loss, gs), (rloss, rgs) = result, reference
     assert rel_err(loss, rloss) < tol, (loss, rloss)
-    errs = [rel_err(g, r) for g, r in zip(gs, rgs)]
+    errs = [rel_err(g, r) for g, r in zip(gs, rgs, strict=True)]
     assert max(errs) < tol, errs
 
 
@@ -126,7 +126,7 @@ def test_linear_scan_function_gradients_equal_the_token_loop():
     w = torch.randn(2, 29, 5, dtype=torch.float64)
     got = torch.autograd.grad((LinearScan.apply(a, b) * w).sum(), [a, b])
     ref = torch.autograd.grad((loop_scan(a, b) * w).sum(), [a, b])
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         assert rel_err(g, r) < 1e-13
 
 
@@ -139,7 +139,9 @@ def test_truncated_adjoint_rejects_a_non_positive_window():
 # ---- one layer: input gradient and parameter gradients --------------------------------------------
 
 
-@pytest.mark.parametrize("conv_kernel,chunk_size", [(1, 1), (4, 5), (4, 64)], ids=["paper-chunk1", "conv-chunk5", "conv-1chunk"])
+@pytest.mark.parametrize(
+    "conv_kernel,chunk_size", [(1, 1), (4, 5), (4, 64)], ids=["paper-chunk1", "conv-chunk5", "conv-1chunk"]
+)
 def test_layer_stack_input_and_parameter_gradients(conv_kernel, chunk_size):
     """Two layers by hand: dL/dx reaching the first layer goes through the second's adjoint VJP."""
     model = tiny(conv_kernel=conv_kernel, num_layers=2)
@@ -157,7 +159,7 @@ def test_layer_stack_input_and_parameter_gradients(conv_kernel, chunk_size):
     g1, p1 = adjoint_layer_backward(model.layers[1], y1, upstream, params[1], chunk_size=chunk_size)
     g0, p0 = adjoint_layer_backward(model.layers[0], x.detach(), g1, params[0], chunk_size=chunk_size)
     assert rel_err(g0, ref[0]) < 1e-10
-    for g, r in zip(p0 + p1, ref[1:]):
+    for g, r in zip(p0 + p1, ref[1:], strict=True):
         assert rel_err(g, r) < 1e-10
 
 
@@ -189,7 +191,7 @@ def test_truncated_equals_the_windowed_reference(window):
     got = grads(model, lambda: model(ids, labels=labels).loss)
     assert_close(got, reference, 1e-10)
     # truncation changes the gradient (the test would pass vacuously if the states did not carry)
-    assert max(rel_err(g, r) for g, r in zip(got[1], exact[1])) > 1e-4
+    assert max(rel_err(g, r) for g, r in zip(got[1], exact[1], strict=True)) > 1e-4
 
 
 @pytest.mark.parametrize("window", [23, 24, 1000])
@@ -218,13 +220,13 @@ def test_bf16_no_worse_than_autograd_in_bf16():
     plain = grads(model, lambda: model(ids, labels=labels).loss)
     adjoint(model, chunk_size=16)
     got = grads(model, lambda: model(ids, labels=labels).loss)
-    ours = [rel_err(g, r) for g, r in zip(got[1], truth[1])]
-    baseline = [rel_err(p, r) for p, r in zip(plain[1], truth[1])]
+    ours = [rel_err(g, r) for g, r in zip(got[1], truth[1], strict=True)]
+    baseline = [rel_err(p, r) for p, r in zip(plain[1], truth[1], strict=True)]
     # Summed over the parameters the two paths' bf16 errors agree to ~5% (they round in different
     # places: chunked sums, float32 accumulation here); one parameter alone can differ by ~2.5x
     # either way (dt_proj.bias: 0.0094 vs 0.0038), hence 3x per parameter.
     assert sum(ours) <= 1.2 * sum(baseline), (sum(ours), sum(baseline))
-    for mine, theirs in zip(ours, baseline):
+    for mine, theirs in zip(ours, baseline, strict=True):
         assert mine <= 3 * theirs + 1e-3, (mine, theirs)
 
 

@@ -18,7 +18,9 @@ import pytest
 import ds_longseq
 
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
-LAYERS = {"config": 0, "logging": 0, "ops": 1, "modules": 2, "models": 3, "adjoint": 3, "patch": 4, "engine": 5, "trainer": 6}
+LAYERS = {
+    "config": 0, "logging": 0, "ops": 1, "modules": 2, "models": 3, "adjoint": 3, "patch": 4, "engine": 5, "trainer": 6
+}
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
 TOP_RANK = 6  # ds_longseq/__init__.py: the public surface (it leaves the heavy ``trainer`` to be imported alone)
 

@@ -85,7 +85,7 @@ def adjoint_layer_backward(
         del b_parts
     # c_t: what out_t asks of h_t, one VJP of post per chunk (its context is fixed, h varies)
     c = torch.empty_like(h)
-    for (s, e), ctx_c in zip(bounds, ctx_parts):
+    for (s, e), ctx_c in zip(bounds, ctx_parts, strict=True):
         with torch.enable_grad():
             h_c = h[:, s:e].detach().requires_grad_()
             out = layer.post(h_c, ctx_c)
@@ -201,7 +201,8 @@ def make_plan(
 
 def _head_loss_sum(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
     head = model.lm_head
-    loss_sum, _ = chunked_lm_head_loss(model.norm_f(hidden), head.weight, targets, chunk_size=chunk_size, bias=head.bias)
+    hidden = model.norm_f(hidden)
+    loss_sum, _ = chunked_lm_head_loss(hidden, head.weight, targets, chunk_size=chunk_size, bias=head.bias)
     return loss_sum
 
 
@@ -220,7 +221,8 @@ class _AdjointCausalLM(torch.autograd.Function):
             if plan.is_first:
                 y = model.embed(input_ids)
             else:
-                y = comm.recv_from(plan, plan.stage - 1, (*input_ids.shape, model.config.hidden_size), dtype, input_ids.device)
+                shape = (*input_ids.shape, model.config.hidden_size)
+                y = comm.recv_from(plan, plan.stage - 1, shape, dtype, input_ids.device)
             inputs = []
             for k in plan.layers:
                 inputs.append(y)
@@ -254,20 +256,20 @@ class _AdjointCausalLM(torch.autograd.Function):
                 y = ctx.output.detach().requires_grad_()
                 loss_sum = _head_loss_sum(model, y, targets, plan.chunk_size)
                 grad_y, *head_grads = torch.autograd.grad(loss_sum, [y, *head_params], grad_loss, allow_unused=True)
-            for p, g in zip(head_params, head_grads):
+            for p, g in zip(head_params, head_grads, strict=True):
                 add(p, g)
             grad_y = grad_y.to(acc_dtype(grad_y.dtype))
             ctx.output = None
         else:
             x = ctx.inputs[-1] if ctx.inputs else None
             grad_y = comm.recv_from(plan, plan.stage + 1, tuple(x.shape), acc_dtype(x.dtype), x.device)
-        for k, x in zip(reversed(plan.layers), reversed(ctx.inputs)):
+        for k, x in zip(reversed(plan.layers), reversed(ctx.inputs), strict=True):
             layer = model.layers[k]
             layer_params = [p for p in layer.parameters() if p.requires_grad]
             grad_y, layer_grads = adjoint_layer_backward(
                 layer, x, grad_y, layer_params, chunk_size=plan.chunk_size, truncation=plan.truncation
             )
-            for p, g in zip(layer_params, layer_grads):
+            for p, g in zip(layer_params, layer_grads, strict=True):
                 add(p, g)
         ctx.inputs = None
         if plan.is_first:
