@@ -17,7 +17,7 @@ from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig, adjoint_layer_
 from ds_longseq.adjoint.model import causal_lm_loss
 from ds_longseq.config import LongSeqConfigError
 from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
-from tests.helpers import make_model, rel_err
+from tests.helpers import full_precision_norms, make_model, rel_err
 
 V = 61
 
@@ -299,3 +299,63 @@ def test_ssm_config_validation():
     with pytest.raises(ValueError, match="state_size must be a positive integer"):
         SSMConfig(state_size=0)
     assert SSMConfig(hidden_size=8).inner_size == 16
+
+
+# ---- transformers' Mamba-1 --------------------------------------------------------------------------------
+
+
+def tiny_mamba(dtype=torch.float64, residual_in_fp32=False):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=3, expand=2,
+                                      conv_kernel=4, time_step_rank=4, residual_in_fp32=residual_in_fp32)
+    return transformers.MambaForCausalLM(config).to(dtype)
+
+
+def mamba_reference_loss(model, ids, labels):
+    from ds_longseq.adjoint import ssm_stack
+
+    stack = ssm_stack(model)
+    y = stack.embed(ids)
+    for layer in stack.layers:
+        a, b, ctx = layer.pre(y)
+        y = layer.residual(y) + layer.post(loop_scan(a, b), ctx)
+    return causal_lm_loss(stack.lm_head(stack.norm_f(y)), labels)
+
+
+def test_mamba_maps_reproduce_transformers():
+    """Our maps of a MambaBlock compute transformers' function (its torch path, token loop): float32."""
+    model = tiny_mamba(torch.float32, residual_in_fp32=True)
+    ids, labels = batch()
+    hf = grads(model, lambda: model(ids, labels=labels).loss)
+    ours = grads(model, lambda: mamba_reference_loss(model, ids, labels))
+    assert_close(ours, hf, 1e-5)  # float32 round-off of two scan orders
+
+
+@pytest.mark.parametrize("chunk_size", [5, 64])
+def test_mamba_adjoint_float64_equals_autograd(chunk_size):
+    """float64 with transformers' float32 RMSNorms made float64 (tests.helpers.full_precision_norms)."""
+    model = full_precision_norms(tiny_mamba())
+    assert model.lm_head.weight is model.backbone.embeddings.weight  # tied, as Mamba checkpoints are
+    ids, labels = batch()
+    reference = grads(model, lambda: mamba_reference_loss(model, ids, labels))
+    ds_longseq.enable(model, {"adjoint": {"enabled": True, "chunk_size": chunk_size}})
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None
+    assert_close(grads(model, lambda: model(input_ids=ids, labels=labels).loss), reference, 1e-10)
+    with torch.no_grad():  # evaluation goes to transformers' forward
+        assert model(input_ids=ids, labels=labels).logits.shape == (2, 37, V)
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model(inputs_embeds=torch.zeros(2, 37, 16, dtype=torch.float64), labels=labels)
+    ds_longseq.disable(model)
+    assert "forward" not in model.__dict__
+
+
+def test_other_ssm_families_are_refused_naming_the_term():
+    import transformers
+
+    config = transformers.Mamba2Config(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=1, num_heads=2,
+                                       head_dim=16, n_groups=1, expand=2)
+    with pytest.raises(ds_longseq.UnsupportedModelError, match="Mamba-2 also fits"):
+        ds_longseq.enable(transformers.Mamba2ForCausalLM(config), {"adjoint": {"enabled": True}})

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_longseq.adjoint import distributed as comm
+from ds_longseq.adjoint.stacks import SSMStack, ssm_stack
 from ds_longseq.ops.chunk_grads import acc_dtype
 from ds_longseq.ops.linear_scan import adjoint_scan, linear_scan, truncated_adjoint
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
@@ -163,7 +164,7 @@ class AdjointPlan:
         """Mean cross entropy over valid tokens; its backward computes every gradient by adjoint sharding.
 
         Args:
-            model: the :class:`ResidualSSMForCausalLM`.
+            model: a :class:`ResidualSSMForCausalLM` or transformers' ``MambaForCausalLM`` (see ``stacks``).
             input_ids: (B, T) token ids (the same on every stage).
             labels: (B, T) labels, shifted inside (position t predicts labels[t + 1]); -100 ignored.
         """
@@ -173,7 +174,7 @@ class AdjointPlan:
         if self.stage_ranks is not None:
             comm.check_same_batch(input_ids, targets)
         params = [p for p in model.parameters() if p.requires_grad]
-        loss_sum = _AdjointCausalLM.apply(self, model, input_ids, targets, *params)
+        loss_sum = _AdjointCausalLM.apply(self, ssm_stack(model), input_ids, targets, *params)
         return loss_sum / (targets != -100).sum()
 
 
@@ -199,9 +200,9 @@ def make_plan(
     )
 
 
-def _head_loss_sum(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    head = model.lm_head
-    hidden = model.norm_f(hidden)
+def _head_loss_sum(stack: SSMStack, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    head = stack.lm_head
+    hidden = stack.norm_f(hidden).to(head.weight.dtype)
     loss_sum, _ = chunked_lm_head_loss(hidden, head.weight, targets, chunk_size=chunk_size, bias=head.bias)
     return loss_sum
 
@@ -215,33 +216,35 @@ class _AdjointCausalLM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, plan: AdjointPlan, model, input_ids, targets, *params):
-        dtype = model.embed.weight.dtype
+    def forward(ctx, plan: AdjointPlan, stack: SSMStack, input_ids, targets, *params):
         with torch.no_grad():
             if plan.is_first:
-                y = model.embed(input_ids)
+                y = stack.embed(input_ids)
             else:
-                shape = (*input_ids.shape, model.config.hidden_size)
-                y = comm.recv_from(plan, plan.stage - 1, shape, dtype, input_ids.device)
+                shape = (*input_ids.shape, stack.hidden_size)
+                y = comm.recv_from(plan, plan.stage - 1, shape, stack.stream_dtype, input_ids.device)
             inputs = []
             for k in plan.layers:
                 inputs.append(y)
-                y = model.layers[k](y)
+                layer = stack.layers[k]
+                a, b, layer_ctx = layer.pre(y)
+                y = layer.residual(y) + layer.post(linear_scan(a, b), layer_ctx)
+                del a, b, layer_ctx
             if plan.is_last:
-                loss_sum = _head_loss_sum(model, y, targets, plan.chunk_size)
+                loss_sum = _head_loss_sum(stack, y, targets, plan.chunk_size)
             else:
                 comm.send_to(plan, plan.stage + 1, y)
-                loss_sum = torch.zeros((), dtype=acc_dtype(dtype), device=y.device)
+                loss_sum = torch.zeros((), dtype=acc_dtype(stack.lm_head.weight.dtype), device=y.device)
             if plan.stage_ranks is not None:
                 comm.broadcast_from_last(plan, loss_sum)
-        ctx.plan, ctx.model, ctx.params = plan, model, params
+        ctx.plan, ctx.stack, ctx.params = plan, stack, params
         ctx.inputs, ctx.output = inputs, y if plan.is_last else None
         ctx.save_for_backward(input_ids, targets)
         return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss):
-        plan, model, params = ctx.plan, ctx.model, ctx.params
+        plan, stack, params = ctx.plan, ctx.stack, ctx.params
         input_ids, targets = ctx.saved_tensors
         grads: dict[int, torch.Tensor] = {}
 
@@ -251,10 +254,10 @@ class _AdjointCausalLM(torch.autograd.Function):
                 grads[key] = g.to(acc_dtype(param.dtype)) if key not in grads else grads[key].add_(g)
 
         if plan.is_last:
-            head_params = [p for p in (*model.norm_f.parameters(), *model.lm_head.parameters()) if p.requires_grad]
+            head_params = [p for p in (*stack.norm_f.parameters(), *stack.lm_head.parameters()) if p.requires_grad]
             with torch.enable_grad():
                 y = ctx.output.detach().requires_grad_()
-                loss_sum = _head_loss_sum(model, y, targets, plan.chunk_size)
+                loss_sum = _head_loss_sum(stack, y, targets, plan.chunk_size)
                 grad_y, *head_grads = torch.autograd.grad(loss_sum, [y, *head_params], grad_loss, allow_unused=True)
             for p, g in zip(head_params, head_grads, strict=True):
                 add(p, g)
@@ -264,7 +267,7 @@ class _AdjointCausalLM(torch.autograd.Function):
             x = ctx.inputs[-1] if ctx.inputs else None
             grad_y = comm.recv_from(plan, plan.stage + 1, tuple(x.shape), acc_dtype(x.dtype), x.device)
         for k, x in zip(reversed(plan.layers), reversed(ctx.inputs), strict=True):
-            layer = model.layers[k]
+            layer = stack.layers[k]
             layer_params = [p for p in layer.parameters() if p.requires_grad]
             grad_y, layer_grads = adjoint_layer_backward(
                 layer, x, grad_y, layer_params, chunk_size=plan.chunk_size, truncation=plan.truncation
@@ -273,7 +276,7 @@ class _AdjointCausalLM(torch.autograd.Function):
                 add(p, g)
         ctx.inputs = None
         if plan.is_first:
-            weight = model.embed.weight
+            weight = stack.embed.weight
             if weight.requires_grad:
                 g = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
                 g.index_add_(0, input_ids.reshape(-1), grad_y.reshape(-1, grad_y.shape[-1]).to(g.dtype))
