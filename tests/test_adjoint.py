@@ -304,13 +304,36 @@ def test_ssm_config_validation():
 # ---- transformers' Mamba-1 --------------------------------------------------------------------------------
 
 
-def tiny_mamba(dtype=torch.float64, residual_in_fp32=False):
+def tiny_mamba(dtype=torch.float64, residual_in_fp32=False, family="mamba"):
+    """transformers' Mamba-1, or Mamba-2 (4 heads of 8 channels in 2 groups, SSD chunks of 8 tokens)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=3, expand=2,
-                                      conv_kernel=4, time_step_rank=4, residual_in_fp32=residual_in_fp32)
-    return transformers.MambaForCausalLM(config).to(dtype)
+    common = dict(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=3, expand=2, conv_kernel=4,
+                  residual_in_fp32=residual_in_fp32)
+    if family == "mamba2":
+        config = transformers.Mamba2Config(num_heads=4, head_dim=8, n_groups=2, chunk_size=8, **common)
+        model = transformers.Mamba2ForCausalLM(config)
+    else:
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(time_step_rank=4, **common))
+    return model.to(dtype)
+
+
+def float64_gated_norms(model):
+    """Mamba-2's gated RMSNorm in the input dtype (transformers' rounds to float32 even in float64)."""
+    import types
+
+    def forward(self, x, gate=None):
+        if gate is not None:
+            x = x * torch.nn.functional.silu(gate)
+        g = x.view(*x.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * g.view(x.shape)
+
+    for module in model.modules():
+        if type(module).__name__ == "MambaRMSNormGated":
+            module.forward = types.MethodType(forward, module)
+    return model
 
 
 def mamba_reference_loss(model, ids, labels):
@@ -324,20 +347,22 @@ def mamba_reference_loss(model, ids, labels):
     return causal_lm_loss(stack.lm_head(stack.norm_f(y)), labels)
 
 
-def test_mamba_maps_reproduce_transformers():
-    """Our maps of a MambaBlock compute transformers' function (its torch path, token loop): float32."""
-    model = tiny_mamba(torch.float32, residual_in_fp32=True)
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_mamba_maps_reproduce_transformers(family):
+    """Our maps compute transformers' function (its torch path: token loop / SSD chunks), float32."""
+    model = tiny_mamba(torch.float32, residual_in_fp32=True, family=family)
     ids, labels = batch()
     hf = grads(model, lambda: model(ids, labels=labels).loss)
     ours = grads(model, lambda: mamba_reference_loss(model, ids, labels))
     assert_close(ours, hf, 1e-5)  # float32 round-off of two scan orders
 
 
-@pytest.mark.parametrize("chunk_size", [5, 64])
-def test_mamba_adjoint_float64_equals_autograd(chunk_size):
+@pytest.mark.parametrize("family,chunk_size", [("mamba", 5), ("mamba", 64), ("mamba2", 6)])
+def test_mamba_adjoint_float64_equals_autograd(family, chunk_size):
     """float64 with transformers' float32 RMSNorms made float64 (tests.helpers.full_precision_norms)."""
-    model = full_precision_norms(tiny_mamba())
-    assert model.lm_head.weight is model.backbone.embeddings.weight  # tied, as Mamba checkpoints are
+    model = float64_gated_norms(full_precision_norms(tiny_mamba(family=family)))
+    tied = model.lm_head.weight is model.backbone.embeddings.weight
+    assert tied == (family == "mamba")  # the configs' defaults: Mamba-1 ties, Mamba-2 does not
     ids, labels = batch()
     reference = grads(model, lambda: mamba_reference_loss(model, ids, labels))
     ds_longseq.enable(model, {"adjoint": {"enabled": True, "chunk_size": chunk_size}})
@@ -355,7 +380,6 @@ def test_mamba_adjoint_float64_equals_autograd(chunk_size):
 def test_other_ssm_families_are_refused_naming_the_term():
     import transformers
 
-    config = transformers.Mamba2Config(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=1, num_heads=2,
-                                       head_dim=16, n_groups=1, expand=2)
-    with pytest.raises(ds_longseq.UnsupportedModelError, match="Mamba-2 also fits"):
-        ds_longseq.enable(transformers.Mamba2ForCausalLM(config), {"adjoint": {"enabled": True}})
+    config = transformers.FalconMambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=1)
+    with pytest.raises(ds_longseq.UnsupportedModelError, match="Falcon-Mamba adds RMS norms on B, C and dt"):
+        ds_longseq.enable(transformers.FalconMambaForCausalLM(config), {"adjoint": {"enabled": True}})
