@@ -119,6 +119,24 @@ def test_scans_equal_the_token_loop(seq_len):
     assert torch.equal(truncated_adjoint(a, c, 1), c)
 
 
+def test_scans_carried_across_chunks_equal_one_scan():
+    """The carries the streamed backward uses: a chunk's initial state, and a_e * mu_e from the next chunk."""
+    torch.manual_seed(3)
+    a = torch.rand(2, 30, 3, dtype=torch.float64)
+    b, c = torch.randn(2, 2, 30, 3, dtype=torch.float64)
+    whole_h, whole_mu = linear_scan(a, b), adjoint_scan(a, c)
+    h_parts, carry = [], None
+    for s, e in [(0, 7), (7, 8), (8, 30)]:
+        h_parts.append(linear_scan(a[:, s:e], b[:, s:e], carry))
+        carry = h_parts[-1][:, -1]
+    assert rel_err(torch.cat(h_parts, 1), whole_h) < 1e-14
+    mu_parts, carry = [], None
+    for s, e in [(8, 30), (7, 8), (0, 7)]:
+        mu_parts.insert(0, adjoint_scan(a[:, s:e], c[:, s:e], carry))
+        carry = a[:, s] * mu_parts[0][:, 0]
+    assert rel_err(torch.cat(mu_parts, 1), whole_mu) < 1e-14
+
+
 def test_linear_scan_function_gradients_equal_the_token_loop():
     torch.manual_seed(0)
     a = torch.rand(2, 29, 5, dtype=torch.float64, requires_grad=True)

@@ -38,15 +38,39 @@ from ds_longseq.ops.chunk_grads import acc_dtype
 from ds_longseq.ops.linear_scan import adjoint_scan, linear_scan, truncated_adjoint
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
 
-__all__ = ["adjoint_layer_backward", "AdjointPlan", "make_plan"]
+__all__ = ["adjoint_layer_backward", "layer_forward", "AdjointPlan", "make_plan"]
 
 
 def _bounds(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
 
 
+def layer_forward(layer, x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``residual(x) + post(scan(pre(x)))`` chunk by chunk, the state carried across chunks.
+
+    Run under no_grad: holds one chunk's (B, C, D, N) decays, inputs and states at a time, not the
+    whole sequence's.
+
+    Args:
+        layer: a layer's maps (``halo``, ``pre``, ``post``, ``residual``; see ``stacks``).
+        x: (B, T, P) the layer's input.
+        chunk_size: C.
+
+    Returns:
+        (B, T, P) the layer's output.
+    """
+    outs, carry = [], None
+    for s, e in _bounds(x.shape[1], chunk_size):
+        lo = max(0, s - layer.halo)
+        a, b, ctx = layer.pre(x[:, lo:e], s - lo)
+        h = linear_scan(a, b, carry)
+        carry = h[:, -1]
+        outs.append(layer.post(h, ctx))
+    return layer.residual(x) + torch.cat(outs, dim=1)
+
+
 def adjoint_layer_backward(
-    layer: torch.nn.Module,
+    layer,
     x: torch.Tensor,
     grad_out: torch.Tensor,
     params: list[torch.nn.Parameter],
@@ -54,28 +78,91 @@ def adjoint_layer_backward(
     chunk_size: int,
     truncation: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Gradients of one residual SSM layer ``y = x + post(scan(pre(x)))`` by the adjoint method.
+    """Gradients of one residual SSM layer ``y = residual(x) + post(scan(pre(x)))`` by the adjoint method.
+
+    Exact (``truncation`` None or >= T): streamed over chunks, last chunk first. A forward sweep keeps
+    only the state at each chunk boundary ((T / C) x (B, D, N)); each chunk then recomputes its
+    states from its boundary state, its adjoint from the carry a_e * mu_e of the chunk after it, and
+    its VJPs, so memory holds one chunk's (B, C, D, N) tensors and graph at a time.
+
+    Truncated: the adjoint needs c_t up to T-bar tokens ahead, so a, h and mu are held for the whole
+    sequence ((B, T, D, N) each) and the VJPs then run chunk by chunk.
 
     Args:
-        layer: a module with ``pre(x, num_halo)``, ``post(h, ctx)`` and ``halo`` (see
-            ``ds_longseq.adjoint.model.SelectiveSSMLayer``).
+        layer: a layer's maps: ``pre(x, num_halo)``, ``post(h, ctx)``, ``halo`` (see ``stacks``;
+            ``ds_longseq.adjoint.model.SelectiveSSMLayer`` has them).
         x: (B, T, P) the layer's input, as in forward.
         grad_out: (B, T, P) dL/dy, the gradient of the layer's output (residual stream).
         params: the layer's parameters to differentiate.
-        chunk_size: tokens per batched VJP (memory: one chunk's graph at a time).
+        chunk_size: tokens per batched VJP.
         truncation: T-bar, keep only lambda^{t', t} with t' - t < T-bar; None: exact.
 
     Returns:
         (dL/dx (B, T, P) in float32 for half precision, else x's dtype; gradients of ``params`` in the
         same accumulation dtype, None for a parameter the layer does not use).
     """
-    num_tokens = x.shape[1]
-    halo = layer.halo
-    bounds = _bounds(num_tokens, chunk_size)
+    dtype = acc_dtype(x.dtype)
+    grad_x = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    grads: list[torch.Tensor | None] = [None] * len(params)
+
+    def vjp(s, e, x_w, out, a_c, b_c, mu_c, h_prev):
+        """Accumulate VJP[g . out + (mu * h_prev) . a + mu . b] over the chunk's input and params."""
+        results = torch.autograd.grad(
+            [out, a_c, b_c], [x_w, *params], [grad_out[:, s:e].to(out.dtype), mu_c * h_prev, mu_c],
+            allow_unused=True,
+        )
+        grad_x[:, max(0, s - layer.halo) : e] += results[0]
+        for i, g in enumerate(results[1:]):
+            if g is not None:
+                grads[i] = g.to(dtype) if grads[i] is None else grads[i].add_(g)
+
+    if truncation is None or truncation >= x.shape[1]:
+        _streamed(layer, x, grad_out, chunk_size, vjp)
+    else:
+        _truncated(layer, x, grad_out, chunk_size, truncation, vjp)
+    grad_x += grad_out  # the residual path
+    return grad_x, grads
+
+
+def _streamed(layer, x, grad_out, chunk_size, vjp) -> None:
+    bounds = _bounds(x.shape[1], chunk_size)
+    starts = []  # the state before each chunk
+    with torch.no_grad():
+        carry = None
+        for s, e in bounds:
+            lo = max(0, s - layer.halo)
+            a, b, _ = layer.pre(x[:, lo:e], s - lo)
+            starts.append(carry)
+            carry = linear_scan(a, b, carry)[:, -1]
+        del a, b, carry
+    carry = None  # a_e * mu_e of the chunk after this one
+    for (s, e), start in zip(reversed(bounds), reversed(starts), strict=True):
+        lo = max(0, s - layer.halo)
+        with torch.enable_grad():
+            x_w = x[:, lo:e].detach().requires_grad_()
+            a_c, b_c, ctx_c = layer.pre(x_w, s - lo)
+            with torch.no_grad():
+                h = linear_scan(a_c, b_c, start)
+            h_leaf = h.requires_grad_()
+            out = layer.post(h_leaf, ctx_c)
+            # c_t: what out_t asks of h_t; the graph stays for the VJP below
+            (c,) = torch.autograd.grad(out, h_leaf, grad_out[:, s:e].to(out.dtype), retain_graph=True)
+        with torch.no_grad():
+            mu = adjoint_scan(a_c, c, carry)
+            del c
+            carry = a_c[:, 0] * mu[:, 0]
+            first = torch.zeros_like(h[:, :1]) if start is None else start.unsqueeze(1)
+            h_prev = torch.cat([first, h[:, :-1]], dim=1)
+        with torch.enable_grad():
+            vjp(s, e, x_w, out, a_c, b_c, mu, h_prev)
+
+
+def _truncated(layer, x, grad_out, chunk_size, truncation, vjp) -> None:
+    bounds = _bounds(x.shape[1], chunk_size)
     with torch.no_grad():
         a_parts, b_parts, ctx_parts = [], [], []
         for s, e in bounds:
-            lo = max(0, s - halo)
+            lo = max(0, s - layer.halo)
             a_c, b_c, ctx_c = layer.pre(x[:, lo:e], s - lo)
             a_parts.append(a_c)
             b_parts.append(b_c)
@@ -93,34 +180,16 @@ def adjoint_layer_backward(
             (c[:, s:e],) = torch.autograd.grad(out, h_c, grad_out[:, s:e].to(out.dtype))
     del ctx_parts
     with torch.no_grad():
-        if truncation is None or truncation >= num_tokens:
-            mu = adjoint_scan(a, c)
-        else:
-            mu = truncated_adjoint(a, c, truncation)
+        mu = truncated_adjoint(a, c, truncation)
     del c, a
-    dtype = acc_dtype(x.dtype)
-    grad_x = torch.zeros(x.shape, dtype=dtype, device=x.device)
-    grads: list[torch.Tensor | None] = [None] * len(params)
     for s, e in bounds:
-        lo = max(0, s - halo)
+        lo = max(0, s - layer.halo)
         h_prev = h[:, s - 1 : e - 1] if s > 0 else torch.cat([torch.zeros_like(h[:, :1]), h[:, : e - 1]], dim=1)
         with torch.enable_grad():
             x_w = x[:, lo:e].detach().requires_grad_()
             a_c, b_c, ctx_c = layer.pre(x_w, s - lo)
             out = layer.post(h[:, s:e], ctx_c)  # h is a constant here: its share is in mu
-            mu_c = mu[:, s:e]
-            results = torch.autograd.grad(
-                [out, a_c, b_c],
-                [x_w, *params],
-                [grad_out[:, s:e].to(out.dtype), mu_c * h_prev, mu_c],
-                allow_unused=True,
-            )
-        grad_x[:, lo:e] += results[0]
-        for i, g in enumerate(results[1:]):
-            if g is not None:
-                grads[i] = g.to(dtype) if grads[i] is None else grads[i].add_(g)
-    grad_x += grad_out  # the residual path
-    return grad_x, grads
+            vjp(s, e, x_w, out, a_c, b_c, mu[:, s:e], h_prev)
 
 
 @dataclass
@@ -226,10 +295,7 @@ class _AdjointCausalLM(torch.autograd.Function):
             inputs = []
             for k in plan.layers:
                 inputs.append(y)
-                layer = stack.layers[k]
-                a, b, layer_ctx = layer.pre(y)
-                y = layer.residual(y) + layer.post(linear_scan(a, b), layer_ctx)
-                del a, b, layer_ctx
+                y = layer_forward(stack.layers[k], y, plan.chunk_size)
             if plan.is_last:
                 loss_sum = _head_loss_sum(stack, y, targets, plan.chunk_size)
             else:
