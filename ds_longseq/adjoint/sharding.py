@@ -64,7 +64,7 @@ def layer_forward(layer, x: torch.Tensor, chunk_size: int) -> torch.Tensor:
         lo = max(0, s - layer.halo)
         a, b, ctx = layer.pre(x[:, lo:e], s - lo)
         h = linear_scan(a, b, carry)
-        carry = h[:, -1]
+        carry = h[:, -1].clone()  # a view would keep the whole chunk alive
         outs.append(layer.post(h, ctx))
     return layer.residual(x) + torch.cat(outs, dim=1)
 
@@ -133,7 +133,7 @@ def _streamed(layer, x, grad_out, chunk_size, vjp) -> None:
             lo = max(0, s - layer.halo)
             a, b, _ = layer.pre(x[:, lo:e], s - lo)
             starts.append(carry)
-            carry = linear_scan(a, b, carry)[:, -1]
+            carry = linear_scan(a, b, carry)[:, -1].clone()  # a view would keep the whole chunk alive
         del a, b, carry
     carry = None  # a_e * mu_e of the chunk after this one
     for (s, e), start in zip(reversed(bounds), reversed(starts), strict=True):
