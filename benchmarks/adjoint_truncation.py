@@ -17,7 +17,9 @@ state transitions only) and leaves its effect on the gradient to future work. Th
    gradient on the embedded input dL/dy_0 (B, T, P), overall and on the key positions the answer depends
    on. dL/dy_0 is read exactly by giving the model a per-position embedding table (row b*T + t holds
    the embedding of ids[b, t]; the table's gradient is then dL/dy_0); the vocabulary embedding's
-   gradient is its index_add over the ids.
+   gradient is its index_add over the ids. The same comparisons are made (after the measured step,
+   not measured) for the gradient of the ANSWER loss alone, the mean cross entropy of the final keys:
+   the long-range learning signal, which the LM loss's local terms would otherwise hide.
 
 Holds: ``recall_batch``, ``PARAM_GROUPS`` / ``group_of``, ``train`` and ``evaluate`` (the children's
 measure functions), ``gradient_errors``, ``report_markdown``, ``plot`` and the CLI.
@@ -211,11 +213,18 @@ def evaluate(spec: dict) -> dict:
     peak = harness.maxrss_mib() - baseline
     grads = gradients(model, ids, shape.vocab_size)
     grad_norm = torch.cat([g.flatten() for n, g in grads.items() if n != "input"]).norm().item()
+    # not measured: the answer loss alone (the final keys, predictable only from the first ones)
+    model.zero_grad(set_to_none=True)
+    answer_labels = labels.clone()
+    answer_labels[:, : -spec["num_keys"]] = -100
+    model(position_ids, labels=answer_labels).loss.backward()
+    answer_grads = gradients(model, ids, shape.vocab_size)
     if ref is None:
-        torch.save(grads, spec["reference"])
+        torch.save({"lm": grads, "answer": answer_grads}, spec["reference"])
         extra = {"reference": True}
     else:
-        extra = gradient_errors(grads, ref, spec["num_keys"])
+        extra = {**gradient_errors(grads, ref["lm"], spec["num_keys"]),
+                 "answer": gradient_errors(answer_grads, ref["answer"], spec["num_keys"])}
     return {"baseline_mib": baseline, "peak_mib": peak, "step_s": step_s,
             "tokens_per_s": ids.numel() / step_s, "loss": loss.item(), "grad_norm": grad_norm, "device": "cpu",
             "extra": extra}
@@ -236,6 +245,36 @@ def _truncation(method: str) -> int | None:
     return int(method[len("adjoint_t"):]) if method.startswith("adjoint_t") else None
 
 
+def _error_table(evals, seq_len: int, part: str | None, measured: bool) -> list[str]:
+    """Rows of gradient errors per method; ``part``: None for the LM loss, "answer" for the answer loss."""
+    groups = [g for g, _ in PARAM_GROUPS]
+    extra_cols = ["peak MiB", "step s", "adjoint count"] if measured else []
+    lines = ["| method | T-bar | rel. error | cosine | norm ratio | " + " | ".join(groups)
+             + " | dL/dy_0 | dL/dy_0 keys | " + "".join(c + " | " for c in extra_cols),
+             "|---|---:|---:|---:|---:|" + "---:|" * (len(groups) + 2 + len(extra_cols))]
+    for r in evals:
+        t_bar = _truncation(r["method"])
+        if r["status"] != "ok":
+            lines.append(f"| {r['method']} | {t_bar or ''} | {harness.failure_cell(r)} |")
+            continue
+        ex = _extra(r)
+        tail = ""
+        if measured:
+            count = truncated_flops(seq_len, t_bar) if t_bar else scan_flops(seq_len)
+            tail = (f" {float(r['peak_mib']):.1f} | {float(r['step_s']):.2f} | "
+                    f"{f'{count:,}' if r['method'] != 'autograd' else ''} |")
+        head = f"| {r['method']} | {t_bar or ''} | "
+        if ex.get("reference"):
+            lines.append(head + "reference | 1 | 1 | " + " | ".join("" for _ in groups) + " | | |" + tail)
+            continue
+        ex = ex if part is None else ex[part]
+        cells = [f"{ex['rel_err']:.3g}", f"{ex['cosine']:.6f}", f"{ex['norm_ratio']:.4f}"]
+        cells += [f"{ex['groups'].get(g, float('nan')):.3g}" for g in groups]
+        cells += [f"{ex['input_rel_err']:.3g}", f"{ex['input_keys_rel_err']:.3g}"]
+        lines.append(head + " | ".join(cells) + " |" + tail)
+    return lines
+
+
 def report_markdown(rows: list[dict], args) -> str:
     shape = SSM_SHAPES[args.shape]
     out = ["# Truncated adjoint sharding: gradient error vs T-bar (`benchmarks.adjoint_truncation`)", "",
@@ -249,7 +288,8 @@ def report_markdown(rows: list[dict], args) -> str:
             out += [f"Training failed: {r['status']} {r['error']}", ""]
         else:
             ex = _extra(r)
-            out += [f"**Training** (plain autograd, AdamW lr {args.lr:g}, batch {args.batch}, {args.train_steps} "
+            hp = ex.get("train", {"lr": args.lr, "batch": args.batch, "train_steps": args.train_steps})
+            out += [f"**Training** (plain autograd, AdamW lr {hp['lr']:g}, batch {hp['batch']}, {hp['train_steps']} "
                     f"steps, {float(r['step_s']):.2f} s/step; chance answer loss ln {NUM_KEY_SYMBOLS} = "
                     f"{ex['chance_answer_loss']:.3f}):", "",
                     "| step | loss | answer loss | filler loss |", "|---:|---:|---:|---:|"]
@@ -259,30 +299,21 @@ def report_markdown(rows: list[dict], args) -> str:
             out += ["", f"Held-out batch ({args.eval_batch} rows, the one the gradients below are taken on): loss "
                     f"{h['loss']:.3f}, answer loss {h['answer_loss']:.3f}, filler loss {h['filler_loss']:.3f}.", ""]
     evals = [r for r in rows if r["kind"] == "step"]
-    groups = [g for g, _ in PARAM_GROUPS]
-    out += ["**Gradient against plain autograd's** (relative error = ||g - g_ref|| / ||g_ref||; dL/dy_0: the "
-            "gradient on the embedded input, all positions and the key positions alone; count: FLOPs of the adjoint "
-            "state per state element, `benchmarks.adjoint_flops`):", "",
-            "| method | T-bar | rel. error | cosine | norm ratio | " + " | ".join(groups)
-            + " | dL/dy_0 | dL/dy_0 keys | peak MiB | step s | adjoint count |",
-            "|---|---:|---:|---:|---:|" + "---:|" * len(groups) + "---:|---:|---:|---:|---:|"]
-    for r in evals:
-        t_bar = _truncation(r["method"])
-        count = truncated_flops(args.seq_len, t_bar) if t_bar else scan_flops(args.seq_len)
-        count_cell = f"{count:,}" if r["method"] != "autograd" else ""
-        if r["status"] != "ok":
-            out.append(f"| {r['method']} | {t_bar or ''} | {harness.failure_cell(r)} |")
-            continue
-        ex = _extra(r)
-        head = f"| {r['method']} | {t_bar or ''} | "
-        tail = f" | {float(r['peak_mib']):.1f} | {float(r['step_s']):.2f} | {count_cell} |"
-        if ex.get("reference"):
-            out.append(head + "reference | 1 | 1 | " + " | ".join("" for _ in groups) + " | | " + tail)
-            continue
-        cells = [f"{ex['rel_err']:.3g}", f"{ex['cosine']:.6f}", f"{ex['norm_ratio']:.4f}"]
-        cells += [f"{ex['groups'].get(g, float('nan')):.3g}" for g in groups]
-        cells += [f"{ex['input_rel_err']:.3g}", f"{ex['input_keys_rel_err']:.3g}"]
-        out.append(head + " | ".join(cells) + tail)
+    reference = next((r for r in evals if r["method"] == "autograd" and r["status"] == "ok"), None)
+    if setup and setup[-1]["status"] == "ok" and reference:
+        trained, evaluated = _extra(setup[-1])["held_out"]["loss"], float(reference["loss"])
+        same = abs(trained - evaluated) <= 1e-5 * abs(trained)
+        out += [f"Checkpoint check: the held-out loss at the end of training ({trained:.6f}) "
+                f"{'equals' if same else 'DIFFERS FROM'} the reference child's ({evaluated:.6f}).", ""]
+    out += ["**Gradient of the LM loss (every token) against plain autograd's** (relative error = ||g - g_ref|| / "
+            "||g_ref||; dL/dy_0: the gradient on the embedded input, all positions and the key positions alone; "
+            "peak MiB and step s: this step, measured; adjoint count: FLOPs of the adjoint state per state element, "
+            "`benchmarks.adjoint_flops`):", ""]
+    out += _error_table(evals, args.seq_len, None, measured=True)
+    out += ["", f"**Gradient of the answer loss alone** (the {args.num_keys} final keys: the long-range signal; "
+            "computed after the measured step in the same child). With K layers a truncated gradient reaches at most "
+            "K (T-bar - 1) tokens back, so it gives the key positions nothing below that reach:", ""]
+    out += _error_table(evals, args.seq_len, "answer", measured=False)
     out += ["", "Reading: `head` (LM head and final norm) depends on the forward only and must match to float32 "
             "rounding at every T-bar; the exact `adjoint` row is the float32 floor of the comparison. Peak MiB: RSS "
             "above the post-build RSS of a fresh process (noise: a few MiB); step s: one sample on a shared 2-core "
@@ -308,6 +339,11 @@ def plot(rows: list[dict], path: str, seq_len: int) -> None:
         ax.plot(xs, [max(p[1]["rel_err"], 1e-12) for p in pts], marker="o", color="k", label="all parameters")
         ax.plot(xs, [max(p[1]["input_rel_err"], 1e-12) for p in pts], marker="s", ls="--", label="dL/dy_0")
         ax.plot(xs, [max(p[1]["input_keys_rel_err"], 1e-12) for p in pts], marker="s", ls=":", label="dL/dy_0 keys")
+        if all("answer" in p[1] for p in pts):
+            ax.plot(xs, [max(p[1]["answer"]["rel_err"], 1e-12) for p in pts], marker="^", color="r",
+                    label="answer loss: all parameters")
+            ax.plot(xs, [max(p[1]["answer"]["input_keys_rel_err"], 1e-12) for p in pts], marker="^", ls=":",
+                    color="r", label="answer loss: dL/dy_0 keys")
         for g, _ in PARAM_GROUPS:
             if g != "head":
                 ax.plot(xs, [max(p[1]["groups"].get(g, float("nan")), 1e-12) for p in pts], marker=".", lw=0.8,
@@ -318,7 +354,9 @@ def plot(rows: list[dict], path: str, seq_len: int) -> None:
     ax.set_ylabel("relative error vs autograd")
     ax = axes[1]
     if pts:
-        ax.plot(xs, [p[1]["cosine"] for p in pts], marker="o", color="k")
+        ax.plot(xs, [p[1]["cosine"] for p in pts], marker="o", color="k", label="LM loss")
+        if all("answer" in p[1] for p in pts):
+            ax.plot(xs, [p[1]["answer"]["cosine"] for p in pts], marker="^", color="r", label="answer loss")
     ax.set_ylabel("cosine similarity to the exact gradient")
     ax = axes[2]
     if pts:
@@ -341,6 +379,13 @@ def plot(rows: list[dict], path: str, seq_len: int) -> None:
     plt.close(fig)
 
 
+def _sha256(path) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def main(argv=None, spawn=harness.spawn) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -353,10 +398,14 @@ def main(argv=None, spawn=harness.spawn) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--truncations", type=int, nargs="+", default=None,
                    help="T-bar values; default 1, 2, 4, ..., T")
-    p.add_argument("--checkpoint", default=None, help="use this checkpoint instead of training one")
+    p.add_argument("--checkpoint", default=None,
+                   help="use this checkpoint instead of training one; the training row of an existing <out>.csv "
+                        "is kept when it recorded this file's sha256 (or none: then the report checks its held-out "
+                        "loss against the reference child's)")
     p.add_argument("--keep-checkpoint", default=None, help="copy the trained checkpoint here")
     p.add_argument("--out", default="benchmarks/results/adjoint_truncation_cpu",
                    help="output prefix; writes <out>.csv, <out>.png, <out>.md")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per child")
     p.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per child")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -370,15 +419,20 @@ def main(argv=None, spawn=harness.spawn) -> int:
     env = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
     tmp = tempfile.mkdtemp(prefix="adjoint_truncation_")
     common = {"shape": args.shape, "seq_len": args.seq_len, "num_keys": args.num_keys, "eval_batch": args.eval_batch,
+              "threads": args.threads,
               "checkpoint": args.checkpoint or os.path.join(tmp, "checkpoint.pt"),
               "reference": os.path.join(tmp, "reference_grads.pt")}
     rows: list[dict] = []
+    if args.checkpoint:
+        digest = _sha256(args.checkpoint)
+        rows = [r for r in harness.read_csv(args.out + ".csv") if r["kind"] == "setup" and r["status"] == "ok"
+                and _extra(r).get("checkpoint_sha256", digest) == digest][-1:]
 
-    def record(kind, spec, records):
+    def record(kind, spec, records, **more):
         fields = harness.summarize_repeats(records)
         ok = [r for r in records if r.get("status") == "ok"]
         if ok:
-            fields.update(loss=round(ok[0]["loss"], 6), extra=json.dumps(ok[0]["extra"]))
+            fields.update(loss=round(ok[0]["loss"], 6), extra=json.dumps({**ok[0]["extra"], **more}))
             if ok[0].get("grad_norm") is not None:
                 fields["grad_norm"] = f"{ok[0]['grad_norm']:.8g}"
         row = harness.new_row(suite=SUITE, kind=kind, method=spec["method"], seq_len=args.seq_len,
@@ -392,8 +446,12 @@ def main(argv=None, spawn=harness.spawn) -> int:
 
     try:
         if args.checkpoint is None:
-            spec = {**common, "method": "train", "train_steps": args.train_steps, "batch": args.batch, "lr": args.lr}
-            row = record("setup", spec, spawn(MODULE, spec, timeout_s=args.child_timeout, env=env))
+            hp = {"train_steps": args.train_steps, "batch": args.batch, "lr": args.lr}
+            spec = {**common, "method": "train", **hp}
+            records = spawn(MODULE, spec, timeout_s=args.child_timeout, env=env)
+            ok = os.path.exists(common["checkpoint"]) and any(r.get("status") == "ok" for r in records)
+            more = {"train": hp, "checkpoint_sha256": _sha256(common["checkpoint"])} if ok else {}
+            row = record("setup", spec, records, **more)
             if row["status"] != "ok":
                 return 1
             if args.keep_checkpoint:
