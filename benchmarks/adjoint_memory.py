@@ -192,7 +192,7 @@ def report_markdown(rows, sizes, methods, seq_lens) -> str:
     out += _check_table(rows, sizes, methods, seq_lens)
     out += ["", "Caveat: RSS counts pages the allocator keeps after frees (children run with "
             "MALLOC_MMAP_THRESHOLD_=1048576 unless `--mmap-threshold 0`); small points (tens of MiB) carry a few "
-            "MiB of noise. Children use torch.set_num_threads(2).", ""]
+            "MiB of noise. Children use torch.set_num_threads(2) (`--threads`).", ""]
     out += harness.environment([r["command"] for r in rows], device="cpu") + [""]
     return "\n".join(out)
 
@@ -207,6 +207,7 @@ def main(argv=None, spawn=harness.spawn):
     p.add_argument("--max-len", nargs="+", default=[], metavar="SIZE:T",
                    help="longest length per size, e.g. h32-L16:4096 (the others run every --seq-lens)")
     p.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per child")
     p.add_argument("--out", default="benchmarks/results/adjoint_memory_cpu",
                    help="output prefix; writes <out>.csv, <out>.png, <out>.md")
     p.add_argument("--append", action="store_true", help="keep the points of an existing <out>.csv not re-run")
@@ -243,7 +244,8 @@ def main(argv=None, spawn=harness.spawn):
     for seq_len, size, method in bar:
         name = point_name(size, method)
         bar.set_postfix_str(f"{name}@{seq_len}")
-        spec = {"method": name, "seq_len": seq_len, "chunk_size": args.chunk_size, "budget_mib": args.budget_mib}
+        spec = {"method": name, "seq_len": seq_len, "chunk_size": args.chunk_size, "budget_mib": args.budget_mib,
+                "threads": args.threads}
         if budget.spent():
             records = []
         else:

@@ -56,7 +56,7 @@ def test_adjoint_memory_methods_agree_in_process(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "plot", lambda *a, **k: None)  # rendered by the fresh-child test
     out = tmp_path / "m"
     adjoint_memory.main(["--sizes", "ssm-tiny", "--seq-lens", "80", "--methods", "autograd", "adjoint", "adjoint_t4",
-                         "--chunk-size", "32", "--out", str(out)], spawn=_inprocess_spawn)
+                         "--chunk-size", "32", "--threads", "1", "--out", str(out)], spawn=_inprocess_spawn)
     rows = harness.read_csv(f"{out}.csv")
     assert [r["status"] for r in rows] == ["ok"] * 3, rows
     assert max(float(r["loss"]) for r in rows) - min(float(r["loss"]) for r in rows) < 1e-5
@@ -200,7 +200,8 @@ def test_adjoint_truncation_tiny_run(tmp_path, monkeypatch):
     seq_len = 24
     adjoint_truncation.main(["--shape", "ssm-tiny", "--seq-len", str(seq_len), "--num-keys", "2", "--train-steps", "3",
                              "--batch", "2", "--eval-batch", "2", "--truncations", "1", "4", str(seq_len),
-                             "--keep-checkpoint", str(ckpt), "--out", str(out)], spawn=_inprocess_spawn)
+                             "--keep-checkpoint", str(ckpt), "--threads", "1", "--out", str(out)],
+                            spawn=_inprocess_spawn)
     rows = harness.read_csv(f"{out}.csv")
     assert all(set(r) == set(harness.CSV_COLUMNS) for r in rows)
     want = [("setup", "train"), ("step", "autograd"), ("step", "adjoint")]
@@ -211,8 +212,18 @@ def test_adjoint_truncation_tiny_run(tmp_path, monkeypatch):
     assert err["adjoint"]["rel_err"] < 1e-5 and err[f"adjoint_t{seq_len}"]["rel_err"] < 1e-5
     assert all(e["groups"]["head"] < 1e-5 for e in err.values())  # the head never sees the truncation
     assert err["adjoint_t1"]["rel_err"] > 100 * err["adjoint"]["rel_err"]
+    # the answer loss (final keys) reaches the first keys only through K (T-bar - 1) = 6 < 19 tokens here: nothing
+    assert err["adjoint_t4"]["answer"]["input_keys_rel_err"] == 1.0 and err["adjoint"]["answer"]["rel_err"] < 1e-5
     render(rows, str(tmp_path / "t.png"), seq_len)
     assert ckpt.exists() and (tmp_path / "t.png").stat().st_size > 0 and "T-bar" in Path(f"{out}.md").read_text()
+    # a second run on the kept checkpoint keeps the training row (same sha256) and checks the checkpoint
+    adjoint_truncation.main(["--shape", "ssm-tiny", "--seq-len", str(seq_len), "--num-keys", "2", "--eval-batch", "2",
+                             "--truncations", "2", "--checkpoint", str(ckpt), "--threads", "1", "--out", str(out)],
+                            spawn=_inprocess_spawn)
+    again = harness.read_csv(f"{out}.csv")
+    assert [r["method"] for r in again] == ["train", "autograd", "adjoint", "adjoint_t2"]
+    assert again[0]["extra"] == rows[0]["extra"] and "Checkpoint check:" in Path(f"{out}.md").read_text()
+    assert "DIFFERS" not in Path(f"{out}.md").read_text()
 
 
 # ---- committed results --------------------------------------------------------------------------
