@@ -72,6 +72,7 @@ CSV_COLUMNS = (
     "device",
     "error",
     "command",
+    "extra",  # suite-specific numbers as one JSON object (e.g. gradient errors against exact); "" when none
 )
 # Column names of the schemas before this harness (the committed results/*.csv keep them).
 LEGACY_COLUMNS = {"peak_mib_median": "peak_mib", "step_s_median": "step_s"}

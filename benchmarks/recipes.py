@@ -16,6 +16,8 @@ Holds:
         runs its forward (inside the checkpoint-offload context where the recipe has one).
     ALST pieces (DeepSpeed's own ops): alst_mlp_forward (TiledMLP), tiled_fused_loss and alst_loss
         (TiledFusedLogitsLoss).
+    Residual SSM models (``ds_longseq.adjoint``, the adjoint-sharding suites): SSMShape and SSM_SHAPES,
+        build_ssm, and the methods autograd / adjoint / adjoint_t<T-bar> (ssm_truncation, enable_ssm_method).
 
 Methods:
     stock:            plain Hugging Face model, SDPA attention.
@@ -377,3 +379,80 @@ def compute_loss(recipe: Recipe, model, input_ids, *, call=None, loss_chunk_size
         if recipe.alst:
             return alst_loss(model, input_ids, input_ids, loss_chunk_size)
         return (call or model)(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual SSM models (paper 002, adjoint sharding): shapes and the three gradient methods
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SSMShape:
+    """Sizes of a ``ds_longseq.adjoint.ResidualSSMForCausalLM`` (inner size 2 x hidden, no convolution)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    state_size: int = 16
+    vocab_size: int = 256
+
+    def config(self):
+        from ds_longseq.adjoint import SSMConfig
+
+        return SSMConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                         state_size=self.state_size)
+
+    @property
+    def inner_size(self) -> int:
+        return 2 * self.hidden_size
+
+    def describe(self) -> str:
+        return (f"{self.name} (P={self.hidden_size} D={self.inner_size} N={self.state_size} K={self.num_layers} "
+                f"V={self.vocab_size})")
+
+
+# The adjoint benchmarks' sizes: the state is (D, N) = (2P, 16) floats per token and layer, so h32 and
+# h64 differ 2x in state, L4 and L16 4x in layers (autograd keeps every layer's state, adjoint one).
+SSM_SHAPES = {
+    s.name: s
+    for s in (
+        SSMShape("h32-L4", 32, 4),
+        SSMShape("h64-L4", 64, 4),
+        SSMShape("h32-L16", 32, 16),
+        SSMShape("recall-h32-L2", 32, 2, state_size=8, vocab_size=33),  # benchmarks.adjoint_truncation's task
+        SSMShape("ssm-tiny", 8, 2, state_size=4, vocab_size=33),  # smoke tests
+    )
+}
+SSM_METHODS = ("autograd", "adjoint", "adjoint_t<T-bar>")
+"""autograd: plain autograd (the scan saves a and h per layer); adjoint: exact adjoint sharding;
+adjoint_t<T-bar>, e.g. adjoint_t64: truncated adjoint sharding (an approximate gradient)."""
+
+
+def build_ssm(shape: SSMShape, seed: int = SEED):
+    """The float32 ``ResidualSSMForCausalLM`` of ``shape``: same seed -> same weights."""
+    import torch
+
+    from ds_longseq.adjoint import ResidualSSMForCausalLM
+
+    torch.manual_seed(seed)
+    return ResidualSSMForCausalLM(shape.config())
+
+
+def ssm_truncation(method: str) -> int | None:
+    """T-bar of an SSM method name (None for ``autograd`` and exact ``adjoint``); unknown names raise."""
+    if method in ("autograd", "adjoint"):
+        return None
+    prefix = "adjoint_t"
+    if method.startswith(prefix) and method[len(prefix):].isdigit() and int(method[len(prefix):]) >= 1:
+        return int(method[len(prefix):])
+    raise ValueError(f"unknown SSM method {method!r}: use autograd, adjoint or adjoint_t<T-bar> (e.g. adjoint_t64)")
+
+
+def enable_ssm_method(model, method: str, chunk_size: int) -> None:
+    """Switch ``model``'s training forward to ``method``'s gradients (nothing to do for ``autograd``)."""
+    truncation = ssm_truncation(method)
+    if method == "autograd":
+        return
+    import ds_longseq
+
+    ds_longseq.enable(model, {"adjoint": {"enabled": True, "chunk_size": chunk_size, "truncation": truncation}})
