@@ -29,7 +29,7 @@ import sys
 import time
 
 import torch
-from sft import configure_logging, peak_memory_gib, write_latest
+from sft import configure_logging, peak_memory_gib, resume, write_latest
 
 import ds_longseq.engine
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
@@ -170,14 +170,7 @@ def main(argv=None) -> int:
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     start_step, metrics = 0, []
     if args.resume:
-        latest = os.path.join(args.save_dir, "latest")
-        if not os.path.exists(latest):
-            raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file); drop --resume")
-        _, client = engine.load_checkpoint(args.save_dir, tag=open(latest).read().strip())
-        start_step = client["step"]
-        if os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                metrics = [m for m in map(json.loads, f) if m["step"] <= start_step]
+        start_step, metrics, _ = resume(engine, args.save_dir, metrics_path)
     chance = math.log(args.num_topics)
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0, initial=start_step, total=args.max_steps,
                desc="ssm_adjoint")
