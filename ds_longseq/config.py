@@ -29,6 +29,7 @@ __all__ = [
     "OffloadConfig",
     "ApproxBPConfig",
     "AdjointConfig",
+    "WatchdogConfig",
 ]
 
 
@@ -157,6 +158,23 @@ class AdjointConfig:
     even as possible. A single process owns every layer."""
 
 
+@dataclass
+class WatchdogConfig:
+    """The peer watchdog of ``ds_longseq.engine.initialize`` (``ds_longseq.engine.watchdog``): when a rank
+    dies, the job stops within a bounded time with a message naming it. Runs on jobs of 2+ ranks whose
+    processes a launcher started (deepspeed, torchrun, mpirun, srun)."""
+
+    enabled: bool = True
+    """Start the watchdog (a heartbeat thread per rank over the job's rendezvous store; rank 0 monitors)."""
+    heartbeat_s: float = 1.0
+    """Seconds between a rank's heartbeats. A rank that is failing anyway (an uncaught exception, or
+    SIGTERM from its launcher) watches the heartbeats for max(3 x heartbeat_s, 3 s) to name the dead."""
+    peer_timeout_s: float = 120.0
+    """Rank 0 stops the job when a rank's heartbeat stood still this long: the bound on a hang in a
+    collective that waits for a dead rank (NCCL waits for the process-group timeout, 30 min, otherwise;
+    gloo fails at once). Must exceed 3 x heartbeat_s."""
+
+
 _SECTIONS: dict[str, type] = {
     "streambp": StreamBPConfig,
     "mini_seq": MiniSeqConfig,
@@ -165,6 +183,7 @@ _SECTIONS: dict[str, type] = {
     "offload": OffloadConfig,
     "approx_bp": ApproxBPConfig,
     "adjoint": AdjointConfig,
+    "watchdog": WatchdogConfig,
 }
 
 
@@ -207,6 +226,8 @@ class LongSeqConfig:
     """Approx-BP activations and memory-sharing norms."""
     adjoint: AdjointConfig = field(default_factory=AdjointConfig)
     """Adjoint sharding of residual SSM models."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """The peer watchdog of multi-rank jobs (names a dead rank, bounds the hang)."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
@@ -289,6 +310,9 @@ class LongSeqConfig:
                         problems.append(
                             f"{where} must be a list of positive layer counts (one per rank), got {value!r}"
                         )
+                elif isinstance(f.default, float):
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                        problems.append(f"{where} must be a positive number of seconds, got {value!r}")
                 elif not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{where} must be a positive integer, got {value!r}")
                 elif value <= 0:
@@ -324,6 +348,13 @@ class LongSeqConfig:
                 problems.append(
                     "long_seq.lm_head is enabled with long_seq.adjoint: the adjoint path already chunks the LM head "
                     "(by long_seq.adjoint.chunk_size); remove long_seq.lm_head"
+                )
+        hb, timeout = self.watchdog.heartbeat_s, self.watchdog.peer_timeout_s
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (hb, timeout)):
+            if timeout <= 3 * hb:
+                problems.append(
+                    f"long_seq.watchdog.peer_timeout_s={timeout:g} must exceed 3 x heartbeat_s={hb:g}: a live rank "
+                    "could be declared dead between two heartbeats; raise peer_timeout_s or lower heartbeat_s"
                 )
         return problems
 

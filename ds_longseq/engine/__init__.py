@@ -1,4 +1,5 @@
-"""DeepSpeed integration: ``initialize`` with the ``long_seq`` config section, sequence-parallel batches."""
+"""DeepSpeed integration: ``initialize`` with the ``long_seq`` config section, sequence-parallel batches,
+the peer watchdog."""
 
 from ds_longseq.engine.initialize import (
     MIN_DEEPSPEED_VERSION,
@@ -12,6 +13,7 @@ from ds_longseq.engine.sequence_parallel import (
     sequence_parallel_rank_and_size,
     shard_batch,
 )
+from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, active_watch, start_watchdog
 
 __all__ = [
     "initialize",
@@ -22,4 +24,7 @@ __all__ = [
     "shard_batch",
     "sequence_parallel_groups",
     "sequence_parallel_rank_and_size",
+    "start_watchdog",
+    "active_watch",
+    "PEER_GONE_EXIT_CODE",
 ]

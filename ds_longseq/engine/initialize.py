@@ -32,6 +32,7 @@ import torch
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
+from ds_longseq.engine.watchdog import start_watchdog, started_by_launcher
 from ds_longseq.logging import get_logger, warn_once
 from ds_longseq.patch import enable, fix_zero3_sequence_parallel_average, get_config, is_enabled, mark_zero3_leaves
 
@@ -159,7 +160,9 @@ def initialize(*args, **kwargs):
     ``args.deepspeed_config``) may hold a ``"long_seq"`` section (see :class:`LongSeqConfig`),
     which is validated and removed before DeepSpeed sees the config. The model is patched with
     :func:`ds_longseq.enable` (unless it already is, with the same settings) and, under ZeRO-3,
-    its layers become ZeRO-3 leaf modules.
+    its layers become ZeRO-3 leaf modules. On a job of 2+ ranks started by a launcher, the peer
+    watchdog (``long_seq.watchdog``, :mod:`ds_longseq.engine.watchdog`) starts: a dead rank stops the
+    job within a bounded time, named.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` from ``deepspeed.initialize``.
@@ -249,6 +252,9 @@ def initialize_with(
     )
     if long_seq.sequence_parallel.enabled and zero_stage == 3:
         fix_zero3_sequence_parallel_average(outputs[0].optimizer, long_seq.sequence_parallel.size)
+    if long_seq.watchdog.enabled and started_by_launcher():
+        # After deepspeed.initialize, which started the process group: a collective on every rank.
+        start_watchdog(heartbeat_s=long_seq.watchdog.heartbeat_s, peer_timeout_s=long_seq.watchdog.peer_timeout_s)
     return outputs
 
 
