@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from typing import Iterator, Sequence
@@ -95,7 +96,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     # Fault injection for the crash-safety test: exit abruptly in the middle of saving this step.
     p.add_argument("--_crash-during-save-at-step", dest="crash_step", type=int, default=0, help=argparse.SUPPRESS)
+    # Fault injection for the fault tests: "RANK:STEP:WHERE" acts on global rank RANK in step STEP. WHERE =
+    # "backward": SIGKILL before its backward (the others wait in a collective); "save": SIGKILL at its first
+    # file of the step-STEP checkpoint (the others may have written theirs); "stop": SIGSTOP before its
+    # backward (a hung rank); "sleep": sleep an hour before its backward (for a kill from outside).
+    p.add_argument("--_sigkill-at", dest="sigkill_at", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def sigkill_point(args: argparse.Namespace, rank: int) -> tuple[int, str] | None:
+    """(step, where) at which this rank SIGKILLs itself (``--_sigkill-at``), or None."""
+    if not args.sigkill_at:
+        return None
+    target, step, where = args.sigkill_at.split(":")
+    if where not in ("backward", "save", "stop", "sleep"):
+        raise SystemExit(f"--_sigkill-at: WHERE must be backward, save, stop or sleep, got {where!r}")
+    return (int(step), where) if int(target) == rank else None
+
+
+def arm_sigkill_on_save(engine) -> None:
+    """SIGKILL this process at the next file DeepSpeed's checkpoint engine writes (before writing it)."""
+    def save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    engine.checkpoint_engine.save = save
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -552,6 +576,8 @@ def save_checkpoint(engine, args, step: int, rank: int) -> None:
     import deepspeed.comm as dist
 
     tag = f"step{step}"
+    if sigkill_point(args, rank) == (step, "save"):
+        arm_sigkill_on_save(engine)
     # save_latest=False: DeepSpeed would rewrite ``latest`` in place; ours flips it only after
     # every rank has finished writing, so a crash mid-save leaves the previous one in charge.
     engine.save_checkpoint(args.save_dir, tag=tag, client_state={"step": step}, save_latest=False)
@@ -746,6 +772,11 @@ def main(argv=None) -> int:
             # position_ids as separate documents only when no cache is passed, and with the config's
             # default use_cache=True the stock model would build one and attend across documents.
             loss = engine(**batch, use_cache=False).loss
+            point = sigkill_point(args, rank) if micro == 0 else None
+            if point is not None and point[0] == step + 1 and point[1] != "save":
+                if point[1] == "sleep":
+                    time.sleep(3600)
+                os.kill(os.getpid(), signal.SIGSTOP if point[1] == "stop" else signal.SIGKILL)
             engine.backward(loss)
             engine.step()
             step_loss += loss.detach().float() / gas

@@ -1,0 +1,152 @@
+"""A rank killed mid-step, mid-save or hung, on 2-3 CPU ranks through the DeepSpeed launcher.
+
+Each fault is injected by examples/sft.py's hidden ``--_sigkill-at RANK:STEP:WHERE`` (a real SIGKILL or
+SIGSTOP of one rank at a chosen point), and the test checks what issue 16 asks: the job ends within a
+bounded time, the watchdog (``ds_longseq.engine.watchdog``) names the rank, ``latest`` still names a
+complete checkpoint, and ``--resume`` reproduces the uninterrupted run's losses.
+Plus the watchdog's own parts in-process (census, rank info) and its config checks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, RankInfo
+from tests.dist_utils import run_distributed
+from tests.test_sft import _config, losses, run_sft
+
+
+def _fast_watchdog_config(tmp_path, **watchdog):
+    path = _config(tmp_path)
+    with open(path) as f:
+        config = json.load(f)
+    config["long_seq"]["watchdog"] = watchdog
+    out = tmp_path / "watchdog.json"
+    out.write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Uninterrupted 4-step runs (checkpoints every 2 steps) on 2 and 3 ranks, by world size."""
+    runs = {}
+
+    def get(num_ranks):
+        if num_ranks not in runs:
+            tmp = tmp_path_factory.mktemp(f"straight{num_ranks}")
+            run_sft(_config(tmp), tmp / "run", "--max-steps", "4", "--save-every", "2", num_ranks=num_ranks)
+            runs[num_ranks] = losses(tmp / "run")
+        return runs[num_ranks]
+
+    return get
+
+
+def _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank, world, reference):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"ds_longseq watchdog: rank {rank} (host " in out and f"of {world} is gone" in out, out[-6000:]
+    # Only the dead rank is named: a survivor failing because of it is not "gone".
+    named = out[out.index("ds_longseq watchdog:"):].splitlines()[0]
+    assert all(f"rank {r} (" not in named for r in range(world) if r != rank), named
+    assert (save_dir / "latest").read_text() == "step2"
+    run_sft(config, save_dir, "--max-steps", "4", "--resume", num_ranks=world)
+    assert (save_dir / "latest").read_text() == "step4"
+    got = losses(save_dir)
+    assert len(got) == len(reference) == 4
+    for x, y in zip(reference, got, strict=True):
+        assert abs(x - y) <= 1e-6 * abs(x), (reference, got)
+
+
+def test_rank_killed_mid_step_is_named_and_resume_matches(tmp_path, straight):
+    config = _config(tmp_path)
+    save_dir = tmp_path / "killed"
+    start = time.monotonic()
+    proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", "--_sigkill-at", "1:3:backward",
+                   expect_ok=False, timeout=300)
+    # gloo fails the survivor's all-reduce at once; the census adds max(3 heartbeats, 3 s).
+    assert time.monotonic() - start < 240
+    _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank=1, world=2, reference=straight(2))
+
+
+def test_rank_killed_mid_save_leaves_latest_on_a_complete_checkpoint(tmp_path, straight):
+    config = _config(tmp_path)
+    save_dir = tmp_path / "killed"
+    proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", "--_sigkill-at", "2:4:save",
+                   expect_ok=False, timeout=300, num_ranks=3)
+    # Rank 2 died before writing its optimizer shard of step 4, after the others wrote theirs.
+    shards = sorted(p.name for p in (save_dir / "step4").glob("*optim_states.pt"))
+    assert shards and not any("zero_pp_rank_2_" in s for s in shards), shards
+    _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank=2, world=3, reference=straight(3))
+
+
+def test_hung_rank_stops_the_job_after_peer_timeout(tmp_path):
+    """SIGSTOP: the rank is alive but frozen, the survivor waits in a collective that gloo would let run for
+    30 minutes; rank 0's monitor ends the job after peer_timeout_s."""
+    config = _fast_watchdog_config(tmp_path, heartbeat_s=0.5, peer_timeout_s=5)
+    start = time.monotonic()
+    proc = run_sft(config, tmp_path / "hung", "--max-steps", "4", "--save-every", "2", "--_sigkill-at", "1:3:stop",
+                   expect_ok=False, timeout=300)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert "ds_longseq watchdog: rank 1 (host " in out and "heartbeat stood still for 5 s" in out, out[-6000:]
+    # DeepSpeed's launcher reports rank 0's exit status (it then SIGKILLs the stopped rank after 30 s).
+    assert f"exits with return code = {PEER_GONE_EXIT_CODE}" in out, out[-3000:]
+    assert elapsed < 200, elapsed
+    assert (tmp_path / "hung" / "latest").read_text() == "step2"
+
+
+# -- the watchdog's parts, in-process -----------------------------------------------------------------
+
+
+def _census_body(rank, dead):
+    import torch.distributed as dist
+
+    from ds_longseq.engine.watchdog import start_watchdog
+
+    watch = start_watchdog(heartbeat_s=0.2, peer_timeout_s=60, census_s=1.5, handle_exits=False)
+    time.sleep(0.5)
+    if rank == dead:
+        watch.stop(clean=False)  # its heartbeat stops as a dead rank's would
+    dist.barrier()
+    gone = watch.census() if rank != dead else None
+    dist.barrier()
+    message = watch._gone_message(gone, "test") if gone else ""
+    watch.stop()
+    return gone, message
+
+
+def test_census_names_exactly_the_rank_whose_heartbeat_stopped():
+    results = run_distributed(_census_body, world_size=3, args=(2,), timeout=120)
+    for rank, (gone, message) in enumerate(results):
+        if rank != 2:
+            assert gone == [2], results
+            assert "rank 2 (host " in message and "of 3 is gone" in message, message
+
+
+def test_rank_info_round_trips():
+    info = RankInfo(3, "node7", 4242, "1", "2")
+    assert RankInfo.decode(info.encode()) == info
+    assert info.describe() == "rank 3 (host node7, node 1, local rank 2, pid 4242)"
+
+
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        ({"heartbeat_s": 0}, "long_seq.watchdog.heartbeat_s must be a positive number of seconds, got 0"),
+        ({"peer_timeout_s": "60"}, "long_seq.watchdog.peer_timeout_s must be a positive number of seconds"),
+        ({"heartbeat_s": 2.0, "peer_timeout_s": 5}, "must exceed 3 x heartbeat_s=2"),
+    ],
+)
+def test_watchdog_config_errors(section, expected):
+    with pytest.raises(LongSeqConfigError, match=expected.replace(".", r"\.").replace("(", r"\(")):
+        LongSeqConfig.from_dict({"watchdog": section})
+
+
+def test_watchdog_config_defaults_and_floats():
+    config = LongSeqConfig.from_dict({"watchdog": {"heartbeat_s": 0.25, "peer_timeout_s": 30}})
+    assert config.watchdog.enabled and config.watchdog.heartbeat_s == 0.25 and config.watchdog.peer_timeout_s == 30
+    assert not config.any_enabled  # the watchdog is not a model technique: enable() is not needed for it
