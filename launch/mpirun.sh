@@ -34,9 +34,10 @@
 # MPICH (Hydra) forwards the whole environment to every rank and accepts -genv NAME VALUE,
 # -ppn N (ranks per node), -hosts a,b and -f/-hostfile FILE ("host:N" lines).
 # Open MPI is detected from `mpirun --version`; the script then passes the DeepSpeed hostfile as
-# it is (same "host slots=N" format), adds --allow-run-as-root when run as root and forwards the
-# variables the ranks need with -x NAME (Open MPI does not forward the environment to remote
-# nodes). Other Open MPI flags worth knowing, for MPI_ARGS: --map-by ppr:8:node (ranks per
+# it is (same "host slots=N" format), adds --allow-run-as-root when run as root, points mpi4py at
+# Open MPI's libmpi.so.40 (MPI4PY_LIBMPI, unless set) and forwards the variables the ranks need
+# with -x NAME (Open MPI does not forward the environment to remote nodes). Tested with Debian's
+# openmpi-bin 4.1.4 (MPIRUN=mpirun.openmpi; .ci/install_multinode.sh installs it). Other Open MPI flags worth knowing, for MPI_ARGS: --map-by ppr:8:node (ranks per
 # node), --bind-to none (let torch use all cores of a rank), --mca btl_tcp_if_include eth0 (the
 # NIC to use), --oversubscribe (more ranks than cores/slots), -x NCCL_DEBUG=INFO.
 set -euo pipefail
@@ -84,7 +85,24 @@ rank_cmd=("$PYTHON" -u -m mpi4py "$ROOT/examples/sft.py" --ds_config "$DS_CONFIG
 
 if [[ $flavour == openmpi ]]; then
   [[ $EUID == 0 ]] && args+=(--allow-run-as-root)
-  for name in MASTER_PORT PATH LD_LIBRARY_PATH PYTHONPATH OMP_NUM_THREADS VIRTUAL_ENV HF_HOME; do
+  # mpi4py's PyPI wheel loads the first libmpi it finds, MPICH's (libmpi.so.12, from `pip install mpich`)
+  # when both are there, which then aborts under Open MPI's launcher ("unsupported PMI version PMIx"):
+  # point it at this mpirun's own libmpi.so.40 (MPI4PY_LIBMPI, honoured by mpi4py >= 4).
+  if [[ -z "${MPI4PY_LIBMPI:-}" ]]; then
+    bindir="$(dirname "$(readlink -f "$(command -v "$MPIRUN")")")"
+    libdir="$("$bindir/ompi_info" --path libdir 2>/dev/null | awk '{print $NF}')" || libdir=""
+    # Its own prefix first (a source build in /opt/openmpi: lib/), then Debian's layout (libdir is
+    # .../openmpi/lib, the library two levels up), then the linker cache.
+    for candidate in "$bindir/../lib" "$bindir/../lib64" "$libdir" "$libdir/../.." \
+                     "$(ldconfig -p 2>/dev/null | awk '/libmpi\.so\.40 /{print $NF; exit}' | xargs -r dirname)"; do
+      if [[ -n "$candidate" && -e "$candidate/libmpi.so.40" ]]; then
+        export MPI4PY_LIBMPI="$(cd "$candidate" && pwd)/libmpi.so.40"
+        break
+      fi
+    done
+    [[ -n "${MPI4PY_LIBMPI:-}" ]] || die "Open MPI's libmpi.so.40 not found next to $MPIRUN: set MPI4PY_LIBMPI to it"
+  fi
+  for name in MASTER_PORT PATH LD_LIBRARY_PATH PYTHONPATH OMP_NUM_THREADS VIRTUAL_ENV HF_HOME MPI4PY_LIBMPI; do
     [[ -n "${!name:-}" ]] && args+=(-x "$name")
   done
 fi

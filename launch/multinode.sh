@@ -15,8 +15,18 @@
 #   NUM_NODES     use only the first N hosts of HOSTFILE      (deepspeed --num_nodes)
 #   NUM_GPUS      use only the first N GPUs of every node     (deepspeed --num_gpus)
 #   LAUNCHER      how deepspeed reaches the nodes: pdsh (default), openmpi, mpich, impi, slurm, ...
-#   DS_LAUNCH_ARGS  extra deepspeed launcher flags, word-split (e.g. "--no_ssh_check --ssh_port 2222")
+#   SSH_PORT      ssh port of the nodes (deepspeed --ssh_port; default: ssh's own, 22 or ~/.ssh/config)
+#   DS_LAUNCH_ARGS  extra deepspeed launcher flags, word-split (e.g. "--no_ssh_check")
 #   DEEPSPEED     the launcher executable (default: deepspeed)
+#   PYTHON        the interpreter whose path every node must have (default: python)
+#   PREFLIGHT     1 (default): check every node first (launch/preflight.py: ssh without a prompt, same
+#                 paths, same Python/torch/deepspeed/ds_longseq, slots vs GPUs and NUM_GPUS, the master
+#                 address and a free MASTER_PORT), and stop before training, naming the node, on any
+#                 problem; "only": check and exit (0 when all is well); 0: skip the check
+#
+# On failure: when a rank or a node dies, the ds_longseq watchdog (long_seq.watchdog) names the rank
+# and every node's ranks exit (a rank dies with its node's launcher); `latest` in --save-dir only
+# ever names a checkpoint every rank finished writing, so rerun the same command with --resume.
 # Every argument is passed through to examples/sft.py (--max-steps, --seq-len, --save-dir, ...).
 # For one node only, no hostfile is needed:  deepspeed --num_gpus N examples/sft.py --ds_config ...
 set -euo pipefail
@@ -44,7 +54,19 @@ if [[ -z "${MASTER_ADDR:-}" ]]; then
   fi
 fi
 
+PREFLIGHT="${PREFLIGHT:-1}"
+if [[ "$PREFLIGHT" != 0 ]]; then
+  check=("${PYTHON:-python}" "$ROOT/launch/preflight.py" --hostfile "$HOSTFILE" --master-addr "$MASTER_ADDR"
+         --master-port "$MASTER_PORT")
+  [[ -n "${NUM_NODES:-}" ]] && check+=(--num-nodes "$NUM_NODES")
+  [[ -n "${NUM_GPUS:-}" ]] && check+=(--num-gpus "$NUM_GPUS")
+  [[ -n "${SSH_PORT:-}" ]] && check+=(--ssh-port "$SSH_PORT")
+  "${check[@]}" || { echo "multinode.sh: preflight failed (fix the above, or PREFLIGHT=0 to skip it)" >&2; exit 2; }
+  [[ "$PREFLIGHT" == only ]] && exit 0
+fi
+
 cmd=("$DEEPSPEED" --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+[[ -n "${SSH_PORT:-}" ]] && cmd+=(--ssh_port "$SSH_PORT")
 [[ -n "${NUM_NODES:-}" ]] && cmd+=(--num_nodes "$NUM_NODES")
 [[ -n "${NUM_GPUS:-}" ]] && cmd+=(--num_gpus "$NUM_GPUS")
 [[ -n "${LAUNCHER:-}" ]] && cmd+=(--launcher "$LAUNCHER")

@@ -62,6 +62,29 @@ def test_mpirun_sh_trains_on_two_ranks(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
 
 
+def test_mpirun_sh_trains_on_two_ranks_with_open_mpi(tmp_path):
+    """The same through a real Open MPI (Debian's openmpi-bin): mpi4py is pointed at its libmpi."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (bash .ci/install_mpi.sh)")
+    if shutil.which("mpirun.openmpi") is None:
+        pytest.skip("no mpirun.openmpi: bash .ci/install_multinode.sh installs Open MPI")
+    from tests.dist_utils import free_port
+
+    save_dir = tmp_path / "run"
+    env = dict(os.environ, NP="2", MPIRUN="mpirun.openmpi", PYTHON=sys.executable, MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MPI_ARGS="--oversubscribe")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MPI4PY_LIBMPI"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        ["bash", MPIRUN_SH, "--max-steps", "2", "--seq-len", "1024", "--save-dir", str(save_dir)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"launch/mpirun.sh (Open MPI) failed ({proc.returncode}):\n{output[-6000:]}"
+    assert "-x MPI4PY_LIBMPI" in output and "on 2 rank(s)" in output, output[-4000:]
+    with open(save_dir / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]
+
+
 def test_launch_scripts_parse_and_hostfile_example_is_valid():
     for script in (MPIRUN_SH, MULTINODE_SH):
         proc = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
@@ -147,13 +170,15 @@ def test_multinode_sh_command(tmp_path):
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# comment\nworker-0 slots=4\nworker-1 slots=4\n")
-    env = {"DEEPSPEED": deepspeed, "HOSTFILE": str(hostfile), "NUM_NODES": "1", "DS_LAUNCH_ARGS": "--no_ssh_check"}
+    # PREFLIGHT=0: these hosts do not exist (tests/test_multinode.py runs the preflight against real ssh).
+    env = {"DEEPSPEED": deepspeed, "HOSTFILE": str(hostfile), "NUM_NODES": "1", "DS_LAUNCH_ARGS": "--no_ssh_check",
+           "PREFLIGHT": "0", "SSH_PORT": "2222"}
     proc = _run_script(MULTINODE_SH, env, "--max-steps", "3", "--save-dir", "a dir")
     assert proc.returncode == 0, proc.stderr
     args = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ARG ")]
     assert args == [
-        "--hostfile", str(hostfile), "--master_addr", "worker-0", "--master_port", "29500", "--num_nodes", "1",
-        "--no_ssh_check", os.path.join(ROOT, "examples", "sft.py"),
+        "--hostfile", str(hostfile), "--master_addr", "worker-0", "--master_port", "29500", "--ssh_port", "2222",
+        "--num_nodes", "1", "--no_ssh_check", os.path.join(ROOT, "examples", "sft.py"),
         "--ds_config", os.path.join(ROOT, "ds_configs", "zero3_streambp.json"),
         "--max-steps", "3", "--save-dir", "a dir",
     ]
