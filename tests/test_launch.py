@@ -182,3 +182,50 @@ def test_multinode_sh_command(tmp_path):
         "--ds_config", os.path.join(ROOT, "ds_configs", "zero3_streambp.json"),
         "--max-steps", "3", "--save-dir", "a dir",
     ]
+
+
+def _preflight_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("preflight", os.path.join(ROOT, "launch", "preflight.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_preflight_check_names_each_mismatched_node():
+    """launch/preflight.py's comparison on its own (tests/test_multinode.py runs it over real ssh)."""
+    preflight = _preflight_module()
+    good = {"hostname": "a", "python": "3.11.7", "torch": "2.13.0", "deepspeed": "0.19.8", "ds_longseq": "0.1.0",
+            "ds_longseq_path": "/repo/ds_longseq", "ds_longseq_digest": "abc", "gpus": 8, "errors": []}
+    answers = {
+        "node1": good,
+        "node2": dict(good, ds_longseq_digest="def"),  # same version, other sources (an edited checkout)
+        "node3": dict(good, gpus=4),
+        "node4": {"errors": ["not reachable over passwordless ssh (...)"]},
+    }
+    hosts = {"node1": 8, "node2": 8, "node3": 8, "node4": 8}
+    problems = preflight.check(hosts, answers, num_gpus=None)
+    assert problems == [
+        "node node3: slots=8 in the hostfile but 4 GPU(s) visible there: one rank per GPU, so set slots <= its GPUs "
+        "(or NUM_GPUS)",
+        "node node4: not reachable over passwordless ssh (...)",
+        "node node2: ds_longseq's sources (digest of its .py files) is def, node node1 has abc: every node needs "
+        "the same environment (same checkout, same pip install)",
+    ]
+    assert preflight.check({"node1": 8}, {"node1": good}, num_gpus=8) == []
+
+
+def test_preflight_hostfile_errors(tmp_path):
+    preflight = _preflight_module()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# nodes\nnode1 slots=2\nnode1 slots=2\nnode2 gpus=2\n")
+    hosts, problems = preflight.parse_hostfile(str(hostfile))
+    assert hosts == {"node1": 2}
+    assert problems == [
+        f"{hostfile}:3: host node1 is listed twice", f"{hostfile}:4: 'node2 gpus=2' is not '<host> slots=<N>'"
+    ]
+    assert preflight.parse_hostfile(str(tmp_path / "none"))[1][0].startswith("no hostfile at")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "preflight.py"), "--hostfile", str(hostfile)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "listed twice" in proc.stderr

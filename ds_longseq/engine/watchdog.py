@@ -130,6 +130,7 @@ class PeerWatch:
         self._failed = False
         self._prev_excepthook = None
         self._prev_sigterm = None
+        self._group = _default_group()
 
     # -- keys ------------------------------------------------------------------------------------
 
@@ -206,8 +207,8 @@ class PeerWatch:
                     self._exit(message)
                 counters = self._counters(self._store)
             except Exception:  # noqa: BLE001 - any store failure: its host, rank 0, is gone
-                if self._stop.is_set() or self._rank0_done or self.rank == 0:
-                    return
+                if self._stop.is_set() or self._rank0_done or self.rank == 0 or not _same_group(self._group):
+                    return  # ... unless it finished, or this process tore the group down itself
                 self._exit(self._gone_message([0], "the rendezvous store it hosts stopped answering"))
             now = time.monotonic()
             self._rank0_done = counters.get(0) == _DONE
@@ -318,6 +319,17 @@ class PeerWatch:
 _ACTIVE: PeerWatch | None = None
 
 
+def _default_group():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
+def _same_group(group) -> bool:
+    """Whether ``group`` is still this process's default process group (not destroyed or replaced)."""
+    return group is not None and _default_group() is group
+
+
 def active_watch() -> PeerWatch | None:
     """The watch this process runs, if any."""
     return _ACTIVE
@@ -333,10 +345,13 @@ def start_watchdog(heartbeat_s: float = 1.0, peer_timeout_s: float = 120.0, cens
     global _ACTIVE
     import torch.distributed as dist
 
-    if _ACTIVE is not None:
-        return _ACTIVE
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
+    if _ACTIVE is not None:
+        if _same_group(_ACTIVE._group):
+            return _ACTIVE
+        _ACTIVE.stop(clean=False)  # the group it watched was destroyed: watch the new one
+        _ACTIVE = None
     store = dist.distributed_c10d._get_default_store()
     base = store
     while hasattr(base, "underlying_store"):
