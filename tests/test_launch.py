@@ -30,11 +30,19 @@ def _find_mpirun() -> str | None:
     return shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
-def test_mpirun_sh_trains_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("flavour", ["mpich", "openmpi"])
+def test_mpirun_sh_trains_on_two_ranks(tmp_path, flavour):
+    """MPICH's mpirun from PyPI, and a real Open MPI (Debian's openmpi-bin), for which mpirun.sh points
+    mpi4py at Open MPI's libmpi."""
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (bash .ci/install_mpi.sh)")
-    mpirun = _find_mpirun()
-    if mpirun is None:
-        pytest.skip("no mpirun on PATH (bash .ci/install_mpi.sh installs MPICH's from PyPI)")
+    if flavour == "mpich":
+        mpirun, extra = _find_mpirun(), {}
+        if mpirun is None:
+            pytest.skip("no mpirun on PATH (bash .ci/install_mpi.sh installs MPICH's from PyPI)")
+    else:
+        mpirun, extra = "mpirun.openmpi", {"PYTHONPATH": ROOT, "MPI_ARGS": "--oversubscribe"}
+        if shutil.which(mpirun) is None:
+            pytest.skip("no mpirun.openmpi: bash .ci/install_multinode.sh installs Open MPI")
     from tests.dist_utils import free_port
 
     save_dir = tmp_path / "run"
@@ -47,42 +55,21 @@ def test_mpirun_sh_trains_on_two_ranks(tmp_path):
         # MPI discovery uses 29500 otherwise.
         MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
+        **extra,
     )
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):  # leave discovery to DeepSpeed
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MPI4PY_LIBMPI"):  # leave discovery to DeepSpeed
         env.pop(name, None)
     proc = subprocess.run(
         ["bash", MPIRUN_SH, "--max-steps", "2", "--seq-len", "1024", "--save-dir", str(save_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"launch/mpirun.sh failed ({proc.returncode}):\n{output[-6000:]}"
+    assert proc.returncode == 0, f"launch/mpirun.sh ({flavour}) failed ({proc.returncode}):\n{output[-6000:]}"
     assert "on 2 rank(s)" in output, output[-4000:]
+    assert ("-x MPI4PY_LIBMPI" in output) == (flavour == "openmpi")
     with open(save_dir / "metrics.jsonl") as f:
         metrics = [json.loads(line) for line in f]
     assert [m["step"] for m in metrics] == [1, 2]
-
-
-def test_mpirun_sh_trains_on_two_ranks_with_open_mpi(tmp_path):
-    """The same through a real Open MPI (Debian's openmpi-bin): mpi4py is pointed at its libmpi."""
-    pytest.importorskip("mpi4py", reason="mpi4py is not installed (bash .ci/install_mpi.sh)")
-    if shutil.which("mpirun.openmpi") is None:
-        pytest.skip("no mpirun.openmpi: bash .ci/install_multinode.sh installs Open MPI")
-    from tests.dist_utils import free_port
-
-    save_dir = tmp_path / "run"
-    env = dict(os.environ, NP="2", MPIRUN="mpirun.openmpi", PYTHON=sys.executable, MASTER_PORT=str(free_port()),
-               OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MPI_ARGS="--oversubscribe")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MPI4PY_LIBMPI"):
-        env.pop(name, None)
-    proc = subprocess.run(
-        ["bash", MPIRUN_SH, "--max-steps", "2", "--seq-len", "1024", "--save-dir", str(save_dir)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"launch/mpirun.sh (Open MPI) failed ({proc.returncode}):\n{output[-6000:]}"
-    assert "-x MPI4PY_LIBMPI" in output and "on 2 rank(s)" in output, output[-4000:]
-    with open(save_dir / "metrics.jsonl") as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2]
 
 
 def test_launch_scripts_parse_and_hostfile_example_is_valid():
