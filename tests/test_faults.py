@@ -61,15 +61,17 @@ def _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank, world, r
         assert abs(x - y) <= 1e-6 * abs(x), (reference, got)
 
 
-def test_rank_killed_mid_step_is_named_and_resume_matches(tmp_path, straight):
+@pytest.mark.parametrize("rank", [1, 0], ids=["rank1", "rank0-the-store-host"])
+def test_rank_killed_mid_step_is_named_and_resume_matches(tmp_path, straight, rank):
     config = _config(tmp_path)
     save_dir = tmp_path / "killed"
     start = time.monotonic()
-    proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", "--_sigkill-at", "1:3:backward",
+    proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", "--_sigkill-at", f"{rank}:3:backward",
                    expect_ok=False, timeout=300)
-    # gloo fails the survivor's all-reduce at once; the census adds max(3 heartbeats, 3 s).
+    # gloo fails the survivor's all-reduce at once; the census adds max(3 heartbeats, 3 s). Rank 0's death
+    # also takes the rendezvous store: the survivor's heartbeat fails within a second.
     assert time.monotonic() - start < 240
-    _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank=1, world=2, reference=straight(2))
+    _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank=rank, world=2, reference=straight(2))
 
 
 def test_rank_killed_mid_save_leaves_latest_on_a_complete_checkpoint(tmp_path, straight):

@@ -153,6 +153,8 @@ class PeerWatch:
     def start(self, handle_exits: bool = True) -> None:
         """Start the heartbeat thread; with ``handle_exits``, also the census on uncaught exceptions and
         SIGTERM and the normal-exit handshake (atexit)."""
+        if self.rank != 0:  # rank 0's details, for the message when its store (and so the census) is gone
+            self._describe([0])
         self._thread = threading.Thread(target=self._run, name=f"ds_longseq-watchdog-{self.rank}", daemon=True)
         self._thread.start()
         if handle_exits:
@@ -174,6 +176,9 @@ class PeerWatch:
             self._thread.join(timeout=self.heartbeat_s + 5)
         if self._prev_excepthook is not None and sys.excepthook == self._excepthook:
             sys.excepthook = self._prev_excepthook
+        if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._prev_sigterm)
         if not clean or self._failed:
             return  # a failed rank is not "done": the others may still report it
         try:
