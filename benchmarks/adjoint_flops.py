@@ -17,6 +17,9 @@ Holds:
     ``step_flops``: one forward + backward of a ``benchmarks.recipes.SSMShape`` model, by component.
     ``validation_rows``: the count's ratios and slopes against measured step times (a results CSV of
         ``benchmarks.adjoint_memory``).
+    ``time_scans``: the one measurement here (``--time-scans``): wall time of ``linear_scan`` vs T and of
+        ``truncated_adjoint`` vs T-bar in this process (best of a few repeats after a warm-up), next to
+        their counts: constant time per counted FLOP means the count has the scaling right.
     CLI: writes ``<out>.md`` and ``<out>.png``.
 
 Shape legend: T sequence, T-bar truncation, P hidden, D inner channels, N state size, V vocab, K layers.
@@ -36,7 +39,7 @@ Elementwise work on the (D, N) state outside the scans is approximated: the forw
 exp), b (outer product), h * C and its sum over N: 5 DN per token; a backward: 2x. Copies (torch.cat,
 flip) move memory but are not FLOPs and are not counted, though on a CPU they cost time.
 
-    python -m benchmarks.adjoint_flops --measured benchmarks/results/adjoint_memory_cpu.csv \
+    python -m benchmarks.adjoint_flops --measured benchmarks/results/adjoint_memory_cpu_timing.csv \
         --out benchmarks/results/adjoint_flops
 """
 
@@ -207,6 +210,53 @@ def validation_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+def time_scans(seq_lens, windows, window_len: int, state=(64, 16), repeats: int = 3, threads: int = 1) -> dict:
+    """Best-of-``repeats`` seconds of ``linear_scan`` per T and of ``truncated_adjoint`` per T-bar (at
+    ``window_len`` tokens), batch 1, a (D, N) = ``state`` float32 state; a measurement, in this process."""
+    import time
+
+    import torch
+
+    from ds_longseq.ops.linear_scan import linear_scan, truncated_adjoint
+
+    torch.set_num_threads(threads)
+
+    def best(fn):
+        fn()  # warm-up: first-touch of the allocator's pages, thread pool
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    g = torch.Generator().manual_seed(0)
+    out = {"scan": [], "truncated": [], "state": list(state), "threads": threads}
+    for t in seq_lens:
+        a, b = torch.rand(1, t, *state, generator=g), torch.rand(1, t, *state, generator=g)
+        out["scan"].append((t, best(lambda a=a, b=b: linear_scan(a, b)), scan_flops(t)))
+    a, c = torch.rand(1, window_len, *state, generator=g), torch.rand(1, window_len, *state, generator=g)
+    for w in windows:
+        out["truncated"].append((w, best(lambda w=w: truncated_adjoint(a, c, w)), truncated_flops(window_len, w)))
+    return out
+
+
+def _scan_timing_lines(timing: dict, window_len: int) -> list[str]:
+    d, n = timing["state"]
+    out = [f"**Scan timings against their counts** (measured: best of 3 after a warm-up, this process, "
+           f"{timing['threads']} threads, batch 1, (D, N) = ({d}, {n}) float32; ns per counted FLOP = time / (count x "
+           f"D x N); a constant column means the count scales as the time does):", "",
+           "| `linear_scan`, T | ms | count per state element | ns per counted FLOP |", "|---:|---:|---:|---:|"]
+    for t, sec, count in timing["scan"]:
+        out.append(f"| {t} | {1e3 * sec:.1f} | {count:,} | {1e9 * sec / (count * d * n):.2f} |")
+    out += ["", f"| `truncated_adjoint`, T = {window_len}, T-bar | ms | count per state element | "
+            "ns per counted FLOP |", "|---:|---:|---:|---:|"]
+    for w, sec, count in timing["truncated"]:
+        per = f"{1e9 * sec / (count * d * n):.2f}" if count else ""
+        out.append(f"| {w} | {1e3 * sec:.1f} | {count:,} | {per} |")
+    return out + [""]
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 
@@ -214,7 +264,8 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def report_markdown(sizes, seq_lens, window: int, measured_path: str | None, command: str) -> str:
+def report_markdown(sizes, seq_lens, window: int, measured_paths, command: str, timing: dict | None = None,
+                    window_len: int = 0) -> str:
     out = [
         "# FLOPs of one SSM training step: a count, not a measurement (`benchmarks.adjoint_flops`)",
         "",
@@ -267,7 +318,7 @@ def report_markdown(sizes, seq_lens, window: int, measured_path: str | None, com
                 cells.append(f"{total / 1e9:.3g}" + ("" if m == "autograd" else f" ({total / ref:.3g}x)"))
             out.append(f"| {t} | " + " | ".join(cells) + " |")
         out.append("")
-    if measured_path and Path(measured_path).exists():
+    for measured_path in [p for p in measured_paths or () if Path(p).exists()]:
         val = validation_rows(harness.read_csv(measured_path))
         out += [f"**The count against measured step times** (`{measured_path}`; CPU, shared machine, noisy): "
                 "log-log slope of step time vs T next to the count's, and step time / autograd's (mean over "
@@ -280,7 +331,11 @@ def report_markdown(sizes, seq_lens, window: int, measured_path: str | None, com
                                                                         "count_ratio")]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    if timing:
+        out += _scan_timing_lines(timing, window_len)
     out += ["Command:", f"`{command}`", ""]
+    if timing:
+        out += harness.environment([], device="cpu")[2:] + [""]
     return "\n".join(out)
 
 
@@ -320,12 +375,23 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", nargs="+", choices=sorted(SSM_SHAPES), default=["h32-L4", "h64-L4", "h32-L16"])
     p.add_argument("--seq-lens", type=int, nargs="+", default=list(DEFAULT_SEQ_LENS))
     p.add_argument("--truncation", type=int, default=64, help="T-bar of the truncated columns")
-    p.add_argument("--measured", default=None, help="a benchmarks.adjoint_memory CSV to validate the count against")
+    p.add_argument("--measured", nargs="+", default=[],
+                   help="benchmarks.adjoint_memory CSVs to validate the count against (one table each)")
+    p.add_argument("--time-scans", action="store_true",
+                   help="also time linear_scan vs T and truncated_adjoint vs T-bar against their counts")
+    p.add_argument("--scan-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--scan-windows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--window-len", type=int, default=4096, help="T of the truncated_adjoint timings")
+    p.add_argument("--scan-threads", type=int, default=1,
+                   help="torch threads for the scan timings (1: on a busy machine, 2 threads wait on each other)")
     p.add_argument("--out", default="benchmarks/results/adjoint_flops", help="writes <out>.md and <out>.png")
     args = p.parse_args(argv)
     command = "python -m benchmarks.adjoint_flops " + " ".join(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    text = report_markdown(args.sizes, args.seq_lens, args.truncation, args.measured, command)
+    timing = (time_scans(args.scan_lens, args.scan_windows, args.window_len, threads=args.scan_threads)
+              if args.time_scans else None)
+    text = report_markdown(args.sizes, args.seq_lens, args.truncation, args.measured, command, timing,
+                           args.window_len)
     Path(args.out + ".md").write_text(text)
     plot(args.out + ".png", args.sizes, args.seq_lens, args.truncation)
     print(f"wrote {args.out}.md, {args.out}.png")

@@ -172,10 +172,16 @@ def test_flops_report_and_validation(tmp_path):
     assert val["adjoint"]["time_slope"] == pytest.approx(1.0) and val["adjoint"]["time_ratio"] == pytest.approx(1.5)
     assert 1 < val["adjoint"]["count_ratio"] < 2 and val["autograd"]["count_ratio"] == pytest.approx(1.0)
     out = tmp_path / "f"
-    adjoint_flops.main(["--sizes", "h32-L4", "--seq-lens", "1024", "2048", "--measured", str(tmp_path / "m.csv"),
-                        "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        adjoint_flops.main(["--sizes", "h32-L4", "--seq-lens", "1024", "2048", "--measured", str(tmp_path / "m.csv"),
+                            "--time-scans", "--scan-lens", "16", "32", "--scan-windows", "1", "2", "--window-len", "32",
+                            "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
     text = Path(f"{out}.md").read_text()
     assert "a count, not a measurement" in text and "time slope" in text and Path(f"{out}.png").stat().st_size > 0
+    assert "| `truncated_adjoint`, T = 32, T-bar |" in text and "| 32 |" in text
 
 
 # ---- adjoint_truncation -------------------------------------------------------------------------
