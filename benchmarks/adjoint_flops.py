@@ -27,9 +27,12 @@ Shape legend: T sequence, T-bar truncation, P hidden, D inner channels, N state 
 What the step costs, per layer and token (F_pre = matmuls of the per-token maps before the scan:
 in_proj, dt_proj, bc_proj = 4PD + 4PN; F_out = out_proj = 2DP; a backward costs 2x its forward):
     autograd:   forward + backward of pre and post (3 F), the forward scan, the adjoint scan.
-    adjoint:    forward without graph (1 F), a recompute of pre (F_pre), the VJP of post for c
-                (2 F_out: forward + input gradient), the chunked VJPs (3 F): 5 F_pre + 6 F_out; scans:
-                forward, recompute, adjoint (truncated: ``truncated_flops`` instead of the last).
+    adjoint:    exact, streamed over chunks: forward without graph (1 F), a boundary sweep of pre
+                (F_pre), per chunk pre + post with a graph (1 F), the input gradient of post for c
+                (F_out), the VJPs (2 F): 5 F_pre + 5 F_out; scans: forward, sweep, chunk, adjoint.
+                Truncated (whole-sequence a, h, mu): forward (1 F), a recompute of pre (F_pre), the VJP
+                of post for c (2 F_out), the chunked VJPs (3 F): 5 F_pre + 6 F_out; scans: forward,
+                recompute, and ``truncated_flops`` for the adjoint.
     paper:      the forward once (1 F), then per pair (t, i <= t) the VJPs of A_i and B_i with vectors
                 lambda^{t,i} (x) h_{i-1} and lambda^{t,i} (2 F_pre: a backward of pre at token i), T VJPs
                 of C (2 F_out), and the adjoint states lambda^{t,i} = lambda^{t,i+1} * a_{i+1}, one
@@ -155,12 +158,19 @@ def step_flops(shape: SSMShape, num_tokens: int, method: str, batch: int = 1) ->
     if kind == "autograd":
         matmul = k * t * 3 * f_layer + t * 3 * mm["head"]
         state = k * (t * 3 * s_fwd + dn * (2 * scan_flops(t) + t))  # + mu * h_prev
+    elif kind == "adjoint" and (window is None or window >= t):
+        # streamed exact backward: forward (1 F), boundary sweep (F_pre), per chunk pre + post with a
+        # graph (1 F), the c-VJP (input gradient of post: F_out), the VJPs (2 F): 5 F_pre + 5 F_out;
+        # scans: forward, sweep, chunk recompute, adjoint. The head: forward, recompute, backward (2x).
+        matmul = k * t * (5 * mm["pre"] + 5 * mm["out"]) + (t - 1) * 4 * mm["head"]
+        per_token = s_fwd + s_pre + s_fwd + (s_post + dn) + 2 * s_fwd  # fwd, sweep, chunk, c-VJP, VJPs
+        state = k * (t * per_token + dn * (4 * scan_flops(t) + t))
     elif kind == "adjoint":
-        # the head runs on the T - 1 tokens with a label: forward, recompute, backward (2x)
+        # truncated: whole-sequence a, h, mu: forward (1 F), a recompute of pre (F_pre), the VJP of
+        # post for c (2 F_out: forward + input gradient), the chunked VJPs (3 F): 5 F_pre + 6 F_out
         matmul = k * t * (5 * mm["pre"] + 6 * mm["out"]) + (t - 1) * 4 * mm["head"]
-        adjoint = scan_flops(t) if window is None or window >= t else truncated_flops(t, window)
         per_token = s_fwd + s_pre + (s_post + dn) + 3 * s_fwd  # fwd, recompute, c-VJP, chunk VJPs
-        state = k * (t * per_token + dn * (2 * scan_flops(t) + adjoint + t))
+        state = k * (t * per_token + dn * (2 * scan_flops(t) + truncated_flops(t, window) + t))
     else:
         n = pairs(t, window)
         matmul = k * (t * f_layer + n * 2 * mm["pre"] + t * 2 * mm["out"]) + t * 3 * mm["head"]

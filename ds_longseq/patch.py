@@ -25,8 +25,9 @@ What is changed, all on the given instance:
       (``activation``); with ``norm``, each foldable norm's weight is folded into the weights of the
       linear maps after it (a re-parameterisation that keeps the model's function; it is NOT undone by
       ``disable``, see docs/APPROX_BP.md), the norm weight frozen at 1 and its ``forward`` replaced;
-    - adjoint sharding (``adjoint``, SSM models only): the ``adjoint_plan`` attribute of the
-      ``ds_longseq.adjoint.ResidualSSMForCausalLM`` instance, which its training forward reads;
+    - adjoint sharding (``adjoint``, SSM models only): the ``adjoint_plan`` attribute of a
+      ``ds_longseq.adjoint.ResidualSSMForCausalLM`` instance, which its training forward reads; the
+      ``forward`` of a transformers ``MambaForCausalLM`` instance (``HFAdjointForward``);
     - ``deepspeed.initialize`` itself, only inside ``deepspeed_initialize_replaced`` (restored on
       exit): the Hugging Face Trainer integration reaches DeepSpeed through accelerate, which looks
       the function up on the module at call time.
@@ -41,9 +42,10 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ds_longseq.adjoint import ResidualSSMForCausalLM, make_plan
+from ds_longseq.adjoint.stacks import HFAdjointForward, ssm_stack
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.logging import get_logger, warn_once
-from ds_longseq.models.adapters import DecoderLMAdapter, UnsupportedModelError, get_adapter, norm_kind
+from ds_longseq.models.adapters import DecoderLMAdapter, get_adapter, norm_kind
 from ds_longseq.modules.approx_bp import ApproxActivationForward, MSNormForward, fold_norm, fold_targets
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
 from ds_longseq.modules.causal_lm import CausalLMForward, FusedHeadSettings, LMHeadLossForward
@@ -276,15 +278,10 @@ def _enable_adjoint(model: torch.nn.Module, cfg: LongSeqConfig) -> None:
     """
     import torch.distributed as dist
 
-    if not isinstance(model, ResidualSSMForCausalLM):
-        raise UnsupportedModelError(
-            f"long_seq.adjoint needs a residual state-space model stack (ds_longseq.adjoint.ResidualSSMForCausalLM), "
-            f"got {type(model).__name__}: adjoint sharding relies on a recurrence that is linear in the state and "
-            "per-token maps around it, which attention layers are not; disable long_seq.adjoint for this model"
-        )
+    stack = ssm_stack(model)  # raises for a model that is not a residual SSM stack, naming why
     world_size, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     plan = make_plan(
-        len(model.layers),
+        len(stack.layers),
         chunk_size=cfg.adjoint.chunk_size,
         truncation=cfg.adjoint.truncation,
         layer_split=cfg.adjoint.layer_split,
@@ -293,7 +290,10 @@ def _enable_adjoint(model: torch.nn.Module, cfg: LongSeqConfig) -> None:
         grad_scale=float(world_size),
     )
     handle = PatchHandle(model, cfg)
-    handle.set_instance_attr(model, "adjoint_plan", plan)
+    if isinstance(model, ResidualSSMForCausalLM):
+        handle.set_instance_attr(model, "adjoint_plan", plan)
+    else:  # a transformers SSM: its training forward is replaced on this instance
+        handle.set_instance_attr(model, "forward", HFAdjointForward(model, model.forward, plan))
     handle.set_instance_attr(model, _HANDLE_ATTR, handle)
 
 

@@ -533,6 +533,21 @@ def write_latest(save_dir: str, tag: str) -> None:
     os.replace(tmp, os.path.join(save_dir, "latest"))
 
 
+def resume(engine, save_dir: str, metrics_path: str) -> tuple[int, list[dict], str]:
+    """Load the checkpoint ``latest`` points at; return (its step, the metrics up to it, its tag)."""
+    latest = os.path.join(save_dir, "latest")
+    if not os.path.exists(latest):
+        raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
+    with open(latest) as f:
+        tag = f.read().strip()
+    _, client_state = engine.load_checkpoint(save_dir, tag=tag)
+    start_step, metrics = client_state["step"], []
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            metrics = [m for m in map(json.loads, f) if m["step"] <= start_step]
+    return start_step, metrics, tag
+
+
 def save_checkpoint(engine, args, step: int, rank: int) -> None:
     import deepspeed.comm as dist
 
@@ -701,16 +716,7 @@ def main(argv=None) -> int:
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     start_step, metrics = 0, []
     if args.resume:
-        latest = os.path.join(args.save_dir, "latest")
-        if not os.path.exists(latest):
-            raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file)")
-        with open(latest) as f:
-            tag = f.read().strip()
-        _, client_state = engine.load_checkpoint(args.save_dir, tag=tag)
-        start_step = client_state["step"]
-        if os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                metrics = [m for m in map(json.loads, f) if m["step"] <= start_step]
+        start_step, metrics, tag = resume(engine, args.save_dir, metrics_path)
         dist.barrier()  # every rank has read the metrics before rank 0 truncates them
         if rank == 0:
             # Steps after the checkpoint (from the interrupted run) are trained again: drop them.

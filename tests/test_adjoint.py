@@ -17,7 +17,7 @@ from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig, adjoint_layer_
 from ds_longseq.adjoint.model import causal_lm_loss
 from ds_longseq.config import LongSeqConfigError
 from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
-from tests.helpers import make_model, rel_err
+from tests.helpers import full_precision_norms, make_model, rel_err
 
 V = 61
 
@@ -117,6 +117,24 @@ def test_scans_equal_the_token_loop(seq_len):
                 trunc[:, t] += c[:, t + d] * decay
         assert rel_err(truncated_adjoint(a, c, window), trunc) < 1e-14
     assert torch.equal(truncated_adjoint(a, c, 1), c)
+
+
+def test_scans_carried_across_chunks_equal_one_scan():
+    """The carries the streamed backward uses: a chunk's initial state, and a_e * mu_e from the next chunk."""
+    torch.manual_seed(3)
+    a = torch.rand(2, 30, 3, dtype=torch.float64)
+    b, c = torch.randn(2, 2, 30, 3, dtype=torch.float64)
+    whole_h, whole_mu = linear_scan(a, b), adjoint_scan(a, c)
+    h_parts, carry = [], None
+    for s, e in [(0, 7), (7, 8), (8, 30)]:
+        h_parts.append(linear_scan(a[:, s:e], b[:, s:e], carry))
+        carry = h_parts[-1][:, -1]
+    assert rel_err(torch.cat(h_parts, 1), whole_h) < 1e-14
+    mu_parts, carry = [], None
+    for s, e in [(8, 30), (7, 8), (0, 7)]:
+        mu_parts.insert(0, adjoint_scan(a[:, s:e], c[:, s:e], carry))
+        carry = a[:, s] * mu_parts[0][:, 0]
+    assert rel_err(torch.cat(mu_parts, 1), whole_mu) < 1e-14
 
 
 def test_linear_scan_function_gradients_equal_the_token_loop():
@@ -299,3 +317,87 @@ def test_ssm_config_validation():
     with pytest.raises(ValueError, match="state_size must be a positive integer"):
         SSMConfig(state_size=0)
     assert SSMConfig(hidden_size=8).inner_size == 16
+
+
+# ---- transformers' Mamba-1 --------------------------------------------------------------------------------
+
+
+def tiny_mamba(dtype=torch.float64, residual_in_fp32=False, family="mamba"):
+    """transformers' Mamba-1, or Mamba-2 (4 heads of 8 channels in 2 groups, SSD chunks of 8 tokens)."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=3, expand=2, conv_kernel=4,
+                  residual_in_fp32=residual_in_fp32)
+    if family == "mamba2":
+        config = transformers.Mamba2Config(num_heads=4, head_dim=8, n_groups=2, chunk_size=8, **common)
+        model = transformers.Mamba2ForCausalLM(config)
+    else:
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(time_step_rank=4, **common))
+    return model.to(dtype)
+
+
+def float64_gated_norms(model):
+    """Mamba-2's gated RMSNorm in the input dtype (transformers' rounds to float32 even in float64)."""
+    import types
+
+    def forward(self, x, gate=None):
+        if gate is not None:
+            x = x * torch.nn.functional.silu(gate)
+        g = x.view(*x.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * g.view(x.shape)
+
+    for module in model.modules():
+        if type(module).__name__ == "MambaRMSNormGated":
+            module.forward = types.MethodType(forward, module)
+    return model
+
+
+def mamba_reference_loss(model, ids, labels):
+    from ds_longseq.adjoint import ssm_stack
+
+    stack = ssm_stack(model)
+    y = stack.embed(ids)
+    for layer in stack.layers:
+        a, b, ctx = layer.pre(y)
+        y = layer.residual(y) + layer.post(loop_scan(a, b), ctx)
+    return causal_lm_loss(stack.lm_head(stack.norm_f(y)), labels)
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_mamba_maps_reproduce_transformers(family):
+    """Our maps compute transformers' function (its torch path: token loop / SSD chunks), float32."""
+    model = tiny_mamba(torch.float32, residual_in_fp32=True, family=family)
+    ids, labels = batch()
+    hf = grads(model, lambda: model(ids, labels=labels).loss)
+    ours = grads(model, lambda: mamba_reference_loss(model, ids, labels))
+    assert_close(ours, hf, 1e-5)  # float32 round-off of two scan orders
+
+
+@pytest.mark.parametrize("family,chunk_size", [("mamba", 5), ("mamba", 64), ("mamba2", 6)])
+def test_mamba_adjoint_float64_equals_autograd(family, chunk_size):
+    """float64 with transformers' float32 RMSNorms made float64 (tests.helpers.full_precision_norms)."""
+    model = float64_gated_norms(full_precision_norms(tiny_mamba(family=family)))
+    tied = model.lm_head.weight is model.backbone.embeddings.weight
+    assert tied == (family == "mamba")  # the configs' defaults: Mamba-1 ties, Mamba-2 does not
+    ids, labels = batch()
+    reference = grads(model, lambda: mamba_reference_loss(model, ids, labels))
+    ds_longseq.enable(model, {"adjoint": {"enabled": True, "chunk_size": chunk_size}})
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None
+    assert_close(grads(model, lambda: model(input_ids=ids, labels=labels).loss), reference, 1e-10)
+    with torch.no_grad():  # evaluation goes to transformers' forward
+        assert model(input_ids=ids, labels=labels).logits.shape == (2, 37, V)
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model(inputs_embeds=torch.zeros(2, 37, 16, dtype=torch.float64), labels=labels)
+    ds_longseq.disable(model)
+    assert "forward" not in model.__dict__
+
+
+def test_other_ssm_families_are_refused_naming_the_term():
+    import transformers
+
+    config = transformers.FalconMambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=1)
+    with pytest.raises(ds_longseq.UnsupportedModelError, match="Falcon-Mamba adds RMS norms on B, C and dt"):
+        ds_longseq.enable(transformers.FalconMambaForCausalLM(config), {"adjoint": {"enabled": True}})

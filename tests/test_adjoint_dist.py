@@ -30,10 +30,16 @@ def micro_batches(num_micro: int, rank_offset: int = 0):
     return out
 
 
-def make_ssm(num_layers: int = 4):
+def make_ssm(num_layers: int = 4, family: str = "ours"):
     from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
 
     torch.manual_seed(0)
+    if family == "mamba":  # transformers' Mamba-1, tied embeddings: their gradient comes from both ends
+        import transformers
+
+        config = transformers.MambaConfig(vocab_size=61, hidden_size=12, state_size=4, num_hidden_layers=num_layers,
+                                          expand=2, conv_kernel=3, time_step_rank=3)
+        return transformers.MambaForCausalLM(config)
     model = ResidualSSMForCausalLM(SSMConfig(vocab_size=61, hidden_size=12, state_size=4, num_layers=num_layers,
                                              conv_kernel=3))
     with torch.no_grad():  # larger steps than the init's so every state carries far
@@ -43,15 +49,15 @@ def make_ssm(num_layers: int = 4):
     return model
 
 
-def adjoint_worker(rank: int, gas: int, adjoint: dict, steps: int = 3, rank_offset: int = 0):
+def adjoint_worker(rank: int, gas: int, adjoint: dict, steps: int = 3, rank_offset: int = 0, family: str = "ours"):
     import ds_longseq.engine
 
-    model = make_ssm()
+    model = make_ssm(family=family)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = ds_longseq.engine.initialize(
         model=model, optimizer=optimizer, config=ds_config(2, gas, {"adjoint": {"enabled": True, **adjoint}})
     )
-    plan = engine.module.adjoint_plan
+    plan = engine.module.adjoint_plan if family == "ours" else engine.module.forward.plan
     losses = []
     for batch in micro_batches(steps * gas, rank_offset * rank):
         loss = engine(**batch).loss
@@ -62,8 +68,8 @@ def adjoint_worker(rank: int, gas: int, adjoint: dict, steps: int = 3, rank_offs
             "layers": list(plan.layers)}
 
 
-def reference_run(gas: int, steps: int = 3):
-    model = make_ssm()
+def reference_run(gas: int, steps: int = 3, family: str = "ours"):
+    model = make_ssm(family=family)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     batches = micro_batches(steps * gas)
     losses = []
@@ -78,13 +84,14 @@ def reference_run(gas: int, steps: int = 3):
 
 
 @pytest.mark.parametrize(
-    "gas,adjoint",
-    [(2, {"chunk_size": 5, "layer_split": [1, 3]}), (1, {"chunk_size": 64})],
-    ids=["split-1-3-gas2-chunk5", "even-gas1-one-chunk"],
+    "gas,adjoint,family",
+    [(2, {"chunk_size": 5, "layer_split": [1, 3]}, "ours"), (1, {"chunk_size": 64}, "ours"),
+     (2, {"chunk_size": 7}, "mamba")],
+    ids=["split-1-3-gas2-chunk5", "even-gas1-one-chunk", "hf-mamba-tied-gas2"],
 )
-def test_zero2_layer_split_matches_single_process_autograd(gas, adjoint):
-    results = run_distributed(adjoint_worker, 2, (gas, adjoint))
-    reference, ref_losses = reference_run(gas)
+def test_zero2_layer_split_matches_single_process_autograd(gas, adjoint, family):
+    results = run_distributed(adjoint_worker, 2, (gas, adjoint, 3, 0, family))
+    reference, ref_losses = reference_run(gas, family=family)
     split = adjoint.get("layer_split", [2, 2])
     assert results[0]["layers"] == list(range(split[0])) and results[1]["layers"] == list(range(split[0], 4))
     for rank, result in enumerate(results):

@@ -220,3 +220,29 @@ def test_approx_convergence_summary():
     by = {r["run"]: r for r in rows}
     assert level == 3.0 and by["exact"]["below_step"] == 13 and by["approx"]["below_step"] == 17
     assert by["exact"]["max_diff"] == 0.0 and by["approx"]["max_diff"] == 2.0 and by["approx"]["final"] == 2.0
+
+
+def test_exact_counterpart_pairs_each_approx_method_with_its_exact_method():
+    """Every *_approx method maps to the method that differs only by approx_bp (the approx_cpu report's
+    pairing); a method without Approx-BP has none."""
+    from dataclasses import replace
+
+    approx = [name for name, r in recipes.METHODS.items() if r.approx_bp]
+    assert {"stock_approx", "streambp_approx", "streambp_approx_2x"} <= set(approx)
+    for name in approx:
+        exact = recipes.exact_counterpart(name)
+        assert exact is not None and not get_recipe(exact).approx_bp, name
+        assert replace(get_recipe(exact), name=name, approx_bp=True) == get_recipe(name)
+    assert recipes.exact_counterpart("streambp_approx_2x") == "streambp_2x"
+    assert recipes.exact_counterpart("stock_approx") == "stock"
+    assert recipes.exact_counterpart("streambp") is None
+
+
+def test_reset_peak_rss_forgets_a_freed_transient():
+    from benchmarks import harness
+
+    big = torch.ones(64 * 2**20 // 4 * 4)  # 256 MiB, touched
+    del big
+    if not harness.reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs is not available: the peak stays cumulative")
+    assert harness.maxrss_mib() < harness.rss_mib() + 64, (harness.maxrss_mib(), harness.rss_mib())

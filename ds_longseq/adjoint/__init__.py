@@ -6,6 +6,7 @@ Public names:
         training forward to adjoint sharding).
     AdjointPlan, make_plan, adjoint_layer_backward: the gradient algorithm.
     split_layers: the layer split across ranks.
+    ssm_stack, SSMStack, MambaLayerMaps: the models adjoint sharding drives (ours, transformers' Mamba-1).
 
 See docs/ADJOINT.md for the math, what is exact, and the measured costs.
 """
@@ -13,6 +14,7 @@ See docs/ADJOINT.md for the math, what is exact, and the measured costs.
 from ds_longseq.adjoint.distributed import split_layers
 from ds_longseq.adjoint.model import ResidualSSMForCausalLM, SelectiveSSMLayer, SSMConfig, SSMOutput
 from ds_longseq.adjoint.sharding import AdjointPlan, adjoint_layer_backward, make_plan
+from ds_longseq.adjoint.stacks import MambaLayerMaps, SSMStack, ssm_stack
 
 __all__ = [
     "SSMConfig",
@@ -23,4 +25,7 @@ __all__ = [
     "make_plan",
     "adjoint_layer_backward",
     "split_layers",
+    "ssm_stack",
+    "SSMStack",
+    "MambaLayerMaps",
 ]

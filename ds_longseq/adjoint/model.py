@@ -220,7 +220,7 @@ class ResidualSSMForCausalLM(nn.Module):
         """
         if kwargs:
             raise TypeError(f"ResidualSSMForCausalLM.forward got unexpected arguments {sorted(kwargs)}")
-        _check_right_padded(attention_mask)
+        check_right_padded(attention_mask)
         plan = self.adjoint_plan
         if plan is not None and labels is not None and torch.is_grad_enabled():
             return SSMOutput(loss=plan.loss(self, input_ids, labels))
@@ -242,7 +242,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="mean")
 
 
-def _check_right_padded(attention_mask: torch.Tensor | None) -> None:
+def check_right_padded(attention_mask: torch.Tensor | None) -> None:
     if attention_mask is None:
         return
     mask = attention_mask.bool()

@@ -33,19 +33,44 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_longseq.adjoint import distributed as comm
+from ds_longseq.adjoint.stacks import SSMStack, ssm_stack
 from ds_longseq.ops.chunk_grads import acc_dtype
 from ds_longseq.ops.linear_scan import adjoint_scan, linear_scan, truncated_adjoint
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels
 
-__all__ = ["adjoint_layer_backward", "AdjointPlan", "make_plan"]
+__all__ = ["adjoint_layer_backward", "layer_forward", "AdjointPlan", "make_plan"]
 
 
 def _bounds(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
 
 
+def layer_forward(layer, x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``residual(x) + post(scan(pre(x)))`` chunk by chunk, the state carried across chunks.
+
+    Run under no_grad: holds one chunk's (B, C, D, N) decays, inputs and states at a time, not the
+    whole sequence's.
+
+    Args:
+        layer: a layer's maps (``halo``, ``pre``, ``post``, ``residual``; see ``stacks``).
+        x: (B, T, P) the layer's input.
+        chunk_size: C.
+
+    Returns:
+        (B, T, P) the layer's output.
+    """
+    outs, carry = [], None
+    for s, e in _bounds(x.shape[1], chunk_size):
+        lo = max(0, s - layer.halo)
+        a, b, ctx = layer.pre(x[:, lo:e], s - lo)
+        h = linear_scan(a, b, carry)
+        carry = h[:, -1].clone()  # a view would keep the whole chunk alive
+        outs.append(layer.post(h, ctx))
+    return layer.residual(x) + torch.cat(outs, dim=1)
+
+
 def adjoint_layer_backward(
-    layer: torch.nn.Module,
+    layer,
     x: torch.Tensor,
     grad_out: torch.Tensor,
     params: list[torch.nn.Parameter],
@@ -53,28 +78,91 @@ def adjoint_layer_backward(
     chunk_size: int,
     truncation: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Gradients of one residual SSM layer ``y = x + post(scan(pre(x)))`` by the adjoint method.
+    """Gradients of one residual SSM layer ``y = residual(x) + post(scan(pre(x)))`` by the adjoint method.
+
+    Exact (``truncation`` None or >= T): streamed over chunks, last chunk first. A forward sweep keeps
+    only the state at each chunk boundary ((T / C) x (B, D, N)); each chunk then recomputes its
+    states from its boundary state, its adjoint from the carry a_e * mu_e of the chunk after it, and
+    its VJPs, so memory holds one chunk's (B, C, D, N) tensors and graph at a time.
+
+    Truncated: the adjoint needs c_t up to T-bar tokens ahead, so a, h and mu are held for the whole
+    sequence ((B, T, D, N) each) and the VJPs then run chunk by chunk.
 
     Args:
-        layer: a module with ``pre(x, num_halo)``, ``post(h, ctx)`` and ``halo`` (see
-            ``ds_longseq.adjoint.model.SelectiveSSMLayer``).
+        layer: a layer's maps: ``pre(x, num_halo)``, ``post(h, ctx)``, ``halo`` (see ``stacks``;
+            ``ds_longseq.adjoint.model.SelectiveSSMLayer`` has them).
         x: (B, T, P) the layer's input, as in forward.
         grad_out: (B, T, P) dL/dy, the gradient of the layer's output (residual stream).
         params: the layer's parameters to differentiate.
-        chunk_size: tokens per batched VJP (memory: one chunk's graph at a time).
+        chunk_size: tokens per batched VJP.
         truncation: T-bar, keep only lambda^{t', t} with t' - t < T-bar; None: exact.
 
     Returns:
         (dL/dx (B, T, P) in float32 for half precision, else x's dtype; gradients of ``params`` in the
         same accumulation dtype, None for a parameter the layer does not use).
     """
-    num_tokens = x.shape[1]
-    halo = layer.halo
-    bounds = _bounds(num_tokens, chunk_size)
+    dtype = acc_dtype(x.dtype)
+    grad_x = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    grads: list[torch.Tensor | None] = [None] * len(params)
+
+    def vjp(s, e, x_w, out, a_c, b_c, mu_c, h_prev):
+        """Accumulate VJP[g . out + (mu * h_prev) . a + mu . b] over the chunk's input and params."""
+        results = torch.autograd.grad(
+            [out, a_c, b_c], [x_w, *params], [grad_out[:, s:e].to(out.dtype), mu_c * h_prev, mu_c],
+            allow_unused=True,
+        )
+        grad_x[:, max(0, s - layer.halo) : e] += results[0]
+        for i, g in enumerate(results[1:]):
+            if g is not None:
+                grads[i] = g.to(dtype) if grads[i] is None else grads[i].add_(g)
+
+    if truncation is None or truncation >= x.shape[1]:
+        _streamed(layer, x, grad_out, chunk_size, vjp)
+    else:
+        _truncated(layer, x, grad_out, chunk_size, truncation, vjp)
+    grad_x += grad_out  # the residual path
+    return grad_x, grads
+
+
+def _streamed(layer, x, grad_out, chunk_size, vjp) -> None:
+    bounds = _bounds(x.shape[1], chunk_size)
+    starts = []  # the state before each chunk
+    with torch.no_grad():
+        carry = None
+        for s, e in bounds:
+            lo = max(0, s - layer.halo)
+            a, b, _ = layer.pre(x[:, lo:e], s - lo)
+            starts.append(carry)
+            carry = linear_scan(a, b, carry)[:, -1].clone()  # a view would keep the whole chunk alive
+        del a, b, carry
+    carry = None  # a_e * mu_e of the chunk after this one
+    for (s, e), start in zip(reversed(bounds), reversed(starts), strict=True):
+        lo = max(0, s - layer.halo)
+        with torch.enable_grad():
+            x_w = x[:, lo:e].detach().requires_grad_()
+            a_c, b_c, ctx_c = layer.pre(x_w, s - lo)
+            with torch.no_grad():
+                h = linear_scan(a_c, b_c, start)
+            h_leaf = h.requires_grad_()
+            out = layer.post(h_leaf, ctx_c)
+            # c_t: what out_t asks of h_t; the graph stays for the VJP below
+            (c,) = torch.autograd.grad(out, h_leaf, grad_out[:, s:e].to(out.dtype), retain_graph=True)
+        with torch.no_grad():
+            mu = adjoint_scan(a_c, c, carry)
+            del c
+            carry = a_c[:, 0] * mu[:, 0]
+            first = torch.zeros_like(h[:, :1]) if start is None else start.unsqueeze(1)
+            h_prev = torch.cat([first, h[:, :-1]], dim=1)
+        with torch.enable_grad():
+            vjp(s, e, x_w, out, a_c, b_c, mu, h_prev)
+
+
+def _truncated(layer, x, grad_out, chunk_size, truncation, vjp) -> None:
+    bounds = _bounds(x.shape[1], chunk_size)
     with torch.no_grad():
         a_parts, b_parts, ctx_parts = [], [], []
         for s, e in bounds:
-            lo = max(0, s - halo)
+            lo = max(0, s - layer.halo)
             a_c, b_c, ctx_c = layer.pre(x[:, lo:e], s - lo)
             a_parts.append(a_c)
             b_parts.append(b_c)
@@ -92,34 +180,16 @@ def adjoint_layer_backward(
             (c[:, s:e],) = torch.autograd.grad(out, h_c, grad_out[:, s:e].to(out.dtype))
     del ctx_parts
     with torch.no_grad():
-        if truncation is None or truncation >= num_tokens:
-            mu = adjoint_scan(a, c)
-        else:
-            mu = truncated_adjoint(a, c, truncation)
+        mu = truncated_adjoint(a, c, truncation)
     del c, a
-    dtype = acc_dtype(x.dtype)
-    grad_x = torch.zeros(x.shape, dtype=dtype, device=x.device)
-    grads: list[torch.Tensor | None] = [None] * len(params)
     for s, e in bounds:
-        lo = max(0, s - halo)
+        lo = max(0, s - layer.halo)
         h_prev = h[:, s - 1 : e - 1] if s > 0 else torch.cat([torch.zeros_like(h[:, :1]), h[:, : e - 1]], dim=1)
         with torch.enable_grad():
             x_w = x[:, lo:e].detach().requires_grad_()
             a_c, b_c, ctx_c = layer.pre(x_w, s - lo)
             out = layer.post(h[:, s:e], ctx_c)  # h is a constant here: its share is in mu
-            mu_c = mu[:, s:e]
-            results = torch.autograd.grad(
-                [out, a_c, b_c],
-                [x_w, *params],
-                [grad_out[:, s:e].to(out.dtype), mu_c * h_prev, mu_c],
-                allow_unused=True,
-            )
-        grad_x[:, lo:e] += results[0]
-        for i, g in enumerate(results[1:]):
-            if g is not None:
-                grads[i] = g.to(dtype) if grads[i] is None else grads[i].add_(g)
-    grad_x += grad_out  # the residual path
-    return grad_x, grads
+            vjp(s, e, x_w, out, a_c, b_c, mu[:, s:e], h_prev)
 
 
 @dataclass
@@ -163,7 +233,7 @@ class AdjointPlan:
         """Mean cross entropy over valid tokens; its backward computes every gradient by adjoint sharding.
 
         Args:
-            model: the :class:`ResidualSSMForCausalLM`.
+            model: a :class:`ResidualSSMForCausalLM` or transformers' ``MambaForCausalLM`` (see ``stacks``).
             input_ids: (B, T) token ids (the same on every stage).
             labels: (B, T) labels, shifted inside (position t predicts labels[t + 1]); -100 ignored.
         """
@@ -173,7 +243,7 @@ class AdjointPlan:
         if self.stage_ranks is not None:
             comm.check_same_batch(input_ids, targets)
         params = [p for p in model.parameters() if p.requires_grad]
-        loss_sum = _AdjointCausalLM.apply(self, model, input_ids, targets, *params)
+        loss_sum = _AdjointCausalLM.apply(self, ssm_stack(model), input_ids, targets, *params)
         return loss_sum / (targets != -100).sum()
 
 
@@ -199,9 +269,9 @@ def make_plan(
     )
 
 
-def _head_loss_sum(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    head = model.lm_head
-    hidden = model.norm_f(hidden)
+def _head_loss_sum(stack: SSMStack, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    head = stack.lm_head
+    hidden = stack.norm_f(hidden).to(head.weight.dtype)
     loss_sum, _ = chunked_lm_head_loss(hidden, head.weight, targets, chunk_size=chunk_size, bias=head.bias)
     return loss_sum
 
@@ -215,33 +285,32 @@ class _AdjointCausalLM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, plan: AdjointPlan, model, input_ids, targets, *params):
-        dtype = model.embed.weight.dtype
+    def forward(ctx, plan: AdjointPlan, stack: SSMStack, input_ids, targets, *params):
         with torch.no_grad():
             if plan.is_first:
-                y = model.embed(input_ids)
+                y = stack.embed(input_ids)
             else:
-                shape = (*input_ids.shape, model.config.hidden_size)
-                y = comm.recv_from(plan, plan.stage - 1, shape, dtype, input_ids.device)
+                shape = (*input_ids.shape, stack.hidden_size)
+                y = comm.recv_from(plan, plan.stage - 1, shape, stack.stream_dtype, input_ids.device)
             inputs = []
             for k in plan.layers:
                 inputs.append(y)
-                y = model.layers[k](y)
+                y = layer_forward(stack.layers[k], y, plan.chunk_size)
             if plan.is_last:
-                loss_sum = _head_loss_sum(model, y, targets, plan.chunk_size)
+                loss_sum = _head_loss_sum(stack, y, targets, plan.chunk_size)
             else:
                 comm.send_to(plan, plan.stage + 1, y)
-                loss_sum = torch.zeros((), dtype=acc_dtype(dtype), device=y.device)
+                loss_sum = torch.zeros((), dtype=acc_dtype(stack.lm_head.weight.dtype), device=y.device)
             if plan.stage_ranks is not None:
                 comm.broadcast_from_last(plan, loss_sum)
-        ctx.plan, ctx.model, ctx.params = plan, model, params
+        ctx.plan, ctx.stack, ctx.params = plan, stack, params
         ctx.inputs, ctx.output = inputs, y if plan.is_last else None
         ctx.save_for_backward(input_ids, targets)
         return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss):
-        plan, model, params = ctx.plan, ctx.model, ctx.params
+        plan, stack, params = ctx.plan, ctx.stack, ctx.params
         input_ids, targets = ctx.saved_tensors
         grads: dict[int, torch.Tensor] = {}
 
@@ -251,10 +320,10 @@ class _AdjointCausalLM(torch.autograd.Function):
                 grads[key] = g.to(acc_dtype(param.dtype)) if key not in grads else grads[key].add_(g)
 
         if plan.is_last:
-            head_params = [p for p in (*model.norm_f.parameters(), *model.lm_head.parameters()) if p.requires_grad]
+            head_params = [p for p in (*stack.norm_f.parameters(), *stack.lm_head.parameters()) if p.requires_grad]
             with torch.enable_grad():
                 y = ctx.output.detach().requires_grad_()
-                loss_sum = _head_loss_sum(model, y, targets, plan.chunk_size)
+                loss_sum = _head_loss_sum(stack, y, targets, plan.chunk_size)
                 grad_y, *head_grads = torch.autograd.grad(loss_sum, [y, *head_params], grad_loss, allow_unused=True)
             for p, g in zip(head_params, head_grads, strict=True):
                 add(p, g)
@@ -264,7 +333,7 @@ class _AdjointCausalLM(torch.autograd.Function):
             x = ctx.inputs[-1] if ctx.inputs else None
             grad_y = comm.recv_from(plan, plan.stage + 1, tuple(x.shape), acc_dtype(x.dtype), x.device)
         for k, x in zip(reversed(plan.layers), reversed(ctx.inputs), strict=True):
-            layer = model.layers[k]
+            layer = stack.layers[k]
             layer_params = [p for p in layer.parameters() if p.requires_grad]
             grad_y, layer_grads = adjoint_layer_backward(
                 layer, x, grad_y, layer_params, chunk_size=plan.chunk_size, truncation=plan.truncation
@@ -273,7 +342,7 @@ class _AdjointCausalLM(torch.autograd.Function):
                 add(p, g)
         ctx.inputs = None
         if plan.is_first:
-            weight = model.embed.weight
+            weight = stack.embed.weight
             if weight.requires_grad:
                 g = torch.zeros(weight.shape, dtype=acc_dtype(weight.dtype), device=weight.device)
                 g.index_add_(0, input_ids.reshape(-1), grad_y.reshape(-1, grad_y.shape[-1]).to(g.dtype))

@@ -2,6 +2,7 @@
 
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.checkpoint import checkpoint_apply
+from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
 from ds_longseq.ops.lm_head_loss import (
     TOKEN_HEAD_OUTPUTS,
     TokenHeadOutputs,
@@ -51,4 +52,8 @@ __all__ = [
     "LayerInputOffloader",
     "OffloadedTensor",
     "host_available_bytes",
+    "linear_scan",
+    "adjoint_scan",
+    "truncated_adjoint",
+    "LinearScan",
 ]

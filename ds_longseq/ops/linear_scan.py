@@ -1,8 +1,9 @@
 """Diagonal linear recurrences along the sequence dimension, without a Python loop over tokens.
 
 Holds:
-    linear_scan: h_t = a_t * h_{t-1} + b_t (h_{-1} = 0), all t at once.
-    adjoint_scan: mu_t = c_t + a_{t+1} * mu_{t+1} (mu_T = 0), the backward (adjoint) recurrence.
+    linear_scan: h_t = a_t * h_{t-1} + b_t (h_{-1} = 0 or a given carry), all t at once.
+    adjoint_scan: mu_t = c_t + a_{t+1} * mu_{t+1} (mu_T = 0 or a given carry), the backward (adjoint)
+        recurrence.
     truncated_adjoint: mu_t = sum_{d < window} c_{t+d} * prod_{j=t+1}^{t+d} a_j, the adjoint that
         only looks ``window`` states ahead (truncated adjoint sharding, paper 002 Sec. 4.3).
     LinearScan: ``linear_scan`` as an autograd Function that saves a and h only (the reference
@@ -23,18 +24,21 @@ import torch
 __all__ = ["linear_scan", "adjoint_scan", "truncated_adjoint", "LinearScan"]
 
 
-def linear_scan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """h_t = a_t * h_{t-1} + b_t for t = 0..T-1 with h_{-1} = 0.
+def linear_scan(a: torch.Tensor, b: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
+    """h_t = a_t * h_{t-1} + b_t for t = 0..T-1 with h_{-1} = ``initial`` (default 0).
 
     Args:
         a: (B, T, *S) per-step decay (the diagonal of A_t).
         b: (B, T, *S) per-step input (B_t x_t).
+        initial: (B, *S) the state before the first step (a chunk's carry), or None.
 
     Returns:
         h: (B, T, *S).
     """
     if a.shape != b.shape:
         raise ValueError(f"linear_scan: a {tuple(a.shape)} and b {tuple(b.shape)} differ in shape")
+    if initial is not None:
+        b = torch.cat([torch.addcmul(b[:, :1], a[:, :1], initial.unsqueeze(1)), b[:, 1:]], dim=1)
     num_steps = a.shape[1]
     h, coef = b, a
     offset = 1
@@ -52,8 +56,8 @@ def _next(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)
 
 
-def adjoint_scan(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """mu_t = c_t + a_{t+1} * mu_{t+1}, mu_{T-1} = c_{T-1}: the adjoint of :func:`linear_scan`.
+def adjoint_scan(a: torch.Tensor, c: torch.Tensor, final: torch.Tensor | None = None) -> torch.Tensor:
+    """mu_t = c_t + a_{t+1} * mu_{t+1}, mu_{T-1} = c_{T-1} (+ ``final``): the adjoint of :func:`linear_scan`.
 
     mu_t = dL/dh_t when c_t = the direct gradient of the loss with respect to h_t; in paper 002's
     notation mu_i = sum_{t >= i} lambda^{t,i}, the sum of the adjoint states of every later output.
@@ -61,10 +65,13 @@ def adjoint_scan(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     Args:
         a: (B, T, *S) the forward decays.
         c: (B, T, *S) the direct gradients.
+        final: (B, *S) what the steps after the last reach back with, a_T * mu_T (a chunk's carry), or None.
 
     Returns:
         mu: (B, T, *S).
     """
+    if final is not None:
+        c = torch.cat([c[:, :-1], c[:, -1:] + final.unsqueeze(1)], dim=1)
     return linear_scan(_next(a).flip(1), c.flip(1)).flip(1)
 
 

@@ -1,0 +1,214 @@
+"""Train a residual state-space LM on long sequences with adjoint sharding, through DeepSpeed.
+
+Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl); every rank is one stage that owns a
+slice of the layers (long_seq.adjoint.layer_split, default: even) and all ranks see the same batch:
+
+    deepspeed --num_gpus 2 examples/ssm_adjoint.py --ds_config ds_configs/zero2_adjoint.json
+    python examples/ssm_adjoint.py                      # one process, all layers
+    mpirun -np 2 python examples/ssm_adjoint.py --ds_config ds_configs/zero2_adjoint.json
+
+The embedded task (topic recall) needs memory across the whole sequence: each row starts with
+``--num-clues`` clue tokens drawn from one of ``--num-topics`` topics' clue sets, then random filler
+tokens; every ``--query-every`` tokens a QUERY token asks for the topic's answer token. Only the
+answers are trained (labels -100 elsewhere), so the loss starts at chance, ln(num_topics) (the
+answer token is one of num_topics, and nothing after the clues tells which), and can only fall if
+the model carries the topic from the first tokens to answers up to --seq-len tokens later.
+
+Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
+``latest``; ``--resume`` continues from it with the same data and losses), ``metrics.jsonl`` (one
+line per step), ``loss.png``, and ``model.pt`` + ``ssm_config.json`` (the final weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from sft import configure_logging, peak_memory_gib, resume, write_latest
+
+import ds_longseq.engine
+from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
+from ds_longseq.engine import split_config
+
+BOS, SEP, QUERY = 0, 1, 2
+ANSWER0 = 3  # answer token of topic k: ANSWER0 + k
+CLUES_PER_TOPIC = 4
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ds_config", default=os.path.join(os.path.dirname(__file__), "..", "ds_configs",
+                                                       "zero2_adjoint.json"))
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--max-steps", type=int, default=120)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=32)
+    p.add_argument("--state-size", type=int, default=8)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--conv-kernel", type=int, default=4)
+    p.add_argument("--num-topics", type=int, default=4)
+    p.add_argument("--num-clues", type=int, default=8)
+    p.add_argument("--query-every", type=int, default=16)
+    p.add_argument("--num-filler", type=int, default=32)
+    p.add_argument("--chunk-size", type=int, default=None, help="overrides long_seq.adjoint.chunk_size")
+    p.add_argument("--truncation", type=int, default=None, help="T-bar; overrides long_seq.adjoint.truncation")
+    p.add_argument("--dtype", choices=["float32", "bf16"], default="float32")
+    p.add_argument("--save-dir", default="runs/ssm_adjoint")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from <save-dir>/latest")
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    problems = []
+    for name in ("seq_len", "max_steps", "hidden_size", "state_size", "num_layers", "conv_kernel", "num_topics",
+                 "num_clues", "query_every", "num_filler"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.truncation is not None and args.truncation < 1:
+        problems.append(f"--truncation (T-bar) must be >= 1, got {args.truncation}; leave it out for exact gradients")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        problems.append(f"--chunk-size must be a positive integer, got {args.chunk_size}")
+    if args.query_every < 2:
+        problems.append("--query-every must be at least 2 (a QUERY and its answer)")
+    need = args.num_clues + 2 + 2 * args.query_every
+    if args.seq_len < need:
+        problems.append(f"--seq-len {args.seq_len} is too short for the task: it needs at least {need} tokens "
+                        f"(BOS, {args.num_clues} clues, SEP and two query periods); raise --seq-len")
+    if problems:
+        raise SystemExit("examples/ssm_adjoint.py: " + "; ".join(problems))
+
+
+def vocab_size(args) -> int:
+    return ANSWER0 + args.num_topics + args.num_topics * CLUES_PER_TOPIC + args.num_filler
+
+
+def topic_row(index: int, args) -> dict[str, torch.Tensor]:
+    """Row ``index`` of the task, the same on every rank and every run (seeded by seed and index)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + index)
+    topic = int(torch.randint(0, args.num_topics, (1,), generator=g))
+    clue0 = ANSWER0 + args.num_topics + topic * CLUES_PER_TOPIC
+    filler0 = ANSWER0 + args.num_topics + args.num_topics * CLUES_PER_TOPIC
+    ids = torch.randint(filler0, filler0 + args.num_filler, (args.seq_len,), generator=g)
+    ids[0] = BOS
+    ids[1 : 1 + args.num_clues] = torch.randint(clue0, clue0 + CLUES_PER_TOPIC, (args.num_clues,), generator=g)
+    start = 1 + args.num_clues
+    ids[start] = SEP
+    queries = torch.arange(start + args.query_every, args.seq_len - 1, args.query_every)
+    ids[queries] = QUERY
+    ids[queries + 1] = ANSWER0 + topic
+    labels = torch.full_like(ids, -100)
+    labels[queries + 1] = ANSWER0 + topic  # position q predicts labels[q + 1]: the answer after each QUERY
+    return {"input_ids": ids, "labels": labels}
+
+
+def batch(step: int, micro: int, args, micro_bs: int, gas: int) -> dict[str, torch.Tensor]:
+    first = (step * gas + micro) * micro_bs
+    rows = [topic_row(first + i, args) for i in range(micro_bs)]
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def plot(metrics: list[dict], path: str, chance: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="answer loss (training)")
+    ax.axhline(chance, color="gray", linestyle="--", label=f"chance without memory (ln {round(math.exp(chance))})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("examples/ssm_adjoint.py: topic recall")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_args(args)
+    import deepspeed
+    import deepspeed.comm as dist
+    from tqdm import tqdm
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               auto_mpi_discovery=True, distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
+    rank = dist.get_rank()
+    configure_logging(rank)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    ds_config, long_seq = split_config(args.ds_config)
+    if not long_seq.adjoint.enabled:
+        raise SystemExit(f"{args.ds_config}: long_seq.adjoint.enabled must be true for this example")
+    adjoint = long_seq.adjoint
+    overrides = {"chunk_size": args.chunk_size, "truncation": args.truncation}
+    ds_config["long_seq"] = {"adjoint": {**vars(adjoint), **{k: v for k, v in overrides.items() if v is not None}}}
+    ds_config["bf16"] = {"enabled": args.dtype == "bf16"}
+    ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = args.lr
+    micro_bs = ds_config.get("train_micro_batch_size_per_gpu", 1)
+    gas = ds_config.get("gradient_accumulation_steps", 1)
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    config = SSMConfig(vocab_size=vocab_size(args), hidden_size=args.hidden_size, state_size=args.state_size,
+                       num_layers=args.num_layers, conv_kernel=args.conv_kernel)
+    model = ResidualSSMForCausalLM(config)
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    device = engine.device
+
+    os.makedirs(args.save_dir, exist_ok=True)
+    metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
+    start_step, metrics = 0, []
+    if args.resume:
+        start_step, metrics, _ = resume(engine, args.save_dir, metrics_path)
+    chance = math.log(args.num_topics)
+    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0, initial=start_step, total=args.max_steps,
+               desc="ssm_adjoint")
+    for step in bar:
+        started = time.perf_counter()
+        losses = []
+        for micro in range(gas):
+            b = {k: v.to(device) for k, v in batch(step, micro, args, micro_bs, gas).items()}
+            loss = engine(**b).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        seconds = time.perf_counter() - started
+        row = {"step": step + 1, "loss": sum(losses) / len(losses), "seconds": seconds,
+               "tokens_per_s": gas * micro_bs * args.seq_len / seconds, "peak_gib": peak_memory_gib()}
+        metrics.append(row)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                        peak_gib=f"{row['peak_gib']:.2f}")
+        if rank == 0:
+            with open(metrics_path, "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in metrics)
+        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps:
+            tag = f"step{step + 1}"
+            engine.save_checkpoint(args.save_dir, tag=tag, client_state={"step": step + 1}, save_latest=False)
+            dist.barrier()
+            if rank == 0:
+                write_latest(args.save_dir, tag)  # only after every rank wrote: a crash keeps the old one
+            dist.barrier()
+    if rank == 0:
+        plot(metrics, os.path.join(args.save_dir, "loss.png"), chance)
+        torch.save(engine.module.state_dict(), os.path.join(args.save_dir, "model.pt"))
+        with open(os.path.join(args.save_dir, "ssm_config.json"), "w") as f:
+            json.dump(config.to_dict(), f, indent=1)
+        first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-10:]) / len(metrics[-10:])
+        print(f"answer loss: first step {first:.3f}, mean of the last 10 steps {last:.3f} "
+              f"(chance without memory {chance:.3f}); outputs in {args.save_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
