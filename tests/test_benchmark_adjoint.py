@@ -119,6 +119,8 @@ class _Counter(TorchDispatchMode):
             self.matmul += flop_registry[packet](*args, **kwargs, out_val=out)
         elif packet in (torch.ops.aten.mul, torch.ops.aten.mul_):
             self.elementwise += out.numel()
+        elif packet in (torch.ops.aten.add, torch.ops.aten.add_):
+            self.elementwise += out.numel()
         elif packet in (torch.ops.aten.addcmul, torch.ops.aten.addcmul_):
             self.elementwise += 2 * out.numel()
         return out
@@ -137,6 +139,25 @@ def test_scan_counts_equal_the_dispatched_elementwise_ops(num_tokens):
         with _Counter() as c:
             truncated_adjoint(a, b, window)
         assert c.elementwise == adjoint_flops.truncated_flops(num_tokens, window), (num_tokens, window)
+
+
+@pytest.mark.parametrize("num_tokens, chunk_size", [(1, 4), (8, 4), (9, 4), (33, 8), (20, 64)])
+def test_chunked_scan_counts_equal_the_dispatched_ops_of_a_streamed_sweep(num_tokens, chunk_size):
+    """The streamed exact path's scans: chunks in order with the state carried, then the adjoint last chunk
+    first with the carry a_s * mu_s (the calls ``ds_longseq.adjoint.sharding`` makes)."""
+    a, b = torch.rand(1, num_tokens, 1), torch.rand(1, num_tokens, 1)
+    bounds = [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
+    with _Counter() as c:
+        carry = None
+        for s, e in bounds:
+            carry = linear_scan(a[:, s:e], b[:, s:e], carry)[:, -1].clone()
+    assert c.elementwise == adjoint_flops.chunked_scan_flops(num_tokens, chunk_size)
+    with _Counter() as c:
+        carry = None
+        for s, e in reversed(bounds):
+            mu = adjoint_scan(a[:, s:e], b[:, s:e], carry)
+            carry = a[:, s] * mu[:, 0]
+    assert c.elementwise == adjoint_flops.chunked_adjoint_flops(num_tokens, chunk_size)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 12, 31])
