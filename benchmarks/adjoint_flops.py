@@ -17,6 +17,9 @@ Holds:
     ``step_flops``: one forward + backward of a ``benchmarks.recipes.SSMShape`` model, by component.
     ``validation_rows``: the count's ratios and slopes against measured step times (a results CSV of
         ``benchmarks.adjoint_memory``).
+    ``time_scans``: the one measurement here (``--time-scans``): wall time of ``linear_scan`` vs T and of
+        ``truncated_adjoint`` vs T-bar in this process (best of a few repeats after a warm-up), next to
+        their counts: constant time per counted FLOP means the count has the scaling right.
     CLI: writes ``<out>.md`` and ``<out>.png``.
 
 Shape legend: T sequence, T-bar truncation, P hidden, D inner channels, N state size, V vocab, K layers.
@@ -26,10 +29,11 @@ in_proj, dt_proj, bc_proj = 4PD + 4PN; F_out = out_proj = 2DP; a backward costs 
     autograd:   forward + backward of pre and post (3 F), the forward scan, the adjoint scan.
     adjoint:    exact, streamed over chunks: forward without graph (1 F), a boundary sweep of pre
                 (F_pre), per chunk pre + post with a graph (1 F), the input gradient of post for c
-                (F_out), the VJPs (2 F): 5 F_pre + 5 F_out; scans: forward, sweep, chunk, adjoint.
+                (F_out), the VJPs (2 F): 5 F_pre + 5 F_out; scans, each chunk by chunk with carries
+                (``chunked_scan_flops``, ``chunked_adjoint_flops``): forward, sweep, chunk, adjoint.
                 Truncated (whole-sequence a, h, mu): forward (1 F), a recompute of pre (F_pre), the VJP
-                of post for c (2 F_out), the chunked VJPs (3 F): 5 F_pre + 6 F_out; scans: forward,
-                recompute, and ``truncated_flops`` for the adjoint.
+                of post for c (2 F_out), the chunked VJPs (3 F): 5 F_pre + 6 F_out; scans: forward (by
+                chunks), recompute (whole sequence), and ``truncated_flops`` for the adjoint.
     paper:      the forward once (1 F), then per pair (t, i <= t) the VJPs of A_i and B_i with vectors
                 lambda^{t,i} (x) h_{i-1} and lambda^{t,i} (2 F_pre: a backward of pre at token i), T VJPs
                 of C (2 F_out), and the adjoint states lambda^{t,i} = lambda^{t,i+1} * a_{i+1}, one
@@ -39,7 +43,7 @@ Elementwise work on the (D, N) state outside the scans is approximated: the forw
 exp), b (outer product), h * C and its sum over N: 5 DN per token; a backward: 2x. Copies (torch.cat,
 flip) move memory but are not FLOPs and are not counted, though on a CPU they cost time.
 
-    python -m benchmarks.adjoint_flops --measured benchmarks/results/adjoint_memory_cpu.csv \
+    python -m benchmarks.adjoint_flops --measured benchmarks/results/adjoint_memory_cpu_timing.csv \
         --out benchmarks/results/adjoint_flops
 """
 
@@ -76,6 +80,22 @@ def scan_flops(num_tokens: int) -> int:
             total += num_tokens - offset
         offset *= 2
     return total
+
+
+def chunked_scan_flops(num_tokens: int, chunk_size: int) -> int:
+    """``linear_scan`` chunk by chunk with the state carried (the streamed forward, boundary sweep and
+    chunk recompute): each chunk's scan, plus folding the carry into a later chunk's first input (an
+    addcmul on one token: 2 FLOPs)."""
+    lens = [min(chunk_size, num_tokens - s) for s in range(0, num_tokens, chunk_size)]
+    return sum(scan_flops(n) for n in lens) + 2 * (len(lens) - 1)
+
+
+def chunked_adjoint_flops(num_tokens: int, chunk_size: int) -> int:
+    """``adjoint_scan`` chunk by chunk, last chunk first (the streamed exact backward): each chunk's scan,
+    adding the carry from the chunk after it to its last direct gradient (1 FLOP; not for the last
+    chunk), and the carry it passes on, a_s * mu_s (1 FLOP)."""
+    lens = [min(chunk_size, num_tokens - s) for s in range(0, num_tokens, chunk_size)]
+    return sum(scan_flops(n) + 1 for n in lens) + (len(lens) - 1)
 
 
 def sequential_scan_flops(num_tokens: int) -> int:
@@ -139,12 +159,13 @@ def _method(method: str) -> tuple[str, int | None]:
     return ("autograd" if method == "autograd" else "adjoint"), ssm_truncation(method)
 
 
-def step_flops(shape: SSMShape, num_tokens: int, method: str, batch: int = 1) -> dict:
+def step_flops(shape: SSMShape, num_tokens: int, method: str, batch: int = 1, chunk_size: int = 1024) -> dict:
     """FLOPs of one forward + backward, by component (a count; see the module docstring).
 
     Returns {"matmul": exact count of matmul FLOPs, "state": elementwise FLOPs on the (D, N) state
     (scans exact, the rest approximate), "total"}; methods: autograd, adjoint, adjoint_t<T-bar>,
-    paper, paper_t<T-bar>.
+    paper, paper_t<T-bar>. ``chunk_size``: the adjoint plan's (its forward and exact backward scan chunk
+    by chunk; it does not change the matmul count).
     """
     kind, window = _method(method)
     mm = matmul_flops_per_token(shape)
@@ -161,13 +182,15 @@ def step_flops(shape: SSMShape, num_tokens: int, method: str, batch: int = 1) ->
         # scans: forward, sweep, chunk recompute, adjoint. The head: forward, recompute, backward (2x).
         matmul = k * t * (5 * mm["pre"] + 5 * mm["out"]) + (t - 1) * 4 * mm["head"]
         per_token = s_fwd + s_pre + s_fwd + (s_post + dn) + 2 * s_fwd  # fwd, sweep, chunk, c-VJP, VJPs
-        state = k * (t * per_token + dn * (4 * scan_flops(t) + t))
+        scans = 3 * chunked_scan_flops(t, chunk_size) + chunked_adjoint_flops(t, chunk_size)
+        state = k * (t * per_token + dn * (scans + t))
     elif kind == "adjoint":
         # truncated: whole-sequence a, h, mu: forward (1 F), a recompute of pre (F_pre), the VJP of
         # post for c (2 F_out: forward + input gradient), the chunked VJPs (3 F): 5 F_pre + 6 F_out
         matmul = k * t * (5 * mm["pre"] + 6 * mm["out"]) + (t - 1) * 4 * mm["head"]
         per_token = s_fwd + s_pre + (s_post + dn) + 3 * s_fwd  # fwd, recompute, c-VJP, chunk VJPs
-        state = k * (t * per_token + dn * (2 * scan_flops(t) + truncated_flops(t, window) + t))
+        scans = chunked_scan_flops(t, chunk_size) + scan_flops(t) + truncated_flops(t, window)  # fwd streamed
+        state = k * (t * per_token + dn * (scans + t))
     else:
         n = pairs(t, window)
         matmul = k * (t * f_layer + n * 2 * mm["pre"] + t * 2 * mm["out"]) + t * 3 * mm["head"]
@@ -217,6 +240,53 @@ def validation_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+def time_scans(seq_lens, windows, window_len: int, state=(64, 16), repeats: int = 3, threads: int = 1) -> dict:
+    """Best-of-``repeats`` seconds of ``linear_scan`` per T and of ``truncated_adjoint`` per T-bar (at
+    ``window_len`` tokens), batch 1, a (D, N) = ``state`` float32 state; a measurement, in this process."""
+    import time
+
+    import torch
+
+    from ds_longseq.ops.linear_scan import linear_scan, truncated_adjoint
+
+    torch.set_num_threads(threads)
+
+    def best(fn):
+        fn()  # warm-up: first-touch of the allocator's pages, thread pool
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    g = torch.Generator().manual_seed(0)
+    out = {"scan": [], "truncated": [], "state": list(state), "threads": threads}
+    for t in seq_lens:
+        a, b = torch.rand(1, t, *state, generator=g), torch.rand(1, t, *state, generator=g)
+        out["scan"].append((t, best(lambda a=a, b=b: linear_scan(a, b)), scan_flops(t)))
+    a, c = torch.rand(1, window_len, *state, generator=g), torch.rand(1, window_len, *state, generator=g)
+    for w in windows:
+        out["truncated"].append((w, best(lambda w=w: truncated_adjoint(a, c, w)), truncated_flops(window_len, w)))
+    return out
+
+
+def _scan_timing_lines(timing: dict, window_len: int) -> list[str]:
+    d, n = timing["state"]
+    out = [f"**Scan timings against their counts** (measured: best of 3 after a warm-up, this process, "
+           f"{timing['threads']} threads, batch 1, (D, N) = ({d}, {n}) float32; ns per counted FLOP = time / (count x "
+           f"D x N); a constant column means the count scales as the time does):", "",
+           "| `linear_scan`, T | ms | count per state element | ns per counted FLOP |", "|---:|---:|---:|---:|"]
+    for t, sec, count in timing["scan"]:
+        out.append(f"| {t} | {1e3 * sec:.1f} | {count:,} | {1e9 * sec / (count * d * n):.2f} |")
+    out += ["", f"| `truncated_adjoint`, T = {window_len}, T-bar | ms | count per state element | "
+            "ns per counted FLOP |", "|---:|---:|---:|---:|"]
+    for w, sec, count in timing["truncated"]:
+        per = f"{1e9 * sec / (count * d * n):.2f}" if count else ""
+        out.append(f"| {w} | {1e3 * sec:.1f} | {count:,} | {per} |")
+    return out + [""]
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 
@@ -224,7 +294,8 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def report_markdown(sizes, seq_lens, window: int, measured_path: str | None, command: str) -> str:
+def report_markdown(sizes, seq_lens, window: int, measured_paths, command: str, timing: dict | None = None,
+                    window_len: int = 0, chunk_size: int = 1024) -> str:
     out = [
         "# FLOPs of one SSM training step: a count, not a measurement (`benchmarks.adjoint_flops`)",
         "",
@@ -250,20 +321,23 @@ def report_markdown(sizes, seq_lens, window: int, measured_path: str | None, com
         "of the A/B VJPs (the paper says 64%); its count is T T-bar - T-bar (T-bar - 1) / 2 per network.",
         "",
         "**Adjoint-state work per state element** (FLOPs on one of the D x N channels, per layer): ours exact = "
-        "the Hillis-Steele adjoint scan (~3 T log2 T), a token loop would be 2 (T - 1); ours truncated = "
-        "`truncated_adjoint` (~3 T T-bar); paper = one multiply per lambda^{t,i} with i < t plus one per VJP "
-        "vector lambda (x) h.",
+        f"the Hillis-Steele adjoint scan, chunk by chunk (C = {chunk_size}) with carries (~3 T log2 C; on the "
+        "whole sequence at once it would be ~3 T log2 T, a token loop 2 (T - 1)); ours truncated = "
+        "`truncated_adjoint` on the whole sequence (~3 T T-bar); paper = one multiply per lambda^{t,i} with "
+        "i < t plus one per VJP vector lambda (x) h.",
         "",
-        f"| T | ours exact (scan) | token loop | ours t{window} | paper | paper_t{window} |",
-        "|---:|---:|---:|---:|---:|---:|",
+        f"| T | ours exact (C = {chunk_size}) | whole-sequence scan | token loop | ours t{window} | paper | "
+        f"paper_t{window} |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for t in seq_lens:
         p_full, p_tr = 2 * pairs(t) - t, 2 * pairs(t, window) - t
-        out.append(f"| {t} | {scan_flops(t):,} | {sequential_scan_flops(t):,} | {truncated_flops(t, window):,} | "
-                   f"{p_full:,} | {p_tr:,} |")
-    crossover = next(w for w in range(1, 1 << 20) if truncated_flops(1 << 20, w) > scan_flops(1 << 20))
+        out.append(f"| {t} | {chunked_adjoint_flops(t, chunk_size):,} | {scan_flops(t):,} | "
+                   f"{sequential_scan_flops(t):,} | {truncated_flops(t, window):,} | {p_full:,} | {p_tr:,} |")
+    big = 1 << 20
+    crossover = next(w for w in range(1, big) if truncated_flops(big, w) > chunked_adjoint_flops(big, chunk_size))
     out += ["", f"Truncation is cheaper than our exact adjoint scan only for tiny T-bar: at T = 2^20 the "
-            f"truncated adjoint costs more from T-bar = {crossover} on (both ~3 T x {{T-bar, log2 T}}).", ""]
+            f"truncated adjoint costs more from T-bar = {crossover} on (~3 T T-bar against ~3 T log2 C).", ""]
     methods = ["autograd", "adjoint", f"adjoint_t{window}", "paper", f"paper_t{window}"]
     for s in sizes:
         shape = SSM_SHAPES[s]
@@ -273,11 +347,11 @@ def report_markdown(sizes, seq_lens, window: int, measured_path: str | None, com
             ref = step_flops(shape, t, "autograd")["total"]
             cells = []
             for m in methods:
-                total = step_flops(shape, t, m)["total"]
+                total = step_flops(shape, t, m, chunk_size=chunk_size)["total"]
                 cells.append(f"{total / 1e9:.3g}" + ("" if m == "autograd" else f" ({total / ref:.3g}x)"))
             out.append(f"| {t} | " + " | ".join(cells) + " |")
         out.append("")
-    if measured_path and Path(measured_path).exists():
+    for measured_path in [p for p in measured_paths or () if Path(p).exists()]:
         val = validation_rows(harness.read_csv(measured_path))
         out += [f"**The count against measured step times** (`{measured_path}`; CPU, shared machine, noisy): "
                 "log-log slope of step time vs T next to the count's, and step time / autograd's (mean over "
@@ -290,7 +364,11 @@ def report_markdown(sizes, seq_lens, window: int, measured_path: str | None, com
                                                                         "count_ratio")]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    if timing:
+        out += _scan_timing_lines(timing, window_len)
     out += ["Command:", f"`{command}`", ""]
+    if timing:
+        out += harness.environment([], device="cpu")[2:] + [""]
     return "\n".join(out)
 
 
@@ -330,12 +408,25 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", nargs="+", choices=sorted(SSM_SHAPES), default=["h32-L4", "h64-L4", "h32-L16"])
     p.add_argument("--seq-lens", type=int, nargs="+", default=list(DEFAULT_SEQ_LENS))
     p.add_argument("--truncation", type=int, default=64, help="T-bar of the truncated columns")
-    p.add_argument("--measured", default=None, help="a benchmarks.adjoint_memory CSV to validate the count against")
+    p.add_argument("--chunk-size", type=int, default=1024,
+                   help="the adjoint plan's chunk size (benchmarks.adjoint_memory's)")
+    p.add_argument("--measured", nargs="+", default=[],
+                   help="benchmarks.adjoint_memory CSVs to validate the count against (one table each)")
+    p.add_argument("--time-scans", action="store_true",
+                   help="also time linear_scan vs T and truncated_adjoint vs T-bar against their counts")
+    p.add_argument("--scan-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--scan-windows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--window-len", type=int, default=4096, help="T of the truncated_adjoint timings")
+    p.add_argument("--scan-threads", type=int, default=1,
+                   help="torch threads for the scan timings (1: on a busy machine, 2 threads wait on each other)")
     p.add_argument("--out", default="benchmarks/results/adjoint_flops", help="writes <out>.md and <out>.png")
     args = p.parse_args(argv)
     command = "python -m benchmarks.adjoint_flops " + " ".join(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    text = report_markdown(args.sizes, args.seq_lens, args.truncation, args.measured, command)
+    timing = (time_scans(args.scan_lens, args.scan_windows, args.window_len, threads=args.scan_threads)
+              if args.time_scans else None)
+    text = report_markdown(args.sizes, args.seq_lens, args.truncation, args.measured, command, timing,
+                           args.window_len, args.chunk_size)
     Path(args.out + ".md").write_text(text)
     plot(args.out + ".png", args.sizes, args.seq_lens, args.truncation)
     print(f"wrote {args.out}.md, {args.out}.png")

@@ -182,7 +182,10 @@ def report_markdown(rows, sizes, methods, seq_lens) -> str:
         out.append(f"| {t} | " + " | ".join(f"{saved_bytes_estimate(SSM_SHAPES[s], m, t) / 2**20:.1f}"
                                             for s, m in est_cols) + " |")
     out += ["", "Step time, s (secondary: a shared 2-core VM, another job often running; `load1` per point in "
-            "the CSV):", ""]
+            "the CSV). One step in a fresh process, no warm-up. With MALLOC_MMAP_THRESHOLD_ set (the default here, "
+            "for clean memory readings) every tensor above 1 MiB is a fresh mmap whose pages the kernel zeroes, which "
+            "made steps 3-10x slower in our runs: compare times from a `--mmap-threshold 0` run (and `--threads 1` on "
+            "a busy machine, where two threads stall on each other):", ""]
     out += harness.grid_table(rows, names, seq_lens, "step_s", lambda x: f"{x:.1f}")
     out += ["", "Tokens per second:", ""]
     out += harness.grid_table(rows, names, seq_lens, "tokens_per_s", lambda x: f"{x:.0f}")
@@ -192,7 +195,7 @@ def report_markdown(rows, sizes, methods, seq_lens) -> str:
     out += _check_table(rows, sizes, methods, seq_lens)
     out += ["", "Caveat: RSS counts pages the allocator keeps after frees (children run with "
             "MALLOC_MMAP_THRESHOLD_=1048576 unless `--mmap-threshold 0`); small points (tens of MiB) carry a few "
-            "MiB of noise. Children use torch.set_num_threads(2) (`--threads`).", ""]
+            "MiB of noise. Children use torch.set_num_threads(`--threads`, default 2: see the command).", ""]
     out += harness.environment([r["command"] for r in rows], device="cpu") + [""]
     return "\n".join(out)
 

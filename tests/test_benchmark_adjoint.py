@@ -119,6 +119,8 @@ class _Counter(TorchDispatchMode):
             self.matmul += flop_registry[packet](*args, **kwargs, out_val=out)
         elif packet in (torch.ops.aten.mul, torch.ops.aten.mul_):
             self.elementwise += out.numel()
+        elif packet in (torch.ops.aten.add, torch.ops.aten.add_):
+            self.elementwise += out.numel()
         elif packet in (torch.ops.aten.addcmul, torch.ops.aten.addcmul_):
             self.elementwise += 2 * out.numel()
         return out
@@ -137,6 +139,25 @@ def test_scan_counts_equal_the_dispatched_elementwise_ops(num_tokens):
         with _Counter() as c:
             truncated_adjoint(a, b, window)
         assert c.elementwise == adjoint_flops.truncated_flops(num_tokens, window), (num_tokens, window)
+
+
+@pytest.mark.parametrize("num_tokens, chunk_size", [(1, 4), (8, 4), (9, 4), (33, 8), (20, 64)])
+def test_chunked_scan_counts_equal_the_dispatched_ops_of_a_streamed_sweep(num_tokens, chunk_size):
+    """The streamed exact path's scans: chunks in order with the state carried, then the adjoint last chunk
+    first with the carry a_s * mu_s (the calls ``ds_longseq.adjoint.sharding`` makes)."""
+    a, b = torch.rand(1, num_tokens, 1), torch.rand(1, num_tokens, 1)
+    bounds = [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
+    with _Counter() as c:
+        carry = None
+        for s, e in bounds:
+            carry = linear_scan(a[:, s:e], b[:, s:e], carry)[:, -1].clone()
+    assert c.elementwise == adjoint_flops.chunked_scan_flops(num_tokens, chunk_size)
+    with _Counter() as c:
+        carry = None
+        for s, e in reversed(bounds):
+            mu = adjoint_scan(a[:, s:e], b[:, s:e], carry)
+            carry = a[:, s] * mu[:, 0]
+    assert c.elementwise == adjoint_flops.chunked_adjoint_flops(num_tokens, chunk_size)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 12, 31])
@@ -172,10 +193,16 @@ def test_flops_report_and_validation(tmp_path):
     assert val["adjoint"]["time_slope"] == pytest.approx(1.0) and val["adjoint"]["time_ratio"] == pytest.approx(1.5)
     assert 1 < val["adjoint"]["count_ratio"] < 2 and val["autograd"]["count_ratio"] == pytest.approx(1.0)
     out = tmp_path / "f"
-    adjoint_flops.main(["--sizes", "h32-L4", "--seq-lens", "1024", "2048", "--measured", str(tmp_path / "m.csv"),
-                        "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        adjoint_flops.main(["--sizes", "h32-L4", "--seq-lens", "1024", "2048", "--measured", str(tmp_path / "m.csv"),
+                            "--time-scans", "--scan-lens", "16", "32", "--scan-windows", "1", "2", "--window-len", "32",
+                            "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
     text = Path(f"{out}.md").read_text()
     assert "a count, not a measurement" in text and "time slope" in text and Path(f"{out}.png").stat().st_size > 0
+    assert "| `truncated_adjoint`, T = 32, T-bar |" in text and "| 32 |" in text
 
 
 # ---- adjoint_truncation -------------------------------------------------------------------------
