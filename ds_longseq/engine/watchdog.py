@@ -361,8 +361,8 @@ def start_watchdog(heartbeat_s: float = 1.0, peer_timeout_s: float = 120.0, cens
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
-    if not isinstance(base, dist.TCPStore):
-        return None
+    if not isinstance(base, dist.TCPStore) or not all(hasattr(base, m) for m in ("clone", "multi_get", "check")):
+        return None  # a FileStore / HashStore, or a torch without TCPStore.clone: nothing to watch with
     rank, world = dist.get_rank(), dist.get_world_size()
     watch = PeerWatch(base, rank, world, heartbeat_s, peer_timeout_s, census_s, server=base if rank == 0 else None)
     watch.register()
