@@ -32,7 +32,7 @@ questions, and over the questions in the last quarter of the rows only (position
 --seq-len: by default at least 768 - 65 = 703 tokens after the briefing's SEP); chance is
 1/num_topics. The briefing says the topic C = 64 times (default) because a selective SSM trained
 from scratch writes a single token into its state faintly at first (the write scales with its step
-size delta, which starts small); the repeats make the memory learnable in ~100 steps on a CPU.
+size delta, which starts small); the repeats make the memory learnable in ~100 steps on a CPU (the default runs 160).
 
 Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
 ``latest``; ``--resume`` continues from it with the same data and losses), ``metrics.jsonl`` (one
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "zero2_adjoint.json"))
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--max-steps", type=int, default=120)
+    p.add_argument("--max-steps", type=int, default=160)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=32)
@@ -164,7 +164,10 @@ def plot(metrics: list[dict], path: str, chance: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="answer loss (training)")
+    steps, losses = [m["step"] for m in metrics], [m["loss"] for m in metrics]
+    ax.plot(steps, losses, color="tab:blue", alpha=0.35, label="answer loss (training, per step)")
+    smooth = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
+    ax.plot(steps, smooth, color="tab:blue", label="mean of the last 10 steps")
     ax.axhline(chance, color="gray", linestyle="--", label=f"chance without memory (ln {round(math.exp(chance))})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
