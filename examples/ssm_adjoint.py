@@ -7,16 +7,37 @@ slice of the layers (long_seq.adjoint.layer_split, default: even) and all ranks 
     python examples/ssm_adjoint.py                      # one process, all layers
     mpirun -np 2 python examples/ssm_adjoint.py --ds_config ds_configs/zero2_adjoint.json
 
-The embedded task (topic recall) needs memory across the whole sequence: each row starts with
-``--num-clues`` clue tokens drawn from one of ``--num-topics`` topics' clue sets, then random filler
-tokens; every ``--query-every`` tokens a QUERY token asks for the topic's answer token. Only the
-answers are trained (labels -100 elsewhere), so the loss starts at chance, ln(num_topics) (the
-answer token is one of num_topics, and nothing after the clues tells which), and can only fall if
-the model carries the topic from the first tokens to answers up to --seq-len tokens later.
+The embedded task (topic recall) needs memory across the whole sequence. Each row (``--seq-len``
+tokens) opens with a briefing, then only filler and questions follow::
+
+    position  0     1 .. C    C+1   ...   C+1+Q   C+2+Q  ...  C+1+2Q  ...
+    input     BOS   c .. c    SEP   f ... QUERY   f      ...  QUERY   f ...
+    trained                                 ->ANS                ->ANS
+
+- the row's topic is one of ``--num-topics``, drawn uniformly; the briefing is ``--num-clues`` (C)
+  clue tokens drawn from that topic's own set of 4 clue tokens;
+- after ``SEP`` every position holds a random filler token (``--num-filler`` of them, the same
+  distribution for every topic), except that every ``--query-every`` (Q) tokens a ``QUERY`` token
+  asks for the topic's answer token (``labels[q + 1]``: position q is trained to predict it).
+  Only the answers are trained (labels -100 elsewhere).
+
+The answer tokens never appear in the input, and nothing after the briefing depends on the topic:
+an answer can only come from the clues, carried by the recurrent state from the first C+1 tokens
+to the QUERY, up to ``--seq-len`` - C - 3 tokens later (the last query of a row). A model without that
+memory can do no better than a uniform guess among the topics' answers: **chance = ln(num_topics)**
+(ln 4 = 1.386 by default; the loss starts higher, at about ln(vocab size), and first falls to
+chance while the model learns which tokens are answers). Below chance, the state carries the topic.
+At the end, rank 0 measures the recall accuracy on held-out rows (``eval.json``): over all
+questions, and over the questions in the last quarter of the rows only (position >= 3/4 x
+--seq-len: by default at least 768 - 65 = 703 tokens after the briefing's SEP); chance is
+1/num_topics. The briefing says the topic C = 64 times (default) because a selective SSM trained
+from scratch writes a single token into its state faintly at first (the write scales with its step
+size delta, which starts small); the repeats make the memory learnable in ~100 steps on a CPU (the default runs 160).
 
 Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
 ``latest``; ``--resume`` continues from it with the same data and losses), ``metrics.jsonl`` (one
-line per step), ``loss.png``, and ``model.pt`` + ``ssm_config.json`` (the final weights).
+line per step), ``loss.png``, ``eval.json`` (the held-out recall accuracies above), and
+``model.pt`` + ``ssm_config.json`` (the final weights).
 """
 
 from __future__ import annotations
@@ -46,15 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "zero2_adjoint.json"))
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--max-steps", type=int, default=120)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-steps", type=int, default=160)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=32)
     p.add_argument("--state-size", type=int, default=8)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--conv-kernel", type=int, default=4)
     p.add_argument("--num-topics", type=int, default=4)
-    p.add_argument("--num-clues", type=int, default=8)
+    p.add_argument("--num-clues", type=int, default=64)
     p.add_argument("--query-every", type=int, default=16)
     p.add_argument("--num-filler", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=None, help="overrides long_seq.adjoint.chunk_size")
@@ -102,10 +123,9 @@ def topic_row(index: int, args) -> dict[str, torch.Tensor]:
     start = 1 + args.num_clues
     ids[start] = SEP
     queries = torch.arange(start + args.query_every, args.seq_len - 1, args.query_every)
-    ids[queries] = QUERY
-    ids[queries + 1] = ANSWER0 + topic
+    ids[queries] = QUERY  # the token after a QUERY stays filler: the answer never enters the input
     labels = torch.full_like(ids, -100)
-    labels[queries + 1] = ANSWER0 + topic  # position q predicts labels[q + 1]: the answer after each QUERY
+    labels[queries + 1] = ANSWER0 + topic  # position q predicts labels[q + 1]: the answer to the QUERY at q
     return {"input_ids": ids, "labels": labels}
 
 
@@ -115,6 +135,28 @@ def batch(step: int, micro: int, args, micro_bs: int, gas: int) -> dict[str, tor
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+EVAL_ROWS = 16
+EVAL_OFFSET = 1 << 40  # held-out rows: indices the training data never reaches
+
+
+@torch.no_grad()
+def recall_accuracy(model: torch.nn.Module, args, device) -> dict[str, float]:
+    """Answer accuracy of ``model`` (plain forward, argmax over the whole vocabulary) on EVAL_ROWS
+    held-out rows: over all questions, and over those in the last quarter of the rows."""
+    rows = [topic_row(EVAL_OFFSET + i, args) for i in range(EVAL_ROWS)]
+    ids = torch.stack([r["input_ids"] for r in rows]).to(device)
+    targets = torch.stack([r["labels"] for r in rows])[:, 1:].to(device)  # position t answers labels[t + 1]
+    was_training = model.training
+    model.eval()
+    hits = model(ids).logits[:, :-1].argmax(-1) == targets
+    model.train(was_training)
+    asked = targets != -100
+    far = asked.clone()
+    far[:, : (3 * args.seq_len) // 4] = False
+    return {"accuracy": hits[asked].float().mean().item(), "far_accuracy": hits[far].float().mean().item(),
+            "far_questions_per_row": int(far[0].sum()), "chance": 1 / args.num_topics, "rows": EVAL_ROWS}
+
+
 def plot(metrics: list[dict], path: str, chance: float) -> None:
     import matplotlib
 
@@ -122,7 +164,10 @@ def plot(metrics: list[dict], path: str, chance: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="answer loss (training)")
+    steps, losses = [m["step"] for m in metrics], [m["loss"] for m in metrics]
+    ax.plot(steps, losses, color="tab:blue", alpha=0.35, label="answer loss (training, per step)")
+    smooth = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
+    ax.plot(steps, smooth, color="tab:blue", label="mean of the last 10 steps")
     ax.axhline(chance, color="gray", linestyle="--", label=f"chance without memory (ln {round(math.exp(chance))})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
@@ -204,9 +249,14 @@ def main(argv=None) -> int:
         torch.save(engine.module.state_dict(), os.path.join(args.save_dir, "model.pt"))
         with open(os.path.join(args.save_dir, "ssm_config.json"), "w") as f:
             json.dump(config.to_dict(), f, indent=1)
+        recall = recall_accuracy(engine.module, args, device)
+        with open(os.path.join(args.save_dir, "eval.json"), "w") as f:
+            json.dump(recall, f, indent=1)
         first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-10:]) / len(metrics[-10:])
         print(f"answer loss: first step {first:.3f}, mean of the last 10 steps {last:.3f} "
-              f"(chance without memory {chance:.3f}); outputs in {args.save_dir}", file=sys.stderr)
+              f"(chance without memory {chance:.3f}); held-out recall accuracy {recall['accuracy']:.3f}, "
+              f"in the last quarter of the rows {recall['far_accuracy']:.3f} (chance {recall['chance']:.3f}); "
+              f"outputs in {args.save_dir}", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,6 @@
-"""examples/ssm_adjoint.py: one process, 2 CPU ranks through the DeepSpeed launcher (layers split in 2
-stages), resume, bad arguments. The layer split must not change the math: the 2-rank run's losses
-equal the one-process run's."""
+"""examples/ssm_adjoint.py: the task has no short-range shortcut; one process, 2 CPU ranks through the
+DeepSpeed launcher (layers split in 2 stages), resume, bad arguments. The layer split must not change
+the math: the 2-rank run's losses equal the one-process run's."""
 
 import json
 import os
@@ -11,8 +11,45 @@ import pytest
 
 from tests.test_sft import ROOT, _port
 
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import ssm_adjoint  # noqa: E402
+
 TINY = ["--seq-len", "96", "--query-every", "8", "--num-clues", "4", "--hidden-size", "16", "--state-size", "4",
         "--num-layers", "2", "--chunk-size", "40"]
+
+
+@pytest.mark.parametrize("argv", [[], TINY, ["--num-topics", "7", "--num-clues", "1", "--query-every", "2"]])
+def test_answers_can_only_come_from_the_briefing(argv):
+    """No shortcut: after the briefing (BOS, clues, SEP) the input is QUERY tokens and filler drawn the
+    same way for every topic; no answer token is ever an input; the clues are the only topic-specific
+    inputs; every QUERY is answered at the next label, and only there."""
+    args = ssm_adjoint.parse_args(argv)
+    ssm_adjoint.check_args(args)
+    filler0 = ssm_adjoint.ANSWER0 + args.num_topics + args.num_topics * ssm_adjoint.CLUES_PER_TOPIC
+    answers = set(range(ssm_adjoint.ANSWER0, ssm_adjoint.ANSWER0 + args.num_topics))
+    briefing = 2 + args.num_clues
+    topics = set()
+    for index in range(40):
+        row = ssm_adjoint.topic_row(index, args)
+        ids, labels = row["input_ids"], row["labels"]
+        assert ids.shape == labels.shape == (args.seq_len,)
+        labelled = (labels != -100).nonzero().flatten()
+        assert len(labelled) >= 2
+        (answer,) = set(labels[labelled].tolist())  # one topic per row
+        assert answer in answers
+        topics.add(answer)
+        for t in labelled.tolist():
+            assert t >= briefing + 1 and ids[t - 1] == ssm_adjoint.QUERY  # answers the QUERY just before
+            assert answer not in ids[:t].tolist()  # the answer is never an input: it cannot be copied
+        assert not answers & set(ids.tolist())
+        clue0 = ssm_adjoint.ANSWER0 + args.num_topics + (answer - ssm_adjoint.ANSWER0) * ssm_adjoint.CLUES_PER_TOPIC
+        assert ids[0] == ssm_adjoint.BOS and ids[briefing - 1] == ssm_adjoint.SEP
+        assert all(clue0 <= c < clue0 + ssm_adjoint.CLUES_PER_TOPIC for c in ids[1 : briefing - 1].tolist())
+        after = ids[briefing:]
+        is_query = after == ssm_adjoint.QUERY
+        assert is_query.sum() == len(labelled)
+        assert ((after[~is_query] >= filler0) & (after[~is_query] < filler0 + args.num_filler)).all()
+    assert len(topics) == args.num_topics  # 40 rows see every topic
 
 
 def run(save_dir, *extra, num_ranks=None, expect_ok=True):
@@ -44,7 +81,7 @@ def test_one_process_and_two_stages_train_the_same(tmp_path):
     run(tmp_path / "one", "--max-steps", "6")
     one = losses(tmp_path / "one")
     assert len(one) == 6 and one[-1] < one[0]  # the answer tokens are learned first: the loss falls
-    for name in ("loss.png", "model.pt", "ssm_config.json", "latest"):
+    for name in ("loss.png", "model.pt", "ssm_config.json", "latest", "eval.json"):
         assert (tmp_path / "one" / name).exists(), name
     run(tmp_path / "two", "--max-steps", "6", num_ranks=2)
     # float32: the two stages compute the same sums as one process, in the same order, up to the
