@@ -72,7 +72,7 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                    help="with --lora-rank: also write the base model with the adapter merged in to hf_model/")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     # sft.check_args / sft.save_checkpoint read these sft-only attributes.
-    p.set_defaults(pack=False, crash_step=0, default_lr=lr)
+    p.set_defaults(pack=False, crash_step=0, sigkill_at=None, default_lr=lr)
 
 
 def check_common_args(args: argparse.Namespace) -> None:
