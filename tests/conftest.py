@@ -24,3 +24,22 @@ def _remove_deepspeed_shm_buffers():
             os.remove(path)
         except OSError:  # already gone, or not ours to remove
             pass
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_sft(tmp_path_factory):
+    """``get(num_ranks)``: the losses of an uninterrupted examples/sft.py run through the DeepSpeed launcher
+    (tests.test_sft's config, 256 tokens, 4 steps, checkpoints every 2), run once per world size for the
+    whole session: the reference of the fault, resume and multi-node tests."""
+    from tests.test_sft import _config, losses, run_sft
+
+    runs = {}
+
+    def get(num_ranks: int) -> list[float]:
+        if num_ranks not in runs:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted{num_ranks}")
+            run_sft(_config(tmp), tmp / "run", "--max-steps", "4", "--save-every", "2", num_ranks=num_ranks)
+            runs[num_ranks] = losses(tmp / "run")
+        return runs[num_ranks]
+
+    return get

@@ -30,19 +30,10 @@ def _fast_watchdog_config(tmp_path, **watchdog):
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """Uninterrupted 4-step runs (checkpoints every 2 steps) on 2 and 3 ranks, by world size."""
-    runs = {}
-
-    def get(num_ranks):
-        if num_ranks not in runs:
-            tmp = tmp_path_factory.mktemp(f"straight{num_ranks}")
-            run_sft(_config(tmp), tmp / "run", "--max-steps", "4", "--save-every", "2", num_ranks=num_ranks)
-            runs[num_ranks] = losses(tmp / "run")
-        return runs[num_ranks]
-
-    return get
+@pytest.fixture
+def straight(uninterrupted_sft):
+    """Losses of the uninterrupted 4-step run (checkpoints every 2 steps), by world size (tests/conftest.py)."""
+    return uninterrupted_sft
 
 
 def _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank, world, reference):

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port
-from tests.test_sft import ROOT, _config, losses, run_sft
+from tests.test_sft import ROOT, _config, losses
 
 MULTINODE_SH = os.path.join(ROOT, "launch", "multinode.sh")
 MPIRUN_SH = os.path.join(ROOT, "launch", "mpirun.sh")
@@ -148,12 +148,9 @@ def run_launcher(cluster, script, config, save_dir, *args, env_extra=None, timeo
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, uninterrupted_sft):
     """Config and losses of an uninterrupted single-node 2-rank run (4 steps, checkpoints every 2)."""
-    tmp = tmp_path_factory.mktemp("single")
-    config = _config(tmp)
-    run_sft(config, tmp / "run", "--max-steps", "4", "--save-every", "2")
-    return config, losses(tmp / "run")
+    return _config(tmp_path_factory.mktemp("single")), uninterrupted_sft(2)
 
 
 def _assert_same_losses(expected, got):
