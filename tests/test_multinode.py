@@ -78,6 +78,8 @@ def _missing() -> str | None:
             return f"no {tool}"
     if not os.access(SSHD, os.X_OK):
         return "no sshd"
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        return "unshare --uts is not permitted here (a container without CAP_SYS_ADMIN)"
     return None
 
 
