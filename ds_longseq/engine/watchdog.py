@@ -102,24 +102,23 @@ class PeerWatch:
     """The heartbeat, monitor and census of one rank (see the module docstring).
 
     Args:
-        store: this process's client of the job's TCPStore (cloned: the watch uses its own connections).
+        store: this process's TCPStore of the job (cloned: the watch uses its own connections; the
+            reference kept to it also keeps rank 0's server alive until the process ends).
         rank, world_size: this process's global rank and the job's size.
         heartbeat_s: seconds between heartbeats.
         peer_timeout_s: rank 0 stops the job when a rank's heartbeat stood still this long.
         census_s: how long a dying rank watches the counters to tell the dead from the living
             (default: 3 heartbeats, at least 3 s).
-        server: rank 0's own store object, kept alive (it serves the others) until the watch stops.
     """
 
     def __init__(self, store, rank: int, world_size: int, heartbeat_s: float = 1.0, peer_timeout_s: float = 120.0,
-                 census_s: float | None = None, server=None):
+                 census_s: float | None = None):
         if heartbeat_s <= 0 or peer_timeout_s <= heartbeat_s:
             raise ValueError(f"need 0 < heartbeat_s < peer_timeout_s, got {heartbeat_s}, {peer_timeout_s}")
         self.rank, self.world_size = rank, world_size
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self.census_s = census_s if census_s is not None else max(3 * heartbeat_s, 3.0)
         self._template = store
-        self._server = server
         self._store = self._clone()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,7 +191,6 @@ class PeerWatch:
                     time.sleep(0.1)
         except Exception:  # noqa: BLE001 - the store (rank 0) already left: nothing to hand over
             pass
-        self._server = None
 
     # -- heartbeat and monitor (thread) ------------------------------------------------------------
 
@@ -260,17 +258,15 @@ class PeerWatch:
             return None
 
     def _describe(self, ranks: list[int]) -> list[str]:
-        out = []
-        for r in ranks:
-            if r not in self._infos:
-                try:
-                    store = self._clone(timeout_s=2.0)
-                    self._infos[r] = RankInfo.decode(store.get(f"{_PREFIX}/info/{r}").decode())
-                except Exception:  # noqa: BLE001 - rank 0's store is gone: no details
-                    out.append(f"rank {r}")
-                    continue
-            out.append(self._infos[r].describe())
-        return out
+        missing = [r for r in ranks if r not in self._infos]
+        if missing:
+            try:
+                store = self._clone(timeout_s=2.0)
+                for r, text in zip(missing, store.multi_get([f"{_PREFIX}/info/{r}" for r in missing]), strict=True):
+                    self._infos[r] = RankInfo.decode(text.decode())
+            except Exception:  # noqa: BLE001 - rank 0's store is gone: no details beyond the rank
+                pass
+        return [self._infos[r].describe() if r in self._infos else f"rank {r}" for r in ranks]
 
     def _gone_message(self, ranks: list[int], why: str) -> str:
         names = "; ".join(self._describe(ranks))
@@ -364,7 +360,7 @@ def start_watchdog(heartbeat_s: float = 1.0, peer_timeout_s: float = 120.0, cens
     if not isinstance(base, dist.TCPStore) or not all(hasattr(base, m) for m in ("clone", "multi_get", "check")):
         return None  # a FileStore / HashStore, or a torch without TCPStore.clone: nothing to watch with
     rank, world = dist.get_rank(), dist.get_world_size()
-    watch = PeerWatch(base, rank, world, heartbeat_s, peer_timeout_s, census_s, server=base if rank == 0 else None)
+    watch = PeerWatch(base, rank, world, heartbeat_s, peer_timeout_s, census_s)
     watch.register()
     dist.barrier()  # every rank's keys exist before anyone reads them
     if handle_exits and started_by_launcher():
