@@ -187,6 +187,11 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+def _positive_number(value: Any) -> bool:
+    """An int or float (not a bool) above 0: what a float field such as a number of seconds accepts."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _choices(section_cls: type, name: str) -> tuple[Any, ...] | None:
     """The allowed values of a ``Literal[...]`` (or ``Literal[...] | None``) field, else None.
 
@@ -311,7 +316,7 @@ class LongSeqConfig:
                             f"{where} must be a list of positive layer counts (one per rank), got {value!r}"
                         )
                 elif isinstance(f.default, float):
-                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    if not _positive_number(value):
                         problems.append(f"{where} must be a positive number of seconds, got {value!r}")
                 elif not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{where} must be a positive integer, got {value!r}")
@@ -350,7 +355,7 @@ class LongSeqConfig:
                     "(by long_seq.adjoint.chunk_size); remove long_seq.lm_head"
                 )
         hb, timeout = self.watchdog.heartbeat_s, self.watchdog.peer_timeout_s
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (hb, timeout)):
+        if _positive_number(hb) and _positive_number(timeout):  # (else reported above)
             if timeout <= 3 * hb:
                 problems.append(
                     f"long_seq.watchdog.peer_timeout_s={timeout:g} must exceed 3 x heartbeat_s={hb:g}: a live rank "
