@@ -100,18 +100,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     # "backward": SIGKILL before its backward (the others wait in a collective); "save": SIGKILL at its first
     # file of the step-STEP checkpoint (the others may have written theirs); "stop": SIGSTOP before its
     # backward (a hung rank); "sleep": sleep an hour before its backward (for a kill from outside).
-    p.add_argument("--_sigkill-at", dest="sigkill_at", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_sigkill-at", dest="sigkill_at", type=sigkill_spec, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def sigkill_spec(text: str) -> tuple[int, int, str]:
+    """``--_sigkill-at RANK:STEP:WHERE`` as (rank, step, where), checked when the arguments are parsed."""
+    target, step, where = text.split(":")
+    if where not in ("backward", "save", "stop", "sleep"):
+        raise argparse.ArgumentTypeError(f"WHERE must be backward, save, stop or sleep, got {where!r}")
+    return int(target), int(step), where
 
 
 def sigkill_point(args: argparse.Namespace, rank: int) -> tuple[int, str] | None:
     """(step, where) at which this rank SIGKILLs itself (``--_sigkill-at``), or None."""
-    if not args.sigkill_at:
+    if args.sigkill_at is None or args.sigkill_at[0] != rank:
         return None
-    target, step, where = args.sigkill_at.split(":")
-    if where not in ("backward", "save", "stop", "sleep"):
-        raise SystemExit(f"--_sigkill-at: WHERE must be backward, save, stop or sleep, got {where!r}")
-    return (int(step), where) if int(target) == rank else None
+    return args.sigkill_at[1:]
 
 
 def arm_sigkill_on_save(engine) -> None:

@@ -50,7 +50,7 @@ import sys
 import time
 
 import torch
-from sft import configure_logging, peak_memory_gib, resume, write_latest
+from sft import configure_logging, peak_memory_gib, resume, save_checkpoint
 
 import ds_longseq.engine
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
@@ -84,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-dir", default="runs/ssm_adjoint")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from <save-dir>/latest")
+    p.set_defaults(crash_step=0, sigkill_at=None)  # sft.save_checkpoint's fault injection: off
     return p.parse_args(argv)
 
 
@@ -238,12 +239,7 @@ def main(argv=None) -> int:
             with open(metrics_path, "w") as f:
                 f.writelines(json.dumps(m) + "\n" for m in metrics)
         if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps:
-            tag = f"step{step + 1}"
-            engine.save_checkpoint(args.save_dir, tag=tag, client_state={"step": step + 1}, save_latest=False)
-            dist.barrier()
-            if rank == 0:
-                write_latest(args.save_dir, tag)  # only after every rank wrote: a crash keeps the old one
-            dist.barrier()
+            save_checkpoint(engine, args, step + 1, rank)  # `latest` moves only after every rank wrote
     if rank == 0:
         plot(metrics, os.path.join(args.save_dir, "loss.png"), chance)
         torch.save(engine.module.state_dict(), os.path.join(args.save_dir, "model.pt"))
