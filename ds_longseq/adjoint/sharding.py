@@ -59,14 +59,20 @@ def layer_forward(layer, x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     Returns:
         (B, T, P) the layer's output.
     """
-    outs, carry = [], None
+    outs = [layer.post(h, ctx) for _, h, ctx in _chunk_scans(layer, x, chunk_size)]
+    return layer.residual(x) + torch.cat(outs, dim=1)
+
+
+def _chunk_scans(layer, x: torch.Tensor, chunk_size: int):
+    """Per chunk, first to last: (the state before it, its states h (B, C, D, N), its ``pre`` context),
+    the state carried from chunk to chunk. Call under no_grad."""
+    carry = None
     for s, e in _bounds(x.shape[1], chunk_size):
         lo = max(0, s - layer.halo)
         a, b, ctx = layer.pre(x[:, lo:e], s - lo)
         h = linear_scan(a, b, carry)
+        yield carry, h, ctx
         carry = h[:, -1].clone()  # a view would keep the whole chunk alive
-        outs.append(layer.post(h, ctx))
-    return layer.residual(x) + torch.cat(outs, dim=1)
 
 
 def adjoint_layer_backward(
@@ -126,15 +132,8 @@ def adjoint_layer_backward(
 
 def _streamed(layer, x, grad_out, chunk_size, vjp) -> None:
     bounds = _bounds(x.shape[1], chunk_size)
-    starts = []  # the state before each chunk
     with torch.no_grad():
-        carry = None
-        for s, e in bounds:
-            lo = max(0, s - layer.halo)
-            a, b, _ = layer.pre(x[:, lo:e], s - lo)
-            starts.append(carry)
-            carry = linear_scan(a, b, carry)[:, -1].clone()  # a view would keep the whole chunk alive
-        del a, b, carry
+        starts = [start for start, _, _ in _chunk_scans(layer, x, chunk_size)]  # the state before each chunk
     carry = None  # a_e * mu_e of the chunk after this one
     for (s, e), start in zip(reversed(bounds), reversed(starts), strict=True):
         lo = max(0, s - layer.halo)
