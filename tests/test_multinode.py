@@ -224,32 +224,36 @@ def test_bad_cluster_fails_before_training_naming_the_node(cluster, tmp_path, fa
     assert not (tmp_path / "run").exists()  # no rank started
 
 
-def _launcher_pid(node_rank: int, save_dir: Path) -> int | None:
-    """PID of DeepSpeed's per-node launcher (``deepspeed.launcher.launch``) for ``node_rank`` of this run."""
+def _processes():
+    """(pid, argv as bytes) of every process still readable in /proc."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
+                yield int(entry), f.read().split(b"\0")
         except OSError:
             continue
+
+
+def _launcher_pid(node_rank: int, save_dir: Path) -> int | None:
+    """PID of DeepSpeed's per-node launcher (``deepspeed.launcher.launch``) for ``node_rank`` of this run."""
+    for pid, argv in _processes():
         # The python process itself, not pdsh's or ssh's, whose arguments carry the same remote command.
         if (os.path.basename(argv[0]).startswith(b"python") and b"deepspeed.launcher.launch" in argv
                 and f"--node_rank={node_rank}".encode() in argv and str(save_dir).encode() in argv):
-            return int(entry)
+            return pid
     return None
 
 
 def _kill_run(save_dir: Path) -> None:
     """SIGKILL every process of this run still alive (the ones whose arguments name its --save-dir)."""
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if str(save_dir).encode() in f.read().split(b"\0") and int(entry) != os.getpid():
-                    os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
+    for pid, argv in _processes():
+        if str(save_dir).encode() in argv and pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def test_killed_node_launcher_stops_the_job_and_resume_matches(cluster, reference, tmp_path):
