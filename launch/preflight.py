@@ -135,13 +135,12 @@ def check(hosts: dict[str, int], answers: dict[str, dict], num_gpus: int | None)
         if gpus and slots > gpus:
             problems.append(f"node {host}: slots={slots} in the hostfile but {gpus} GPU(s) visible there: one rank "
                             "per GPU, so set slots <= its GPUs (or NUM_GPUS)")
-    reference = next(iter(answers))
     for key, what in (("python", "Python"), ("torch", "torch"), ("deepspeed", "deepspeed"),
                       ("ds_longseq", "ds_longseq"), ("ds_longseq_path", "ds_longseq's location"),
                       ("ds_longseq_digest", "ds_longseq's sources (digest of its .py files)")):
-        values = {h: a[key] for h, a in answers.items() if key in a}
+        values = {h: a[key] for h, a in answers.items() if key in a}  # the nodes that answered
         if len(set(values.values())) > 1:
-            want = values.get(reference)
+            reference, want = next(iter(values.items()))  # the first node that answered
             for host, value in values.items():
                 if value != want:
                     problems.append(f"node {host}: {what} is {value}, node {reference} has {want}: every node needs "

@@ -201,6 +201,12 @@ def test_preflight_check_names_each_mismatched_node():
         "the same environment (same checkout, same pip install)",
     ]
     assert preflight.check({"node1": 8}, {"node1": good}, num_gpus=8) == []
+    # An unreachable first node: the others are compared with the first node that answered.
+    unreachable = {"errors": ["not reachable"]}
+    problems = preflight.check({"a": 8, "b": 8, "c": 8}, {"a": unreachable, "b": good, "c": dict(good, torch="2.12")},
+                               num_gpus=None)
+    assert problems == ["node a: not reachable", "node c: torch is 2.12, node b has 2.13.0: every node needs the same "
+                        "environment (same checkout, same pip install)"]
 
 
 def test_preflight_hostfile_errors(tmp_path):
