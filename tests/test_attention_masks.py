@@ -52,6 +52,11 @@ CASES = {
     "softcap_only": (1, 4, 4, 9, 5, 5, None, None, 2.0, False),
     "docs_padding": (2, 2, 1, 11, 7, 7, [[5, 6, 7], [18]], None, None, True),
     "generation_form": (1, 4, 2, 0, 20, 6, [[4, 9, 7]], None, None, False),
+    # many tiny documents in a 64-row chunk: cuts closer than C / 32 rows are merged (masked tiles)
+    "tiny_docs_merged": (1, 2, 1, 6, 64, 64, [[9, 1, 1, 2, 1, 3, 20, 1, 1, 31]], None, None, False),
+    # the rows of a batch start documents at different rows: only the common starts split the diagonal
+    "docs_differ_across_batch": (2, 2, 2, 4, 12, 12, [[4, 5, 7], [4, 3, 2, 7]], None, None, False),
+    "docs_padding_split_diagonal": (2, 2, 2, 0, 10, 10, [[4, 6], [4, 6]], None, None, True),
 }
 
 
@@ -108,12 +113,65 @@ def test_plan_skips_tiles_outside_documents():
     tiles = _plan(S, C, C, 1024, lo)
     prefix = [t for t in tiles if not t.causal]
     assert [(t.offset + t.a, t.offset + t.b, t.rows, t.lo_shift) for t in prefix] == [(80, 96, 4, None)]
-    assert tiles[-1].causal and tiles[-1].lo_shift == S  # the new document cuts the diagonal tile
+    # the diagonal is split where the new document starts: two square causal tiles, neither masked
+    diag = [(t.r0, t.r1, t.a, t.b, t.lo_shift) for t in tiles if t.causal]
+    assert diag == [(0, 4, 0, 4, None), (4, 16, 4, 16, None)]
     # no bounds: the whole prefix in blocks, every row
     assert [(t.a, t.b, t.rows) for t in _plan(S, C, C, 32, None)[:-1]] == [(0, 32, C), (32, 64, C), (64, 96, C)]
     # a window keeps C x (window + C) keys per chunk
     win = query_lower_bounds(torch.arange(S, S + C), None, 8)
     assert sum((t.b - t.a) for t in _plan(S, C, C, 4, win) if not t.causal) == 8 - 1
+
+
+def test_diagonal_split_at_common_document_starts():
+    """Square causal tiles per document on the diagonal: only at rows where every batch row starts a
+    document, at least C / 32 rows apart; a merged cut leaves its tile masked; padding is found once."""
+    C = 64
+    own = torch.arange(C)
+    lo = torch.zeros(2, C, dtype=torch.int64)
+    for b, starts in enumerate(([10, 11, 40], [10, 30, 40])):
+        for s in starts:
+            lo[b, s:] = s
+    assert lo.le(own).all()
+    valid = torch.ones(2, C, dtype=torch.bool)
+    valid[1, 45] = False
+    diag = [(t.r0, t.r1, t.lo_shift, t.padded) for t in _plan(0, C, C, 1024, lo, valid) if t.causal]
+    # 10 and 40 are common starts; 11 is 1 row after 10 (< 64 / 32 = 2): merged, so that tile is
+    # masked (row 1 of the batch starts a document at 30 inside it as well)
+    assert diag == [(0, 10, None, False), (10, 40, 10, False), (40, 64, None, True)]
+    # no bounds: one diagonal tile
+    assert [(t.r0, t.r1) for t in _plan(0, C, C, 1024, None) if t.causal] == [(0, C)]
+
+
+def test_backward_makes_no_host_sync(monkeypatch):
+    """The tile plan (document cuts, padded tiles) is made on the host once in forward; backward
+    reuses it, so on CUDA it never waits for the device (no .cpu(), .item() or bool() of a tensor)."""
+    torch.manual_seed(0)
+    B, H, S, C, D = 1, 2, 12, 8, 8
+    q = torch.randn(B, H, C, D, requires_grad=True)
+    k = torch.randn(B, H, C, D, requires_grad=True)
+    v = torch.randn(B, H, C, D, requires_grad=True)
+    kp, vp = torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+    valid = torch.ones(B, S + C, dtype=torch.bool)
+    valid[0, 3] = False
+    lo = doc_starts([[5, 9, 6]], S + C)[:, S:]
+    sink = (torch.zeros(B, H, S, D), torch.zeros(B, H, S, D))
+    out = chunk_causal_attention(q, k, v, scale=D**-0.5, k_prefix=kp, v_prefix=vp, key_valid=valid, kv_block_size=4,
+                                 prefix_grad_sink=sink, query_lo=lo)
+    calls = []
+
+    def spy(name, real):
+        def counted(self, *args, **kwargs):
+            calls.append(name)
+            return real(self, *args, **kwargs)
+        return counted
+
+    for name in ("cpu", "item", "__bool__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
+    out.backward(torch.randn_like(out))
+    monkeypatch.undo()
+    assert calls == []
+    assert q.grad is not None and sink[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,11 @@ StreamBP chunk (K == C, the prefix holds earlier chunks' keys) and generation wi
 The keys are split into tiles: "full" tiles that every query sees (only the padding mask applies;
 GQA query heads are stacked along rows, so K/V are never repeated) and one square "diagonal" tile
 over the last C keys with a causal mask (square, so top-left and bottom-right agree). No mask over
-the whole key range is ever built: a padding mask is a (B, 1, 1, tile) additive bias.
+the whole key range is ever built: a padding mask is a (B, 1, 1, tile) additive bias. With document
+bounds (``query_lo``) the plan skips keys outside each query's document, and the diagonal becomes
+one square causal tile per document starting in the chunk, so a packed chunk costs its documents'
+own triangles and its tiles need no mask. The plan (tiles, cuts, which tiles hold padding) is made
+on the host once per call in forward; backward reuses it and never waits for the device.
 
 Each tile runs a kernel that returns its output and row log-sum-exp; tiles are merged exactly by
 log-sum-exp (as ring attention merges blocks). Backward calls each tile's kernel backward with the
@@ -458,37 +462,70 @@ _MAX_LO_CUTS = 16
 """Tiles are cut at every distinct query lower bound (document start) when there are at most this
 many in a chunk, so no prefix tile needs a per-row mask; sliding windows give one bound per row and
 are masked per tile instead."""
+_MAX_DIAG_TILES = 32
+"""The diagonal is split at document starts into square causal tiles of at least C / this many rows
+(fewer, larger kernel calls for chunks of many tiny documents; a merged document is masked)."""
 
 
 @dataclass(frozen=True)
 class _Tile:
     """Keys [a, b) of ``src`` (0 = prefix, 1 = own keys), at global key indices offset + [a, b),
-    serving query rows [0, rows); ``lo_shift``: subtract from ``query_lo`` for the tile's key_lo mask
-    (None: no row is cut by it)."""
+    serving query rows [r0, r1) of the chunk. ``causal``: a square tile on the diagonal (its keys
+    are its rows' own keys); full tiles serve leading rows (r0 = 0). ``lo_shift``: subtract from
+    ``query_lo`` for the tile's key_lo mask (None: no row is cut by it). ``padded``: some key of the
+    tile is padding (found on the host when the plan is made, so running it needs no host sync)."""
 
     src: int
     a: int
     b: int
     offset: int
     causal: bool
-    rows: int
+    r0: int
+    r1: int
     lo_shift: int | None
+    padded: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.r1 - self.r0
 
 
-def _plan(S: int, K: int, C: int, block: int, lo: torch.Tensor | None) -> list[_Tile]:
+def _diagonal_cuts(lo: torch.Tensor | None, first_q: int, C: int) -> list[int]:
+    """Row boundaries [0, ..., C] of the diagonal's square tiles: rows where a document starts in
+    every batch row (the query's bound is its own key, so no later row sees an earlier key of the
+    chunk), at least C / _MAX_DIAG_TILES rows apart."""
+    cuts = [0]
+    if lo is not None and C > 1:
+        starts = (lo == torch.arange(first_q, first_q + C).view(1, C)).all(0)
+        min_rows = max(1, C // _MAX_DIAG_TILES)
+        for c in starts.nonzero().flatten().tolist():
+            if c - cuts[-1] >= min_rows:
+                cuts.append(c)
+    return cuts + [C]
+
+
+def _plan(S: int, K: int, C: int, block: int, lo: torch.Tensor | None, valid: torch.Tensor | None = None
+          ) -> list[_Tile]:
     """The tiles of one chunk, the causal diagonal last. ``lo``: (B, C) query lower bounds on the
-    CPU (non-decreasing along each row), or None.
+    CPU (non-decreasing along each row), or None; ``valid``: (B, S + K) key padding mask on the CPU,
+    or None.
 
-    With lower bounds, keys before the smallest bound are never visited, and a tile serves only the
+    With lower bounds, keys before the smallest bound are never visited, a full tile serves only the
     leading rows whose bound is below its end (bounds are non-decreasing, so those rows are a prefix
-    of the chunk): a packed row costs the sum of its documents' squared lengths, a sliding window
+    of the chunk), and the diagonal is split into one square causal tile per document that starts in
+    it: a packed row costs the sum of its documents' squared lengths, a sliding window
     C x (window + C) per chunk.
     """
     first_q = S + K - C  # global key index of query 0 (= the diagonal tile's first key)
+
+    def tile(src, a, b, offset, causal, r0, r1, lo_shift):
+        padded = valid is not None and not bool(valid[:, offset + a : offset + b].all())
+        return _Tile(src, a, b, offset, causal, r0, r1, lo_shift, padded)
+
     tiles = []
     if lo is None:
-        tiles += [_Tile(0, a, min(a + block, S), 0, False, C, None) for a in range(0, S, block)]
-        tiles += [_Tile(1, a, min(a + block, K - C), S, False, C, None) for a in range(0, K - C, block)]
+        tiles += [tile(0, a, min(a + block, S), 0, False, 0, C, None) for a in range(0, S, block)]
+        tiles += [tile(1, a, min(a + block, K - C), S, False, 0, C, None) for a in range(0, K - C, block)]
     else:
         start = int(lo.min())
         cuts = {start, first_q}
@@ -507,18 +544,18 @@ def _plan(S: int, K: int, C: int, block: int, lo: torch.Tensor | None) -> list[_
                     continue
                 cut = bool((lo[:, :rows] > ga).any())
                 src, offset = (0, 0) if gb <= S else (1, S)
-                tiles.append(_Tile(src, ga - offset, gb - offset, offset, False, rows, ga if cut else None))
-    cut = lo is not None and bool((lo > first_q).any())
-    tiles.append(_Tile(1, K - C, K, S, True, C, first_q if cut else None))
+                tiles.append(tile(src, ga - offset, gb - offset, offset, False, 0, rows, ga if cut else None))
+    for r0, r1 in itertools.pairwise(_diagonal_cuts(lo, first_q, C)):
+        cut = lo is not None and bool((lo[:, r0:r1] > first_q + r0).any())
+        tiles.append(tile(1, K - C + r0, K - C + r1, S, True, r0, r1, first_q + r0 if cut else None))
     return tiles
 
 
 def _tile_keys(k, v, k_prefix, v_prefix, key_valid, t: _Tile):
-    """The (B, Hkv, b - a, D) keys/values of one tile and its (B, b - a) padding mask (or None)."""
+    """The (B, Hkv, b - a, D) keys/values of one tile and its (B, b - a) padding mask (None when the
+    plan found no padding in it: an unpadded tile can take the faster unmasked kernels)."""
     kt, vt = (k_prefix, v_prefix) if t.src == 0 else (k, v)
-    valid = None if key_valid is None else key_valid[:, t.offset + t.a : t.offset + t.b]
-    if valid is not None and bool(valid.all()):
-        valid = None  # an unpadded tile can take the faster unmasked kernels
+    valid = key_valid[:, t.offset + t.a : t.offset + t.b] if t.padded else None
     return kt[:, :, t.a : t.b], vt[:, :, t.a : t.b], valid
 
 
@@ -543,7 +580,7 @@ def _stack(t: torch.Tensor, Hkv: int, rows: int) -> torch.Tensor:
 def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int) -> TileMask:
     key_lo = None
     if t.lo_shift is not None:
-        key_lo = query_lo[:, : t.rows] - t.lo_shift
+        key_lo = query_lo[:, t.r0 : t.r1] - t.lo_shift
         if not t.causal and R > 1:
             key_lo = key_lo.repeat(1, R)  # stacked rows: R blocks of the chunk's rows
     return TileMask(t.causal, valid, key_lo, softcap, n)
@@ -551,13 +588,14 @@ def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int) -> TileMask:
 
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, block, kernel, sink_k, sink_v,
+    def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, sink_k, sink_v,
                 sink_own):
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, block,
+            out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan,
                                           kernel)
         ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse)
-        ctx.softcap, ctx.scale, ctx.block, ctx.kernel = softcap, scale, block, kernel
+        # the plan was made on the host in forward: backward reuses it (no host sync)
+        ctx.softcap, ctx.scale, ctx.plan, ctx.kernel = softcap, scale, plan, kernel
         ctx.sinks, ctx.sink_own = (sink_k, sink_v), sink_own
         return out
 
@@ -567,48 +605,59 @@ class _ChunkAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = _attention_backward(
                 grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, ctx.softcap, out, lse, ctx.scale,
-                ctx.block, ctx.kernel, ctx.sinks, ctx.sink_own,
+                ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own,
             )
         return dq, dk, dv, *([None] * 11)
 
 
-def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, block, kernel):
+def _rows(t: torch.Tensor, tile: _Tile, C: int) -> torch.Tensor:
+    """Rows [r0, r1) of a (B, H, C, ...) tensor, contiguous (the fused kernels get dense inputs)."""
+    return t if tile.r0 == 0 and tile.r1 == C else t[:, :, tile.r0 : tile.r1].contiguous()
+
+
+def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel):
     B, H, C, D = q.shape
-    Hkv, K = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     R = H // Hkv
-    S = 0 if k_prefix is None else k_prefix.shape[2]
     cdt = _compute_dtype(q.dtype)
     m = acc = None
     owned = False  # acc/m are buffers of ours (not a kernel's output) that partial tiles update in place
-    for t in _plan(S, K, C, block, None if query_lo is None else query_lo.cpu()):
+    covered = 0  # rows [covered, C) have no contribution yet
+    for t in plan:
         kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t)
         mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R)
         if t.causal:
-            tile = _pick(kernel, q, mask)
+            q_t = _rows(q, t, C)
+            tile = _pick(kernel, q_t, mask)
             if not tile.native_gqa:
                 kt, vt = _repeat_heads(kt, R), _repeat_heads(vt, R)
-            o_t, lse_t = tile.forward(q, kt, vt, mask, scale)
+            o_t, lse_t = tile.forward(q_t, kt, vt, mask, scale)
         else:
             q_t = _stack(q, Hkv, t.rows)
             o_t, lse_t = _pick(kernel, q_t, mask).forward(q_t, kt, vt, mask, scale)
             o_t, lse_t = o_t.reshape(B, H, t.rows, D), lse_t.reshape(B, H, t.rows)
         o_t, lse_t = o_t.to(cdt), lse_t.to(cdt)
         if m is None and t.rows == C:
-            m, acc = lse_t, o_t
+            m, acc, covered = lse_t, o_t, C
             continue
         if not owned:
             acc = torch.zeros((B, H, C, D), dtype=cdt, device=q.device) if acc is None else acc.clone()
             m = torch.full((B, H, C), _NEG_INF, dtype=cdt, device=q.device) if m is None else m.clone()
             owned = True
-        # acc is normalised over the tiles so far, whose total log-mass is m.
-        r = t.rows
-        m_r = m[:, :, :r]
-        m_new = torch.logaddexp(m_r, lse_t)
-        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows still empty: weights exp(-inf) = 0
-        acc[:, :, :r] = acc[:, :, :r] * torch.exp(m_r - m_safe).unsqueeze(-1) + o_t * torch.exp(
-            lse_t - m_safe
-        ).unsqueeze(-1)
-        m[:, :, :r] = m_new
+        r0, r1 = t.r0, t.r1
+        if r0 >= covered:  # the first contribution to these rows (a document's own diagonal tile)
+            acc[:, :, r0:r1] = o_t
+            m[:, :, r0:r1] = lse_t
+        else:
+            # acc is normalised over the tiles so far, whose total log-mass is m.
+            m_r = m[:, :, r0:r1]
+            m_new = torch.logaddexp(m_r, lse_t)
+            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows still empty: weights exp(-inf) = 0
+            acc[:, :, r0:r1] = acc[:, :, r0:r1] * torch.exp(m_r - m_safe).unsqueeze(-1) + o_t * torch.exp(
+                lse_t - m_safe
+            ).unsqueeze(-1)
+            m[:, :, r0:r1] = m_new
+        covered = max(covered, r1)
     # acc is the normalised output; m the log-sum-exp. Rows with no valid key: 0 and -inf.
     # Without padding every row sees at least its own key. acc may be a kernel's output (a view
     # for some kernels), so it is masked out of place.
@@ -619,7 +668,7 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
     return acc.to(q.dtype), m
 
 
-def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, out, lse, scale, block,
+def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, out, lse, scale, plan,
                         kernel, sinks, sink_own):
     sink_k, sink_v = sinks
     B, H, C, D = q.shape
@@ -628,12 +677,11 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
     S = 0 if k_prefix is None else k_prefix.shape[2]
     cdt = _compute_dtype(q.dtype)
     grad_out = grad_out.contiguous()
-    plan = _plan(S, K, C, block, None if query_lo is None else query_lo.cpu())
     # The first tile's gradients become the accumulators (kernel outputs are fresh tensors) when it
     # covers every row; dK/dV need zeroed buffers only when several tiles cover the chunk's own keys.
     dq = None
     dk = dv = None
-    if not sink_own and K > C:
+    if not sink_own and (K > C or sum(t.causal for t in plan) > 1):
         dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
         dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
     for t in plan:
@@ -642,12 +690,13 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
         kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t)
         mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R)
         if t.causal:
-            tile = _pick(kernel, q, mask)
+            q_t, do_t, out_t, lse_t = (_rows(x, t, C) for x in (q, grad_out, out, lse))
+            tile = _pick(kernel, q_t, mask)
             if tile.native_gqa:
-                dq_t, dk_t, dv_t = tile.backward(grad_out, q, kt, vt, out, lse, mask, scale)
+                dq_t, dk_t, dv_t = tile.backward(do_t, q_t, kt, vt, out_t, lse_t, mask, scale)
             else:
                 dq_t, dk_t, dv_t = tile.backward(
-                    grad_out, q, _repeat_heads(kt, R), _repeat_heads(vt, R), out, lse, mask, scale
+                    do_t, q_t, _repeat_heads(kt, R), _repeat_heads(vt, R), out_t, lse_t, mask, scale
                 )
                 dk_t, dv_t = _sum_heads(dk_t, R), _sum_heads(dv_t, R)
         else:
@@ -663,12 +712,12 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
         else:
             if dq is None:
                 dq = torch.zeros((B, H, C, D), dtype=cdt, device=q.device)
-            dq[:, :, : t.rows] += dq_t
+            dq[:, :, t.r0 : t.r1] += dq_t
         if t.src == 0 or sink_own:
             a_sink = t.a if t.src == 0 else S + t.a
             sink_k[:, :, a_sink : a_sink + t.b - t.a] += dk_t.to(sink_k.dtype)
             sink_v[:, :, a_sink : a_sink + t.b - t.a] += dv_t.to(sink_v.dtype)
-        elif dk is None:  # the diagonal tile covers all own keys (K == C)
+        elif dk is None:  # one diagonal tile covers all own keys (K == C)
             dk, dv = dk_t, dv_t
         else:
             dk[:, :, t.a : t.b] += dk_t
@@ -742,16 +791,20 @@ def chunk_causal_attention(
     if key_valid is not None:
         if key_valid.shape[-1] != num_prefix + k.shape[2]:
             raise ValueError(f"key_valid covers {key_valid.shape[-1]} keys, expected {num_prefix + k.shape[2]}")
-        if bool(key_valid.all()):
-            key_valid = None
+        valid_cpu = key_valid.cpu()  # one host copy; the plan marks the padded tiles from it
+        if bool(valid_cpu.all()):
+            key_valid = valid_cpu = None
+    else:
+        valid_cpu = None
     if num_prefix == 0:
         k_prefix = v_prefix = None
     if sink_own_keys and prefix_grad_sink is None:
         raise ValueError("sink_own_keys=True needs prefix_grad_sink buffers to add the key gradients into")
     if kv_block_size is None:
         kv_block_size = max(num_prefix + k.shape[2], 1) if q.device.type == "cuda" else CPU_KV_BLOCK_SIZE
+    lo_cpu = None
     if query_lo is not None:
-        query_lo = _check_query_lo(query_lo, q.shape[0], q.shape[2], num_prefix + k.shape[2] - q.shape[2])
+        query_lo, lo_cpu = _check_query_lo(query_lo, q.shape[0], q.shape[2], num_prefix + k.shape[2] - q.shape[2])
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number, got {softcap}")
     q, k, v, k_prefix, v_prefix = _autocast_inputs((q, k, v, k_prefix, v_prefix), q.device.type)
@@ -762,13 +815,15 @@ def chunk_causal_attention(
             "cast them to one dtype, or run the model under torch.autocast"
         )
     sink_k, sink_v = prefix_grad_sink if prefix_grad_sink is not None else (None, None)
+    plan = _plan(num_prefix, k.shape[2], q.shape[2], int(kv_block_size), lo_cpu, valid_cpu)
     return _ChunkAttention.apply(
         q, k, v, k_prefix, v_prefix, key_valid, query_lo, None if softcap is None else float(softcap), float(scale),
-        int(kv_block_size), kernel, sink_k, sink_v, sink_own_keys,
+        plan, kernel, sink_k, sink_v, sink_own_keys,
     )
 
 
-def _check_query_lo(query_lo: torch.Tensor, B: int, C: int, first_q: int) -> torch.Tensor:
+def _check_query_lo(query_lo: torch.Tensor, B: int, C: int, first_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (B, C) int64 bounds on their device and a host copy (the op's one sync for them)."""
     if query_lo.dim() != 2 or query_lo.shape[1] != C or query_lo.shape[0] not in (1, B):
         raise ValueError(f"query_lo has shape {tuple(query_lo.shape)}, expected ({B}, {C}) (one bound per query)")
     query_lo = query_lo.to(torch.int64).expand(B, C)
@@ -779,7 +834,7 @@ def _check_query_lo(query_lo: torch.Tensor, B: int, C: int, first_q: int) -> tor
     own = torch.arange(first_q, first_q + C).view(1, C)
     if bool((lo > own).any()) or bool((lo < 0).any()):
         raise ValueError("query_lo must lie in [0, the query's own key index]: every query attends at least itself")
-    return query_lo
+    return query_lo, lo
 
 
 def query_lower_bounds(

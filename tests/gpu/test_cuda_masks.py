@@ -78,3 +78,46 @@ def test_masked_cuda_kernels_bf16_no_worse_than_math_tile(case):
     ours = _errs(_grads(*problem, torch.bfloat16, "auto", None, CUDA), ref)
     math = _errs(_grads(*problem, torch.bfloat16, "math", None, CUDA), ref)
     assert max(ours) <= 2 * max(math) + 1e-3, (ours, math)
+
+
+def test_backward_never_syncs_with_the_host():
+    """Padding and document cuts are planned on the host once, in forward: the backward of a padded,
+    packed chunk queues its kernels without waiting for the GPU."""
+    q, k, v, go, lo, valid, softcap, S = _problem("docs_padding")
+    to = lambda t: t.to(CUDA, torch.bfloat16)  # noqa: E731
+    qc, kc, vc = to(q).requires_grad_(), to(k[:, :, S:]).requires_grad_(), to(v[:, :, S:]).requires_grad_()
+    sink = tuple(torch.zeros(t[:, :, :S].shape, device=CUDA) for t in (k, v))
+    out = chunk_causal_attention(qc, kc, vc, scale=0.125, k_prefix=to(k[:, :, :S]), v_prefix=to(v[:, :, :S]),
+                                 key_valid=valid.to(CUDA), prefix_grad_sink=sink, query_lo=lo.to(CUDA))
+    grad = to(go)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert qc.grad is not None
+
+
+def test_packed_diagonal_tiles_run_unmasked_fused_kernels(monkeypatch):
+    """A chunk of several whole documents is split into one square causal tile per document, which
+    the unmasked fused kernels take (cuDNN on sm90+, else flash) instead of a masked kernel."""
+    import ds_longseq.ops.attention as attention
+
+    C, D, H = 256, 64, 4
+    lo = doc_starts([[64, 128, 64]], C)
+    q, k, v = (torch.randn(1, H, C, D, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    picked = []
+    real_pick = attention._pick
+
+    def spy(requested, qt, mask):
+        kernel = real_pick(requested, qt, mask)
+        picked.append((mask.causal, kernel.name))
+        return kernel
+
+    monkeypatch.setattr(attention, "_pick", spy)
+    out = chunk_causal_attention(q, k, v, scale=D**-0.5, query_lo=lo.to(CUDA))
+    out.backward(torch.randn_like(out))
+    diag = [name for causal, name in picked if causal]
+    assert len(diag) == 6  # 3 documents, forward and backward
+    assert set(diag) <= {"cuda_cudnn", "cuda_flash"}, diag
