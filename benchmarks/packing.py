@@ -14,6 +14,8 @@ tokens only, and the attention work: query-key pairs of the tiles the op visits 
 against the dense causal triangle. Results go to ``<out>.jsonl`` and ``<out>.md``.
 
     python -m benchmarks.packing --seq-len 16384 --out benchmarks/results/packing_cpu
+    python -m benchmarks.packing --seq-len 131072 --doc-len 256 32768 --hidden 4096 --layers 2 --heads 32 \
+        --kv-heads 8 --vocab 32000 --chunk 4096 --device cuda --dtype bf16 --out benchmarks/results/packing_cuda
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 LAYOUTS = ("packed", "padded", "one_document")
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
 
 def document_lengths(total: int, seed: int, low: int, high: int) -> list[int]:
@@ -54,9 +57,9 @@ def build_model(args):
         max_position_embeddings=args.seq_len, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config).to(args.device, DTYPES[args.dtype])
     return ds_longseq.enable(model, {
-        "streambp": {"enabled": True, "chunk_size": args.chunk},
+        "streambp": {"enabled": True, "chunk_size": args.chunk, "kv_block_size": args.kv_block},
         "lm_head": {"enabled": True, "chunk_size": args.chunk},
     })
 
@@ -81,10 +84,12 @@ def batch_for(layout: str, lengths: list[int], vocab: int, seed: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def attention_pairs(layout: str, lengths: list[int], chunk: int, block: int) -> tuple[int, int, int, int]:
+def attention_pairs(layout: str, lengths: list[int], chunk: int, block: int | None, device: str = "cpu"
+                    ) -> tuple[int, int, int, int]:
     """Per head and layer pass: (query-key pairs in the tiles the op visits, pairs of the dense
-    causal triangle, tiles the op runs, tiles it would run without document bounds)."""
-    from ds_longseq.ops.attention import _plan
+    causal triangle, tiles the op runs, tiles it would run without document bounds). ``block``
+    None: the op's default key tile on ``device`` (CUDA: the whole prefix; else 1024 keys)."""
+    from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE, _plan
 
     rows = [[n] for n in lengths] if layout == "padded" else [lengths if layout == "packed" else [sum(lengths)]]
     visited = dense = tiles = unbounded = 0
@@ -95,30 +100,43 @@ def attention_pairs(layout: str, lengths: list[int], chunk: int, block: int) -> 
         for s in range(0, T, chunk):
             e = min(s + chunk, T)
             lo = starts[s:e].view(1, -1) if layout == "packed" else None
-            plan = _plan(s, e - s, e - s, block, lo)
+            b = block or (e if torch.device(device).type == "cuda" else CPU_KV_BLOCK_SIZE)
+            plan = _plan(s, e - s, e - s, b, lo)
             visited += sum(t.rows * (t.b - t.a) for t in plan)
             tiles += len(plan)
-            unbounded += len(_plan(s, e - s, e - s, block, None))
+            unbounded += len(_plan(s, e - s, e - s, b, None))
         dense += T * (T + 1) // 2
     return visited, dense, tiles, unbounded
 
 
 def measure(layout: str, args, lengths: list[int]) -> dict:
     model = build_model(args)
-    batch = batch_for(layout, lengths, args.vocab, args.seed)
-    times = []
+    batch = {k: v.to(args.device) for k, v in batch_for(layout, lengths, args.vocab, args.seed).items()}
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times, loss = [], None
     for i in range(args.repeats + 1):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        model(**batch).loss.backward()
+        out = model(**batch)
+        out.loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         if i:  # the first step warms up
             times.append(time.perf_counter() - t0)
+        loss = out.loss.item()
     step = statistics.median(times)
-    visited, dense, tiles, unbounded = attention_pairs(layout, lengths, args.chunk, args.kv_block)
+    visited, dense, tiles, unbounded = attention_pairs(layout, lengths, args.chunk, args.kv_block, args.device)
     real = sum(lengths)
-    return {"layout": layout, "rows": batch["input_ids"].shape[0], "row_len": batch["input_ids"].shape[1],
-            "real_tokens": real, "step_s": step, "tokens_per_s": real / step, "attention_pairs": visited,
-            "dense_causal_pairs": dense, "tiles": tiles, "tiles_without_bounds": unbounded}
+    row = {"layout": layout, "rows": batch["input_ids"].shape[0], "row_len": batch["input_ids"].shape[1],
+           "real_tokens": real, "step_s": step, "tokens_per_s": real / step, "loss": loss,
+           "attention_pairs": visited, "dense_causal_pairs": dense, "tiles": tiles, "tiles_without_bounds": unbounded}
+    if cuda:
+        row["peak_gpu_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return row
 
 
 def main(argv=None) -> int:
@@ -131,7 +149,10 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=1024, help="StreamBP and LM-head chunk_size")
-    p.add_argument("--kv-block", type=int, default=1024, help="keys per tile (the CPU default)")
+    p.add_argument("--kv-block", type=int, default=None,
+                   help="keys per tile; default: the op's (1024 on CPU, the whole prefix on CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
@@ -147,27 +168,32 @@ def main(argv=None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out + ".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         cmd = " ".join(sys.argv[1:] if argv is None else argv)
+        cuda = torch.device(args.device).type == "cuda"
+        where = torch.cuda.get_device_name(args.device) if cuda else f"{torch.get_num_threads()} threads"
+        block = args.kv_block or ("the whole prefix" if cuda else 1024)
         lines = [
-            f"# Packed documents vs padded rows (torch {torch.__version__}, {torch.get_num_threads()} threads)", "",
+            f"# Packed documents vs padded rows (torch {torch.__version__}, {where})", "",
             f"{len(lengths)} documents, {sum(lengths)} tokens (lengths {min(lengths)}-{max(lengths)}, log-uniform); "
             f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, vocab "
-            f"{args.vocab}, float32; StreamBP + chunked LM head, chunk {args.chunk}, key tile {args.kv_block}. "
-            f"One forward + backward, median of {args.repeats} after a warm-up.", "",
-            "| layout | rows x length | step s | real tokens/s | attention pairs visited | vs dense causal "
-            "| tiles run (without bounds) |",
-            "|---|---|---:|---:|---:|---:|---:|",
+            f"{args.vocab}, {args.dtype} on {args.device}; StreamBP + chunked LM head, chunk {args.chunk}, key tile "
+            f"{block}. One forward + backward, median of {args.repeats} after a warm-up.", "",
+            "| layout | rows x length | step s | real tokens/s | loss | attention pairs visited | vs dense causal "
+            "| tiles run (without bounds) |" + (" peak GPU MiB |" if cuda else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
         ]
         for r in rows:
             lines.append(f"| {r['layout']} | {r['rows']} x {r['row_len']} | {r['step_s']:.2f} | "
-                         f"{r['tokens_per_s']:.0f} | {r['attention_pairs']:,} | "
+                         f"{r['tokens_per_s']:.0f} | {r['loss']:.4f} | {r['attention_pairs']:,} | "
                          f"{r['attention_pairs'] / r['dense_causal_pairs']:.2f} | "
-                         f"{r['tiles']} ({r['tiles_without_bounds']}) |")
+                         f"{r['tiles']} ({r['tiles_without_bounds']}) |"
+                         + (f" {r['peak_gpu_mib']:.0f} |" if cuda else ""))
         lines += ["", "`attention pairs visited`: query-key pairs in the tiles the attention op runs (per head and "
                   "layer pass), from its tile plan; `vs dense causal`: over the causal triangle of the rows as laid "
                   "out; `tiles run`: tiles in the attention op's plans for every row's chunks (each is one kernel "
                   "call per layer pass), against the same chunks planned without document bounds: key tiles "
                   "outside a query's document are skipped, and a chunk's causal diagonal becomes one tile per "
-                  "document starting in it. "
+                  "document starting in it. `loss`: the last step's; packed and padded train the same targets "
+                  "(no token predicts across a document boundary), so theirs agree. "
                   "`one_document` attends across documents: its numbers are the cost of ignoring the "
                   "boundaries, not a correct model.", "", f"Command: `python -m benchmarks.packing {cmd}`", ""]
         Path(args.out + ".md").write_text("\n".join(lines))
