@@ -8,7 +8,9 @@ Holds:
         (with LoRA: the policy itself with its adapters disabled).
     token_logprobs: one micro-batch's per-token log-probs (sharded under sequence parallelism).
     read_jsonl: (re-exported from sft.py) records of a JSONL file, with errors that name path:line.
-    MetricsLog: metrics.jsonl, the rank-0 progress bar and the end-of-run plot.
+    MetricsLog: metrics.jsonl (kept up to the checkpoint with --resume), the rank-0 progress bar,
+        the end-of-run plot, and the step to start from.
+    step_done: the checkpoint every --save-every steps and at the last one.
 
 sft.py stays the owner of the start-up, model builder, LoRA, JSONL reader, checkpoint and export
 code; this module imports them from there (the launched script's directory, examples/, is on
@@ -32,9 +34,10 @@ from sft import (
     export_hf,
     peak_memory_gib,
     read_jsonl,
-    save_checkpoint,
+    save_if_due,
     set_learning_rate,
     start_distributed,
+    start_or_resume,
 )
 
 import ds_longseq
@@ -43,7 +46,7 @@ from ds_longseq.engine import sequence_parallel_rank_and_size, shard_batch
 from ds_longseq.ops import TokenLogprobs
 
 __all__ = ["add_common_args", "check_common_args", "Run", "setup_run", "Reference", "token_logprobs",
-           "read_jsonl", "MetricsLog", "DEFAULT_LR"]
+           "read_jsonl", "MetricsLog", "step_done", "DEFAULT_LR"]
 
 
 def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int, seq_len: int, lr: float) -> None:
@@ -54,7 +57,10 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                    help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row (prompt + completion), padded")
     p.add_argument("--max-steps", type=int, default=max_steps, help="training steps")
-    p.add_argument("--save-dir", default=save_dir, help="metrics, plot, final checkpoint and HF export")
+    p.add_argument("--save-dir", default=save_dir, help="checkpoints, metrics, plot and HF export")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --save-dir (same data, same losses)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default: the config's; {lr} for the built-in model)")
@@ -176,7 +182,12 @@ def pad_row(ids: list[int], labels: list[int], seq_len: int, pad_id: int) -> dic
 
 
 class MetricsLog:
-    """metrics.jsonl (rank 0 writes), the rank-0 tqdm bar, tokens/s, and the plot at the end."""
+    """metrics.jsonl (rank 0 writes), the rank-0 tqdm bar, tokens/s, and the plot at the end.
+
+    With ``--resume`` it first loads the checkpoint ``latest`` points at into the engine
+    (:func:`sft.start_or_resume`): ``start_step`` is the first step to train, ``rows`` the metrics
+    before it.
+    """
 
     def __init__(self, run: Run, name: str, bar_keys: tuple[str, ...]):
         from tqdm import tqdm
@@ -184,11 +195,10 @@ class MetricsLog:
         self.run, self.bar_keys = run, bar_keys
         os.makedirs(run.args.save_dir, exist_ok=True)
         self.path = os.path.join(run.args.save_dir, "metrics.jsonl")
-        if run.rank == 0 and os.path.exists(self.path):
-            os.remove(self.path)
-        self.rows: list[dict] = []
+        self.start_step, self.rows = start_or_resume(run.engine, run.args, run.rank, self.path)
         self.tokens = 0
-        self.bar = tqdm(total=run.args.max_steps, disable=run.rank != 0, dynamic_ncols=True, desc=name)
+        self.bar = tqdm(total=run.args.max_steps, initial=self.start_step, disable=run.rank != 0,
+                        dynamic_ncols=True, desc=name)
         self.t_start = time.perf_counter()
 
     def log(self, row: dict) -> None:
@@ -232,11 +242,15 @@ def mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
     return {k: v / world for k, v in zip(keys, t.tolist(), strict=True)}
 
 
+def step_done(run: Run, step: int) -> None:
+    """After step ``step`` (1-based): the checkpoint every ``--save-every`` steps and at the last."""
+    save_if_due(run.engine, run.args, step, run.rank)
+
+
 def finish(run: Run) -> str:
-    """Final checkpoint (``step<N>/`` + ``latest``) and the HF export; returns what was exported."""
+    """The HF export (the final checkpoint was written by :func:`step_done`); returns what was exported."""
     import deepspeed.comm as dist
 
-    save_checkpoint(run.engine, run.args, run.args.max_steps, run.rank)
     export_hf(run.model, run.args, run.rank, run.dtype)
     dist.barrier()
     if not run.args.lora_rank:

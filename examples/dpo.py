@@ -40,6 +40,7 @@ from _common import (
     prepare,
     read_jsonl,
     setup_run,
+    step_done,
     token_logprobs,
 )
 from sft import BOS, DOC_TOKENS, micro_batch_indices
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
            else "a frozen copy of the initial policy"),
     )
     log = MetricsLog(run, "dpo", ("loss", "rewards/accuracies", "rewards/margins"))
-    for step in range(args.max_steps):
+    for step in range(log.start_step, args.max_steps):
         sums = {"loss": 0.0, "rewards/accuracies": 0.0, "rewards/margins": 0.0, "rewards/chosen": 0.0,
                 "rewards/rejected": 0.0}
         for micro in range(run.gas):
@@ -233,6 +234,7 @@ def main(argv=None) -> int:
             for key in ("rewards/chosen", "rewards/rejected"):
                 sums[key] += metrics[key].float().mean().item() / run.gas
         log.log({"step": step + 1, **mean_over_ranks(sums, run.world)})
+        step_done(run, step + 1)
     log.bar.close()
 
     exported = finish(run)
@@ -241,7 +243,7 @@ def main(argv=None) -> int:
                          ("rewards/margins", "reward margin")], "examples/dpo.py", "dpo.png")
         first, last = log.rows[0], log.rows[-1]
         print(
-            f"\nsummary: {args.max_steps} steps on {run.world} rank(s)"
+            f"\nsummary: {args.max_steps - log.start_step} steps on {run.world} rank(s)"
             + (f" (sequence parallel {run.sp_size} x data parallel {run.num_replicas})" if run.sp_size > 1 else "")
             + f", seq_len {args.seq_len}, beta {args.beta}: loss {first['loss']:.4f} -> {last['loss']:.4f} "
             f"(ln 2 = {math.log(2):.4f} at the reference), reward accuracy {first['rewards/accuracies']:.2f} -> "

@@ -47,6 +47,7 @@ from _common import (
     prepare,
     read_jsonl,
     setup_run,
+    step_done,
     token_logprobs,
 )
 from sft import BOS, DOC_TOKENS, micro_batch_indices
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
     log_rank0(logger, f"{G} completions per prompt, {run.micro_bs} prompt(s) per micro-batch, "
                       f"{args.num_iterations} update(s) per batch of rollouts")
     log = MetricsLog(run, "grpo", ("loss", "clip_ratio", "adv_logp"))
-    for step in range(args.max_steps):
+    for step in range(log.start_step, args.max_steps):
         # The step's micro-batches, each prepared once: old-policy and reference log-probs, advantages.
         micro = []
         for m in range(run.gas):
@@ -283,6 +284,7 @@ def main(argv=None) -> int:
         values = mean_over_ranks(values, run.world)
         row = {"step": step + 1, "loss": sum(values[f"loss/update{i + 1}"] for i in range(len(losses))) / len(losses)}
         log.log({**row, **values})
+        step_done(run, step + 1)
     log.bar.close()
 
     exported = finish(run)
@@ -294,7 +296,8 @@ def main(argv=None) -> int:
         plot = log.plot(panels, "examples/grpo.py", "grpo.png")
         first, last = log.rows[0], log.rows[-1]
         print(
-            f"\nsummary: {args.max_steps} steps x {args.num_iterations} update(s) on {run.world} rank(s)"
+            f"\nsummary: {args.max_steps - log.start_step} steps x {args.num_iterations} update(s) on "
+            f"{run.world} rank(s)"
             + (f" (sequence parallel {run.sp_size} x data parallel {run.num_replicas})" if run.sp_size > 1 else "")
             + f", seq_len {args.seq_len}, G {G}, loss_type {args.loss_type}: adv_logp {first['adv_logp']:.4f} -> "
             f"{last['adv_logp']:.4f}, loss {first['loss']:.4f} -> {last['loss']:.4f}, clip_ratio "

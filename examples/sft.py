@@ -136,6 +136,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--seq-len must be positive, got {args.seq_len}: pass the tokens per sequence, e.g. 2048")
     if args.max_steps <= 0:
         raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
+    if args.save_every < 0:
+        raise SystemExit(f"--save-every must be >= 0 (0: a checkpoint only at the end), got {args.save_every}")
     if args.data and not args.model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
     if args.pack and not args.data:
@@ -577,6 +579,37 @@ def resume(engine, save_dir: str, metrics_path: str) -> tuple[int, list[dict], s
     return start_step, metrics, tag
 
 
+def start_or_resume(engine, args, rank: int, metrics_path: str) -> tuple[int, list[dict]]:
+    """(first step to train, metrics rows of the steps before it).
+
+    ``--resume``: load the checkpoint ``latest`` points at and keep the metrics up to it; the rows
+    of later steps (the interrupted run's, trained again now) are dropped from ``metrics_path``.
+    Otherwise: step 0 and a fresh ``metrics_path``.
+    """
+    import deepspeed.comm as dist
+
+    if not args.resume:
+        if rank == 0 and os.path.exists(metrics_path):
+            os.remove(metrics_path)
+        return 0, []
+    start_step, metrics, tag = resume(engine, args.save_dir, metrics_path)
+    if start_step >= args.max_steps:
+        raise SystemExit(f"--resume: {args.save_dir}/{tag} is at step {start_step}, and --max-steps is "
+                         f"{args.max_steps}: nothing left to train; raise --max-steps")
+    dist.barrier()  # every rank has read the metrics before rank 0 truncates them
+    if rank == 0:
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in metrics)
+        logger.warning("resumed from %s/%s at step %d", args.save_dir, tag, start_step)
+    return start_step, metrics
+
+
+def save_if_due(engine, args, step: int, rank: int) -> None:
+    """After step ``step`` (1-based): a checkpoint every ``--save-every`` steps, the last one included."""
+    if (args.save_every and step % args.save_every == 0) or step == args.max_steps:
+        save_checkpoint(engine, args, step, rank)
+
+
 def save_checkpoint(engine, args, step: int, rank: int) -> None:
     import deepspeed.comm as dist
 
@@ -745,17 +778,7 @@ def main(argv=None) -> int:
 
     os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
-    start_step, metrics = 0, []
-    if args.resume:
-        start_step, metrics, tag = resume(engine, args.save_dir, metrics_path)
-        dist.barrier()  # every rank has read the metrics before rank 0 truncates them
-        if rank == 0:
-            # Steps after the checkpoint (from the interrupted run) are trained again: drop them.
-            with open(metrics_path, "w") as f:
-                f.writelines(json.dumps(m) + "\n" for m in metrics)
-            logger.warning("resumed from %s/%s at step %d", args.save_dir, tag, start_step)
-    elif rank == 0 and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    start_step, metrics = start_or_resume(engine, args, rank, metrics_path)
 
     bar = tqdm(total=args.max_steps, initial=start_step, disable=rank != 0, dynamic_ncols=True, desc="sft")
     t_start, tokens = time.perf_counter(), 0
@@ -794,11 +817,9 @@ def main(argv=None) -> int:
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics[-1]) + "\n")
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            save_checkpoint(engine, args, step + 1, rank)
+        save_if_due(engine, args, step + 1, rank)
     bar.close()
 
-    save_checkpoint(engine, args, args.max_steps, rank)
     export_hf(model, args, rank, dtype)
     if rank == 0:
         exported = "hf_model/" if not args.lora_rank else "hf_adapter/" + (", hf_model/" if args.merge_lora else "")

@@ -50,7 +50,7 @@ import sys
 import time
 
 import torch
-from sft import configure_logging, peak_memory_gib, resume, save_checkpoint
+from sft import configure_logging, peak_memory_gib, save_if_due, start_or_resume
 
 import ds_longseq.engine
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
@@ -214,9 +214,7 @@ def main(argv=None) -> int:
 
     os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
-    start_step, metrics = 0, []
-    if args.resume:
-        start_step, metrics, _ = resume(engine, args.save_dir, metrics_path)
+    start_step, metrics = start_or_resume(engine, args, rank, metrics_path)
     chance = math.log(args.num_topics)
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0, initial=start_step, total=args.max_steps,
                desc="ssm_adjoint")
@@ -238,8 +236,7 @@ def main(argv=None) -> int:
         if rank == 0:
             with open(metrics_path, "w") as f:
                 f.writelines(json.dumps(m) + "\n" for m in metrics)
-        if (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.max_steps:
-            save_checkpoint(engine, args, step + 1, rank)  # `latest` moves only after every rank wrote
+        save_if_due(engine, args, step + 1, rank)  # `latest` moves only after every rank wrote
     if rank == 0:
         plot(metrics, os.path.join(args.save_dir, "loss.png"), chance)
         torch.save(engine.module.state_dict(), os.path.join(args.save_dir, "model.pt"))

@@ -39,9 +39,27 @@ def metrics(save_dir):
         return [json.loads(line) for line in f]
 
 
-def test_embedded_default_learns_the_preference(tmp_path):
-    out = tmp_path / "dpo"
-    proc = run_example("dpo.py", _config(tmp_path), out, "--max-steps", "8", "--lr", "1e-3")
+def assert_same_run(a: list[dict], b: list[dict], keys: tuple[str, ...]) -> None:
+    """Two runs' metrics rows agree step by step: float32 CPU runs with the same data, weights and
+    optimizer state repeat bit for bit up to reduction order, so 1e-6 relative (1e-9 absolute for
+    values near 0) leaves room for nothing else."""
+    assert [r["step"] for r in a] == [r["step"] for r in b], (a, b)
+    for x, y in zip(a, b, strict=True):
+        for key in keys:
+            assert abs(x[key] - y[key]) <= 1e-6 * abs(x[key]) + 1e-9, (key, x, y)
+
+
+@pytest.fixture(scope="module")
+def dpo_default_run(tmp_path_factory):
+    """The embedded default, 8 steps at lr 1e-3: (config, save dir, CompletedProcess)."""
+    tmp = tmp_path_factory.mktemp("dpo")
+    config = _config(tmp)
+    out = tmp / "dpo"
+    return config, out, run_example("dpo.py", config, out, "--max-steps", "8", "--lr", "1e-3")
+
+
+def test_embedded_default_learns_the_preference(dpo_default_run):
+    _, out, proc = dpo_default_run
     assert "summary: 8 steps on 2 rank(s)" in proc.stdout
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -54,6 +72,26 @@ def test_embedded_default_learns_the_preference(tmp_path):
     # At 1e-3 the loss is ~0.36 by step 4 and ~2e-3 by step 8 (seed 0); 0.5 leaves a wide margin.
     assert rows[-1]["loss"] < 0.5 and rows[-1]["rewards/margins"] > 0 and rows[-1]["rewards/accuracies"] == 1.0
     assert (out / "dpo.png").stat().st_size > 0 and (out / "hf_model" / "config.json").exists()
+
+
+def test_resume_continues_the_run_exactly(dpo_default_run, tmp_path):
+    """Stopped after 4 of 8 steps and resumed from its checkpoint: the same 8 rows as the straight
+    run (the reference model is rebuilt as the initial policy, the policy and optimizer come from the
+    checkpoint); resuming a finished run is refused before anything is written."""
+    config, straight, _ = dpo_default_run
+    cut = tmp_path / "cut"
+    run_example("dpo.py", config, cut, "--max-steps", "4", "--save-every", "2", "--lr", "1e-3")
+    assert (cut / "latest").read_text() == "step4" and (cut / "step2").exists()
+    proc = run_example("dpo.py", config, cut, "--max-steps", "8", "--lr", "1e-3", "--resume")
+    assert "summary: 4 steps on 2 rank(s)" in proc.stdout
+    assert (cut / "latest").read_text() == "step8"
+    assert_same_run(metrics(straight), metrics(cut), ("loss", "rewards/margins", "rewards/accuracies"))
+
+    before = (cut / "metrics.jsonl").read_text()
+    proc = run_example("dpo.py", config, cut, "--max-steps", "8", "--lr", "1e-3", "--resume", expect_ok=False)
+    assert proc.returncode != 0
+    assert "is at step 8, and --max-steps is 8: nothing left to train; raise --max-steps" in proc.stdout + proc.stderr
+    assert (cut / "metrics.jsonl").read_text() == before and (cut / "latest").read_text() == "step8"
 
 
 class CharTokenizer:

@@ -11,16 +11,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import grpo  # noqa: E402
 
-from tests.test_dpo_example import CharTokenizer, _write, metrics, run_example  # noqa: E402
+from tests.test_dpo_example import CharTokenizer, _write, assert_same_run, metrics, run_example  # noqa: E402
 from tests.test_sft import _config, _tiny_hf_model_with_tokenizer  # noqa: E402
 
+GRPO_FLAGS = ("--num-iterations", "2", "--lr", "1e-3", "--epsilon", "0.05", "--beta", "0.04")
 
-def test_embedded_default_favours_high_reward_completions(tmp_path):
+
+@pytest.fixture(scope="module")
+def grpo_default_run(tmp_path_factory):
+    """The embedded default, 6 steps: (config, save dir, CompletedProcess)."""
+    tmp = tmp_path_factory.mktemp("grpo")
+    config = _config(tmp)
+    out = tmp / "grpo"
+    return config, out, run_example("grpo.py", config, out, "--max-steps", "6", *GRPO_FLAGS)
+
+
+def test_embedded_default_favours_high_reward_completions(grpo_default_run):
     """2 updates per batch (so the ratio to the old policy moves off 1 and clipping bites) with a KL
     term to the frozen initial policy."""
-    out = tmp_path / "grpo"
-    proc = run_example("grpo.py", _config(tmp_path), out, "--max-steps", "6", "--num-iterations", "2",
-                       "--lr", "1e-3", "--epsilon", "0.05", "--beta", "0.04")
+    _, out, proc = grpo_default_run
     assert "summary: 6 steps x 2 update(s) on 2 rank(s)" in proc.stdout
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 7))
@@ -38,6 +47,17 @@ def test_embedded_default_favours_high_reward_completions(tmp_path):
     assert max(r["clip_ratio"] for r in rows) > 0
     assert rows[-1]["kl"] > 0 and 0 < rows[0]["reward_mean"] < 1
     assert (out / "grpo.png").stat().st_size > 0 and (out / "hf_model" / "config.json").exists()
+
+
+def test_resume_continues_the_run_exactly(grpo_default_run, tmp_path):
+    """Stopped after 3 of 6 steps and resumed: the same rows as the straight run, every update's loss,
+    the KL to the (rebuilt) reference and the pre-update log-probs included."""
+    config, straight, _ = grpo_default_run
+    cut = tmp_path / "cut"
+    run_example("grpo.py", config, cut, "--max-steps", "3", *GRPO_FLAGS)
+    proc = run_example("grpo.py", config, cut, "--max-steps", "6", *GRPO_FLAGS, "--resume")
+    assert "summary: 3 steps x 2 update(s) on 2 rank(s)" in proc.stdout
+    assert_same_run(metrics(straight), metrics(cut), ("loss/update1", "loss/update2", "kl", "adv_logp", "clip_ratio"))
 
 
 def test_rollout_rows_rewards_and_completion_tokens(tmp_path):
