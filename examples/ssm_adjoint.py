@@ -96,6 +96,8 @@ def check_args(args: argparse.Namespace) -> None:
             problems.append(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.truncation is not None and args.truncation < 1:
         problems.append(f"--truncation (T-bar) must be >= 1, got {args.truncation}; leave it out for exact gradients")
+    if args.save_every < 0:
+        problems.append(f"--save-every must be >= 0 (0: a checkpoint only at the end), got {args.save_every}")
     if args.chunk_size is not None and args.chunk_size < 1:
         problems.append(f"--chunk-size must be a positive integer, got {args.chunk_size}")
     if args.query_every < 2:

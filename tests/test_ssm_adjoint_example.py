@@ -99,7 +99,7 @@ def test_resume_continues_with_the_same_losses(tmp_path):
 @pytest.mark.parametrize(
     "extra,message",
     [(["--seq-len", "20"], "too short for the task"), (["--truncation", "0"], "T-bar) must be >= 1"),
-     (["--resume"], "no checkpoint")],
+     (["--resume"], "no checkpoint"), (["--save-every", "-1"], "--save-every must be >= 0")],
 )
 def test_bad_arguments_fail_before_training(tmp_path, extra, message):
     proc = run(tmp_path / "bad", *extra, expect_ok=False)
