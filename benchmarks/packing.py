@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ds_longseq.ops.attention import _plan, default_kv_block_size
+
 LAYOUTS = ("packed", "padded", "one_document")
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
@@ -89,8 +91,6 @@ def attention_pairs(layout: str, lengths: list[int], chunk: int, block: int | No
     """Per head and layer pass: (query-key pairs in the tiles the op visits, pairs of the dense
     causal triangle, tiles the op runs, tiles it would run without document bounds). ``block``
     None: the op's default key tile on ``device`` (CUDA: the whole prefix; else 1024 keys)."""
-    from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE, _plan
-
     rows = [[n] for n in lengths] if layout == "padded" else [lengths if layout == "packed" else [sum(lengths)]]
     visited = dense = tiles = unbounded = 0
     for docs in rows:
@@ -100,7 +100,7 @@ def attention_pairs(layout: str, lengths: list[int], chunk: int, block: int | No
         for s in range(0, T, chunk):
             e = min(s + chunk, T)
             lo = starts[s:e].view(1, -1) if layout == "packed" else None
-            b = block or (e if torch.device(device).type == "cuda" else CPU_KV_BLOCK_SIZE)
+            b = block or default_kv_block_size(e, device)  # keys the chunk sees: s prefix + e - s own
             plan = _plan(s, e - s, e - s, b, lo)
             visited += sum(t.rows * (t.b - t.a) for t in plan)
             tiles += len(plan)
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         cmd = " ".join(sys.argv[1:] if argv is None else argv)
         cuda = torch.device(args.device).type == "cuda"
         where = torch.cuda.get_device_name(args.device) if cuda else f"{torch.get_num_threads()} threads"
-        block = args.kv_block or ("the whole prefix" if cuda else 1024)
+        block = args.kv_block or ("the whole prefix" if cuda else default_kv_block_size(0, args.device))
         lines = [
             f"# Packed documents vs padded rows (torch {torch.__version__}, {where})", "",
             f"{len(lengths)} documents, {sum(lengths)} tokens (lengths {min(lengths)}-{max(lengths)}, log-uniform); "

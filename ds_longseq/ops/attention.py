@@ -79,11 +79,18 @@ __all__ = [
     "TileKernel",
     "KERNELS",
     "CPU_KV_BLOCK_SIZE",
+    "default_kv_block_size",
 ]
 
 _NEG_INF = float("-inf")
 CPU_KV_BLOCK_SIZE = 1024
 """Default keys per full tile on CPU (the fused CPU kernel and the math tile hold a score tile)."""
+
+
+def default_kv_block_size(num_keys: int, device: torch.device | str) -> int:
+    """Keys per full tile when ``kv_block_size`` is None, for a chunk seeing ``num_keys`` keys in all:
+    on CUDA all of them (the fused kernels hold no score tile), elsewhere :data:`CPU_KV_BLOCK_SIZE`."""
+    return max(num_keys, 1) if torch.device(device).type == "cuda" else CPU_KV_BLOCK_SIZE
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -788,20 +795,19 @@ def chunk_causal_attention(
     if kernel != "auto" and kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}: use one of {sorted(KERNELS)} or 'auto'")
     num_prefix = 0 if k_prefix is None else k_prefix.shape[2]
+    valid_cpu = None
     if key_valid is not None:
         if key_valid.shape[-1] != num_prefix + k.shape[2]:
             raise ValueError(f"key_valid covers {key_valid.shape[-1]} keys, expected {num_prefix + k.shape[2]}")
         valid_cpu = key_valid.cpu()  # one host copy; the plan marks the padded tiles from it
         if bool(valid_cpu.all()):
             key_valid = valid_cpu = None
-    else:
-        valid_cpu = None
     if num_prefix == 0:
         k_prefix = v_prefix = None
     if sink_own_keys and prefix_grad_sink is None:
         raise ValueError("sink_own_keys=True needs prefix_grad_sink buffers to add the key gradients into")
     if kv_block_size is None:
-        kv_block_size = max(num_prefix + k.shape[2], 1) if q.device.type == "cuda" else CPU_KV_BLOCK_SIZE
+        kv_block_size = default_kv_block_size(num_prefix + k.shape[2], q.device)
     lo_cpu = None
     if query_lo is not None:
         query_lo, lo_cpu = _check_query_lo(query_lo, q.shape[0], q.shape[2], num_prefix + k.shape[2] - q.shape[2])
