@@ -46,7 +46,7 @@ KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
 PidFile {dir}/sshd_{index}.pid
-AcceptEnv PYTHONUSERBASE
+AcceptEnv PYTHONPATH
 """
 
 SSH_CONFIG = """\
@@ -180,12 +180,16 @@ def test_preflight_only_reports_each_node(cluster, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was launched
 
 
-def _fake_deepspeed_userbase(tmp_path) -> Path:
-    """A user site-packages with a deepspeed 0.0.1, seen first by a Python whose PYTHONUSERBASE is it."""
-    base = tmp_path / "userbase"
-    pkg = base / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "deepspeed"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text('__version__ = "0.0.1"\n')
+def _fake_deepspeed_dir(tmp_path) -> Path:
+    """A directory with a deepspeed 0.0.1 package, imported first by a Python whose PYTHONPATH names it.
+
+    PYTHONPATH, not PYTHONUSERBASE: every interpreter (a virtualenv, pyenv, conda, the system python)
+    puts PYTHONPATH ahead of its site-packages, while a virtualenv without system site-packages has no
+    user site at all, so a fake there would go unseen and the run would pass the preflight and train.
+    """
+    base = tmp_path / "fake_deepspeed"
+    (base / "deepspeed").mkdir(parents=True)
+    (base / "deepspeed" / "__init__.py").write_text('__version__ = "0.0.1"\n')
     return base
 
 
@@ -207,7 +211,8 @@ def test_bad_cluster_fails_before_training_naming_the_node(cluster, tmp_path, fa
         env_extra["MASTER_PORT"] = str(held.getsockname()[1])
         expected = f"node 127.0.0.1: MASTER_PORT {env_extra['MASTER_PORT']} is in use on this node, the master"
     else:
-        env_extra["TEST_NODE2_SSH_OPTS"] = f"-o SetEnv=PYTHONUSERBASE={_fake_deepspeed_userbase(tmp_path)}"
+        # Only node2's ssh sends PYTHONPATH (SetEnv; the sshds AcceptEnv it): only node2 sees the fake.
+        env_extra["TEST_NODE2_SSH_OPTS"] = f"-o SetEnv=PYTHONPATH={_fake_deepspeed_dir(tmp_path)}"
         expected = "node 127.0.0.2: deepspeed is 0.0.1, node 127.0.0.1 has "
     env_extra["HOSTFILE"] = str(hostfile)
     try:
