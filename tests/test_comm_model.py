@@ -293,8 +293,9 @@ def test_sp2_times_dp2_matches_counted_collectives(index):
 
 
 def test_counted_traffic_confirms_the_readme_claims():
-    """Directly on the counts (not through the model): StreamBP under SP moves the all-to-all bytes of
-    Ulysses + checkpointing; ZeRO-3 + StreamBP gathers every parameter partition once per pass."""
+    """docs/SEQUENCE_PARALLEL.md's claims (once in the README), directly on the counts (not through the
+    model): StreamBP under SP moves the all-to-all bytes of Ulysses + checkpointing; ZeRO-3 + StreamBP
+    gathers every parameter partition once per pass."""
     sp = counted("sp")
     names = [c["name"] for c in SP_CASES]
     for rank_counts in sp:

@@ -61,7 +61,7 @@ def test_split_config_does_not_modify_its_input():
 
 
 def test_chunk_sizes_larger_than_the_sequence_warn_once_instead_of_failing(caplog):
-    """A chunk longer than the sequence is one chunk (README: "shorter than a chunk" is supported):
+    """A chunk longer than the sequence is one chunk (docs/SUPPORT.md: "shorter than a chunk" is supported):
     the shipped configs (chunk_size 1024) must run --seq-len 512, with a warning, not an error."""
     _, long_seq = split_config({"long_seq": {"streambp": {"enabled": True, "chunk_size": 4096}}})
     caplog.set_level(logging.WARNING, logger="ds_longseq")
