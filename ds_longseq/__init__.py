@@ -6,7 +6,7 @@ DeepSpeed: ``ds_longseq.engine.initialize``. The Hugging Face Trainer and TRL's 
 """
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
-from ds_longseq.models.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from ds_longseq.families import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 from ds_longseq.patch import disable, enable, get_config, is_enabled
 
 __version__ = "0.1.0"

@@ -5,6 +5,8 @@ Holds:
         AdjointConfig: one dataclass per section.
     LongSeqConfig: the whole section, with ``from_dict`` that reports every problem at once.
     LongSeqConfigError: the single error raised for a bad section.
+    register_technique / unregister_technique: how ``ds_longseq.techniques`` declares a technique's section,
+        activity, conflicts and needs, which ``from_dict`` then checks (this module imports no technique).
 
 Vocabulary (see the README glossary): a *chunk* is a slice of the sequence processed at once
 (``chunk_size`` tokens, or ``num_chunks`` slices); a *block* is a tile of keys inside the
@@ -30,6 +32,9 @@ __all__ = [
     "ApproxBPConfig",
     "AdjointConfig",
     "WatchdogConfig",
+    "register_technique",
+    "unregister_technique",
+    "registered_techniques",
 ]
 
 
@@ -187,6 +192,41 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+_TECHNIQUES: dict[str, Any] = {}
+"""Registered techniques by section name, in registration order (``ds_longseq.techniques.base.Technique``
+subclasses, read duck-typed: ``name``, ``Config``, ``active``, ``describe``, ``conflicts_with``,
+``needs_one_of``, ``needs_reason``)."""
+_BUILTIN_SECTIONS = frozenset(_SECTIONS)
+
+
+def register_technique(technique: Any) -> None:
+    """Declare a technique's config section and rules (called by ``ds_longseq.techniques.register``).
+
+    A technique whose ``name`` is not a built-in section adds its ``Config`` dataclass as a new section
+    (``long_seq.<name>``), parsed and checked like the built-in ones and held in ``LongSeqConfig.extra``.
+    """
+    name = technique.name
+    if name in _TECHNIQUES:
+        raise ValueError(f"a technique named {name!r} is already registered ({_TECHNIQUES[name].__name__})")
+    if name not in _SECTIONS:
+        if not dataclasses.is_dataclass(getattr(technique, "Config", None)):
+            raise TypeError(f"technique {name!r} must declare its config section as a dataclass Config")
+        _SECTIONS[name] = technique.Config
+    _TECHNIQUES[name] = technique
+
+
+def unregister_technique(name: str) -> None:
+    """Undo :func:`register_technique` (tests that add a technique remove it again)."""
+    _TECHNIQUES.pop(name, None)
+    if name not in _BUILTIN_SECTIONS:
+        _SECTIONS.pop(name, None)
+
+
+def registered_techniques() -> dict[str, Any]:
+    """The registered techniques by name, in registration order."""
+    return dict(_TECHNIQUES)
+
+
 def _positive_number(value: Any) -> bool:
     """An int or float (not a bool) above 0: what a float field such as a number of seconds accepts."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
@@ -233,6 +273,25 @@ class LongSeqConfig:
     """Adjoint sharding of residual SSM models."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """The peer watchdog of multi-rank jobs (names a dead rank, bounds the hang)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Sections of techniques registered beyond the built-in ones, by name (``long_seq.<name>``); also
+    readable as attributes (``config.<name>``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        # only called when normal lookup fails: a registered technique's section
+        if name != "extra" and name in _SECTIONS and name not in _BUILTIN_SECTIONS:
+            return self.section(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def section(self, name: str) -> Any:
+        """The section ``name`` (built-in or registered), its defaults when the dict did not set it."""
+        if name in _BUILTIN_SECTIONS:
+            return getattr(self, name)
+        if name in self.extra:
+            return self.extra[name]
+        if name in _SECTIONS:
+            return _SECTIONS[name]()
+        raise KeyError(f"no long_seq section {name!r}: sections are {sorted(_SECTIONS)}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
@@ -262,7 +321,8 @@ class LongSeqConfig:
                 else:
                     kwargs[sub_key] = sub_value
             sections[key] = section_cls(**kwargs)
-        config = cls(**sections)
+        extra = {k: sections.pop(k) for k in list(sections) if k not in _BUILTIN_SECTIONS}
+        config = cls(**sections, extra=extra)
         problems.extend(config._problems())
         if problems:
             raise LongSeqConfigError(problems)
@@ -277,24 +337,19 @@ class LongSeqConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The section as a plain dict (round-trips through :meth:`from_dict`)."""
-        return dataclasses.asdict(self)
+        out = {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "extra"}
+        out.update({name: dataclasses.asdict(section) for name, section in self.extra.items()})
+        return out
 
     @property
     def any_enabled(self) -> bool:
         """Whether at least one technique is switched on."""
-        return (
-            self.streambp.enabled
-            or self.mini_seq.enabled
-            or self.lm_head.enabled
-            or self.sequence_parallel.enabled
-            or self.approx_bp.enabled is True
-            or self.adjoint.enabled is True
-        )
+        return any(technique.active(self) for technique in _TECHNIQUES.values())
 
     def _problems(self) -> list[str]:
         problems: list[str] = []
         for name in _SECTIONS:
-            section = getattr(self, name)
+            section = self.section(name)
             for f in dataclasses.fields(section):
                 value = getattr(section, f.name)
                 where = f"long_seq.{name}.{f.name}"
@@ -323,37 +378,7 @@ class LongSeqConfig:
                 elif value <= 0:
                     hint = " (T-bar >= 1; null for exact gradients)" if f.name == "truncation" else ""
                     problems.append(f"{where} must be a positive integer{hint}, got {value}")
-        if self.streambp.enabled is True and self.mini_seq.enabled is True:
-            problems.append(
-                "long_seq.streambp and long_seq.mini_seq are both enabled: StreamBP already runs each "
-                "layer's MLP on chunk_size tokens at a time, so mini_seq would only add overhead; "
-                "set long_seq.mini_seq.enabled=false (or disable streambp to use MsT alone)"
-            )
-        if self.offload.layer_inputs is not None and not (
-            self.streambp.enabled is True or self.mini_seq.enabled is True
-        ):
-            problems.append(
-                f"long_seq.offload.layer_inputs={self.offload.layer_inputs!r} needs long_seq.streambp or "
-                "long_seq.mini_seq: only those keep just each layer's input for backward (the stock model keeps "
-                "every activation); enable one of them, or remove long_seq.offload.layer_inputs"
-            )
-        if self.adjoint.enabled is True:
-            others = [
-                name
-                for name in ("streambp", "mini_seq", "sequence_parallel", "approx_bp")
-                if getattr(self, name).enabled is True
-            ] + (["offload"] if self.offload.layer_inputs is not None else [])
-            if others:
-                problems.append(
-                    f"long_seq.adjoint is enabled together with {others}: adjoint sharding trains residual SSM "
-                    "models, those options patch transformer layers; disable them (long_seq.lm_head is not needed "
-                    "either: the adjoint path always chunks the LM head by adjoint.chunk_size)"
-                )
-            if self.lm_head.enabled is True:
-                problems.append(
-                    "long_seq.lm_head is enabled with long_seq.adjoint: the adjoint path already chunks the LM head "
-                    "(by long_seq.adjoint.chunk_size); remove long_seq.lm_head"
-                )
+        problems.extend(self._rule_problems())
         hb, timeout = self.watchdog.heartbeat_s, self.watchdog.peer_timeout_s
         if _positive_number(hb) and _positive_number(timeout):  # (else reported above)
             if timeout <= 3 * hb:
@@ -363,9 +388,28 @@ class LongSeqConfig:
                 )
         return problems
 
+    def _rule_problems(self) -> list[str]:
+        """The registered techniques' declared conflicts and needs, among the active ones."""
+        problems = []
+        active = {name: t for name, t in _TECHNIQUES.items() if t.active(self)}
+        reported: set[frozenset[str]] = set()
+        for name, technique in active.items():
+            for other, reason in technique.conflicts_with.items():
+                pair = frozenset((name, other))
+                if other in active and pair not in reported:
+                    reported.add(pair)
+                    problems.append(
+                        f"{technique.describe(self)} and {active[other].describe(self)} are both enabled: {reason}"
+                    )
+            needs = technique.needs_one_of
+            if needs and not any(n in active for n in needs):
+                wanted = " or ".join(f"long_seq.{n}" for n in needs)
+                problems.append(f"{technique.describe(self)} needs {wanted}: {technique.needs_reason}")
+        return problems
+
     def _warn_no_effect(self, data: Mapping[str, Any]) -> None:
         for name, value in data.items():
-            section = getattr(self, name)
+            section = self.section(name)
             default = type(section)()
             if "enabled" not in {f.name for f in dataclasses.fields(section)}:
                 continue  # sections switched on by a size, not a flag

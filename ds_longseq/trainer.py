@@ -23,7 +23,7 @@ what ``engine.initialize`` would, at these points:
   DPO reads). TRL's reference model (DPO; GRPO with ``beta > 0``) keeps TRL's own fused head.
   ``DPOTrainer`` and ``GRPOTrainer`` are refused under sequence parallelism.
 - ``train`` / ``evaluate`` / ``predict``: inside them ``deepspeed.initialize`` is
-  ``engine.initialize_with`` (``patch.deepspeed_initialize_replaced``), so the engine gets the
+  ``engine.initialize_with`` (``compat.deepspeed_initialize_replaced``), so the engine gets the
   sequence-parallel groups (``mpu``), ZeRO-3 leaf modules and the ZeRO-3 average fix.
 - data under sequence parallelism (P ranks per sequence): the P ranks of a group read the same
   batches; accelerate's batch sampler is sharded over the world / P data-parallel replicas.
@@ -45,13 +45,19 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
+from ds_longseq.compat import deepspeed_initialize_replaced
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
-from ds_longseq.engine import initialize_with, sequence_parallel_groups, shard_batch, split_config
+from ds_longseq.engine import (
+    data_parallel_rank_and_size,
+    initialize_with,
+    sequence_parallel_groups,
+    shard_batch,
+    split_config,
+)
 from ds_longseq.engine.sequence_parallel import SHARDED_KEYS
 from ds_longseq.logging import get_logger
 from ds_longseq.patch import (
     configure_fused_lm_head,
-    deepspeed_initialize_replaced,
     disable,
     enable,
     get_config,
@@ -219,14 +225,15 @@ class LongSeqTrainerMixin:
         """Stands in for ``deepspeed.initialize`` while the Trainer runs: ``engine.initialize_with``."""
         config = dict(kwargs.pop("config_params", None) or kwargs.pop("config", None) or {})
         if self._long_seq_section is not None:
-            config["long_seq"] = self._long_seq_section
+            # the parsed object, not the raw section: split_config passes it through unparsed
+            config["long_seq"] = self.long_seq_config
         sp = self.long_seq_sp_size
         if sp > 1 and "train_batch_size" in config and dist.is_initialized():
             # accelerate counts every rank as a data-parallel replica; DeepSpeed checks world / P
             config["train_batch_size"] = (
                 config["train_micro_batch_size_per_gpu"]
                 * config.get("gradient_accumulation_steps", 1)
-                * (dist.get_world_size() // sp)
+                * data_parallel_rank_and_size(sp)[1]
             )
         return initialize_with(original, config=config, **kwargs)
 
@@ -266,7 +273,7 @@ class LongSeqTrainerMixin:
                 "shards over every rank, but the ranks of a sequence-parallel group must read the same batches; "
                 "use 'random', 'sequential' or 'group_by_length'"
             )
-        replicas, replica = dist.get_world_size() // self.long_seq_sp_size, dist.get_rank() // self.long_seq_sp_size
+        replica, replicas = data_parallel_rank_and_size(self.long_seq_sp_size)
         batch_sampler = getattr(dataloader, "batch_sampler", None)
         dataset = getattr(dataloader, "dataset", None)
         if type(dataloader).__name__ == "DataLoaderDispatcher":
@@ -288,7 +295,8 @@ class LongSeqTrainerMixin:
 
     def get_total_train_batch_size(self, args) -> int:
         """Sequences per optimizer step: the world / P data-parallel replicas each read their own."""
-        return self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // self.long_seq_sp_size)
+        replicas = data_parallel_rank_and_size(self.long_seq_sp_size, rank=0, world=args.world_size)[1]
+        return self._train_batch_size * args.gradient_accumulation_steps * replicas
 
     # ---- loss -----------------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ import torch
 
 import ds_longseq
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig, adjoint_layer_backward, make_plan, split_layers
-from ds_longseq.adjoint.model import causal_lm_loss
 from ds_longseq.config import LongSeqConfigError
+from ds_longseq.families.residual_ssm import causal_lm_loss
 from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
 from tests.helpers import full_precision_norms, make_model, rel_err
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import ds_longseq
+from ds_longseq import UnsupportedModelError
 from ds_longseq.config import LongSeqConfigError
-from ds_longseq.models.adapters import UnsupportedModelError
 from ds_longseq.modules.approx_bp import FoldError, MSNormForward, fold_norm, fold_targets
 from ds_longseq.ops.approx_bp import (
     REGELU2,

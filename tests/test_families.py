@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.models.adapters import UnsupportedModelError
+from ds_longseq import UnsupportedModelError
 from tests.helpers import (
     EXTRA_ARCHS,
     clone,

@@ -1,7 +1,9 @@
 """The package's import graph: no circles, and every import goes down the layers.
 
-Layers, each importing only from the ones below it: config and logging -> ops -> modules -> models
--> patch -> engine -> trainer (the Hugging Face Trainer integration) and the top-level package.
+Layers, each importing only from the ones below it: config, logging and compat (the one module touching
+third-party private names) -> ops -> families (model knowledge) -> modules and adjoint -> techniques
+(one module each) -> patch (the enable driver; the deprecated ``models`` re-export sits beside it) ->
+engine -> trainer (the Hugging Face Trainer integration) and the top-level package.
 The graph is read from the source with ``ast`` and counts EVERY import of a ds_longseq module: at
 the top, inside functions and under ``if TYPE_CHECKING:`` (a TYPE_CHECKING import of a sibling that
 imports the file back is a circle that only type annotations hide; the next runtime use of the
@@ -19,10 +21,11 @@ import ds_longseq
 
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
-    "config": 0, "logging": 0, "ops": 1, "modules": 2, "models": 3, "adjoint": 3, "patch": 4, "engine": 5, "trainer": 6
+    "config": 0, "logging": 0, "compat": 0, "ops": 1, "families": 2, "modules": 3, "adjoint": 3, "techniques": 4,
+    "patch": 5, "models": 5, "engine": 6, "trainer": 7,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
-TOP_RANK = 6  # ds_longseq/__init__.py: the public surface (it leaves the heavy ``trainer`` to be imported alone)
+TOP_RANK = 7  # ds_longseq/__init__.py: the public surface (it leaves the heavy ``trainer`` to be imported alone)
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -140,3 +143,30 @@ def test_a_circle_is_found_also_under_type_checking(guarded):
     assert find_cycle(graph) == ["pkg.attention", "pkg.sp", "pkg.attention"]
     del sources["pkg.attention"]
     assert find_cycle(import_graph({**sources, "pkg.attention": ("import torch\n", False)})) is None
+
+
+MOVED = [
+    ("ds_longseq.models.adapters", ["FAMILIES", "UnsupportedModelError", "get_adapter"], "ds_longseq.families"),
+    ("ds_longseq.models", ["SUPPORTED_MODEL_TYPES", "get_adapter"], "ds_longseq.families"),
+    ("ds_longseq.adjoint.stacks", ["ssm_stack", "HFAdjointForward"], "ds_longseq.families.ssm"),
+    ("ds_longseq.adjoint.model", ["ResidualSSMForCausalLM", "causal_lm_loss"], "ds_longseq.families.residual_ssm"),
+]
+
+
+def test_moved_modules_still_import_with_a_deprecation_warning():
+    """Public modules moved by the technique/family layout keep working for one release and say where to go;
+    importing the package itself warns about nothing (a fresh interpreter: nothing imported yet)."""
+    import subprocess
+    import sys
+
+    code = "import warnings; warnings.simplefilter('error', DeprecationWarning); import ds_longseq\n"
+    for old, _, _ in MOVED:
+        code += f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print(w)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    for new in ["ds_longseq.families", "ds_longseq.families.ssm", "ds_longseq.families.residual_ssm"]:
+        assert any(f"is deprecated: import from {new}" in line for line in lines), (new, lines)
+    for old, names, _ in MOVED:
+        module = __import__(old, fromlist=["_"])
+        assert all(hasattr(module, name) for name in names), old

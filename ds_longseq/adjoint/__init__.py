@@ -6,15 +6,18 @@ Public names:
         training forward to adjoint sharding).
     AdjointPlan, make_plan, adjoint_layer_backward: the gradient algorithm.
     split_layers: the layer split across ranks.
-    ssm_stack, SSMStack, MambaLayerMaps: the models adjoint sharding drives (ours, transformers' Mamba-1).
+    HFAdjointForward: the training forward installed on a transformers Mamba model.
+    ssm_stack, SSMStack, MambaLayerMaps: the models adjoint sharding drives (ours, transformers' Mamba-1/2),
+        re-exported from ``ds_longseq.families``, their home.
 
 See docs/ADJOINT.md for the math, what is exact, and the measured costs.
 """
 
 from ds_longseq.adjoint.distributed import split_layers
-from ds_longseq.adjoint.model import ResidualSSMForCausalLM, SelectiveSSMLayer, SSMConfig, SSMOutput
+from ds_longseq.adjoint.hf_forward import HFAdjointForward
 from ds_longseq.adjoint.sharding import AdjointPlan, adjoint_layer_backward, make_plan
-from ds_longseq.adjoint.stacks import MambaLayerMaps, SSMStack, ssm_stack
+from ds_longseq.families.residual_ssm import ResidualSSMForCausalLM, SelectiveSSMLayer, SSMConfig, SSMOutput
+from ds_longseq.families.ssm import MambaLayerMaps, SSMStack, ssm_stack
 
 __all__ = [
     "SSMConfig",
@@ -28,4 +31,5 @@ __all__ = [
     "ssm_stack",
     "SSMStack",
     "MambaLayerMaps",
+    "HFAdjointForward",
 ]

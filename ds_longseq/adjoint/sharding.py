@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_longseq.adjoint import distributed as comm
-from ds_longseq.adjoint.stacks import SSMStack, ssm_stack
+from ds_longseq.families.ssm import SSMStack, ssm_stack
 from ds_longseq.ops.chunk_grads import acc_dtype
 from ds_longseq.ops.linear_scan import adjoint_scan, linear_scan, truncated_adjoint
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, shift_causal_labels

@@ -9,6 +9,7 @@ from ds_longseq.engine.initialize import (
     split_config,
 )
 from ds_longseq.engine.sequence_parallel import (
+    data_parallel_rank_and_size,
     sequence_parallel_groups,
     sequence_parallel_rank_and_size,
     shard_batch,
@@ -22,6 +23,7 @@ __all__ = [
     "check_sequence_length",
     "MIN_DEEPSPEED_VERSION",
     "shard_batch",
+    "data_parallel_rank_and_size",
     "sequence_parallel_groups",
     "sequence_parallel_rank_and_size",
     "start_watchdog",

@@ -30,18 +30,29 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ds_longseq.compat import fix_zero3_sequence_parallel_average
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
 from ds_longseq.engine.watchdog import start_watchdog, started_by_launcher
 from ds_longseq.logging import get_logger, warn_once
-from ds_longseq.patch import enable, fix_zero3_sequence_parallel_average, get_config, is_enabled, mark_zero3_leaves
+from ds_longseq.patch import enable, get_config, is_enabled, mark_zero3_leaves
+from ds_longseq.techniques import active_techniques
 
-__all__ = ["initialize", "initialize_with", "split_config", "check_sequence_length", "MIN_DEEPSPEED_VERSION"]
+__all__ = [
+    "initialize",
+    "initialize_with",
+    "split_config",
+    "zero_stage",
+    "check_sequence_length",
+    "MIN_DEEPSPEED_VERSION",
+    "DEFAULT_DISTRIBUTED_PORT",
+]
 
 logger = get_logger(__name__)
 
 MIN_DEEPSPEED_VERSION = "0.19.8"
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_DISTRIBUTED_PORT = 29500  # deepspeed.initialize's own default, passed explicitly by the launcher-less paths
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -90,7 +101,7 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
         long_seq = LongSeqConfig.from_dict(ds_config.pop("long_seq", None))
     except LongSeqConfigError as err:
         problems.extend(err.problems)
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds_config)
     if stage not in SUPPORTED_ZERO_STAGES:
         problems.append(f"zero_optimization.stage={stage!r} is not supported: use one of {SUPPORTED_ZERO_STAGES}")
     # DeepSpeed's own top-level key and ours name the same thing: either turns it on, both must agree.
@@ -115,9 +126,16 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
                 "data_parallel_size is set: with sequence parallelism ds_longseq builds DeepSpeed's groups "
                 "(world / sequence_parallel_size data-parallel replicas); remove data_parallel_size"
             )
+    if long_seq is not None and stage in SUPPORTED_ZERO_STAGES:
+        problems.extend(p for t in active_techniques(long_seq) for p in t.engine_problems(long_seq, stage))
     if problems:
         raise LongSeqConfigError(problems)
     return ds_config, long_seq
+
+
+def zero_stage(ds_config: Mapping[str, Any]) -> int:
+    """The ZeRO stage a DeepSpeed config selects (0 when it has no ``zero_optimization`` section)."""
+    return ds_config.get("zero_optimization", {}).get("stage", 0)
 
 
 def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
@@ -204,28 +222,19 @@ def initialize_with(
     if config is None:
         raise ValueError("ds_longseq.engine.initialize needs a DeepSpeed config: pass config= (path or dict)")
     ds_config, long_seq = split_config(config)
-    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds_config)
     sp_group = None
+    if long_seq.sequence_parallel.enabled and mpu is not None:
+        raise ValueError(
+            "ds_longseq.engine.initialize builds DeepSpeed's sequence-parallel groups itself "
+            "(long_seq.sequence_parallel / sequence_parallel_size): do not pass mpu="
+        )
+    port = distributed_port if distributed_port is not None else DEFAULT_DISTRIBUTED_PORT
+    if any(t.needs_process_group for t in active_techniques(long_seq)) and not torch.distributed.is_initialized():
+        deepspeed.init_distributed(distributed_port=port)  # before enable, which reads the world / the groups
     if long_seq.sequence_parallel.enabled:
-        if mpu is not None:
-            raise ValueError(
-                "ds_longseq.engine.initialize builds DeepSpeed's sequence-parallel groups itself "
-                "(long_seq.sequence_parallel / sequence_parallel_size): do not pass mpu="
-            )
-        if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(distributed_port=distributed_port if distributed_port is not None else 29500)
         mpu = sequence_parallel_groups(long_seq.sequence_parallel.size)
         sp_group = mpu.get_sequence_parallel_group()
-    if long_seq.adjoint.enabled:
-        if zero_stage == 3:
-            raise ValueError(
-                "long_seq.adjoint with ZeRO stage 3: each rank already holds only its own layers' activations "
-                "and computes only their gradients, and the adjoint backward reads whole layer weights; use "
-                "zero_optimization.stage 0, 1 or 2 (ZeRO-2 partitions the optimizer states and gradients)"
-            )
-        if not torch.distributed.is_initialized():
-            # before enable: the layer split is over the world
-            deepspeed.init_distributed(distributed_port=distributed_port if distributed_port is not None else 29500)
     if is_enabled(model):
         if get_config(model) != long_seq:
             raise ValueError(
@@ -234,7 +243,7 @@ def initialize_with(
             )
     elif long_seq.any_enabled:
         enable(model, long_seq, sp_group=sp_group)
-    if long_seq.any_enabled and zero_stage == 3:
+    if long_seq.any_enabled and stage == 3:
         mark_zero3_leaves(model)
     outputs = ds_initialize(
         args=args,
@@ -243,14 +252,14 @@ def initialize_with(
         model_parameters=model_parameters,
         training_data=training_data,
         lr_scheduler=lr_scheduler,
-        distributed_port=distributed_port if distributed_port is not None else 29500,
+        distributed_port=port,
         mpu=mpu,
         dist_init_required=dist_init_required,
         collate_fn=collate_fn,
         config=ds_config,
         **kwargs,
     )
-    if long_seq.sequence_parallel.enabled and zero_stage == 3:
+    if long_seq.sequence_parallel.enabled and stage == 3:
         fix_zero3_sequence_parallel_average(outputs[0].optimizer, long_seq.sequence_parallel.size)
     if long_seq.watchdog.enabled and started_by_launcher():
         # After deepspeed.initialize, which started the process group: a collective on every rank.

@@ -19,9 +19,10 @@ from typing import Any, Mapping
 
 import torch
 
-from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts, mask_document_starts
+from ds_longseq.compat import deepspeed_sp_group
+from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
 
-__all__ = ["shard_batch", "sequence_parallel_groups", "sequence_parallel_rank_and_size"]
+__all__ = ["data_parallel_rank_and_size", "shard_batch", "sequence_parallel_groups", "sequence_parallel_rank_and_size"]
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
 SHARDED_KEYS = frozenset(_SEQ_KEYS) | frozenset(PACKED_KWARGS)
@@ -42,7 +43,7 @@ def sequence_parallel_groups(size: int):
             f"sequence_parallel size {size} does not divide the world size {world}: launch a multiple of {size} "
             f"ranks, or pick a size that divides {world}"
         )
-    if mpu._SEQUENCE_PARALLEL_GROUP is None:
+    if deepspeed_sp_group() is None:
         mpu.initialize_sequence_parallel(sequence_parallel_size=size)
     elif mpu.get_sequence_parallel_world_size() != size:
         raise ValueError(
@@ -52,11 +53,24 @@ def sequence_parallel_groups(size: int):
     return mpu
 
 
+def data_parallel_rank_and_size(sp_size: int, rank: int | None = None, world: int | None = None) -> tuple[int, int]:
+    """(this rank's data-parallel replica, number of replicas) when every ``sp_size`` consecutive ranks share a
+    sequence: replicas are ``world / sp_size`` groups of consecutive ranks (DeepSpeed's ``parallel_state_sp``
+    layout). ``rank`` / ``world`` default to torch.distributed's (0 / 1 without a process group)."""
+    import torch.distributed as dist
+
+    if rank is None or world is None:
+        initialized = dist.is_initialized()
+        rank = (dist.get_rank() if initialized else 0) if rank is None else rank
+        world = (dist.get_world_size() if initialized else 1) if world is None else world
+    return rank // sp_size, world // sp_size
+
+
 def sequence_parallel_rank_and_size() -> tuple[int, int]:
     """(rank in the sequence-parallel group, group size) from DeepSpeed's groups; (0, 1) if there are none."""
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
 
-    if mpu._SEQUENCE_PARALLEL_GROUP is None:
+    if deepspeed_sp_group() is None:
         return 0, 1
     return mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_world_size()
 
@@ -120,9 +134,10 @@ def shard_batch(
         pos = torch.as_tensor(batch["position_ids"])
         if pos.dim() != 2 or pos.shape[-1] != T or pos.shape[0] not in (1, B):
             raise ValueError(f"position_ids has shape {tuple(pos.shape)}, expected (1 or {B}, {T})")
-    doc_start = doc_starts(pos, out.get("attention_mask"), B, T, batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k"))
-    if doc_start is not None and pos is None:  # the varlen form: restarting positions carry it across ranks
-        pos = torch.arange(T, device=doc_start.device) - doc_start
+    # the varlen form becomes restarting positions, which carry the documents across ranks
+    doc_start, pos = find_documents(
+        pos, out.get("attention_mask"), B, T, batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    )
     if "labels" in batch:
         labels = mask_document_starts(torch.as_tensor(batch["labels"]), doc_start, ignore_index)
         out["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((B, 1), ignore_index)], dim=1)

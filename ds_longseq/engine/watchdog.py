@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from ds_longseq.compat import default_process_group, default_store
+
 __all__ = ["PeerWatch", "RankInfo", "start_watchdog", "active_watch", "started_by_launcher", "PEER_GONE_EXIT_CODE"]
 
 PEER_GONE_EXIT_CODE = 75
@@ -129,7 +131,7 @@ class PeerWatch:
         self._failed = False
         self._prev_excepthook = None
         self._prev_sigterm = None
-        self._group = _default_group()
+        self._group = default_process_group()
 
     # -- keys ------------------------------------------------------------------------------------
 
@@ -320,15 +322,9 @@ class PeerWatch:
 _ACTIVE: PeerWatch | None = None
 
 
-def _default_group():
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-
-
 def _same_group(group) -> bool:
     """Whether ``group`` is still this process's default process group (not destroyed or replaced)."""
-    return group is not None and _default_group() is group
+    return group is not None and default_process_group() is group
 
 
 def active_watch() -> PeerWatch | None:
@@ -353,7 +349,7 @@ def start_watchdog(heartbeat_s: float = 1.0, peer_timeout_s: float = 120.0, cens
             return _ACTIVE
         _ACTIVE.stop(clean=False)  # the group it watched was destroyed: watch the new one
         _ACTIVE = None
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store

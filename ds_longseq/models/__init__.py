@@ -1,4 +1,4 @@
-"""Model adapters: supported architectures and their checks."""
+"""Deprecated: moved to ``ds_longseq.families``; this re-export goes in the next release."""
 
 from ds_longseq.models.adapters import SUPPORTED_MODEL_TYPES, DecoderLMAdapter, UnsupportedModelError, get_adapter
 

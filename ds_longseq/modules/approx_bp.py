@@ -8,7 +8,7 @@ Holds:
         (``nn.Linear``, a PEFT LoRA layer around one, a router or expert weight tensor).
     fold_norm: the fold itself (Approx-BP paper Eqn. (17)): ``W~ = W diag(alpha)``, ``b~ = W beta + b``.
 
-Activation classes by kind (``ACTIVATION_KINDS``) are data here, not scattered checks.
+Activation classes by kind (``ACTIVATION_KINDS``) are family data (``ds_longseq.families``), not scattered checks.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from ds_longseq.compat import is_zero3_partitioned
+from ds_longseq.families.decoder import ACTIVATION_KINDS  # re-exported: it was defined here
 from ds_longseq.ops.approx_bp import StepDerivative, approx_activation, ms_layer_norm, ms_rms_norm
 
 __all__ = [
@@ -29,18 +31,6 @@ __all__ = [
     "fold_targets",
     "fold_norm",
 ]
-
-ACTIVATION_KINDS: dict[str, str] = {
-    "SiLUActivation": "silu",  # transformers' ACT2FN["silu"]
-    "SiLU": "silu",  # torch.nn.SiLU (ACT2FN["swish"])
-    "GELUActivation": "gelu",  # erf GELU
-    "GELU": "gelu",  # torch.nn.GELU, either form
-    "GELUTanh": "gelu",  # ACT2FN["gelu_pytorch_tanh"] (Gemma)
-    "PytorchGELUTanh": "gelu",
-    "NewGELUActivation": "gelu",  # the tanh formula in Python (GPT-2's gelu_new)
-}
-"""Activation module class name -> the stock function it computes (what the step derivative approximates)."""
-
 
 class FoldError(ValueError):
     """A norm's affine parameters cannot be folded into the layers after it without changing the model."""
@@ -86,7 +76,7 @@ class MSNormForward:
         return tuple(t._version for _, t, _ in self._affine())
 
     def _check_unchanged(self) -> None:
-        if any(hasattr(t, "ds_id") for _, t, _ in self._affine()):
+        if any(is_zero3_partitioned(t) for _, t, _ in self._affine()):
             return
         versions = self._current_versions()
         if versions == self._versions:

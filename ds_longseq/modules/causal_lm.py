@@ -1,7 +1,10 @@
-"""Forward of a ``*ForCausalLM`` whose loss is computed by the chunked LM head.
+"""Forward of a ``*ForCausalLM`` under ds_longseq: the loss path, and the dispatch to the per-token path.
 
 Holds:
-    CausalLMForward: the callable installed as the model instance's ``forward``.
+    CausalLMForward: the callable installed as the model instance's ``forward``: finds packed documents
+        once per forward (``ops.packing.find_documents``), computes the loss (chunked head, or the stock
+        head's logits under sequence parallelism, with the mixture-of-experts auxiliary loss), and hands
+        per-token and TRL fused-head calls to ``modules.token_outputs``.
     LMHeadLossForward: the callable installed as the LM head's ``forward``: logits, or with
         ``targets=`` the chunked (loss_sum, num_valid) or per-token log-probs. Going through the
         head module's own call lets DeepSpeed ZeRO-3's module hooks gather its weight once per
@@ -13,7 +16,7 @@ log p(labels[b, t + 1] | tokens <= t)`` at positions whose next label is not -10
 loss would use, shifted as the loss shifts them), the input of DPO / GRPO objectives.
 
 ``model(..., labels=labels, fused_lm_head=True)`` is TRL's fused-LM-head call (TRL >= 1.16, its
-``add_fused_lm_head``): it returns a :class:`FusedLMHeadOutput` with TRL's field names, computed by
+``add_fused_lm_head``): it returns a ``token_outputs.FusedLMHeadOutput`` with TRL's field names, computed by
 the chunked head, so TRL's trainers get ds_longseq's head, chunk size and sequence-parallel
 handling. What TRL configured when it added its head (the temperature, the per-token fields its
 trainer reads, ``cast_lm_head_to_fp32``) is set with :meth:`CausalLMForward.configure_fused_head`
@@ -22,111 +25,30 @@ trainer reads, ``cast_lm_head_to_fp32``) is set with :meth:`CausalLMForward.conf
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput, MoeCausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
-from ds_longseq.ops.lm_head_loss import (
-    TokenHeadOutputs,
-    chunked_lm_head_loss,
-    chunked_token_outputs,
-    shift_causal_labels,
-    softcap_logits,
+from ds_longseq.modules.token_outputs import (  # re-exported: they were defined here
+    FUSED_HEAD_OUTPUTS,
+    FusedHeadSettings,
+    FusedLMHeadOutput,
+    TokenOutputs,
+    check_token_outputs_call,
 )
+from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, chunked_token_outputs, shift_causal_labels, softcap_logits
 from ds_longseq.ops.objectives import TokenLogprobs
-from ds_longseq.ops.packing import doc_starts, mask_document_starts
+from ds_longseq.ops.packing import find_documents, mask_document_starts
 
 if TYPE_CHECKING:
     from ds_longseq.modules.sequence_parallel import SequenceParallel
 
 __all__ = ["CausalLMForward", "LMHeadLossForward", "FusedLMHeadOutput", "FusedHeadSettings", "FUSED_HEAD_OUTPUTS"]
-
-FUSED_HEAD_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-"""The per-token fields of TRL's fused head (``add_fused_lm_head(outputs=...)``) ds_longseq computes."""
-
-# TRL's field names -> the chunked head's (``ops.lm_head_loss.TOKEN_HEAD_OUTPUTS``)
-_HEAD_OUTPUT_NAMES = {"entropy": "entropy", "is_top1": "top1", "mean_logits": "mean_logits",
-                      "log_sum_sq_probs": "log_sum_sq_probs"}
-
-
-@dataclass(frozen=True)
-class FusedHeadSettings:
-    """What a fused-LM-head call computes: TRL's ``add_fused_lm_head`` arguments.
-
-    Attributes:
-        temperature: the logits (after the final-logit softcap) are divided by it before the softmax;
-            every field, the loss and the gradients are those of the scaled distribution.
-        outputs: the per-token fields of :data:`FUSED_HEAD_OUTPUTS` to compute (``log_probs`` always is;
-            the others are None when not listed, as in TRL).
-        cast_lm_head_to_fp32: project the final hidden states through the head in float32, outside
-            autocast (GRPO's ``cast_lm_head_to_fp32``).
-    """
-
-    temperature: float = 1.0
-    outputs: tuple[str, ...] = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer reads
-    cast_lm_head_to_fp32: bool = False
-
-    def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
-            self.temperature > 0
-        ):
-            raise ValueError(f"fused LM head temperature must be a positive number, got {self.temperature!r}")
-        if isinstance(self.outputs, str):
-            raise ValueError(f"fused LM head outputs must be a tuple of field names, got the string {self.outputs!r}")
-        unknown = [name for name in self.outputs if name not in FUSED_HEAD_OUTPUTS]
-        if unknown:
-            raise ValueError(
-                f"fused LM head outputs {unknown} not computed by ds_longseq: choose among {list(FUSED_HEAD_OUTPUTS)}"
-            )
-        object.__setattr__(self, "temperature", float(self.temperature))
-        object.__setattr__(self, "outputs", tuple(self.outputs))
-
-    @property
-    def head_outputs(self) -> tuple[str, ...]:
-        """The requested optional fields under the chunked head's names."""
-        return tuple(_HEAD_OUTPUT_NAMES[name] for name in self.outputs if name != "log_probs")
-
-
-@dataclass
-class FusedLMHeadOutput(ModelOutput):
-    """What TRL's fused-LM-head call (``fused_lm_head=True``) returns, field for field.
-
-    Shapes: (B, T - 1) with ``labels`` (shifted as the loss shifts them), (B, T) with pre-shifted
-    ``shift_labels``; every per-token field is 0 / False where the label is ignored.
-
-    Attributes:
-        loss: the mean negative log-likelihood (over ``num_items_in_batch`` when given, else the
-            valid tokens; the group's under sequence parallelism), plus the weighted MoE
-            load-balancing loss when router logits are requested.
-        log_probs: log-probability of each next-token label, differentiable.
-        entropy: entropy of each next-token distribution, differentiable.
-        is_top1: whether the label has the largest logit.
-        label_mask: whether the label is valid.
-        aux_loss: the MoE load-balancing loss, when requested.
-        log_sum_sq_probs: log sum_v p_v^2 of each next-token distribution, no gradient.
-        mean_logits: mean over the vocabulary of each position's logits (after the final-logit
-            softcap, divided by the temperature), no gradient.
-
-    ``entropy``, ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` are computed when requested
-    (:class:`FusedHeadSettings` ``outputs``, as TRL's ``add_fused_lm_head(outputs=...)``), else None.
-    Every field and the loss are those of the temperature-scaled distribution.
-    """
-
-    loss: torch.Tensor | None = None
-    log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    log_sum_sq_probs: torch.Tensor | None = None
-    mean_logits: torch.Tensor | None = None
-    is_top1: torch.Tensor | None = None
-    label_mask: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
 
 
 class LMHeadLossForward:
@@ -199,10 +121,10 @@ class CausalLMForward:
         self.config = config
         self.sp = sp
         self.final_logit_softcap = final_logit_softcap
-        # where the family keeps them (models/adapters.py); the stock layout by default
+        # where the family keeps them (families/decoder.py); the stock layout by default
         self.decoder = model.model if decoder is None else decoder
         self.head = model.lm_head if head is None else head
-        self.fused_head = FusedHeadSettings()
+        self.token_outputs = TokenOutputs(self.head, config.lm_head.enabled, final_logit_softcap)
 
     def configure_fused_head(
         self,
@@ -218,8 +140,14 @@ class CausalLMForward:
         Raises:
             ValueError: a non-positive temperature or an output ds_longseq does not compute.
         """
-        self.fused_head = FusedHeadSettings(temperature, tuple(outputs), bool(cast_lm_head_to_fp32))
-        return self.fused_head
+        settings = FusedHeadSettings(temperature, tuple(outputs), bool(cast_lm_head_to_fp32))
+        self.token_outputs.settings = settings
+        return settings
+
+    @property
+    def fused_head(self) -> FusedHeadSettings:
+        """What TRL's fused-head calls compute on this model (set by :meth:`configure_fused_head`)."""
+        return self.token_outputs.settings
 
     @property
     def active_sp(self) -> "SequenceParallel | None":
@@ -273,7 +201,7 @@ class CausalLMForward:
             use_cache = False
         wants_loss = labels is not None or (sp is not None and kwargs.get("shift_labels") is not None)
         if per_token:
-            _check_token_logprobs_call(generating, wants_loss)
+            check_token_outputs_call(generating, wants_loss)
         elif generating or not wants_loss or (not self.config.lm_head.enabled and sp is None):
             return self.orig_forward(
                 input_ids=input_ids,
@@ -316,9 +244,12 @@ class CausalLMForward:
         hidden = outputs.last_hidden_state
         if fused:
             aux = self._router_aux_loss(outputs, attention_mask) if router_aux else None
-            return self._fused_output(hidden, targets, ignore_index, num_items_in_batch, shift_labels is None, aux)
+            # no valid token: a finite 0 as TRL's own head gives, not 0 / 0
+            mean = lambda total, valid: self._token_mean(total, valid, num_items_in_batch, empty_is_zero=True)
+            coef = self.model.router_aux_loss_coef if aux is not None else 0.0
+            return self.token_outputs.fused(hidden, targets, ignore_index, shift_labels is None, mean, aux, coef)
         if per_token:
-            out = self._per_token(hidden, targets, ignore_index, ("entropy",) if want_entropy else ())
+            out = self.token_outputs.per_token(hidden, targets, ignore_index, ("entropy",) if want_entropy else ())
             return TokenLogprobs(out.log_probs, out.mask, out.entropy, group=None if sp is None else sp.group)
         logits = None
         if self.config.lm_head.enabled:
@@ -346,57 +277,6 @@ class CausalLMForward:
                 attentions=outputs.attentions,
             )
         return output.to_tuple() if return_dict is False else output
-
-    def _per_token(self, hidden, targets, ignore_index: int, outputs: tuple[str, ...], temperature: float = 1.0):
-        """``TokenHeadOutputs`` of ``targets``, (B, T) each, with the ``outputs`` requested (names of
-        ``ops.lm_head_loss.TOKEN_HEAD_OUTPUTS``): chunked, or from the stock head's logits."""
-        if self.config.lm_head.enabled:
-            return self.head(hidden, targets=targets, ignore_index=ignore_index, per_token=True, outputs=outputs,
-                             temperature=temperature)
-        # the stock head: (B, T, V) logits, as the user configured
-        logits = self.head(hidden)
-        if self.final_logit_softcap is not None:
-            logits = softcap_logits(logits, self.final_logit_softcap)
-        targets = targets.to(logits.device)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if temperature != 1.0:
-            logits = logits / temperature
-        log_p = torch.log_softmax(logits, dim=-1)
-        mask = targets != ignore_index
-        index = targets.clamp_min(0).unsqueeze(-1)
-        logps = log_p.gather(-1, index).squeeze(-1) * mask
-        ent = -(log_p.exp() * log_p).sum(-1) * mask if "entropy" in outputs else None
-        hit = None
-        if "top1" in outputs:
-            hit = (logits.gather(-1, index).squeeze(-1) >= logits.amax(dim=-1)) & mask
-        with torch.no_grad():  # statistics without gradient, as TRL's
-            mean = logits.mean(-1) * mask if "mean_logits" in outputs else None
-            sq = None
-            if "log_sum_sq_probs" in outputs:
-                sq = (torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1)) * mask
-        return TokenHeadOutputs(logps, mask, ent, hit, mean, sq)
-
-    def _fused_output(self, hidden, targets, ignore_index: int, num_items_in_batch, trim: bool, aux_loss):
-        """TRL's fused-LM-head output, as :attr:`fused_head` configures it. ``trim``: the targets came
-        from unshifted ``labels``, so the last position (never a target) is dropped, as TRL's own
-        head returns (B, T - 1)."""
-        if trim:
-            hidden, targets = hidden[:, :-1], targets[:, :-1]
-        settings = self.fused_head
-        precision = contextlib.nullcontext()
-        if settings.cast_lm_head_to_fp32:  # as TRL's head: float32 projection outside autocast
-            hidden = hidden.float()
-            precision = torch.autocast(hidden.device.type, enabled=False)
-        with precision:
-            out = self._per_token(hidden, targets, ignore_index, settings.head_outputs, settings.temperature)
-        # no valid token: a finite 0 as TRL's own head gives, not 0 / 0
-        loss = self._token_mean(-out.log_probs.sum(), out.mask.sum(), num_items_in_batch, empty_is_zero=True)
-        if aux_loss is not None:
-            loss = loss + self.model.router_aux_loss_coef * aux_loss.to(loss.device)
-        return FusedLMHeadOutput(
-            loss=loss, log_probs=out.log_probs, entropy=out.entropy, log_sum_sq_probs=out.log_sum_sq_probs,
-            mean_logits=out.mean_logits, is_top1=out.top1, label_mask=out.mask, aux_loss=aux_loss,
-        )
 
     def _token_mean(self, loss_sum, num_valid, num_items_in_batch, empty_is_zero: bool = False) -> torch.Tensor:
         """``loss_sum`` over ``num_items_in_batch`` when given, else over ``num_valid`` (at least 1 with
@@ -449,31 +329,11 @@ class CausalLMForward:
         )
 
     def _documents(self, position_ids, attention_mask, input_ids, inputs_embeds, kwargs):
-        """(doc_start (B, T) or None, position ids to run with) of a packed batch, validated (clear errors).
+        """(doc_start (B, T) or None, position ids to run with) of a packed batch (``ops.packing.find_documents``).
 
-        Without ``position_ids``, restarting ones are derived from ``cu_seq_lens_*``: transformers' own
-        attention (the paths ds_longseq leaves stock) recognises documents only from them, and RoPE is
-        relative, so a document's attention is the same at any offset. Labels are masked by the caller
-        at each document's first token, so no target crosses a boundary. Under sequence parallelism
-        ``engine.shard_batch`` does this on the whole sequence instead.
+        Labels are masked by the caller at each document's first token, so no target crosses a boundary.
+        Under sequence parallelism ``engine.shard_batch`` does this on the whole sequence instead.
         """
         B, T = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        doc_start = doc_starts(
-            position_ids, attention_mask, B, T, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        )
-        if doc_start is not None and position_ids is None:
-            position_ids = torch.arange(T, device=doc_start.device) - doc_start
-        return doc_start, position_ids
-
-
-def _check_token_logprobs_call(generating: bool, has_targets: bool) -> None:
-    if generating:
-        raise ValueError(
-            "return_token_logprobs with a KV cache (past_key_values / use_cache=True): log-probs are for training "
-            "and scoring; pass use_cache=False"
-        )
-    if not has_targets:
-        raise ValueError(
-            "return_token_logprobs needs the targets: pass labels= (shift_labels= under sequence parallelism) with "
-            "-100 where no log-prob is wanted (the prompt, padding)"
-        )
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        return find_documents(position_ids, attention_mask, B, T, cu_q, cu_k)

@@ -22,7 +22,7 @@ from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_l
 from ds_longseq.modules.replay import check_no_active_dropout
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
-from ds_longseq.ops.packing import PACKED_KWARGS, doc_starts
+from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
 from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class StreamBPLayerForward:
             doc_start = outer_spec.doc_start
         else:  # a caller that bypasses CausalLMForward (model.model(...) directly): found per layer
             B, T = hidden_states.shape[:2]
-            doc_start = doc_starts(
+            doc_start, _ = find_documents(
                 position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
             )
         check_zero3_leaf(layer)

@@ -25,9 +25,10 @@ from typing import Any, Callable
 
 import torch
 
+from ds_longseq.compat import output_collector
+
 __all__ = [
     "RouterTap",
-    "check_output_capturing",
     "router_logits_requested",
     "collection_paused",
     "record_router_logits",
@@ -36,38 +37,16 @@ __all__ = [
 _KEY = "router_logits"
 
 
-def _collector_var():
-    # transformers' per-forward collector of recorded outputs (a ContextVar wrapper): private API,
-    # checked at enable() (check_output_capturing) so a transformers that moved it fails there, clearly.
-    from transformers.utils.output_capturing import _active_collector
-
-    return _active_collector
-
-
-def check_output_capturing() -> None:
-    """Raise ImportError naming the problem if transformers' output capturing is not where we read it."""
-    try:
-        var = _collector_var()
-    except ImportError as e:
-        raise ImportError(
-            "ds_longseq's mixture-of-experts support reads transformers.utils.output_capturing._active_collector "
-            "(transformers >= 5), which this transformers lacks: upgrade transformers"
-        ) from e
-    for name in ("get", "set", "reset"):
-        if not callable(getattr(var, name, None)):
-            raise ImportError(f"transformers' output collector has no {name}(): upgrade ds_longseq or transformers")
-
-
 def router_logits_requested() -> bool:
     """Whether the running model forward collects router logits (``output_router_logits``)."""
-    collected = _collector_var().get()
+    collected = output_collector().get()
     return collected is not None and _KEY in collected
 
 
 @contextmanager
 def collection_paused():
     """No output recording inside: per-chunk router calls must not be recorded as layers."""
-    var = _collector_var()
+    var = output_collector()
     token = var.set(None)
     try:
         yield
@@ -77,7 +56,7 @@ def collection_paused():
 
 def record_router_logits(logits: torch.Tensor) -> None:
     """Record one layer's whole (B*T, E) router logits, as the stock router's hook would have."""
-    collected = _collector_var().get()
+    collected = output_collector().get()
     if collected is not None and _KEY in collected:
         collected[_KEY].append(logits)
 

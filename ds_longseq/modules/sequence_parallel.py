@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, ShardContext
-from ds_longseq.ops.packing import doc_starts
+from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["SequenceParallel", "SequenceParallelForwardHook"]
@@ -106,7 +106,7 @@ class SequenceParallel:
         key_valid = gathered[0].bool()
         # As in one process: positions that restart with no attention_mask mark packed documents,
         # found on the GLOBAL positions, so a document may span ranks.
-        doc_start = doc_starts(
+        doc_start, _ = find_documents(
             gathered[1], None if attention_mask is None else key_valid, batch_size, gathered.shape[-1]
         )
         if bool(key_valid.all()):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ds_longseq.compat import Z3_LEAF_ATTR, is_zero3_partitioned
+
 __all__ = ["check_zero3_leaf"]
 
 
@@ -19,9 +21,9 @@ def check_zero3_leaf(module: torch.nn.Module) -> None:
     ``deepspeed.initialize``) DeepSpeed releases their weights between chunks and the backward
     fails deep inside DeepSpeed ("invalid gradient ... expected shape compatible with [0]").
     """
-    if getattr(module, "_z3_leaf", False):
+    if getattr(module, Z3_LEAF_ATTR, False):
         return
-    if any(hasattr(p, "ds_id") for p in module.parameters(recurse=True)):
+    if any(is_zero3_partitioned(p) for p in module.parameters(recurse=True)):
         raise RuntimeError(
             f"{type(module).__name__} has DeepSpeed ZeRO-3 partitioned weights but was not marked as a ZeRO-3 "
             "leaf module: create the engine with ds_longseq.engine.initialize(...), or call "

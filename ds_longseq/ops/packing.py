@@ -1,6 +1,9 @@
 """Packed documents: several documents in one row, recognised from the two forms collators send.
 
 Holds:
+    find_documents: the one entry point every caller uses (the model forward, a decoder layer called
+        directly, the sequence-parallel hook on the gathered positions, ``engine.shard_batch``): the
+        document starts and the position ids to run with.
     doc_starts: (B, T) index of each token's document start, from restarting ``position_ids`` (TRL's
         ``padding_free`` / ``packing``) or from ``cu_seq_lens_q/k`` (transformers'
         ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), validated.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["doc_starts", "mask_document_starts", "PACKED_KWARGS"]
+__all__ = ["find_documents", "doc_starts", "mask_document_starts", "PACKED_KWARGS"]
 
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """The flash-attention varlen kwargs of transformers' flattening collator."""
@@ -61,6 +64,27 @@ def _starts_from_cu_seqlens(cu_q, cu_k, B: int, T: int, device) -> torch.Tensor:
     starts = starts.view(B, T)
     starts[:, 0] = True  # a row boundary always ends a document
     return starts.to(device)
+
+
+def find_documents(
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    seq_len: int,
+    cu_seq_lens_q=None,
+    cu_seq_lens_k=None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(doc_start (B, T) or None, position ids to run with) of a batch, validated (see :func:`doc_starts`).
+
+    Without ``position_ids``, restarting ones are derived from ``cu_seq_lens_*``: transformers' own
+    attention recognises documents only from them, sequence parallelism carries them across ranks, and
+    RoPE is relative, so a document's attention is the same at any offset. Otherwise ``position_ids`` are
+    returned as given.
+    """
+    doc_start = doc_starts(position_ids, attention_mask, batch_size, seq_len, cu_seq_lens_q, cu_seq_lens_k)
+    if doc_start is not None and position_ids is None:
+        position_ids = torch.arange(seq_len, device=doc_start.device) - doc_start
+    return doc_start, position_ids
 
 
 def doc_starts(

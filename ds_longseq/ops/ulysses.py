@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_longseq.compat import dim_zero_all_to_all
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 
 __all__ = ["UlyssesExchange", "ulysses_attention", "ulysses_chunk_attention"]
@@ -31,10 +32,9 @@ __all__ = ["UlyssesExchange", "ulysses_attention", "ulysses_chunk_attention"]
 
 def _all_to_all():
     try:
-        from deepspeed.sequence.layer import _dim_zero_all_to_all, register_all_to_all_group
+        return dim_zero_all_to_all()
     except ImportError as err:  # pragma: no cover - deepspeed is an install requirement
         raise ImportError("sequence parallelism needs DeepSpeed: pip install 'deepspeed>=0.19.8'") from err
-    return _dim_zero_all_to_all, register_all_to_all_group
 
 
 class UlyssesExchange:

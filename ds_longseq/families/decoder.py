@@ -1,0 +1,268 @@
+"""Decoder families: which Hugging Face causal LMs ds_longseq knows and where their parts live.
+
+Holds:
+    FamilySpec, FAMILIES: what differs between the known decoder families (one spec each).
+    SUPPORTED_MODEL_TYPES: model_type -> ForCausalLM class name.
+    UnsupportedModelError: raised before compute for a model (or setting) ds_longseq cannot run exactly.
+    DecoderLMAdapter / decoder_adapter: access to layers, MLPs, routers, activations, norms and LM head,
+        and the structural checks every technique relies on.
+    ACTIVATION_KINDS, norm_kind: activation and norm classes by the function they compute.
+
+A spec names where a family's parts are (decoder stack, layers, MLP, router, LM head; every
+known family uses the stock ``model.model.layers[i].mlp`` / ``model.lm_head`` layout, whose
+attention modules write K/V through ``past_key_values.update``) and what else is family-specific:
+its dropout and MLP-noise fields, its final-logit softcap, its mixture-of-experts block, the norms
+Approx-BP can fold. A family joins :data:`FAMILIES` once a test compares it against the stock model.
+What each technique requires of a family is checked by that technique (``ds_longseq.techniques``),
+reading these facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FamilySpec",
+    "FAMILIES",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "DecoderLMAdapter",
+    "decoder_adapter",
+    "norm_kind",
+    "ACTIVATION_KINDS",
+]
+
+ACTIVATION_KINDS: dict[str, str] = {
+    "SiLUActivation": "silu",  # transformers' ACT2FN["silu"]
+    "SiLU": "silu",  # torch.nn.SiLU (ACT2FN["swish"])
+    "GELUActivation": "gelu",  # erf GELU
+    "GELU": "gelu",  # torch.nn.GELU, either form
+    "GELUTanh": "gelu",  # ACT2FN["gelu_pytorch_tanh"] (Gemma)
+    "PytorchGELUTanh": "gelu",
+    "NewGELUActivation": "gelu",  # the tanh formula in Python (GPT-2's gelu_new)
+}
+"""Activation module class name -> the stock function it computes (what Approx-BP's step derivative approximates)."""
+
+
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_LLAMA_NORM_FOLDS = (
+    ("input_layernorm", _QKV),
+    ("post_attention_layernorm", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+)
+_QK_NORMS = (
+    ("self_attn.q_norm", "normalises each head's query before RoPE, not the input of a linear layer"),
+    ("self_attn.k_norm", "normalises each head's key before RoPE, not the input of a linear layer"),
+)
+_POST_NORMS = (
+    ("post_attention_layernorm", "normalises the attention output before the residual add, not a linear layer's input"),
+    ("post_feedforward_layernorm", "normalises the MLP output before the residual add, not a linear layer's input"),
+)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What ds_longseq must know about one model family beyond the shared layout."""
+
+    causal_lm_class: str
+    """The ``*ForCausalLM`` class name transformers gives this ``model_type``."""
+    decoder_attr: str = "model"
+    """Attribute of the ``*ForCausalLM`` holding the decoder stack (embeddings, layers, final norm)."""
+    layers_attr: str = "layers"
+    """Attribute of the decoder stack holding the decoder layers (an ``nn.ModuleList``); each layer's
+    attention module is ``self_attn`` and writes its K/V through ``past_key_values.update``."""
+    mlp_attr: str = "mlp"
+    """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block)."""
+    lm_head_attr: str = "lm_head"
+    """Attribute of the ``*ForCausalLM`` holding the LM head (an ``nn.Linear``)."""
+    dropout_fields: tuple[str, ...] = ("attention_dropout",)
+    """Config fields that are dropout probabilities inside a decoder layer: StreamBP replays chunks
+    and cannot redraw the same masks, so each must be 0 under it."""
+    final_logit_softcap_field: str | None = None
+    """Config field of a final-logit softcap (``cap * tanh(logits / cap)`` after the LM head) that the
+    chunked LM head must apply, or None."""
+    moe_block_class: str | None = None
+    """Class name of the family's mixture-of-experts block (a layer's MLP); layers whose MLP is
+    another class are dense. None for dense families."""
+    router_attr: str = "gate"
+    """Attribute of the mixture-of-experts block holding its router, whose output is
+    ``(router_logits (N, E), ...)``."""
+    mlp_noise_fields: tuple[str, ...] = ()
+    """Config fields of random noise inside the MLP (router jitter): StreamBP and mini_seq both
+    recompute the MLP in backward and cannot redraw it, so each must be 0 under either."""
+    norm_folds: tuple[tuple[str, tuple[str, ...]], ...] = _LLAMA_NORM_FOLDS
+    """Per decoder layer, each norm that only feeds linear maps and those maps' weights (paths inside
+    the layer; in-features on the weight's last dim): what ``approx_bp.norm`` folds. The final norm
+    folds into the LM head."""
+    unfoldable_norms: tuple[tuple[str, str], ...] = ()
+    """Norms inside a decoder layer that ``approx_bp.norm`` cannot fold, and why: the family is refused."""
+    final_norm_attr: str = "norm"
+    """Attribute of the decoder stack holding the norm before the LM head."""
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    "llama": FamilySpec("LlamaForCausalLM"),
+    "mistral": FamilySpec("MistralForCausalLM"),
+    "qwen2": FamilySpec("Qwen2ForCausalLM"),
+    "qwen3": FamilySpec("Qwen3ForCausalLM", unfoldable_norms=_QK_NORMS),
+    # q/k RMSNorm over all heads' projections, norms after attention and MLP
+    "olmo2": FamilySpec("Olmo2ForCausalLM", norm_folds=(), unfoldable_norms=_QK_NORMS + _POST_NORMS),
+    # sliding-window layers alternating with full ones, attention-logit softcap (passed to the
+    # attention function as ``softcap``), final-logit softcap, pre/post feed-forward norms
+    "gemma2": FamilySpec(
+        "Gemma2ForCausalLM", final_logit_softcap_field="final_logit_softcapping", unfoldable_norms=_POST_NORMS
+    ),
+    # five sliding-window layers per full one, each kind with its own RoPE base, q/k RMSNorm,
+    # optional softcaps as in Gemma 2, scaled embeddings
+    "gemma3_text": FamilySpec(
+        "Gemma3ForCausalLM",
+        final_logit_softcap_field="final_logit_softcapping",
+        unfoldable_norms=_QK_NORMS + _POST_NORMS,
+    ),
+    # fused qkv_proj and gate_up_proj, optional partial rotary, residual dropout inside the layer
+    "phi3": FamilySpec(
+        "Phi3ForCausalLM",
+        dropout_fields=("attention_dropout", "resid_pdrop"),
+        norm_folds=(
+            ("input_layernorm", ("self_attn.qkv_proj.weight",)),
+            ("post_attention_layernorm", ("mlp.gate_up_proj.weight",)),
+        ),
+    ),
+    # Qwen3 attention; sparse MoE blocks (top-k of num_experts, optionally renormalised), dense MLPs
+    # on config.mlp_only_layers; load-balancing loss from the routers' logits
+    "qwen3_moe": FamilySpec(
+        "Qwen3MoeForCausalLM", moe_block_class="Qwen3MoeSparseMoeBlock", unfoldable_norms=_QK_NORMS
+    ),
+    # Mistral attention; sparse MoE blocks (top-2 of 8, renormalised), router jitter in training
+    "mixtral": FamilySpec(
+        "MixtralForCausalLM",
+        moe_block_class="MixtralSparseMoeBlock",
+        mlp_noise_fields=("router_jitter_noise",),
+        # the router's (E, d) weight and the experts' (E, 2I, d) gate/up weights consume the norm's output
+        norm_folds=(
+            ("input_layernorm", _QKV),
+            ("post_attention_layernorm", ("mlp.gate.weight", "mlp.experts.gate_up_proj")),
+        ),
+    ),
+}
+"""Every known decoder family by ``model_type``."""
+
+SUPPORTED_MODEL_TYPES = {name: spec.causal_lm_class for name, spec in FAMILIES.items()}
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or one of its settings) cannot be run by ds_longseq without a wrong gradient."""
+
+
+@dataclass
+class DecoderLMAdapter:
+    """Accessors for a stock ``*ForCausalLM`` decoder-only model."""
+
+    model: torch.nn.Module
+    spec: FamilySpec
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """The family's final-logit softcap value for this model, or None."""
+        field = self.spec.final_logit_softcap_field
+        return None if field is None else getattr(self.model.config, field, None)
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        """The decoder stack (e.g. ``model.model``): embeddings, layers, final norm."""
+        return getattr(self.model, self.spec.decoder_attr)
+
+    @property
+    def layers(self) -> list[torch.nn.Module]:
+        return list(getattr(self.base_model, self.spec.layers_attr))
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return getattr(self.model, self.spec.lm_head_attr)
+
+    def mlp(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        return getattr(layer, self.spec.mlp_attr, None)
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        return getattr(self.base_model, self.spec.final_norm_attr)
+
+    def activations(self, layer: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+        """(path in the layer, module, stock kind) of every SiLU/GELU activation module in ``layer``."""
+        return [
+            (name, m, ACTIVATION_KINDS[type(m).__name__])
+            for name, m in layer.named_modules()
+            if type(m).__name__ in ACTIVATION_KINDS
+        ]
+
+    @property
+    def where(self) -> str:
+        """How error messages name the layer list, e.g. ``LlamaForCausalLM.model.layers``."""
+        return f"{type(self.model).__name__}.{self.spec.decoder_attr}.{self.spec.layers_attr}"
+
+    def structure_problems(self) -> list[str]:
+        """Why this model's parts are not where its family keeps them (empty when they are)."""
+        spec, cls, where = self.spec, type(self.model).__name__, self.where
+        problems = []
+        layers = getattr(getattr(self.model, spec.decoder_attr, None), spec.layers_attr, None)
+        if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+            problems.append(f"{where} is not a non-empty ModuleList")
+            layers = []
+        if not isinstance(getattr(self.model, spec.lm_head_attr, None), torch.nn.Linear):
+            problems.append(f"{cls}.{spec.lm_head_attr} is not a torch.nn.Linear")
+        attns = [getattr(layer, "self_attn", None) for layer in layers]
+        bidirectional = [i for i, attn in enumerate(attns) if getattr(attn, "is_causal", True) is False]
+        if bidirectional:
+            problems.append(
+                f"{where}{bidirectional} have self_attn.is_causal=False (bidirectional attention, e.g. "
+                "config.use_bidirectional_attention=True): ds_longseq trains causal LMs only; set it to False"
+            )
+        for i, layer in enumerate(layers):
+            mlp = getattr(layer, spec.mlp_attr, None)
+            if spec.moe_block_class is not None and type(mlp).__name__ == spec.moe_block_class:
+                if not isinstance(getattr(mlp, spec.router_attr, None), torch.nn.Module):
+                    problems.append(
+                        f"{where}[{i}].{spec.mlp_attr} ({spec.moe_block_class}) has no .{spec.router_attr} router"
+                    )
+        return problems
+
+    def router(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        """The router of ``layer``'s mixture-of-experts block, or None for a dense layer."""
+        mlp = self.mlp(layer)
+        if self.spec.moe_block_class is None or type(mlp).__name__ != self.spec.moe_block_class:
+            return None
+        return getattr(mlp, self.spec.router_attr)
+
+
+def decoder_adapter(model: torch.nn.Module) -> DecoderLMAdapter:
+    """The adapter of a known decoder family's ``*ForCausalLM``, its structure checked.
+
+    Raises:
+        UnsupportedModelError: the class is not a known family's, or its parts are not where the
+            family keeps them (every problem listed).
+    """
+    hf_config = getattr(model, "config", None)
+    model_type = getattr(hf_config, "model_type", None)
+    cls = type(model).__name__
+    expected = SUPPORTED_MODEL_TYPES.get(model_type)
+    if expected is None or cls != expected:
+        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES.values()))
+        raise UnsupportedModelError(
+            f"ds_longseq cannot patch {cls} (model_type={model_type!r}): supported classes are {supported}. "
+            "Load the model with AutoModelForCausalLM, or disable long_seq for this model."
+        )
+    adapter = DecoderLMAdapter(model, FAMILIES[model_type])
+    problems = adapter.structure_problems()
+    if problems:
+        raise UnsupportedModelError(f"ds_longseq cannot be enabled on {cls}:\n  - " + "\n  - ".join(problems))
+    return adapter
+
+
+def norm_kind(norm: torch.nn.Module) -> str | None:
+    """ "rms" for a Llama-style RMSNorm (``weight * normalised``), "layer" for ``nn.LayerNorm``, else None."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return "layer"
+    if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+        return "rms"
+    return None

@@ -1,0 +1,63 @@
+"""The MsT mini-sequence MLP (MsT paper, Alg. 1 and App. B) as a technique: ``long_seq.mini_seq``.
+
+Holds:
+    MiniSeq: installs ``modules.mlp.MiniSeqMLPForward`` as every decoder layer's MLP forward; with
+        layer-input offload, also a per-layer checkpoint (``modules.decoder_layer.CheckpointLayerForward``)
+        whose saved input is the offloaded one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_longseq.config import MiniSeqConfig
+from ds_longseq.modules.decoder_layer import CheckpointLayerForward
+from ds_longseq.modules.mlp import MiniSeqMLPForward
+from ds_longseq.techniques.base import EnableContext, Technique, register
+from ds_longseq.techniques.streambp import replay_noise_problems
+
+__all__ = ["MiniSeq"]
+
+
+@register
+class MiniSeq(Technique):
+    """Each MLP runs in ``mlp_num_chunks`` sequence chunks, forward and backward."""
+
+    name = "mini_seq"
+    Config = MiniSeqConfig
+    run_after = ("approx_bp", "offload")
+    conflicts_with = {
+        "streambp": "StreamBP already runs each layer's MLP on chunk_size tokens at a time, so mini_seq would "
+        "only add overhead; set long_seq.mini_seq.enabled=false (or disable streambp to use MsT alone)"
+    }
+    uses_model_forward = True
+
+    def check(self, ctx: EnableContext) -> list[str]:
+        adapter = ctx.adapter
+        problems = []
+        if not all(isinstance(adapter.mlp(layer), torch.nn.Module) for layer in adapter.layers):
+            problems.append(f"{adapter.where}[i].{adapter.spec.mlp_attr} is not a module in every layer: "
+                            "mini_seq needs the MLP")
+        return problems + replay_noise_problems(ctx)
+
+    def install(self, ctx: EnableContext) -> None:
+        taps = ctx.router_taps()
+        num_chunks = ctx.config.mini_seq.mlp_num_chunks
+        for layer in ctx.adapter.layers:
+            mlp = ctx.adapter.mlp(layer)
+            ctx.handle.set_instance_attr(
+                mlp, "forward", MiniSeqMLPForward(mlp, mlp.forward, num_chunks, router_tap=taps.get(layer))
+            )
+            if ctx.offload is not None:
+                ctx.handle.set_instance_attr(
+                    layer, "forward", CheckpointLayerForward(layer, layer.forward, ctx.offload, moe=layer in taps)
+                )
+
+    def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
+        mlps = [ctx.adapter.mlp(layer) for layer in ctx.adapter.layers]
+        if ctx.config.offload.layer_inputs is None:
+            return mlps
+        # The layer checkpoint passes all the layer's weights to one Function, so the whole layer is
+        # gathered for it; its MLP is marked too only to pass the MLP's own leaf check (DeepSpeed never
+        # looks at the children of a leaf).
+        return [m for layer, mlp in zip(ctx.adapter.layers, mlps, strict=True) for m in (layer, mlp)]

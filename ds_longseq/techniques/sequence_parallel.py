@@ -1,0 +1,69 @@
+"""DeepSpeed-Ulysses sequence parallelism (MsT paper Sec. 3.3 / App. E) as a technique: ``long_seq.sequence_parallel``.
+
+Holds:
+    SequenceParallelism: builds the model's ``modules.sequence_parallel.SequenceParallel`` over the
+        process group, routes attention through ds_longseq's function (heads exchanged for tokens) and
+        installs the decoder stack's forward pre-hook that passes each forward's shard context.
+    sequence_parallel_group: the group ``enable`` uses: the one given, else DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_problem
+from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
+from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook
+from ds_longseq.techniques.base import EnableContext, Technique, register
+
+__all__ = ["SequenceParallelism", "sequence_parallel_group"]
+
+
+def sequence_parallel_group(config: LongSeqConfig, group=None):
+    """The process group for ``config.sequence_parallel``: ``group``, else DeepSpeed's initialised one."""
+    import torch.distributed as dist
+
+    size = config.sequence_parallel.size
+    if group is None:
+        group = deepspeed_sp_group()
+    if group is None or not dist.is_initialized():
+        raise RuntimeError(
+            f"long_seq.sequence_parallel.size={size} needs a process group of {size} ranks: create the engine with "
+            "ds_longseq.engine.initialize(...), or pass enable(model, config, sp_group=<group>) after "
+            "torch.distributed.init_process_group"
+        )
+    if dist.get_world_size(group) != size:
+        raise ValueError(
+            f"long_seq.sequence_parallel.size={size} but the sequence-parallel group has "
+            f"{dist.get_world_size(group)} ranks: make them equal"
+        )
+    return group
+
+
+@register
+class SequenceParallelism(Technique):
+    """``size`` ranks share each sequence; attention exchanges heads for tokens (all-to-all)."""
+
+    name = "sequence_parallel"
+    Config = SequenceParallelConfig
+    run_after = ("approx_bp",)
+    uses_model_forward = True  # shift_labels checks and the group's token-weighted loss
+    needs_process_group = True
+
+    @classmethod
+    def active(cls, config: LongSeqConfig) -> bool:
+        return config.sequence_parallel.enabled
+
+    def engine_problems(self, config: LongSeqConfig, zero_stage: int) -> list[str]:
+        problem = zero3_sequence_parallel_problem() if zero_stage == 3 else None
+        return [] if problem is None else [problem]
+
+    def install(self, ctx: EnableContext) -> None:
+        text = ctx.model.config.get_text_config()
+        sp = SequenceParallel(
+            sequence_parallel_group(ctx.config, ctx.sp_group),
+            text.num_attention_heads,
+            getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        )
+        ctx.use_longseq_attention()
+        hook = SequenceParallelForwardHook(sp, ctx.config.streambp.kv_block_size)
+        ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
+        ctx.sp = ctx.handle.sp = sp

@@ -1,0 +1,60 @@
+"""StreamBP over whole decoder layers (StreamBP paper, Sec. 3.2.2) as a technique: ``long_seq.streambp``.
+
+Holds:
+    StreamBP: checks that every layer can be replayed chunk by chunk (no dropout, no MLP noise) and
+        installs ``modules.decoder_layer.StreamBPLayerForward`` as each decoder layer's forward, with
+        attention routed through ds_longseq's chunked attention function.
+    replay_noise_problems: the MLP-noise check StreamBP and mini_seq share (both recompute the MLP).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_longseq.config import StreamBPConfig
+from ds_longseq.modules.decoder_layer import StreamBPLayerForward
+from ds_longseq.techniques.base import EnableContext, Technique, register
+
+__all__ = ["StreamBP", "replay_noise_problems"]
+
+
+def replay_noise_problems(ctx: EnableContext) -> list[str]:
+    """Config fields of random noise inside the MLP that are on: a recomputed MLP cannot redraw it."""
+    hf_config = ctx.model.config
+    return [
+        f"config.{field}={getattr(hf_config, field)}: streambp and mini_seq recompute the MLP in backward "
+        f"and cannot redraw its random noise; set config.{field}=0.0"
+        for field in ctx.adapter.spec.mlp_noise_fields
+        if getattr(hf_config, field, 0.0)
+    ]
+
+
+@register
+class StreamBP(Technique):
+    """Every decoder layer keeps only its input in forward and is re-forwarded chunk by chunk in backward."""
+
+    name = "streambp"
+    Config = StreamBPConfig
+    run_after = ("approx_bp", "offload")  # the layer forward reads the offload installed before it
+    uses_model_forward = True  # the model forward finds packed documents once and passes them to every layer
+
+    def check(self, ctx: EnableContext) -> list[str]:
+        hf_config = ctx.model.config
+        problems = [
+            f"config.{field}={getattr(hf_config, field)}: streambp re-forwards chunks in backward and "
+            f"cannot replay dropout masks; set config.{field}=0.0"
+            for field in ctx.adapter.spec.dropout_fields
+            if getattr(hf_config, field, 0.0)
+        ]
+        return problems + replay_noise_problems(ctx)
+
+    def install(self, ctx: EnableContext) -> None:
+        ctx.use_longseq_attention()
+        taps = ctx.router_taps()
+        for layer in ctx.adapter.layers:
+            forward = StreamBPLayerForward(layer, layer.forward, ctx.config.streambp, ctx.offload,
+                                           router_tap=taps.get(layer))
+            ctx.handle.set_instance_attr(layer, "forward", forward)
+
+    def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
+        return ctx.adapter.layers
