@@ -1,7 +1,8 @@
 """The package's import graph: no circles, and every import goes down the layers.
 
 Layers, each importing only from the ones below it: config and logging -> ops -> modules -> models
--> patch -> engine -> trainer (the Hugging Face Trainer integration) and the top-level package.
+-> patch -> engine -> trainer (the Hugging Face Trainer integration), training (the examples' library) and
+the top-level package.
 The graph is read from the source with ``ast`` and counts EVERY import of a ds_longseq module: at
 the top, inside functions and under ``if TYPE_CHECKING:`` (a TYPE_CHECKING import of a sibling that
 imports the file back is a circle that only type annotations hide; the next runtime use of the
@@ -19,7 +20,8 @@ import ds_longseq
 
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
-    "config": 0, "logging": 0, "ops": 1, "modules": 2, "models": 3, "adjoint": 3, "patch": 4, "engine": 5, "trainer": 6
+    "config": 0, "logging": 0, "ops": 1, "modules": 2, "models": 3, "adjoint": 3, "patch": 4, "engine": 5, "trainer": 6,
+    "training": 6,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
 TOP_RANK = 6  # ds_longseq/__init__.py: the public surface (it leaves the heavy ``trainer`` to be imported alone)
@@ -120,6 +122,18 @@ def test_imports_go_down_the_layers():
     assert not unknown, f"new top-level parts {unknown}: give them a rank in LAYERS"
     upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if _rank(d) > _rank(m))
     assert not upward, upward
+
+
+def test_training_library_stays_off_the_trainer_and_the_top_level():
+    """``training`` and ``trainer`` share a rank but are two ways to train: neither builds on the other, and
+    ``import ds_longseq`` stays light (it imports neither)."""
+    graph = import_graph(package_sources())
+    training = {m: deps for m, deps in graph.items() if m.startswith("ds_longseq.training")}
+    assert len(training) >= 8, sorted(training)  # the files were found
+    bad = sorted(f"{m} -> {d}" for m, deps in training.items() for d in deps
+                 if d == "ds_longseq" or d.startswith("ds_longseq.trainer"))
+    assert not bad, bad
+    assert not any(d.startswith(("ds_longseq.training", "ds_longseq.trainer")) for d in graph["ds_longseq"])
 
 
 @pytest.mark.parametrize("guarded", [False, True])
