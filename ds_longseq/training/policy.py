@@ -128,7 +128,16 @@ class PreferenceData:
 
 
 def preference_micro_batch(source, indices) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """Chosen rows of the pairs, then their rejected rows; and their precomputed reference log-probs."""
+    """Chosen rows of the pairs, then their rejected rows; and their precomputed reference log-probs.
+
+    Args:
+        source: item ``i`` -> a pair (e.g. ``PreferenceData.__getitem__`` or ``tasks.synthetic_pair``).
+        indices: the pairs of this micro-batch (n of them).
+
+    Returns:
+        (batch of (2n, T) tensors, rows 0..n-1 chosen and n..2n-1 rejected; the (2n,) reference
+        sequence log-probs in the same order, or None when the data has none).
+    """
     items = [source(i) for i in indices]
     rows = [it["chosen"] for it in items] + [it["rejected"] for it in items]
     batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
@@ -139,6 +148,7 @@ def preference_micro_batch(source, indices) -> tuple[dict[str, torch.Tensor], to
 
 
 def check_group_size(group_size: int, scale: str, where: str) -> None:
+    """Refuse groups of one completion under ``scale`` "group" (no reward std); ``where`` names the line."""
     if group_size == 1 and scale == "group":
         raise ValueError(
             f"{where}: groups of 1 completion with --scale-rewards group: a group of size 1 has no reward standard "
@@ -213,7 +223,8 @@ class RolloutData:
 
 
 def rollout_micro_batch(source, indices) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The groups' rows, group after group (G consecutive rows each), and their (B,) rewards."""
+    """The groups' rows, group after group (G consecutive rows each): a batch of (B, T) tensors, B = G x
+    len(indices), and their (B,) rewards."""
     items = [source(i) for i in indices]
     rows = [r for it in items for r in it["rows"]]
     batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
