@@ -1,7 +1,8 @@
 """How far Approx-BP's gradients are from exact ones on ``examples/sft.py``'s embedded model and task.
 
-For one copy-task batch (``examples/sft.py``'s ``copy_example``) and a model (the embedded model at its
-initialisation, and optionally a trained one, e.g. an exact run's ``hf_model/`` export), computes the
+For one copy-task batch (``ds_longseq.training.copy_example``) and a model (the embedded model,
+``ds_longseq.training.tiny_llama``, at its initialisation, and optionally a trained one, e.g. an exact
+run's ``hf_model/`` export), computes the
 exact gradient and the gradient with each ``long_seq.approx_bp`` setting (activation only, norm only,
 both), on the stock forward (Approx-BP acts the same on every path), and reports their cosine
 similarity and norm ratio over all parameters both have, and the three least similar tensors.
@@ -26,14 +27,6 @@ SETTINGS = {
     "norm only": {"norm": "ms_rmsnorm"},
     "both": {"activation": "resilu2", "norm": "ms_rmsnorm"},
 }
-
-
-def _sft():
-    root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root / "examples"))
-    import sft
-
-    return sft
 
 
 def fold_scales(model) -> dict:
@@ -92,14 +85,14 @@ def main(argv=None) -> int:
     import torch
     from transformers import LlamaForCausalLM
 
-    sft = _sft()
-    sft_args = sft.parse_args(["--seq-len", str(args.seq_len), "--seed", str(args.seed)])
-    models = {f"embedded model at init (seed {args.seed})": sft.build_model(sft_args, torch.float32)}
+    from ds_longseq.training import copy_example, tiny_llama
+
+    models = {f"embedded model at init (seed {args.seed})": tiny_llama(args.seq_len, args.seed, torch.float32)}
     if args.trained:
         models[f"trained: {args.trained}"] = LlamaForCausalLM.from_pretrained(
             args.trained, dtype=torch.float32, attn_implementation="sdpa"
         )
-    example = sft.copy_example(args.example, args.seq_len, args.seed)
+    example = copy_example(args.example, args.seq_len, args.seed)
     batch = {k: v[None] if v.dim() == 1 else v for k, v in example.items()}
     lines = [
         "# Approx-BP gradients against exact ones (`benchmarks.approx_grad_cosine`)",

@@ -28,25 +28,23 @@ import argparse
 import math
 import sys
 
-import torch
-from _common import (
-    MetricsLog,
-    Reference,
-    add_common_args,
-    check_common_args,
-    finish,
-    mean_over_ranks,
-    pad_row,
-    prepare,
-    read_jsonl,
-    setup_run,
-    step_done,
-    token_logprobs,
-)
-from sft import BOS, DOC_TOKENS, micro_batch_indices
-
 from ds_longseq.logging import get_logger, log_rank0
 from ds_longseq.ops import dpo_loss
+from ds_longseq.training import (
+    MetricsLog,
+    PreferenceData,
+    Reference,
+    add_common_args,
+    finish,
+    mean_over_ranks,
+    micro_batch_indices,
+    preference_micro_batch,
+    save_if_due,
+    setup_run,
+    synthetic_pair,
+    token_logprobs,
+)
+from ds_longseq.training import check_args as check_common_args
 
 logger = get_logger("ds_longseq.examples.dpo")
 DEFAULT_LR = 5e-4  # the embedded tiny model starts from scratch; ds_configs/ hold fine-tuning rates
@@ -73,111 +71,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--beta must be > 0, got {args.beta}: pass e.g. --beta 0.1")
     if not 0.0 <= args.label_smoothing < 0.5:
         raise SystemExit(f"--label-smoothing must be in [0, 0.5), got {args.label_smoothing}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Data: every item is one pair, (chosen row, rejected row[, ref_chosen_logp, ref_rejected_logp]).
-
-
-def rule_continuation(start: int, length: int) -> torch.Tensor:
-    """``length`` tokens counting up by one from ``start`` + 1, wrapping inside DOC_TOKENS."""
-    lo, n = DOC_TOKENS.start, len(DOC_TOKENS)
-    return lo + (start - lo + 1 + torch.arange(length)) % n
-
-
-def synthetic_pair(index: int, seq_len: int, seed: int) -> dict:
-    """[BOS] prompt | completion: chosen follows the +1 rule, rejected has half its tokens randomised."""
-    prompt_len = seq_len // 2
-    completion_len = seq_len - prompt_len
-    if prompt_len < 2 or completion_len < 2:
-        raise SystemExit(f"--seq-len {seq_len} is too short for the built-in pairs: use at least 4")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    body = torch.randint(DOC_TOKENS.start, DOC_TOKENS.stop, (prompt_len - 1,), generator=g)
-    prompt = torch.cat([torch.tensor([BOS]), body])
-    chosen = rule_continuation(int(prompt[-1]), completion_len)
-    rejected = chosen.clone()
-    corrupt = torch.randperm(completion_len, generator=g)[: completion_len // 2]
-    noise = torch.randint(DOC_TOKENS.start, DOC_TOKENS.stop - 1, (len(corrupt),), generator=g)
-    rejected[corrupt] = noise + (noise >= chosen[corrupt]).long()  # never the rule's own token
-    p = prompt.tolist()
-    rows = [pad_row(p + c.tolist(), [-100] * len(p) + c.tolist(), seq_len, 0) for c in (chosen, rejected)]
-    return {"chosen": rows[0], "rejected": rows[1]}
-
-
-class PreferenceData:
-    """Pairs from --data, tokenised with --model's tokenizer, each side padded to --seq-len.
-
-    Every problem is found here, before training, and named by path:line.
-    """
-
-    def __init__(self, path: str, tokenizer, seq_len: int):
-        self.tokenizer, self.seq_len = tokenizer, seq_len
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        self.items = []
-        with_ref = None
-        for lineno, rec in read_jsonl(path):
-            where = f"{path}:{lineno}"
-            missing = [k for k in ("prompt", "chosen", "rejected") if k not in rec]
-            if missing:
-                raise ValueError(
-                    f"{where}: missing {', '.join(repr(k) for k in missing)}: each line needs 'prompt', 'chosen' and "
-                    "'rejected' (strings)"
-                )
-            for key in ("prompt", "chosen", "rejected"):
-                if not isinstance(rec[key], str):
-                    raise ValueError(f"{where}: '{key}' must be a string, got {type(rec[key]).__name__}")
-            has_ref = [k in rec for k in ("ref_chosen_logp", "ref_rejected_logp")]
-            if any(has_ref) and not all(has_ref):
-                raise ValueError(f"{where}: give both 'ref_chosen_logp' and 'ref_rejected_logp', or neither")
-            if with_ref is None:
-                with_ref = all(has_ref)
-            elif with_ref != all(has_ref):
-                raise ValueError(
-                    f"{where}: precomputed reference log-probs on some lines and not others: give "
-                    "'ref_chosen_logp'/'ref_rejected_logp' on every line, or on none (then the reference model runs)"
-                )
-            p_ids = tokenizer(rec["prompt"], add_special_tokens=True)["input_ids"] if rec["prompt"] else []
-            item = {}
-            for key in ("chosen", "rejected"):
-                c_ids = tokenizer(rec[key], add_special_tokens=not p_ids)["input_ids"]
-                if not c_ids:
-                    raise ValueError(
-                        f"{where}: '{key}' is empty (no tokens): every pair needs two non-empty completions"
-                    )
-                ids, labels = (p_ids + c_ids)[:seq_len], ([-100] * len(p_ids) + c_ids)[:seq_len]
-                # A label at position 0 predicts nothing (log-probs are of labels[t + 1]).
-                if all(x == -100 for x in labels[1:]):
-                    raise ValueError(
-                        f"{where}: the prompt fills --seq-len {seq_len}, leaving no '{key}' token to score: "
-                        "raise --seq-len or shorten the prompt"
-                    )
-                item[key] = pad_row(ids, labels, seq_len, self.pad_id)
-            if with_ref:
-                for key in ("ref_chosen_logp", "ref_rejected_logp"):
-                    value = rec[key]
-                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                        raise ValueError(
-                            f"{where}: '{key}' must be a finite number (a sequence log-prob), got {value!r}"
-                        )
-                item["ref"] = (float(rec["ref_chosen_logp"]), float(rec["ref_rejected_logp"]))
-            self.items.append(item)
-        if not self.items:
-            raise ValueError(f"--data {path} holds no records")
-        self.precomputed_ref = bool(with_ref)
-
-    def __getitem__(self, index: int) -> dict:
-        return self.items[index % len(self.items)]
-
-
-def micro_batch(source, indices) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """Chosen rows of the pairs, then their rejected rows; and their precomputed reference log-probs."""
-    items = [source(i) for i in indices]
-    rows = [it["chosen"] for it in items] + [it["rejected"] for it in items]
-    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-    ref = None
-    if "ref" in items[0]:
-        ref = torch.tensor([it["ref"][0] for it in items] + [it["ref"][1] for it in items], dtype=torch.float32)
-    return batch, ref
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,9 +109,9 @@ def main(argv=None) -> int:
                 "rewards/rejected": 0.0}
         for micro in range(run.gas):
             indices = micro_batch_indices(step, micro, run.gas, run.replica, run.num_replicas, run.micro_bs)
-            batch, ref_seq = micro_batch(source, indices)
+            batch, ref_seq = preference_micro_batch(source, indices)
             log.tokens += int(batch["attention_mask"].sum()) * run.num_replicas
-            batch = prepare(run, batch, pad_id)
+            batch = run.prepare(batch, pad_id)
             n = len(indices)
             if reference is not None:
                 ref_seq = reference(batch).sequence_logprobs()
@@ -234,7 +127,8 @@ def main(argv=None) -> int:
             for key in ("rewards/chosen", "rewards/rejected"):
                 sums[key] += metrics[key].float().mean().item() / run.gas
         log.log({"step": step + 1, **mean_over_ranks(sums, run.world)})
-        step_done(run, step + 1)
+        save_if_due(engine, args.save_dir, step + 1, save_every=args.save_every, max_steps=args.max_steps,
+                    rank=run.rank)
     log.bar.close()
 
     exported = finish(run)

@@ -32,32 +32,32 @@ kl, reward mean and std, adv_logp, tokens/s), ``grpo.png``, the final checkpoint
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
-from _common import (
-    MetricsLog,
-    Reference,
-    add_common_args,
-    check_common_args,
-    finish,
-    mean_over_ranks,
-    pad_row,
-    prepare,
-    read_jsonl,
-    setup_run,
-    step_done,
-    token_logprobs,
-)
-from sft import BOS, DOC_TOKENS, micro_batch_indices
 
 from ds_longseq.logging import get_logger, log_rank0
 from ds_longseq.ops import GRPO_LOSS_TYPES, group_advantages, grpo_loss
+from ds_longseq.training import (
+    DEFAULT_GROUP_SIZE,
+    MetricsLog,
+    Reference,
+    RolloutData,
+    add_common_args,
+    completion_tokens,
+    finish,
+    mean_over_ranks,
+    micro_batch_indices,
+    rollout_micro_batch,
+    save_if_due,
+    setup_run,
+    synthetic_group,
+    token_logprobs,
+)
+from ds_longseq.training import check_args as check_common_args
 
 logger = get_logger("ds_longseq.examples.grpo")
 DEFAULT_LR = 5e-4  # the embedded tiny model starts from scratch; ds_configs/ hold fine-tuning rates
-DEFAULT_GROUP_SIZE = 4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,120 +92,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--epsilon-high must be > 0, got {args.epsilon_high}")
 
 
-def check_group_size(group_size: int, scale: str, where: str) -> None:
-    if group_size == 1 and scale == "group":
-        raise ValueError(
-            f"{where}: groups of 1 completion with --scale-rewards group: a group of size 1 has no reward standard "
-            "deviation (every advantage would be 0): sample >= 2 completions per prompt, or pass --scale-rewards "
-            "batch (or none)"
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Data: every item is one group, G rows (prompt + completion i) and G rewards.
-
-
-def synthetic_group(index: int, seq_len: int, seed: int, group_size: int = DEFAULT_GROUP_SIZE) -> dict:
-    """[BOS] prompt | completion i, i < G: the +1 rule with fraction i / (G - 1) of tokens randomised
-    (completion lengths between half and all of the room left); reward = fraction following the rule."""
-    prompt_len = seq_len // 2
-    room = seq_len - prompt_len
-    if prompt_len < 2 or room < 2:
-        raise SystemExit(f"--seq-len {seq_len} is too short for the built-in rollouts: use at least 4")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    prompt = [BOS] + torch.randint(DOC_TOKENS.start, DOC_TOKENS.stop, (prompt_len - 1,), generator=g).tolist()
-    lo, n = DOC_TOKENS.start, len(DOC_TOKENS)
-    rows, rewards = [], []
-    for i in range(group_size):
-        length = int(torch.randint(max(1, room // 2), room + 1, (1,), generator=g))
-        rule = lo + (prompt[-1] - lo + 1 + torch.arange(length)) % n
-        completion = rule.clone()
-        corrupt = torch.randperm(length, generator=g)[: round(length * i / max(1, group_size - 1))]
-        noise = torch.randint(DOC_TOKENS.start, DOC_TOKENS.stop - 1, (len(corrupt),), generator=g)
-        completion[corrupt] = noise + (noise >= rule[corrupt]).long()  # never the rule's own token
-        rows.append(pad_row(prompt + completion.tolist(), [-100] * len(prompt) + completion.tolist(), seq_len, 0))
-        rewards.append(float((completion == rule).float().mean()))
-    return {"rows": rows, "rewards": rewards}
-
-
-class RolloutData:
-    """Groups from --data, tokenised with --model's tokenizer, each row padded to --seq-len.
-
-    Every problem is found here, before training, and named by path:line.
-    """
-
-    def __init__(self, path: str, tokenizer, seq_len: int, scale_rewards: str):
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        self.items, self.group_size = [], None
-        for lineno, rec in read_jsonl(path):
-            where = f"{path}:{lineno}"
-            missing = [k for k in ("prompt", "completions", "rewards") if k not in rec]
-            if missing:
-                raise ValueError(
-                    f"{where}: missing {', '.join(repr(k) for k in missing)}: each line needs 'prompt' (a string), "
-                    "'completions' (G strings) and 'rewards' (G numbers)"
-                )
-            prompt, completions, rewards = rec["prompt"], rec["completions"], rec["rewards"]
-            if not isinstance(prompt, str):
-                raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
-            if not isinstance(completions, list) or not all(isinstance(c, str) for c in completions):
-                raise ValueError(f"{where}: 'completions' must be a list of strings")
-            if not completions:
-                raise ValueError(f"{where}: 'completions' is empty: give the G completions sampled for the prompt")
-            if not isinstance(rewards, list) or not all(
-                isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in rewards
-            ):
-                raise ValueError(f"{where}: 'rewards' must be a list of finite numbers")
-            if len(rewards) != len(completions):
-                raise ValueError(
-                    f"{where}: {len(completions)} completions but {len(rewards)} rewards: "
-                    "give one reward per completion"
-                )
-            if self.group_size is None:
-                self.group_size = len(completions)
-                check_group_size(self.group_size, scale_rewards, where)
-            elif len(completions) != self.group_size:
-                raise ValueError(
-                    f"{where}: {len(completions)} completions, but the first line has {self.group_size}: every prompt "
-                    "needs the same number G of completions"
-                )
-            p_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
-            rows = []
-            for i, completion in enumerate(completions):
-                c_ids = tokenizer(completion, add_special_tokens=not p_ids)["input_ids"]
-                if not c_ids:
-                    raise ValueError(
-                        f"{where}: completion {i} is empty (no tokens): drop it from the group (with its reward) "
-                        "or drop the line"
-                    )
-                ids, labels = (p_ids + c_ids)[:seq_len], ([-100] * len(p_ids) + c_ids)[:seq_len]
-                if all(x == -100 for x in labels[1:]):  # a label at position 0 predicts nothing
-                    raise ValueError(
-                        f"{where}: the prompt fills --seq-len {seq_len}, leaving no token of completion {i} to train "
-                        "on: raise --seq-len or shorten the prompt"
-                    )
-                rows.append(pad_row(ids, labels, seq_len, self.pad_id))
-            self.items.append({"rows": rows, "rewards": [float(r) for r in rewards]})
-        if not self.items:
-            raise ValueError(f"--data {path} holds no records")
-
-    def __getitem__(self, index: int) -> dict:
-        return self.items[index % len(self.items)]
-
-
-def micro_batch(source, indices) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The groups' rows, group after group (G consecutive rows each), and their (B,) rewards."""
-    items = [source(i) for i in indices]
-    rows = [r for it in items for r in it["rows"]]
-    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-    return batch, torch.tensor([x for it in items for x in it["rewards"]], dtype=torch.float32)
-
-
-def completion_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Scored completion tokens of a whole (unsharded) batch: log-probs are of labels[:, 1:]."""
-    return int((batch["labels"][:, 1:] != -100).sum())
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -238,10 +124,10 @@ def main(argv=None) -> int:
         micro = []
         for m in range(run.gas):
             indices = micro_batch_indices(step, m, run.gas, run.replica, run.num_replicas, run.micro_bs)
-            batch, rewards = micro_batch(source, indices)
+            batch, rewards = rollout_micro_batch(source, indices)
             log.tokens += int(batch["attention_mask"].sum()) * run.num_replicas * args.num_iterations
             tokens = completion_tokens(batch)
-            batch = prepare(run, batch, pad_id)
+            batch = run.prepare(batch, pad_id)
             advantages = group_advantages(rewards, G, args.scale_rewards).to(engine.device)
             with torch.no_grad():
                 old = token_logprobs(engine, batch)
@@ -284,7 +170,8 @@ def main(argv=None) -> int:
         values = mean_over_ranks(values, run.world)
         row = {"step": step + 1, "loss": sum(values[f"loss/update{i + 1}"] for i in range(len(losses))) / len(losses)}
         log.log({**row, **values})
-        step_done(run, step + 1)
+        save_if_due(engine, args.save_dir, step + 1, save_every=args.save_every, max_steps=args.max_steps,
+                    rank=run.rank)
     log.bar.close()
 
     exported = finish(run)

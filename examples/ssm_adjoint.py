@@ -50,15 +50,13 @@ import sys
 import time
 
 import torch
-from sft import configure_logging, peak_memory_gib, save_if_due, start_or_resume
 
 import ds_longseq.engine
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
 from ds_longseq.engine import split_config
+from ds_longseq.training import TopicRecallTask, configure_logging, peak_memory_gib, save_if_due, start_or_resume
 
-BOS, SEP, QUERY = 0, 1, 2
-ANSWER0 = 3  # answer token of topic k: ANSWER0 + k
-CLUES_PER_TOPIC = 4
+TASK_DEFAULTS = TopicRecallTask()  # the task's defaults are written once, in its dataclass
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ds_config", default=os.path.join(os.path.dirname(__file__), "..", "ds_configs",
                                                        "zero2_adjoint.json"))
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=TASK_DEFAULTS.seq_len)
     p.add_argument("--max-steps", type=int, default=160)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
@@ -74,17 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--state-size", type=int, default=8)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--conv-kernel", type=int, default=4)
-    p.add_argument("--num-topics", type=int, default=4)
-    p.add_argument("--num-clues", type=int, default=64)
-    p.add_argument("--query-every", type=int, default=16)
-    p.add_argument("--num-filler", type=int, default=32)
+    p.add_argument("--num-topics", type=int, default=TASK_DEFAULTS.num_topics)
+    p.add_argument("--num-clues", type=int, default=TASK_DEFAULTS.num_clues)
+    p.add_argument("--query-every", type=int, default=TASK_DEFAULTS.query_every)
+    p.add_argument("--num-filler", type=int, default=TASK_DEFAULTS.num_filler)
     p.add_argument("--chunk-size", type=int, default=None, help="overrides long_seq.adjoint.chunk_size")
     p.add_argument("--truncation", type=int, default=None, help="T-bar; overrides long_seq.adjoint.truncation")
     p.add_argument("--dtype", choices=["float32", "bf16"], default="float32")
     p.add_argument("--save-dir", default="runs/ssm_adjoint")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from <save-dir>/latest")
-    p.set_defaults(crash_step=0, sigkill_at=None)  # sft.save_checkpoint's fault injection: off
     return p.parse_args(argv)
 
 
@@ -110,31 +107,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("examples/ssm_adjoint.py: " + "; ".join(problems))
 
 
-def vocab_size(args) -> int:
-    return ANSWER0 + args.num_topics + args.num_topics * CLUES_PER_TOPIC + args.num_filler
-
-
-def topic_row(index: int, args) -> dict[str, torch.Tensor]:
-    """Row ``index`` of the task, the same on every rank and every run (seeded by seed and index)."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + index)
-    topic = int(torch.randint(0, args.num_topics, (1,), generator=g))
-    clue0 = ANSWER0 + args.num_topics + topic * CLUES_PER_TOPIC
-    filler0 = ANSWER0 + args.num_topics + args.num_topics * CLUES_PER_TOPIC
-    ids = torch.randint(filler0, filler0 + args.num_filler, (args.seq_len,), generator=g)
-    ids[0] = BOS
-    ids[1 : 1 + args.num_clues] = torch.randint(clue0, clue0 + CLUES_PER_TOPIC, (args.num_clues,), generator=g)
-    start = 1 + args.num_clues
-    ids[start] = SEP
-    queries = torch.arange(start + args.query_every, args.seq_len - 1, args.query_every)
-    ids[queries] = QUERY  # the token after a QUERY stays filler: the answer never enters the input
-    labels = torch.full_like(ids, -100)
-    labels[queries + 1] = ANSWER0 + topic  # position q predicts labels[q + 1]: the answer to the QUERY at q
-    return {"input_ids": ids, "labels": labels}
+def task(args) -> TopicRecallTask:
+    """The topic-recall task the arguments describe."""
+    return TopicRecallTask(seq_len=args.seq_len, num_topics=args.num_topics, num_clues=args.num_clues,
+                           query_every=args.query_every, num_filler=args.num_filler, seed=args.seed)
 
 
 def batch(step: int, micro: int, args, micro_bs: int, gas: int) -> dict[str, torch.Tensor]:
     first = (step * gas + micro) * micro_bs
-    rows = [topic_row(first + i, args) for i in range(micro_bs)]
+    rows = [task(args).row(first + i) for i in range(micro_bs)]
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
@@ -146,7 +127,7 @@ EVAL_OFFSET = 1 << 40  # held-out rows: indices the training data never reaches
 def recall_accuracy(model: torch.nn.Module, args, device) -> dict[str, float]:
     """Answer accuracy of ``model`` (plain forward, argmax over the whole vocabulary) on EVAL_ROWS
     held-out rows: over all questions, and over those in the last quarter of the rows."""
-    rows = [topic_row(EVAL_OFFSET + i, args) for i in range(EVAL_ROWS)]
+    rows = [task(args).row(EVAL_OFFSET + i) for i in range(EVAL_ROWS)]
     ids = torch.stack([r["input_ids"] for r in rows]).to(device)
     targets = torch.stack([r["labels"] for r in rows])[:, 1:].to(device)  # position t answers labels[t + 1]
     was_training = model.training
@@ -206,7 +187,7 @@ def main(argv=None) -> int:
     gas = ds_config.get("gradient_accumulation_steps", 1)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    config = SSMConfig(vocab_size=vocab_size(args), hidden_size=args.hidden_size, state_size=args.state_size,
+    config = SSMConfig(vocab_size=task(args).vocab_size, hidden_size=args.hidden_size, state_size=args.state_size,
                        num_layers=args.num_layers, conv_kernel=args.conv_kernel)
     model = ResidualSSMForCausalLM(config)
     if args.dtype == "bf16":
@@ -216,7 +197,8 @@ def main(argv=None) -> int:
 
     os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
-    start_step, metrics = start_or_resume(engine, args, rank, metrics_path)
+    start_step, metrics = start_or_resume(engine, args.save_dir, metrics_path, resume_run=args.resume,
+                                          max_steps=args.max_steps, rank=rank)
     chance = math.log(args.num_topics)
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0, initial=start_step, total=args.max_steps,
                desc="ssm_adjoint")
@@ -238,7 +220,8 @@ def main(argv=None) -> int:
         if rank == 0:
             with open(metrics_path, "w") as f:
                 f.writelines(json.dumps(m) + "\n" for m in metrics)
-        save_if_due(engine, args, step + 1, rank)  # `latest` moves only after every rank wrote
+        # `latest` moves only after every rank wrote
+        save_if_due(engine, args.save_dir, step + 1, save_every=args.save_every, max_steps=args.max_steps, rank=rank)
     if rank == 0:
         plot(metrics, os.path.join(args.save_dir, "loss.png"), chance)
         torch.save(engine.module.state_dict(), os.path.join(args.save_dir, "model.pt"))

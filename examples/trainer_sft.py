@@ -32,12 +32,13 @@ import os
 import sys
 
 import torch
-from sft import DEFAULT_LR, DOC_TOKENS, VOCAB, build_model, copy_example, plot_losses, start_distributed
 from transformers import TrainingArguments
 
 from ds_longseq.trainer import LongSeqTrainer, with_long_seq
+from ds_longseq.training import DOC_TOKENS, VOCAB, build_model, copy_example, plot_losses, start_distributed
 
 BATCH = 8  # rows per rank and step: 8 x 256 tokens, the 2048 tokens per rank of sft.py's default step
+DEFAULT_LR = 3e-3  # sft.py's rate for the embedded tiny model, which trains from scratch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,8 +54,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="HF-format model, trainer_state.json (the logged losses) and loss plot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
-    # start_distributed / build_model (shared with sft.py) read these sft.py flags
-    p.set_defaults(model=None, dtype="auto", pad_for_sp=False)
     return p.parse_args(argv)
 
 
@@ -85,9 +84,9 @@ def main(argv=None) -> int:
     if args.trl:
         SFTConfig, SFTTrainer = import_trl()
     # gloo on CPU, nccl on GPU; checks the config's long_seq section against --seq-len and the world size
-    _, world, ds_config, _, use_bf16 = start_distributed(args)
+    _, world, ds_config, _, use_bf16 = start_distributed(args.ds_config, seq_len=args.seq_len)
 
-    model = build_model(args, torch.bfloat16 if use_bf16 else torch.float32)
+    model = build_model(None, torch.bfloat16 if use_bf16 else torch.float32, seq_len=args.seq_len, seed=args.seed)
     rows = [copy_example(i, args.seq_len, args.seed) for i in range(args.max_steps * world * BATCH)]
     training = dict(
         output_dir=args.output_dir, deepspeed=ds_config, max_steps=args.max_steps, per_device_train_batch_size=BATCH,
@@ -119,6 +118,7 @@ def main(argv=None) -> int:
         losses = [h for h in trainer.state.log_history if "loss" in h]
         chance = math.log(len(DOC_TOKENS))
         plot_losses(losses, os.path.join(args.output_dir, "loss.png"), chance,
+                    chance_label=f"chance without looking back (ln {len(DOC_TOKENS)})",
                     title="examples/trainer_sft.py" + (" --trl" if args.trl else ""))
         sp = trainer.long_seq_sp_size
         print(

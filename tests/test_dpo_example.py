@@ -10,11 +10,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import dpo  # noqa: E402
-
-from tests.test_sft import _config, _port, _tiny_hf_model_with_tokenizer  # noqa: E402
+from ds_longseq.training import PreferenceData, preference_micro_batch
+from tests.test_sft import ROOT, _config, _port, _tiny_hf_model_with_tokenizer
 
 
 def run_example(script, config, save_dir, *extra, expect_ok=True, timeout=300):
@@ -108,14 +105,14 @@ def _write(path, records):
 
 def test_preference_rows_mask_the_prompt_and_put_chosen_first(tmp_path):
     path = _write(tmp_path / "pairs.jsonl", [{"prompt": "ab", "chosen": "cd", "rejected": "e"}])
-    data = dpo.PreferenceData(path, CharTokenizer(), seq_len=6)
-    batch, ref = dpo.micro_batch(data.__getitem__, range(1))
+    data = PreferenceData(path, CharTokenizer(), seq_len=6)
+    batch, ref = preference_micro_batch(data.__getitem__, range(1))
     assert batch["input_ids"].tolist() == [[97, 98, 99, 100, 0, 0], [97, 98, 101, 0, 0, 0]]
     assert batch["labels"].tolist() == [[-100, -100, 99, 100, -100, -100], [-100, -100, 101, -100, -100, -100]]
     assert ref is None and not data.precomputed_ref
     path = _write(tmp_path / "ref.jsonl", [{"prompt": "ab", "chosen": "c", "rejected": "d", "ref_chosen_logp": -1.5,
                                              "ref_rejected_logp": -2}])
-    _, ref = dpo.micro_batch(dpo.PreferenceData(path, CharTokenizer(), seq_len=6).__getitem__, range(1))
+    _, ref = preference_micro_batch(PreferenceData(path, CharTokenizer(), seq_len=6).__getitem__, range(1))
     assert ref.tolist() == [-1.5, -2.0]
 
 
@@ -135,7 +132,7 @@ def test_bad_pairs_name_the_file_line(tmp_path, bad, message):
     # Line 2 is blank: line numbers count the file's lines.
     path = _write(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, "", bad])
     with pytest.raises(ValueError, match=message):
-        dpo.PreferenceData(path, CharTokenizer(), seq_len=6)
+        PreferenceData(path, CharTokenizer(), seq_len=6)
 
 
 def test_bad_jsonl_fails_before_training_through_the_launcher(tmp_path):
@@ -149,8 +146,18 @@ def test_bad_jsonl_fails_before_training_through_the_launcher(tmp_path):
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
+def refused_before_start(script, *argv):
+    """examples/<script> ``argv`` as a plain python run (no launcher); its stderr. The flag checks run before
+    DeepSpeed starts: reaching the process-group start-up would fail with another error."""
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=pythonpath))
+    assert proc.returncode != 0
+    return proc.stderr
+
+
 def test_bad_flags_are_refused_before_start():
     for argv, message in ((["--beta", "0"], "--beta must be > 0, got 0.0"),
-                          (["--label-smoothing", "0.5"], r"--label-smoothing must be in \[0, 0.5\), got 0.5")):
-        with pytest.raises(SystemExit, match=message):
-            dpo.check_args(dpo.parse_args(argv))
+                          (["--label-smoothing", "0.5"], "--label-smoothing must be in [0, 0.5), got 0.5")):
+        err = refused_before_start("dpo.py", *argv)
+        assert message in err, err[-3000:]

@@ -1,21 +1,25 @@
 """A rank killed mid-step, mid-save or hung, on 2-3 CPU ranks through the DeepSpeed launcher.
 
-Each fault is injected by examples/sft.py's hidden ``--_sigkill-at RANK:STEP:WHERE`` (a real SIGKILL or
-SIGSTOP of one rank at a chosen point), and the test checks what issue 16 asks: the job ends within a
-bounded time, the watchdog (``ds_longseq.engine.watchdog``) names the rank, ``latest`` still names a
-complete checkpoint, and ``--resume`` reproduces the uninterrupted run's losses.
-Plus the watchdog's own parts in-process (census, rank info) and its config checks.
+Each fault is injected through the test-only ``DS_LONGSEQ_FAULT_INJECT=sigkill:RANK:STEP:WHERE``
+(ds_longseq.training.faults: a real SIGKILL or SIGSTOP of one rank at a chosen point), and the test
+checks what issue 16 asks: the job ends within a bounded time, the watchdog
+(``ds_longseq.engine.watchdog``) names the rank, ``latest`` still names a complete checkpoint, and
+``--resume`` reproduces the uninterrupted run's losses.
+Plus the watchdog's own parts in-process (census, rank info) and its config checks, and the parsing of
+the fault variable.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, RankInfo
+from ds_longseq.training import faults
 from tests.dist_utils import run_distributed
 from tests.test_sft import _config, losses, run_sft
 
@@ -57,7 +61,7 @@ def test_rank_killed_mid_step_is_named_and_resume_matches(tmp_path, straight, ra
     config = _config(tmp_path)
     save_dir = tmp_path / "killed"
     start = time.monotonic()
-    proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", "--_sigkill-at", f"{rank}:3:backward",
+    proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", fault=f"sigkill:{rank}:3:backward",
                    expect_ok=False, timeout=300)
     # gloo fails the survivor's all-reduce at once; the census adds max(3 heartbeats, 3 s). Rank 0's death
     # also takes the rendezvous store: the survivor's heartbeat fails within a second.
@@ -68,7 +72,7 @@ def test_rank_killed_mid_step_is_named_and_resume_matches(tmp_path, straight, ra
 def test_rank_killed_mid_save_leaves_latest_on_a_complete_checkpoint(tmp_path, straight):
     config = _config(tmp_path)
     save_dir = tmp_path / "killed"
-    proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", "--_sigkill-at", "2:4:save",
+    proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", fault="sigkill:2:4:save",
                    expect_ok=False, timeout=300, num_ranks=3)
     # Rank 2 died before writing its optimizer shard of step 4, after the others wrote theirs.
     shards = sorted(p.name for p in (save_dir / "step4").glob("*optim_states.pt"))
@@ -81,7 +85,7 @@ def test_hung_rank_stops_the_job_after_peer_timeout(tmp_path):
     30 minutes; rank 0's monitor ends the job after peer_timeout_s."""
     config = _fast_watchdog_config(tmp_path, heartbeat_s=0.5, peer_timeout_s=5)
     start = time.monotonic()
-    proc = run_sft(config, tmp_path / "hung", "--max-steps", "4", "--save-every", "2", "--_sigkill-at", "1:3:stop",
+    proc = run_sft(config, tmp_path / "hung", "--max-steps", "4", "--save-every", "2", fault="sigkill:1:3:stop",
                    expect_ok=False, timeout=300)
     elapsed = time.monotonic() - start
     out = proc.stdout + proc.stderr
@@ -143,3 +147,29 @@ def test_watchdog_config_defaults_and_floats():
     config = LongSeqConfig.from_dict({"watchdog": {"heartbeat_s": 0.25, "peer_timeout_s": 30}})
     assert config.watchdog.enabled and config.watchdog.heartbeat_s == 0.25 and config.watchdog.peer_timeout_s == 30
     assert not config.any_enabled  # the watchdog is not a model technique: enable() is not needed for it
+
+
+# -- the fault variable ---------------------------------------------------------------------------------------
+
+
+def test_fault_variable_parses_each_form(monkeypatch):
+    monkeypatch.delenv(faults.FAULT_INJECT_ENV, raising=False)
+    assert faults.active_fault() is None
+    monkeypatch.setenv(faults.FAULT_INJECT_ENV, "sigkill:2:4:save")
+    assert faults.active_fault() == faults.Fault("sigkill", step=4, rank=2, where="save")
+    monkeypatch.setenv(faults.FAULT_INJECT_ENV, "crash_during_save:3")
+    assert faults.active_fault() == faults.Fault("crash_during_save", step=3)
+    faults.before_backward(0, 3)  # not a sigkill fault: nothing happens
+    faults.after_save(2)  # another step: nothing happens
+
+
+@pytest.mark.parametrize("bad", ["sigkill:1:3", "sigkill:1:3:explode", "sigkill:x:3:backward", "sigkill:-1:3:stop",
+                                 "crash_during_save:0", "crash_during_save", "crash:4", "sigkill:1:3:backward:x"])
+def test_bad_fault_variable_names_the_variable_and_the_forms(monkeypatch, bad):
+    monkeypatch.setenv(faults.FAULT_INJECT_ENV, bad)
+    expected = (f"DS_LONGSEQ_FAULT_INJECT={bad!r} is not a fault: expected 'sigkill:RANK:STEP:WHERE' (WHERE: "
+                "backward, save, stop or sleep) or 'crash_during_save:STEP'")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        faults.active_fault()
+    with pytest.raises(ValueError, match="test-only hook"):
+        faults.before_backward(0, 1)  # every hook reads it through the one parser

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_longseq.training.faults import FAULT_INJECT_ENV
 from tests.dist_utils import free_port
 from tests.test_sft import ROOT, _config, losses
 
@@ -264,11 +265,15 @@ def _kill_run(save_dir: Path) -> None:
 def test_killed_node_launcher_stops_the_job_and_resume_matches(cluster, reference, tmp_path):
     config, expected = reference
     save_dir = tmp_path / "run"
-    env = dict(cluster.env, DS_CONFIG=config, MASTER_PORT=str(free_port()))
     # Rank 1 (node2) sleeps in step 3, after the step-2 checkpoint; then node2's launcher is SIGKILLed,
-    # as when a node is lost. Its rank must die with it and the job end, naming it.
+    # as when a node is lost. Its rank must die with it and the job end, naming it. The fault goes to
+    # the remote ranks as the cluster's other variables do: in this run's own .deepspeed_env file.
+    fault = f"{FAULT_INJECT_ENV}=sigkill:1:3:sleep"
+    ds_env = tmp_path / "ds_env"
+    ds_env.write_text((cluster.dir / "ds_env").read_text() + fault + "\n")
+    env = dict(cluster.env, DS_CONFIG=config, MASTER_PORT=str(free_port()), DS_ENV_FILE=str(ds_env))
     cmd = ["bash", MULTINODE_SH, "--seq-len", "256", "--save-dir", str(save_dir), "--max-steps", "4",
-           "--save-every", "2", "--_sigkill-at", "1:3:sleep"]
+           "--save-every", "2"]
     log = open(tmp_path / "launch.log", "w+")  # noqa: SIM115 - read back below
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

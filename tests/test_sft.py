@@ -1,4 +1,5 @@
-"""examples/sft.py end to end on 2 CPU ranks through the DeepSpeed launcher: resume and crash safety."""
+"""examples/sft.py end to end on 2 CPU ranks through the DeepSpeed launcher: resume and crash safety; the JSONL
+reader of ds_longseq.training it uses."""
 
 import json
 import os
@@ -8,6 +9,9 @@ import subprocess
 import sys
 
 import pytest
+
+from ds_longseq.training import JsonlData
+from ds_longseq.training.faults import FAULT_INJECT_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,7 +29,8 @@ def _config(tmp_path, stage=2, name=None, sp=None):
     return str(path)
 
 
-def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2):
+def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2, fault=None):
+    """examples/sft.py through the DeepSpeed launcher; ``fault``: a DS_LONGSEQ_FAULT_INJECT value for its ranks."""
     if shutil.which("deepspeed") is None:
         pytest.fail("the deepspeed launcher is not on PATH: pip install deepspeed")
     cmd = [
@@ -46,8 +51,11 @@ def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2):
     # sys.path[0] of the launched script is examples/, so without PYTHONPATH the ranks would import
     # whichever ds_longseq is pip-installed (another checkout's, with `pip install -e`), not this one.
     pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
+    env.pop(FAULT_INJECT_ENV, None)
+    if fault is not None:
+        env[FAULT_INJECT_ENV] = fault  # the local launcher passes its environment to every rank
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if expect_ok and proc.returncode != 0:
         # The output's tail is often another rank's "connection closed": name the ranks' own errors first.
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if re.match(r"\[rank\d+\]: \w*Error", line)]
@@ -78,7 +86,7 @@ def test_resume_after_a_crash_during_save_matches_an_uninterrupted_run(tmp_path)
     assert (straight / "latest").read_text() == "step4"
 
     crashed = tmp_path / "crashed"
-    proc = run_sft(config, crashed, "--max-steps", "4", "--save-every", "2", "--_crash-during-save-at-step", "4",
+    proc = run_sft(config, crashed, "--max-steps", "4", "--save-every", "2", fault="crash_during_save:4",
                    expect_ok=False)
     assert proc.returncode != 0
     # The step-4 checkpoint was being written when the run died: ``latest`` still names step 2.
@@ -141,9 +149,6 @@ def test_local_model_and_jsonl_data_with_prompt_masking(tmp_path):
 
 
 def test_jsonl_records_mask_the_prompt():
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import sft
-
     class CharTokenizer:
         pad_token_id, eos_token_id = 0, 0
 
@@ -154,7 +159,7 @@ def test_jsonl_records_mask_the_prompt():
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write(json.dumps({"prompt": "ab", "completion": "cde"}) + "\n")
-    item = sft.JsonlData(f.name, CharTokenizer(), seq_len=8)[0]
+    item = JsonlData(f.name, CharTokenizer(), seq_len=8)[0]
     assert item["input_ids"].tolist() == [97, 98, 99, 100, 101, 0, 0, 0]
     assert item["labels"].tolist() == [-100, -100, 99, 100, 101, -100, -100, -100]
     assert item["attention_mask"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
@@ -162,17 +167,14 @@ def test_jsonl_records_mask_the_prompt():
 
 
 def test_malformed_jsonl_names_the_file_line(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import sft
-
     path = tmp_path / "data.jsonl"
     path.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": "cut off\n')
     # Line 4 of the file (the blank line 2 counts), not json's "line 1 column 10".
     with pytest.raises(ValueError, match=r"data\.jsonl:4: not valid JSON: Unterminated string starting at \(column 10"):
-        sft.JsonlData(str(path), tokenizer=None, seq_len=8)
+        JsonlData(str(path), tokenizer=None, seq_len=8)
     path.write_text('{"text": "fine"}\n["text"]\n')
     with pytest.raises(ValueError, match=r"data\.jsonl:2: expected a JSON object, got list"):
-        sft.JsonlData(str(path), tokenizer=None, seq_len=8)
+        JsonlData(str(path), tokenizer=None, seq_len=8)
 
 
 def test_sequence_parallel_run_equals_one_process_on_the_whole_sequence(tmp_path):

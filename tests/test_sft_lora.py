@@ -1,20 +1,19 @@
 """examples/sft.py --lora-rank: only the adapter trains; it is exported in PEFT's format (gathered under
 ZeRO-3), reproduces the trained model when loaded onto a fresh base, merges, and survives a resume."""
 
+import argparse
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import sft  # noqa: E402
-
-from tests.test_sft import _config, losses, run_sft  # noqa: E402
+from ds_longseq.training import add_lora, check_args, copy_example, tiny_llama, write_latest
+from tests.test_sft import ROOT, _config, losses, run_sft
 
 peft = pytest.importorskip("peft")
 
@@ -24,8 +23,16 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 LORA = ("--lora-rank", "4", "--lr", "1e-2")
 
 
-def _args(*extra):
-    return sft.parse_args(["--seq-len", "256", *extra])
+def _args(**lora):
+    """The namespace of the shared flags, at sft.py's defaults, with the LoRA flags ``lora`` (lora_rank=...)."""
+    defaults = dict(seq_len=256, max_steps=400, save_every=0, data=None, model=None, lora_rank=0, lora_alpha=None,
+                    lora_targets=None, merge_lora=False)
+    return argparse.Namespace(**{**defaults, **lora})
+
+
+def _base():
+    """sft.py's built-in model at --seq-len 256 --seed 0, as it starts."""
+    return tiny_llama(256, seed=0)
 
 
 def _adapter_file(save_dir):
@@ -50,8 +57,7 @@ def test_lora_run_trains_only_the_adapter_and_its_export_reproduces_the_model(tm
     assert len(losses(out)) == 4 and all(math.isfinite(x) for x in losses(out))
     assert "outputs:" in proc.stdout and "hf_adapter/, hf_model/)" in proc.stdout
 
-    args = _args("--lora-rank", "4")
-    initial = sft.add_lora(sft.build_model(args, torch.float32), args).state_dict()  # as sft.py starts
+    initial = add_lora(_base(), 4).state_dict()  # as sft.py starts
     # A ZeRO-2 checkpoint holds the engine's whole module: the PeftModel after the last step.
     trained = torch.load(out / "step4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert set(trained) == set(initial)
@@ -77,16 +83,16 @@ def test_lora_run_trains_only_the_adapter_and_its_export_reproduces_the_model(tm
     # The user's path: a fresh base built the same way + the adapter, against the trained weights.
     from transformers import AutoModelForCausalLM
 
-    trained_model = sft.add_lora(sft.build_model(args, torch.float32), args)
+    trained_model = add_lora(_base(), 4)
     trained_model.load_state_dict(trained)
-    loaded = peft.PeftModel.from_pretrained(sft.build_model(args, torch.float32), adapter_dir)
+    loaded = peft.PeftModel.from_pretrained(_base(), adapter_dir)
     merged = AutoModelForCausalLM.from_pretrained(out / "hf_model")
     assert type(merged).__name__ == "LlamaForCausalLM" and not any("lora_" in n for n, _ in merged.named_parameters())
-    ids = sft.copy_example(10_000, 256, seed=0)["input_ids"][None]  # a sequence no training step saw
+    ids = copy_example(10_000, 256, seed=0)["input_ids"][None]  # a sequence no training step saw
     ref = _logits(trained_model, ids)
     scale = ref.abs().max()
     # The adapter moves the logits by far more than the tolerance below, so the checks can fail.
-    assert (ref - _logits(sft.build_model(args, torch.float32), ids)).abs().max() > 1e-3 * scale
+    assert (ref - _logits(_base(), ids)).abs().max() > 1e-3 * scale
     # float32: the same weights give the same logits up to summation order (merged: W + s B A rounded once).
     assert (_logits(loaded, ids) - ref).abs().max() <= 1e-5 * scale
     assert (_logits(merged, ids) - ref).abs().max() <= 1e-5 * scale
@@ -120,7 +126,7 @@ def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp
     # the first two steps, so the adapter first moves in step 3.
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step5", "hf_adapter"))
-    sft.write_latest(str(resumed), "step3")
+    write_latest(str(resumed), "step3")
     proc = run_sft(config, resumed, "--max-steps", "5", *LORA, "--resume")
     assert "summary: 2 steps on 2 rank(s)" in proc.stdout
     assert (resumed / "latest").read_text() == "step5"
@@ -134,47 +140,52 @@ def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp
         assert (again[key] - value).norm() <= 1e-6 * value.norm(), key
 
 
-def test_bad_lora_arguments_fail_before_training(monkeypatch):
-    # main() imports deepspeed right after checking its arguments: reaching it would raise a different
-    # ImportError, so each error below must come from the argument checks, before anything starts.
-    monkeypatch.setitem(sys.modules, "deepspeed", None)
+def test_bad_lora_arguments_are_refused(monkeypatch):
+    # The checks sft.py, dpo.py and grpo.py run before DeepSpeed starts.
     with pytest.raises(SystemExit, match=r"^--lora-rank must be >= 0 \(0: no LoRA\), got -2: pass e\.g\. --lora-rank"):
-        sft.main(["--lora-rank", "-2"])
+        check_args(_args(lora_rank=-2))
     with pytest.raises(SystemExit, match=(
         r"^--lora-alpha, --merge-lora given without --lora-rank \(no LoRA\): add --lora-rank N \(N > 0\), "
         r"or leave out --lora-alpha, --merge-lora$"
     )):
-        sft.main(["--lora-alpha", "16", "--merge-lora"])
+        check_args(_args(lora_alpha=16.0, merge_lora=True))
     with pytest.raises(SystemExit, match=r"^--lora-alpha given without --lora-rank"):
-        sft.main(["--lora-alpha", "0"])  # 0 is a value given, not "unset"
+        check_args(_args(lora_alpha=0.0))  # 0 is a value given, not "unset"
     with pytest.raises(SystemExit, match=r"^--lora-alpha must be positive, got 0\.0$"):
-        sft.main(["--lora-rank", "4", "--lora-alpha", "0"])
+        check_args(_args(lora_rank=4, lora_alpha=0.0))
     with pytest.raises(SystemExit, match=r"^--lora-targets 'q_proj,' has an empty name"):
-        sft.main(["--lora-rank", "4", "--lora-targets", "q_proj,"])
+        check_args(_args(lora_rank=4, lora_targets="q_proj,"))
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now raises ImportError
     with pytest.raises(ImportError, match=r"^--lora-rank needs peft, which is not installed: pip install 'peft>=0\.21"):
-        sft.main(["--lora-rank", "4"])
+        check_args(_args(lora_rank=4))
+
+
+def test_sft_refuses_bad_lora_flags_before_deepspeed_starts():
+    """The script's own wiring: its flags reach the checks, which fail before DeepSpeed starts (a plain python
+    run, no launcher: reaching the process-group start-up would fail with another error)."""
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "sft.py"), "--lora-rank", "-2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=pythonpath))
+    assert proc.returncode != 0
+    assert "--lora-rank must be >= 0 (0: no LoRA), got -2: pass e.g. --lora-rank 16" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_lora_targets_are_checked_against_the_model():
-    args = _args("--lora-rank", "4", "--lora-targets", "q_proj,qkv")
     with pytest.raises(SystemExit, match=(
         r"^--lora-targets: qkv matches no module of LlamaForCausalLM; its decoder layers' linear projections "
         r"are q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj$"
     )):
-        sft.add_lora(sft.build_model(args, torch.float32), args)
-    args = _args("--lora-rank", "4", "--lora-targets", "v_proj,lm_head")
+        add_lora(_base(), 4, targets="q_proj,qkv")
     with pytest.raises(SystemExit, match=r"^--lora-targets must not adapt the LM head \(lm_head\)"):
-        sft.add_lora(sft.build_model(args, torch.float32), args)
+        add_lora(_base(), 4, targets="v_proj,lm_head")
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32))  # layers at transformer.h
     with pytest.raises(SystemExit, match=r"^--lora-rank: GPT2LMHeadModel has no decoder layers at model\.layers"):
-        sft.add_lora(gpt2, _args("--lora-rank", "4"))
+        add_lora(gpt2, 4)
 
-    args = _args("--lora-rank", "4", "--lora-targets", "q_proj, v_proj", "--lora-alpha", "2")
-    model = sft.add_lora(sft.build_model(args, torch.float32), args)
+    model = add_lora(_base(), 4, targets="q_proj, v_proj", alpha=2.0)
     adapted = {name for name, module in model.named_modules() if hasattr(module, "lora_A")}
     assert adapted == {f"base_model.model.model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")}
     assert all(model.get_submodule(name).scaling["default"] == 0.5 for name in adapted)  # alpha / rank

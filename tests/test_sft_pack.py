@@ -8,6 +8,7 @@ prompts, no attention_mask, a pad tail as one more all-ignored document.
 import json
 import os
 import random
+import subprocess
 import sys
 
 import pytest
@@ -15,12 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from ds_longseq.engine import shard_batch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import sft  # noqa: E402
-
-from tests.test_sft import _config, _tiny_hf_model_with_tokenizer, losses, run_sft  # noqa: E402
+from ds_longseq.training import (
+    JsonlData,
+    PackedData,
+    check_parallel_args,
+    first_fit_decreasing,
+    micro_batch,
+    micro_batch_indices,
+    pack_jsonl,
+)
+from tests.test_sft import ROOT, _config, _tiny_hf_model_with_tokenizer, losses, run_sft
 
 
 def _naive_first_fit_decreasing(lengths, capacity):
@@ -39,19 +44,19 @@ def _naive_first_fit_decreasing(lengths, capacity):
 
 
 def test_first_fit_decreasing_matches_the_naive_loop():
-    assert sft.first_fit_decreasing([5, 4, 3, 3, 2, 1], 8) == [[0, 2], [1, 3, 5], [4]]
-    assert sft.first_fit_decreasing([8], 8) == [[0]] and sft.first_fit_decreasing([], 8) == []
+    assert first_fit_decreasing([5, 4, 3, 3, 2, 1], 8) == [[0, 2], [1, 3, 5], [4]]
+    assert first_fit_decreasing([8], 8) == [[0]] and first_fit_decreasing([], 8) == []
     rng = random.Random(0)
     for _ in range(200):
         capacity = rng.randint(1, 64)
         lengths = [rng.randint(1, capacity) for _ in range(rng.randint(1, 70))]
-        bins = sft.first_fit_decreasing(lengths, capacity)
+        bins = first_fit_decreasing(lengths, capacity)
         assert bins == _naive_first_fit_decreasing(lengths, capacity)
         assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
         assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
     for bad in (0, 9):
         with pytest.raises(ValueError, match=f"item 1 has length {bad}: lengths must be in \\[1, 8\\]"):
-            sft.first_fit_decreasing([3, bad], 8)
+            first_fit_decreasing([3, bad], 8)
 
 
 def _segments(row):
@@ -72,7 +77,7 @@ def test_packed_rows_boundaries_positions_labels_tail_and_efficiency():
         ([41, 42, 43, 44, 45], [41, 42, 43, 44, 45]),
         ([51], [51]),
     ]
-    data = sft.PackedData(docs, seq_len=8, pad_id=pad)
+    data = PackedData(docs, seq_len=8, pad_id=pad)
     st = data.stats
     # First-fit decreasing over lengths 3, 2, 8, 5, 1: [31*8], [41..45, 11..13], [21 22, 51].
     assert (st.num_documents, st.num_rows, st.num_truncated, st.num_empty) == (5, 3, 1, 1)
@@ -105,12 +110,12 @@ def test_packed_rows_boundaries_positions_labels_tail_and_efficiency():
     assert got == want
     # Indices wrap (epochs) and packing is deterministic; the seed changes only the row order.
     assert torch.equal(data[3]["input_ids"], rows[0]["input_ids"])
-    again = sft.PackedData(docs, seq_len=8, pad_id=pad)
+    again = PackedData(docs, seq_len=8, pad_id=pad)
     assert all(torch.equal(again[i]["labels"], rows[i]["labels"]) for i in range(3))
-    other = sft.PackedData(docs, seq_len=8, pad_id=pad, seed=1)
+    other = PackedData(docs, seq_len=8, pad_id=pad, seed=1)
     assert sorted(other.rows) == sorted(data.rows)
     with pytest.raises(ValueError, match="no document holds any token"):
-        sft.PackedData([([], [])], seq_len=8, pad_id=pad)
+        PackedData([([], [])], seq_len=8, pad_id=pad)
 
 
 def test_pack_jsonl_tokenises_prompts_and_texts(tmp_path):
@@ -122,7 +127,7 @@ def test_pack_jsonl_tokenises_prompts_and_texts(tmp_path):
 
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"prompt": "ab", "completion": "cd"}) + "\n" + json.dumps({"text": "xyz"}) + "\n")
-    data = sft.pack_jsonl(sft.JsonlData(str(path), CharTokenizer(), seq_len=8))
+    data = pack_jsonl(JsonlData(str(path), CharTokenizer(), seq_len=8))
     assert len(data) == 1
     row = data[0]
     # first-fit decreasing: the 4-token document first
@@ -132,8 +137,8 @@ def test_pack_jsonl_tokenises_prompts_and_texts(tmp_path):
 
 
 def test_packed_batches_keep_position_ids_through_micro_batch_and_shard_batch():
-    data = sft.PackedData([([5, 6, 7], [5, 6, 7]), ([8, 9], [8, 9]), ([4] * 4, [4] * 4)], seq_len=6, pad_id=0)
-    batch = sft.micro_batch(data.__getitem__, step=0, micro=0, gas=1, rank=0, world=1, micro_bs=2)
+    data = PackedData([([5, 6, 7], [5, 6, 7]), ([8, 9], [8, 9]), ([4] * 4, [4] * 4)], seq_len=6, pad_id=0)
+    batch = micro_batch(data.__getitem__, step=0, micro=0, gas=1, rank=0, world=1, micro_bs=2)
     assert set(batch) == {"input_ids", "position_ids", "labels"} and batch["position_ids"].shape == (2, 6)
     shards = [shard_batch(batch, r, 2) for r in range(2)]
     for r, shard in enumerate(shards):
@@ -157,8 +162,8 @@ def test_a_packed_row_trains_each_document_as_if_alone():
     for n, prompt in ((7, 2), (5, 0), (9, 3), (4, 1)):
         ids = torch.randint(1, 50, (n,), generator=g).tolist()
         docs.append((ids, [-100] * prompt + ids[prompt:]))
-    data = sft.PackedData(docs, seq_len=16, pad_id=0)
-    batch = sft.micro_batch(data.__getitem__, 0, 0, 1, 0, 1, micro_bs=len(data))
+    data = PackedData(docs, seq_len=16, pad_id=0)
+    batch = micro_batch(data.__getitem__, 0, 0, 1, 0, 1, micro_bs=len(data))
     packed_sum = 0.0
     for b in range(len(data)):
         # use_cache=False as in training: transformers reads restarting positions as documents only without a cache.
@@ -176,19 +181,23 @@ def test_a_packed_row_trains_each_document_as_if_alone():
     torch.testing.assert_close(packed_sum, alone_sum, rtol=1e-10, atol=0)
 
 
+def _sft_fails(*argv):
+    """examples/sft.py ``argv`` as a plain python run (no launcher): the output of a run refused before start-up."""
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "sft.py"), *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=pythonpath))
+    assert proc.returncode != 0
+    return proc.stderr
+
+
 def test_pack_argument_checks():
-    with pytest.raises(SystemExit, match="--pack packs the documents of --data: add --data FILE.jsonl --model PATH"):
-        sft.check_args(sft.parse_args(["--pack"]))
-    with pytest.raises(SystemExit, match="--seq-len must be positive, got -1"):
-        sft.check_args(sft.parse_args(["--seq-len", "-1", "--pack"]))
-    args = sft.parse_args(["--pack", "--data", "x.jsonl", "--model", "m", "--seq-len", "255"])
-    sft.check_args(args)
-    sft.check_parallel_args(args, sp=1, world=2)
+    assert "--pack packs the documents of --data: add --data FILE.jsonl --model PATH" in _sft_fails("--pack")
+    assert "--seq-len must be positive, got -1" in _sft_fails("--seq-len", "-1", "--pack")
+    check_parallel_args(255, sp=1, world=2)
     with pytest.raises(SystemExit, match="not divisible by sequence_parallel size 2: use --seq-len 256"):
-        sft.check_parallel_args(args, sp=2, world=2)
+        check_parallel_args(255, sp=2, world=2)
     # packed rows pad like any other (shard_batch pads them with one more, ignored, document)
-    sft.check_parallel_args(sft.parse_args(["--pack", "--data", "x", "--model", "m", "--seq-len", "255",
-                                            "--pad-for-sp"]), sp=2, world=2)
+    check_parallel_args(255, sp=2, world=2, pad_for_sp=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,11 +232,11 @@ def _reference_first_loss(model_dir, data_path, seq_len=256, num_ranks=2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").float().eval()
-    data = sft.pack_jsonl(sft.JsonlData(str(data_path), AutoTokenizer.from_pretrained(model_dir), seq_len), seed=0)
+    data = pack_jsonl(JsonlData(str(data_path), AutoTokenizer.from_pretrained(model_dir), seq_len), seed=0)
     rank_losses = []
     with torch.no_grad():
         for rank in range(num_ranks):
-            (index,) = sft.micro_batch_indices(0, 0, 1, rank, num_ranks, 1)
+            (index,) = micro_batch_indices(0, 0, 1, rank, num_ranks, 1)
             total, count = 0.0, 0
             for ids, labels in _segments(data[index]):
                 targets = torch.tensor(labels[1:])

@@ -9,47 +9,46 @@ import sys
 
 import pytest
 
+from ds_longseq.training import TopicRecallTask
 from tests.test_sft import ROOT, _port
-
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import ssm_adjoint  # noqa: E402
 
 TINY = ["--seq-len", "96", "--query-every", "8", "--num-clues", "4", "--hidden-size", "16", "--state-size", "4",
         "--num-layers", "2", "--chunk-size", "40"]
 
 
-@pytest.mark.parametrize("argv", [[], TINY, ["--num-topics", "7", "--num-clues", "1", "--query-every", "2"]])
-def test_answers_can_only_come_from_the_briefing(argv):
+@pytest.mark.parametrize("task", [TopicRecallTask(), TopicRecallTask(seq_len=96, query_every=8, num_clues=4),
+                                  TopicRecallTask(num_topics=7, num_clues=1, query_every=2)],
+                         ids=["default", "tiny", "7-topics"])
+def test_answers_can_only_come_from_the_briefing(task):
     """No shortcut: after the briefing (BOS, clues, SEP) the input is QUERY tokens and filler drawn the
     same way for every topic; no answer token is ever an input; the clues are the only topic-specific
     inputs; every QUERY is answered at the next label, and only there."""
-    args = ssm_adjoint.parse_args(argv)
-    ssm_adjoint.check_args(args)
-    filler0 = ssm_adjoint.ANSWER0 + args.num_topics + args.num_topics * ssm_adjoint.CLUES_PER_TOPIC
-    answers = set(range(ssm_adjoint.ANSWER0, ssm_adjoint.ANSWER0 + args.num_topics))
-    briefing = 2 + args.num_clues
+    filler0 = task.ANSWER0 + task.num_topics + task.num_topics * task.CLUES_PER_TOPIC
+    assert filler0 == task.filler0 and task.vocab_size == filler0 + task.num_filler
+    answers = set(range(task.ANSWER0, task.ANSWER0 + task.num_topics))
+    briefing = 2 + task.num_clues
     topics = set()
     for index in range(40):
-        row = ssm_adjoint.topic_row(index, args)
+        row = task.row(index)
         ids, labels = row["input_ids"], row["labels"]
-        assert ids.shape == labels.shape == (args.seq_len,)
+        assert ids.shape == labels.shape == (task.seq_len,)
         labelled = (labels != -100).nonzero().flatten()
         assert len(labelled) >= 2
         (answer,) = set(labels[labelled].tolist())  # one topic per row
         assert answer in answers
         topics.add(answer)
         for t in labelled.tolist():
-            assert t >= briefing + 1 and ids[t - 1] == ssm_adjoint.QUERY  # answers the QUERY just before
+            assert t >= briefing + 1 and ids[t - 1] == task.QUERY  # answers the QUERY just before
             assert answer not in ids[:t].tolist()  # the answer is never an input: it cannot be copied
         assert not answers & set(ids.tolist())
-        clue0 = ssm_adjoint.ANSWER0 + args.num_topics + (answer - ssm_adjoint.ANSWER0) * ssm_adjoint.CLUES_PER_TOPIC
-        assert ids[0] == ssm_adjoint.BOS and ids[briefing - 1] == ssm_adjoint.SEP
-        assert all(clue0 <= c < clue0 + ssm_adjoint.CLUES_PER_TOPIC for c in ids[1 : briefing - 1].tolist())
+        clue0 = task.ANSWER0 + task.num_topics + (answer - task.ANSWER0) * task.CLUES_PER_TOPIC
+        assert ids[0] == task.BOS and ids[briefing - 1] == task.SEP
+        assert all(clue0 <= c < clue0 + task.CLUES_PER_TOPIC for c in ids[1 : briefing - 1].tolist())
         after = ids[briefing:]
-        is_query = after == ssm_adjoint.QUERY
+        is_query = after == task.QUERY
         assert is_query.sum() == len(labelled)
-        assert ((after[~is_query] >= filler0) & (after[~is_query] < filler0 + args.num_filler)).all()
-    assert len(topics) == args.num_topics  # 40 rows see every topic
+        assert ((after[~is_query] >= filler0) & (after[~is_query] < filler0 + task.num_filler)).all()
+    assert len(topics) == task.num_topics  # 40 rows see every topic
 
 
 def run(save_dir, *extra, num_ranks=None, expect_ok=True):

@@ -1,0 +1,94 @@
+"""What the example training scripts share, as a library for your own scripts. PROVISIONAL API.
+
+PROVISIONAL: names and signatures here may change without a deprecation period; the next issues
+extend this package with more metrics, checkpoint and data formats. The stable surface of
+ds_longseq is still the top level (``initialize`` / ``enable`` / ``LongSeqConfig``) and
+:mod:`ds_longseq.engine`. Not imported by ``import ds_longseq`` (it pulls in tqdm, matplotlib and
+transformers' model classes on use); import it as ``ds_longseq.training``.
+
+Modules, one concern each (see each one's "Holds:"):
+    data: JSONL records, rows padded to a fixed length, the deterministic micro-batch order.
+    packing: several documents per row in the padding-free form (first-fit decreasing).
+    tasks: the built-in synthetic tasks and the tiny Llama-shaped model they start from.
+    lora: LoRA through PEFT (targets checked, seeded init) and the merge for export.
+    checkpoint: crash-safe checkpoints (atomic ``latest``), resume, the HF export.
+    metrics: metrics.jsonl, the progress bar, peak memory, plots.
+    distributed: process-group start-up, config checks against the arguments, collectives.
+    args: the shared command-line flags and their checks.
+    run: a started run (engine, model, ranks) and its end-of-run export.
+    policy: DPO/GRPO's frozen reference, per-token log-probs, preference and rollout data.
+    faults: fault injection for the package's crash-safety tests (DS_LONGSEQ_FAULT_INJECT; tests only).
+"""
+
+from ds_longseq.training.args import add_common_args, check_args, check_lora_args, check_run_args
+from ds_longseq.training.checkpoint import (
+    export_hf,
+    gathered_state_dict,
+    resume,
+    save_checkpoint,
+    save_if_due,
+    start_or_resume,
+    write_latest,
+)
+from ds_longseq.training.data import JsonlData, micro_batch, micro_batch_indices, pad_id_of, pad_row, read_jsonl
+from ds_longseq.training.distributed import (
+    check_parallel_args,
+    configure_logging,
+    mean_over_ranks,
+    set_learning_rate,
+    start_distributed,
+    to_rank_batch,
+)
+from ds_longseq.training.lora import add_lora, decoder_linear_names, import_peft, merge_lora, parse_lora_targets
+from ds_longseq.training.metrics import MetricsLog, peak_memory_gib, plot_losses, plot_panels
+from ds_longseq.training.packing import PackedData, PackStats, first_fit_decreasing, log_packing, pack_jsonl
+from ds_longseq.training.policy import (
+    PreferenceData,
+    Reference,
+    RolloutData,
+    check_group_size,
+    completion_tokens,
+    preference_micro_batch,
+    rollout_micro_batch,
+    token_logprobs,
+)
+from ds_longseq.training.run import Run, finish, setup_run
+from ds_longseq.training.tasks import (
+    BOS,
+    DEFAULT_GROUP_SIZE,
+    DOC_TOKENS,
+    VOCAB,
+    TopicRecallTask,
+    build_model,
+    copy_example,
+    rule_continuation,
+    synthetic_group,
+    synthetic_pair,
+    tiny_llama,
+)
+
+__all__ = [
+    # data
+    "read_jsonl", "pad_id_of", "pad_row", "JsonlData", "micro_batch_indices", "micro_batch",
+    # packing
+    "first_fit_decreasing", "PackStats", "PackedData", "pack_jsonl", "log_packing",
+    # tasks
+    "BOS", "DOC_TOKENS", "VOCAB", "DEFAULT_GROUP_SIZE", "copy_example", "rule_continuation", "synthetic_pair",
+    "synthetic_group", "TopicRecallTask", "tiny_llama", "build_model",
+    # lora
+    "import_peft", "parse_lora_targets", "decoder_linear_names", "add_lora", "merge_lora",
+    # checkpoint
+    "write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "gathered_state_dict", "export_hf",
+    # metrics
+    "peak_memory_gib", "plot_losses", "plot_panels", "MetricsLog",
+    # distributed
+    "configure_logging", "check_parallel_args", "start_distributed", "set_learning_rate", "mean_over_ranks",
+    "to_rank_batch",
+    # args
+    "add_common_args", "check_run_args", "check_lora_args", "check_args",
+    # run
+    "Run", "setup_run", "finish",
+    # policy
+    "Reference", "token_logprobs", "PreferenceData", "preference_micro_batch", "RolloutData", "rollout_micro_batch",
+    "check_group_size", "completion_tokens",
+]

@@ -1,0 +1,98 @@
+"""The command-line flags the example scripts share, and their checks.
+
+Every check runs before DeepSpeed starts and names the flag to change (an error here is never
+blamed on the config).
+
+Holds:
+    add_common_args: the flags of examples/dpo.py and grpo.py that mean what they mean in sft.py.
+    check_run_args: lengths, steps, --save-every, --data needs --model.
+    check_lora_args: --lora-rank / --lora-alpha / --lora-targets / --merge-lora, and peft installed.
+    check_args: both, in that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ds_longseq.training.lora import import_peft, parse_lora_targets
+
+__all__ = ["add_common_args", "check_run_args", "check_lora_args", "check_args"]
+
+
+def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int, seq_len: int, lr: float) -> None:
+    """Add the flags dpo.py and grpo.py share with sft.py (same names, same meaning) to ``p``.
+
+    Args:
+        p: the script's parser.
+        save_dir, max_steps, seq_len: the script's defaults of --save-dir, --max-steps, --seq-len.
+        lr: the peak learning rate for the built-in model (no --model); stored as ``args.default_lr``.
+    """
+    p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/zero2_streambp.json",
+                   help="DeepSpeed JSON config with an optional long_seq section")
+    p.add_argument("--model", default=None,
+                   help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")
+    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row (prompt + completion), padded")
+    p.add_argument("--max-steps", type=int, default=max_steps, help="training steps")
+    p.add_argument("--save-dir", default=save_dir, help="checkpoints, metrics, plot and HF export")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --save-dir (same data, same losses)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default: the config's; {lr} for the built-in model)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 on GPU, fp32 on CPU (overrides the config's bf16 section)")
+    p.add_argument("--pad-for-sp", action="store_true",
+                   help="pad rows on the right to a multiple of the sequence_parallel size (else: an error)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train a LoRA adapter of this rank (needs peft); the reference is then the policy with its "
+                        "adapters disabled; 0: train every weight")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator; default: 2 x --lora-rank")
+    p.add_argument("--lora-targets", default=None,
+                   help="comma-separated module names LoRA adapts; default: every linear projection of the decoder")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="with --lora-rank: also write the base model with the adapter merged in to hf_model/")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
+    p.set_defaults(default_lr=lr)
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """Refuse bad --seq-len, --max-steps, --save-every, and --data without --model."""
+    if args.seq_len <= 0:
+        raise SystemExit(f"--seq-len must be positive, got {args.seq_len}: pass the tokens per sequence, e.g. 2048")
+    if args.max_steps <= 0:
+        raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
+    if args.save_every < 0:
+        raise SystemExit(f"--save-every must be >= 0 (0: a checkpoint only at the end), got {args.save_every}")
+    if args.data and not args.model:
+        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """Refuse bad LoRA flags, and LoRA flags given without --lora-rank; import peft when LoRA is asked for.
+
+    A missing peft fails here, before DeepSpeed starts.
+    """
+    if args.lora_rank < 0:
+        raise SystemExit(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}: pass e.g. --lora-rank 16")
+    if args.lora_rank == 0:
+        given = {"--lora-alpha": args.lora_alpha is not None, "--lora-targets": args.lora_targets is not None,
+                 "--merge-lora": args.merge_lora}
+        unused = [flag for flag, is_given in given.items() if is_given]
+        if unused:
+            flags = ", ".join(unused)
+            raise SystemExit(
+                f"{flags} given without --lora-rank (no LoRA): add --lora-rank N (N > 0), or leave out {flags}"
+            )
+        return
+    if args.lora_alpha is not None and not args.lora_alpha > 0:
+        raise SystemExit(f"--lora-alpha must be positive, got {args.lora_alpha}")
+    if args.lora_targets is not None and not all(parse_lora_targets(args.lora_targets)):
+        raise SystemExit(f"--lora-targets {args.lora_targets!r} has an empty name: pass e.g. q_proj,v_proj")
+    import_peft()
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """:func:`check_run_args` then :func:`check_lora_args`: every shared flag, before anything starts."""
+    check_run_args(args)
+    check_lora_args(args)

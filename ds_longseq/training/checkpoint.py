@@ -1,0 +1,169 @@
+"""Crash-safe DeepSpeed checkpoints, resume, and the end-of-run Hugging Face export.
+
+A checkpoint is ``<save_dir>/step<N>/`` plus a ``latest`` file naming the newest COMPLETE one: it
+moves (an atomic rename) only after every rank has finished writing, so a run killed mid-save
+resumes from the previous checkpoint. ``metrics.jsonl`` beside them is kept consistent with the
+checkpoint a run resumes from.
+
+Holds:
+    write_latest: point ``latest`` at a checkpoint, atomically.
+    resume: load the checkpoint ``latest`` names; its step and the metrics rows up to it.
+    start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
+    save_checkpoint: every rank writes step<N>/, then rank 0 moves ``latest``.
+    save_if_due: a checkpoint every ``save_every`` steps and at the last step.
+    gathered_state_dict: a model's (or its trainable) weights as CPU copies on rank 0, gathered under ZeRO-3.
+    export_hf: ``hf_model/``, or with LoRA ``hf_adapter/`` (and optionally a merged ``hf_model/``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+
+from ds_longseq.logging import get_logger
+from ds_longseq.training import faults
+from ds_longseq.training.lora import merge_lora
+
+__all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "gathered_state_dict",
+           "export_hf"]
+
+logger = get_logger(__name__)
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """Point ``latest`` at a COMPLETE checkpoint: written to a temp file, then renamed (atomic)."""
+    tmp = os.path.join(save_dir, "latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, "latest"))
+
+
+def resume(engine, save_dir: str, metrics_path: str) -> tuple[int, list[dict], str]:
+    """Load the checkpoint ``latest`` points at into ``engine``.
+
+    Returns:
+        (its step, the rows of ``metrics_path`` up to that step, its tag).
+    """
+    latest = os.path.join(save_dir, "latest")
+    if not os.path.exists(latest):
+        raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
+    with open(latest) as f:
+        tag = f.read().strip()
+    _, client_state = engine.load_checkpoint(save_dir, tag=tag)
+    start_step, metrics = client_state["step"], []
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            metrics = [m for m in map(json.loads, f) if m["step"] <= start_step]
+    return start_step, metrics, tag
+
+
+def start_or_resume(
+    engine, save_dir: str, metrics_path: str, *, resume_run: bool, max_steps: int, rank: int
+) -> tuple[int, list[dict]]:
+    """(first step to train, metrics rows of the steps before it); every rank calls it.
+
+    Args:
+        engine: the DeepSpeed engine.
+        save_dir: where the checkpoints are.
+        metrics_path: the run's metrics.jsonl (one JSON row per step, each with a ``step`` key).
+        resume_run: --resume: load the checkpoint ``latest`` points at and keep the metrics up to it;
+            the rows of later steps (the interrupted run's, trained again now) are dropped from
+            ``metrics_path``. Otherwise: step 0 and a fresh ``metrics_path``.
+        max_steps: the run's last step; resuming a checkpoint already there is refused.
+        rank: this process's global rank.
+    """
+    import deepspeed.comm as dist
+
+    if not resume_run:
+        if rank == 0 and os.path.exists(metrics_path):
+            os.remove(metrics_path)
+        return 0, []
+    start_step, metrics, tag = resume(engine, save_dir, metrics_path)
+    if start_step >= max_steps:
+        raise SystemExit(f"--resume: {save_dir}/{tag} is at step {start_step}, and --max-steps is "
+                         f"{max_steps}: nothing left to train; raise --max-steps")
+    dist.barrier()  # every rank has read the metrics before rank 0 truncates them
+    if rank == 0:
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in metrics)
+        logger.warning("resumed from %s/%s at step %d", save_dir, tag, start_step)
+    return start_step, metrics
+
+
+def save_checkpoint(engine, save_dir: str, step: int, rank: int) -> None:
+    """``<save_dir>/step<step>/`` from every rank, then ``latest`` moved to it; every rank calls it."""
+    import deepspeed.comm as dist
+
+    tag = f"step{step}"
+    faults.arm_before_save(engine, rank, step)  # test-only: nothing unless DS_LONGSEQ_FAULT_INJECT asks
+    # save_latest=False: DeepSpeed would rewrite ``latest`` in place; ours flips it only after
+    # every rank has finished writing, so a crash mid-save leaves the previous one in charge.
+    engine.save_checkpoint(save_dir, tag=tag, client_state={"step": step}, save_latest=False)
+    faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
+    dist.barrier()
+    if rank == 0:
+        write_latest(save_dir, tag)
+    dist.barrier()
+
+
+def save_if_due(engine, save_dir: str, step: int, *, save_every: int, max_steps: int, rank: int) -> None:
+    """After step ``step`` (1-based): a checkpoint every ``save_every`` steps (0: none), the last one included."""
+    if (save_every and step % save_every == 0) or step == max_steps:
+        save_checkpoint(engine, save_dir, step, rank)
+
+
+def gathered_state_dict(model: torch.nn.Module, rank: int, trainable_only: bool = False) -> dict | None:
+    """``model.state_dict()`` (or only its trainable parameters) as CPU copies on rank 0; None elsewhere.
+
+    Under ZeRO-3 every rank holds 1/world of each parameter: all ranks must call this, which
+    gathers the selected parameters for the copy (and only those: a LoRA export gathers no base weight).
+    """
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+    is_zero3 = hasattr(params[0], "ds_id")
+    with deepspeed.zero.GatheredParameters(params, enabled=is_zero3):
+        if rank != 0:
+            return None
+        if trainable_only:
+            return {k: v.detach().cpu().clone() for k, v in model.named_parameters() if v.requires_grad}
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def export_hf(
+    model: torch.nn.Module, save_dir: str, rank: int, *, lora: bool = False,
+    merge_base: Callable[[], torch.nn.Module] | None = None,
+) -> str:
+    """The end-of-run export in Hugging Face's formats; every rank calls it (ZeRO-3 gathers).
+
+    Args:
+        model: the trained model (``engine.module``; a PeftModel with ``lora``).
+        save_dir: the run's output directory.
+        rank: this process's global rank.
+        lora: ``model`` is a PeftModel: export only its adapter, in PEFT's format, to ``hf_adapter/``.
+        merge_base: with ``lora``, builds the base model again: the base with the adapter merged in
+            is written to ``hf_model/`` too. None: no merge.
+
+    Returns:
+        What was written, for the end-of-run summary: ``"hf_model/"``, ``"hf_adapter/"`` or
+        ``"hf_adapter/, hf_model/"``.
+    """
+    if not lora:
+        state = gathered_state_dict(model, rank)
+        if rank == 0:
+            model.save_pretrained(os.path.join(save_dir, "hf_model"), state_dict=state)
+        return "hf_model/"
+    state = gathered_state_dict(model, rank, trainable_only=True)
+    if rank == 0:
+        adapter_dir = os.path.join(save_dir, "hf_adapter")
+        # PeftModel.save_pretrained keeps only the adapter's entries of state_dict and writes
+        # adapter_config.json + adapter_model.safetensors, PEFT's own format.
+        model.save_pretrained(adapter_dir, state_dict=state)
+        if merge_base is not None:
+            merge_lora(merge_base, adapter_dir, os.path.join(save_dir, "hf_model"))
+    return "hf_adapter/" + (", hf_model/" if merge_base is not None else "")

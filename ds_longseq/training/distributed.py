@@ -1,0 +1,141 @@
+"""Start-up of a DeepSpeed training process, and the small collectives a training loop needs.
+
+Holds:
+    configure_logging: show ds_longseq's log records on stderr, tagged with the rank (entry points only).
+    check_parallel_args: refuse a sequence length or rank count that does not fit the sequence-parallel size.
+    start_distributed: the process group, logging, and the config checked against the arguments.
+    set_learning_rate: a peak learning rate into the config's optimizer and WarmupLR scheduler.
+    mean_over_ranks: a dict of floats averaged over all ranks.
+    to_rank_batch: this rank's shard of a batch (under sequence parallelism), on its device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal
+
+import torch
+
+from ds_longseq.engine import check_sequence_length, shard_batch, split_config
+from ds_longseq.training import faults
+
+__all__ = ["configure_logging", "check_parallel_args", "start_distributed", "set_learning_rate", "mean_over_ranks",
+           "to_rank_batch"]
+
+
+def configure_logging(rank: int) -> None:
+    """Show ds_longseq's log records (INFO and up) on stderr, tagged with the rank.
+
+    The package configures no handler (no import-time side effects); an entry point does.
+    """
+    package_logger = logging.getLogger("ds_longseq")
+    if not package_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO)
+
+
+def check_parallel_args(seq_len: int, sp: int, world: int, *, pad_for_sp: bool = False) -> None:
+    """Refuse a --seq-len that does not fit ``sp`` (the sequence_parallel size), or ``world`` ranks that do not.
+
+    Args:
+        seq_len: tokens per sequence.
+        sp: the sequence_parallel size P.
+        world: the launched ranks.
+        pad_for_sp: --pad-for-sp: sequences will be padded to a multiple of P, so any length fits.
+    """
+    if world % sp:
+        raise SystemExit(
+            f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}"
+        )
+    up = seq_len + sp - seq_len % sp
+    if seq_len % sp and not pad_for_sp:
+        raise SystemExit(
+            f"--seq-len {seq_len} is not divisible by sequence_parallel size {sp}: use --seq-len {up}, "
+            "or pass --pad-for-sp"
+        )
+
+
+def start_distributed(
+    ds_config: str, *, seq_len: int, pad_for_sp: bool = False, dtype: Literal["auto", "fp32", "bf16"] = "auto"
+):
+    """Start DeepSpeed's process group and check the config against the arguments before any
+    training starts.
+
+    Args:
+        ds_config: path of the DeepSpeed JSON config, with an optional ``long_seq`` section.
+        seq_len: tokens per sequence (checked against long_seq and the sequence-parallel size).
+        pad_for_sp: --pad-for-sp (see :func:`check_parallel_args`).
+        dtype: "auto" (bf16 on GPU, fp32 on CPU), "fp32" or "bf16"; overrides the config's bf16 section.
+
+    Returns:
+        (rank, world, ds_config dict with its bf16 and long_seq sections set, LongSeqConfig, use_bf16).
+    """
+    import deepspeed
+    import deepspeed.comm as dist
+
+    faults.active_fault()  # a malformed test-only fault variable fails here, before any training
+    # Under mpirun, DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: honour the caller's.
+    deepspeed.init_distributed(
+        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+        auto_mpi_discovery=True,
+        distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    configure_logging(rank)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+    config, long_seq = split_config(ds_config)
+    check_sequence_length(long_seq, seq_len)
+    check_parallel_args(seq_len, long_seq.sequence_parallel.size, world, pad_for_sp=pad_for_sp)
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())
+    config["bf16"] = {"enabled": use_bf16}
+    config.pop("fp16", None)
+    if not torch.cuda.is_available():
+        for key in ("offload_optimizer", "offload_param"):  # nothing to pin without a GPU
+            if key in config.get("zero_optimization", {}):
+                config["zero_optimization"][key]["pin_memory"] = False
+    config["long_seq"] = long_seq.to_dict()
+    return rank, world, config, long_seq, use_bf16
+
+
+def set_learning_rate(ds_config: dict, lr: float | None) -> None:
+    """Put ``lr`` (None: keep the config's) into the optimizer and a WarmupLR scheduler's peak."""
+    if lr is not None:
+        ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = lr
+        if ds_config.get("scheduler", {}).get("type") == "WarmupLR":
+            ds_config["scheduler"]["params"]["warmup_max_lr"] = lr
+
+
+def mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
+    """Every value averaged over all ``world`` ranks (ranks of a sequence-parallel group hold the same one).
+
+    One all-reduce of a float64 vector for the whole dict, in sorted key order on every rank.
+    """
+    import deepspeed.comm as dist
+
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: v / world for k, v in zip(keys, t.tolist(), strict=True)}
+
+
+def to_rank_batch(
+    batch: dict[str, torch.Tensor], device, sp_rank: int, sp_size: int, *, pad: bool = False, pad_token_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """This rank's part of ``batch`` on ``device``: whole rows, or under sequence parallelism
+    (``sp_size`` > 1) its 1/P shard of each row (:func:`~ds_longseq.engine.shard_batch`, labels shifted first).
+
+    Args:
+        batch: (B, T) tensors, the same on every rank of the sequence-parallel group.
+        device: this rank's device.
+        sp_rank, sp_size: this rank's place in its sequence-parallel group, and P.
+        pad: --pad-for-sp: pad T on the right to a multiple of P (else T must divide).
+        pad_token_id: the id the padding uses.
+    """
+    if sp_size > 1:
+        batch = shard_batch(batch, sp_rank, sp_size, pad=pad, pad_token_id=pad_token_id)
+    return {k: v.to(device) for k, v in batch.items()}

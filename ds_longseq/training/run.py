@@ -1,0 +1,105 @@
+"""A started training run: DeepSpeed up, the model built (with LoRA if asked) and wrapped in the engine.
+
+Holds:
+    Run: the engine around the model and where this rank stands (data-parallel replica, sequence-parallel shard).
+    setup_run: start DeepSpeed, check the config against the arguments, build the model and its engine.
+    finish: the end-of-run HF export, after every rank is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+import ds_longseq.engine
+from ds_longseq.config import LongSeqConfig
+from ds_longseq.engine import sequence_parallel_rank_and_size
+from ds_longseq.training.checkpoint import export_hf
+from ds_longseq.training.distributed import set_learning_rate, start_distributed, to_rank_batch
+from ds_longseq.training.lora import add_lora
+from ds_longseq.training.tasks import build_model
+
+__all__ = ["Run", "setup_run", "finish"]
+
+
+@dataclasses.dataclass
+class Run:
+    """A started run: the engine around the model and where this rank stands.
+
+    ``args`` is the namespace of :func:`~ds_longseq.training.args.add_common_args`'s flags.
+    """
+
+    args: argparse.Namespace
+    engine: object
+    """The DeepSpeed engine (ds_longseq's :func:`~ds_longseq.engine.initialize`)."""
+    model: torch.nn.Module
+    """The model the engine wraps (a PeftModel with --lora-rank)."""
+    long_seq: LongSeqConfig
+    dtype: torch.dtype
+    rank: int
+    world: int
+    sp_rank: int
+    """This rank's place in its sequence-parallel group."""
+    sp_size: int
+    """P, the sequence-parallel size (1: none)."""
+    micro_bs: int
+    """Items per micro-batch (``train_micro_batch_size_per_gpu``)."""
+    gas: int
+    """Gradient accumulation steps."""
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica (the ranks of a sequence-parallel group share one)."""
+        return self.rank // self.sp_size
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world // self.sp_size
+
+    def build_base(self) -> torch.nn.Module:
+        """The model as it was before training: --model, or the seeded built-in model, without LoRA."""
+        return build_model(self.args.model, self.dtype, seq_len=self.args.seq_len, seed=self.args.seed)
+
+    def prepare(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+        """This rank's shard of ``batch`` (whole rows without sequence parallelism), on its device."""
+        return to_rank_batch(batch, self.engine.device, self.sp_rank, self.sp_size, pad=self.args.pad_for_sp,
+                             pad_token_id=pad_id)
+
+
+def setup_run(args: argparse.Namespace, before_model=None) -> Run:
+    """Start DeepSpeed, check the config against the arguments, build the model and its engine.
+
+    Args:
+        args: the namespace of :func:`~ds_longseq.training.args.add_common_args`'s flags.
+        before_model: runs after the config checks and before the model is built: the place to
+            read and validate data, so that bad input fails before any weight is allocated.
+    """
+    rank, world, ds_config, long_seq, use_bf16 = start_distributed(
+        args.ds_config, seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, dtype=args.dtype
+    )
+    set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
+    if before_model is not None:
+        before_model()
+
+    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    model = build_model(args.model, dtype, seq_len=args.seq_len, seed=args.seed)
+    if args.lora_rank:
+        model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets, seed=args.seed)
+    # Frozen weights (the base under LoRA) get no optimizer state.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=trainable, config=ds_config)
+    sp_rank, sp_size = sequence_parallel_rank_and_size()
+    return Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size,
+               ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1))
+
+
+def finish(run: Run) -> str:
+    """The HF export (the final checkpoint was written by ``save_if_due``); returns what was exported."""
+    import deepspeed.comm as dist
+
+    merge = run.build_base if run.args.lora_rank and run.args.merge_lora else None
+    exported = export_hf(run.model, run.args.save_dir, run.rank, lora=bool(run.args.lora_rank), merge_base=merge)
+    dist.barrier()
+    return exported
