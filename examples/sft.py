@@ -43,7 +43,7 @@ import time
 import torch
 
 import ds_longseq.engine
-from ds_longseq.engine import sequence_parallel_rank_and_size
+from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.training import (
     DOC_TOKENS,
     JsonlData,
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     device = engine.device
     # Ranks of one sequence-parallel group build the same batch and keep their shard of it.
     sp_rank, sp_size = sequence_parallel_rank_and_size()
-    replica, num_replicas = rank // sp_size, world // sp_size
+    replica, num_replicas = data_parallel_rank_and_size(sp_size, rank, world)
 
     os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")

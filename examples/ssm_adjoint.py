@@ -43,6 +43,7 @@ line per step), ``loss.png``, ``eval.json`` (the held-out recall accuracies abov
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -54,7 +55,7 @@ import torch
 import ds_longseq.engine
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
 from ds_longseq.engine import split_config
-from ds_longseq.training import TopicRecallTask, configure_logging, peak_memory_gib, save_if_due, start_or_resume
+from ds_longseq.training import TopicRecallTask, init_process_group, peak_memory_gib, save_if_due, start_or_resume
 
 TASK_DEFAULTS = TopicRecallTask()  # the task's defaults are written once, in its dataclass
 
@@ -165,22 +166,18 @@ def plot(metrics: list[dict], path: str, chance: float) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
-    import deepspeed
-    import deepspeed.comm as dist
     from tqdm import tqdm
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               auto_mpi_discovery=True, distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
-    rank = dist.get_rank()
-    configure_logging(rank)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank, _ = init_process_group()
     ds_config, long_seq = split_config(args.ds_config)
     if not long_seq.adjoint.enabled:
         raise SystemExit(f"{args.ds_config}: long_seq.adjoint.enabled must be true for this example")
     adjoint = long_seq.adjoint
     overrides = {"chunk_size": args.chunk_size, "truncation": args.truncation}
-    ds_config["long_seq"] = {"adjoint": {**vars(adjoint), **{k: v for k, v in overrides.items() if v is not None}}}
+    # the parsed section travels on as one object (engine.initialize does not parse it again)
+    ds_config["long_seq"] = dataclasses.replace(
+        long_seq, adjoint=dataclasses.replace(adjoint, **{k: v for k, v in overrides.items() if v is not None})
+    )
     ds_config["bf16"] = {"enabled": args.dtype == "bf16"}
     ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = args.lr
     micro_bs = ds_config.get("train_micro_batch_size_per_gpu", 1)

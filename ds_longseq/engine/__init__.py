@@ -2,6 +2,7 @@
 the peer watchdog."""
 
 from ds_longseq.engine.initialize import (
+    DEFAULT_DISTRIBUTED_PORT,
     MIN_DEEPSPEED_VERSION,
     check_sequence_length,
     initialize,
@@ -22,6 +23,7 @@ __all__ = [
     "split_config",
     "check_sequence_length",
     "MIN_DEEPSPEED_VERSION",
+    "DEFAULT_DISTRIBUTED_PORT",
     "shard_batch",
     "data_parallel_rank_and_size",
     "sequence_parallel_groups",

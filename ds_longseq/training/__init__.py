@@ -34,6 +34,7 @@ from ds_longseq.training.data import JsonlData, micro_batch, micro_batch_indices
 from ds_longseq.training.distributed import (
     check_parallel_args,
     configure_logging,
+    init_process_group,
     mean_over_ranks,
     set_learning_rate,
     start_distributed,
@@ -82,8 +83,8 @@ __all__ = [
     # metrics
     "peak_memory_gib", "plot_losses", "plot_panels", "MetricsLog",
     # distributed
-    "configure_logging", "check_parallel_args", "start_distributed", "set_learning_rate", "mean_over_ranks",
-    "to_rank_batch",
+    "configure_logging", "init_process_group", "check_parallel_args", "start_distributed", "set_learning_rate",
+    "mean_over_ranks", "to_rank_batch",
     # args
     "add_common_args", "check_run_args", "check_lora_args", "check_args",
     # run

@@ -2,6 +2,7 @@
 
 Holds:
     configure_logging: show ds_longseq's log records on stderr, tagged with the rank (entry points only).
+    init_process_group: DeepSpeed's process group, rank-0 logging and the GPU, before anything else.
     check_parallel_args: refuse a sequence length or rank count that does not fit the sequence-parallel size.
     start_distributed: the process group, logging, and the config checked against the arguments.
     set_learning_rate: a peak learning rate into the config's optimizer and WarmupLR scheduler.
@@ -17,11 +18,18 @@ from typing import Literal
 
 import torch
 
-from ds_longseq.engine import check_sequence_length, shard_batch, split_config
+from ds_longseq.engine import DEFAULT_DISTRIBUTED_PORT, check_sequence_length, shard_batch, split_config
 from ds_longseq.training import faults
 
-__all__ = ["configure_logging", "check_parallel_args", "start_distributed", "set_learning_rate", "mean_over_ranks",
-           "to_rank_batch"]
+__all__ = [
+    "configure_logging",
+    "init_process_group",
+    "check_parallel_args",
+    "start_distributed",
+    "set_learning_rate",
+    "mean_over_ranks",
+    "to_rank_batch",
+]
 
 
 def configure_logging(rank: int) -> None:
@@ -58,6 +66,27 @@ def check_parallel_args(seq_len: int, sp: int, world: int, *, pad_for_sp: bool =
         )
 
 
+def init_process_group() -> tuple[int, int]:
+    """Start DeepSpeed's process group (gloo on CPU, nccl on GPUs; MPI discovery under mpirun), set up
+    rank-0 logging and this rank's GPU; return (rank, world). A malformed test-only fault variable
+    (``training.faults``) fails here, before any training."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    faults.active_fault()
+    # Under mpirun, DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: honour the caller's.
+    deepspeed.init_distributed(
+        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+        auto_mpi_discovery=True,
+        distributed_port=int(os.environ.get("MASTER_PORT", DEFAULT_DISTRIBUTED_PORT)),
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    configure_logging(rank)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return rank, world
+
+
 def start_distributed(
     ds_config: str, *, seq_len: int, pad_for_sp: bool = False, dtype: Literal["auto", "fp32", "bf16"] = "auto"
 ):
@@ -73,21 +102,7 @@ def start_distributed(
     Returns:
         (rank, world, ds_config dict with its bf16 and long_seq sections set, LongSeqConfig, use_bf16).
     """
-    import deepspeed
-    import deepspeed.comm as dist
-
-    faults.active_fault()  # a malformed test-only fault variable fails here, before any training
-    # Under mpirun, DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: honour the caller's.
-    deepspeed.init_distributed(
-        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-        auto_mpi_discovery=True,
-        distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
-    )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    configure_logging(rank)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-
+    rank, world = init_process_group()
     config, long_seq = split_config(ds_config)
     check_sequence_length(long_seq, seq_len)
     check_parallel_args(seq_len, long_seq.sequence_parallel.size, world, pad_for_sp=pad_for_sp)

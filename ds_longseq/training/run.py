@@ -15,7 +15,7 @@ import torch
 
 import ds_longseq.engine
 from ds_longseq.config import LongSeqConfig
-from ds_longseq.engine import sequence_parallel_rank_and_size
+from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.training.checkpoint import export_hf
 from ds_longseq.training.distributed import set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.training.lora import add_lora
@@ -52,11 +52,11 @@ class Run:
     @property
     def replica(self) -> int:
         """This rank's data-parallel replica (the ranks of a sequence-parallel group share one)."""
-        return self.rank // self.sp_size
+        return data_parallel_rank_and_size(self.sp_size, self.rank, self.world)[0]
 
     @property
     def num_replicas(self) -> int:
-        return self.world // self.sp_size
+        return data_parallel_rank_and_size(self.sp_size, self.rank, self.world)[1]
 
     def build_base(self) -> torch.nn.Module:
         """The model as it was before training: --model, or the seeded built-in model, without LoRA."""
