@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ds_longseq.compat import is_zero3_partitioned
 from ds_longseq.logging import get_logger
 from ds_longseq.training import faults
 from ds_longseq.training.lora import merge_lora
@@ -126,7 +127,7 @@ def gathered_state_dict(model: torch.nn.Module, rank: int, trainable_only: bool 
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
-    is_zero3 = hasattr(params[0], "ds_id")
+    is_zero3 = is_zero3_partitioned(params[0])
     with deepspeed.zero.GatheredParameters(params, enabled=is_zero3):
         if rank != 0:
             return None
