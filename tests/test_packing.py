@@ -213,11 +213,12 @@ def test_qwen2_sliding_layers_mixed_with_full_layers_float64():
     assert max(errs.values()) < 1e-10, errs
 
 
-def _count_doc_starts(monkeypatch) -> list[int]:
-    """Count the calls of ``ops.packing.doc_starts`` from every ds_longseq module that imported it."""
+def _count_document_finds(monkeypatch) -> list[int]:
+    """Count the calls of ``ops.packing.find_documents`` (the one entry point that finds packed documents)
+    from every ds_longseq module that imported it."""
     from ds_longseq.ops import packing
 
-    original, calls = packing.doc_starts, []
+    original, calls = packing.find_documents, []
 
     def counting(*args, **kwargs):
         calls.append(1)
@@ -225,8 +226,8 @@ def _count_doc_starts(monkeypatch) -> list[int]:
 
     patched = []
     for name, module in list(sys.modules.items()):
-        if name.startswith("ds_longseq") and getattr(module, "doc_starts", None) is original:
-            monkeypatch.setattr(module, "doc_starts", counting)
+        if name.startswith("ds_longseq") and getattr(module, "find_documents", None) is original:
+            monkeypatch.setattr(module, "find_documents", counting)
             patched.append(name)
     assert {"ds_longseq.modules.causal_lm", "ds_longseq.modules.decoder_layer"} <= set(patched), patched
     return calls
@@ -236,7 +237,7 @@ def _count_doc_starts(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("form", ["position_ids", "cu_seq_lens", "not_packed"])
 def test_documents_are_found_once_per_forward(monkeypatch, config, form):
     """One forward + backward of a 2-layer model finds the documents once (in the model forward),
-    not again in every StreamBP layer: ``doc_starts`` validates with host syncs. Rows that are not
+    not again in every StreamBP layer: ``find_documents`` validates with host syncs. Rows that are not
     packed too (the layers would otherwise look for documents in their arange positions)."""
     model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=2), CONFIGS[config])
     if form == "not_packed":
@@ -244,7 +245,7 @@ def test_documents_are_found_once_per_forward(monkeypatch, config, form):
                  if k in ("input_ids", "labels")}
     else:
         batch, _ = packed_batch(DOCS, form, collator_labels=True)
-    calls = _count_doc_starts(monkeypatch)
+    calls = _count_document_finds(monkeypatch)
     model(**batch).loss.backward()
     assert len(calls) == 1
 
@@ -258,7 +259,7 @@ def test_base_model_called_directly_finds_documents_in_each_layer(monkeypatch):
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     ref = model.model(**inputs).last_hidden_state
     ours = ds_longseq.enable(clone(model), STREAMBP)
-    calls = _count_doc_starts(monkeypatch)
+    calls = _count_document_finds(monkeypatch)
     out = ours.model(**inputs).last_hidden_state
     assert len(calls) == 2  # one per layer
     assert (out - ref).abs().max() < 1e-10

@@ -60,5 +60,5 @@ class AttnSpec:
     sp: ShardContext | None = None
     """Sequence-parallel state of this forward (Ulysses exchange, global padding mask), or None."""
     doc_start: torch.Tensor | None = None
-    """(B, T) index of each token's document start in a packed row (``ops.packing.doc_starts``);
+    """(B, T) index of each token's document start in a packed row (``ops.packing.find_documents``);
     None: one document per row. Under sequence parallelism the global one is ``sp.doc_start``."""

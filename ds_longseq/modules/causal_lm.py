@@ -96,7 +96,7 @@ class CausalLMForward:
     offloaded layer inputs a training call defaults to ``use_cache=False`` (the stock default would keep
     every layer's K/V).
 
-    Packed documents are found here, once per forward (:func:`~ds_longseq.ops.packing.doc_starts`):
+    Packed documents are found here, once per forward (:func:`~ds_longseq.ops.packing.find_documents`):
     their first labels are masked, and under StreamBP every layer gets them as
     ``ds_longseq=AttnSpec(doc_start=...)`` through the model forward's ``**kwargs``.
 

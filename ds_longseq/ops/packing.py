@@ -2,11 +2,12 @@
 
 Holds:
     find_documents: the one entry point every caller uses (the model forward, a decoder layer called
-        directly, the sequence-parallel hook on the gathered positions, ``engine.shard_batch``): the
-        document starts and the position ids to run with.
-    doc_starts: (B, T) index of each token's document start, from restarting ``position_ids`` (TRL's
+        directly, the sequence-parallel hook on the gathered positions, ``engine.shard_batch``): (B, T)
+        index of each token's document start, from restarting ``position_ids`` (TRL's
         ``padding_free`` / ``packing``) or from ``cu_seq_lens_q/k`` (transformers'
-        ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), validated.
+        ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), validated, and the position ids to
+        run with.
+    doc_starts: the same without the position ids (kept for callers of the public ``ops`` name).
     mask_document_starts: labels with ``ignore_index`` at every document's first token, so no
         token is trained to predict the next document's first token.
 
@@ -74,28 +75,13 @@ def find_documents(
     cu_seq_lens_q=None,
     cu_seq_lens_k=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(doc_start (B, T) or None, position ids to run with) of a batch, validated (see :func:`doc_starts`).
+    """(doc_start, position ids to run with) of a batch: doc_start (B, T) is the index of the first token
+    of each token's document, or None when no row is packed.
 
     Without ``position_ids``, restarting ones are derived from ``cu_seq_lens_*``: transformers' own
     attention recognises documents only from them, sequence parallelism carries them across ranks, and
     RoPE is relative, so a document's attention is the same at any offset. Otherwise ``position_ids`` are
     returned as given.
-    """
-    doc_start = doc_starts(position_ids, attention_mask, batch_size, seq_len, cu_seq_lens_q, cu_seq_lens_k)
-    if doc_start is not None and position_ids is None:
-        position_ids = torch.arange(seq_len, device=doc_start.device) - doc_start
-    return doc_start, position_ids
-
-
-def doc_starts(
-    position_ids: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    batch_size: int,
-    seq_len: int,
-    cu_seq_lens_q=None,
-    cu_seq_lens_k=None,
-) -> torch.Tensor | None:
-    """(B, T) index of the first token of each token's document, or None when no row is packed.
 
     Args:
         position_ids: (B or 1, T), or None.
@@ -109,6 +95,18 @@ def doc_starts(
             while a 2D attention_mask is given (transformers would then ignore the documents and attend
             across them; ds_longseq refuses to guess).
     """
+    doc_start = _doc_start(position_ids, attention_mask, batch_size, seq_len, cu_seq_lens_q, cu_seq_lens_k)
+    if doc_start is not None and position_ids is None:
+        position_ids = torch.arange(seq_len, device=doc_start.device) - doc_start
+    return doc_start, position_ids
+
+
+def doc_starts(*args, **kwargs) -> torch.Tensor | None:
+    """The doc_start of :func:`find_documents` (same arguments), without the position ids."""
+    return find_documents(*args, **kwargs)[0]
+
+
+def _doc_start(position_ids, attention_mask, batch_size: int, seq_len: int, cu_seq_lens_q, cu_seq_lens_k):
     varlen = cu_seq_lens_q is not None or cu_seq_lens_k is not None
     device = position_ids.device if position_ids is not None else None
     pos_starts = None
