@@ -30,7 +30,15 @@ from ds_longseq.training.checkpoint import (
     start_or_resume,
     write_latest,
 )
-from ds_longseq.training.data import JsonlData, micro_batch, micro_batch_indices, pad_id_of, pad_row, read_jsonl
+from ds_longseq.training.data import (
+    JsonlData,
+    micro_batch,
+    micro_batch_indices,
+    pad_id_of,
+    pad_row,
+    read_jsonl,
+    require_keys,
+)
 from ds_longseq.training.distributed import (
     check_parallel_args,
     configure_logging,
@@ -70,7 +78,7 @@ from ds_longseq.training.tasks import (
 
 __all__ = [
     # data
-    "read_jsonl", "pad_id_of", "pad_row", "JsonlData", "micro_batch_indices", "micro_batch",
+    "read_jsonl", "require_keys", "pad_id_of", "pad_row", "JsonlData", "micro_batch_indices", "micro_batch",
     # packing
     "first_fit_decreasing", "PackStats", "PackedData", "pack_jsonl", "log_packing",
     # tasks

@@ -4,6 +4,7 @@ Shapes: T the row length (``seq_len``), B the rows of a micro-batch.
 
 Holds:
     read_jsonl: (line number, record) of every non-blank line of a JSONL file; errors name path:line.
+    require_keys: refuse a record without the keys every line needs, naming path:line and the keys.
     pad_id_of: the token id a tokenizer pads with (its pad token, else its EOS, else 0).
     pad_row: one row of exactly T tokens (input_ids, attention_mask, labels), padded on the right.
     JsonlData: 'text' or 'prompt'/'completion' records tokenised and padded/truncated to T; prompts untrained.
@@ -19,7 +20,15 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["read_jsonl", "pad_id_of", "pad_row", "JsonlData", "micro_batch_indices", "micro_batch"]
+__all__ = ["read_jsonl", "require_keys", "pad_id_of", "pad_row", "JsonlData", "micro_batch_indices", "micro_batch"]
+
+
+def require_keys(record: dict, keys: tuple[str, ...], where: str, needs: str) -> None:
+    """Raise ValueError at ``where`` (``path:line``) naming the ``keys`` missing from a JSONL ``record``;
+    ``needs`` says what every line must hold."""
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(repr(k) for k in missing)}: each line needs {needs}")
 
 
 def read_jsonl(path: str, flag: str = "--data") -> Iterator[tuple[int, dict]]:

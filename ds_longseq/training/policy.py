@@ -23,7 +23,7 @@ import torch
 
 from ds_longseq.ops import TokenLogprobs
 from ds_longseq.patch import enable
-from ds_longseq.training.data import pad_id_of, pad_row, read_jsonl
+from ds_longseq.training.data import pad_id_of, pad_row, read_jsonl, require_keys
 
 if TYPE_CHECKING:
     from ds_longseq.training.run import Run
@@ -75,12 +75,7 @@ class PreferenceData:
         with_ref = None
         for lineno, rec in read_jsonl(path):
             where = f"{path}:{lineno}"
-            missing = [k for k in ("prompt", "chosen", "rejected") if k not in rec]
-            if missing:
-                raise ValueError(
-                    f"{where}: missing {', '.join(repr(k) for k in missing)}: each line needs 'prompt', 'chosen' and "
-                    "'rejected' (strings)"
-                )
+            require_keys(rec, ("prompt", "chosen", "rejected"), where, "'prompt', 'chosen' and 'rejected' (strings)")
             for key in ("prompt", "chosen", "rejected"):
                 if not isinstance(rec[key], str):
                     raise ValueError(f"{where}: '{key}' must be a string, got {type(rec[key]).__name__}")
@@ -168,12 +163,8 @@ class RolloutData:
         self.items, self.group_size = [], None
         for lineno, rec in read_jsonl(path):
             where = f"{path}:{lineno}"
-            missing = [k for k in ("prompt", "completions", "rewards") if k not in rec]
-            if missing:
-                raise ValueError(
-                    f"{where}: missing {', '.join(repr(k) for k in missing)}: each line needs 'prompt' (a string), "
-                    "'completions' (G strings) and 'rewards' (G numbers)"
-                )
+            require_keys(rec, ("prompt", "completions", "rewards"), where,
+                         "'prompt' (a string), 'completions' (G strings) and 'rewards' (G numbers)")
             prompt, completions, rewards = rec["prompt"], rec["completions"], rec["rewards"]
             if not isinstance(prompt, str):
                 raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
