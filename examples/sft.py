@@ -42,18 +42,13 @@ import time
 
 import torch
 
-import ds_longseq.engine
-from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.training import (
     DOC_TOKENS,
     JsonlData,
-    PackedData,
-    add_lora,
-    build_model,
     check_lora_args,
     check_run_args,
     copy_example,
-    export_hf,
+    finish,
     log_packing,
     micro_batch,
     micro_batch_indices,
@@ -61,10 +56,8 @@ from ds_longseq.training import (
     peak_memory_gib,
     plot_losses,
     save_if_due,
-    set_learning_rate,
-    start_distributed,
+    setup_run,
     start_or_resume,
-    to_rank_batch,
 )
 from ds_longseq.training.faults import before_backward
 
@@ -106,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--merge-lora", action="store_true",
                    help="with --lora-rank: also write the base model with the adapter merged in to hf_model/")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
+    p.set_defaults(default_lr=DEFAULT_LR)  # what training.setup_run reads for the built-in model
     return p.parse_args(argv)
 
 
@@ -129,38 +123,28 @@ def main(argv=None) -> int:
     import deepspeed.comm as dist
     from tqdm import tqdm
 
-    rank, world, ds_config, long_seq, use_bf16 = start_distributed(
-        args.ds_config, seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, dtype=args.dtype
-    )
-    micro_bs = ds_config.get("train_micro_batch_size_per_gpu", 1)
-    gas = ds_config.get("gradient_accumulation_steps", 1)
+    data = {}  # what load_data reads: the rows' source, the loss at chance (or None), the pad id, the packing
 
-    packed: PackedData | None = None
-    if args.data:
-        from transformers import AutoTokenizer
+    def load_data():  # after the config checks, before any weight is allocated: bad data fails first
+        if args.data:
+            from transformers import AutoTokenizer
 
-        data = JsonlData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len)
-        source, chance, pad_id = data.__getitem__, None, data.pad_id
-        if args.pack:
-            packed = pack_jsonl(data, args.seed)
-            log_packing(packed.stats)
-            source = packed.__getitem__
-    else:
-        copy_example(0, args.seq_len, args.seed)  # fail early if --seq-len is too short
-        source, chance, pad_id = (lambda i: copy_example(i, args.seq_len, args.seed)), math.log(len(DOC_TOKENS)), 0
-    set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else DEFAULT_LR))
+            rows = JsonlData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len)
+            packed = pack_jsonl(rows, args.seed) if args.pack else None
+            if packed is not None:
+                log_packing(packed.stats)
+            source = rows.__getitem__ if packed is None else packed.__getitem__
+            data.update(source=source, chance=None, pad_id=rows.pad_id, packed=packed)
+        else:
+            copy_example(0, args.seq_len, args.seed)  # fail early if --seq-len is too short
+            data.update(source=lambda i: copy_example(i, args.seq_len, args.seed),
+                        chance=math.log(len(DOC_TOKENS)), pad_id=0, packed=None)
 
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
-    model = build_model(args.model, dtype, seq_len=args.seq_len, seed=args.seed)
-    if args.lora_rank:
-        model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets, seed=args.seed)
-    # Frozen weights (the base under LoRA) get no optimizer state.
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=trainable, config=ds_config)
-    device = engine.device
+    run = setup_run(args, before_model=load_data)
+    source, chance, pad_id, packed = data["source"], data["chance"], data["pad_id"], data["packed"]
+    engine, rank, world, device = run.engine, run.rank, run.world, run.engine.device
     # Ranks of one sequence-parallel group build the same batch and keep their shard of it.
-    sp_rank, sp_size = sequence_parallel_rank_and_size()
-    replica, num_replicas = data_parallel_rank_and_size(sp_size, rank, world)
+    gas, replica, num_replicas = run.gas, run.replica, run.num_replicas
 
     os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
@@ -172,15 +156,15 @@ def main(argv=None) -> int:
     for step in range(start_step, args.max_steps):
         step_loss = torch.zeros((), device=device)
         for micro in range(gas):
-            batch = micro_batch(source, step, micro, gas, replica, num_replicas, micro_bs)
+            batch = micro_batch(source, step, micro, gas, replica, num_replicas, run.micro_bs)
             # Text tokens of this replica's whole micro-batch (before sharding), times the replicas;
             # padding is not counted. Packed rows have no mask: their data knows each row's pad tail.
             if packed is None:
                 tokens += int(batch["attention_mask"].sum()) * num_replicas
             else:
-                indices = micro_batch_indices(step, micro, gas, replica, num_replicas, micro_bs)
+                indices = micro_batch_indices(step, micro, gas, replica, num_replicas, run.micro_bs)
                 tokens += sum(packed.num_real_tokens(i) for i in indices) * num_replicas
-            batch = to_rank_batch(batch, device, sp_rank, sp_size, pad=args.pad_for_sp, pad_token_id=pad_id)
+            batch = run.prepare(batch, pad_id)
             # No KV cache in training. It also matters for packed rows: transformers reads restarting
             # position_ids as separate documents only when no cache is passed, and with the config's
             # default use_cache=True the stock model would build one and attend across documents.
@@ -202,11 +186,7 @@ def main(argv=None) -> int:
         save_if_due(engine, args.save_dir, step + 1, save_every=args.save_every, max_steps=args.max_steps, rank=rank)
     bar.close()
 
-    def base():  # for --merge-lora: LoRA never changes the base, so build it again as for training
-        return build_model(args.model, dtype, seq_len=args.seq_len, seed=args.seed)
-
-    merge = base if args.lora_rank and args.merge_lora else None
-    exported = export_hf(model, args.save_dir, rank, lora=bool(args.lora_rank), merge_base=merge)
+    exported = finish(run)
     if rank == 0:
         plot_losses(metrics, os.path.join(args.save_dir, "loss.png"), chance,
                     chance_label=f"chance without looking back (ln {len(DOC_TOKENS)})")
@@ -214,7 +194,7 @@ def main(argv=None) -> int:
         first, last = metrics[0]["loss"], metrics[-1]["loss"]
         print(
             f"\nsummary: {args.max_steps - start_step} steps on {world} rank(s)"
-            + (f" (sequence parallel {sp_size} x data parallel {num_replicas})" if sp_size > 1 else "")
+            + (f" (sequence parallel {run.sp_size} x data parallel {num_replicas})" if run.sp_size > 1 else "")
             + f", seq_len {args.seq_len}, "
             f"loss {first:.4f} -> {last:.4f}"
             + (f" (chance without looking back {chance:.4f})" if chance is not None else "")
