@@ -61,7 +61,8 @@ def build_model(args):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(args.device, DTYPES[args.dtype])
     return ds_longseq.enable(model, {
-        "streambp": {"enabled": True, "chunk_size": args.chunk, "kv_block_size": args.kv_block},
+        "streambp": {"enabled": True, "chunk_size": args.chunk},
+        "attention": {"kv_block_size": args.kv_block},
         "lm_head": {"enabled": True, "chunk_size": args.chunk},
     })
 

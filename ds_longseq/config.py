@@ -2,7 +2,7 @@
 
 Holds:
     StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig, OffloadConfig, ApproxBPConfig,
-        AdjointConfig: one dataclass per section.
+        AdjointConfig, AttentionConfig, WatchdogConfig: one dataclass per section.
     LongSeqConfig: the whole section, with ``from_dict`` that reports every problem at once.
     LongSeqConfigError: the single error raised for a bad section.
     register_technique / unregister_technique: how ``ds_longseq.techniques`` declares a technique's section,
@@ -31,6 +31,7 @@ __all__ = [
     "OffloadConfig",
     "ApproxBPConfig",
     "AdjointConfig",
+    "AttentionConfig",
     "WatchdogConfig",
     "register_technique",
     "unregister_technique",
@@ -60,6 +61,17 @@ class StreamBPConfig:
     chunk_size: int = 1024
     """Tokens per chunk of the query sequence, in forward and in backward. The last chunk may be
     shorter; a sequence shorter than ``chunk_size`` is one chunk."""
+    kv_block_size: int | None = None
+    """Deprecated: set ``long_seq.attention.kv_block_size`` (the tile is the attention kernel's, used by
+    sequence parallelism and mini-sequence too). Still read for one release, with a warning, when
+    ``attention.kv_block_size`` is not set."""
+
+
+@dataclass
+class AttentionConfig:
+    """The chunk attention kernel that every ds_longseq attention path runs (StreamBP's chunks, the
+    sequence-parallel all-to-all, mini-sequence's full-sequence pass)."""
+
     kv_block_size: int | None = None
     """Keys per tile inside the chunk attention kernel. None (default): the whole prefix in one
     tile on CUDA (the fused kernels hold no score tile, and one call per chunk is fastest), 1024
@@ -188,6 +200,7 @@ _SECTIONS: dict[str, type] = {
     "offload": OffloadConfig,
     "approx_bp": ApproxBPConfig,
     "adjoint": AdjointConfig,
+    "attention": AttentionConfig,
     "watchdog": WatchdogConfig,
 }
 
@@ -271,11 +284,35 @@ class LongSeqConfig:
     """Approx-BP activations and memory-sharing norms."""
     adjoint: AdjointConfig = field(default_factory=AdjointConfig)
     """Adjoint sharding of residual SSM models."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """The chunk attention kernel's tile size."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """The peer watchdog of multi-rank jobs (names a dead rank, bounds the hang)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Sections of techniques registered beyond the built-in ones, by name (``long_seq.<name>``); also
     readable as attributes (``config.<name>``)."""
+
+    def __post_init__(self) -> None:
+        self._move_deprecated_kv_block_size()
+
+    def _move_deprecated_kv_block_size(self) -> None:
+        # streambp.kv_block_size (before 2026-11) -> attention.kv_block_size; both set and different is
+        # reported by _problems instead of picking one
+        old = self.streambp.kv_block_size
+        valid = isinstance(old, int) and not isinstance(old, bool) and old > 0
+        if not valid or not isinstance(self.attention, AttentionConfig):
+            return  # unset, or bad: then _problems names the key the user wrote
+        new = self.attention.kv_block_size
+        if new is not None and new != old:
+            return
+        warnings.warn(
+            "long_seq.streambp.kv_block_size is deprecated: set long_seq.attention.kv_block_size "
+            "(the same tile, used by every attention path); read from streambp for now",
+            FutureWarning,  # shown by default: the people who set it write JSON, not imports
+            stacklevel=4,
+        )
+        self.attention.kv_block_size = old
+        self.streambp.kv_block_size = None
 
     def __getattr__(self, name: str) -> Any:
         # only called when normal lookup fails: a registered technique's section
@@ -331,6 +368,7 @@ class LongSeqConfig:
 
     def validate(self) -> None:
         """Raise :class:`LongSeqConfigError` listing every problem, if there is any."""
+        self._move_deprecated_kv_block_size()  # set on the object after it was built
         problems = self._problems()
         if problems:
             raise LongSeqConfigError(problems)
@@ -379,6 +417,12 @@ class LongSeqConfig:
                     hint = " (T-bar >= 1; null for exact gradients)" if f.name == "truncation" else ""
                     problems.append(f"{where} must be a positive integer{hint}, got {value}")
         problems.extend(self._rule_problems())
+        old, new = self.streambp.kv_block_size, self.attention.kv_block_size
+        if old is not None and new is not None and old != new:
+            problems.append(
+                f"long_seq.streambp.kv_block_size={old!r} and long_seq.attention.kv_block_size={new!r} disagree: "
+                "streambp.kv_block_size is the deprecated name of attention.kv_block_size; set only the latter"
+            )
         hb, timeout = self.watchdog.heartbeat_s, self.watchdog.peer_timeout_s
         if _positive_number(hb) and _positive_number(timeout):  # (else reported above)
             if timeout <= 3 * hb:

@@ -3,8 +3,10 @@
 DeepSpeed's CPU communication backend (``deepspeed_shm_comm_op``) backs its all-reduce with files
 ``/dev/shm/deepspeed_allreduce_buffer_*`` that it never removes. Every multi-rank test leaves some
 behind, and /dev/shm is memory: one full suite left 20 GiB there, enough for the OOM killer to hit
-later tests and benchmarks on a 24 GiB machine. Each test removes the buffers it created (its ranks
-have exited by then; files that existed before the test are left alone).
+later tests and benchmarks on a 24 GiB machine. Each test removes the buffers that appeared while it
+ran and that no live process has mapped: its own ranks have exited by then, while the ranks of a
+pytest run going on beside it (a second checkout, a helper) still map theirs, so concurrent runs do
+not pull buffers from under each other. Files that existed before the test are left alone.
 """
 
 import glob
@@ -15,11 +17,28 @@ import pytest
 _SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
 
 
+def _mapped_shm_buffers() -> set[str]:
+    """The DeepSpeed buffers some live process has mapped (read from every readable /proc/<pid>/maps)."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                for line in f:
+                    if "deepspeed_allreduce_buffer_" in line:
+                        mapped.add(line.split(None, 5)[-1].strip().removesuffix(" (deleted)"))
+        except OSError:  # the process exited meanwhile, or is not ours to read
+            continue
+    return mapped
+
+
 @pytest.fixture(autouse=True)
 def _remove_deepspeed_shm_buffers():
     before = set(glob.glob(_SHM_BUFFERS))
     yield
-    for path in set(glob.glob(_SHM_BUFFERS)) - before:
+    new = set(glob.glob(_SHM_BUFFERS)) - before
+    if not new:
+        return
+    for path in new - _mapped_shm_buffers():
         try:
             os.remove(path)
         except OSError:  # already gone, or not ours to remove

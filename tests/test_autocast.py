@@ -15,7 +15,7 @@ from ds_longseq.ops.chunk_grads import AutocastState
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
 HEAD = {"enabled": True, "chunk_size": 9}
-STREAMBP = {"streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 6}, "lm_head": HEAD}
+STREAMBP = {"streambp": {"enabled": True, "chunk_size": 5}, "attention": {"kv_block_size": 6}, "lm_head": HEAD}
 MST = {"mini_seq": {"enabled": True, "mlp_num_chunks": 4}, "lm_head": HEAD}
 
 

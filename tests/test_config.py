@@ -9,13 +9,33 @@ from ds_longseq import LongSeqConfig, LongSeqConfigError
 
 def test_defaults_and_round_trip():
     cfg = LongSeqConfig.from_dict({"streambp": {"enabled": True, "chunk_size": 512}, "lm_head": {"enabled": True}})
-    assert cfg.streambp.enabled and cfg.streambp.chunk_size == 512 and cfg.streambp.kv_block_size is None
+    assert cfg.streambp.enabled and cfg.streambp.chunk_size == 512 and cfg.attention.kv_block_size is None
     assert cfg.lm_head.chunk_size == 1024 and not cfg.mini_seq.enabled
     assert LongSeqConfig.from_dict(cfg.to_dict()) == cfg
     assert LongSeqConfig.from_dict(None) == LongSeqConfig() and not LongSeqConfig().any_enabled
-    assert LongSeqConfig.from_dict({"streambp": {"enabled": True, "kv_block_size": 256}}).streambp.kv_block_size == 256
-    with pytest.raises(LongSeqConfigError, match="kv_block_size must be a positive integer"):
-        LongSeqConfig.from_dict({"streambp": {"enabled": True, "kv_block_size": 0}})
+    assert LongSeqConfig.from_dict({"attention": {"kv_block_size": 256}}).attention.kv_block_size == 256
+    with pytest.raises(LongSeqConfigError, match="attention.kv_block_size must be a positive integer"):
+        LongSeqConfig.from_dict({"attention": {"kv_block_size": 0}})
+
+
+def test_streambp_kv_block_size_is_a_deprecated_alias_of_attention_kv_block_size():
+    with pytest.warns(FutureWarning, match="streambp.kv_block_size is deprecated: set long_seq.attention"):
+        cfg = LongSeqConfig.from_dict({"streambp": {"enabled": True, "kv_block_size": 256}})
+    assert cfg.attention.kv_block_size == 256 and cfg.streambp.kv_block_size is None
+    assert LongSeqConfig.from_dict(cfg.to_dict()) == cfg  # round-trips under the new name, no warning
+    with pytest.warns(FutureWarning):  # the same value under both names is one setting
+        same = LongSeqConfig.from_dict({"streambp": {"kv_block_size": 8}, "attention": {"kv_block_size": 8}})
+    assert same.attention.kv_block_size == 8
+    with pytest.raises(LongSeqConfigError, match=r"streambp.kv_block_size=8 and long_seq.attention.kv_block_size=4 "
+                                                 "disagree"):
+        LongSeqConfig.from_dict({"streambp": {"kv_block_size": 8}, "attention": {"kv_block_size": 4}})
+    with pytest.raises(LongSeqConfigError, match="streambp.kv_block_size must be a positive integer"):
+        LongSeqConfig.from_dict({"streambp": {"enabled": True, "kv_block_size": 0}})  # named as written
+    built = LongSeqConfig()
+    built.streambp.kv_block_size = 16  # set on the object: moved when it is validated
+    with pytest.warns(FutureWarning):
+        built.validate()
+    assert built.attention.kv_block_size == 16
 
 
 def test_every_problem_is_listed_in_one_error():

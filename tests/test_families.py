@@ -61,7 +61,7 @@ def right_padded_batch():
 
 
 CONFIGS = {
-    "streambp": {"streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 4},
+    "streambp": {"streambp": {"enabled": True, "chunk_size": 5}, "attention": {"kv_block_size": 4},
                  "lm_head": {"enabled": True, "chunk_size": 7}},
     "streambp_stock_head": {"streambp": {"enabled": True, "chunk_size": 8}},
     "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 6}},

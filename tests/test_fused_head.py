@@ -22,10 +22,10 @@ from tests.test_families import exact, right_padded_batch
 
 CONFIGS = {
     "streambp+lm_head": {
-        "streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 4},
+        "streambp": {"enabled": True, "chunk_size": 5}, "attention": {"kv_block_size": 4},
         "lm_head": {"enabled": True, "chunk_size": 7},
     },
-    "streambp, stock head": {"streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 4}},
+    "streambp, stock head": {"streambp": {"enabled": True, "chunk_size": 5}, "attention": {"kv_block_size": 4}},
 }
 
 

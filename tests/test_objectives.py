@@ -15,7 +15,7 @@ from ds_longseq.ops import TokenLogprobs, dpo_loss, group_advantages, grpo_loss
 from tests.helpers import VOCAB, compare, full_precision_norms, grads_of, make_model
 
 CONFIGS = {
-    "streambp": {"streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 4},
+    "streambp": {"streambp": {"enabled": True, "chunk_size": 5}, "attention": {"kv_block_size": 4},
                  "lm_head": {"enabled": True, "chunk_size": 7}},
     "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 4}},
     "streambp_stock_head": {"streambp": {"enabled": True, "chunk_size": 6}},

@@ -21,7 +21,7 @@ from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
 OFFLOAD = {"offload": {"layer_inputs": "cpu"}}
 STREAMBP = {
-    "streambp": {"enabled": True, "chunk_size": 8, "kv_block_size": 6},
+    "streambp": {"enabled": True, "chunk_size": 8}, "attention": {"kv_block_size": 6},
     "lm_head": {"enabled": True, "chunk_size": 7},
 }
 MST = {"mini_seq": {"enabled": True, "mlp_num_chunks": 4}, "lm_head": {"enabled": True, "chunk_size": 9}}

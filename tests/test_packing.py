@@ -16,12 +16,12 @@ import ds_longseq
 from tests.helpers import VOCAB, clone, compare, loss_and_grads, make_model
 
 STREAMBP = {
-    "streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 3},
+    "streambp": {"enabled": True, "chunk_size": 5}, "attention": {"kv_block_size": 3},
     "lm_head": {"enabled": True, "chunk_size": 7},
 }
 CONFIGS = {
     "streambp+lm_head": STREAMBP,
-    "streambp": {"streambp": {"enabled": True, "chunk_size": 8, "kv_block_size": 6}},
+    "streambp": {"streambp": {"enabled": True, "chunk_size": 8}, "attention": {"kv_block_size": 6}},
     "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}},
     "lm_head": {"lm_head": {"enabled": True, "chunk_size": 6}},
 }
@@ -138,7 +138,7 @@ def test_sliding_window_shorter_than_sequence_matches_stock_float64(chunk):
     labels = ids.masked_fill(mask == 0, -100)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
-    config = {"streambp": {"enabled": True, "chunk_size": chunk, "kv_block_size": 4},
+    config = {"streambp": {"enabled": True, "chunk_size": chunk}, "attention": {"kv_block_size": 4},
               "lm_head": {"enabled": True, "chunk_size": 10}}
     errs = compare(loss_and_grads(ds_longseq.enable(clone(model), config), batch), ref)
     assert max(errs.values()) < 1e-10, errs
@@ -207,7 +207,7 @@ def test_qwen2_sliding_layers_mixed_with_full_layers_float64():
     mask[0, :3] = 0
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
-    config = {"streambp": {"enabled": True, "chunk_size": 4, "kv_block_size": 3},
+    config = {"streambp": {"enabled": True, "chunk_size": 4}, "attention": {"kv_block_size": 3},
               "lm_head": {"enabled": True, "chunk_size": 10}}
     errs = compare(loss_and_grads(ds_longseq.enable(clone(model), config), batch), ref)
     assert max(errs.values()) < 1e-10, errs

@@ -20,7 +20,7 @@ SEQ = 40
 SP_DOCS = [[1, 12, 15, 12], [22, 1, 17]]
 SP_CONFIGS = {
     "streambp": {
-        "streambp": {"enabled": True, "chunk_size": 3, "kv_block_size": 4},
+        "streambp": {"enabled": True, "chunk_size": 3}, "attention": {"kv_block_size": 4},
         "lm_head": {"enabled": True, "chunk_size": 7},
     },
     "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 5}},

@@ -12,7 +12,7 @@ from tests.helpers import compare, loss_and_grads, make_batch, make_model
 peft = pytest.importorskip("peft")
 
 STREAMBP = {
-    "streambp": {"enabled": True, "chunk_size": 5, "kv_block_size": 4},
+    "streambp": {"enabled": True, "chunk_size": 5}, "attention": {"kv_block_size": 4},
     "mini_seq": {"enabled": False},
     "lm_head": {"enabled": True, "chunk_size": 7},
 }

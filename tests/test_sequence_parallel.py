@@ -21,10 +21,10 @@ from tests.helpers import VOCAB, float64_eager_attention, full_precision_norms, 
 SP_CASES = {
     # chunk 3 and 7 do not divide the local shard of 20 tokens
     "streambp": {
-        "streambp": {"enabled": True, "chunk_size": 3, "kv_block_size": 4},
+        "streambp": {"enabled": True, "chunk_size": 3}, "attention": {"kv_block_size": 4},
         "lm_head": {"enabled": True, "chunk_size": 7},
     },
-    "streambp_stock_head": {"streambp": {"enabled": True, "chunk_size": 7, "kv_block_size": 8}},
+    "streambp_stock_head": {"streambp": {"enabled": True, "chunk_size": 7}, "attention": {"kv_block_size": 8}},
     "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 5}},
     "ulysses_only": {},
 }

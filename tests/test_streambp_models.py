@@ -7,7 +7,7 @@ import ds_longseq
 from tests.helpers import ARCHS, clone, compare, loss_and_grads, make_batch, make_model
 
 STREAMBP = lambda chunk, lm_chunk=10, kv_block=6: {  # noqa: E731
-    "streambp": {"enabled": True, "chunk_size": chunk, "kv_block_size": kv_block},
+    "streambp": {"enabled": True, "chunk_size": chunk}, "attention": {"kv_block_size": kv_block},
     "lm_head": {"enabled": True, "chunk_size": lm_chunk},
 }
 

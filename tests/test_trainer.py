@@ -74,7 +74,7 @@ def ds_config(stage: int, sp: int, long_seq: bool = True) -> dict:
     }
     if long_seq:
         config["long_seq"] = {
-            "streambp": {"enabled": True, "chunk_size": 4, "kv_block_size": 4},
+            "streambp": {"enabled": True, "chunk_size": 4}, "attention": {"kv_block_size": 4},
             "lm_head": {"enabled": True, "chunk_size": 8},
             "sequence_parallel": {"size": sp},
         }

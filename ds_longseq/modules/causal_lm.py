@@ -180,7 +180,7 @@ class CausalLMForward:
                 # The StreamBP layers take the documents from here (None: no row is packed) instead of
                 # finding them again, with host syncs, in every layer. transformers' model forward
                 # passes its **kwargs on to every decoder layer.
-                kwargs[SPEC_KWARG] = AttnSpec(None, self.config.streambp.kv_block_size, doc_start=doc_start)
+                kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start)
             if doc_start is not None:
                 if use_cache:
                     raise ValueError(

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ds_longseq.config import StreamBPConfig
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import check_no_active_dropout
@@ -48,14 +47,16 @@ class StreamBPLayerForward:
         self,
         layer: torch.nn.Module,
         orig_forward: Callable,
-        config: StreamBPConfig,
+        chunk_size: int,
+        kv_block_size: int | None,
         offload: "LayerInputOffload | None" = None,
         router_tap: RouterTap | None = None,
     ):
+        """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``."""
         self.layer = layer
         self.orig_forward = orig_forward
-        self.chunk_size = config.chunk_size
-        self.kv_block_size = config.kv_block_size
+        self.chunk_size = chunk_size
+        self.kv_block_size = kv_block_size
         self.offload = offload
         self.router_tap = router_tap  # a mixture-of-experts layer: its router's logits (see modules/moe.py)
 

@@ -64,6 +64,6 @@ class SequenceParallelism(Technique):
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         )
         ctx.use_longseq_attention()
-        hook = SequenceParallelForwardHook(sp, ctx.config.streambp.kv_block_size)
+        hook = SequenceParallelForwardHook(sp, ctx.config.attention.kv_block_size)
         ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
         ctx.sp = ctx.handle.sp = sp

@@ -52,8 +52,10 @@ class StreamBP(Technique):
         ctx.use_longseq_attention()
         taps = ctx.router_taps()
         for layer in ctx.adapter.layers:
-            forward = StreamBPLayerForward(layer, layer.forward, ctx.config.streambp, ctx.offload,
-                                           router_tap=taps.get(layer))
+            forward = StreamBPLayerForward(
+                layer, layer.forward, ctx.config.streambp.chunk_size, ctx.config.attention.kv_block_size,
+                ctx.offload, router_tap=taps.get(layer),
+            )
             ctx.handle.set_instance_attr(layer, "forward", forward)
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:

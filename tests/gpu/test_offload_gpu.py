@@ -22,7 +22,7 @@ from tests.helpers import clone, loss_and_grads, make_batch, make_model
 NUM_LAYERS, HIDDEN = 4, 512
 OFFLOAD = {"offload": {"layer_inputs": "cpu"}}
 STREAMBP = {
-    "streambp": {"enabled": True, "chunk_size": 1024, "kv_block_size": 1024},
+    "streambp": {"enabled": True, "chunk_size": 1024}, "attention": {"kv_block_size": 1024},
     "lm_head": {"enabled": True, "chunk_size": 1024},
 }
 MST = {"mini_seq": {"enabled": True, "mlp_num_chunks": 4}, "lm_head": {"enabled": True, "chunk_size": 1024}}
