@@ -102,7 +102,8 @@ def enable(
             # Every such path: the model forward also masks packed documents' boundary targets.
             forward = CausalLMForward(
                 model, model.forward, cfg, ctx.sp, adapter.final_logit_softcap,
-                decoder=adapter.base_model, head=adapter.lm_head,
+                decoder=adapter.base_model, head=adapter.lm_head, moe_aux=adapter.spec.head_kind == "moe_aux",
+                logit_scale=adapter.logit_scale,
             )
             handle.set_instance_attr(model, "forward", forward)
             handle.forward = forward

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_longseq.families.discovery import discover_spec, head_kind, logit_scale
+
 __all__ = [
     "FamilySpec",
     "FAMILIES",
@@ -72,8 +74,11 @@ class FamilySpec:
     layers_attr: str = "layers"
     """Attribute of the decoder stack holding the decoder layers (an ``nn.ModuleList``); each layer's
     attention module is ``self_attn`` and writes its K/V through ``past_key_values.update``."""
-    mlp_attr: str = "mlp"
-    """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block)."""
+    attn_attr: str = "self_attn"
+    """Attribute of a decoder layer holding its attention module."""
+    mlp_attr: str | None = "mlp"
+    """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block); None when
+    the layers have no single such module (mini_seq is then refused)."""
     lm_head_attr: str = "lm_head"
     """Attribute of the ``*ForCausalLM`` holding the LM head (an ``nn.Linear``)."""
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
@@ -99,6 +104,14 @@ class FamilySpec:
     """Norms inside a decoder layer that ``approx_bp.norm`` cannot fold, and why: the family is refused."""
     final_norm_attr: str = "norm"
     """Attribute of the decoder stack holding the norm before the LM head."""
+    head_kind: str = "plain"
+    """What the class's ``forward`` computes after the decoder stack (``discovery.HEAD_TEMPLATES``); checked
+    against the installed transformers' code when the adapter is made."""
+    norm_folds_known: bool = True
+    """Whether ``norm_folds`` / ``unfoldable_norms`` describe every norm of the layers (written and tested
+    for this family); a discovered family has no map, so ``approx_bp.norm`` is refused on it."""
+    discovered: bool = False
+    """Read from the model's structure (``discovery.discover_spec``) rather than written in :data:`FAMILIES`."""
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -111,7 +124,8 @@ FAMILIES: dict[str, FamilySpec] = {
     # sliding-window layers alternating with full ones, attention-logit softcap (passed to the
     # attention function as ``softcap``), final-logit softcap, pre/post feed-forward norms
     "gemma2": FamilySpec(
-        "Gemma2ForCausalLM", final_logit_softcap_field="final_logit_softcapping", unfoldable_norms=_POST_NORMS
+        "Gemma2ForCausalLM", final_logit_softcap_field="final_logit_softcapping", unfoldable_norms=_POST_NORMS,
+        head_kind="final_softcap",
     ),
     # five sliding-window layers per full one, each kind with its own RoPE base, q/k RMSNorm,
     # optional softcaps as in Gemma 2, scaled embeddings
@@ -119,6 +133,7 @@ FAMILIES: dict[str, FamilySpec] = {
         "Gemma3ForCausalLM",
         final_logit_softcap_field="final_logit_softcapping",
         unfoldable_norms=_QK_NORMS + _POST_NORMS,
+        head_kind="final_softcap",
     ),
     # fused qkv_proj and gate_up_proj, optional partial rotary, residual dropout inside the layer
     "phi3": FamilySpec(
@@ -132,13 +147,15 @@ FAMILIES: dict[str, FamilySpec] = {
     # Qwen3 attention; sparse MoE blocks (top-k of num_experts, optionally renormalised), dense MLPs
     # on config.mlp_only_layers; load-balancing loss from the routers' logits
     "qwen3_moe": FamilySpec(
-        "Qwen3MoeForCausalLM", moe_block_class="Qwen3MoeSparseMoeBlock", unfoldable_norms=_QK_NORMS
+        "Qwen3MoeForCausalLM", moe_block_class="Qwen3MoeSparseMoeBlock", unfoldable_norms=_QK_NORMS,
+        head_kind="moe_aux",
     ),
     # Mistral attention; sparse MoE blocks (top-2 of 8, renormalised), router jitter in training
     "mixtral": FamilySpec(
         "MixtralForCausalLM",
         moe_block_class="MixtralSparseMoeBlock",
         mlp_noise_fields=("router_jitter_noise",),
+        head_kind="moe_aux",
         # the router's (E, d) weight and the experts' (E, 2I, d) gate/up weights consume the norm's output
         norm_folds=(
             ("input_layernorm", _QKV),
@@ -169,6 +186,11 @@ class DecoderLMAdapter:
         return None if field is None else getattr(self.model.config, field, None)
 
     @property
+    def logit_scale(self) -> float:
+        """The factor the family's forward puts on the logits right after the LM head (1.0: none)."""
+        return logit_scale(self.model, self.spec.head_kind)
+
+    @property
     def base_model(self) -> torch.nn.Module:
         """The decoder stack (e.g. ``model.model``): embeddings, layers, final norm."""
         return getattr(self.model, self.spec.decoder_attr)
@@ -182,7 +204,10 @@ class DecoderLMAdapter:
         return getattr(self.model, self.spec.lm_head_attr)
 
     def mlp(self, layer: torch.nn.Module) -> torch.nn.Module | None:
-        return getattr(layer, self.spec.mlp_attr, None)
+        return None if self.spec.mlp_attr is None else getattr(layer, self.spec.mlp_attr, None)
+
+    def attention(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        return getattr(layer, self.spec.attn_attr, None)
 
     @property
     def final_norm(self) -> torch.nn.Module:
@@ -211,15 +236,15 @@ class DecoderLMAdapter:
             layers = []
         if not isinstance(getattr(self.model, spec.lm_head_attr, None), torch.nn.Linear):
             problems.append(f"{cls}.{spec.lm_head_attr} is not a torch.nn.Linear")
-        attns = [getattr(layer, "self_attn", None) for layer in layers]
+        attns = [getattr(layer, spec.attn_attr, None) for layer in layers]
         bidirectional = [i for i, attn in enumerate(attns) if getattr(attn, "is_causal", True) is False]
         if bidirectional:
             problems.append(
-                f"{where}{bidirectional} have self_attn.is_causal=False (bidirectional attention, e.g. "
+                f"{where}{bidirectional} have {spec.attn_attr}.is_causal=False (bidirectional attention, e.g. "
                 "config.use_bidirectional_attention=True): ds_longseq trains causal LMs only; set it to False"
             )
         for i, layer in enumerate(layers):
-            mlp = getattr(layer, spec.mlp_attr, None)
+            mlp = self.mlp(layer)
             if spec.moe_block_class is not None and type(mlp).__name__ == spec.moe_block_class:
                 if not isinstance(getattr(mlp, spec.router_attr, None), torch.nn.Module):
                     problems.append(
@@ -236,26 +261,36 @@ class DecoderLMAdapter:
 
 
 def decoder_adapter(model: torch.nn.Module) -> DecoderLMAdapter:
-    """The adapter of a known decoder family's ``*ForCausalLM``, its structure checked.
+    """The adapter of a ``*ForCausalLM``, its structure checked.
+
+    A class :data:`FAMILIES` names gets its written spec (checked against the installed transformers' code:
+    its head must still be the kind the spec says); any other one is read from its structure
+    (:func:`~ds_longseq.families.discovery.discover_spec`).
 
     Raises:
-        UnsupportedModelError: the class is not a known family's, or its parts are not where the
-            family keeps them (every problem listed).
+        UnsupportedModelError: a part cannot be located, its attention does not go through transformers'
+            attention interface, or its forward does something ds_longseq does not re-implement (every
+            problem listed, with the class).
     """
     hf_config = getattr(model, "config", None)
     model_type = getattr(hf_config, "model_type", None)
     cls = type(model).__name__
-    expected = SUPPORTED_MODEL_TYPES.get(model_type)
-    if expected is None or cls != expected:
-        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES.values()))
-        raise UnsupportedModelError(
-            f"ds_longseq cannot patch {cls} (model_type={model_type!r}): supported classes are {supported}. "
-            "Load the model with AutoModelForCausalLM, or disable long_seq for this model."
-        )
-    adapter = DecoderLMAdapter(model, FAMILIES[model_type])
-    problems = adapter.structure_problems()
+    spec = FAMILIES.get(model_type)
+    if spec is not None and cls == spec.causal_lm_class:
+        kind = head_kind(model)
+        problems = [] if kind == spec.head_kind else [
+            f"{cls}.forward is not the {spec.head_kind!r} head this ds_longseq release was tested with "
+            f"(found {kind!r}): this transformers version changed it; upgrade ds_longseq or use the tested one"
+        ]
+    else:
+        spec, problems = discover_spec(model, FamilySpec)
+    if spec is not None:
+        adapter = DecoderLMAdapter(model, spec)
+        problems += adapter.structure_problems()
     if problems:
-        raise UnsupportedModelError(f"ds_longseq cannot be enabled on {cls}:\n  - " + "\n  - ".join(problems))
+        raise UnsupportedModelError(
+            f"ds_longseq cannot be enabled on {cls} (model_type={model_type!r}):\n  - " + "\n  - ".join(problems)
+        )
     return adapter
 
 

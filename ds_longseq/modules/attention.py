@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, spec_of
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
@@ -25,8 +25,10 @@ ATTN_IMPLEMENTATION = "ds_longseq"
 
 _KNOWN_KWARGS = frozenset(
     {SPEC_KWARG, "softcap", *PACKED_KWARGS}
-    # passed through by the decoder layers, with no effect on the attention itself
+    # passed through by the decoder layers, with no effect on the attention itself (transformers' own
+    # sdpa and eager functions ignore them too)
     | {"position_ids", "use_cache", "cache_position", "output_attentions", "output_hidden_states", "return_dict"}
+    | {"past_key_values", "position_embeddings"}
     | {"output_router_logits"}
 )
 """Keyword arguments :func:`longseq_attention` understands; any other one raises (an attention
@@ -72,8 +74,10 @@ def longseq_attention(
             "not implement (ignoring it could change the result): this model family is not supported with "
             "long_seq.streambp or sequence parallelism"
         )
-    spec: AttnSpec | None = kwargs.get(SPEC_KWARG)
+    spec: AttnSpec | None = spec_of(kwargs)
     stream = spec.stream if spec is not None else None
+    if stream is not None:  # the StreamBP layer checks that each chunk reached here once, with its own keys
+        stream.attended.append((query.shape[2], key.shape[2]))
     sp = spec.sp if spec is not None else None
     if sp is not None:
         k_prefix = v_prefix = None

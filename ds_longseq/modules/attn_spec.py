@@ -5,6 +5,8 @@ Holds:
     AttnSpec: the attention settings of one call (a StreamBP chunk's KVStream, tile size) and the
         state of the whole forward (packed documents' starts, the sequence-parallel shard context).
     ShardContext: one forward's sequence-parallel state (Ulysses exchange, global padding mask).
+    chunk_spec / spec_of: the spec of the StreamBP chunk being run, for attention modules that do not
+        pass their ``**kwargs`` on to the attention function (StableLM's).
 
 The types live here, apart from the code that makes them (``sequence_parallel``, ``decoder_layer``,
 ``causal_lm``) and the code that reads them (``attention``), so that those import this module and
@@ -15,6 +17,8 @@ Shape legend: B batch, T global sequence length, T_l tokens per rank.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +26,7 @@ import torch
 from ds_longseq.ops.streambp import GlobalKVStream, KVStream
 from ds_longseq.ops.ulysses import UlyssesExchange
 
-__all__ = ["SPEC_KWARG", "AttnSpec", "ShardContext"]
+__all__ = ["SPEC_KWARG", "AttnSpec", "ShardContext", "chunk_spec", "spec_of"]
 
 SPEC_KWARG = "ds_longseq"
 
@@ -62,3 +66,27 @@ class AttnSpec:
     doc_start: torch.Tensor | None = None
     """(B, T) index of each token's document start in a packed row (``ops.packing.find_documents``);
     None: one document per row. Under sequence parallelism the global one is ``sp.doc_start``."""
+
+
+_CHUNK_SPEC: ContextVar["AttnSpec | None"] = ContextVar("ds_longseq_chunk_spec", default=None)
+
+
+@contextmanager
+def chunk_spec(spec: AttnSpec):
+    """Make ``spec`` (a StreamBP chunk's) what :func:`spec_of` returns inside, when the call has none.
+
+    The layer also passes it in its ``**kwargs``; this covers the attention modules that drop those
+    before calling the attention function. The StreamBP layer checks every chunk reached the attention
+    with its stream, so a layer whose attention is not reached either way is refused, not run wrongly.
+    """
+    token = _CHUNK_SPEC.set(spec)
+    try:
+        yield
+    finally:
+        _CHUNK_SPEC.reset(token)
+
+
+def spec_of(kwargs: dict) -> AttnSpec | None:
+    """The spec an attention call got: its ``ds_longseq=`` keyword, else the running StreamBP chunk's."""
+    spec = kwargs.get(SPEC_KWARG)
+    return spec if spec is not None else _CHUNK_SPEC.get()

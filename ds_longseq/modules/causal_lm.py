@@ -60,11 +60,14 @@ class LMHeadLossForward:
     ``TokenHeadOutputs`` of :func:`chunked_token_outputs`.
     """
 
-    def __init__(self, head: torch.nn.Linear, orig_forward: Callable, chunk_size: int, softcap: float | None = None):
+    def __init__(self, head: torch.nn.Linear, orig_forward: Callable, chunk_size: int, softcap: float | None = None,
+                 logit_scale: float = 1.0):
         self.head = head
         self.orig_forward = orig_forward
         self.chunk_size = chunk_size
-        self.softcap = softcap  # the family's final-logit softcap, applied inside the chunked loss
+        # the family's factor on the logits and final-logit softcap, applied inside the chunked loss
+        self.softcap = softcap
+        self.logit_scale = logit_scale
 
     def __call__(
         self,
@@ -78,7 +81,8 @@ class LMHeadLossForward:
         if targets is None:
             return self.orig_forward(hidden)
         head = self.head
-        common = dict(chunk_size=self.chunk_size, bias=head.bias, ignore_index=ignore_index, softcap=self.softcap)
+        common = dict(chunk_size=self.chunk_size, bias=head.bias, ignore_index=ignore_index, softcap=self.softcap,
+                      logit_scale=self.logit_scale)
         targets = targets.to(hidden.device)
         if per_token:
             return chunked_token_outputs(
@@ -115,6 +119,8 @@ class CausalLMForward:
         final_logit_softcap: float | None = None,
         decoder: torch.nn.Module | None = None,
         head: torch.nn.Module | None = None,
+        moe_aux: bool | None = None,
+        logit_scale: float = 1.0,
     ):
         self.model = model
         self.orig_forward = orig_forward
@@ -124,7 +130,11 @@ class CausalLMForward:
         # where the family keeps them (families/decoder.py); the stock layout by default
         self.decoder = model.model if decoder is None else decoder
         self.head = model.lm_head if head is None else head
-        self.token_outputs = TokenOutputs(self.head, config.lm_head.enabled, final_logit_softcap)
+        # whether the family's own forward adds a load-balancing loss (families/discovery.py's "moe_aux"
+        # head); None: whenever the model has router_aux_loss_coef
+        self.moe_aux = moe_aux
+        self.logit_scale = logit_scale  # the family's factor on the logits after the head (1.0: none)
+        self.token_outputs = TokenOutputs(self.head, config.lm_head.enabled, final_logit_softcap, logit_scale)
 
     def configure_fused_head(
         self,
@@ -256,7 +266,9 @@ class CausalLMForward:
             loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
         else:  # sequence parallel with the stock head: its logits, a summed loss, the group's mean below
             logits = self.head(hidden)
-            if self.final_logit_softcap is not None:  # as the stock forward does after its head
+            if self.logit_scale != 1.0:  # as the stock forward does after its head
+                logits = logits * self.logit_scale
+            if self.final_logit_softcap is not None:
                 logits = softcap_logits(logits, self.final_logit_softcap)
             targets = targets.to(logits.device)
             # float32 like the stock loss, but never below the model's own precision (float64 stays)
@@ -294,8 +306,8 @@ class CausalLMForward:
     def _router_aux_loss_wanted(self, kwargs: dict) -> bool:
         """Whether this forward adds a mixture-of-experts load-balancing loss, as the stock one would."""
         model = self.model
-        if getattr(model, "router_aux_loss_coef", None) is None:
-            return False  # a dense family
+        if self.moe_aux is False or getattr(model, "router_aux_loss_coef", None) is None:
+            return False  # a dense family, or a mixture of experts whose stock forward adds no such loss
         wanted = kwargs.get("output_router_logits")
         if wanted is None:
             wanted = getattr(model.config, "output_router_logits", False)

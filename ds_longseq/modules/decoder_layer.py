@@ -11,12 +11,13 @@ Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, chunk_spec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import check_no_active_dropout
 from ds_longseq.modules.zero3 import check_zero3_leaf
@@ -51,9 +52,15 @@ class StreamBPLayerForward:
         kv_block_size: int | None,
         offload: "LayerInputOffload | None" = None,
         router_tap: RouterTap | None = None,
+        name: str | None = None,
     ):
-        """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``."""
+        """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``;
+        ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``)."""
         self.layer = layer
+        self.name = name or type(layer).__name__
+        # the keyword the layer takes its cache by (GPT-NeoX's layers call it layer_past)
+        self.cache_kwarg = "layer_past" if "layer_past" in inspect.signature(orig_forward).parameters else (
+            "past_key_values")
         self.orig_forward = orig_forward
         self.chunk_size = chunk_size
         self.kv_block_size = kv_block_size
@@ -63,6 +70,7 @@ class StreamBPLayerForward:
     def __call__(
         self,
         hidden_states: torch.Tensor,
+        *args,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         past_key_values=None,
@@ -75,26 +83,35 @@ class StreamBPLayerForward:
         sp = outer_spec.sp if outer_spec is not None else None
         # Packed rows in the varlen form: turned into document starts here, not passed to the layer.
         packed = {name: kwargs.pop(name) for name in PACKED_KWARGS if name in kwargs}
+        if self.cache_kwarg != "past_key_values":
+            past_key_values = kwargs.pop(self.cache_kwarg, None)
         if past_key_values is not None:
             return self.orig_forward(
                 hidden_states,
+                *args,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                **{self.cache_kwarg: past_key_values},
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
                 **{SPEC_KWARG: AttnSpec(None, self.kv_block_size)},
                 **kwargs,
             )
         layer = self.layer
+        if args:
+            raise NotImplementedError(
+                f"StreamBP: {self.name} ({type(layer).__name__}) is called with {len(args)} positional argument(s) "
+                "after the hidden states, which StreamBP cannot tell apart or cut into chunks: this model cannot run "
+                "under long_seq.streambp; use mini_seq"
+            )
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             raise RuntimeError(
                 "activation (gradient) checkpointing is on for a ds_longseq streambp model: StreamBP already keeps "
                 "only each layer's input, so checkpointing would only recompute twice. Call "
                 "model.activation_checkpointing_disable()."
             )
-        if position_embeddings is None:
-            raise ValueError(f"{type(layer).__name__} was called without position_embeddings; streambp needs them")
+        _check_chunkable_kwargs(self.name, layer, kwargs)
+        _check_position_embeddings(self.name, layer, position_embeddings, hidden_states.shape[1])
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(
                 f"streambp layers take a 2D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}"
@@ -115,8 +132,8 @@ class StreamBPLayerForward:
             )
         check_zero3_leaf(layer)
         check_no_active_dropout(layer, "long_seq.streambp")
-        cos, sin = position_embeddings
         orig = self.orig_forward
+        name = self.name
         kv_block_size = self.kv_block_size
         params = list(layer.parameters())
         tap = self.router_tap
@@ -130,17 +147,21 @@ class StreamBPLayerForward:
 
         def run_chunk(h_c: torch.Tensor, s: int, e: int, stream):
             def call():
-                out = orig(
-                    h_c,
-                    # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`.
-                    attention_mask=None if attention_mask is None or sp is not None else attention_mask[:, :e],
-                    position_ids=None if position_ids is None else position_ids[..., s:e],
-                    past_key_values=stream,
-                    use_cache=False,
-                    position_embeddings=(cos[..., s:e, :], sin[..., s:e, :]),
-                    **{SPEC_KWARG: AttnSpec(stream, kv_block_size, sp, doc_start)},
-                    **kwargs,
-                )
+                stream.begin_chunk()
+                spec = AttnSpec(stream, kv_block_size, sp, doc_start)
+                with chunk_spec(spec):
+                    out = orig(
+                        h_c,
+                        # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`.
+                        attention_mask=None if attention_mask is None or sp is not None else attention_mask[:, :e],
+                        position_ids=None if position_ids is None else position_ids[..., s:e],
+                        **{self.cache_kwarg: stream},
+                        use_cache=False,
+                        position_embeddings=_chunk_of(position_embeddings, s, e),
+                        **{SPEC_KWARG: spec},
+                        **kwargs,
+                    )
+                _check_chunk_attended(name, layer, stream, s, e)
                 return out[0] if isinstance(out, tuple) else out
 
             if with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
@@ -158,6 +179,66 @@ class StreamBPLayerForward:
             record_router_logits(logits.flatten(0, 1))
             return out
         return result
+
+
+def _chunk_of(position_embeddings, s: int, e: int):
+    """Tokens [s, e) of a layer's position embeddings: a (cos, sin) pair of (..., T, D) tensors, one such
+    tensor (complex rotary frequencies), or None (a family without rotary embeddings)."""
+    if position_embeddings is None:
+        return None
+    if isinstance(position_embeddings, torch.Tensor):
+        return position_embeddings[..., s:e, :]
+    return tuple(t[..., s:e, :] for t in position_embeddings)
+
+
+def _check_position_embeddings(name: str, layer: torch.nn.Module, position_embeddings, T: int) -> None:
+    """Raise unless the position embeddings have the sequence on dim -2, where :func:`_chunk_of` cuts them."""
+    if position_embeddings is None:
+        return
+    parts = [position_embeddings] if isinstance(position_embeddings, torch.Tensor) else list(position_embeddings)
+    if not parts or any(not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[-2] != T for t in parts):
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in parts]
+        raise NotImplementedError(
+            f"StreamBP: {name} ({type(layer).__name__}) gets position_embeddings of shapes {shapes}, not (..., T={T}, "
+            "D) tensors StreamBP can cut into chunks: this model cannot run under long_seq.streambp; use mini_seq"
+        )
+
+
+_CHUNKED_KWARGS = "attention_mask, position_ids, position_embeddings (a (cos, sin) pair) and packed-document lengths"
+
+
+def _check_chunkable_kwargs(name: str, layer: torch.nn.Module, kwargs: dict) -> None:
+    """Raise if the layer gets a tensor argument StreamBP does not cut per chunk (it would see the whole
+    sequence's, or fail on a shape): per-layer inputs, a bias, a prepared mask of another form."""
+    tensors = sorted(
+        key for key, value in kwargs.items()
+        if isinstance(value, torch.Tensor)
+        or (isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value))
+    )
+    if tensors:
+        raise NotImplementedError(
+            f"StreamBP: {name} ({type(layer).__name__}) is called with {tensors}, which StreamBP does not cut into "
+            f"chunks (it cuts {_CHUNKED_KWARGS}): this model cannot run under long_seq.streambp; use mini_seq"
+        )
+
+
+def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: int) -> None:
+    """The runtime guard: one cache update and one call of ds_longseq's chunk attention with this chunk's
+    queries and keys, else the layer mixes tokens some other way and would see only its chunk."""
+    C = e - s
+    if stream.updates == 1 and stream.attended == [(C, C)]:
+        return
+    if stream.updates != 1:
+        what = f"wrote its keys/values through past_key_values.update {stream.updates} times (once expected)"
+    elif not stream.attended:
+        what = ("never called the attention function transformers' attention interface selects (it computes "
+                "attention inline, or mixes tokens with another module)")
+    else:
+        what = f"called the attention function with (queries, keys) = {stream.attended}, expected [({C}, {C})]"
+    raise NotImplementedError(
+        f"StreamBP: {name} ({type(layer).__name__}) {what} on tokens [{s}, {e}): run in chunks it would see only its "
+        "own chunk, so long_seq.streambp cannot run this model exactly; use mini_seq"
+    )
 
 
 def _check_no_grad_kwargs(layer: torch.nn.Module, kwargs: dict) -> None:

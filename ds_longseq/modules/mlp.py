@@ -33,7 +33,13 @@ class MiniSeqMLPForward:
         self.num_chunks = num_chunks
         self.router_tap = router_tap
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs:
+            raise NotImplementedError(
+                f"mini_seq: {type(self.mlp).__name__} is called with arguments besides its input "
+                f"({len(args)} positional, {sorted(kwargs)}), which mini_seq does not cut into chunks: this model "
+                "cannot run under long_seq.mini_seq"
+            )
         check_zero3_leaf(self.mlp)
         check_no_active_dropout(self.mlp, "long_seq.mini_seq")
         params = list(self.mlp.parameters())

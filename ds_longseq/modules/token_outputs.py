@@ -113,12 +113,14 @@ class TokenOutputs:
         head: the LM head module (with ``long_seq.lm_head`` its forward is ``LMHeadLossForward``).
         chunked: whether the head computes them chunk by chunk (``long_seq.lm_head.enabled``).
         softcap: the family's final-logit softcap, or None.
+        logit_scale: the family's factor on the logits right after the head (before the softcap), or 1.0.
     """
 
-    def __init__(self, head: torch.nn.Module, chunked: bool, softcap: float | None):
+    def __init__(self, head: torch.nn.Module, chunked: bool, softcap: float | None, logit_scale: float = 1.0):
         self.head = head
         self.chunked = chunked
         self.softcap = softcap
+        self.logit_scale = logit_scale
         self.settings = FusedHeadSettings()
         """What TRL's fused-head calls compute (``CausalLMForward.configure_fused_head``)."""
 
@@ -130,6 +132,8 @@ class TokenOutputs:
                              temperature=temperature)
         # the stock head: (B, T, V) logits, as the user configured
         logits = self.head(hidden)
+        if self.logit_scale != 1.0:  # as the stock forward, right after its head
+            logits = logits * self.logit_scale
         if self.softcap is not None:
             logits = softcap_logits(logits, self.softcap)
         targets = targets.to(logits.device)

@@ -124,7 +124,7 @@ def _add_weight_grad_(dw: torch.Tensor, dl: torch.Tensor, h_c: torch.Tensor, scr
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap):
+    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, logit_scale):
         # The dtype the stock head's F.linear runs in: the autocast dtype under autocast (as the
         # stock head under autocast), else the hidden states' dtype. Casts are explicit and autocast
         # is off inside, so forward and backward compute the same logits whatever autocast is doing.
@@ -136,12 +136,14 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             for s in range(0, index.numel(), chunk_size):
                 idx = index[s : s + chunk_size]
                 logits = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(total.dtype)
+                if logit_scale != 1.0:
+                    logits.mul_(logit_scale)
                 if softcap is not None:
                     softcap_logits(logits, softcap, inplace=True)
                 total += _cross_entropy_sum_(logits, targets[s : s + chunk_size])
                 del logits
         ctx.save_for_backward(hidden, weight, bias, index, targets)
-        ctx.chunk_size, ctx.mm_dtype, ctx.softcap = chunk_size, mm_dtype, softcap
+        ctx.chunk_size, ctx.mm_dtype, ctx.softcap, ctx.logit_scale = chunk_size, mm_dtype, softcap, logit_scale
         return total
 
     @staticmethod
@@ -149,7 +151,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         hidden, weight, bias, index, targets = ctx.saved_tensors
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -194,6 +196,8 @@ def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
         idx = index[s : s + chunk_size]
         h_c = h2.index_select(0, idx).to(mm_dtype)
         z = F.linear(h_c, w, b).to(loss_dtype)
+        if ctx.logit_scale != 1.0:
+            z.mul_(ctx.logit_scale)
         tanh = None
         if ctx.softcap is not None:  # softcap_logits with its tanh kept for the chain rule
             tanh = z.div_(ctx.softcap).tanh_()
@@ -203,6 +207,8 @@ def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
         if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
             dlogits.mul_(tanh.mul_(tanh).neg_().add_(1.0))
             del tanh
+        if ctx.logit_scale != 1.0:  # d(scale * z) / dz
+            dlogits.mul_(ctx.logit_scale)
         # Cast like the backward of HF's `logits.float()`: the gradient reaches the matmuls in the
         # matmul dtype (a copy only for half precision).
         dl = dlogits.to(mm_dtype)
@@ -228,8 +234,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     statistics without gradient; unrequested outputs are empty and cost nothing."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, temperature, with_entropy, with_top1,
-                with_mean_logits, with_log_sum_sq):
+    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, logit_scale, temperature, with_entropy,
+                with_top1, with_mean_logits, with_log_sum_sq):
         mm_dtype = autocast_dtype(hidden)
         loss_dtype = _loss_dtype(hidden.dtype)
         h2 = hidden.reshape(-1, hidden.shape[-1])
@@ -247,6 +253,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 idx = index[s : s + chunk_size]
                 rows = slice(s, s + idx.numel())
                 z = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(loss_dtype)
+                if logit_scale != 1.0:
+                    z.mul_(logit_scale)
                 if softcap is not None:
                     softcap_logits(z, softcap, inplace=True)
                 if temperature != 1.0:  # after the softcap, as TRL's head and generation's warper scale
@@ -265,6 +273,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 del z
         ctx.save_for_backward(hidden, weight, bias, index, targets)
         ctx.chunk_size, ctx.mm_dtype, ctx.softcap, ctx.temperature = chunk_size, mm_dtype, softcap, temperature
+        ctx.logit_scale = logit_scale
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(top1, mean_logits, log_sum_sq)
         return logps, entropy, top1, mean_logits, log_sum_sq
@@ -294,10 +303,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             return d.div_(temperature) if temperature != 1.0 else d
 
         if grad_logps is None and grad_entropy is None:
-            return (None,) * 12
+            return (None,) * 13
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_token)
-        return (*grads, *(None,) * 9)
+        return (*grads, *(None,) * 10)
 
 
 TOKEN_HEAD_OUTPUTS = ("entropy", "top1", "mean_logits", "log_sum_sq_probs")
@@ -337,13 +346,15 @@ def chunked_token_outputs(
     softcap: float | None = None,
     temperature: float = 1.0,
     outputs: tuple[str, ...] | frozenset[str] = (),
+    logit_scale: float = 1.0,
 ) -> TokenHeadOutputs:
     """Per-token log-probabilities of ``targets`` and the requested statistics of each next-token
     distribution, chunked: :func:`chunked_token_logprobs` with every per-token field of TRL's fused
     LM head (``trl.trainer.utils.add_fused_lm_head``) and its temperature.
 
     Args:
-        hidden, weight, targets, chunk_size, bias, ignore_index, softcap: as :func:`chunked_token_logprobs`.
+        hidden, weight, targets, chunk_size, bias, ignore_index, softcap, logit_scale: as
+            :func:`chunked_lm_head_loss`.
         temperature: the logits (after the softcap) are divided by it before the softmax, > 0; the
             gradients are exact for it.
         outputs: which of :data:`TOKEN_HEAD_OUTPUTS` to compute as well; each is computed inside the
@@ -369,7 +380,7 @@ def chunked_token_outputs(
     wanted = [name in outputs for name in TOKEN_HEAD_OUTPUTS]
     values = _ChunkedTokenLogprobs.apply(
         hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
-        None if softcap is None else float(softcap), float(temperature), *wanted,
+        None if softcap is None else float(softcap), float(logit_scale), float(temperature), *wanted,
     )
 
     def scatter(v: torch.Tensor) -> torch.Tensor:
@@ -394,6 +405,7 @@ def chunked_token_logprobs(
     softcap: float | None = None,
     entropy: bool = False,
     top1: bool = False,
+    logit_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token log-probabilities of ``targets`` under ``hidden @ weight.T (+ bias)``, chunked.
 
@@ -406,7 +418,7 @@ def chunked_token_logprobs(
     Args:
         hidden: (B, T, d) final hidden states; weight (V, d); targets (B, T) already shifted.
         chunk_size: valid tokens per chunk of logits.
-        bias, ignore_index, softcap: as :func:`chunked_lm_head_loss`.
+        bias, ignore_index, softcap, logit_scale: as :func:`chunked_lm_head_loss`.
         entropy: also return the entropy of each valid position's predicted distribution.
         top1: also return whether each valid target has the largest logit (ties included; for
             token-accuracy metrics, no gradient).
@@ -418,7 +430,7 @@ def chunked_token_logprobs(
     """
     out = chunked_token_outputs(
         hidden, weight, targets, chunk_size=chunk_size, bias=bias, ignore_index=ignore_index, softcap=softcap,
-        outputs=tuple(name for name, want in (("entropy", entropy), ("top1", top1)) if want),
+        logit_scale=logit_scale, outputs=tuple(name for name, want in (("entropy", entropy), ("top1", top1)) if want),
     )
     return out.log_probs, out.mask, out.entropy, out.top1
 
@@ -432,6 +444,7 @@ def chunked_lm_head_loss(
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross entropies of ``hidden @ weight.T (+ bias)`` against ``targets``.
 
@@ -443,6 +456,8 @@ def chunked_lm_head_loss(
         bias: optional (V,) LM-head bias.
         ignore_index: targets equal to this are skipped.
         softcap: final-logit softcapping (``cap * tanh(logits / cap)``, Gemma 2), or None.
+        logit_scale: the logits are multiplied by it right after the head, before the softcap (Cohere's
+            ``logit_scale``, Granite's ``1 / logits_scaling``); 1.0 for none.
 
     Returns:
         (loss_sum, num_valid): float32 (float64 for float64 inputs) scalar with autograd history, and
@@ -459,6 +474,6 @@ def chunked_lm_head_loss(
         raise ValueError(f"softcap must be a positive number, got {softcap}")
     loss_sum = _ChunkedLMHeadLoss.apply(
         hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
-        None if softcap is None else float(softcap),
+        None if softcap is None else float(softcap), float(logit_scale),
     )
     return loss_sum, num_valid

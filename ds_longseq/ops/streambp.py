@@ -75,8 +75,17 @@ class KVStream:
         self.k = self.v = None  # (B, Hkv, T, D) buffers, allocated at the first update
         self.dk = self.dv = None  # gradient buffers, backward only
         self.k_chunk = self.v_chunk = None
+        # calls during the current chunk, for the caller's check that the layer's attention went
+        # through the cache and the chunk attention (``begin_chunk`` resets them)
+        self.updates, self.attended = 0, []
+
+    def begin_chunk(self) -> None:
+        """Reset the current chunk's ``updates`` (cache updates) and ``attended`` ((queries, keys) of each
+        chunk-attention call, appended by the attention function)."""
+        self.updates, self.attended = 0, []
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        self.updates += 1
         if self.k is None:
             # Stored as the attention will read them: under autocast, in the autocast dtype (half the
             # bytes of float32 post-RoPE keys, and no per-chunk cast of the whole prefix).
@@ -232,8 +241,12 @@ class GlobalKVStream:
         self.k_heads = self.v_heads = None
         self.dk_heads = self.dv_heads = None
         self.k_chunk = self.v_chunk = None
+        self.updates, self.attended = 0, []  # as in KVStream
+
+    begin_chunk = KVStream.begin_chunk
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        self.updates += 1
         if self.mode == "attend":
             return key_states, value_states
         if self.mode == "capture_grad":

@@ -97,6 +97,12 @@ def _norm_problems(ctx: EnableContext) -> list[str]:
     if approx.norm is None:
         return []
     spec, where = adapter.spec, adapter.where
+    if not spec.norm_folds_known:
+        return [
+            f"long_seq.approx_bp.norm={approx.norm!r}: {spec.causal_lm_class} is a family found from its structure, "
+            "and which of its norms feed only linear layers is not known; set long_seq.approx_bp.norm=null "
+            "(approx_bp.activation still applies)"
+        ]
     wanted = "rms" if approx.norm == "ms_rmsnorm" else "layer"
     problems = [
         f"long_seq.approx_bp.norm={approx.norm!r}: {where}[i].{path} {why}, so its weight cannot be folded "

@@ -32,5 +32,7 @@ class LMHead(Technique):
 
     def install(self, ctx: EnableContext) -> None:
         head = ctx.adapter.lm_head
-        forward = LMHeadLossForward(head, head.forward, ctx.config.lm_head.chunk_size, ctx.adapter.final_logit_softcap)
+        forward = LMHeadLossForward(
+            head, head.forward, ctx.config.lm_head.chunk_size, ctx.adapter.final_logit_softcap, ctx.adapter.logit_scale
+        )
         ctx.handle.set_instance_attr(head, "forward", forward)

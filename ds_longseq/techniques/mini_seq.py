@@ -36,8 +36,8 @@ class MiniSeq(Technique):
         adapter = ctx.adapter
         problems = []
         if not all(isinstance(adapter.mlp(layer), torch.nn.Module) for layer in adapter.layers):
-            problems.append(f"{adapter.where}[i].{adapter.spec.mlp_attr} is not a module in every layer: "
-                            "mini_seq needs the MLP")
+            what = "the MLP" if adapter.spec.mlp_attr is None else f".{adapter.spec.mlp_attr}"
+            problems.append(f"{adapter.where}[i]: {what} is not one module in every layer; mini_seq chunks the MLP")
         return problems + replay_noise_problems(ctx)
 
     def install(self, ctx: EnableContext) -> None:

@@ -52,6 +52,19 @@ class SequenceParallelism(Technique):
     def active(cls, config: LongSeqConfig) -> bool:
         return config.sequence_parallel.enabled
 
+    def check(self, ctx: EnableContext) -> list[str]:
+        spec = ctx.adapter.spec
+        if spec.discovered:
+            # The shard context reaches the attention through the decoder's and layers' **kwargs; that each
+            # family passes them on is proven per family by a 2-rank parity test, which the families found
+            # from structure do not have yet.
+            return [
+                f"long_seq.sequence_parallel on {spec.causal_lm_class}: sequence parallelism is verified on the "
+                "families written in ds_longseq.families.FAMILIES only, and this one was found from its structure "
+                "(StreamBP, mini_seq and the chunked head apply); set long_seq.sequence_parallel.size=1"
+            ]
+        return []
+
     def engine_problems(self, config: LongSeqConfig, zero_stage: int) -> list[str]:
         problem = zero3_sequence_parallel_problem() if zero_stage == 3 else None
         return [] if problem is None else [problem]

@@ -51,10 +51,10 @@ class StreamBP(Technique):
     def install(self, ctx: EnableContext) -> None:
         ctx.use_longseq_attention()
         taps = ctx.router_taps()
-        for layer in ctx.adapter.layers:
+        for i, layer in enumerate(ctx.adapter.layers):
             forward = StreamBPLayerForward(
                 layer, layer.forward, ctx.config.streambp.chunk_size, ctx.config.attention.kv_block_size,
-                ctx.offload, router_tap=taps.get(layer),
+                ctx.offload, router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
 

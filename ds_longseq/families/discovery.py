@@ -1,0 +1,320 @@
+"""Decoder families found from a model's structure, for the ``model_type``s no spec in ``decoder.FAMILIES`` names.
+
+Holds:
+    discover_spec: a ``FamilySpec`` read from a ``*ForCausalLM`` instance (where its decoder stack,
+        layers, attention modules, MLPs, routers, final norm and LM head are; which config fields are
+        dropout, router noise or a final-logit softcap), or the reasons it cannot be run.
+    head_kind: what the class's own ``forward`` computes after the decoder stack (one of
+        :data:`HEAD_TEMPLATES`), recognised by comparing its code with the families ds_longseq
+        implements; None for anything else (a different loss, an unknown logit transform).
+    logit_scale: the factor the "logit_scale" / "logits_scaling" heads put on the logits.
+    HEAD_TEMPLATES: the representative classes of each head kind.
+
+Why by code and not by name: ds_longseq replaces the ``*ForCausalLM`` forward (the chunked LM head computes
+the loss itself), so whatever that forward does to the logits must be done again. A family whose forward is
+not, statement for statement, one of the known ones (say a new ``logits * multiplier``) is refused instead of
+silently trained without it. The comparison is on the syntax tree, so formatting, comments, docstrings,
+type annotations and the output class's name do not matter, and a transformers release that changes the
+code makes a family refused, never wrong.
+
+The attention inside each layer is checked the same way (its ``forward`` must select transformers'
+attention interface and write K/V through ``past_key_values.update``), and at run time by the StreamBP
+layer forward (every chunk must reach ds_longseq's attention with its own keys and the prefix).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import numbers
+import textwrap
+
+import torch
+
+__all__ = ["discover_spec", "head_kind", "logit_scale", "HEAD_TEMPLATES", "text_config"]
+
+HEAD_TEMPLATES: dict[str, tuple[str, ...]] = {
+    # logits = lm_head(hidden); loss = the causal-LM cross entropy (dense families; MoE ones without a
+    # load-balancing term, DeepSeek-V3's layout)
+    "plain": ("LlamaForCausalLM", "DeepseekV3ForCausalLM"),
+    # the same, with cap * tanh(logits / cap) after the head (Gemma 2's layout)
+    "final_softcap": ("Gemma2ForCausalLM",),
+    # the same, plus router_aux_loss_coef x the modeling module's load_balancing_loss_func on the recorded
+    # router logits when output_router_logits (Mixtral's layout)
+    "moe_aux": ("MixtralForCausalLM",),
+    # logits = lm_head(hidden) * model.logit_scale (Cohere's layout)
+    "logit_scale": ("CohereForCausalLM",),
+    # logits = lm_head(hidden) / config.logits_scaling (Granite's layout)
+    "logits_scaling": ("GraniteForCausalLM",),
+}
+"""Head kind -> classes whose ``forward`` defines it (the transformers classes ds_longseq's forward re-implements)."""
+
+_ATTENTION_MARKERS = ("ALL_ATTENTION_FUNCTIONS", ".update(")
+_DROPOUT_WORDS = ("dropout", "pdrop")
+_NOISE_WORDS = ("jitter", "noise")
+_ROUTER_ATTRS = ("gate", "router")
+
+
+def text_config(model: torch.nn.Module):
+    """The config describing the decoder stack (``get_text_config()`` for multimodal containers)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class _Normalise(ast.NodeTransformer):
+    """Drop what does not change the loss a forward computes.
+
+    Annotations, docstrings and output class names; how the decoder stack is called (its attribute name,
+    argument order, the optional ``use_cache`` / ``output_router_logits`` arguments: ds_longseq calls it
+    itself) and the resolution of ``output_router_logits`` (ds_longseq resolves it the same way); the
+    argument spelling of ``self.loss_function`` (``vocab_size`` only reshapes); ``outputs[0]`` for
+    ``outputs.last_hidden_state``; every field of the returned output but ``loss``.
+    """
+
+    def __init__(self, decoder_attr: str):
+        self.decoder_attr = decoder_attr
+
+    def visit_AnnAssign(self, node):  # `outputs: BaseModelOutputWithPast = self.model(...)`
+        if node.value is None:
+            return None
+        return self.visit(ast.copy_location(ast.Assign(targets=[node.target], value=node.value), node))
+
+    def visit_Assign(self, node):
+        targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        if targets == ["output_router_logits"]:
+            return None
+        return self.generic_visit(node)
+
+    def visit_Name(self, node):
+        if node.id.endswith("OutputWithPast"):
+            return ast.copy_location(ast.Name(id="Output", ctx=node.ctx), node)
+        return node
+
+    def visit_Expr(self, node):
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return None  # a docstring or a bare string
+        return self.generic_visit(node)
+
+    def visit_Subscript(self, node):  # outputs[0] -> outputs.last_hidden_state
+        node = self.generic_visit(node)
+        if (isinstance(node.value, ast.Name) and node.value.id == "outputs" and isinstance(node.slice, ast.Constant)
+                and node.slice.value == 0):
+            return ast.copy_location(ast.Attribute(value=node.value, attr="last_hidden_state", ctx=ast.Load()), node)
+        return node
+
+    def visit_Call(self, node):
+        func = node.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+            if func.attr == self.decoder_attr:
+                return ast.copy_location(ast.Call(func=_self_attr("model"), args=[], keywords=[]), node)
+            if func.attr == "loss_function":
+                return ast.copy_location(ast.Call(func=_self_attr("loss_function"), args=[], keywords=[]), node)
+        return self.generic_visit(node)
+
+    def visit_Return(self, node):
+        value = node.value
+        if isinstance(value, ast.Call):
+            loss = [k for k in value.keywords if k.arg == "loss"]
+            value = ast.Call(func=ast.Name(id="Output", ctx=ast.Load()), args=[], keywords=loss)
+            return ast.copy_location(ast.Return(value=self.visit(value)), node)
+        return self.generic_visit(node)
+
+
+def _self_attr(name: str) -> ast.Attribute:
+    return ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()), attr=name, ctx=ast.Load())
+
+
+def _forward_code(cls: type) -> str | None:
+    """The normalised body of ``cls.forward`` (no signature, decorators or docstring), or None if unreadable."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls.forward))
+        func = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    normalise = _Normalise(getattr(cls, "base_model_prefix", "model") or "model")
+    body = [normalise.visit(stmt) for stmt in func.body]
+    return "\n".join(ast.unparse(stmt) for stmt in body if stmt is not None)
+
+
+@functools.lru_cache(maxsize=1)
+def _template_codes() -> dict[str, str]:
+    """Normalised forward code -> head kind, from the representatives this transformers ships."""
+    import transformers
+
+    codes: dict[str, str] = {}
+    for kind, names in HEAD_TEMPLATES.items():
+        for name in names:
+            cls = getattr(transformers, name, None)
+            code = None if cls is None else _forward_code(cls)
+            if code is not None:
+                codes.setdefault(code, kind)
+    return codes
+
+
+@functools.lru_cache(maxsize=None)
+def _head_kind_of_class(cls: type) -> str | None:
+    code = _forward_code(cls)
+    return None if code is None else _template_codes().get(code)
+
+
+def logit_scale(model: torch.nn.Module, kind: str) -> float:
+    """The factor a head of ``kind`` multiplies the logits by right after the LM head (1.0 for most)."""
+    if kind == "logit_scale":
+        return float(model.logit_scale)
+    if kind == "logits_scaling":
+        return 1.0 / float(text_config(model).logits_scaling)
+    return 1.0
+
+
+def head_kind(model: torch.nn.Module) -> str | None:
+    """What ``type(model).forward`` computes after its decoder stack, one of :data:`HEAD_TEMPLATES`, or None."""
+    return _head_kind_of_class(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _routes_through_interface(cls: type) -> bool:
+    """Whether an attention class's forward selects transformers' attention interface and updates the cache."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return all(marker in source for marker in _ATTENTION_MARKERS)
+
+
+@functools.lru_cache(maxsize=1)
+def _causal_lm_class_names() -> frozenset[str]:
+    """The classes ``AutoModelForCausalLM`` builds (some older ones are named ``*LMHeadModel``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return frozenset(names)
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.LayerNorm) or "Norm" in type(module).__name__
+
+
+def _child_names(module: torch.nn.Module, keep) -> list[str]:
+    return [name for name, child in module.named_children() if keep(child)]
+
+
+def _fields(config, words: tuple[str, ...]) -> tuple[str, ...]:
+    """Config fields whose name contains one of ``words`` and whose value is a number."""
+    names = []
+    for name, value in sorted(vars(config).items()):
+        if any(word in name for word in words) and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            names.append(name)
+    return tuple(names)
+
+
+def discover_spec(model: torch.nn.Module, family_spec_cls: type):
+    """``(spec, [])`` for a model whose parts can all be located, else ``(None, problems)``.
+
+    Args:
+        model: a ``*ForCausalLM`` instance.
+        family_spec_cls: ``decoder.FamilySpec`` (passed in: this module sits below the registry that uses it).
+    """
+    cls = type(model).__name__
+    problems: list[str] = []
+    names = _causal_lm_class_names()
+    if not any(c.__name__.endswith("ForCausalLM") or c.__name__ in names for c in type(model).__mro__):
+        return None, [f"{cls} is not a causal-LM class (*ForCausalLM): ds_longseq trains decoder-only causal LMs"]
+    kind = head_kind(model)
+    if kind is None:
+        problems.append(
+            f"{cls}.forward does something after its decoder stack that ds_longseq does not re-implement (its code "
+            "is none of " + ", ".join(n for names in HEAD_TEMPLATES.values() for n in names) + "'s, e.g. a logit "
+            "scale or another loss), and ds_longseq replaces that forward"
+        )
+    prefix = getattr(model, "base_model_prefix", "model") or "model"
+    decoder = getattr(model, prefix, None)
+    if not isinstance(decoder, torch.nn.Module):
+        return None, problems + [f"{cls}.{prefix} (its base_model_prefix) is not the decoder stack"]
+    num_layers = getattr(text_config(model), "num_hidden_layers", None)
+    lists = _child_names(decoder, lambda c: isinstance(c, torch.nn.ModuleList) and len(c) == num_layers)
+    if len(lists) != 1:
+        found = "no" if not lists else f"{len(lists)} ({lists})"
+        return None, problems + [
+            f"{cls}.{prefix} has {found} ModuleList of config.num_hidden_layers={num_layers} decoder layers"
+        ]
+    layers_attr = lists[0]
+    layers = list(getattr(decoder, layers_attr))
+    where = f"{cls}.{prefix}.{layers_attr}"
+    attn_names = [_child_names(layer, lambda c: "Attention" in type(c).__name__) for layer in layers]
+    missing = [i for i, names in enumerate(attn_names) if not names]
+    if missing:
+        kinds = sorted({type(layers[i]).__name__ for i in missing})
+        return None, problems + [
+            f"{where}{missing} ({', '.join(kinds)}) have no attention module (a recurrent, state-space or "
+            "linear-attention mixer): such hybrid layers are not supported yet"
+        ]
+    several = [i for i, names in enumerate(attn_names) if len(names) > 1]
+    if several or len({names[0] for names in attn_names}) != 1:
+        return None, problems + [
+            f"{where}: the layers' attention modules are not one attribute per layer ({sorted(map(tuple, attn_names))})"
+        ]
+    attn_attr = attn_names[0][0]
+    inline = sorted({
+        type(getattr(layer, attn_attr)).__name__
+        for layer in layers
+        if not _routes_through_interface(type(getattr(layer, attn_attr)))
+    })
+    if inline:
+        problems.append(
+            f"{where}[i].{attn_attr} ({', '.join(inline)}) does not compute through transformers' attention interface "
+            "with its K/V through past_key_values.update, which ds_longseq's chunked attention replaces"
+        )
+    mlp_names = {
+        tuple(
+            name for name, child in layer.named_children()
+            if name != attn_attr and not _is_norm(child) and any(True for _ in child.parameters())
+        )
+        for layer in layers
+    }
+    mlp_attr = next(iter(mlp_names))[0] if len(mlp_names) == 1 and len(next(iter(mlp_names))) == 1 else None
+    head = model.get_output_embeddings()
+    head_attrs = [name for name, child in model.named_children() if child is head]
+    if not isinstance(head, torch.nn.Linear) or not head_attrs:
+        problems.append(f"{cls}'s output embeddings are {type(head).__name__}, not a torch.nn.Linear child")
+    norms = _child_names(decoder, _is_norm)
+    moe_class = router_attr = None
+    if mlp_attr is not None:
+        moe = [getattr(layer, mlp_attr) for layer in layers if hasattr(getattr(layer, mlp_attr), "experts")]
+        if moe:
+            moe_class = type(moe[0]).__name__
+            routers = [a for a in _ROUTER_ATTRS if isinstance(getattr(moe[0], a, None), torch.nn.Module)]
+            router_attr = routers[0] if routers else None
+            if len({type(m).__name__ for m in moe}) > 1:
+                problems.append(f"{where}: mixture-of-experts blocks of several classes")
+    if kind == "moe_aux" and moe_class is not None and router_attr is None:
+        problems.append(
+            f"{where}[i].{mlp_attr} ({moe_class}) has no router (.gate or .router) whose logits the load-balancing "
+            "loss reads"
+        )
+    if problems:
+        return None, problems
+    config = text_config(model)
+    spec = family_spec_cls(
+        causal_lm_class=cls,
+        decoder_attr=prefix,
+        layers_attr=layers_attr,
+        attn_attr=attn_attr,
+        mlp_attr=mlp_attr,
+        lm_head_attr=head_attrs[0],
+        dropout_fields=_fields(config, _DROPOUT_WORDS),
+        final_logit_softcap_field="final_logit_softcapping" if kind == "final_softcap" else None,
+        moe_block_class=moe_class if kind == "moe_aux" else None,
+        router_attr=router_attr or "gate",
+        mlp_noise_fields=_fields(config, _NOISE_WORDS),
+        norm_folds=(),
+        norm_folds_known=False,
+        final_norm_attr=norms[0] if len(norms) == 1 else "norm",
+        head_kind=kind,
+        discovered=True,
+    )
+    return spec, []

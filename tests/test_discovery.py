@@ -1,0 +1,147 @@
+"""Families found from structure (``ds_longseq.families.discovery``) and the runtime guard of StreamBP layers.
+
+The sweep (``tests/test_model_sweep.py``) runs every shipped family; these tests build the cases it cannot
+meet on a stock model: a subclass whose forward changes the logits, an attention module that computes
+inline, a layer whose attention drops the chunk's spec, and the settings refused on discovered families.
+"""
+
+import pytest
+import torch
+import transformers
+
+import ds_longseq
+from ds_longseq import UnsupportedModelError
+from ds_longseq.families.discovery import HEAD_TEMPLATES, head_kind
+from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
+
+STREAMBP = {"streambp": {"enabled": True, "chunk_size": 8}, "lm_head": {"enabled": True, "chunk_size": 16}}
+
+
+def test_every_head_template_is_recognised_in_this_transformers():
+    """Each representative's own forward is recognised as its kind (else the table is stale)."""
+    for kind, names in HEAD_TEMPLATES.items():
+        for name in names:
+            cls = getattr(transformers, name)
+            assert head_kind(cls.__new__(cls)) == kind, name
+
+
+class ScaledLlama(transformers.LlamaForCausalLM):
+    """A family whose forward does something ds_longseq does not re-implement (a temperature)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state) / 0.7
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_unknown_head_is_refused_naming_the_class():
+    stock = make_model("llama", torch.float32)
+    model = ScaledLlama(stock.config)
+    with pytest.raises(UnsupportedModelError, match=r"ScaledLlama.forward does something after its decoder stack"):
+        ds_longseq.enable(model, STREAMBP)
+    assert not ds_longseq.is_enabled(model)
+
+
+def test_subclass_with_the_stock_forward_is_discovered_and_exact():
+    """A user subclass that keeps Llama's forward is found from structure and runs exactly (float64)."""
+
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    stock = make_model("llama", torch.float64)
+    model = MyLlama(stock.config).to(torch.float64)
+    model.load_state_dict(stock.state_dict())
+    adapter = ds_longseq.patch.check_model(model, STREAMBP)
+    assert adapter.spec.discovered and adapter.spec.head_kind == "plain"
+    batch = make_batch()
+    ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
+    errs = compare(loss_and_grads(ds_longseq.enable(clone(model), STREAMBP), batch), ref)
+    assert max(errs.values()) < 1e-10, errs
+
+
+def _inline_attention(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """Llama attention computed inline (no attention interface): under StreamBP it would see its chunk only."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+    groups = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+    )
+    return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
+
+
+def test_runtime_guard_refuses_inline_attention_at_the_first_forward():
+    model = make_model("llama", torch.float32)
+    attn = model.model.layers[1].self_attn
+    attn.forward = _inline_attention.__get__(attn)  # the class still looks routed: only the guard can tell
+    ds_longseq.enable(model, STREAMBP)
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM.model.layers\[1\] \(LlamaDecoderLayer\) "
+                                                  r"wrote its keys/values through past_key_values.update 0 times"):
+        model(**make_batch())
+
+
+def test_runtime_guard_refuses_attention_that_skips_the_interface():
+    """The cache is updated, but the attention is computed inline on the chunk's keys only."""
+    model = make_model("llama", torch.float32)
+    attn = model.model.layers[0].self_attn
+
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        out, _ = _inline_attention(attn, hidden_states, position_embeddings)
+        if past_key_values is not None:  # the chunk's keys go through the cache, the prefix is never read
+            past_key_values.update(torch.zeros(1, 1, hidden_states.shape[1], 1), torch.zeros(1, 1, 1, 1), 0)
+        return out, None
+
+    attn.forward = forward
+    ds_longseq.enable(model, STREAMBP)
+    with pytest.raises(NotImplementedError, match=r"layers\[0\].*never called the attention function"):
+        model(**make_batch())
+
+
+def test_layer_positional_arguments_are_refused():
+    model = make_model("llama", torch.float32)
+    ds_longseq.enable(model, STREAMBP)
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 9, 64, requires_grad=True)
+    with pytest.raises(NotImplementedError, match=r"layers\[0\].*1 positional argument"):
+        layer(hidden, torch.ones(1, 9))
+
+
+def test_mini_seq_mlp_with_extra_arguments_is_refused():
+    model = make_model("llama", torch.float32)
+    ds_longseq.enable(model, {"mini_seq": {"enabled": True, "mlp_num_chunks": 2}})
+    with pytest.raises(NotImplementedError, match=r"LlamaMLP is called with arguments besides its input"):
+        model.model.layers[0].mlp(torch.randn(1, 4, 64), torch.ones(1))
+
+
+def test_discovered_family_refuses_what_is_not_verified_on_it():
+    """Approx-BP's norm folding (no fold map) and sequence parallelism (no parity test) on a discovered family."""
+
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    model = MyLlama(make_model("llama", torch.float32).config)
+    with pytest.raises(UnsupportedModelError, match=r"approx_bp.norm='ms_rmsnorm': MyLlama is a family found"):
+        ds_longseq.enable(model, {"approx_bp": {"norm": "ms_rmsnorm"}})
+    with pytest.raises(UnsupportedModelError, match=r"sequence_parallel on MyLlama: .*found from its structure"):
+        ds_longseq.patch.check_model(model, {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
+    assert not ds_longseq.is_enabled(model)
+
+
+def test_hybrid_layers_are_refused_naming_them():
+    config = transformers.Qwen3NextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=101, layer_types=["linear_attention", "full_attention"], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    )
+    model = transformers.Qwen3NextForCausalLM(config)
+    with pytest.raises(UnsupportedModelError, match=r"layers\[0\] \(Qwen3NextDecoderLayer\) have no attention module"):
+        ds_longseq.enable(model, STREAMBP)
