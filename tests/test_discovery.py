@@ -145,3 +145,31 @@ def test_hybrid_layers_are_refused_naming_them():
     model = transformers.Qwen3NextForCausalLM(config)
     with pytest.raises(UnsupportedModelError, match=r"layers\[0\] \(Qwen3NextDecoderLayer\) have no attention module"):
         ds_longseq.enable(model, STREAMBP)
+
+
+def test_chunked_attention_mask_is_refused():
+    """A chunked-attention mask (Llama 4) asked of ds_longseq's mask function is refused, not made causal."""
+    from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
+
+    from ds_longseq.modules.attention import longseq_mask
+
+    chunked = chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match=r"chunked-attention mask \(chunks of 4 tokens"):
+        longseq_mask(1, 9, 9, mask_function=chunked, attention_mask=torch.ones(1, 9), local_size=4)
+    window = sliding_window_causal_mask_function(4)  # a window is carried by the attention call instead
+    assert longseq_mask(1, 9, 9, mask_function=window, attention_mask=torch.ones(1, 9), local_size=4) is None
+
+
+def test_window_kept_in_the_mask_only_is_refused_after_the_forward():
+    """A model that builds a sliding-window mask but never passes sliding_window to the attention (Qwen2-MoE's
+    layout) is refused by the mask audit before any loss is returned."""
+    import copy
+
+    model = make_model("mistral", torch.float32, sliding_window=6)
+    ds_longseq.enable(model, STREAMBP)
+    attention_config = copy.copy(model.config)  # what Mistral's attention reads its window from
+    attention_config.sliding_window = None  # the masks (built from model.config) keep the window of 6
+    for layer in model.model.layers:
+        layer.self_attn.config = attention_config
+    with pytest.raises(NotImplementedError, match=r"sliding-window masks of \[6\] tokens but its attention modules"):
+        model(**make_batch())

@@ -68,7 +68,8 @@ def test_generate_matches_stock():
 def test_unsupported_model_class_is_rejected_at_enable():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     # GPT-2's forward is none of the heads ds_longseq re-implements: refused before anything changes
-    with pytest.raises(UnsupportedModelError, match=r"cannot be enabled on GPT2LMHeadModel.*\n.*GPT2LMHeadModel.forward"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"cannot be enabled on GPT2LMHeadModel.*\n.*GPT2LMHeadModel.forward"):
         ds_longseq.enable(gpt2, STREAMBP)
     assert "forward" not in gpt2.__dict__
 

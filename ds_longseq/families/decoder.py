@@ -1,20 +1,20 @@
 """Decoder families: which Hugging Face causal LMs ds_longseq knows and where their parts live.
 
 Holds:
-    FamilySpec, FAMILIES: what differs between the known decoder families (one spec each).
-    SUPPORTED_MODEL_TYPES: model_type -> ForCausalLM class name.
+    FamilySpec, FAMILIES: what differs between decoder families; the specs written by hand (one each).
+    SUPPORTED_MODEL_TYPES: model_type -> ForCausalLM class name of the written specs (the others are
+        discovered: docs/SUPPORTED_MODELS.md lists every family's result).
     UnsupportedModelError: raised before compute for a model (or setting) ds_longseq cannot run exactly.
     DecoderLMAdapter / decoder_adapter: access to layers, MLPs, routers, activations, norms and LM head,
         and the structural checks every technique relies on.
     ACTIVATION_KINDS, norm_kind: activation and norm classes by the function they compute.
 
-A spec names where a family's parts are (decoder stack, layers, MLP, router, LM head; every
-known family uses the stock ``model.model.layers[i].mlp`` / ``model.lm_head`` layout, whose
-attention modules write K/V through ``past_key_values.update``) and what else is family-specific:
-its dropout and MLP-noise fields, its final-logit softcap, its mixture-of-experts block, the norms
-Approx-BP can fold. A family joins :data:`FAMILIES` once a test compares it against the stock model.
-What each technique requires of a family is checked by that technique (``ds_longseq.techniques``),
-reading these facts.
+A spec names where a family's parts are (decoder stack, layers, attention, MLP, router, LM head) and what
+else is family-specific: its dropout and MLP-noise fields, its final-logit softcap, its head kind, its
+mixture-of-experts block, the norms Approx-BP can fold. :data:`FAMILIES` holds the specs written by hand
+and tested family by family (the override table); every other causal LM gets a spec read from its
+structure by ``families.discovery`` or is refused with the reason. What each technique requires of a
+family is checked by that technique (``ds_longseq.techniques``), reading these facts.
 """
 
 from __future__ import annotations
@@ -110,6 +110,9 @@ class FamilySpec:
     norm_folds_known: bool = True
     """Whether ``norm_folds`` / ``unfoldable_norms`` describe every norm of the layers (written and tested
     for this family); a discovered family has no map, so ``approx_bp.norm`` is refused on it."""
+    attention_problem: str | None = None
+    """Why ds_longseq's chunk attention cannot replace this family's (StreamBP and sequence parallelism are
+    refused with it; mini_seq and the chunked head, which keep the stock attention, still apply), or None."""
     discovered: bool = False
     """Read from the model's structure (``discovery.discover_spec``) rather than written in :data:`FAMILIES`."""
 

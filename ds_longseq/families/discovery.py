@@ -264,6 +264,16 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         for layer in layers
         if not _routes_through_interface(type(getattr(layer, attn_attr)))
     })
+    indexed = sorted({
+        type(m).__name__ for layer in layers for m in getattr(layer, attn_attr).modules()
+        if "Indexer" in type(m).__name__
+    })
+    attention_problem = None  # what keeps ds_longseq's own attention (StreamBP, SP) off this family
+    if indexed:
+        attention_problem = (
+            f"{where}[i].{attn_attr} selects its keys with a learned indexer ({', '.join(indexed)}: sparse "
+            "attention, DSA), which ds_longseq's chunked attention does not implement"
+        )
     if inline:
         problems.append(
             f"{where}[i].{attn_attr} ({', '.join(inline)}) does not compute through transformers' attention interface "
@@ -316,5 +326,6 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         final_norm_attr=norms[0] if len(norms) == 1 else "norm",
         head_kind=kind,
         discovered=True,
+        attention_problem=attention_problem,
     )
     return spec, []

@@ -4,6 +4,9 @@ Holds:
     ATTN_IMPLEMENTATION: the name ("ds_longseq") a StreamBP model's ``config._attn_implementation`` gets.
     longseq_attention: an ``AttentionInterface`` function (bottom-right causal, 2D padding mask).
     longseq_mask: an ``AttentionMaskInterface`` function that keeps the mask 2D (never (T x T)).
+    mask_audit: the check, around one model forward, that every sliding window the model asked a mask
+        for reached the attention function as ``sliding_window=`` (a window kept in the mask only would
+        be lost, since the mask stays 2D).
 
 What the callers pass down (``ds_longseq=AttnSpec(...)``) is defined in ``modules.attn_spec``.
 
@@ -12,6 +15,9 @@ Shape legend: B batch, H heads, Hkv kv-heads, C query length, K key length, D he
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, spec_of
@@ -19,7 +25,7 @@ from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "longseq_attention", "longseq_mask"]
+__all__ = ["ATTN_IMPLEMENTATION", "longseq_attention", "longseq_mask", "mask_audit"]
 
 ATTN_IMPLEMENTATION = "ds_longseq"
 
@@ -74,6 +80,12 @@ def longseq_attention(
             "not implement (ignoring it could change the result): this model family is not supported with "
             "long_seq.streambp or sequence parallelism"
         )
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(
+            f"{type(module).__name__} attends with values of head dim {value.shape[-1]} and queries/keys of head dim "
+            f"{query.shape[-1]} (multi-head latent attention), which ds_longseq's chunk attention does not implement "
+            "yet: this model cannot run under long_seq.streambp or sequence parallelism; use mini_seq"
+        )
     spec: AttnSpec | None = spec_of(kwargs)
     stream = spec.stream if spec is not None else None
     if stream is not None:  # the StreamBP layer checks that each chunk reached here once, with its own keys
@@ -95,6 +107,9 @@ def longseq_attention(
             "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids instead "
             "(ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
         )
+    audit = _AUDIT.get()
+    if audit is not None:
+        audit.received.add(sliding_window)
     if sliding_window is not None and num_keys <= sliding_window:
         sliding_window = None  # the window holds the whole sequence
     softcap = kwargs.get("softcap")
@@ -122,7 +137,7 @@ def longseq_attention(
                 query, key, value, sp.exchange, scale=scale, key_valid=sp.key_valid, kv_block_size=kv_block_size,
                 doc_start=sp.doc_start, sliding_window=sliding_window, softcap=softcap,
             )
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
     key_valid = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -152,7 +167,24 @@ def longseq_attention(
         query_lo=query_lo,
         softcap=softcap,
     )
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
+
+
+def _mask_parts(fn, depth: int = 0) -> set[str]:
+    """Names of the functions a transformers mask function is composed of (``and_masks`` / ``or_masks`` keep
+    their parts in closures): e.g. {"sliding_window_overlay", "causal_mask_function", ...}."""
+    if fn is None or depth > 8:
+        return set()
+    parts = {fn.__qualname__.split(".<locals>")[0]} if hasattr(fn, "__qualname__") else set()
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if callable(item) and hasattr(item, "__code__"):
+                parts |= _mask_parts(item, depth + 1)
+    return parts
 
 
 def longseq_mask(
@@ -168,11 +200,60 @@ def longseq_mask(
     """transformers mask-interface function: the 2D padding mask itself, or None when nothing is padded.
 
     Causality is applied inside :func:`longseq_attention` by index, so no (q x kv) tensor is built;
-    packed documents and sliding windows too (per-query key lower bounds).
+    packed documents and sliding windows too (per-query key lower bounds), the window from the attention
+    call's ``sliding_window``: a sliding-window mask asked for here (``local_size``) is recorded for
+    :func:`mask_audit`. A chunked-attention mask (Llama 4's ``attention_chunk_size``) is refused.
     """
+    local = kwargs.get("local_size")
+    if local is not None:
+        # transformers passes local_size for its sliding-window and its chunked masks; which one this is
+        # shows in the overlays the mask function is composed of
+        if "chunked_overlay" in _mask_parts(mask_function):
+            raise NotImplementedError(
+                f"the model builds a chunked-attention mask (chunks of {local} tokens, e.g. attention_chunk_size), "
+                "which ds_longseq's attention does not implement yet: this model cannot run under long_seq.streambp "
+                "or sequence parallelism; use mini_seq"
+            )
+        audit = _AUDIT.get()
+        if audit is not None:
+            audit.requested.add(int(local))
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
     if bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+class _MaskAudit:
+    def __init__(self):
+        self.requested: set[int] = set()  # sliding windows the model built masks for
+        self.received: set[int | None] = set()  # sliding_window values the attention function got
+
+
+_AUDIT: ContextVar[_MaskAudit | None] = ContextVar("ds_longseq_mask_audit", default=None)
+
+
+@contextmanager
+def mask_audit():
+    """Around one model forward: raise if the model asked for a sliding-window mask whose window never
+    reached :func:`longseq_attention` as ``sliding_window=``.
+
+    Some families put the window only into the mask (Qwen2-MoE's attention never passes it on); ds_longseq's
+    mask stays 2D, so such a window would be silently dropped. The check runs after the forward, before
+    any loss is returned, so nothing is trained on the result.
+    """
+    audit = _MaskAudit()
+    token = _AUDIT.set(audit)
+    try:
+        yield audit
+    finally:
+        _AUDIT.reset(token)
+    lost = sorted(w for w in audit.requested if w not in audit.received)
+    if lost:
+        raise NotImplementedError(
+            f"the model builds sliding-window masks of {lost} tokens but its attention modules never pass "
+            "sliding_window to the attention function (the window lives in the mask only, which ds_longseq's "
+            "attention does not read): this model cannot run under long_seq.streambp or sequence parallelism; "
+            "use mini_seq"
+        )

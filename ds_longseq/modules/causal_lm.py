@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_longseq.config import LongSeqConfig
+from ds_longseq.modules.attention import mask_audit
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
 from ds_longseq.modules.token_outputs import (  # re-exported: they were defined here
     FUSED_HEAD_OUTPUTS,
@@ -164,7 +165,12 @@ class CausalLMForward:
         """The sequence-parallel group, unless paused (``SequenceParallel.paused``: whole sequences)."""
         return None if self.sp is None or self.sp.is_paused else self.sp
 
-    def __call__(
+    def __call__(self, *args, **kwargs):
+        # every sliding window the model builds a mask for must reach ds_longseq's attention (attention.py)
+        with mask_audit():
+            return self._forward(*args, **kwargs)
+
+    def _forward(
         self,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,

@@ -146,6 +146,8 @@ class StreamBPLayerForward:
             )
 
         def run_chunk(h_c: torch.Tensor, s: int, e: int, stream):
+            h_c = h_c.contiguous()  # a slice of a batch > 1 is not; some layers .view() their input
+
             def call():
                 stream.begin_chunk()
                 spec = AttnSpec(stream, kv_block_size, sp, doc_start)

@@ -32,6 +32,7 @@ class MiniSeqMLPForward:
         self.orig_forward = orig_forward
         self.num_chunks = num_chunks
         self.router_tap = router_tap
+        self.moe = router_tap is not None or hasattr(mlp, "experts")  # a mixture-of-experts block
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs:
@@ -44,12 +45,19 @@ class MiniSeqMLPForward:
         check_no_active_dropout(self.mlp, "long_seq.mini_seq")
         params = list(self.mlp.parameters())
         tap = self.router_tap
-        if tap is None:
-            return mini_sequence_apply(self.orig_forward, x, params, self.num_chunks)
 
         def block(x_c: torch.Tensor) -> torch.Tensor:
             # MoE blocks .view() their input flat; a chunk of a batch > 1 is not contiguous
-            return self.orig_forward(x_c.contiguous())
+            out = self.orig_forward(x_c.contiguous())
+            if isinstance(out, tuple):  # e.g. gpt-oss's (hidden, router scores): only the hidden is chunked
+                raise NotImplementedError(
+                    f"mini_seq: {type(self.mlp).__name__} returns a tuple, whose other parts mini_seq cannot "
+                    "assemble from chunks: this model cannot run under long_seq.mini_seq"
+                )
+            return out
+
+        if tap is None:
+            return mini_sequence_apply(block if self.moe else self.orig_forward, x, params, self.num_chunks)
 
         if not router_logits_requested():
             with collection_paused():

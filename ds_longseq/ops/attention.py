@@ -813,6 +813,11 @@ def chunk_causal_attention(
         query_lo, lo_cpu = _check_query_lo(query_lo, q.shape[0], q.shape[2], num_prefix + k.shape[2] - q.shape[2])
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number, got {softcap}")
+    if v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(
+            f"values of head dim {v.shape[-1]} with queries/keys of head dim {q.shape[-1]} (multi-head latent "
+            "attention) are not implemented by the chunk attention yet"
+        )
     q, k, v, k_prefix, v_prefix = _autocast_inputs((q, k, v, k_prefix, v_prefix), q.device.type)
     if len({t.dtype for t in (q, k, v, k_prefix, v_prefix) if t is not None}) > 1:
         raise ValueError(

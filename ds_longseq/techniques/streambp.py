@@ -46,6 +46,8 @@ class StreamBP(Technique):
             for field in ctx.adapter.spec.dropout_fields
             if getattr(hf_config, field, 0.0)
         ]
+        if ctx.adapter.spec.attention_problem:
+            problems.append(f"long_seq.streambp: {ctx.adapter.spec.attention_problem}")
         return problems + replay_noise_problems(ctx)
 
     def install(self, ctx: EnableContext) -> None:
