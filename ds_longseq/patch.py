@@ -24,6 +24,7 @@ import torch
 from ds_longseq import compat
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.families import UnsupportedModelError, decoder_adapter
+from ds_longseq.families.discovery import MOE_AUX_KINDS
 from ds_longseq.modules.causal_lm import CausalLMForward
 from ds_longseq.modules.sequence_parallel import SequenceParallel
 from ds_longseq.modules.token_outputs import FusedHeadSettings
@@ -102,7 +103,7 @@ def enable(
             # Every such path: the model forward also masks packed documents' boundary targets.
             forward = CausalLMForward(
                 model, model.forward, cfg, ctx.sp, adapter.final_logit_softcap,
-                decoder=adapter.base_model, head=adapter.lm_head, moe_aux=adapter.spec.head_kind == "moe_aux",
+                decoder=adapter.base_model, head=adapter.lm_head, moe_aux=adapter.spec.head_kind in MOE_AUX_KINDS,
                 logit_scale=adapter.logit_scale,
             )
             handle.set_instance_attr(model, "forward", forward)

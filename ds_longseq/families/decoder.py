@@ -110,6 +110,10 @@ class FamilySpec:
     norm_folds_known: bool = True
     """Whether ``norm_folds`` / ``unfoldable_norms`` describe every norm of the layers (written and tested
     for this family); a discovered family has no map, so ``approx_bp.norm`` is refused on it."""
+    window_from: str | None = None
+    """Where the sliding window of a family that keeps it in the mask only is read: "module" (the attention
+    module's ``sliding_window`` attribute, set on its sliding layers only: Qwen2-MoE) or "config"
+    (``config.sliding_window`` on every layer: PhiMoE); None: the attention call passes it."""
     attention_problem: str | None = None
     """Why ds_longseq's chunk attention cannot replace this family's (StreamBP and sequence parallelism are
     refused with it; mini_seq and the chunked head, which keep the stock attention, still apply), or None."""
@@ -211,6 +215,21 @@ class DecoderLMAdapter:
 
     def attention(self, layer: torch.nn.Module) -> torch.nn.Module | None:
         return getattr(layer, self.spec.attn_attr, None)
+
+    def mask_only_windows(self) -> list[tuple[torch.nn.Module, int]]:
+        """(layer, sliding window) of each layer whose family keeps the window in the mask only (``window_from``)."""
+        source = self.spec.window_from
+        if source is None:
+            return []
+        out = []
+        for layer in self.layers:
+            if source == "module":
+                window = getattr(self.attention(layer), "sliding_window", None)
+            else:
+                window = getattr(self.model.config.get_text_config(), "sliding_window", None)
+            if isinstance(window, int):
+                out.append((layer, window))
+        return out
 
     @property
     def final_norm(self) -> torch.nn.Module:

@@ -32,7 +32,7 @@ import textwrap
 
 import torch
 
-__all__ = ["discover_spec", "head_kind", "logit_scale", "HEAD_TEMPLATES", "text_config"]
+__all__ = ["discover_spec", "head_kind", "logit_scale", "HEAD_TEMPLATES", "MOE_AUX_KINDS", "OVERRIDES", "text_config"]
 
 HEAD_TEMPLATES: dict[str, tuple[str, ...]] = {
     # logits = lm_head(hidden); loss = the causal-LM cross entropy (dense families; MoE ones without a
@@ -47,10 +47,24 @@ HEAD_TEMPLATES: dict[str, tuple[str, ...]] = {
     "logit_scale": ("CohereForCausalLM",),
     # logits = lm_head(hidden) / config.logits_scaling (Granite's layout)
     "logits_scaling": ("GraniteForCausalLM",),
+    # logits = lm_head(hidden) * config.logits_scaling (HyperCLOVA X's layout)
+    "logits_multiplier": ("HyperCLOVAXForCausalLM",),
+    # Mixtral's load-balancing loss on Granite's scaled logits (Granite-MoE's layout)
+    "moe_aux_logits_scaling": ("GraniteMoeForCausalLM",),
 }
 """Head kind -> classes whose ``forward`` defines it (the transformers classes ds_longseq's forward re-implements)."""
 
 _ATTENTION_MARKERS = ("ALL_ATTENTION_FUNCTIONS", ".update(")
+
+OVERRIDES: dict[str, dict] = {
+    # the attention never passes its window on (it is in the mask only); the sliding layers' attention
+    # modules hold it (full layers have no such attribute)
+    "qwen2_moe": {"window_from": "module"},
+    # every layer slides by config.sliding_window, applied by the mask only
+    "phimoe": {"window_from": "config"},
+}
+"""model_type -> ``FamilySpec`` fields that cannot be read from structure, for discovered families (each checked
+by the sweep, tests/test_model_sweep.py, and per forward by the mask audit)."""
 _DROPOUT_WORDS = ("dropout", "pdrop")
 _NOISE_WORDS = ("jitter", "noise")
 _ROUTER_ATTRS = ("gate", "router")
@@ -68,12 +82,17 @@ class _Normalise(ast.NodeTransformer):
     Annotations, docstrings and output class names; how the decoder stack is called (its attribute name,
     argument order, the optional ``use_cache`` / ``output_router_logits`` arguments: ds_longseq calls it
     itself) and the resolution of ``output_router_logits`` (ds_longseq resolves it the same way); the
-    argument spelling of ``self.loss_function`` (``vocab_size`` only reshapes); ``outputs[0]`` for
-    ``outputs.last_hidden_state``; every field of the returned output but ``loss``.
+    argument spelling of ``self.loss_function`` (``vocab_size`` only reshapes); the name of the decoder's
+    result (``transformer_outputs``) and ``outputs[0]`` for ``outputs.last_hidden_state``; ``.float()`` and
+    ``.contiguous()`` on the logits (the loss is taken in float32 or better either way); a guard around
+    ``slice_logits_to_keep`` (ds_longseq refuses ``logits_to_keep`` with labels); ``use_cache = False``
+    under labels (ds_longseq's forward never keeps a cache when it computes the loss); every field of the
+    returned output but ``loss``.
     """
 
-    def __init__(self, decoder_attr: str):
-        self.decoder_attr = decoder_attr
+    def __init__(self, decoder_attrs: tuple[str, ...]):
+        self.decoder_attrs = decoder_attrs
+        self.renamed: dict[str, str] = {}
 
     def visit_AnnAssign(self, node):  # `outputs: BaseModelOutputWithPast = self.model(...)`
         if node.value is None:
@@ -84,12 +103,30 @@ class _Normalise(ast.NodeTransformer):
         targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
         if targets == ["output_router_logits"]:
             return None
+        if len(targets) == 1 and self._is_decoder_call(node.value):
+            self.renamed[targets[0]] = "outputs"
+        return self.generic_visit(node)
+
+    def visit_If(self, node):
+        body = node.body
+        if (len(body) == 1 and isinstance(body[0], ast.Assign) and ast.unparse(body[0]) == "use_cache = False"
+                and ast.unparse(node.test) == "labels is not None" and not node.orelse):
+            return None
+        if len(body) == 1 and not node.orelse and "slice_logits_to_keep" in ast.unparse(body[0]):
+            return self.visit(body[0])
         return self.generic_visit(node)
 
     def visit_Name(self, node):
         if node.id.endswith("OutputWithPast"):
             return ast.copy_location(ast.Name(id="Output", ctx=node.ctx), node)
+        if node.id in self.renamed:
+            return ast.copy_location(ast.Name(id=self.renamed[node.id], ctx=node.ctx), node)
         return node
+
+    def _is_decoder_call(self, value) -> bool:
+        func = value.func if isinstance(value, ast.Call) else None
+        return (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+                and func.attr in self.decoder_attrs)
 
     def visit_Expr(self, node):
         if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
@@ -105,8 +142,11 @@ class _Normalise(ast.NodeTransformer):
 
     def visit_Call(self, node):
         func = node.func
+        if (isinstance(func, ast.Attribute) and func.attr in ("float", "contiguous") and not node.args
+                and not node.keywords):
+            return self.visit(func.value)  # x.float() / x.contiguous() -> x
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
-            if func.attr == self.decoder_attr:
+            if func.attr in self.decoder_attrs:
                 return ast.copy_location(ast.Call(func=_self_attr("model"), args=[], keywords=[]), node)
             if func.attr == "loss_function":
                 return ast.copy_location(ast.Call(func=_self_attr("loss_function"), args=[], keywords=[]), node)
@@ -134,7 +174,7 @@ def _forward_code(cls: type) -> str | None:
         return None
     if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
-    normalise = _Normalise(getattr(cls, "base_model_prefix", "model") or "model")
+    normalise = _Normalise(("model", getattr(cls, "base_model_prefix", "model") or "model"))
     body = [normalise.visit(stmt) for stmt in func.body]
     return "\n".join(ast.unparse(stmt) for stmt in body if stmt is not None)
 
@@ -160,12 +200,18 @@ def _head_kind_of_class(cls: type) -> str | None:
     return None if code is None else _template_codes().get(code)
 
 
+MOE_AUX_KINDS = frozenset({"moe_aux", "moe_aux_logits_scaling"})
+"""The head kinds that add Mixtral's load-balancing loss."""
+
+
 def logit_scale(model: torch.nn.Module, kind: str) -> float:
     """The factor a head of ``kind`` multiplies the logits by right after the LM head (1.0 for most)."""
     if kind == "logit_scale":
         return float(model.logit_scale)
-    if kind == "logits_scaling":
+    if kind in ("logits_scaling", "moe_aux_logits_scaling"):
         return 1.0 / float(text_config(model).logits_scaling)
+    if kind == "logits_multiplier":
+        return float(text_config(model).logits_scaling)
     return 1.0
 
 
@@ -232,6 +278,8 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
             "scale or another loss), and ds_longseq replaces that forward"
         )
     prefix = getattr(model, "base_model_prefix", "model") or "model"
+    if not isinstance(getattr(model, prefix, None), torch.nn.Module):
+        prefix = "model"  # e.g. Llama 4's text model: prefix "language_model", decoder at .model
     decoder = getattr(model, prefix, None)
     if not isinstance(decoder, torch.nn.Module):
         return None, problems + [f"{cls}.{prefix} (its base_model_prefix) is not the decoder stack"]
@@ -301,7 +349,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
             router_attr = routers[0] if routers else None
             if len({type(m).__name__ for m in moe}) > 1:
                 problems.append(f"{where}: mixture-of-experts blocks of several classes")
-    if kind == "moe_aux" and moe_class is not None and router_attr is None:
+    if kind in MOE_AUX_KINDS and moe_class is not None and router_attr is None:
         problems.append(
             f"{where}[i].{mlp_attr} ({moe_class}) has no router (.gate or .router) whose logits the load-balancing "
             "loss reads"
@@ -310,6 +358,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         return None, problems
     config = text_config(model)
     spec = family_spec_cls(
+        **OVERRIDES.get(getattr(model.config, "model_type", None), {}),
         causal_lm_class=cls,
         decoder_attr=prefix,
         layers_attr=layers_attr,
@@ -318,7 +367,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         lm_head_attr=head_attrs[0],
         dropout_fields=_fields(config, _DROPOUT_WORDS),
         final_logit_softcap_field="final_logit_softcapping" if kind == "final_softcap" else None,
-        moe_block_class=moe_class if kind == "moe_aux" else None,
+        moe_block_class=moe_class if kind in MOE_AUX_KINDS else None,
         router_attr=router_attr or "gate",
         mlp_noise_fields=_fields(config, _NOISE_WORDS),
         norm_folds=(),

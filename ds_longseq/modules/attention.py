@@ -25,12 +25,15 @@ from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "longseq_attention", "longseq_mask", "mask_audit"]
+__all__ = ["ATTN_IMPLEMENTATION", "WINDOW_ATTR", "longseq_attention", "longseq_mask", "mask_audit"]
 
 ATTN_IMPLEMENTATION = "ds_longseq"
+WINDOW_ATTR = "_ds_longseq_sliding_window"
+"""Attribute set on an attention module whose family keeps its sliding window in the mask only (written per
+family in ``families.discovery``): :func:`longseq_attention` uses it when the call passes no window."""
 
 _KNOWN_KWARGS = frozenset(
-    {SPEC_KWARG, "softcap", *PACKED_KWARGS}
+    {SPEC_KWARG, "softcap", "s_aux", *PACKED_KWARGS}
     # passed through by the decoder layers, with no effect on the attention itself (transformers' own
     # sdpa and eager functions ignore them too)
     | {"position_ids", "use_cache", "cache_position", "output_attentions", "output_hidden_states", "return_dict"}
@@ -89,7 +92,10 @@ def longseq_attention(
     spec: AttnSpec | None = spec_of(kwargs)
     stream = spec.stream if spec is not None else None
     if stream is not None:  # the StreamBP layer checks that each chunk reached here once, with its own keys
-        stream.attended.append((query.shape[2], key.shape[2]))
+        # (the keys and values written through the cache: a layer that caches something else, e.g. a
+        # compressed latent it expands afterwards, would get a prefix of the wrong kind)
+        same = (tuple(key.shape), tuple(value.shape)) == stream.updated_shapes
+        stream.attended.append((query.shape[2], key.shape[2]) if same else ("not the cached keys/values",))
     sp = spec.sp if spec is not None else None
     if sp is not None:
         k_prefix = v_prefix = None
@@ -107,12 +113,22 @@ def longseq_attention(
             "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids instead "
             "(ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
         )
+    if sliding_window is None:
+        # set per family (families.discovery): a module's own `sliding_window` attribute is no substitute
+        # in general (EXAONE 4 holds the window on its full-attention layers too and passes None for them)
+        sliding_window = getattr(module, WINDOW_ATTR, None)
     audit = _AUDIT.get()
     if audit is not None:
         audit.received.add(sliding_window)
     if sliding_window is not None and num_keys <= sliding_window:
         sliding_window = None  # the window holds the whole sequence
     softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")  # attention sinks (gpt-oss): (H,) logits
+    if sinks is not None and sp is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} has attention sinks (s_aux), which ds_longseq's sequence-parallel attention does "
+            "not implement yet; set long_seq.sequence_parallel.size=1"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kv_block_size = spec.kv_block_size if spec is not None else None
     if sp is not None:  # the mask passed in is this rank's slice; sp.key_valid is the global one
@@ -166,6 +182,7 @@ def longseq_attention(
         prefix_grad_sink=stream.prefix_grad_sink if stream is not None else None,
         query_lo=query_lo,
         softcap=softcap,
+        sink_logits=sinks,
     )
     return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
 
@@ -204,6 +221,9 @@ def longseq_mask(
     call's ``sliding_window``: a sliding-window mask asked for here (``local_size``) is recorded for
     :func:`mask_audit`. A chunked-attention mask (Llama 4's ``attention_chunk_size``) is refused.
     """
+    audit = _AUDIT.get()
+    if audit is not None:
+        audit.requested_any = True
     local = kwargs.get("local_size")
     if local is not None:
         # transformers passes local_size for its sliding-window and its chunked masks; which one this is
@@ -214,7 +234,6 @@ def longseq_mask(
                 "which ds_longseq's attention does not implement yet: this model cannot run under long_seq.streambp "
                 "or sequence parallelism; use mini_seq"
             )
-        audit = _AUDIT.get()
         if audit is not None:
             audit.requested.add(int(local))
     if attention_mask is None:
@@ -228,6 +247,7 @@ def longseq_mask(
 class _MaskAudit:
     def __init__(self):
         self.requested: set[int] = set()  # sliding windows the model built masks for
+        self.requested_any = False  # whether the model built any mask through longseq_mask
         self.received: set[int | None] = set()  # sliding_window values the attention function got
 
 
@@ -256,4 +276,11 @@ def mask_audit():
             "sliding_window to the attention function (the window lives in the mask only, which ds_longseq's "
             "attention does not read): this model cannot run under long_seq.streambp or sequence parallelism; "
             "use mini_seq"
+        )
+    extra = sorted(w for w in audit.received if w is not None and w not in audit.requested)
+    if audit.requested_any and extra:
+        raise NotImplementedError(
+            f"the attention was given sliding windows of {extra} tokens that no mask of this forward has (its "
+            f"masks: {sorted(audit.requested) or 'causal only'}): this model cannot run under long_seq.streambp "
+            "or sequence parallelism; use mini_seq"
         )

@@ -236,7 +236,8 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
         what = ("never called the attention function transformers' attention interface selects (it computes "
                 "attention inline, or mixes tokens with another module)")
     else:
-        what = f"called the attention function with (queries, keys) = {stream.attended}, expected [({C}, {C})]"
+        what = (f"called the attention function with (queries, keys) = {stream.attended}, expected [({C}, {C})] "
+                "with the keys and values it wrote through the cache")
     raise NotImplementedError(
         f"StreamBP: {name} ({type(layer).__name__}) {what} on tokens [{s}, {e}): run in chunks it would see only its "
         "own chunk, so long_seq.streambp cannot run this model exactly; use mini_seq"

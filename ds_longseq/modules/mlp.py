@@ -32,7 +32,6 @@ class MiniSeqMLPForward:
         self.orig_forward = orig_forward
         self.num_chunks = num_chunks
         self.router_tap = router_tap
-        self.moe = router_tap is not None or hasattr(mlp, "experts")  # a mixture-of-experts block
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs:
@@ -47,7 +46,7 @@ class MiniSeqMLPForward:
         tap = self.router_tap
 
         def block(x_c: torch.Tensor) -> torch.Tensor:
-            # MoE blocks .view() their input flat; a chunk of a batch > 1 is not contiguous
+            # MoE blocks and GPT-2's Conv1D .view() their input flat; a chunk of a batch > 1 is not contiguous
             out = self.orig_forward(x_c.contiguous())
             if isinstance(out, tuple):  # e.g. gpt-oss's (hidden, router scores): only the hidden is chunked
                 raise NotImplementedError(
@@ -57,7 +56,7 @@ class MiniSeqMLPForward:
             return out
 
         if tap is None:
-            return mini_sequence_apply(block if self.moe else self.orig_forward, x, params, self.num_chunks)
+            return mini_sequence_apply(block, x, params, self.num_chunks)
 
         if not router_logits_requested():
             with collection_paused():

@@ -596,11 +596,13 @@ def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int) -> TileMask:
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, sink_k, sink_v,
-                sink_own):
+                sink_own, sink_logits):
         with torch.autocast(q.device.type, enabled=False):
             out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan,
                                           kernel)
-        ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse)
+            if sink_logits is not None:
+                out, lse = _with_sink_logits(out, lse, sink_logits)
+        ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits)
         # the plan was made on the host in forward: backward reuses it (no host sync)
         ctx.softcap, ctx.scale, ctx.plan, ctx.kernel = softcap, scale, plan, kernel
         ctx.sinks, ctx.sink_own = (sink_k, sink_v), sink_own
@@ -608,13 +610,33 @@ class _ChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse = ctx.saved_tensors
+        q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = _attention_backward(
                 grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, ctx.softcap, out, lse, ctx.scale,
                 ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own,
             )
-        return dq, dk, dv, *([None] * 11)
+            d_sink = None
+            if sink_logits is not None and ctx.needs_input_grad[14]:
+                # the sink is a key with value 0: dLoss/ds_h = -sum_{b,q} p_sink * rowsum(dO * O)
+                cdt = _compute_dtype(q.dtype)
+                p_sink = torch.exp(sink_logits.to(cdt).view(1, -1, 1) - lse)
+                delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
+                d_sink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
+        return dq, dk, dv, *([None] * 11), d_sink
+
+
+def _with_sink_logits(out: torch.Tensor, lse: torch.Tensor, sink_logits: torch.Tensor):
+    """(out, lse) with one more key per head whose logit is ``sink_logits[h]`` and whose value is 0 (attention
+    sinks, gpt-oss): the softmax mass moves to it by ``exp(lse - logaddexp(lse, s))``. The tiles' backward then
+    runs on the returned pair (the sink changes only the normaliser). Rows with no valid key (lse = +inf, out
+    0) stay so: all their mass is on the sink, as in the stock attention."""
+    cdt = lse.dtype
+    s = sink_logits.to(cdt).view(1, -1, 1)
+    empty = lse == float("inf")
+    total = torch.logaddexp(lse.masked_fill(empty, 0.0), s.expand_as(lse))
+    weight = torch.exp(lse - total).masked_fill(empty, 0.0)
+    return (out.to(cdt) * weight.unsqueeze(-1)).to(out.dtype), total.masked_fill(empty, float("inf"))
 
 
 def _rows(t: torch.Tensor, tile: _Tile, C: int) -> torch.Tensor:
@@ -760,6 +782,7 @@ def chunk_causal_attention(
     query_lo: torch.Tensor | None = None,
     softcap: float | None = None,
     kernel: str = "auto",
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last C positions against all S + K keys, bottom-right aligned.
 
@@ -783,6 +806,8 @@ def chunk_causal_attention(
         softcap: logit softcapping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
         kernel: "auto" (per tile, the first of :func:`kernel_chain` that takes it) or one of
             :data:`KERNELS` for every tile.
+        sink_logits: (H,) attention sinks (gpt-oss's ``s_aux``): one extra logit per head in every query's
+            softmax, with a zero value; differentiable. None: no sink.
 
     Returns:
         (B, H, C, D) attention output in q's dtype (the autocast dtype under autocast). Queries with
@@ -829,7 +854,7 @@ def chunk_causal_attention(
     plan = _plan(num_prefix, k.shape[2], q.shape[2], int(kv_block_size), lo_cpu, valid_cpu)
     return _ChunkAttention.apply(
         q, k, v, k_prefix, v_prefix, key_valid, query_lo, None if softcap is None else float(softcap), float(scale),
-        plan, kernel, sink_k, sink_v, sink_own_keys,
+        plan, kernel, sink_k, sink_v, sink_own_keys, sink_logits,
     )
 
 

@@ -77,15 +77,17 @@ class KVStream:
         self.k_chunk = self.v_chunk = None
         # calls during the current chunk, for the caller's check that the layer's attention went
         # through the cache and the chunk attention (``begin_chunk`` resets them)
-        self.updates, self.attended = 0, []
+        self.updates, self.attended, self.updated_shapes = 0, [], None
 
     def begin_chunk(self) -> None:
-        """Reset the current chunk's ``updates`` (cache updates) and ``attended`` ((queries, keys) of each
-        chunk-attention call, appended by the attention function)."""
-        self.updates, self.attended = 0, []
+        """Reset the current chunk's ``updates`` (cache updates, the last one's (key shape, value shape) in
+        ``updated_shapes``) and ``attended`` ((queries, keys) of each chunk-attention call, appended by the
+        attention function)."""
+        self.updates, self.attended, self.updated_shapes = 0, [], None
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         self.updates += 1
+        self.updated_shapes = (tuple(key_states.shape), tuple(value_states.shape))
         if self.k is None:
             # Stored as the attention will read them: under autocast, in the autocast dtype (half the
             # bytes of float32 post-RoPE keys, and no per-chunk cast of the whole prefix).
@@ -241,12 +243,13 @@ class GlobalKVStream:
         self.k_heads = self.v_heads = None
         self.dk_heads = self.dv_heads = None
         self.k_chunk = self.v_chunk = None
-        self.updates, self.attended = 0, []  # as in KVStream
+        self.updates, self.attended, self.updated_shapes = 0, [], None  # as in KVStream
 
     begin_chunk = KVStream.begin_chunk
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         self.updates += 1
+        self.updated_shapes = (tuple(key_states.shape), tuple(value_states.shape))
         if self.mode == "attend":
             return key_states, value_states
         if self.mode == "capture_grad":

@@ -27,7 +27,7 @@ from ds_longseq import config as _config
 from ds_longseq.compat import check_output_capturing, get_attn_implementation, set_attn_implementation
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.families import DecoderLMAdapter
-from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
+from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, WINDOW_ATTR, longseq_attention, longseq_mask
 from ds_longseq.modules.moe import RouterTap
 
 if TYPE_CHECKING:
@@ -138,6 +138,10 @@ class EnableContext:
         AttentionMaskInterface.register(ATTN_IMPLEMENTATION, longseq_mask)
         self.handle.set_attn_implementation(self.model.config, ATTN_IMPLEMENTATION)
         self._attention_registered = True
+        # families whose attention keeps its sliding window in the mask only: the window goes on the module
+        # for ds_longseq's attention to read (attention.WINDOW_ATTR); the mask audit checks it per forward
+        for layer, window in self.adapter.mask_only_windows():
+            self.handle.set_instance_attr(self.adapter.attention(layer), WINDOW_ATTR, window)
 
 
 class Technique:
