@@ -32,6 +32,7 @@ from ds_longseq import UnsupportedModelError
 from ds_longseq.modules import decoder_layer
 from ds_longseq.modules import mlp as mlp_module
 from tests import model_zoo
+from tests.helpers import grads_of
 
 __all__ = ["MODES", "TOLERANCE", "Result", "full_float64", "check_family", "sweep", "render_markdown", "main"]
 
@@ -129,24 +130,11 @@ rounding noise (~1e-17), whose relative error means nothing."""
 
 
 def _loss_and_grads(model, batch):
-    """(loss, {name: grad or zeros}, input-embedding-output grad), forward and backward in full float64."""
-    model.zero_grad(set_to_none=True)
-    captured = {}
-
-    def hook(module, inputs, output):
-        output.retain_grad()
-        captured["embeds"] = output
-
-    handle = model.get_input_embeddings().register_forward_hook(hook)
-    try:
-        with full_float64():
-            loss = model(**batch).loss
-            loss.backward()
-    finally:
-        handle.remove()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-             for n, p in model.named_parameters() if p.requires_grad}
-    return loss.detach(), grads, captured["embeds"].grad.detach().clone()
+    """(loss, {name: grad, zeros where none}, input-embedding-output grad), forward and backward in full float64."""
+    with full_float64():
+        loss, grads, embeds = grads_of(model, lambda: model(**batch).loss)
+    grads = {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    return loss, grads, embeds
 
 
 class _ChunkedCalls:
