@@ -1,5 +1,7 @@
 """enable()/disable(): per-instance patching, undo, no-grad and generation paths, clear errors."""
 
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -66,12 +68,18 @@ def test_generate_matches_stock():
 
 
 def test_unsupported_model_class_is_rejected_at_enable():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    # GPT-2's forward is none of the heads ds_longseq re-implements: refused before anything changes
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=50))
+    # Bloom's forward is none of the heads ds_longseq re-implements: refused before anything changes
     with pytest.raises(UnsupportedModelError,
-                       match=r"cannot be enabled on GPT2LMHeadModel.*\n.*GPT2LMHeadModel.forward"):
-        ds_longseq.enable(gpt2, STREAMBP)
-    assert "forward" not in gpt2.__dict__
+                       match=r"cannot be enabled on BloomForCausalLM.*\n.*BloomForCausalLM.forward"):
+        ds_longseq.enable(bloom, STREAMBP)
+    assert "forward" not in bloom.__dict__
+
+
+def test_model_forward_keeps_its_signature_for_the_trainer():
+    """The HF Trainer drops every dataset column model.forward's signature does not name."""
+    model = ds_longseq.enable(make_model("llama", torch.float32), STREAMBP)
+    assert {"input_ids", "attention_mask", "labels"} <= set(inspect.signature(model.forward).parameters)
 
 
 def test_bad_config_is_rejected_before_anything_changes():

@@ -146,13 +146,13 @@ def test_missing_parts_are_named_at_enable():
 
 
 def test_unknown_attention_kwarg_is_refused_not_ignored():
-    """An attention feature ds_longseq does not implement (here: attention sinks passed as s_aux)
+    """An attention feature ds_longseq does not implement (here: an ALiBi bias, as Falcon passes it)
     raises, naming it, instead of being silently dropped."""
     from ds_longseq.modules.attention import longseq_attention
 
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match=r"\['s_aux'\]"):
-        longseq_attention(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match=r"\['alibi'\]"):
+        longseq_attention(torch.nn.Module(), q, q, q, None, alibi=torch.zeros(1, 2, 1, 4))
 
 
 # --- sequence parallelism (Ulysses, 2 CPU ranks) --------------------------------------------------

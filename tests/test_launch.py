@@ -36,9 +36,10 @@ def test_mpirun_sh_trains_on_two_ranks(tmp_path, flavour):
     mpi4py at Open MPI's libmpi."""
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (bash .ci/install_mpi.sh)")
     if flavour == "mpich":
-        mpirun, extra = _find_mpirun(), {}
+        mpirun = _find_mpirun()
         if mpirun is None:
             pytest.skip("no mpirun on PATH (bash .ci/install_mpi.sh installs MPICH's from PyPI)")
+        extra = {"PYTHONPATH": ROOT}  # this checkout's package, whatever pip last installed
     else:
         mpirun, extra = "mpirun.openmpi", {"PYTHONPATH": ROOT, "MPI_ARGS": "--oversubscribe"}
         if shutil.which(mpirun) is None:

@@ -25,6 +25,7 @@ trainer reads, ``cast_lm_head_to_fp32``) is set with :meth:`CausalLMForward.conf
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import TYPE_CHECKING, Callable
 
@@ -295,6 +296,10 @@ class CausalLMForward:
                 attentions=outputs.attentions,
             )
         return output.to_tuple() if return_dict is False else output
+
+    # The HF Trainer keeps only the dataset columns model.forward's signature names (and TRL reads it
+    # too): without this, (*args, **kwargs) would make it drop input_ids.
+    __call__.__signature__ = inspect.signature(_forward)
 
     def _token_mean(self, loss_sum, num_valid, num_items_in_batch, empty_is_zero: bool = False) -> torch.Tensor:
         """``loss_sum`` over ``num_items_in_batch`` when given, else over ``num_valid`` (at least 1 with
