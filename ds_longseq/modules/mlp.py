@@ -6,6 +6,7 @@ Holds:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -45,27 +46,69 @@ class MiniSeqMLPForward:
         params = list(self.mlp.parameters())
         tap = self.router_tap
 
-        def block(x_c: torch.Tensor) -> torch.Tensor:
+        layout = _OutputLayout(type(self.mlp).__name__)
+
+        def block(x_c: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # MoE blocks and GPT-2's Conv1D .view() their input flat; a chunk of a batch > 1 is not contiguous
-            out = self.orig_forward(x_c.contiguous())
-            if isinstance(out, tuple):  # e.g. gpt-oss's (hidden, router scores): only the hidden is chunked
-                raise NotImplementedError(
-                    f"mini_seq: {type(self.mlp).__name__} returns a tuple, whose other parts mini_seq cannot "
-                    "assemble from chunks: this model cannot run under long_seq.mini_seq"
-                )
-            return out
+            return layout.per_token(self.orig_forward(x_c.contiguous()), x_c.shape[0], x_c.shape[1])
 
-        if tap is None:
-            return mini_sequence_apply(block, x, params, self.num_chunks)
+        if tap is None or not router_logits_requested():
+            with collection_paused() if tap is not None else nullcontext():
+                parts = mini_sequence_apply(block, x, params, self.num_chunks)
+            return layout.restore(parts)
 
-        if not router_logits_requested():
-            with collection_paused():
-                return mini_sequence_apply(block, x, params, self.num_chunks)
-
-        def fn(x_c: torch.Tensor):
-            return tap.call_recording(lambda: block(x_c), x_c.shape[0], x_c.shape[1])
+        def fn(x_c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out, logits = tap.call_recording(lambda: block(x_c), x_c.shape[0], x_c.shape[1])
+            return (*out, logits)
 
         with collection_paused():
-            out, logits = mini_sequence_apply(fn, x, params, self.num_chunks)
+            *parts, logits = mini_sequence_apply(fn, x, params, self.num_chunks)
         record_router_logits(logits.flatten(0, 1))
-        return out
+        return layout.restore(parts)
+
+
+class _OutputLayout:
+    """How an MLP's output is laid out per token, so mini_seq can assemble it from chunks along dim 1.
+
+    Every returned tensor must hold one entry per token, either as (B, C, ...) or flattened as (B * C, ...)
+    (Llama 4's MoE returns its output flat; gpt-oss's and Llama 4's also return router scores or logits per
+    token). Each is handed to the chunk loop as (B, C, ...) and given back in its own layout: a chunk's
+    rows are the same tokens as in the whole call, so the assembled tuple is the stock one.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.tuple: bool | None = None
+        self.flat: list[bool] | None = None
+
+    def per_token(self, out, B: int, C: int) -> tuple[torch.Tensor, ...]:
+        """A chunk's output as a tuple of (B, C, ...) tensors."""
+        parts = out if isinstance(out, tuple) else (out,)
+        flat = []
+        for i, part in enumerate(parts):
+            if isinstance(part, torch.Tensor) and part.dim() >= 2 and tuple(part.shape[:2]) == (B, C):
+                flat.append(False)
+            elif isinstance(part, torch.Tensor) and part.dim() >= 1 and part.shape[0] == B * C:
+                flat.append(True)
+            else:
+                tensor = isinstance(part, torch.Tensor)
+                what = f"a tensor of shape {tuple(part.shape)}" if tensor else type(part).__name__
+                where = f" (element {i} of its tuple)" if isinstance(out, tuple) else ""
+                raise NotImplementedError(
+                    f"mini_seq: {self.name} returns {what}{where} for {B} x {C} tokens, not one entry per token, which "
+                    "mini_seq cannot assemble from chunks: this model cannot run under long_seq.mini_seq"
+                )
+        if self.flat is None:
+            self.tuple, self.flat = isinstance(out, tuple), flat
+        elif (self.tuple, self.flat) != (isinstance(out, tuple), flat):
+            raise NotImplementedError(
+                f"mini_seq: {self.name} lays its output out differently for chunks of different lengths: this model "
+                "cannot run under long_seq.mini_seq"
+            )
+        return tuple(p.view(B, C, *p.shape[1:]) if f else p for p, f in zip(parts, flat, strict=True))
+
+    def restore(self, parts) -> "torch.Tensor | tuple[torch.Tensor, ...]":
+        """The assembled (B, T, ...) parts in the layout the MLP returns them."""
+        parts = parts if isinstance(parts, (tuple, list)) else (parts,)
+        out = tuple(p.flatten(0, 1) if f else p for p, f in zip(parts, self.flat, strict=True))
+        return out if self.tuple else out[0]
