@@ -175,8 +175,9 @@ def _one_line(error: BaseException) -> str:
     return lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
 
 
-def check_family(model_type: str, mode: str) -> Result:
-    """Build ``model_type`` tiny in float64, run it stock and under ds_longseq ``mode``, compare."""
+def check_family(model_type: str, mode: str, batch: dict | None = None) -> Result:
+    """Build ``model_type`` tiny in float64, run it stock and under ds_longseq ``mode`` on ``batch`` (default:
+    ``model_zoo.tiny_batch``), compare."""
     start = time.perf_counter()
     if model_type in model_zoo.UNBUILDABLE:
         return Result(model_type, mode, "unbuildable", model_zoo.UNBUILDABLE[model_type])
@@ -189,7 +190,7 @@ def check_family(model_type: str, mode: str) -> Result:
         for owner in (text, model):
             if isinstance(getattr(owner, "router_aux_loss_coef", None), float):
                 owner.router_aux_loss_coef = 0.5
-    batch = model_zoo.tiny_batch(model_type)
+    batch = model_zoo.tiny_batch(model_type) if batch is None else batch
     reference = _loss_and_grads(model, batch)
     try:
         ours_model = ds_longseq.enable(model, MODES[mode])

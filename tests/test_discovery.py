@@ -147,17 +147,23 @@ def test_hybrid_layers_are_refused_naming_them():
         ds_longseq.enable(model, STREAMBP)
 
 
-def test_chunked_attention_mask_is_refused():
-    """A chunked-attention mask (Llama 4) asked of ds_longseq's mask function is refused, not made causal."""
+def test_chunked_attention_mask_no_attention_applies_is_refused():
+    """A chunked-attention mask (Llama 4) asked of ds_longseq's mask function (which stays 2D) must be applied by
+    the attention of some layer (attention.CHUNK_ATTR), else the forward is refused: it is told apart from a
+    sliding-window mask of the same size."""
     from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
-    from ds_longseq.modules.attention import longseq_mask
+    from ds_longseq.modules.attention import longseq_mask, mask_audit
 
     chunked = chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match=r"chunked-attention mask \(chunks of 4 tokens"):
-        longseq_mask(1, 9, 9, mask_function=chunked, attention_mask=torch.ones(1, 9), local_size=4)
-    window = sliding_window_causal_mask_function(4)  # a window is carried by the attention call instead
-    assert longseq_mask(1, 9, 9, mask_function=window, attention_mask=torch.ones(1, 9), local_size=4) is None
+    with pytest.raises(NotImplementedError, match=r"chunked-attention masks of \[4\] tokens but ds_longseq's attention "
+                       r"applied chunks of none"):
+        with mask_audit():
+            assert longseq_mask(1, 9, 9, mask_function=chunked, attention_mask=torch.ones(1, 9), local_size=4) is None
+    window = sliding_window_causal_mask_function(4)
+    with pytest.raises(NotImplementedError, match=r"sliding-window masks of \[4\] tokens"):
+        with mask_audit():
+            assert longseq_mask(1, 9, 9, mask_function=window, attention_mask=torch.ones(1, 9), local_size=4) is None
 
 
 def test_window_kept_in_the_mask_only_is_refused_after_the_forward():

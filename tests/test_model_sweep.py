@@ -36,6 +36,55 @@ def test_sweep_coverage_target():
     assert len(both) >= 70, sorted(both)
 
 
+# --- features the default batch does not reach ---------------------------------------------------------
+
+
+def _llama4_batch(packed: bool) -> dict:
+    """Llama 4 (attention chunks of 8) at 40 tokens: row 0 left-padded by 5 (transformers counts the chunks
+    from the first real token, so they do not start at a multiple of 8), or two packed rows of documents
+    of 11, 17 and 12 tokens (restarting position_ids: the chunks count from each document's start)."""
+    batch = model_zoo.tiny_batch("llama4_text")
+    batch["attention_mask"][:] = 1
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in (11, 17, 12)]).expand(2, -1)
+    else:
+        batch["attention_mask"][0, :5] = 0
+        batch["input_ids"][0, :5] = 0
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    if packed:
+        del batch["attention_mask"]  # packed rows are told apart by position_ids alone (as transformers does)
+        batch["labels"][:, [11, 28]] = -100  # no document predicts the next one's first token (as ds_longseq)
+        batch["use_cache"] = False  # with a cache transformers does not look for packed rows
+    return batch
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["left_padding", "packed"])
+def test_llama4_chunked_attention_with_left_padding_and_packing(packed):
+    batch = _llama4_batch(packed)
+    for mode in model_sweep.MODES:
+        result = model_sweep.check_family("llama4_text", mode, batch=batch)
+        assert result.outcome == "exact", result
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["left_padding", "packed"])
+def test_mutation_chunks_counted_from_key_0_are_caught(monkeypatch, packed):
+    """Attention chunks counted from the row's key 0 (not its first real token, not each document's first)
+    must be a difference."""
+    import ds_longseq.modules.attention as attention
+
+    bounds = attention.query_lower_bounds
+    monkeypatch.setattr(attention, "query_lower_bounds", lambda *a: bounds(*a[:4], None))
+    assert model_sweep.check_family("llama4_text", "streambp", batch=_llama4_batch(packed)).outcome == "different"
+
+
+def test_mutation_dropped_attention_chunks_are_caught(monkeypatch):
+    """Llama 4 attending across its attention chunks must not pass (refused by the mask audit, or different)."""
+    from ds_longseq.families.decoder import DecoderLMAdapter
+
+    monkeypatch.setattr(DecoderLMAdapter, "attention_chunks", lambda self: [])
+    assert model_sweep.check_family("llama4_text", "streambp").outcome == "refused"
+
+
 # --- mutation controls: each breaks one exactness ingredient, on a family the sweep runs exactly --------
 
 

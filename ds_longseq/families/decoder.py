@@ -231,6 +231,16 @@ class DecoderLMAdapter:
                 out.append((layer, window))
         return out
 
+    def attention_chunks(self) -> list[tuple[torch.nn.Module, int]]:
+        """(layer, attention chunk size) of each chunked-attention layer: ``config.layer_types[i] ==
+        "chunked_attention"`` with ``config.attention_chunk_size`` (Llama 4), the convention transformers'
+        mask builders read."""
+        config = self.model.config.get_text_config()
+        types, chunk = getattr(config, "layer_types", None), getattr(config, "attention_chunk_size", None)
+        if not types or not isinstance(chunk, int):
+            return []
+        return [(layer, chunk) for layer, kind in zip(self.layers, types, strict=False) if kind == "chunked_attention"]
+
     @property
     def final_norm(self) -> torch.nn.Module:
         return getattr(self.base_model, self.spec.final_norm_attr)

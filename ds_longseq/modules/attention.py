@@ -25,12 +25,16 @@ from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "WINDOW_ATTR", "longseq_attention", "longseq_mask", "mask_audit"]
+__all__ = ["ATTN_IMPLEMENTATION", "WINDOW_ATTR", "CHUNK_ATTR", "longseq_attention", "longseq_mask", "mask_audit"]
 
 ATTN_IMPLEMENTATION = "ds_longseq"
 WINDOW_ATTR = "_ds_longseq_sliding_window"
 """Attribute set on an attention module whose family keeps its sliding window in the mask only (written per
 family in ``families.discovery``): :func:`longseq_attention` uses it when the call passes no window."""
+CHUNK_ATTR = "_ds_longseq_attention_chunk"
+"""Attribute set on the attention module of each chunked-attention layer (``config.layer_types[i] ==
+"chunked_attention"``, Llama 4): its ``config.attention_chunk_size``. transformers applies chunked attention
+through the mask only, which ds_longseq keeps 2D, so :func:`longseq_attention` reads it from here."""
 
 _KNOWN_KWARGS = frozenset(
     {SPEC_KWARG, "softcap", "s_aux", *PACKED_KWARGS}
@@ -122,6 +126,14 @@ def longseq_attention(
         audit.received.add(sliding_window)
     if sliding_window is not None and num_keys <= sliding_window:
         sliding_window = None  # the window holds the whole sequence
+    attention_chunk = getattr(module, CHUNK_ATTR, None)
+    if audit is not None:
+        audit.received_chunks.add(attention_chunk)
+    if attention_chunk is not None and sp is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses chunked attention (attention_chunk_size), which ds_longseq's "
+            "sequence-parallel attention does not implement yet; set long_seq.sequence_parallel.size=1"
+        )
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")  # attention sinks (gpt-oss): (H,) logits
     if sinks is not None and sp is not None:
@@ -166,10 +178,18 @@ def longseq_attention(
     doc_start = spec.doc_start if spec is not None else None
     if doc_start is not None:  # the queries are the last C of the num_keys tokens of the row
         doc_start = doc_start[:, num_keys - C : num_keys].to(query.device)
+    chunk_origin = None
+    if attention_chunk is not None:
+        # transformers counts the chunks from the query's document's first token in packed rows (it compares
+        # position ids), else from the row's first real token (its number of left-padding tokens)
+        if doc_start is not None:
+            chunk_origin = doc_start
+        elif key_valid is not None:
+            chunk_origin = (key_valid.to(torch.int64).cumsum(-1) == 0).sum(-1, keepdim=True)
     query_lo = None
-    if doc_start is not None or sliding_window is not None:
+    if doc_start is not None or sliding_window is not None or attention_chunk is not None:
         query_lo = query_lower_bounds(torch.arange(num_keys - C, num_keys, device=query.device), doc_start,
-                                      sliding_window)
+                                      sliding_window, attention_chunk, chunk_origin)
     out = chunk_causal_attention(
         query,
         key,
@@ -217,9 +237,9 @@ def longseq_mask(
     """transformers mask-interface function: the 2D padding mask itself, or None when nothing is padded.
 
     Causality is applied inside :func:`longseq_attention` by index, so no (q x kv) tensor is built;
-    packed documents and sliding windows too (per-query key lower bounds), the window from the attention
-    call's ``sliding_window``: a sliding-window mask asked for here (``local_size``) is recorded for
-    :func:`mask_audit`. A chunked-attention mask (Llama 4's ``attention_chunk_size``) is refused.
+    packed documents, sliding windows and attention chunks too (per-query key lower bounds), the window from
+    the attention call's ``sliding_window``, the chunk from the module's :data:`CHUNK_ATTR`: the sliding-window
+    and chunked-attention masks asked for here (``local_size``) are recorded for :func:`mask_audit`.
     """
     audit = _AUDIT.get()
     if audit is not None:
@@ -228,14 +248,9 @@ def longseq_mask(
     if local is not None:
         # transformers passes local_size for its sliding-window and its chunked masks; which one this is
         # shows in the overlays the mask function is composed of
-        if "chunked_overlay" in _mask_parts(mask_function):
-            raise NotImplementedError(
-                f"the model builds a chunked-attention mask (chunks of {local} tokens, e.g. attention_chunk_size), "
-                "which ds_longseq's attention does not implement yet: this model cannot run under long_seq.streambp "
-                "or sequence parallelism; use mini_seq"
-            )
+        chunked = "chunked_overlay" in _mask_parts(mask_function)
         if audit is not None:
-            audit.requested.add(int(local))
+            (audit.requested_chunks if chunked else audit.requested).add(int(local))
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
@@ -249,6 +264,8 @@ class _MaskAudit:
         self.requested: set[int] = set()  # sliding windows the model built masks for
         self.requested_any = False  # whether the model built any mask through longseq_mask
         self.received: set[int | None] = set()  # sliding_window values the attention function got
+        self.requested_chunks: set[int] = set()  # attention chunk sizes the model built chunked masks for
+        self.received_chunks: set[int | None] = set()  # attention chunk sizes the attention function applied
 
 
 _AUDIT: ContextVar[_MaskAudit | None] = ContextVar("ds_longseq_mask_audit", default=None)
@@ -257,7 +274,8 @@ _AUDIT: ContextVar[_MaskAudit | None] = ContextVar("ds_longseq_mask_audit", defa
 @contextmanager
 def mask_audit():
     """Around one model forward: raise if the model asked for a sliding-window mask whose window never
-    reached :func:`longseq_attention` as ``sliding_window=``.
+    reached :func:`longseq_attention` as ``sliding_window=``, or for a chunked-attention mask whose chunk size
+    no attention module applied (:data:`CHUNK_ATTR`), or the other way round.
 
     Some families put the window only into the mask (Qwen2-MoE's attention never passes it on); ds_longseq's
     mask stays 2D, so such a window would be silently dropped. The check runs after the forward, before
@@ -282,5 +300,13 @@ def mask_audit():
         raise NotImplementedError(
             f"the attention was given sliding windows of {extra} tokens that no mask of this forward has (its "
             f"masks: {sorted(audit.requested) or 'causal only'}): this model cannot run under long_seq.streambp "
+            "or sequence parallelism; use mini_seq"
+        )
+    applied = {c for c in audit.received_chunks if c is not None}
+    if audit.requested_any and applied != audit.requested_chunks:
+        raise NotImplementedError(
+            f"the model builds chunked-attention masks of {sorted(audit.requested_chunks) or 'no'} tokens but "
+            f"ds_longseq's attention applied chunks of {sorted(applied) or 'none'} (it reads them from "
+            "config.layer_types and config.attention_chunk_size): this model cannot run under long_seq.streambp "
             "or sequence parallelism; use mini_seq"
         )

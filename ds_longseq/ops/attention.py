@@ -877,6 +877,8 @@ def query_lower_bounds(
     positions: torch.Tensor,
     doc_start: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,
+    chunk_origin: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """(B, C) first key index each query may attend (the ``query_lo`` of :func:`chunk_causal_attention`).
 
@@ -885,6 +887,12 @@ def query_lower_bounds(
         doc_start: (B, C) global index of each query's document's first token, or None (one document).
         sliding_window: the query sees at most this many keys, itself included (transformers'
             convention: key j is visible to query i when i - window < j <= i), or None.
+        attention_chunk: chunked attention (Llama 4's ``attention_chunk_size``): keys are cut into
+            chunks of this many, counted from ``chunk_origin``, and a query sees only keys of its own
+            chunk (transformers' ``chunked_overlay``: (j - origin) // A == (i - origin) // A), or None.
+        chunk_origin: (B, 1) or (B, C) int64 key index each query's chunks are counted from (transformers:
+            the row's number of left-padding tokens, or in packed rows the query's document's first token);
+            None: 0.
 
     Returns:
         (B or 1, C) int64 bounds, or None when nothing limits the queries.
@@ -893,4 +901,11 @@ def query_lower_bounds(
     if sliding_window is not None:
         win = (positions.to(torch.int64) - (sliding_window - 1)).clamp(min=0).view(1, -1)
         lo = win if lo is None else torch.maximum(lo, win.to(lo.device))
+    if attention_chunk is not None:
+        origin = torch.zeros((1, 1), dtype=torch.int64) if chunk_origin is None else chunk_origin.to(torch.int64)
+        origin = origin.to(positions.device)
+        # the first key of the query's chunk; at most the query itself, so always a valid bound (0 and up)
+        first = (torch.div(positions.to(torch.int64).view(1, -1) - origin, attention_chunk, rounding_mode="floor")
+                 * attention_chunk + origin).clamp(min=0)
+        lo = first if lo is None else torch.maximum(lo, first.to(lo.device))
     return lo

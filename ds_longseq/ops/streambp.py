@@ -107,6 +107,11 @@ class KVStream:
             raise _KVCaptured
         return key_states, value_states
 
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """Tokens before the current chunk, as a transformers ``Cache`` reports the tokens it holds before an
+        update (Llama 4's attention temperature tuning positions its queries by it)."""
+        return self.start
+
     def prefix(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """(B, Hkv, start, D) keys and values before the current chunk (views of the buffers)."""
         if self.start == 0 or self.k is None:

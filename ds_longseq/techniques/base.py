@@ -27,7 +27,13 @@ from ds_longseq import config as _config
 from ds_longseq.compat import check_output_capturing, get_attn_implementation, set_attn_implementation
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.families import DecoderLMAdapter
-from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, WINDOW_ATTR, longseq_attention, longseq_mask
+from ds_longseq.modules.attention import (
+    ATTN_IMPLEMENTATION,
+    CHUNK_ATTR,
+    WINDOW_ATTR,
+    longseq_attention,
+    longseq_mask,
+)
 from ds_longseq.modules.moe import RouterTap
 
 if TYPE_CHECKING:
@@ -142,6 +148,9 @@ class EnableContext:
         # for ds_longseq's attention to read (attention.WINDOW_ATTR); the mask audit checks it per forward
         for layer, window in self.adapter.mask_only_windows():
             self.handle.set_instance_attr(self.adapter.attention(layer), WINDOW_ATTR, window)
+        # chunked attention (Llama 4) lives in the mask only too (attention.CHUNK_ATTR; audited the same way)
+        for layer, chunk in self.adapter.attention_chunks():
+            self.handle.set_instance_attr(self.adapter.attention(layer), CHUNK_ATTR, chunk)
 
 
 class Technique:
