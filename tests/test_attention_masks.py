@@ -60,17 +60,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dv", [8, 5, 12], ids=["dv=d", "dv<d", "dv>d"])  # values of their own head dim (MLA)
 @pytest.mark.parametrize("kernel", ["auto", "math"])
 @pytest.mark.parametrize("block", [3, 4, 1024])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_masked_chunk_attention_matches_dense_float64(case, block, kernel):
+def test_masked_chunk_attention_matches_dense_float64(case, block, kernel, dv):
     B, H, Hkv, S, K, C, docs, window, softcap, padded = CASES[case]
     torch.manual_seed(hash(case) % 1000)
     N, D = S + K, 8
     dt = torch.float64
     q = torch.randn(B, H, C, D, dtype=dt, requires_grad=True)
     k_all = torch.randn(B, Hkv, N, D, dtype=dt, requires_grad=True)
-    v_all = torch.randn(B, Hkv, N, D, dtype=dt, requires_grad=True)
+    v_all = torch.randn(B, Hkv, N, dv, dtype=dt, requires_grad=True)
     first_q = N - C
     positions = torch.arange(first_q, N)
     starts = None if docs is None else doc_starts(docs, N)[:, first_q:]
@@ -81,12 +82,12 @@ def test_masked_chunk_attention_matches_dense_float64(case, block, kernel):
         valid[0, 2:4] = False  # padding inside a document of the prefix
         valid[1, -3] = False
     scale = D**-0.5
-    grad = torch.randn(B, H, C, D, dtype=dt)
+    grad = torch.randn(B, H, C, dv, dtype=dt)
 
     ref = dense_reference(q, k_all, v_all, first_q, None if lo is None else lo.expand(B, C), valid, softcap, scale)
     ref_grads = torch.autograd.grad(ref, (q, k_all, v_all), grad)
 
-    sink = (torch.zeros(B, Hkv, S, D, dtype=dt), torch.zeros(B, Hkv, S, D, dtype=dt)) if S else None
+    sink = (torch.zeros(B, Hkv, S, D, dtype=dt), torch.zeros(B, Hkv, S, dv, dtype=dt)) if S else None
     out = chunk_causal_attention(
         q, k_all[:, :, S:], v_all[:, :, S:], scale=scale,
         k_prefix=k_all[:, :, :S].detach() if S else None, v_prefix=v_all[:, :, :S].detach() if S else None,
@@ -102,6 +103,28 @@ def test_masked_chunk_attention_matches_dense_float64(case, block, kernel):
         dv[:, :, :S] += sink[1]
     torch.testing.assert_close(dk, ref_grads[1], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(dv, ref_grads[2], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("origin", ["none", "left_padding", "documents"])
+def test_attention_chunk_bounds_follow_transformers_chunked_mask(origin):
+    """query_lower_bounds with attention chunks of 4: the first key each query sees is the first key of
+    transformers' chunked_overlay ((j - origin) // A == (i - origin) // A, j <= i)."""
+    A, N, C = 4, 23, 9
+    positions = torch.arange(N - C, N)
+    if origin == "none":
+        chunk_origin, o = None, torch.zeros(2, C, dtype=torch.long)
+    elif origin == "left_padding":
+        chunk_origin = torch.tensor([[3], [6]])
+        o = chunk_origin.expand(2, C)
+    else:
+        chunk_origin = doc_starts([[5, 10, 8], [13, 10]], N)[:, N - C:]
+        o = chunk_origin
+    lo = query_lower_bounds(positions, None, None, A, chunk_origin).expand(2, C)
+    keys = torch.arange(N).view(1, 1, N)
+    i = positions.view(1, C, 1)
+    seen = (keys <= i) & (torch.div(keys - o.unsqueeze(-1), A, rounding_mode="floor")
+                          == torch.div(i - o.unsqueeze(-1), A, rounding_mode="floor"))
+    assert torch.equal(lo, seen.int().argmax(-1))
 
 
 def test_plan_skips_tiles_outside_documents():

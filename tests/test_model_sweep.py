@@ -85,6 +85,32 @@ def test_mutation_dropped_attention_chunks_are_caught(monkeypatch):
     assert model_sweep.check_family("llama4_text", "streambp").outcome == "refused"
 
 
+def test_layers_that_attend_their_cached_keys_keep_the_prefix_mode(monkeypatch):
+    """Only layers that attend something other than what they cache (MLA) switch to whole-cache mode, which
+    copies the prefix every chunk; the others attend the prefix in place."""
+    def refuse(self):
+        raise AssertionError("whole-cache mode asked for")
+
+    monkeypatch.setattr(KVStream, "prefer_concat", refuse)
+    for family in ("llama", "gemma2", "gpt_oss", "llama4_text"):
+        assert model_sweep.check_family(family, "streambp").outcome == "exact", family
+
+
+def test_mutation_dropped_latent_prefix_gradient_is_caught(monkeypatch):
+    """DeepSeek-V3 (whole-cache mode: the cached latent is expanded by the layer) without the gradient that
+    reaches the prefix's latent through the layer's own code must be a difference."""
+    from ds_longseq.ops.chunk_grads import ChunkGrads
+
+    backward = ChunkGrads.backward
+
+    def dropped(self, *args, extra=(), **kwargs):
+        backward(self, *args, extra=extra, **kwargs)
+        return (None,) * len(extra)
+
+    monkeypatch.setattr(ChunkGrads, "backward", dropped)
+    assert model_sweep.check_family("deepseek_v3", "streambp").outcome == "different"
+
+
 # --- mutation controls: each breaks one exactness ingredient, on a family the sweep runs exactly --------
 
 

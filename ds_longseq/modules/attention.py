@@ -87,21 +87,24 @@ def longseq_attention(
             "not implement (ignoring it could change the result): this model family is not supported with "
             "long_seq.streambp or sequence parallelism"
         )
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(
-            f"{type(module).__name__} attends with values of head dim {value.shape[-1]} and queries/keys of head dim "
-            f"{query.shape[-1]} (multi-head latent attention), which ds_longseq's chunk attention does not implement "
-            "yet: this model cannot run under long_seq.streambp or sequence parallelism; use mini_seq"
-        )
     spec: AttnSpec | None = spec_of(kwargs)
     stream = spec.stream if spec is not None else None
-    if stream is not None:  # the StreamBP layer checks that each chunk reached here once, with its own keys
-        # (the keys and values written through the cache: a layer that caches something else, e.g. a
-        # compressed latent it expands afterwards, would get a prefix of the wrong kind)
-        same = (tuple(key.shape), tuple(value.shape)) == stream.updated_shapes
-        stream.attended.append((query.shape[2], key.shape[2]) if same else ("not the cached keys/values",))
     sp = spec.sp if spec is not None else None
+    if stream is not None:  # the StreamBP layer checks that each chunk reached here once, with its own keys
+        same = (tuple(key.shape), tuple(value.shape)) == stream.updated_shapes
+        if not same and sp is None and stream.prefer_concat():
+            # the layer attends something other than what it cached (multi-head latent attention expands the
+            # cached latent): the cache gives it every token so far, as a DynamicCache would, and the layer
+            # attends them all (the StreamBP layer checks it attended the whole prefix)
+            same = True
+        stream.attended.append((query.shape[2], key.shape[2]) if same else ("not the cached keys/values",))
     if sp is not None:
+        if value.shape[-1] != query.shape[-1]:
+            raise NotImplementedError(
+                f"{type(module).__name__} attends with values of head dim {value.shape[-1]} and queries/keys of head "
+                f"dim {query.shape[-1]} (multi-head latent attention), which ds_longseq's sequence-parallel attention "
+                "does not implement yet; set long_seq.sequence_parallel.size=1"
+            )
         k_prefix = v_prefix = None
         num_keys = sp.local_len * sp.exchange.world_size
     else:

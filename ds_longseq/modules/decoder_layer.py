@@ -228,7 +228,8 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
     """The runtime guard: one cache update and one call of ds_longseq's chunk attention with this chunk's
     queries and keys, else the layer mixes tokens some other way and would see only its chunk."""
     C = e - s
-    if stream.updates == 1 and stream.attended == [(C, C)]:
+    keys = e if getattr(stream, "concat", False) else C  # whole-cache mode (KVStream): the prefix too
+    if stream.updates == 1 and stream.attended == [(C, keys)]:
         return
     if stream.updates != 1:
         what = f"wrote its keys/values through past_key_values.update {stream.updates} times (once expected)"
@@ -236,7 +237,7 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
         what = ("never called the attention function transformers' attention interface selects (it computes "
                 "attention inline, or mixes tokens with another module)")
     else:
-        what = (f"called the attention function with (queries, keys) = {stream.attended}, expected [({C}, {C})] "
+        what = (f"called the attention function with (queries, keys) = {stream.attended}, expected [({C}, {keys})] "
                 "with the keys and values it wrote through the cache")
     raise NotImplementedError(
         f"StreamBP: {name} ({type(layer).__name__}) {what} on tokens [{s}, {e}): run in chunks it would see only its "

@@ -139,6 +139,10 @@ class TileKernel:
 
     name = ""
     native_gqa = False
+    same_head_dims = True
+    """Whether queries, keys and values must share one head dim (the fused kernels); values of another head dim
+    (multi-head latent attention) are then zero-padded to the larger one and the padding cut off again, which
+    leaves every score, output and gradient exactly as it is (the padded entries only ever multiply zeros)."""
 
     def refuses(self, q: torch.Tensor, mask: TileMask) -> str | None:
         """Why this kernel cannot take the tile, or None when it can."""
@@ -401,6 +405,7 @@ def _math_scores(q, k, mask, scale):
 
 class _Math(TileKernel):
     name = "math"
+    same_head_dims = False
 
     def refuses(self, q, mask):
         return None
@@ -431,6 +436,30 @@ KERNELS: dict[str, TileKernel] = {
 }
 """Every tile kernel by name."""
 _CHAINS = {"cuda": ("cuda_cudnn", "cuda_flash", "cuda_efficient", "math"), "cpu": ("cpu_flash", "math")}
+
+
+def _pad_head_dim(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[-1] == n else torch.nn.functional.pad(t, (0, n - t.shape[-1]))
+
+
+def _tile_forward(tile: TileKernel, q, k, v, mask: TileMask, scale: float):
+    """``tile.forward``, with values of another head dim than the keys padded for kernels that need one."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D == Dv or not tile.same_head_dims:
+        return tile.forward(q, k, v, mask, scale)
+    n = max(D, Dv)
+    o, lse = tile.forward(_pad_head_dim(q, n), _pad_head_dim(k, n), _pad_head_dim(v, n), mask, scale)
+    return o[..., :Dv], lse
+
+
+def _tile_backward(tile: TileKernel, do, q, k, v, out, lse, mask: TileMask, scale: float):
+    """``tile.backward``, padded like :func:`_tile_forward`."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D == Dv or not tile.same_head_dims:
+        return tile.backward(do, q, k, v, out, lse, mask, scale)
+    n = max(D, Dv)
+    dq, dk, dv = tile.backward(*(_pad_head_dim(t, n) for t in (do, q, k, v, out)), lse, mask, scale)
+    return dq[..., :D], dk[..., :D], dv[..., :Dv]
 
 
 def kernel_chain(device: torch.device | str) -> tuple[str, ...]:
@@ -645,8 +674,8 @@ def _rows(t: torch.Tensor, tile: _Tile, C: int) -> torch.Tensor:
 
 
 def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel):
-    B, H, C, D = q.shape
-    Hkv = k.shape[1]
+    B, H, C, _ = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
     R = H // Hkv
     cdt = _compute_dtype(q.dtype)
     m = acc = None
@@ -660,17 +689,17 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
             tile = _pick(kernel, q_t, mask)
             if not tile.native_gqa:
                 kt, vt = _repeat_heads(kt, R), _repeat_heads(vt, R)
-            o_t, lse_t = tile.forward(q_t, kt, vt, mask, scale)
+            o_t, lse_t = _tile_forward(tile, q_t, kt, vt, mask, scale)
         else:
             q_t = _stack(q, Hkv, t.rows)
-            o_t, lse_t = _pick(kernel, q_t, mask).forward(q_t, kt, vt, mask, scale)
-            o_t, lse_t = o_t.reshape(B, H, t.rows, D), lse_t.reshape(B, H, t.rows)
+            o_t, lse_t = _tile_forward(_pick(kernel, q_t, mask), q_t, kt, vt, mask, scale)
+            o_t, lse_t = o_t.reshape(B, H, t.rows, Dv), lse_t.reshape(B, H, t.rows)
         o_t, lse_t = o_t.to(cdt), lse_t.to(cdt)
         if m is None and t.rows == C:
             m, acc, covered = lse_t, o_t, C
             continue
         if not owned:
-            acc = torch.zeros((B, H, C, D), dtype=cdt, device=q.device) if acc is None else acc.clone()
+            acc = torch.zeros((B, H, C, Dv), dtype=cdt, device=q.device) if acc is None else acc.clone()
             m = torch.full((B, H, C), _NEG_INF, dtype=cdt, device=q.device) if m is None else m.clone()
             owned = True
         r0, r1 = t.r0, t.r1
@@ -722,17 +751,17 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
             q_t, do_t, out_t, lse_t = (_rows(x, t, C) for x in (q, grad_out, out, lse))
             tile = _pick(kernel, q_t, mask)
             if tile.native_gqa:
-                dq_t, dk_t, dv_t = tile.backward(do_t, q_t, kt, vt, out_t, lse_t, mask, scale)
+                dq_t, dk_t, dv_t = _tile_backward(tile, do_t, q_t, kt, vt, out_t, lse_t, mask, scale)
             else:
-                dq_t, dk_t, dv_t = tile.backward(
-                    do_t, q_t, _repeat_heads(kt, R), _repeat_heads(vt, R), out_t, lse_t, mask, scale
+                dq_t, dk_t, dv_t = _tile_backward(
+                    tile, do_t, q_t, _repeat_heads(kt, R), _repeat_heads(vt, R), out_t, lse_t, mask, scale
                 )
                 dk_t, dv_t = _sum_heads(dk_t, R), _sum_heads(dv_t, R)
         else:
             q_t = _stack(q, Hkv, t.rows)
             tile = _pick(kernel, q_t, mask)
-            dq_t, dk_t, dv_t = tile.backward(
-                _stack(grad_out, Hkv, t.rows), q_t, kt, vt, _stack(out, Hkv, t.rows), _stack(lse, Hkv, t.rows),
+            dq_t, dk_t, dv_t = _tile_backward(
+                tile, _stack(grad_out, Hkv, t.rows), q_t, kt, vt, _stack(out, Hkv, t.rows), _stack(lse, Hkv, t.rows),
                 mask, scale,
             )
             dq_t = dq_t.reshape(B, H, t.rows, D)
@@ -788,7 +817,8 @@ def chunk_causal_attention(
 
     Args:
         q: (B, H, C, D) queries (after RoPE).
-        k, v: (B, Hkv, K, D) keys/values of the query chunk itself (or all keys, S == 0); K >= C.
+        k, v: (B, Hkv, K, D) keys, (B, Hkv, K, Dv) values of the query chunk itself (or all keys, S == 0);
+            K >= C. Dv may differ from D (multi-head latent attention: DeepSeek-V2/V3).
         scale: softmax scale (usually D ** -0.5).
         k_prefix, v_prefix: (B, Hkv, S, D) keys/values before ``k``; constants of this op.
         key_valid: (B, S + K) bool, False for padding keys; None means all valid.
@@ -810,7 +840,7 @@ def chunk_causal_attention(
             softmax, with a zero value; differentiable. None: no sink.
 
     Returns:
-        (B, H, C, D) attention output in q's dtype (the autocast dtype under autocast). Queries with
+        (B, H, C, Dv) attention output in q's dtype (the autocast dtype under autocast). Queries with
         no valid key give zeros.
     """
     if q.shape[1] % k.shape[1]:
@@ -838,11 +868,6 @@ def chunk_causal_attention(
         query_lo, lo_cpu = _check_query_lo(query_lo, q.shape[0], q.shape[2], num_prefix + k.shape[2] - q.shape[2])
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number, got {softcap}")
-    if v.shape[-1] != q.shape[-1]:
-        raise NotImplementedError(
-            f"values of head dim {v.shape[-1]} with queries/keys of head dim {q.shape[-1]} (multi-head latent "
-            "attention) are not implemented by the chunk attention yet"
-        )
     q, k, v, k_prefix, v_prefix = _autocast_inputs((q, k, v, k_prefix, v_prefix), q.device.type)
     if len({t.dtype for t in (q, k, v, k_prefix, v_prefix) if t is not None}) > 1:
         raise ValueError(

@@ -96,14 +96,17 @@ class ChunkGrads:
         """A detached view of an input chunk that requires grad when the input does."""
         return x_chunk.detach().requires_grad_(self.need_input)
 
-    def backward(self, outputs, grad_outputs, x_chunk: torch.Tensor, start: int, end: int, add: bool = False) -> None:
+    def backward(self, outputs, grad_outputs, x_chunk: torch.Tensor, start: int, end: int, add: bool = False,
+                 extra: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor | None, ...]:
         """Differentiate one chunk's ``outputs`` and fold the result into the totals.
 
         ``add=True`` adds to the chunk's input-gradient slice written by an earlier call (a second
-        pass over the same chunk) instead of overwriting it.
+        pass over the same chunk) instead of overwriting it. ``extra``: more leaves to differentiate for
+        (StreamBP's prefix in whole-cache mode); their gradients are returned (None where unused).
         """
-        inputs = ([x_chunk] if self.need_input else []) + [self.params[i] for i in self.trainable]
+        inputs = ([x_chunk] if self.need_input else []) + [self.params[i] for i in self.trainable] + list(extra)
         grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        grads, extra_grads = grads[: len(grads) - len(extra)], grads[len(grads) - len(extra):]
         if self.need_input:
             if grads[0] is not None:
                 if add:
@@ -120,6 +123,7 @@ class ChunkGrads:
                 self.sums[i] = g.to(acc_dtype(g.dtype))
             else:
                 self.sums[i] += g
+        return tuple(extra_grads)
 
     def result(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """(input gradient, parameter gradients in their parameters' dtypes)."""

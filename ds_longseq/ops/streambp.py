@@ -24,7 +24,7 @@ Algorithm (StreamBP paper Sec. 3.2.2, Property 3.1; see DESIGN_NOTES.md, lead 1)
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -66,15 +66,25 @@ class KVStream:
 
     The attention function reads :meth:`prefix` (keys before the chunk) and
     :attr:`prefix_grad_sink` (where to add their gradients) from the same object.
+
+    ``concat`` (whole-cache mode): ``update`` returns the cached tensors of every token so far, prefix and
+    chunk, as a transformers ``DynamicCache`` does, and the layer attends them all. For layers that cache
+    something other than the keys and values they attend (multi-head latent attention caches the compressed
+    latent and expands it after the update: DeepSeek-V2/V3). The prefix then reaches the attention through
+    the layer's own code, and in replay its gradient comes back through autograd into ``prefix_leaves``
+    (the caller adds it to :attr:`dk` / :attr:`dv`). Set by the attention function on the first chunk
+    (:meth:`prefer_concat`), which is the same in both modes.
     """
 
-    def __init__(self, total_len: int):
+    def __init__(self, total_len: int, concat: bool = False):
         self.total_len = total_len
         self.mode = "append"
+        self.concat = concat
         self.start = self.end = 0
         self.k = self.v = None  # (B, Hkv, T, D) buffers, allocated at the first update
         self.dk = self.dv = None  # gradient buffers, backward only
         self.k_chunk = self.v_chunk = None
+        self.prefix_leaves: tuple[torch.Tensor, torch.Tensor] | None = None  # whole-cache replay only
         # calls during the current chunk, for the caller's check that the layer's attention went
         # through the cache and the chunk attention (``begin_chunk`` resets them)
         self.updates, self.attended, self.updated_shapes = 0, [], None
@@ -99,13 +109,28 @@ class KVStream:
             )
         if self.mode == "replay":
             self.k_chunk, self.v_chunk = key_states, value_states
-            return key_states, value_states
+            if not self.concat or self.start == 0:
+                return key_states, value_states
+            # leaves standing for the prefix: autograd brings their gradient back through the layer's own code
+            leaves = tuple(buf[:, :, : self.start].detach().requires_grad_(True) for buf in (self.k, self.v))
+            self.prefix_leaves = leaves
+            return (torch.cat([leaves[0].to(key_states.dtype), key_states], 2),
+                    torch.cat([leaves[1].to(value_states.dtype), value_states], 2))
         with torch.no_grad():
             self.k[:, :, self.start : self.end] = key_states
             self.v[:, :, self.start : self.end] = value_states
         if self.mode == "capture":
             raise _KVCaptured
+        if self.concat and self.start > 0:  # every token so far (views of the buffers; no grad in this mode)
+            return self.k[:, :, : self.end].to(key_states.dtype), self.v[:, :, : self.end].to(value_states.dtype)
         return key_states, value_states
+
+    def prefer_concat(self) -> bool:
+        """Switch to whole-cache mode (see the class docstring) if still on the first chunk, where both modes
+        return the same; whether the stream is (now) in it."""
+        if self.start == 0 and self.mode == "append":
+            self.concat = True
+        return self.concat
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """Tokens before the current chunk, as a transformers ``Cache`` reports the tokens it holds before an
@@ -113,14 +138,15 @@ class KVStream:
         return self.start
 
     def prefix(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-        """(B, Hkv, start, D) keys and values before the current chunk (views of the buffers)."""
-        if self.start == 0 or self.k is None:
+        """(B, Hkv, start, D) keys and values before the current chunk (views of the buffers); None in
+        whole-cache mode (the layer passes them with its own keys)."""
+        if self.start == 0 or self.k is None or self.concat:
             return None, None
         return self.k[:, :, : self.start], self.v[:, :, : self.start]
 
     @property
     def prefix_grad_sink(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.mode != "replay" or self.start == 0:
+        if self.mode != "replay" or self.start == 0 or self.concat:
             return None
         return self.dk, self.dv
 
@@ -134,24 +160,25 @@ class KVStream:
 RunChunk = Callable[[torch.Tensor, int, int, KVStream], "torch.Tensor | tuple[torch.Tensor, ...]"]
 
 
-def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=None) -> list[torch.Tensor]:
-    """[out, *aux] of a forward over the chunks, K/V appended to ``stream`` (a new KVStream if None)."""
+def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=None) -> tuple[list[torch.Tensor], Any]:
+    """([out, *aux], the stream) of a forward over the chunks, K/V appended to ``stream`` (a new KVStream if
+    None)."""
     stream = KVStream(hidden.shape[1]) if stream is None else stream
 
     def fn(h_c, s, e):
         stream.start, stream.end = s, e
         return run_chunk(h_c, s, e, stream)
 
-    return assemble_chunks(fn, hidden, bounds)
+    return assemble_chunks(fn, hidden, bounds), stream
 
 
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, run_chunk, bounds, offloader, *params):
         with torch.no_grad():
-            outs = _forward_chunks(run_chunk, hidden, bounds)
+            outs, stream = _forward_chunks(run_chunk, hidden, bounds)
         save_input(ctx, hidden, offloader)
-        ctx.run_chunk, ctx.bounds = run_chunk, bounds
+        ctx.run_chunk, ctx.bounds, ctx.concat = run_chunk, bounds, stream.concat
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
@@ -163,7 +190,7 @@ class _StreamBPFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(hidden)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
-        stream = KVStream(hidden.shape[1])
+        stream = KVStream(hidden.shape[1], concat=ctx.concat)
         stream.mode = "capture"
         with torch.no_grad(), ctx.autocast.replay():
             _capture(run_chunk, hidden, bounds, stream)
@@ -182,8 +209,12 @@ class _StreamBPFunction(torch.autograd.Function):
                     if t.requires_grad:
                         outputs.append(t)
                         grad_outputs.append(buf[:, :, s:e].to(t.dtype))
-                grads.backward(outputs, grad_outputs, h_c, s, e)
-                stream.k_chunk = stream.v_chunk = None
+                leaves = stream.prefix_leaves or ()
+                prefix_grads = grads.backward(outputs, grad_outputs, h_c, s, e, extra=leaves)
+                for buf, g in zip((stream.dk, stream.dv)[: len(leaves)], prefix_grads, strict=True):
+                    if g is not None:  # whole-cache mode: the prefix's gradient from this chunk
+                        buf[:, :, :s] += g
+                stream.k_chunk = stream.v_chunk = stream.prefix_leaves = None
         grad_in, param_grads = grads.result()
         return (grad_in, None, None, None, *param_grads)
 
@@ -215,7 +246,7 @@ def streambp_apply(
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
         return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, *params)
-    outs = _forward_chunks(run_chunk, hidden, bounds)
+    outs, _ = _forward_chunks(run_chunk, hidden, bounds)
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -326,7 +357,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
     def forward(ctx, hidden, run_chunk, bounds, exchange, offloader, *params):
         with torch.no_grad():
             stream = _global_kv(run_chunk, hidden, bounds, exchange)
-            out = _single_output(_forward_chunks(run_chunk, hidden, bounds, stream))
+            out = _single_output(_forward_chunks(run_chunk, hidden, bounds, stream)[0])
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
         ctx.autocast = AutocastState.capture(hidden.device.type)
@@ -406,7 +437,7 @@ def streambp_sp_apply(
         return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, offloader, *params)
     with torch.no_grad():
         stream = _global_kv(run_chunk, hidden, bounds, exchange)
-        return _single_output(_forward_chunks(run_chunk, hidden, bounds, stream))
+        return _single_output(_forward_chunks(run_chunk, hidden, bounds, stream)[0])
 
 
 def _single_output(outs: list[torch.Tensor]) -> torch.Tensor:

@@ -235,3 +235,57 @@ def test_lm_head_weight_grad_in_float32_on_cuda():
     for name, s, o, r in zip(("loss", "dh", "dw"), stock, ours, exact, strict=True):
         _report(test="lm_head", tensor=name, err=_rel(o, r), err_stock=_rel(s, r), mixed_addmm=mixed)
         assert _rel(o, r) <= 1.5 * _rel(s, r) + 1e-6, (name, _rel(o, r), _rel(s, r))
+
+
+def _dense_with_sinks(q, k_all, v_all, sinks):
+    """float64 bottom-right causal attention with one zero-value sink logit per head (gpt-oss); values may have
+    their own head dim (multi-head latent attention)."""
+    H, Hkv, C, N = q.shape[1], k_all.shape[1], q.shape[2], k_all.shape[2]
+    k, v = k_all.repeat_interleave(H // Hkv, 1), v_all.repeat_interleave(H // Hkv, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    keep = torch.ones(C, N, dtype=torch.bool).tril(N - C)[None, None]
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, H, 1, 1).expand(*scores.shape[:3], 1)], -1)
+    return torch.softmax(scores, -1)[..., :N] @ v
+
+
+# Not yet run on a GPU (README, "GPU status"): the sink and value-head-dim paths of the fused kernels.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,Dv,sinks", [(192, 128, False), (64, 64, True), (96, 64, True)],
+                         ids=["mla_deepseek_dims", "sinks", "mla_and_sinks"])
+def test_value_head_dims_and_sinks_match_reference(dtype, D, Dv, sinks):
+    """Values of another head dim than the keys (zero-padded for the fused kernels) and attention sinks, with
+    a prefix in tiles and through the sink buffers, against float64: float32 at 2e-5, bf16 no worse than the
+    math tile in bf16 (the kernels' own rounding)."""
+    B, H, Hkv, C, S = 2, 8, 2, 48, 80
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, C, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, S + C, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, S + C, Dv, generator=g, dtype=torch.float64)
+    s = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
+    go = torch.randn(B, H, C, Dv, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([s.clone().requires_grad_()] if sinks else [])
+    out = _dense_with_sinks(*leaves[:3], leaves[3] if sinks else None)
+    ref = [out.detach(), *torch.autograd.grad(out, leaves, go)]
+
+    def run(kernel):
+        to = lambda t: t.to(CUDA, dtype)  # noqa: E731
+        qc, kc, vc = to(q).requires_grad_(), to(k[:, :, S:]).requires_grad_(), to(v[:, :, S:]).requires_grad_()
+        sc = [to(s).requires_grad_()] if sinks else []
+        buffers = (torch.zeros(B, Hkv, S, D, device=CUDA), torch.zeros(B, Hkv, S, Dv, device=CUDA))
+        o = chunk_causal_attention(qc, kc, vc, scale=D**-0.5, k_prefix=to(k[:, :, :S]), v_prefix=to(v[:, :, :S]),
+                                   kv_block_size=32, prefix_grad_sink=buffers, kernel=kernel,
+                                   sink_logits=sc[0] if sinks else None)
+        grads = torch.autograd.grad(o, [qc, kc, vc, *sc], to(go))
+        dk = torch.cat([buffers[0], grads[1].float()], 2)
+        dv = torch.cat([buffers[1], grads[2].float()], 2)
+        return [t.double().cpu() for t in (o, grads[0], dk, dv, *grads[3:])]
+
+    ours, math_ = run("auto"), run("math")
+    for name, o, m, r in zip(("out", "dq", "dk", "dv", "dsinks"), ours, math_, ref, strict=False):
+        err_o, err_m = _rel(o, r), _rel(m, r)
+        _report(test="value_head_dims_and_sinks", D=D, Dv=Dv, sinks=sinks, dtype=str(dtype), tensor=name, err=err_o,
+                err_math=err_m)
+        bound = 2e-5 if dtype == torch.float32 else 1.5 * err_m + 1e-3
+        assert err_o <= bound, (name, err_o, err_m)
