@@ -85,6 +85,65 @@ def test_mutation_dropped_attention_chunks_are_caught(monkeypatch):
     assert model_sweep.check_family("llama4_text", "streambp").outcome == "refused"
 
 
+# RoPE scalings users extend context with, each with its scaling length (16) below the test length (40), so
+# dynamic NTK rescales and LongRoPE takes its long factors; Llama's rotary embedding holds 8 frequencies.
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                 "long_factor": [1.0 + i for i in range(8)], "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+}
+
+
+_TINY_CONFIG = model_zoo.tiny_config
+
+
+def _with_rope(monkeypatch, scaling: dict | None):
+    def scaled(model_type):
+        config = _TINY_CONFIG(model_type)
+        if scaling is not None:
+            config.rope_parameters = {**config.rope_parameters, **scaling}
+            # dynamic NTK rescales past max_position_embeddings, the others take it as the extended length
+            config.max_position_embeddings = 16 if scaling["rope_type"] == "dynamic" else 64
+        return config
+
+    monkeypatch.setattr(model_zoo, "tiny_config", scaled)
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_rope_scalings_are_exact(monkeypatch, kind):
+    """Each RoPE scaling is exact in both modes, and changes the model (so the check bites)."""
+    _with_rope(monkeypatch, ROPE_SCALINGS[kind])
+    for mode in model_sweep.MODES:
+        result = model_sweep.check_family("llama", mode)
+        assert result.outcome == "exact", result
+    batch = model_zoo.tiny_batch("llama")
+    with torch.no_grad():
+        scaled = model_zoo.tiny_model("llama")(**batch).loss
+        _with_rope(monkeypatch, None)
+        plain = model_zoo.tiny_model("llama")(**batch).loss
+    assert not torch.isclose(scaled, plain, rtol=1e-6), kind
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_length_dependent_rope_is_refused_under_sequence_parallelism(monkeypatch, kind):
+    """Dynamic NTK and LongRoPE pick frequencies from the largest position a forward sees: a rank's shard is
+    not the whole sequence, so sequence parallelism is refused before anything runs."""
+    import ds_longseq
+    from ds_longseq import UnsupportedModelError
+
+    _with_rope(monkeypatch, ROPE_SCALINGS[kind])
+    model = model_zoo.tiny_model("llama")
+    with pytest.raises(UnsupportedModelError, match=rf"rope_type='{kind}'.*each rank sees only its shard"):
+        ds_longseq.patch.check_model(model, {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
+    _with_rope(monkeypatch, ROPE_SCALINGS["yarn"])  # a static scaling is not
+    ds_longseq.patch.check_model(model_zoo.tiny_model("llama"), {"sequence_parallel": {"size": 2},
+                                                                 "streambp": {"enabled": True}})
+
+
 def test_layers_that_attend_their_cached_keys_keep_the_prefix_mode(monkeypatch):
     """Only layers that attend something other than what they cache (MLA) switch to whole-cache mode, which
     copies the prefix every chunk; the others attend the prefix in place."""
