@@ -1,0 +1,128 @@
+"""A representative of each attention feature the sweep brought in, beyond the sweep's single process: LoRA
+through PEFT and 2-rank ZeRO-3 against one process.
+
+gpt-oss (attention sinks, sliding windows, a mixture of experts returning router scores), DeepSeek-V3
+(multi-head latent attention: StreamBP's whole-cache mode, a MoE with shared experts and grouped sigmoid
+routing) and Llama 4 text (chunked attention, no-RoPE layers with temperature tuning, a MoE returning its
+output flat). Models come from ``tests/model_zoo.py`` (tiny, features shrunk below the test length).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ds_longseq
+from tests import model_sweep, model_zoo
+from tests.dist_utils import run_distributed
+
+REPRESENTATIVES = ["gpt_oss", "deepseek_v3", "llama4_text"]
+
+
+# --- LoRA through PEFT, float64 ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", sorted(model_sweep.MODES))
+@pytest.mark.parametrize("model_type", REPRESENTATIVES)
+def test_lora_matches_peft(model_type, mode):
+    """LoRA on every linear layer but the routers (PEFT's "all-linear"), wrapped before ``enable``: the loss
+    and every LoRA gradient as PEFT's own model gives them, at 1e-10 (both in full float64, as in the sweep)."""
+    peft = pytest.importorskip("peft")
+    base = model_zoo.tiny_model(model_type, torch.float64)
+    base.enable_input_require_grads()  # the frozen embedding's output gets a gradient to compare
+    # routers stay frozen: Llama 4's is an nn.Linear subclass returning a tuple, which PEFT's own LoRA layer
+    # cannot wrap (the reference would fail, not ours)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules="all-linear", exclude_modules=r".*router.*")
+    torch.manual_seed(1)
+    reference_model = peft.get_peft_model(copy.deepcopy(base), config)
+    torch.manual_seed(1)
+    ours_model = ds_longseq.enable(peft.get_peft_model(copy.deepcopy(base), config), model_sweep.MODES[mode])
+    batch = model_zoo.tiny_batch(model_type)
+    ref_loss, ref_grads, ref_embeds = model_sweep._loss_and_grads(reference_model, batch)
+    loss, grads, embeds = model_sweep._loss_and_grads(ours_model, batch)
+    assert set(grads) == set(ref_grads) and ref_grads and all("lora_" in n for n in ref_grads)
+    assert model_sweep._rel(loss, ref_loss) < 1e-10
+    assert model_sweep._rel(embeds, ref_embeds) < 1e-10
+    worst = max(model_sweep._rel(grads[n], ref_grads[n]) for n in ref_grads)
+    assert worst < 1e-10, worst
+
+
+# --- ZeRO-3 on 2 CPU ranks, float32 -------------------------------------------------------------------------
+
+LR = 0.3
+STEPS = 2
+
+
+def _rank_batches(model_type: str, rank: int) -> list[dict]:
+    """Different tokens and different numbers of valid targets on each rank and step."""
+    out = []
+    for step in range(STEPS):
+        batch = model_zoo.tiny_batch(model_type, seed=100 * rank + step)
+        batch["labels"][1, : 3 + 6 * rank + step] = -100  # a prompt of rank-dependent length
+        out.append(batch)
+    return out
+
+
+def _model(model_type: str):
+    model = model_zoo.tiny_model(model_type, torch.float32)
+    model.train()
+    return model
+
+
+def _zero3_worker(rank: int, model_type: str, mode: str):
+    import deepspeed
+
+    import ds_longseq.engine
+
+    model = _model(model_type)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0,  # DeepSpeed clips at 1.0 by default; exactness needs none
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**9,
+        "long_seq": model_sweep.MODES[mode],
+    }
+    engine, *_ = ds_longseq.engine.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config
+    )
+    losses = []
+    for batch in _rank_batches(model_type, rank):
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"params": state, "losses": losses}
+
+
+def _one_process(model_type: str, world_size: int) -> dict[str, torch.Tensor]:
+    """The stock model, plain autograd, on every rank's batch: the mean of the ranks' losses per step."""
+    model = _model(model_type)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    per_rank = [_rank_batches(model_type, r) for r in range(world_size)]
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        sum(model(**per_rank[r][step]).loss for r in range(world_size)).div(world_size).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", sorted(model_sweep.MODES))
+@pytest.mark.parametrize("model_type", REPRESENTATIVES)
+def test_zero3_two_ranks_match_one_process(model_type, mode):
+    """2 optimizer steps under ZeRO-3 with StreamBP or mini_seq (+ chunked head): every parameter as one
+    process with the stock model (1e-5 relative: float32 rounding over two steps)."""
+    results = run_distributed(_zero3_worker, 2, (model_type, mode))
+    reference = _one_process(model_type, 2)
+    for name, ref in reference.items():
+        for rank, result in enumerate(results):
+            err = model_sweep._rel(result["params"][name], ref)
+            assert err < 1e-5, (name, rank, err)
+    assert results[0]["losses"] != results[1]["losses"]  # the ranks saw different data
