@@ -126,3 +126,59 @@ def test_zero3_two_ranks_match_one_process(model_type, mode):
             err = model_sweep._rel(result["params"][name], ref)
             assert err < 1e-5, (name, rank, err)
     assert results[0]["losses"] != results[1]["losses"]  # the ranks saw different data
+
+
+# --- Ulysses sequence parallelism on 2 CPU ranks, float64 ------------------------------------------------------
+
+SP_MODES = {
+    "ulysses_only": {},
+    "streambp": {"streambp": {"enabled": True, "chunk_size": 7}, "attention": {"kv_block_size": 4},
+                 "lm_head": {"enabled": True, "chunk_size": 9}},
+    "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 9}},
+}
+
+
+def _sp_worker(rank: int, model_type: str):
+    """Each rank its shard of the batch (20 of 40 tokens; different valid-token counts), every mode; the
+    ranks' gradients summed (each holds its tokens' share)."""
+    import torch.distributed as dist
+
+    from ds_longseq.engine import shard_batch
+
+    local = shard_batch(model_zoo.tiny_batch(model_type), rank, 2)
+    out = {}
+    for mode, config in SP_MODES.items():
+        model = ds_longseq.enable(model_zoo.tiny_model(model_type, torch.float64).train(),
+                                  {**config, "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+        loss, grads, embeds = model_sweep._loss_and_grads(model, local)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[mode] = (loss, grads, embeds)
+    return out
+
+
+def test_gpt_oss_sequence_parallel():
+    """gpt-oss (attention sinks: each rank takes its heads' sinks; sliding windows across the shard boundary)
+    under Ulysses SP=2, with StreamBP, mini_seq or neither: loss, this rank's input gradient and every
+    parameter gradient as one process, at 1e-10."""
+    model_type = "gpt_oss"
+    batch = model_zoo.tiny_batch(model_type)
+    ref_loss, ref_grads, ref_embeds = model_sweep._loss_and_grads(
+        model_zoo.tiny_model(model_type, torch.float64).train(), batch)
+    half = batch["input_ids"].shape[1] // 2
+    for rank, result in enumerate(run_distributed(_sp_worker, 2, (model_type,))):
+        for mode, (loss, grads, embeds) in result.items():
+            errors = {"loss": model_sweep._rel(loss, ref_loss),
+                      "input_grad": model_sweep._rel(embeds, ref_embeds[:, rank * half:(rank + 1) * half])}
+            errors.update({n: model_sweep._rel(grads[n], ref_grads[n]) for n in ref_grads})
+            worst = max(errors, key=errors.get)
+            assert errors[worst] < 1e-10, (mode, rank, worst, errors[worst])
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "llama4_text"])
+def test_unverified_families_stay_refused_under_sequence_parallelism(model_type):
+    """DeepSeek-V3 (latent cache) and Llama 4 (temperature tuning counts positions from the shard's start)
+    have no parity test under sequence parallelism: refused before anything runs."""
+    with pytest.raises(ds_longseq.UnsupportedModelError, match=r"sequence_parallel on .*without such a test"):
+        ds_longseq.patch.check_model(model_zoo.tiny_model(model_type, torch.float64),
+                                     {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})

@@ -119,6 +119,11 @@ class FamilySpec:
     refused with it; mini_seq and the chunked head, which keep the stock attention, still apply), or None."""
     discovered: bool = False
     """Read from the model's structure (``discovery.discover_spec``) rather than written in :data:`FAMILIES`."""
+    sequence_parallel_verified: bool = True
+    """Whether sequence parallelism was proven exact on this family by a 2-rank parity test: every written family;
+    a discovered one only where ``discovery.OVERRIDES`` says so (its test named there). The shard context must
+    reach the attention, and nothing in the layers may use rank-local positions (Llama 4's temperature tuning
+    counts positions from the shard's start)."""
 
 
 FAMILIES: dict[str, FamilySpec] = {

@@ -62,6 +62,8 @@ OVERRIDES: dict[str, dict] = {
     "qwen2_moe": {"window_from": "module"},
     # every layer slides by config.sliding_window, applied by the mask only
     "phimoe": {"window_from": "config"},
+    # sinks and sliding windows under Ulysses: tests/test_feature_families.py::test_gpt_oss_sequence_parallel
+    "gpt_oss": {"sequence_parallel_verified": True},
 }
 """model_type -> ``FamilySpec`` fields that cannot be read from structure, for discovered families (each checked
 by the sweep, tests/test_model_sweep.py, and per forward by the mask audit)."""
@@ -357,8 +359,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     if problems:
         return None, problems
     config = text_config(model)
-    spec = family_spec_cls(
-        **OVERRIDES.get(getattr(model.config, "model_type", None), {}),
+    fields = dict(
         causal_lm_class=cls,
         decoder_attr=prefix,
         layers_attr=layers_attr,
@@ -376,5 +377,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         head_kind=kind,
         discovered=True,
         attention_problem=attention_problem,
+        sequence_parallel_verified=False,
     )
-    return spec, []
+    fields.update(OVERRIDES.get(getattr(model.config, "model_type", None), {}))
+    return family_spec_cls(**fields), []

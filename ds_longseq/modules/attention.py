@@ -139,11 +139,6 @@ def longseq_attention(
         )
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")  # attention sinks (gpt-oss): (H,) logits
-    if sinks is not None and sp is not None:
-        raise NotImplementedError(
-            f"{type(module).__name__} has attention sinks (s_aux), which ds_longseq's sequence-parallel attention does "
-            "not implement yet; set long_seq.sequence_parallel.size=1"
-        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kv_block_size = spec.kv_block_size if spec is not None else None
     if sp is not None:  # the mask passed in is this rank's slice; sp.key_valid is the global one
@@ -162,11 +157,12 @@ def longseq_attention(
                 doc_start=sp.doc_start,
                 sliding_window=sliding_window,
                 softcap=softcap,
+                sink_logits=sinks,
             )
         else:
             out = ulysses_attention(
                 query, key, value, sp.exchange, scale=scale, key_valid=sp.key_valid, kv_block_size=kv_block_size,
-                doc_start=sp.doc_start, sliding_window=sliding_window, softcap=softcap,
+                doc_start=sp.doc_start, sliding_window=sliding_window, softcap=softcap, sink_logits=sinks,
             )
         return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
     key_valid = None

@@ -60,6 +60,7 @@ class UlyssesExchange:
             )
         self.group = group
         self.world_size = world_size
+        self.rank = torch.distributed.get_rank(group)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.kv_repeat = max(world_size // num_kv_heads, 1)
@@ -97,6 +98,14 @@ class UlyssesExchange:
         """(B, H_l, P*C, D) heads-sharded -> (B, H, C, D) tokens-sharded. Differentiable."""
         return self._to_tokens(out)
 
+    def local_heads(self, per_head: torch.Tensor | None) -> torch.Tensor | None:
+        """(H,) one value per query head (attention sinks) -> (H_l,) this rank's heads once heads-sharded.
+        Differentiable: the other ranks' heads get their gradient on their ranks."""
+        if per_head is None:
+            return None
+        h = self.num_heads // self.world_size
+        return per_head[self.rank * h : (self.rank + 1) * h]
+
     def kv_grad_to_tokens(self, grad: torch.Tensor) -> torch.Tensor:
         """(B, Hkv_l, P*C, D) gradient of :meth:`kv_to_heads`'s output -> (B, Hkv, C, D), replicas summed."""
         back = self._to_tokens(grad)
@@ -118,6 +127,7 @@ def ulysses_attention(
     doc_start: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a whole local shard under Ulysses (the non-StreamBP path). Differentiable.
 
@@ -130,6 +140,7 @@ def ulysses_attention(
         doc_start: (B, P*T_l) GLOBAL index of each token's document start (packed rows), or None.
         sliding_window: keys each query attends at most, itself included, or None.
         softcap: logit softcapping, or None.
+        sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
 
     Returns:
         (B, H, T_l, D) attention output for this rank's tokens.
@@ -141,7 +152,7 @@ def ulysses_attention(
     if doc_start is not None or sliding_window is not None:
         lo = query_lower_bounds(torch.arange(N, device=q.device), doc_start, sliding_window)
     out = chunk_causal_attention(qh, kh, vh, scale=scale, key_valid=key_valid, kv_block_size=kv_block_size,
-                                 query_lo=lo, softcap=softcap)
+                                 query_lo=lo, softcap=softcap, sink_logits=exchange.local_heads(sink_logits))
     return exchange.output_to_tokens(out)
 
 
@@ -160,6 +171,7 @@ def ulysses_chunk_attention(
     doc_start: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one query chunk of every rank against exchanged, heads-sharded K/V.
 
@@ -180,6 +192,7 @@ def ulysses_chunk_attention(
             a document may span ranks.
         sliding_window: keys each query attends at most, itself included, or None.
         softcap: logit softcapping, or None.
+        sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
 
     Returns:
         (B, H, C, D) attention output of this rank's chunk.
@@ -187,6 +200,7 @@ def ulysses_chunk_attention(
     C = end - start
     local_len = k_heads.shape[2] // exchange.world_size
     qh = exchange.query_to_heads(q)  # (B, H_l, P*C, D): rank r's chunk is rows [r*C, (r+1)*C)
+    sinks = exchange.local_heads(sink_logits)
     outs = []
     for r in range(exchange.world_size):
         a, b = r * local_len + start, r * local_len + end  # the chunk's own keys, global positions
@@ -209,6 +223,7 @@ def ulysses_chunk_attention(
                 sink_own_keys=grad_sink is not None,
                 query_lo=lo,
                 softcap=softcap,
+                sink_logits=sinks,
             )
         )
     return exchange.output_to_tokens(torch.cat(outs, dim=2))

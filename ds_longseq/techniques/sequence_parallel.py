@@ -54,13 +54,14 @@ class SequenceParallelism(Technique):
 
     def check(self, ctx: EnableContext) -> list[str]:
         spec = ctx.adapter.spec
-        if spec.discovered:
-            # The shard context reaches the attention through the decoder's and layers' **kwargs; that each
-            # family passes them on is proven per family by a 2-rank parity test, which the families found
-            # from structure do not have yet.
+        if not spec.sequence_parallel_verified:
+            # The shard context reaches the attention through the decoder's and layers' **kwargs, and no layer
+            # may count positions from the shard's start; both are proven per family by a 2-rank parity test,
+            # which most families found from their structure do not have yet.
             return [
                 f"long_seq.sequence_parallel on {spec.causal_lm_class}: sequence parallelism is verified on the "
-                "families written in ds_longseq.families.FAMILIES only, and this one was found from its structure "
+                "families written in ds_longseq.families.FAMILIES and the discovered ones marked in "
+                "families.discovery.OVERRIDES, and this one was found from its structure without such a test "
                 "(StreamBP, mini_seq and the chunked head apply); set long_seq.sequence_parallel.size=1"
             ]
         return [
