@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import signal
 import socket
+import subprocess
 import traceback
 
 
@@ -79,3 +81,17 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def run_job(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in its own process group, which is killed whole on
+    timeout: a launcher's ranks (a frozen or spinning one included) do not outlive the test that started them."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

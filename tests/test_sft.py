@@ -5,13 +5,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from ds_longseq.training import JsonlData
 from ds_longseq.training.faults import FAULT_INJECT_ENV
+from tests.dist_utils import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +55,7 @@ def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2, 
     env.pop(FAULT_INJECT_ENV, None)
     if fault is not None:
         env[FAULT_INJECT_ENV] = fault  # the local launcher passes its environment to every rank
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = run_job(cmd, cwd=ROOT, timeout=timeout, env=env)
     if expect_ok and proc.returncode != 0:
         # The output's tail is often another rank's "connection closed": name the ranks' own errors first.
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if re.match(r"\[rank\d+\]: \w*Error", line)]
