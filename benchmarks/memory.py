@@ -2,7 +2,8 @@
 
 For each method and sequence length, a fresh child process (``benchmarks.harness.spawn``) builds
 the small Llama-shaped model (``benchmarks.recipes.LLAMA_SMALL``: random weights, float32,
-batch 1), records the process's peak resident set size (``ru_maxrss``) as the baseline, runs
+batch 1; ``--shape`` picks gpt-oss's or DeepSeek-V3's layout at the same size instead), records
+the process's peak resident set size (``ru_maxrss``) as the baseline, runs
 exactly one forward + backward step (no optimizer step) and reports the peak RSS minus that
 baseline, in MiB. Fresh processes matter: ``ru_maxrss`` is a high-water mark and the allocator
 keeps freed pages, so points must not share a process.
@@ -30,6 +31,7 @@ from benchmarks import harness
 from benchmarks.recipes import (
     LLAMA_SMALL,
     LOSS_TOKENS_PER_CHUNK,
+    SHAPES,
     build_model,
     compute_loss,
     get_recipe,
@@ -52,13 +54,14 @@ def measure(spec: dict) -> dict:
 
     torch.set_num_threads(2)
     recipe, seq_len = get_recipe(spec["method"]), spec["seq_len"]
-    model = build_model(LLAMA_SMALL, dtype="float32", device="cpu", seq_len=seq_len)
+    shape = SHAPES[spec.get("shape", LLAMA_SMALL.name)]
+    model = build_model(shape, dtype="float32", device="cpu", seq_len=seq_len)
     prepare(model, recipe)
-    long_seq = long_seq_config(recipe, LLAMA_SMALL, seq_len, chunk_size=CHUNK_SIZE,
+    long_seq = long_seq_config(recipe, shape, seq_len, chunk_size=CHUNK_SIZE,
                                loss_chunk_size=LOSS_TOKENS_PER_CHUNK)
     if long_seq:
         ds_longseq.enable(model, long_seq)
-    ids = random_tokens(LLAMA_SMALL, seq_len)
+    ids = random_tokens(shape, seq_len)
     baseline = harness.maxrss_mib()
     if spec.get("budget_mib"):
         harness.set_address_space_budget(spec["budget_mib"])
@@ -70,9 +73,9 @@ def measure(spec: dict) -> dict:
             "loss": float(loss.detach()), "device": "cpu"}
 
 
-def report_markdown(rows, methods, seq_lens, repeats_note) -> str:
+def report_markdown(rows, methods, seq_lens, repeats_note, shape=LLAMA_SMALL) -> str:
     """Peak MiB table, step-time table, notes, command and environment."""
-    out = [f"# Peak memory of one training step ({LLAMA_SMALL.describe()}, fp32, batch 1)", "",
+    out = [f"# Peak memory of one training step ({shape.describe()}, fp32, batch 1)", "",
            "Peak RSS minus the post-build baseline, median over repeats, MiB "
            "(includes the ~173 MiB of parameter gradients every method allocates).", ""]
     out += harness.grid_table(rows, methods, seq_lens, "peak_mib", lambda x: f"{x:.0f}")
@@ -96,6 +99,8 @@ def main(argv=None, spawn=harness.spawn):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=list(DEFAULT_SEQ_LENS))
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--shape", choices=sorted(SHAPES), default=LLAMA_SMALL.name,
+                   help="model layout (same width, depth and vocabulary): Llama, gpt-oss or DeepSeek-V3")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--repeats-at", nargs="+", default=[], metavar="SEQ:N",
                    help="per-length repeat overrides, e.g. 16384:1 to save time")
@@ -132,7 +137,7 @@ def main(argv=None, spawn=harness.spawn):
     tqdm.write(f"{'method':>9} {'seq_len':>7} {'peak MiB (med/min/max)':>24} {'step s':>8}  error")
     for seq_len, method in bar:
         bar.set_postfix_str(f"{method}@{seq_len}")
-        spec = {"method": method, "seq_len": seq_len, "budget_mib": args.budget_mib}
+        spec = {"method": method, "seq_len": seq_len, "budget_mib": args.budget_mib, "shape": args.shape}
         records = []
         for _ in range(overrides.get(seq_len, args.repeats)):
             if budget.spent():
@@ -146,8 +151,8 @@ def main(argv=None, spawn=harness.spawn):
         peaks = f"{row['peak_mib']}/{row['peak_mib_min']}/{row['peak_mib_max']}" if row["repeats"] else "-"
         tqdm.write(f"{method:>9} {seq_len:>7} {peaks:>24} {str(row['step_s']):>8}  {row['error']}")
         harness.write_outputs(  # after each point, so a partial run survives
-            rows, args.out, report_markdown(rows, args.methods, args.seq_lens, note),
-            lambda path: harness.plot(rows, path, f"{LLAMA_SMALL.describe()}, fp32, one fwd+bwd step",
+            rows, args.out, report_markdown(rows, args.methods, args.seq_lens, note, SHAPES[args.shape]),
+            lambda path: harness.plot(rows, path, f"{SHAPES[args.shape].describe()}, fp32, one fwd+bwd step",
                                       peak_label="peak RSS above post-build"),
         )
     print(f"wrote {args.out}.csv, {args.out}.png, {args.out}.md")

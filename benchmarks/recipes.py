@@ -60,7 +60,7 @@ class ModelShape:
     """A decoder-only model's dimensions; ``family`` picks the transformers config and model classes."""
 
     name: str
-    family: Literal["llama", "qwen3"]
+    family: Literal["llama", "qwen3", "gpt_oss", "deepseek_v3"]
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -70,11 +70,14 @@ class ModelShape:
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     rope_theta: float | None = None  # None: the config's default
     tie_word_embeddings: bool = False
+    extra: tuple[tuple[str, object], ...] = ()
+    """Further config fields of the family (experts, latent ranks, windows), as (name, value) pairs."""
 
     def config(self, max_position_embeddings: int):
         import transformers
 
-        cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[self.family]
+        cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+               "gpt_oss": transformers.GptOssConfig, "deepseek_v3": transformers.DeepseekV3Config}[self.family]
         kwargs = dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -90,6 +93,7 @@ class ModelShape:
             kwargs["head_dim"] = self.head_dim
         if self.rope_theta is not None:
             kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        kwargs.update(self.extra)
         return cls(**kwargs)
 
     def describe(self) -> str:
@@ -102,6 +106,23 @@ class ModelShape:
 
 
 LLAMA_SMALL = ModelShape("llama-small", "llama", 512, 1376, 4, 8, 8, 32000)
+# Issue 27's memory check: gpt-oss's and DeepSeek-V3's layouts at LLAMA_SMALL's width, depth and vocabulary
+# (attention sinks, alternating 1024-token windows, 8 experts of which 2 per token; multi-head latent attention
+# with its latent cache, shared expert and grouped routing, the first layer dense)
+GPT_OSS_SMALL = ModelShape(
+    "gpt-oss-small", "gpt_oss", 512, 688, 4, 8, 8, 32000, head_dim=64,
+    extra=(("num_local_experts", 8), ("num_experts_per_tok", 2), ("sliding_window", 1024),
+           ("layer_types", ["sliding_attention", "full_attention"] * 2),
+           ("attn_implementation", "eager")),  # gpt-oss has no sdpa path in transformers (its sinks)
+)
+DEEPSEEK_V3_SMALL = ModelShape(
+    "deepseek-v3-small", "deepseek_v3", 512, 1376, 4, 8, 8, 32000,
+    extra=(("kv_lora_rank", 128), ("q_lora_rank", 192), ("qk_nope_head_dim", 64), ("qk_rope_head_dim", 32),
+           ("v_head_dim", 64), ("n_routed_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 344),
+           ("first_k_dense_replace", 1), ("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1)),
+)
+SHAPES = {s.name: s for s in (LLAMA_SMALL, GPT_OSS_SMALL, DEEPSEEK_V3_SMALL)}
+"""The shapes the CPU memory benchmark takes by name (``--shape``)."""
 LLAMA_TINY = ModelShape("llama-tiny", "llama", 64, 160, 2, 4, 2, 512)
 QWEN3_TINY = ModelShape("qwen3-tiny", "qwen3", 64, 160, 2, 4, 2, 512, head_dim=16, tie_word_embeddings=True)
 SP_SMOKE = ModelShape("llama-sp-smoke", "llama", 64, 96, 2, 4, 4, 1000)
@@ -134,7 +155,8 @@ def build_model(shape: ModelShape, *, dtype: str, device: str, seq_len: int, see
     import torch
     import transformers
 
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[shape.family]
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+           "gpt_oss": transformers.GptOssForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM}[shape.family]
     config = shape.config(max_position_embeddings=max(seq_len, 4096))
     torch.manual_seed(seed)
     with _default_dtype(getattr(torch, dtype)), torch.device(device):
