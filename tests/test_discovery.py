@@ -179,3 +179,15 @@ def test_window_kept_in_the_mask_only_is_refused_after_the_forward():
         layer.self_attn.config = attention_config
     with pytest.raises(NotImplementedError, match=r"sliding-window masks of \[6\] tokens but its attention modules"):
         model(**make_batch())
+
+
+def test_hidden_scaling_head_with_a_bias_is_refused():
+    """MiniCPM3 divides the hidden states by logits_scaling before its LM head; the chunked head divides the logits
+    instead, the same only without a head bias: with one, refused naming why."""
+    from tests import model_zoo
+
+    model = model_zoo.tiny_model("minicpm3", torch.float64)
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features, dtype=torch.float64))
+    with pytest.raises(UnsupportedModelError, match=r"MiniCPM3ForCausalLM scales the hidden states before an LM "
+                       r"head with a bias"):
+        ds_longseq.enable(model, STREAMBP)

@@ -51,6 +51,9 @@ HEAD_TEMPLATES: dict[str, tuple[str, ...]] = {
     "logits_multiplier": ("HyperCLOVAXForCausalLM",),
     # Mixtral's load-balancing loss on Granite's scaled logits (Granite-MoE's layout)
     "moe_aux_logits_scaling": ("GraniteMoeForCausalLM",),
+    # logits = lm_head(hidden / config.logits_scaling) (MiniCPM3's layout): with no head bias, the same as
+    # dividing the logits, which is how the chunked head applies it
+    "hidden_scaling": ("MiniCPM3ForCausalLM",),
 }
 """Head kind -> classes whose ``forward`` defines it (the transformers classes ds_longseq's forward re-implements)."""
 
@@ -210,7 +213,7 @@ def logit_scale(model: torch.nn.Module, kind: str) -> float:
     """The factor a head of ``kind`` multiplies the logits by right after the LM head (1.0 for most)."""
     if kind == "logit_scale":
         return float(model.logit_scale)
-    if kind in ("logits_scaling", "moe_aux_logits_scaling"):
+    if kind in ("logits_scaling", "moe_aux_logits_scaling", "hidden_scaling"):
         return 1.0 / float(text_config(model).logits_scaling)
     if kind == "logits_multiplier":
         return float(text_config(model).logits_scaling)
@@ -341,6 +344,9 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     head_attrs = [name for name, child in model.named_children() if child is head]
     if not isinstance(head, torch.nn.Linear) or not head_attrs:
         problems.append(f"{cls}'s output embeddings are {type(head).__name__}, not a torch.nn.Linear child")
+    elif kind == "hidden_scaling" and head.bias is not None:
+        problems.append(f"{cls} scales the hidden states before an LM head with a bias, which ds_longseq's chunked "
+                        "head (scaling the logits instead) would not reproduce")
     norms = _child_names(decoder, _is_norm)
     moe_class = router_attr = None
     if mlp_attr is not None:
