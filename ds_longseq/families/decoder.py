@@ -126,6 +126,10 @@ class FamilySpec:
     counts positions from the shard's start)."""
 
 
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+"""transformers' RoPE kinds whose frequencies follow the longest position of each forward."""
+
+
 FAMILIES: dict[str, FamilySpec] = {
     "llama": FamilySpec("LlamaForCausalLM"),
     "mistral": FamilySpec("MistralForCausalLM"),
@@ -245,6 +249,22 @@ class DecoderLMAdapter:
         if not types or not isinstance(chunk, int):
             return []
         return [(layer, chunk) for layer, kind in zip(self.layers, types, strict=False) if kind == "chunked_attention"]
+
+    def length_dependent_rope(self) -> list[str]:
+        """The RoPE kinds of this model whose frequencies depend on the largest position a forward sees
+        (transformers' ``dynamic_rope_update``: NTK-aware "dynamic" and LongRoPE's short/long switch), sorted;
+        read from ``rope_parameters`` (one for all layers or one per layer type) and the older ``rope_scaling``."""
+        config = self.model.config.get_text_config()
+        kinds = set()
+        for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+            if not isinstance(params, dict):
+                continue
+            per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+            for p in params.values() if per_type else [params]:
+                kind = p.get("rope_type", p.get("type"))
+                if kind in _LENGTH_DEPENDENT_ROPE:
+                    kinds.add(kind)
+        return sorted(kinds)
 
     @property
     def final_norm(self) -> torch.nn.Module:

@@ -130,7 +130,7 @@ def longseq_attention(
     if sliding_window is not None and num_keys <= sliding_window:
         sliding_window = None  # the window holds the whole sequence
     attention_chunk = getattr(module, CHUNK_ATTR, None)
-    if audit is not None:
+    if audit is not None and attention_chunk is not None:
         audit.received_chunks.add(attention_chunk)
     if attention_chunk is not None and sp is not None:
         raise NotImplementedError(
@@ -264,7 +264,7 @@ class _MaskAudit:
         self.requested_any = False  # whether the model built any mask through longseq_mask
         self.received: set[int | None] = set()  # sliding_window values the attention function got
         self.requested_chunks: set[int] = set()  # attention chunk sizes the model built chunked masks for
-        self.received_chunks: set[int | None] = set()  # attention chunk sizes the attention function applied
+        self.received_chunks: set[int] = set()  # attention chunk sizes the attention function applied
 
 
 _AUDIT: ContextVar[_MaskAudit | None] = ContextVar("ds_longseq_mask_audit", default=None)
@@ -301,11 +301,10 @@ def mask_audit():
             f"masks: {sorted(audit.requested) or 'causal only'}): this model cannot run under long_seq.streambp "
             "or sequence parallelism; use mini_seq"
         )
-    applied = {c for c in audit.received_chunks if c is not None}
-    if audit.requested_any and applied != audit.requested_chunks:
+    if audit.requested_any and audit.received_chunks != audit.requested_chunks:
         raise NotImplementedError(
             f"the model builds chunked-attention masks of {sorted(audit.requested_chunks) or 'no'} tokens but "
-            f"ds_longseq's attention applied chunks of {sorted(applied) or 'none'} (it reads them from "
+            f"ds_longseq's attention applied chunks of {sorted(audit.received_chunks) or 'none'} (it reads them from "
             "config.layer_types and config.attention_chunk_size): this model cannot run under long_seq.streambp "
             "or sequence parallelism; use mini_seq"
         )

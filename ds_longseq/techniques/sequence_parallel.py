@@ -69,7 +69,7 @@ class SequenceParallelism(Technique):
             "largest position the forward sees, and under sequence parallelism each rank sees only its shard (the "
             "ranks would rotate with other frequencies than one process on the whole sequence); use a static "
             "scaling (linear, yarn, llama3) or set long_seq.sequence_parallel.size=1"
-            for kind in sorted(_length_dependent_rope(ctx.model.config.get_text_config()))
+            for kind in ctx.adapter.length_dependent_rope()
         ]
 
     def engine_problems(self, config: LongSeqConfig, zero_stage: int) -> list[str]:
@@ -88,21 +88,3 @@ class SequenceParallelism(Technique):
         ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
         ctx.sp = ctx.handle.sp = sp
 
-
-# transformers' RoPE kinds whose frequencies depend on the longest position of each forward (its
-# dynamic_rope_update): NTK-aware dynamic scaling and LongRoPE's short/long factor switch
-_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
-
-
-def _length_dependent_rope(config) -> set[str]:
-    """The length-dependent RoPE kinds ``config`` uses (its ``rope_parameters``, per layer type or one for all;
-    the older ``rope_scaling`` too)."""
-    kinds = set()
-    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
-        if not isinstance(params, dict):
-            continue
-        for p in params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]:
-            kind = p.get("rope_type", p.get("type"))
-            if kind in _LENGTH_DEPENDENT_ROPE:
-                kinds.add(kind)
-    return kinds

@@ -23,15 +23,19 @@ from ds_longseq.ops.lm_head_loss import _mixed_addmm_works, chunked_lm_head_loss
 CUDA = torch.device("cuda")
 
 
-def _dense_reference(q, k_all, v_all, valid):
-    """float64 bottom-right causal attention with padding; rows with no key give 0."""
+def _dense_reference(q, k_all, v_all, valid, sinks=None):
+    """float64 bottom-right causal attention with padding; rows with no key give 0. ``sinks``: (H,) one
+    zero-value sink logit per head (gpt-oss). Values may have their own head dim (multi-head latent attention)."""
     H, Hkv, C, N = q.shape[1], k_all.shape[1], q.shape[2], k_all.shape[2]
     k, v = k_all.repeat_interleave(H // Hkv, 1), v_all.repeat_interleave(H // Hkv, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     keep = torch.ones(C, N, dtype=torch.bool).tril(N - C)[None, None]
     if valid is not None:
         keep = keep & valid[:, None, None, :]
-    return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0) @ v
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, H, 1, 1).expand(*scores.shape[:3], 1)], -1)
+    return torch.softmax(scores, -1)[..., :N].nan_to_num(0.0) @ v
 
 
 def _inputs(B, H, Hkv, C, S, D, padding, seed=0):
@@ -237,19 +241,6 @@ def test_lm_head_weight_grad_in_float32_on_cuda():
         assert _rel(o, r) <= 1.5 * _rel(s, r) + 1e-6, (name, _rel(o, r), _rel(s, r))
 
 
-def _dense_with_sinks(q, k_all, v_all, sinks):
-    """float64 bottom-right causal attention with one zero-value sink logit per head (gpt-oss); values may have
-    their own head dim (multi-head latent attention)."""
-    H, Hkv, C, N = q.shape[1], k_all.shape[1], q.shape[2], k_all.shape[2]
-    k, v = k_all.repeat_interleave(H // Hkv, 1), v_all.repeat_interleave(H // Hkv, 1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    keep = torch.ones(C, N, dtype=torch.bool).tril(N - C)[None, None]
-    scores = scores.masked_fill(~keep, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.view(1, H, 1, 1).expand(*scores.shape[:3], 1)], -1)
-    return torch.softmax(scores, -1)[..., :N] @ v
-
-
 # Not yet run on a GPU (README, "GPU status"): the sink and value-head-dim paths of the fused kernels.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,Dv,sinks", [(192, 128, False), (64, 64, True), (96, 64, True)],
@@ -266,7 +257,7 @@ def test_value_head_dims_and_sinks_match_reference(dtype, D, Dv, sinks):
     s = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
     go = torch.randn(B, H, C, Dv, generator=g, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([s.clone().requires_grad_()] if sinks else [])
-    out = _dense_with_sinks(*leaves[:3], leaves[3] if sinks else None)
+    out = _dense_reference(*leaves[:3], None, leaves[3] if sinks else None)
     ref = [out.detach(), *torch.autograd.grad(out, leaves, go)]
 
     def run(kernel):
