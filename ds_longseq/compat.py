@@ -4,6 +4,8 @@ Holds:
     get_attn_implementation / set_attn_implementation: a Hugging Face config's ``_attn_implementation``.
     output_collector: transformers' per-forward collector of recorded outputs (router logits).
     check_output_capturing: fail clearly where that collector is not where we read it.
+    CACHE_KWARGS, cache_kwarg, pop_cache: the keyword a KV cache is passed by, which transformers 5.24
+        renamed (``past_key_values`` to ``cache``; older layouts say ``layer_past``).
     deepspeed_sp_group: DeepSpeed's initialised sequence-parallel group (``parallel_state_sp``), or None.
     dim_zero_all_to_all: DeepSpeed-Ulysses' registered all-to-all and its group registration.
     Z3_LEAF_ATTR, is_zero3_partitioned: DeepSpeed ZeRO-3's leaf-module flag and partitioned-parameter mark.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 from typing import Any, Callable, Iterator
 
@@ -35,6 +38,9 @@ __all__ = [
     "set_attn_implementation",
     "output_collector",
     "check_output_capturing",
+    "CACHE_KWARGS",
+    "cache_kwarg",
+    "pop_cache",
     "deepspeed_sp_group",
     "dim_zero_all_to_all",
     "Z3_LEAF_ATTR",
@@ -84,6 +90,26 @@ def check_output_capturing() -> None:
     for name in ("get", "set", "reset"):
         if not callable(getattr(var, name, None)):
             raise ImportError(f"transformers' output collector has no {name}(): upgrade ds_longseq or transformers")
+
+
+CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+"""The keywords transformers passes a KV cache by: ``cache`` from 5.24 (models and layers still accept
+``past_key_values`` until 5.40, with a warning, but a layer given both uses ``cache``), ``past_key_values``
+before 5.24, ``layer_past`` in GPT-NeoX-style layers."""
+
+
+def cache_kwarg(forward: Callable) -> str:
+    """The keyword ``forward`` (a model's or a decoder layer's) takes its KV cache by: one of CACHE_KWARGS,
+    the first its signature names (decorated forwards are read through ``__wrapped__``)."""
+    params = inspect.signature(forward).parameters
+    return next((name for name in CACHE_KWARGS if name in params), "past_key_values")
+
+
+def pop_cache(kwargs: dict, given: Any = None) -> Any:
+    """Remove every CACHE_KWARGS keyword from ``kwargs``; return the cache passed (``given`` first, then
+    the first non-None of them; None when there is none), whatever its name in this transformers release."""
+    found = [kwargs.pop(name) for name in CACHE_KWARGS if name in kwargs]
+    return next((cache for cache in (given, *found) if cache is not None), None)
 
 
 # ---- DeepSpeed ------------------------------------------------------------------------------------

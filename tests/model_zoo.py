@@ -445,6 +445,10 @@ OVERRIDES: dict[str, dict] = {
     # layer 0 has no attention norm (an Identity): the kinds are full (layer 0), sliding, full with a norm
     "modernbert-decoder": {"num_hidden_layers": 3,
                            "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+    # Dory: input layers, a recurrent block run n_recurrent_loops times, output layers; one of each, so the
+    # recurrent layer runs twice in one forward (its per-layer counts must add up to num_hidden_layers)
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
+             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     # X-MOD routes through per-language adapters and refuses to run without a language
     "xmod": {"default_language": "en_XX"},
     # the default fails its own validation (an assistant has no per-layer inputs)
@@ -483,6 +487,8 @@ UNBUILDABLE: dict[str, str] = {
             "in float64 (no SDPA path)",
     "inkling2_text": "its MoE casts the router input to float32 against float64 weights and accumulates experts in "
                      "a float32 buffer: fails in float64, with or without the sweep's float64 casts",
+    "inkling2_loop_text": "its MoE (inkling2_text's) casts the router input to float32 against float64 weights and "
+                          "accumulates experts in a float32 buffer: fails in float64",
     "prophetnet": "NaN loss in float64 whenever an attention_mask is given (finite in float32): its n-gram "
                   "stream masks overflow finfo(float64).min to -inf",
     "gemma4_assistant": "speculative-decoding drafter: every layer reads the target model's keys/values "

@@ -11,6 +11,7 @@ import transformers
 
 import ds_longseq
 from ds_longseq import UnsupportedModelError
+from ds_longseq.compat import pop_cache
 from ds_longseq.families.discovery import HEAD_TEMPLATES, head_kind
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
@@ -84,7 +85,7 @@ def test_runtime_guard_refuses_inline_attention_at_the_first_forward():
     attn.forward = _inline_attention.__get__(attn)  # the class still looks routed: only the guard can tell
     ds_longseq.enable(model, STREAMBP)
     with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM.model.layers\[1\] \(LlamaDecoderLayer\) "
-                                                  r"wrote its keys/values through past_key_values.update 0 times"):
+                                                  r"wrote its keys/values through its KV cache's update\(\) 0 times"):
         model(**make_batch())
 
 
@@ -93,10 +94,11 @@ def test_runtime_guard_refuses_attention_that_skips_the_interface():
     model = make_model("llama", torch.float32)
     attn = model.model.layers[0].self_attn
 
-    def forward(hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         out, _ = _inline_attention(attn, hidden_states, position_embeddings)
-        if past_key_values is not None:  # the chunk's keys go through the cache, the prefix is never read
-            past_key_values.update(torch.zeros(1, 1, hidden_states.shape[1], 1), torch.zeros(1, 1, 1, 1), 0)
+        cache = pop_cache(kwargs)  # cache= from transformers 5.24, past_key_values= before
+        if cache is not None:  # the chunk's keys go through the cache, the prefix is never read
+            cache.update(torch.zeros(1, 1, hidden_states.shape[1], 1), torch.zeros(1, 1, 1, 1), 0)
         return out, None
 
     attn.forward = forward
@@ -191,3 +193,39 @@ def test_hidden_scaling_head_with_a_bias_is_refused():
     with pytest.raises(UnsupportedModelError, match=r"MiniCPM3ForCausalLM scales the hidden states before an LM "
                        r"head with a bias"):
         ds_longseq.enable(model, STREAMBP)
+
+
+class _ScaledHead(torch.nn.Linear):
+    """An LM head with a learned per-token logit scale (Dory's layout)."""
+
+    def __init__(self, head: torch.nn.Linear):
+        super().__init__(head.in_features, head.out_features, bias=False)
+        self.weight = head.weight
+        self.logit_scale = torch.nn.Parameter(torch.ones(head.out_features))
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) * self.logit_scale
+
+
+class _ExtraParameterHead(torch.nn.Linear):
+    """The stock forward, with a parameter it does not use: still not what the chunked head computes with."""
+
+    def __init__(self, head: torch.nn.Linear):
+        super().__init__(head.in_features, head.out_features, bias=False)
+        self.weight = head.weight
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+
+@pytest.mark.parametrize("head_cls", [_ScaledHead, _ExtraParameterHead])
+@pytest.mark.parametrize("subclass", [False, True], ids=["written", "discovered"])
+def test_lm_head_that_is_more_than_a_linear_is_refused(head_cls, subclass):
+    """The chunked head computes hidden @ weight.T (+ bias): a head with its own forward or parameters would have
+    them silently skipped (a written family, Llama, and a discovered one, a Llama subclass)."""
+    model = make_model("llama", torch.float32)
+    if subclass:
+        model = type("MyLlama", (transformers.LlamaForCausalLM,), {})(model.config)
+    model.lm_head = head_cls(model.lm_head)
+    with pytest.raises(UnsupportedModelError, match=rf"{head_cls.__name__}.*not a plain torch.nn.Linear|lm_head is "
+                       "not a plain torch.nn.Linear"):
+        ds_longseq.enable(model, STREAMBP)
+    assert not ds_longseq.is_enabled(model)

@@ -23,7 +23,19 @@ def test_family_is_exact_or_refused(model_type):
 
 
 def test_supported_models_doc_is_current():
-    """docs/SUPPORTED_MODELS.md is the sweep's table (regenerate: python -m tests.model_sweep --write)."""
+    """docs/SUPPORTED_MODELS.md is the sweep's table (regenerate: python -m tests.model_sweep --write).
+
+    The table is of one transformers release, the one it names. setup.py admits later ones, whose new
+    families the per-family test above still checks (exact or refused); their table is regenerated
+    when the suite is run on them and the doc updated."""
+    import re
+
+    import transformers
+
+    documented = re.search(r"model_type` of transformers (\S+) ", model_sweep.DOC.read_text()).group(1)
+    if documented != transformers.__version__:
+        pytest.skip(f"docs/SUPPORTED_MODELS.md is for transformers {documented}, this is "
+                    f"{transformers.__version__}: regenerate it with python -m tests.model_sweep --write")
     expected = model_sweep.render_markdown(model_sweep.sweep())
     assert model_sweep.DOC.read_text() == expected, "run: python -m tests.model_sweep --write"
 

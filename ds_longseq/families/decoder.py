@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_longseq.families.discovery import discover_spec, head_kind, logit_scale
+from ds_longseq.families.discovery import discover_spec, head_kind, is_plain_linear, logit_scale
 
 __all__ = [
     "FamilySpec",
@@ -291,8 +291,9 @@ class DecoderLMAdapter:
         if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
             problems.append(f"{where} is not a non-empty ModuleList")
             layers = []
-        if not isinstance(getattr(self.model, spec.lm_head_attr, None), torch.nn.Linear):
-            problems.append(f"{cls}.{spec.lm_head_attr} is not a torch.nn.Linear")
+        if not is_plain_linear(getattr(self.model, spec.lm_head_attr, None)):
+            problems.append(f"{cls}.{spec.lm_head_attr} is not a plain torch.nn.Linear (its own forward or "
+                            "parameters would be skipped by ds_longseq's chunked head)")
         attns = [getattr(layer, spec.attn_attr, None) for layer in layers]
         bidirectional = [i for i, attn in enumerate(attns) if getattr(attn, "is_causal", True) is False]
         if bidirectional:

@@ -32,7 +32,22 @@ import textwrap
 
 import torch
 
-__all__ = ["discover_spec", "head_kind", "logit_scale", "HEAD_TEMPLATES", "MOE_AUX_KINDS", "OVERRIDES", "text_config"]
+__all__ = [
+    "discover_spec", "head_kind", "logit_scale", "is_plain_linear", "HEAD_TEMPLATES", "MOE_AUX_KINDS", "OVERRIDES",
+    "text_config",
+]
+
+def is_plain_linear(module: torch.nn.Module | None) -> bool:
+    """A ``torch.nn.Linear`` computing ``x @ weight.T + bias`` and nothing else, which is what the chunked LM
+    head re-implements. A subclass with its own forward or parameters (Dory's learned per-token logit scale)
+    would have them silently skipped."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and type(module).forward is torch.nn.Linear.forward
+        and {name for name, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}
+        and next(module.children(), None) is None
+    )
+
 
 HEAD_TEMPLATES: dict[str, tuple[str, ...]] = {
     # logits = lm_head(hidden); loss = the causal-LM cross entropy (dense families; MoE ones without a
@@ -330,7 +345,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     if inline:
         problems.append(
             f"{where}[i].{attn_attr} ({', '.join(inline)}) does not compute through transformers' attention interface "
-            "with its K/V through past_key_values.update, which ds_longseq's chunked attention replaces"
+            "with its K/V through the KV cache's update(), which ds_longseq's chunked attention replaces"
         )
     mlp_names = {
         tuple(
@@ -342,8 +357,9 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     mlp_attr = next(iter(mlp_names))[0] if len(mlp_names) == 1 and len(next(iter(mlp_names))) == 1 else None
     head = model.get_output_embeddings()
     head_attrs = [name for name, child in model.named_children() if child is head]
-    if not isinstance(head, torch.nn.Linear) or not head_attrs:
-        problems.append(f"{cls}'s output embeddings are {type(head).__name__}, not a torch.nn.Linear child")
+    if not is_plain_linear(head) or not head_attrs:
+        problems.append(f"{cls}'s output embeddings are {type(head).__name__}, not a plain torch.nn.Linear child "
+                        "(ds_longseq's chunked head computes hidden @ weight.T + bias and nothing else)")
     elif kind == "hidden_scaling" and head.bias is not None:
         problems.append(f"{cls} scales the hidden states before an LM head with a bias, which ds_longseq's chunked "
                         "head (scaling the logits instead) would not reproduce")

@@ -20,6 +20,7 @@ from contextvars import ContextVar
 
 import torch
 
+from ds_longseq.compat import CACHE_KWARGS
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, spec_of
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
@@ -41,7 +42,7 @@ _KNOWN_KWARGS = frozenset(
     # passed through by the decoder layers, with no effect on the attention itself (transformers' own
     # sdpa and eager functions ignore them too)
     | {"position_ids", "use_cache", "cache_position", "output_attentions", "output_hidden_states", "return_dict"}
-    | {"past_key_values", "position_embeddings"}
+    | {*CACHE_KWARGS, "position_embeddings"}
     | {"output_router_logits"}
 )
 """Keyword arguments :func:`longseq_attention` understands; any other one raises (an attention

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.modules.attention import mask_audit
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
@@ -191,6 +192,8 @@ class CausalLMForward:
         fused = bool(kwargs.pop("fused_lm_head", False))  # TRL's call: per-token outputs, its field names
         want_entropy = bool(kwargs.pop("return_token_entropy", False)) or fused
         per_token = bool(kwargs.pop("return_token_logprobs", False)) or want_entropy
+        # transformers 5.24 passes the cache as cache= (generate() does), earlier releases as past_key_values=
+        past_key_values = pop_cache(kwargs, past_key_values)
         if past_key_values is None and sp is None:
             doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
             if self.config.streambp.enabled:
@@ -224,7 +227,7 @@ class CausalLMForward:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                **{cache_kwarg(self.orig_forward): past_key_values},
                 inputs_embeds=inputs_embeds,
                 labels=labels,
                 use_cache=use_cache,
@@ -291,7 +294,6 @@ class CausalLMForward:
             output = CausalLMOutputWithPast(
                 loss=loss,
                 logits=logits,
-                past_key_values=None,
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
             )
@@ -345,7 +347,6 @@ class CausalLMForward:
             loss=loss + model.router_aux_loss_coef * aux_loss.to(loss.device),
             aux_loss=aux_loss,
             logits=logits,
-            past_key_values=None,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,

@@ -11,12 +11,12 @@ Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 
 from __future__ import annotations
 
-import inspect
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ds_longseq.compat import CACHE_KWARGS, cache_kwarg, pop_cache
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, chunk_spec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import check_no_active_dropout
@@ -58,9 +58,8 @@ class StreamBPLayerForward:
         ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``)."""
         self.layer = layer
         self.name = name or type(layer).__name__
-        # the keyword the layer takes its cache by (GPT-NeoX's layers call it layer_past)
-        self.cache_kwarg = "layer_past" if "layer_past" in inspect.signature(orig_forward).parameters else (
-            "past_key_values")
+        # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
+        self.cache_kwarg = cache_kwarg(orig_forward)
         self.orig_forward = orig_forward
         self.chunk_size = chunk_size
         self.kv_block_size = kv_block_size
@@ -73,7 +72,6 @@ class StreamBPLayerForward:
         *args,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
@@ -83,8 +81,7 @@ class StreamBPLayerForward:
         sp = outer_spec.sp if outer_spec is not None else None
         # Packed rows in the varlen form: turned into document starts here, not passed to the layer.
         packed = {name: kwargs.pop(name) for name in PACKED_KWARGS if name in kwargs}
-        if self.cache_kwarg != "past_key_values":
-            past_key_values = kwargs.pop(self.cache_kwarg, None)
+        past_key_values = pop_cache(kwargs)  # whichever name the model passed it by (compat.CACHE_KWARGS)
         if past_key_values is not None:
             return self.orig_forward(
                 hidden_states,
@@ -232,7 +229,7 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
     if stream.updates == 1 and stream.attended == [(C, keys)]:
         return
     if stream.updates != 1:
-        what = f"wrote its keys/values through past_key_values.update {stream.updates} times (once expected)"
+        what = f"wrote its keys/values through its KV cache's update() {stream.updates} times (once expected)"
     elif not stream.attended:
         what = ("never called the attention function transformers' attention interface selects (it computes "
                 "attention inline, or mixes tokens with another module)")
@@ -276,7 +273,7 @@ class CheckpointLayerForward:
         self.moe = moe  # a mixture-of-experts layer (router logits cannot leave the checkpoint yet)
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if kwargs.get("past_key_values") is not None or args:
+        if any(kwargs.get(name) is not None for name in CACHE_KWARGS) or args:
             # A cache (generation), or the stock positional signature nobody in transformers uses.
             return self.orig_forward(hidden_states, *args, **kwargs)
         layer = self.layer

@@ -16,12 +16,14 @@ import os
 
 import torch
 
+from ds_longseq.compat import pop_cache
 from ds_longseq.ops import offload as offload_ops
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader
 
 __all__ = ["LayerInputOffload", "HostMemoryError"]
 
-_INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
+# the base model's positional parameters (the fourth is its KV cache, ``past_key_values`` before transformers 5.24)
+_INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
 
 
 class HostMemoryError(MemoryError):
@@ -76,7 +78,7 @@ class LayerInputOffload:
         kwargs = {**dict(zip(_INPUT_NAMES, args, strict=False)), **kwargs}
         embeds = kwargs.get("inputs_embeds")
         tokens = embeds if embeds is not None else kwargs.get("input_ids")
-        if tokens is None or tokens.dim() < 2 or kwargs.get("past_key_values") is not None:
+        if tokens is None or tokens.dim() < 2 or pop_cache(kwargs) is not None:
             return  # generation (layers run the stock forward) or a call the model itself will refuse
         training = torch.is_grad_enabled() and (
             (embeds is not None and embeds.requires_grad) or any(p.requires_grad for p in module.parameters())

@@ -21,6 +21,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ds_longseq.compat import pop_cache
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, ShardContext
 from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.ulysses import UlyssesExchange
@@ -169,11 +170,11 @@ class SequenceParallelForwardHook:
     def __call__(self, module, args, kwargs):
         if self.sp.is_paused:
             return None
-        names = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
+        names = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
         if len(args) > len(names):
             raise TypeError(f"{type(module).__name__} got {len(args)} positional arguments; pass them by name")
         kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
-        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        if pop_cache(dict(kwargs)) is not None or kwargs.get("use_cache"):
             raise NotImplementedError(
                 "a KV cache (generation, use_cache=True) is not supported under ds_longseq sequence parallelism: "
                 "each rank holds only its shard of the sequence. Generate inside "

@@ -337,7 +337,7 @@ def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
         except _KVCaptured:
             continue
         raise RuntimeError(
-            "StreamBP: the layer never called past_key_values.update(), so its keys/values cannot be captured "
+            "StreamBP: the layer never called its KV cache's update(), so its keys/values cannot be captured "
             "(its attention does not write them through the cache): disable long_seq.streambp for this model "
             "and use mini_seq"
         )
