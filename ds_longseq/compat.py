@@ -4,6 +4,8 @@ Holds:
     get_attn_implementation / set_attn_implementation: a Hugging Face config's ``_attn_implementation``.
     output_collector: transformers' per-forward collector of recorded outputs (router logits).
     check_output_capturing: fail clearly where that collector is not where we read it.
+    KV_SHARED_SLICING, unsliced_kv_shared_inputs: Gemma 4's slicing of its inputs before its K/V-sharing
+        layers (an inference shortcut that indexes 4D masks), and a stand-in that leaves them whole.
     CACHE_KWARGS, cache_kwarg, pop_cache: the keyword a KV cache is passed by, which transformers 5.24
         renamed (``past_key_values`` to ``cache``; older layouts say ``layer_past``).
     deepspeed_sp_group: DeepSpeed's initialised sequence-parallel group (``parallel_state_sp``), or None.
@@ -38,6 +40,8 @@ __all__ = [
     "set_attn_implementation",
     "output_collector",
     "check_output_capturing",
+    "KV_SHARED_SLICING",
+    "unsliced_kv_shared_inputs",
     "CACHE_KWARGS",
     "cache_kwarg",
     "pop_cache",
@@ -90,6 +94,20 @@ def check_output_capturing() -> None:
     for name in ("get", "set", "reset"):
         if not callable(getattr(var, name, None)):
             raise ImportError(f"transformers' output collector has no {name}(): upgrade ds_longseq or transformers")
+
+
+KV_SHARED_SLICING = "_maybe_slice_kv_shared_inputs"
+"""Gemma 4's decoder method that, before its first K/V-sharing layer, cuts the sequence to the positions
+whose logits are kept (``logits_to_keep``), indexing every mask as 4D. ds_longseq's attention keeps masks 2D
+(and a training forward keeps every position), so the decoder gets :func:`unsliced_kv_shared_inputs` on the
+instance instead (``techniques.base.EnableContext.use_longseq_attention``)."""
+
+
+def unsliced_kv_shared_inputs(hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping, *args,
+                              **kwargs):
+    """Stand-in for :data:`KV_SHARED_SLICING`: the inputs unchanged (the shortcut only saves inference compute;
+    the K/V-sharing layers then run every position, and the logits are still cut where the head asks)."""
+    return hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping
 
 
 CACHE_KWARGS = ("cache", "past_key_values", "layer_past")

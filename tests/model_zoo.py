@@ -449,6 +449,13 @@ OVERRIDES: dict[str, dict] = {
     # recurrent layer runs twice in one forward (its per-layer counts must add up to num_hidden_layers)
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    # Gemma 4 with every layer feature its checkpoints use: per-layer inputs (the default), the last 2 layers
+    # reusing the K/V of the last earlier layer of their type (E2B/E4B), an MoE block beside each dense MLP
+    # (26B-A4B), values equal to keys on full layers and those layers' wider heads (31B)
+    "gemma4_text": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                    "per_layer_config": {1: {"head_dim": 32}, 3: {"head_dim": 32}}, "num_kv_shared_layers": 2,
+                    "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16,
+                    "attention_k_eq_v": True},
     # X-MOD routes through per-language adapters and refuses to run without a language
     "xmod": {"default_language": "en_XX"},
     # the default fails its own validation (an assistant has no per-layer inputs)

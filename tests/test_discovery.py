@@ -107,13 +107,36 @@ def test_runtime_guard_refuses_attention_that_skips_the_interface():
         model(**make_batch())
 
 
-def test_layer_positional_arguments_are_refused():
+def test_layer_positional_arguments_that_cannot_be_named_are_refused():
+    """Positional arguments after the hidden states are bound to the layer's parameter names (GPT-2 passes its
+    cache so, Gemma 4 its per-layer input); more than the signature names are refused."""
     model = make_model("llama", torch.float32)
     ds_longseq.enable(model, STREAMBP)
     layer = model.model.layers[0]
     hidden = torch.randn(1, 9, 64, requires_grad=True)
-    with pytest.raises(NotImplementedError, match=r"layers\[0\].*1 positional argument"):
-        layer(hidden, torch.ones(1, 9))
+    with pytest.raises(NotImplementedError, match=r"layers\[0\].*9 positional argument\(s\) after the hidden "
+                       r"states, which StreamBP cannot name"):
+        layer(hidden, *[None] * 9)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape"])
+def test_per_layer_input_streambp_cannot_cut_is_refused(bad):
+    """Gemma 4's per-layer input is cut into chunks with the hidden states: one not (B, T, ...) in their dtype
+    is refused at the layer, naming it."""
+    from tests import model_zoo
+
+    model = model_zoo.tiny_model("gemma4_text", torch.float64)
+    batch = model_zoo.tiny_batch("gemma4_text")
+
+    def hook(module, args, kwargs):
+        per_layer = args[1].float() if bad == "dtype" else args[1][:, :1]
+        return (args[0], per_layer, *args[2:]), kwargs
+
+    model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    ds_longseq.enable(model, STREAMBP)
+    with pytest.raises(NotImplementedError, match=r"layers\[0\] \(Gemma4TextDecoderLayer\) gets per_layer_input of "
+                       r"\(2, \d+, 16\) torch.float(32|64), not a \(B, T, ...\)"):
+        model(**batch)
 
 
 def test_mini_seq_mlp_with_extra_arguments_is_refused():

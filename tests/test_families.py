@@ -141,7 +141,7 @@ def test_missing_parts_are_named_at_enable():
     model.lm_head = torch.nn.Identity()
     model.model.layers = torch.nn.ModuleList()
     with pytest.raises(UnsupportedModelError, match=r"(?s)Olmo2ForCausalLM.model.layers is not a non-empty.*"
-                       r"Olmo2ForCausalLM.lm_head is not a torch.nn.Linear"):
+                       r"Olmo2ForCausalLM.lm_head is not a plain torch.nn.Linear"):
         ds_longseq.enable(model, CONFIGS["streambp"])
 
 

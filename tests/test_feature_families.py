@@ -3,8 +3,9 @@ through PEFT and 2-rank ZeRO-3 against one process.
 
 gpt-oss (attention sinks, sliding windows, a mixture of experts returning router scores), DeepSeek-V3
 (multi-head latent attention: StreamBP's whole-cache mode, a MoE with shared experts and grouped sigmoid
-routing) and Llama 4 text (chunked attention, no-RoPE layers with temperature tuning, a MoE returning its
-output flat). Models come from ``tests/model_zoo.py`` (tiny, features shrunk below the test length).
+routing), Llama 4 text (chunked attention, no-RoPE layers with temperature tuning, a MoE returning its
+output flat) and Gemma 4 text (per-layer inputs, cross-layer K/V sharing, an MoE block beside the dense MLP,
+per-layer head dims). Models come from ``tests/model_zoo.py`` (tiny, features shrunk below the test length).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import ds_longseq
 from tests import model_sweep, model_zoo
 from tests.dist_utils import run_distributed
 
-REPRESENTATIVES = ["gpt_oss", "deepseek_v3", "llama4_text"]
+REPRESENTATIVES = ["gpt_oss", "deepseek_v3", "llama4_text", "gemma4_text"]
 
 
 # --- LoRA through PEFT, float64 ---------------------------------------------------------------------------
@@ -157,11 +158,12 @@ def _sp_worker(rank: int, model_type: str):
     return out
 
 
-def test_gpt_oss_sequence_parallel():
-    """gpt-oss (attention sinks: each rank takes its heads' sinks; sliding windows across the shard boundary)
-    under Ulysses SP=2, with StreamBP, mini_seq or neither: loss, this rank's input gradient and every
-    parameter gradient as one process, at 1e-10."""
-    model_type = "gpt_oss"
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma4_text"])
+def test_sequence_parallel_matches_one_process(model_type):
+    """gpt-oss (attention sinks: each rank takes its heads' sinks; sliding windows across the shard boundary) and
+    Gemma 4 (per-layer inputs cut with the shard; the last layers attend an earlier layer's keys/values, under
+    StreamBP heads-sharded, their gradient sent back to it) under Ulysses SP=2, with StreamBP, mini_seq or
+    neither: loss, this rank's input gradient and every parameter gradient as one process, at 1e-10."""
     batch = model_zoo.tiny_batch(model_type)
     ref_loss, ref_grads, ref_embeds = model_sweep._loss_and_grads(
         model_zoo.tiny_model(model_type, torch.float64).train(), batch)

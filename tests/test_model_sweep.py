@@ -220,3 +220,31 @@ def test_float64_context_restores_torch():
     with model_sweep.full_float64():
         assert x.float().dtype == torch.float64 and x.to(torch.float32).dtype == torch.float64
     assert x.float().dtype == torch.float32 and x.to(torch.float32).dtype == torch.float32
+
+
+def test_mutation_detached_per_layer_inputs_are_caught(monkeypatch):
+    """Gemma 4's per-layer inputs ride through StreamBP with the hidden states; cut off from their gradient (the
+    per-layer embedding and projection then learn nothing) it must be reported as a difference."""
+    from ds_longseq.modules.decoder_layer import _TokenInputs
+
+    split = _TokenInputs.split
+
+    def detached(self, x_c):
+        hidden, extra = split(self, x_c)
+        return hidden, {key: value.detach() for key, value in extra.items()}
+
+    monkeypatch.setattr(_TokenInputs, "split", detached)
+    assert model_sweep.check_family("gemma4_text", "streambp").outcome == "different"
+
+
+def test_mutation_shared_kv_gradient_not_sent_back_is_caught(monkeypatch):
+    """Gemma 4's last layers attend an earlier layer's keys/values; if their gradient never reaches the producing
+    layer (its K/V projections then learn only from its own queries) it must be reported as a difference."""
+    from ds_longseq.ops.streambp import SharedKV
+
+    def fresh(self):  # each consumer gets its own zeros, which the producer never sees
+        return (torch.zeros(self.k.shape, dtype=self.k.dtype), torch.zeros(self.v.shape, dtype=self.v.dtype))
+
+    monkeypatch.setattr(SharedKV, "grad_buffers", fresh)
+    result = model_sweep.check_family("gemma4_text", "streambp")
+    assert result.outcome == "different" and "layers.0.self_attn." in result.detail, result

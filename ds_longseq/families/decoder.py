@@ -8,6 +8,8 @@ Holds:
     DecoderLMAdapter / decoder_adapter: access to layers, MLPs, routers, activations, norms and LM head,
         and the structural checks every technique relies on.
     ACTIVATION_KINDS, norm_kind: activation and norm classes by the function they compute.
+    PER_TOKEN_LAYER_INPUTS: decoder-layer arguments holding one entry per token besides the hidden states.
+    KV_SHARING_KWARG: the decoder-layer argument cross-layer K/V sharing goes through.
 
 A spec names where a family's parts are (decoder stack, layers, attention, MLP, router, LM head) and what
 else is family-specific: its dropout and MLP-noise fields, its final-logit softcap, its head kind, its
@@ -34,7 +36,20 @@ __all__ = [
     "decoder_adapter",
     "norm_kind",
     "ACTIVATION_KINDS",
+    "PER_TOKEN_LAYER_INPUTS",
+    "KV_SHARING_KWARG",
 ]
+
+KV_SHARING_KWARG = "shared_kv_states"
+"""The argument through which layers share keys/values across layers (Gemma 3n, Gemma 4): a per-forward
+mapping, layer type -> (keys, values), written by each type's last "store" layer and read by the later
+"reuse" layers instead of computing their own (``DecoderLMAdapter.kv_sharing``)."""
+
+PER_TOKEN_LAYER_INPUTS = frozenset({"per_layer_input"})
+"""Decoder-layer arguments (by parameter name, given by position or keyword) that hold one entry per token,
+(B, T, ...) like the hidden states, in the hidden states' dtype: StreamBP cuts them into the same chunks and
+gives them exact gradients. Gemma 3n's and Gemma 4's per-layer inputs (a per-token embedding plus a projection
+of the input embeddings, gating a residual branch at the end of each layer)."""
 
 ACTIVATION_KINDS: dict[str, str] = {
     "SiLUActivation": "silu",  # transformers' ACT2FN["silu"]
@@ -249,6 +264,20 @@ class DecoderLMAdapter:
         if not types or not isinstance(chunk, int):
             return []
         return [(layer, chunk) for layer, kind in zip(self.layers, types, strict=False) if kind == "chunked_attention"]
+
+    def kv_sharing(self) -> dict[int, tuple[str, str]]:
+        """Layer index -> ("store" | "reuse", key) of each layer taking part in cross-layer K/V sharing, read from
+        its attention module: Gemma 3n's and Gemma 4's ``store_full_length_kv`` (writes its keys/values to
+        :data:`KV_SHARING_KWARG` under its ``layer_type``) and ``is_kv_shared_layer`` (attends those of its
+        ``layer_type`` instead of its own)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            attn = self.attention(layer)
+            for flag, role in (("is_kv_shared_layer", "reuse"), ("store_full_length_kv", "store")):
+                if getattr(attn, flag, False) is True:
+                    out[i] = (role, getattr(attn, "layer_type", None))
+                    break
+        return out
 
     def length_dependent_rope(self) -> list[str]:
         """The RoPE kinds of this model whose frequencies depend on the largest position a forward sees

@@ -80,8 +80,11 @@ OVERRIDES: dict[str, dict] = {
     "qwen2_moe": {"window_from": "module"},
     # every layer slides by config.sliding_window, applied by the mask only
     "phimoe": {"window_from": "config"},
-    # sinks and sliding windows under Ulysses: tests/test_feature_families.py::test_gpt_oss_sequence_parallel
+    # sinks and sliding windows under Ulysses: test_feature_families.py::test_sequence_parallel_matches_one_process
     "gpt_oss": {"sequence_parallel_verified": True},
+    # per-layer inputs, cross-layer K/V sharing (heads-sharded under StreamBP), sliding windows, per-layer head
+    # dims under Ulysses: the same test
+    "gemma4_text": {"sequence_parallel_verified": True},
 }
 """model_type -> ``FamilySpec`` fields that cannot be read from structure, for discovered families (each checked
 by the sweep, tests/test_model_sweep.py, and per forward by the mask audit)."""
@@ -355,6 +358,10 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         for layer in layers
     }
     mlp_attr = next(iter(mlp_names))[0] if len(mlp_names) == 1 and len(next(iter(mlp_names))) == 1 else None
+    if mlp_attr is None and mlp_names and all("mlp" in names for names in mlp_names):
+        # Other parameterised children beside it (Gemma 4's per-layer-input gate and projection, its MoE block
+        # next to the dense MLP): the one transformers names mlp is the MLP; the others run stock
+        mlp_attr = "mlp"
     head = model.get_output_embeddings()
     head_attrs = [name for name, child in model.named_children() if child is head]
     if not is_plain_linear(head) or not head_attrs:

@@ -11,19 +11,21 @@ Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ds_longseq.compat import CACHE_KWARGS, cache_kwarg, pop_cache
+from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, chunk_spec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import check_no_active_dropout
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
-from ds_longseq.ops.streambp import streambp_apply, streambp_sp_apply
+from ds_longseq.ops.streambp import SharedKV, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
     from ds_longseq.modules.offload import LayerInputOffload
@@ -53,6 +55,7 @@ class StreamBPLayerForward:
         offload: "LayerInputOffload | None" = None,
         router_tap: RouterTap | None = None,
         name: str | None = None,
+        kv_sharing: tuple[str, str, bool] | None = None,
     ):
         """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``;
         ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``)."""
@@ -60,11 +63,29 @@ class StreamBPLayerForward:
         self.name = name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
         self.cache_kwarg = cache_kwarg(orig_forward)
+        # the names positional arguments after the hidden states bind to (GPT-2 passes its cache by position)
+        params = list(inspect.signature(orig_forward).parameters.values())[1:]
+        self.positional_names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.orig_forward = orig_forward
         self.chunk_size = chunk_size
         self.kv_block_size = kv_block_size
         self.offload = offload
         self.router_tap = router_tap  # a mixture-of-experts layer: its router's logits (see modules/moe.py)
+        # cross-layer K/V sharing (DecoderLMAdapter.kv_sharing): ("store" | "reuse", key, whether a later layer
+        # reuses this key), or None
+        self.kv_sharing = kv_sharing
+
+    def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
+        """``kwargs`` with the positional arguments after the hidden states added by their parameter names
+        (Gemma 4 passes its per-layer input by position); refused where they cannot be named."""
+        names = self.positional_names
+        if len(args) > len(names) or any(n in kwargs for n in names[: len(args)]):
+            raise NotImplementedError(
+                f"StreamBP: {self.name} ({type(self.layer).__name__}) is called with {len(args)} positional "
+                "argument(s) after the hidden states, which StreamBP cannot name from the layer's signature: this "
+                "model cannot run under long_seq.streambp; use mini_seq"
+            )
+        return {**dict(zip(names, args, strict=False)), **kwargs}
 
     def __call__(
         self,
@@ -81,11 +102,16 @@ class StreamBPLayerForward:
         sp = outer_spec.sp if outer_spec is not None else None
         # Packed rows in the varlen form: turned into document starts here, not passed to the layer.
         packed = {name: kwargs.pop(name) for name in PACKED_KWARGS if name in kwargs}
+        if args:
+            kwargs = self._bind_positional(args, kwargs)
+            attention_mask = kwargs.pop("attention_mask", attention_mask)
+            position_ids = kwargs.pop("position_ids", position_ids)
+            position_embeddings = kwargs.pop("position_embeddings", position_embeddings)
+            use_cache = kwargs.pop("use_cache", use_cache)
         past_key_values = pop_cache(kwargs)  # whichever name the model passed it by (compat.CACHE_KWARGS)
         if past_key_values is not None:
             return self.orig_forward(
                 hidden_states,
-                *args,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 **{self.cache_kwarg: past_key_values},
@@ -95,12 +121,15 @@ class StreamBPLayerForward:
                 **kwargs,
             )
         layer = self.layer
-        if args:
+        if hidden_states.dim() != 3:
             raise NotImplementedError(
-                f"StreamBP: {self.name} ({type(layer).__name__}) is called with {len(args)} positional argument(s) "
-                "after the hidden states, which StreamBP cannot tell apart or cut into chunks: this model cannot run "
-                "under long_seq.streambp; use mini_seq"
+                f"StreamBP: {self.name} ({type(layer).__name__}) takes hidden states of shape "
+                f"{tuple(hidden_states.shape)}, not (B, T, d) (e.g. Gemma 3n's stacked AltUp streams): StreamBP cuts "
+                "dim 1 into chunks: this model cannot run under long_seq.streambp; use mini_seq"
             )
+        tokens = _TokenInputs(self.name, layer, hidden_states, kwargs)
+        shared_states = kwargs.pop(KV_SHARING_KWARG, None)
+        share = self._shared_kv(shared_states)
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             raise RuntimeError(
                 "activation (gradient) checkpointing is on for a ds_longseq streambp model: StreamBP already keeps "
@@ -109,6 +138,12 @@ class StreamBPLayerForward:
             )
         _check_chunkable_kwargs(self.name, layer, kwargs)
         _check_position_embeddings(self.name, layer, position_embeddings, hidden_states.shape[1])
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise NotImplementedError(
+                f"StreamBP: {self.name} ({type(layer).__name__}) gets attention_mask as a "
+                f"{type(attention_mask).__name__}, not a 2D (batch, seq) padding mask StreamBP can cut into chunks: "
+                "this model cannot run under long_seq.streambp; use mini_seq"
+            )
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(
                 f"streambp layers take a 2D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}"
@@ -142,7 +177,14 @@ class StreamBPLayerForward:
                 "output_router_logits=False (or set config.output_router_logits=False), or disable sequence_parallel"
             )
 
-        def run_chunk(h_c: torch.Tensor, s: int, e: int, stream):
+        role = None if share is None else self.kv_sharing[0]
+
+        def run_chunk(x_c: torch.Tensor, s: int, e: int, stream):
+            h_c, per_token = tokens.split(x_c)
+            if share is not None:
+                stream.produces, stream.reads = (share, None) if role == "store" else (None, share)
+            if shared_states is not None:
+                per_token = {**per_token, KV_SHARING_KWARG: _SharedKVView(name, self.kv_sharing, stream)}
             h_c = h_c.contiguous()  # a slice of a batch > 1 is not; some layers .view() their input
 
             def call():
@@ -158,6 +200,7 @@ class StreamBPLayerForward:
                         use_cache=False,
                         position_embeddings=_chunk_of(position_embeddings, s, e),
                         **{SPEC_KWARG: spec},
+                        **per_token,
                         **kwargs,
                     )
                 _check_chunk_attended(name, layer, stream, s, e)
@@ -171,13 +214,105 @@ class StreamBPLayerForward:
         # The router runs once per chunk (and again in backward): not what transformers should record.
         with collection_paused() if tap is not None else nullcontext():
             if sp is not None:
-                return streambp_sp_apply(run_chunk, hidden_states, params, self.chunk_size, sp.exchange, offloader)
-            result = streambp_apply(run_chunk, hidden_states, params, self.chunk_size, offloader)
+                result = streambp_sp_apply(run_chunk, tokens.packed, params, self.chunk_size, sp.exchange, offloader)
+            else:
+                result = streambp_apply(run_chunk, tokens.packed, params, self.chunk_size, offloader)
+        if role == "store":
+            if sp is None:  # what the stock layer stores: its keys/values of the whole sequence
+                shared_states[self.kv_sharing[1]] = (share.k, share.v)
+            if not self.kv_sharing[2]:  # kept for the backward only when a later layer attends them
+                share.release()
         if with_router_logits:
             out, logits = result
             record_router_logits(logits.flatten(0, 1))
             return out
         return result
+
+
+    def _shared_kv(self, shared_states) -> SharedKV | None:
+        """This forward's :class:`SharedKV` for this layer's key: new for a "store" layer, the one an earlier
+        layer of the same forward stored for a "reuse" layer; None for a layer that shares nothing. Kept on
+        the model's per-forward ``shared_kv_states`` object, so each forward has its own."""
+        if self.kv_sharing is None:
+            return None
+        role, key, _ = self.kv_sharing
+        if shared_states is None or not hasattr(shared_states, "__dict__"):
+            raise NotImplementedError(
+                f"StreamBP: {self.name} ({type(self.layer).__name__}) shares keys/values across layers but gets "
+                f"{KV_SHARING_KWARG}={type(shared_states).__name__}, not the model's per-forward KVSharingDict: this "
+                "model cannot run under long_seq.streambp when called so; use mini_seq"
+            )
+        registry = vars(shared_states).setdefault("_ds_longseq_shared_kv", {})
+        if role == "store":
+            registry[key] = SharedKV(f"the {key!r} keys/values {self.name} stores")
+        elif key not in registry:
+            raise NotImplementedError(
+                f"StreamBP: {self.name} ({type(self.layer).__name__}) attends the {key!r} keys/values of an earlier "
+                "layer, but no layer of this forward stored them (passed in from outside the forward): this model "
+                "cannot run under long_seq.streambp; use mini_seq"
+            )
+        return registry[key]
+
+
+class _SharedKVView:
+    """What a StreamBP layer's chunk gets as ``shared_kv_states`` (``KV_SHARING_KWARG``): a "reuse" layer's read
+    of its key is served by the stream (``KVStream.read_shared``: the producer's keys/values of tokens [0, end),
+    with their gradient sent back to it), a "store" layer's write of its chunk is dropped (its whole-sequence
+    buffers are stored after the forward); any other access raises, naming the layer."""
+
+    def __init__(self, name: str, kv_sharing: tuple[str, str, bool] | None, stream):
+        self.name, self.kv_sharing, self.stream = name, kv_sharing, stream
+
+    def _unexpected(self, what: str, key) -> NotImplementedError:
+        return NotImplementedError(
+            f"StreamBP: {self.name} {what} shared keys/values {key!r}, which its attention module does not mark "
+            f"(store_full_length_kv / is_kv_shared_layer): this model cannot run under long_seq.streambp; use mini_seq"
+        )
+
+    def __getitem__(self, key):
+        if self.kv_sharing is not None and self.kv_sharing[:2] == ("reuse", key):
+            return self.stream.read_shared()
+        raise self._unexpected("reads", key)
+
+    def __setitem__(self, key, value) -> None:
+        if self.kv_sharing is None or self.kv_sharing[:2] != ("store", key):
+            raise self._unexpected("writes", key)
+
+
+class _TokenInputs:
+    """A layer's per-token inputs besides the hidden states (``families.PER_TOKEN_LAYER_INPUTS``, e.g. Gemma 4's
+    ``per_layer_input``), taken out of ``kwargs`` and carried through StreamBP on the hidden states' last dim:
+    :attr:`packed` is (B, T, d + sum of their trailing sizes), so the chunks, the saved (or offloaded) layer
+    input and the exact input gradient (split back by autograd) cover them with no second input to the
+    StreamBP function. :meth:`split` gives a chunk's hidden states and keyword arguments back."""
+
+    def __init__(self, name: str, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
+        found = {key: kwargs.pop(key) for key in sorted(PER_TOKEN_LAYER_INPUTS) if kwargs.get(key) is not None}
+        for key, value in found.items():
+            if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == hidden.shape[:2]
+                    and value.dtype == hidden.dtype):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise NotImplementedError(
+                    f"StreamBP: {name} ({type(layer).__name__}) gets {key} of {got}"
+                    f"{f' {value.dtype}' if isinstance(value, torch.Tensor) else ''}, not a (B, T, ...) = "
+                    f"{tuple(hidden.shape[:2])} tensor in {hidden.dtype} StreamBP can cut into chunks: this model "
+                    "cannot run under long_seq.streambp; use mini_seq"
+                )
+        self.width = hidden.shape[-1]
+        self.parts = [(key, value.shape[2:], value[0, 0].numel()) for key, value in found.items()]
+        self.packed = hidden if not found else torch.cat(
+            [hidden, *(value.flatten(2) for value in found.values())], dim=-1
+        )
+
+    def split(self, x_c: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A chunk of :attr:`packed`, (B, C, d_in), as the hidden states (B, C, d) and the per-token kwargs."""
+        if not self.parts:
+            return x_c, {}
+        out, start = {}, self.width
+        for key, shape, size in self.parts:
+            out[key] = x_c[..., start:start + size].unflatten(-1, shape) if shape else x_c[..., start]
+            start += size
+        return x_c[..., : self.width], out
 
 
 def _chunk_of(position_embeddings, s: int, e: int):

@@ -2,6 +2,8 @@
 
 Holds:
     KVStream: the duck-typed cache a layer writes its post-RoPE K/V into, chunk by chunk.
+    SharedKV: one layer's K/V that later layers of the same forward attend too (cross-layer K/V sharing),
+        with the gradient those layers send back to it.
     streambp_apply: run a layer through StreamBP (an autograd Function that saves only the input,
         on the device or through a ``LayerInputOffloader`` in host memory).
     GlobalKVStream, streambp_sp_apply: the same under Ulysses sequence parallelism (K/V exchanged
@@ -41,6 +43,7 @@ from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
 
 __all__ = [
     "KVStream",
+    "SharedKV",
     "GlobalKVStream",
     "streambp_apply",
     "streambp_sp_apply",
@@ -55,6 +58,36 @@ class _KVCaptured(Exception):
 def chunk_bounds(total: int, chunk_size: int) -> list[tuple[int, int]]:
     """[(start, end)] of consecutive chunks of ``chunk_size`` covering ``total`` (last may be short)."""
     return [(s, min(s + chunk_size, total)) for s in range(0, total, chunk_size)]
+
+
+class SharedKV:
+    """Keys and values one StreamBP layer (the producer) computes and later layers of the same forward attend
+    instead of their own (cross-layer K/V sharing: Gemma 4's ``kv_sharing_modes`` "store" / "reuse").
+
+    ``k``, ``v``: the producer's stream buffers in the layout its attention reads, set during its forward
+    (complete once its last chunk ran) and kept until its backward: (B, Hkv, T, D) in a :class:`KVStream`,
+    the heads-sharded (B, Hkv_l, P*T_l, D) of the whole sequence in a :class:`GlobalKVStream`.
+
+    ``dk``, ``dv``: the gradient the consuming layers send back, accumulated in their backward (they run
+    first: they come later in the forward). The producer adds it to its own keys' gradient before replaying
+    its chunks (``alloc_grads``), so the producing layer's projections get the consumers' share exactly;
+    then everything here is released.
+    """
+
+    def __init__(self, name: str):
+        self.name = name  # how errors name it (e.g. the producing layer and the sharing key)
+        self.k = self.v = None
+        self.dk = self.dv = None
+
+    def grad_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (B, Hkv, T, D) accumulators consumers add their key/value gradients into (zeros at first)."""
+        if self.dk is None:
+            self.dk = torch.zeros(self.k.shape, dtype=acc_dtype(self.k.dtype), device=self.k.device)
+            self.dv = torch.zeros(self.v.shape, dtype=acc_dtype(self.v.dtype), device=self.v.device)
+        return self.dk, self.dv
+
+    def release(self) -> None:
+        self.k = self.v = self.dk = self.dv = None
 
 
 class KVStream:
@@ -74,6 +107,11 @@ class KVStream:
     the layer's own code, and in replay its gradient comes back through autograd into ``prefix_leaves``
     (the caller adds it to :attr:`dk` / :attr:`dv`). Set by the attention function on the first chunk
     (:meth:`prefer_concat`), which is the same in both modes.
+
+    Cross-layer K/V sharing: ``produces`` (a :class:`SharedKV` this layer's K/V go to: its forward buffers
+    are handed over, its backward adds the consumers' gradient) or ``reads`` (a layer that attends another
+    layer's K/V instead of computing its own: :meth:`read_shared` stands in for ``update``, in whole-cache
+    mode). Both are set by the decoder layer before each chunk.
     """
 
     def __init__(self, total_len: int, concat: bool = False):
@@ -85,6 +123,8 @@ class KVStream:
         self.dk = self.dv = None  # gradient buffers, backward only
         self.k_chunk = self.v_chunk = None
         self.prefix_leaves: tuple[torch.Tensor, torch.Tensor] | None = None  # whole-cache replay only
+        self.produces: SharedKV | None = None
+        self.reads: SharedKV | None = None
         # calls during the current chunk, for the caller's check that the layer's attention went
         # through the cache and the chunk attention (``begin_chunk`` resets them)
         self.updates, self.attended, self.updated_shapes = 0, [], None
@@ -121,9 +161,33 @@ class KVStream:
             self.v[:, :, self.start : self.end] = value_states
         if self.mode == "capture":
             raise _KVCaptured
+        if self.produces is not None:  # complete once the last chunk ran
+            self.produces.k, self.produces.v = self.k, self.v
         if self.concat and self.start > 0:  # every token so far (views of the buffers; no grad in this mode)
             return self.k[:, :, : self.end].to(key_states.dtype), self.v[:, :, : self.end].to(value_states.dtype)
         return key_states, value_states
+
+    def read_shared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of tokens [0, end) from :attr:`reads` (another layer's), for a layer that attends
+        them instead of computing its own: counted as this chunk's cache update, in whole-cache mode. In replay
+        they are leaves (:attr:`prefix_leaves`) whose gradient the caller adds to :attr:`dk` / :attr:`dv`, which
+        are the producer's accumulators (:meth:`SharedKV.grad_buffers`)."""
+        shared = self.reads
+        if shared.k is None:
+            raise NotImplementedError(
+                f"StreamBP: {shared.name} are read before any layer of this forward produced them (keys/values "
+                "passed in from outside the forward): this model cannot run under long_seq.streambp; use mini_seq"
+            )
+        self.updates += 1
+        self.concat = True  # every chunk attends all tokens so far, given in one tensor
+        self.k, self.v = shared.k, shared.v
+        k, v = shared.k[:, :, : self.end], shared.v[:, :, : self.end]
+        self.updated_shapes = (tuple(k.shape), tuple(v.shape))
+        if self.mode == "capture":
+            raise _KVCaptured
+        if self.mode == "replay":
+            self.prefix_leaves = k, v = tuple(t.detach().requires_grad_(True) for t in (k, v))
+        return k, v
 
     def prefer_concat(self) -> bool:
         """Switch to whole-cache mode (see the class docstring) if still on the first chunk, where both modes
@@ -151,8 +215,18 @@ class KVStream:
         return self.dk, self.dv
 
     def alloc_grads(self) -> None:
+        """Zeroed (B, Hkv, T, D) key/value gradient accumulators; a consumer of shared K/V accumulates into the
+        producer's (:meth:`SharedKV.grad_buffers`), a producer starts from what its consumers sent back."""
+        if self.reads is not None:
+            self.dk, self.dv = self.reads.grad_buffers()
+            return
         self.dk = torch.zeros(self.k.shape, dtype=acc_dtype(self.k.dtype), device=self.k.device)
         self.dv = torch.zeros(self.v.shape, dtype=acc_dtype(self.v.dtype), device=self.v.device)
+        if self.produces is not None:
+            if self.produces.dk is not None:  # consumers ran their backward already (they come later)
+                self.dk += self.produces.dk
+                self.dv += self.produces.dv
+            self.produces.release()
 
 
 # run_chunk(hidden_chunk (B, C, d), start, end, stream) -> out_chunk (B, C, d), or a tuple
@@ -181,6 +255,7 @@ class _StreamBPFunction(torch.autograd.Function):
         ctx.run_chunk, ctx.bounds, ctx.concat = run_chunk, bounds, stream.concat
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
+        ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (modules/decoder_layer.py)
         ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -188,7 +263,7 @@ class _StreamBPFunction(torch.autograd.Function):
     def backward(ctx, grad_out, *grad_aux):
         hidden = load_input(ctx)
         if grad_out is None:
-            grad_out = torch.zeros_like(hidden)
+            grad_out = hidden.new_zeros(ctx.out_shape)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1], concat=ctx.concat)
         stream.mode = "capture"
@@ -206,14 +281,14 @@ class _StreamBPFunction(torch.autograd.Function):
                 outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
                 with_aux_grads(outputs, grad_outputs, aux_c, grad_aux, s, e)
                 for t, buf in ((stream.k_chunk, stream.dk), (stream.v_chunk, stream.dv)):
-                    if t.requires_grad:
+                    if t is not None and t.requires_grad:  # None: the layer reads shared K/V (read_shared)
                         outputs.append(t)
                         grad_outputs.append(buf[:, :, s:e].to(t.dtype))
                 leaves = stream.prefix_leaves or ()
                 prefix_grads = grads.backward(outputs, grad_outputs, h_c, s, e, extra=leaves)
                 for buf, g in zip((stream.dk, stream.dv)[: len(leaves)], prefix_grads, strict=True):
-                    if g is not None:  # whole-cache mode: the prefix's gradient from this chunk
-                        buf[:, :, :s] += g
+                    if g is not None:  # whole-cache mode: the prefix's (or the shared keys') gradient
+                        buf[:, :, : g.shape[2]] += g
                 stream.k_chunk = stream.v_chunk = stream.prefix_leaves = None
         grad_in, param_grads = grads.result()
         return (grad_in, None, None, None, *param_grads)
@@ -232,7 +307,8 @@ def streambp_apply(
         run_chunk: ``run_chunk(h_c, start, end, stream)`` runs the layer on ``h_c = hidden[:, start:end]``
             and must call ``stream.update(k, v, ...)`` once with the chunk's post-RoPE keys/values
             (shape (B, Hkv, end - start, D)) and attend ``stream.prefix()`` + those keys.
-        hidden: (B, T, d) layer input.
+        hidden: (B, T, d_in) layer input: the hidden states, with any other per-token input of the layer
+            concatenated on the last dim (``run_chunk`` splits its chunk again).
         params: every parameter the layer uses; those with ``requires_grad`` get exact gradients.
         chunk_size: tokens per chunk.
         offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
@@ -280,8 +356,28 @@ class GlobalKVStream:
         self.dk_heads = self.dv_heads = None
         self.k_chunk = self.v_chunk = None
         self.updates, self.attended, self.updated_shapes = 0, [], None  # as in KVStream
+        self.produces: SharedKV | None = None  # as in KVStream, with the heads-sharded K/V
+        self.reads: SharedKV | None = None
 
     begin_chunk = KVStream.begin_chunk
+
+    def read_shared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`KVStream.read_shared` under sequence parallelism: the attention reads the producer's heads-sharded
+        K/V (:meth:`exchange_kv`) and sends their gradient to its accumulators (:meth:`alloc_grads`); the layer gets
+        zero-cost (B, 1, C, D) placeholders to pass it, and nothing of its own to capture."""
+        shared = self.reads
+        if shared.k is None:
+            raise NotImplementedError(
+                f"StreamBP: {shared.name} are read before any layer of this forward produced them (keys/values "
+                "passed in from outside the forward): this model cannot run under long_seq.streambp; use mini_seq"
+            )
+        self.updates += 1
+        C = self.end - self.start
+        k, v = (t.new_zeros(()).expand(t.shape[0], 1, C, t.shape[-1]) for t in (shared.k, shared.v))
+        self.updated_shapes = (tuple(k.shape), tuple(v.shape))
+        if self.mode != "attend":  # capture, capture_grad: no keys/values of its own
+            raise _KVCaptured
+        return k, v
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         self.updates += 1
@@ -303,23 +399,42 @@ class GlobalKVStream:
         raise _KVCaptured
 
     def exchange_kv(self) -> None:
-        """Local K/V -> heads-sharded K/V of the whole sequence (one all-to-all each); frees the local copy."""
+        """Local K/V -> heads-sharded K/V of the whole sequence (one all-to-all each); frees the local copy. A
+        layer reading shared K/V takes the producer's (exchanged already)."""
+        if self.reads is not None:
+            self.k_heads, self.v_heads = self.reads.k, self.reads.v
+            return
         with torch.no_grad():
             self.k_heads = self.exchange.kv_to_heads(self.k)
             self.v_heads = self.exchange.kv_to_heads(self.v)
         self.k = self.v = None
+        if self.produces is not None:
+            self.produces.k, self.produces.v = self.k_heads, self.v_heads
 
     @property
     def grad_sink(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.dk_heads is None else (self.dk_heads, self.dv_heads)
 
     def alloc_grads(self) -> None:
+        """As :meth:`KVStream.alloc_grads`, heads-sharded."""
+        if self.reads is not None:
+            self.dk_heads, self.dv_heads = self.reads.grad_buffers()
+            return
         dt = acc_dtype(self.k_heads.dtype)
         self.dk_heads = torch.zeros(self.k_heads.shape, dtype=dt, device=self.k_heads.device)
         self.dv_heads = torch.zeros(self.v_heads.shape, dtype=dt, device=self.v_heads.device)
+        if self.produces is not None:
+            if self.produces.dk is not None:  # consumers ran their backward already (they come later)
+                self.dk_heads += self.produces.dk
+                self.dv_heads += self.produces.dv
+            self.produces.release()
 
     def grads_to_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, Hkv, T_l, D) gradients of this rank's keys/values (one all-to-all each); frees the rest."""
+        """(B, Hkv, T_l, D) gradients of this rank's keys/values (one all-to-all each); frees the rest. (None, None)
+        for a layer reading shared K/V: their gradient stays in the producer's accumulators."""
+        if self.reads is not None:
+            self.k_heads = self.v_heads = self.dk_heads = self.dv_heads = None
+            return None, None
         # Sent in the model dtype (a float32 accumulator would double a half-precision model's bytes).
         with torch.no_grad():
             dk = self.exchange.kv_grad_to_tokens(self.dk_heads.to(self.k_heads.dtype))

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 import torch
 
 from ds_longseq import config as _config
-from ds_longseq.compat import check_output_capturing, get_attn_implementation, set_attn_implementation
+from ds_longseq.compat import (
+    KV_SHARED_SLICING,
+    check_output_capturing,
+    get_attn_implementation,
+    set_attn_implementation,
+    unsliced_kv_shared_inputs,
+)
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.families import DecoderLMAdapter
 from ds_longseq.modules.attention import (
@@ -148,6 +154,10 @@ class EnableContext:
         # for ds_longseq's attention to read (attention.WINDOW_ATTR); the mask audit checks it per forward
         for layer, window in self.adapter.mask_only_windows():
             self.handle.set_instance_attr(self.adapter.attention(layer), WINDOW_ATTR, window)
+        # masks stay 2D with ds_longseq's attention: Gemma 4's inference shortcut would index them as 4D
+        decoder = self.adapter.base_model
+        if callable(getattr(decoder, KV_SHARED_SLICING, None)):
+            self.handle.set_instance_attr(decoder, KV_SHARED_SLICING, unsliced_kv_shared_inputs)
         # chunked attention (Llama 4) lives in the mask only too (attention.CHUNK_ATTR; audited the same way)
         for layer, chunk in self.adapter.attention_chunks():
             self.handle.set_instance_attr(self.adapter.attention(layer), CHUNK_ATTR, chunk)
