@@ -149,8 +149,12 @@ def _sp_worker(rank: int, model_type: str):
     local = shard_batch(model_zoo.tiny_batch(model_type), rank, 2)
     out = {}
     for mode, config in SP_MODES.items():
-        model = ds_longseq.enable(model_zoo.tiny_model(model_type, torch.float64).train(),
-                                  {**config, "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+        try:
+            model = ds_longseq.enable(model_zoo.tiny_model(model_type, torch.float64).train(),
+                                      {**config, "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+        except ds_longseq.UnsupportedModelError as error:
+            out[mode] = str(error)
+            continue
         loss, grads, embeds = model_sweep._loss_and_grads(model, local)
         for g in grads.values():
             dist.all_reduce(g)
@@ -158,18 +162,25 @@ def _sp_worker(rank: int, model_type: str):
     return out
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma4_text"])
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma4_text", "llama4_text", "deepseek_v3"])
 def test_sequence_parallel_matches_one_process(model_type):
-    """gpt-oss (attention sinks: each rank takes its heads' sinks; sliding windows across the shard boundary) and
-    Gemma 4 (per-layer inputs cut with the shard; the last layers attend an earlier layer's keys/values, under
-    StreamBP heads-sharded, their gradient sent back to it) under Ulysses SP=2, with StreamBP, mini_seq or
-    neither: loss, this rank's input gradient and every parameter gradient as one process, at 1e-10."""
+    """Under Ulysses SP=2, with StreamBP, mini_seq or neither: loss, this rank's input gradient and every parameter
+    gradient as one process, at 1e-10. gpt-oss: attention sinks (each rank takes its heads' sinks), sliding
+    windows across the shard boundary. Gemma 4: per-layer inputs cut with the shard; the last layers attend an
+    earlier layer's keys/values (under StreamBP heads-sharded, their gradient sent back to it). Llama 4: attention
+    chunks counted from the global start, temperature tuning at global positions (the shard's offset).
+    DeepSeek-V3: values of another head dim than queries and keys; StreamBP with SP refused at enable (the
+    latent cache), naming why."""
     batch = model_zoo.tiny_batch(model_type)
     ref_loss, ref_grads, ref_embeds = model_sweep._loss_and_grads(
         model_zoo.tiny_model(model_type, torch.float64).train(), batch)
     half = batch["input_ids"].shape[1] // 2
     for rank, result in enumerate(run_distributed(_sp_worker, 2, (model_type,))):
-        for mode, (loss, grads, embeds) in result.items():
+        for mode, outcome in result.items():
+            if model_type == "deepseek_v3" and mode == "streambp":
+                assert "multi-head latent attention caches a latent" in outcome, outcome
+                continue
+            loss, grads, embeds = outcome
             errors = {"loss": model_sweep._rel(loss, ref_loss),
                       "input_grad": model_sweep._rel(embeds, ref_embeds[:, rank * half:(rank + 1) * half])}
             errors.update({n: model_sweep._rel(grads[n], ref_grads[n]) for n in ref_grads})
@@ -177,10 +188,10 @@ def test_sequence_parallel_matches_one_process(model_type):
             assert errors[worst] < 1e-10, (mode, rank, worst, errors[worst])
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen2_moe"])
 def test_unverified_families_stay_refused_under_sequence_parallelism(model_type):
-    """DeepSeek-V3 (latent cache) and Llama 4 (temperature tuning counts positions from the shard's start)
-    have no parity test under sequence parallelism: refused before anything runs."""
+    """Families found from their structure without a parity test under sequence parallelism: refused before
+    anything runs."""
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"sequence_parallel on .*without such a test"):
         ds_longseq.patch.check_model(model_zoo.tiny_model(model_type, torch.float64),
                                      {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})

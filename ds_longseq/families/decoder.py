@@ -138,7 +138,10 @@ class FamilySpec:
     """Whether sequence parallelism was proven exact on this family by a 2-rank parity test: every written family;
     a discovered one only where ``discovery.OVERRIDES`` says so (its test named there). The shard context must
     reach the attention, and nothing in the layers may use rank-local positions (Llama 4's temperature tuning
-    counts positions from the shard's start)."""
+    counts them from its cache's length: ``DecoderLMAdapter.cache_positioned_attention``)."""
+    sequence_parallel_streambp_problem: str | None = None
+    """Why StreamBP under sequence parallelism cannot run this family exactly (refused with that pair; either
+    alone applies), or None."""
 
 
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
@@ -278,6 +281,16 @@ class DecoderLMAdapter:
                     out[i] = (role, getattr(attn, "layer_type", None))
                     break
         return out
+
+    def cache_positioned_attention(self) -> list[torch.nn.Module]:
+        """Attention modules that position their queries by the cache's length (``cache.get_seq_length()`` plus
+        the query's index): Llama 4's attention temperature tuning on its no-RoPE layers
+        (``attn_temperature_tuning`` and not ``use_rope``). Under sequence parallelism they need the shard's
+        global offset there (``modules.sequence_parallel.ShardOffsetCache``)."""
+        attns = [self.attention(layer) for layer in self.layers]
+        return [
+            a for a in attns if getattr(a, "attn_temperature_tuning", False) and not getattr(a, "use_rope", True)
+        ]
 
     def length_dependent_rope(self) -> list[str]:
         """The RoPE kinds of this model whose frequencies depend on the largest position a forward sees

@@ -85,6 +85,13 @@ OVERRIDES: dict[str, dict] = {
     # per-layer inputs, cross-layer K/V sharing (heads-sharded under StreamBP), sliding windows, per-layer head
     # dims under Ulysses: the same test
     "gemma4_text": {"sequence_parallel_verified": True},
+    # chunked attention and temperature tuning's positions (the shard's offset) under Ulysses: the same test
+    "llama4_text": {"sequence_parallel_verified": True},
+    # multi-head latent attention (values of another head dim) under Ulysses: the same test; its cache holds a
+    # latent the layer expands, which the sequence-parallel StreamBP cannot exchange
+    "deepseek_v3": {"sequence_parallel_verified": True, "sequence_parallel_streambp_problem": (
+        "multi-head latent attention caches a latent that each layer expands to its keys and values; the "
+        "sequence-parallel StreamBP exchanges cached keys and values, so it cannot run it")},
 }
 """model_type -> ``FamilySpec`` fields that cannot be read from structure, for discovered families (each checked
 by the sweep, tests/test_model_sweep.py, and per forward by the mask audit)."""

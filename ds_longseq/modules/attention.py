@@ -93,19 +93,20 @@ def longseq_attention(
     sp = spec.sp if spec is not None else None
     if stream is not None:  # the StreamBP layer checks that each chunk reached here once, with its own keys
         same = (tuple(key.shape), tuple(value.shape)) == stream.updated_shapes
-        if not same and sp is None and stream.prefer_concat():
+        if not same and sp is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} attends keys/values of shapes {tuple(key.shape)} / {tuple(value.shape)} "
+                f"but caches {stream.updated_shapes} (multi-head latent attention expands a cached latent): "
+                "ds_longseq's sequence-parallel StreamBP exchanges the cached tensors and cannot expand them. Under "
+                "sequence parallelism use mini_seq (or neither) for this model, or StreamBP without it"
+            )
+        if not same and stream.prefer_concat():
             # the layer attends something other than what it cached (multi-head latent attention expands the
             # cached latent): the cache gives it every token so far, as a DynamicCache would, and the layer
             # attends them all (the StreamBP layer checks it attended the whole prefix)
             same = True
         stream.attended.append((query.shape[2], key.shape[2]) if same else ("not the cached keys/values",))
     if sp is not None:
-        if value.shape[-1] != query.shape[-1]:
-            raise NotImplementedError(
-                f"{type(module).__name__} attends with values of head dim {value.shape[-1]} and queries/keys of head "
-                f"dim {query.shape[-1]} (multi-head latent attention), which ds_longseq's sequence-parallel attention "
-                "does not implement yet; set long_seq.sequence_parallel.size=1"
-            )
         k_prefix = v_prefix = None
         num_keys = sp.local_len * sp.exchange.world_size
     else:
@@ -133,11 +134,18 @@ def longseq_attention(
     attention_chunk = getattr(module, CHUNK_ATTR, None)
     if audit is not None and attention_chunk is not None:
         audit.received_chunks.add(attention_chunk)
-    if attention_chunk is not None and sp is not None:
-        raise NotImplementedError(
-            f"{type(module).__name__} uses chunked attention (attention_chunk_size), which ds_longseq's "
-            "sequence-parallel attention does not implement yet; set long_seq.sequence_parallel.size=1"
-        )
+    chunk_origin = None
+    if attention_chunk is not None:
+        # transformers counts the chunks from the query's document's first token in packed rows (it compares
+        # position ids), else from the row's first real token (its number of left-padding tokens); under
+        # sequence parallelism from the global ones
+        doc_start = (sp.doc_start if sp is not None else spec.doc_start) if spec is not None else None
+        key_valid = sp.key_valid if sp is not None else (
+            None if attention_mask is None else attention_mask[:, -num_keys:].to(torch.bool))
+        if doc_start is not None:
+            chunk_origin = doc_start.to(query.device)  # (B, keys): sliced to the queries below
+        elif key_valid is not None:
+            chunk_origin = (key_valid.to(torch.int64).cumsum(-1) == 0).sum(-1, keepdim=True).to(query.device)
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")  # attention sinks (gpt-oss): (H,) logits
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -159,11 +167,14 @@ def longseq_attention(
                 sliding_window=sliding_window,
                 softcap=softcap,
                 sink_logits=sinks,
+                attention_chunk=attention_chunk,
+                chunk_origin=chunk_origin,
             )
         else:
             out = ulysses_attention(
                 query, key, value, sp.exchange, scale=scale, key_valid=sp.key_valid, kv_block_size=kv_block_size,
                 doc_start=sp.doc_start, sliding_window=sliding_window, softcap=softcap, sink_logits=sinks,
+                attention_chunk=attention_chunk, chunk_origin=chunk_origin,
             )
         return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
     key_valid = None
@@ -178,14 +189,8 @@ def longseq_attention(
     doc_start = spec.doc_start if spec is not None else None
     if doc_start is not None:  # the queries are the last C of the num_keys tokens of the row
         doc_start = doc_start[:, num_keys - C : num_keys].to(query.device)
-    chunk_origin = None
-    if attention_chunk is not None:
-        # transformers counts the chunks from the query's document's first token in packed rows (it compares
-        # position ids), else from the row's first real token (its number of left-padding tokens)
-        if doc_start is not None:
-            chunk_origin = doc_start
-        elif key_valid is not None:
-            chunk_origin = (key_valid.to(torch.int64).cumsum(-1) == 0).sum(-1, keepdim=True)
+    if chunk_origin is not None and chunk_origin.shape[-1] != 1:
+        chunk_origin = chunk_origin[:, num_keys - C : num_keys]
     query_lo = None
     if doc_start is not None or sliding_window is not None or attention_chunk is not None:
         query_lo = query_lower_bounds(torch.arange(num_keys - C, num_keys, device=query.device), doc_start,

@@ -4,6 +4,7 @@ Holds:
     SequenceParallel: one model's sequence-parallel group (rank, size, ``UlyssesExchange``), the
         per-forward checks and gathers, and the token-weighted loss over the group.
     SequenceParallelForwardHook: the forward pre-hook installed on the base model (``model.model``).
+    ShardOffsetCache, ShardOffsetHook: the shard's global offset for attention positioned by its cache's length.
 
 Shape legend: B batch, P ranks per sequence, T = P * T_l global length, T_l local shard.
 
@@ -21,12 +22,12 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ds_longseq.compat import pop_cache
+from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, ShardContext
 from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.ulysses import UlyssesExchange
 
-__all__ = ["SequenceParallel", "SequenceParallelForwardHook"]
+__all__ = ["SequenceParallel", "SequenceParallelForwardHook", "ShardOffsetCache", "ShardOffsetHook"]
 
 
 class SequenceParallel:
@@ -193,3 +194,36 @@ class SequenceParallelForwardHook:
         kwargs["use_cache"] = False
         kwargs[SPEC_KWARG] = AttnSpec(None, self.kv_block_size, ctx)
         return (), kwargs
+
+
+class ShardOffsetCache:
+    """A stand-in cache for an attention module that positions its queries by the cache's length (Llama 4's
+    temperature tuning: ``get_seq_length()`` + the query's index): it reports the shard's global offset and
+    passes keys and values through unchanged (``update``), so this rank's queries sit where one process puts
+    them. Only for a layer given no cache (a stock layer under sequence parallelism; StreamBP's own
+    ``GlobalKVStream`` reports the offset itself)."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self.offset
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return key_states, value_states
+
+
+class ShardOffsetHook:
+    """Forward pre-hook (``with_kwargs=True``) of an attention module positioned by its cache's length
+    (``DecoderLMAdapter.cache_positioned_attention``): given no cache, it gets a :class:`ShardOffsetCache` at
+    this rank's offset, ``rank * T_l`` for its (B, T_l, d) hidden states."""
+
+    def __init__(self, sp: SequenceParallel):
+        self.sp = sp
+
+    def __call__(self, module, args, kwargs):
+        if self.sp.is_paused or pop_cache(dict(kwargs)) is not None:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        offset = self.sp.exchange.rank * hidden.shape[1]
+        return args, {**kwargs, cache_kwarg(module.forward): ShardOffsetCache(offset)}

@@ -361,6 +361,11 @@ class GlobalKVStream:
 
     begin_chunk = KVStream.begin_chunk
 
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """Tokens of the whole sequence before the current chunk (the shard's global offset plus the chunk's
+        start), as :meth:`KVStream.get_seq_length` (Llama 4's temperature tuning positions its queries by it)."""
+        return self.exchange.rank * self.local_len + self.start
+
     def read_shared(self) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`KVStream.read_shared` under sequence parallelism: the attention reads the producer's heads-sharded
         K/V (:meth:`exchange_kv`) and sends their gradient to its accumulators (:meth:`alloc_grads`); the layer gets

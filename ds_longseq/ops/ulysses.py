@@ -128,6 +128,8 @@ def ulysses_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
+    chunk_origin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a whole local shard under Ulysses (the non-StreamBP path). Differentiable.
 
@@ -141,16 +143,19 @@ def ulysses_attention(
         sliding_window: keys each query attends at most, itself included, or None.
         softcap: logit softcapping, or None.
         sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
+        attention_chunk: chunked attention (Llama 4), keys in chunks of this many counted from ``chunk_origin``
+            ((B, 1) or (B, P*T_l) GLOBAL key index; None: 0), or None. See ``ops.attention.query_lower_bounds``.
 
     Returns:
-        (B, H, T_l, D) attention output for this rank's tokens.
+        (B, H, T_l, Dv) attention output for this rank's tokens (v's head dim may differ from q's and k's).
     """
     qh = exchange.query_to_heads(q)
     kh, vh = exchange.kv_to_heads(k), exchange.kv_to_heads(v)
     N = kh.shape[2]
     lo = None
-    if doc_start is not None or sliding_window is not None:
-        lo = query_lower_bounds(torch.arange(N, device=q.device), doc_start, sliding_window)
+    if doc_start is not None or sliding_window is not None or attention_chunk is not None:
+        lo = query_lower_bounds(torch.arange(N, device=q.device), doc_start, sliding_window, attention_chunk,
+                                chunk_origin)
     out = chunk_causal_attention(qh, kh, vh, scale=scale, key_valid=key_valid, kv_block_size=kv_block_size,
                                  query_lo=lo, softcap=softcap, sink_logits=exchange.local_heads(sink_logits))
     return exchange.output_to_tokens(out)
@@ -172,6 +177,8 @@ def ulysses_chunk_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
+    chunk_origin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one query chunk of every rank against exchanged, heads-sharded K/V.
 
@@ -193,6 +200,7 @@ def ulysses_chunk_attention(
         sliding_window: keys each query attends at most, itself included, or None.
         softcap: logit softcapping, or None.
         sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
+        attention_chunk, chunk_origin: as for :func:`ulysses_attention` (a (B, P*T_l) origin is global).
 
     Returns:
         (B, H, C, D) attention output of this rank's chunk.
@@ -205,9 +213,11 @@ def ulysses_chunk_attention(
     for r in range(exchange.world_size):
         a, b = r * local_len + start, r * local_len + end  # the chunk's own keys, global positions
         lo = None
-        if doc_start is not None or sliding_window is not None:
+        if doc_start is not None or sliding_window is not None or attention_chunk is not None:
+            origin = chunk_origin if chunk_origin is None or chunk_origin.shape[-1] == 1 else chunk_origin[:, a:b]
             lo = query_lower_bounds(
-                torch.arange(a, b, device=q.device), None if doc_start is None else doc_start[:, a:b], sliding_window
+                torch.arange(a, b, device=q.device), None if doc_start is None else doc_start[:, a:b], sliding_window,
+                attention_chunk, origin,
             )
         outs.append(
             chunk_causal_attention(

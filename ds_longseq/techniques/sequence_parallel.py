@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_problem
 from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
-from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook
+from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook, ShardOffsetHook
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["SequenceParallelism", "sequence_parallel_group"]
@@ -64,7 +64,14 @@ class SequenceParallelism(Technique):
                 "families.discovery.OVERRIDES, and this one was found from its structure without such a test "
                 "(StreamBP, mini_seq and the chunked head apply); set long_seq.sequence_parallel.size=1"
             ]
-        return [
+        problems = []
+        if ctx.config.streambp.enabled and spec.sequence_parallel_streambp_problem:
+            problems.append(
+                f"long_seq.sequence_parallel with long_seq.streambp on {spec.causal_lm_class}: "
+                f"{spec.sequence_parallel_streambp_problem}. Use mini_seq (or neither) under sequence parallelism, "
+                "or StreamBP with long_seq.sequence_parallel.size=1"
+            )
+        return problems + [
             f"long_seq.sequence_parallel with rope_type={kind!r}: this RoPE scaling picks its frequencies from the "
             "largest position the forward sees, and under sequence parallelism each rank sees only its shard (the "
             "ranks would rotate with other frequencies than one process on the whole sequence); use a static "
@@ -86,5 +93,8 @@ class SequenceParallelism(Technique):
         ctx.use_longseq_attention()
         hook = SequenceParallelForwardHook(sp, ctx.config.attention.kv_block_size)
         ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
+        # queries positioned by the cache's length get the shard's global offset from a stand-in cache
+        for attn in ctx.adapter.cache_positioned_attention():
+            ctx.handle.add_hook(attn.register_forward_pre_hook(ShardOffsetHook(sp), with_kwargs=True))
         ctx.sp = ctx.handle.sp = sp
 
