@@ -139,16 +139,38 @@ SP_MODES = {
 }
 
 
-def _sp_worker(rank: int, model_type: str):
+def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MODES), mutation: str | None = None):
     """Each rank its shard of the batch (20 of 40 tokens; different valid-token counts), every mode; the
-    ranks' gradients summed (each holds its tokens' share)."""
+    ranks' gradients summed (each holds its tokens' share). ``out["capture_at"]``: where the sequence-parallel
+    StreamBP layers took their keys/values (``GlobalKVStream.capture_at``). ``mutation`` "expanded_kv_grad_dropped"
+    (a control): keys/values taken at the attention call are detached in the K/V pass, so their gradient never
+    reaches the layer's K/V projections."""
     import torch.distributed as dist
 
     from ds_longseq.engine import shard_batch
+    from ds_longseq.ops.streambp import GlobalKVStream
 
+    places = set()
+    attends, take = GlobalKVStream.attends, GlobalKVStream._take
+
+    def recorded(self, key, value):
+        try:
+            return attends(self, key, value)
+        finally:
+            places.add(self.capture_at)
+
+    def dropped(self, key, value):
+        if self.mode == "capture_grad" and self.capture_at == "attention":
+            key, value = key.detach(), value.detach()
+        return take(self, key, value)
+
+    GlobalKVStream.attends = recorded
+    if mutation == "expanded_kv_grad_dropped":
+        GlobalKVStream._take = dropped
     local = shard_batch(model_zoo.tiny_batch(model_type), rank, 2)
     out = {}
-    for mode, config in SP_MODES.items():
+    for mode in modes:
+        config = SP_MODES[mode]
         try:
             model = ds_longseq.enable(model_zoo.tiny_model(model_type, torch.float64).train(),
                                       {**config, "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
@@ -159,6 +181,7 @@ def _sp_worker(rank: int, model_type: str):
         for g in grads.values():
             dist.all_reduce(g)
         out[mode] = (loss, grads, embeds)
+    out["capture_at"] = places
     return out
 
 
@@ -169,17 +192,15 @@ def test_sequence_parallel_matches_one_process(model_type):
     windows across the shard boundary. Gemma 4: per-layer inputs cut with the shard; the last layers attend an
     earlier layer's keys/values (under StreamBP heads-sharded, their gradient sent back to it). Llama 4: attention
     chunks counted from the global start, temperature tuning at global positions (the shard's offset).
-    DeepSeek-V3: values of another head dim than queries and keys; StreamBP with SP refused at enable (the
-    latent cache), naming why."""
+    DeepSeek-V3: values of another head dim than queries and keys; under StreamBP the keys/values expanded from
+    the cached latent are taken at the attention call and exchanged like any layer's."""
     batch = model_zoo.tiny_batch(model_type)
     ref_loss, ref_grads, ref_embeds = model_sweep._loss_and_grads(
         model_zoo.tiny_model(model_type, torch.float64).train(), batch)
     half = batch["input_ids"].shape[1] // 2
     for rank, result in enumerate(run_distributed(_sp_worker, 2, (model_type,))):
+        assert result.pop("capture_at") == {"attention" if model_type == "deepseek_v3" else "cache"}
         for mode, outcome in result.items():
-            if model_type == "deepseek_v3" and mode == "streambp":
-                assert "multi-head latent attention caches a latent" in outcome, outcome
-                continue
             loss, grads, embeds = outcome
             errors = {"loss": model_sweep._rel(loss, ref_loss),
                       "input_grad": model_sweep._rel(embeds, ref_embeds[:, rank * half:(rank + 1) * half])}
@@ -195,3 +216,62 @@ def test_unverified_families_stay_refused_under_sequence_parallelism(model_type)
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"sequence_parallel on .*without such a test"):
         ds_longseq.patch.check_model(model_zoo.tiny_model(model_type, torch.float64),
                                      {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
+
+
+def test_mutation_expanded_kv_without_gradient_is_caught():
+    """DeepSeek-V3 under SP=2 with StreamBP: if the keys/values taken at the attention call (expanded from the
+    cached latent) got no gradient in the K/V pass, the latent's projections would miss the attention's share;
+    the parity check must see it."""
+    batch = model_zoo.tiny_batch("deepseek_v3")
+    _, ref_grads, _ = model_sweep._loss_and_grads(model_zoo.tiny_model("deepseek_v3", torch.float64).train(), batch)
+    result = run_distributed(_sp_worker, 2, ("deepseek_v3", ("streambp",), "expanded_kv_grad_dropped"))[0]
+    _, grads, _ = result["streambp"]
+    worst = max(ref_grads, key=lambda n: model_sweep._rel(grads[n], ref_grads[n]))
+    assert "kv_a_proj" in worst or "kv_b_proj" in worst or "kv_a_layernorm" in worst, worst
+    assert model_sweep._rel(grads[worst], ref_grads[worst]) > 1e-3
+
+
+# --- packed documents, float64 ----------------------------------------------------------------------------------
+
+PACKED_ROWS = [[1, 9, 7, 12, 11], [14, 1, 25]]
+"""Document lengths per 40-token row: a 1-token document, documents crossing StreamBP chunks (13) and attention
+tiles (5), one longer than gpt-oss's window and Llama 4's attention chunk."""
+
+
+@pytest.mark.parametrize("mode", sorted(model_sweep.MODES))
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3", "gemma4_text"])
+def test_packed_documents_match_documents_alone(model_type, mode):
+    """Rows of packed documents (restarting position_ids) under ds_longseq against every document run alone
+    through the stock model: loss over the same targets, each document's input gradient and every parameter
+    gradient at 1e-10 (both in full float64; a gradient zero in exact arithmetic, such as a key bias's, is
+    compared against 1e-6 of the largest, as in the sweep). Sinks and sliding windows, the latent cache's
+    whole-cache mode, shared K/V and per-layer inputs: each bounded at its document's start. gpt-oss's stock
+    masks ignore the position ids (transformers attends across its packed documents), so without StreamBP
+    (mini_seq keeps the stock attention) packed rows are refused before compute. Llama 4 counts its attention
+    temperature along the row in transformers (packed is not the documents alone there):
+    tests/test_model_sweep.py compares it with the stock model on the packed rows."""
+    from tests.test_packing import documents_alone, packed_run
+
+    ids = model_zoo.tiny_batch(model_type, batch=2, seq_len=44)["input_ids"][:, :40]  # no padding in 40
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED_ROWS])
+    starts = [[sum(row[:i]) for i in range(len(row))] for row in PACKED_ROWS]
+    documents = [ids[r, s:s + n] for r, row in enumerate(PACKED_ROWS) for s, n in zip(starts[r], row, strict=True)]
+    batch = {"input_ids": ids, "position_ids": positions, "labels": ids.clone()}
+    model = model_zoo.tiny_model(model_type, torch.float64).train()
+    with model_sweep.full_float64():
+        ref_loss, ref_grads, ref_embeds = documents_alone(model, documents)
+        ours = ds_longseq.enable(model, model_sweep.MODES[mode])
+        try:
+            if model_type == "gpt_oss" and mode == "mini_seq":
+                with pytest.raises(NotImplementedError, match="GptOssForCausalLM without long_seq.streambp: its "
+                                                              "decoder builds its stock attention masks without"):
+                    ours(**batch)
+                return
+            loss, grads, embeds = packed_run(ours, batch)
+        finally:
+            ds_longseq.disable(model)
+    floor = model_sweep.FLOOR * max(g.norm().item() for g in ref_grads.values())
+    errors = {"loss": model_sweep._rel(loss, ref_loss), "input_grad": model_sweep._rel(embeds, ref_embeds)}
+    errors.update({n: model_sweep._rel(grads[n], ref_grads[n], floor) for n in ref_grads})
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-10, (worst, errors[worst])

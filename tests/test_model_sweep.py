@@ -8,6 +8,7 @@ ds_longseq on purpose and check the sweep notices: a check that cannot fail prov
 import pytest
 import torch
 
+import ds_longseq
 from ds_longseq.modules.causal_lm import CausalLMForward
 from ds_longseq.ops.streambp import KVStream
 from tests import model_sweep, model_zoo
@@ -248,3 +249,35 @@ def test_mutation_shared_kv_gradient_not_sent_back_is_caught(monkeypatch):
     monkeypatch.setattr(SharedKV, "grad_buffers", fresh)
     result = model_sweep.check_family("gemma4_text", "streambp")
     assert result.outcome == "different" and "layers.0.self_attn." in result.detail, result
+
+
+def test_gemma3n_stacked_streams_are_cut_on_their_token_dim():
+    """Gemma 3n's layers take their AltUp streams stacked, (S, B, T, d): StreamBP cuts dim 2 (the sweep checks the
+    result exact); the streams are found from the config, and a layer handed (B, T, d) then is refused, naming it."""
+    from ds_longseq.families.decoder import decoder_adapter
+
+    model = model_zoo.tiny_model("gemma3n_text", torch.float64)
+    assert decoder_adapter(model).stacked_streams() == model.config.altup_num_inputs == 4
+    assert decoder_adapter(model_zoo.tiny_model("gemma4_text", torch.float64)).stacked_streams() is None
+    assert model_sweep.cached_check("gemma3n_text", "streambp").outcome == "exact"
+    ds_longseq.enable(model, model_sweep.MODES["streambp"])
+    try:
+        layer = model.model.layers[1]
+        with pytest.raises(NotImplementedError, match=r"layers\[1\].*\(2, 40, 64\), not \(S=4, B, T, d\)"):
+            layer(torch.zeros(2, 40, 64, dtype=torch.float64), attention_mask=torch.ones(2, 40, dtype=torch.long))
+    finally:
+        ds_longseq.disable(model)
+
+
+def test_mutation_streams_swapped_between_chunks_are_caught(monkeypatch):
+    """Stacked streams packed side by side per token must come back in their own order; a chunk output packed
+    with two streams swapped must be reported as a difference."""
+    from ds_longseq.modules.decoder_layer import _TokenInputs
+
+    pack = _TokenInputs.pack_output
+
+    def swapped(self, out_c):
+        return pack(self, out_c[[1, 0, *range(2, out_c.shape[0])]] if out_c.dim() == 4 else out_c)
+
+    monkeypatch.setattr(_TokenInputs, "pack_output", swapped)
+    assert model_sweep.check_family("gemma3n_text", "streambp").outcome == "different"

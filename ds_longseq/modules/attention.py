@@ -92,19 +92,11 @@ def longseq_attention(
     stream = spec.stream if spec is not None else None
     sp = spec.sp if spec is not None else None
     if stream is not None:  # the StreamBP layer checks that each chunk reached here once, with its own keys
-        same = (tuple(key.shape), tuple(value.shape)) == stream.updated_shapes
-        if not same and sp is not None:
-            raise NotImplementedError(
-                f"{type(module).__name__} attends keys/values of shapes {tuple(key.shape)} / {tuple(value.shape)} "
-                f"but caches {stream.updated_shapes} (multi-head latent attention expands a cached latent): "
-                "ds_longseq's sequence-parallel StreamBP exchanges the cached tensors and cannot expand them. Under "
-                "sequence parallelism use mini_seq (or neither) for this model, or StreamBP without it"
-            )
-        if not same and stream.prefer_concat():
-            # the layer attends something other than what it cached (multi-head latent attention expands the
-            # cached latent): the cache gives it every token so far, as a DynamicCache would, and the layer
-            # attends them all (the StreamBP layer checks it attended the whole prefix)
-            same = True
+        # A layer attending something other than it cached (multi-head latent attention expands the cached
+        # latent): without sequence parallelism the cache gives it every token so far, as a DynamicCache would,
+        # and the layer attends them all; under it the expanded keys/values are captured here and exchanged
+        # like any layer's (in the capture passes this call stops the layer). See the streams' attends().
+        same = stream.attends(key, value)
         stream.attended.append((query.shape[2], key.shape[2]) if same else ("not the cached keys/values",))
     if sp is not None:
         k_prefix = v_prefix = None

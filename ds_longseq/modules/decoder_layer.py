@@ -56,9 +56,11 @@ class StreamBPLayerForward:
         router_tap: RouterTap | None = None,
         name: str | None = None,
         kv_sharing: tuple[str, str, bool] | None = None,
+        streams: int | None = None,
     ):
         """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``;
-        ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``)."""
+        ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``); ``streams``: S when the
+        layer takes its hidden states stacked as (S, B, T, d) (``DecoderLMAdapter.stacked_streams``)."""
         self.layer = layer
         self.name = name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
@@ -74,6 +76,7 @@ class StreamBPLayerForward:
         # cross-layer K/V sharing (DecoderLMAdapter.kv_sharing): ("store" | "reuse", key, whether a later layer
         # reuses this key), or None
         self.kv_sharing = kv_sharing
+        self.streams = streams
 
     def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
         """``kwargs`` with the positional arguments after the hidden states added by their parameter names
@@ -121,13 +124,8 @@ class StreamBPLayerForward:
                 **kwargs,
             )
         layer = self.layer
-        if hidden_states.dim() != 3:
-            raise NotImplementedError(
-                f"StreamBP: {self.name} ({type(layer).__name__}) takes hidden states of shape "
-                f"{tuple(hidden_states.shape)}, not (B, T, d) (e.g. Gemma 3n's stacked AltUp streams): StreamBP cuts "
-                "dim 1 into chunks: this model cannot run under long_seq.streambp; use mini_seq"
-            )
-        tokens = _TokenInputs(self.name, layer, hidden_states, kwargs)
+        tokens = _TokenInputs(self.name, layer, hidden_states, kwargs, self.streams)
+        B, T = tokens.batch_shape
         shared_states = kwargs.pop(KV_SHARING_KWARG, None)
         share = self._shared_kv(shared_states)
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
@@ -137,7 +135,7 @@ class StreamBPLayerForward:
                 "model.activation_checkpointing_disable()."
             )
         _check_chunkable_kwargs(self.name, layer, kwargs)
-        _check_position_embeddings(self.name, layer, position_embeddings, hidden_states.shape[1])
+        _check_position_embeddings(self.name, layer, position_embeddings, T)
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             raise NotImplementedError(
                 f"StreamBP: {self.name} ({type(layer).__name__}) gets attention_mask as a "
@@ -158,7 +156,6 @@ class StreamBPLayerForward:
         elif outer_spec is not None:  # found once for the whole forward by CausalLMForward
             doc_start = outer_spec.doc_start
         else:  # a caller that bypasses CausalLMForward (model.model(...) directly): found per layer
-            B, T = hidden_states.shape[:2]
             doc_start, _ = find_documents(
                 position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
             )
@@ -204,10 +201,10 @@ class StreamBPLayerForward:
                         **kwargs,
                     )
                 _check_chunk_attended(name, layer, stream, s, e)
-                return out[0] if isinstance(out, tuple) else out
+                return tokens.pack_output(out[0] if isinstance(out, tuple) else out)
 
             if with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
-                return tap.call_recording(call, h_c.shape[0], e - s)
+                return tap.call_recording(call, B, e - s)
             return call()
 
         offloader = None if self.offload is None else self.offload.offloader()
@@ -225,8 +222,8 @@ class StreamBPLayerForward:
         if with_router_logits:
             out, logits = result
             record_router_logits(logits.flatten(0, 1))
-            return out
-        return result
+            return tokens.unpack_output(out)
+        return tokens.unpack_output(result)
 
 
     def _shared_kv(self, shared_states) -> SharedKV | None:
@@ -280,13 +277,33 @@ class _SharedKVView:
 
 
 class _TokenInputs:
-    """A layer's per-token inputs besides the hidden states (``families.PER_TOKEN_LAYER_INPUTS``, e.g. Gemma 4's
-    ``per_layer_input``), taken out of ``kwargs`` and carried through StreamBP on the hidden states' last dim:
-    :attr:`packed` is (B, T, d + sum of their trailing sizes), so the chunks, the saved (or offloaded) layer
-    input and the exact input gradient (split back by autograd) cover them with no second input to the
-    StreamBP function. :meth:`split` gives a chunk's hidden states and keyword arguments back."""
+    """A layer's input as one (B, T, d_in) tensor StreamBP cuts on dim 1, and back.
 
-    def __init__(self, name: str, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict):
+    - Stacked hidden states (S, B, T, d) (Gemma 3n's AltUp streams, ``streams`` = S) ride as (B, T, S*d), and the
+      layer's (S, B, C, d) chunk outputs likewise (:meth:`pack_output`, :meth:`unpack_output`).
+    - Per-token inputs besides the hidden states (``families.PER_TOKEN_LAYER_INPUTS``, e.g. Gemma 4's
+      ``per_layer_input``), taken out of ``kwargs``, ride on the last dim after them.
+
+    :attr:`packed` is (B, T, S*d + sum of the inputs' trailing sizes), so the chunks, the saved (or offloaded)
+    layer input and the exact input gradient (split back by autograd) cover everything with no second input to
+    the StreamBP function. :meth:`split` gives a chunk's hidden states and keyword arguments back."""
+
+    def __init__(self, name: str, layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict,
+                 streams: int | None = None):
+        self.streams = streams
+        if streams is None and hidden.dim() != 3 or streams is not None and (
+            hidden.dim() != 4 or hidden.shape[0] != streams
+        ):
+            wanted = "(B, T, d)" if streams is None else f"(S={streams}, B, T, d)"
+            raise NotImplementedError(
+                f"StreamBP: {name} ({type(layer).__name__}) takes hidden states of shape {tuple(hidden.shape)}, not "
+                f"{wanted}: StreamBP cannot find their token dim to cut into chunks: this model cannot run under "
+                "long_seq.streambp; use mini_seq"
+            )
+        self.hidden_shape = hidden.shape
+        if streams is not None:  # (S, B, T, d) -> (B, T, S*d): streams of one token side by side
+            hidden = hidden.permute(1, 2, 0, 3).flatten(2)
+        self.batch_shape = tuple(hidden.shape[:2])
         found = {key: kwargs.pop(key) for key in sorted(PER_TOKEN_LAYER_INPUTS) if kwargs.get(key) is not None}
         for key, value in found.items():
             if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == hidden.shape[:2]
@@ -305,14 +322,32 @@ class _TokenInputs:
         )
 
     def split(self, x_c: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A chunk of :attr:`packed`, (B, C, d_in), as the hidden states (B, C, d) and the per-token kwargs."""
-        if not self.parts:
-            return x_c, {}
+        """A chunk of :attr:`packed`, (B, C, d_in), as the hidden states ((B, C, d), or (S, B, C, d) stacked) and
+        the per-token kwargs."""
+        h_c = x_c[..., : self.width] if self.parts else x_c
+        if self.streams is not None:
+            h_c = h_c.unflatten(-1, (self.streams, -1)).permute(2, 0, 1, 3)
         out, start = {}, self.width
         for key, shape, size in self.parts:
             out[key] = x_c[..., start:start + size].unflatten(-1, shape) if shape else x_c[..., start]
             start += size
-        return x_c[..., : self.width], out
+        return h_c, out
+
+    def pack_output(self, out_c: torch.Tensor) -> torch.Tensor:
+        """A chunk's layer output as StreamBP assembles it, (B, C, d_out): stacked (S, B, C, d) -> (B, C, S*d)."""
+        if self.streams is None:
+            return out_c
+        if out_c.dim() != 4 or out_c.shape[0] != self.streams:
+            raise NotImplementedError(
+                f"StreamBP: a layer taking {self.streams} stacked hidden-state streams returned shape "
+                f"{tuple(out_c.shape)}, not (S={self.streams}, B, C, d): this model cannot run under "
+                "long_seq.streambp; use mini_seq"
+            )
+        return out_c.permute(1, 2, 0, 3).flatten(2)
+
+    def unpack_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's (B, T, d_out) output in the layout the model passes on: (S, B, T, d) when stacked."""
+        return out if self.streams is None else out.unflatten(-1, (self.streams, -1)).permute(2, 0, 1, 3)
 
 
 def _chunk_of(position_embeddings, s: int, e: int):
@@ -360,7 +395,7 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
     """The runtime guard: one cache update and one call of ds_longseq's chunk attention with this chunk's
     queries and keys, else the layer mixes tokens some other way and would see only its chunk."""
     C = e - s
-    keys = e if getattr(stream, "concat", False) else C  # whole-cache mode (KVStream): the prefix too
+    keys = stream.attended_keys()  # whole-cache mode (KVStream): the prefix too
     if stream.updates == 1 and stream.attended == [(C, keys)]:
         return
     if stream.updates != 1:

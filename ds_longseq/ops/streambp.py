@@ -86,6 +86,15 @@ class SharedKV:
             self.dv = torch.zeros(self.v.shape, dtype=acc_dtype(self.v.dtype), device=self.v.device)
         return self.dk, self.dv
 
+    def checked(self) -> "SharedKV":
+        """This object, once a layer of this forward produced its keys/values; else NotImplementedError."""
+        if self.k is None:
+            raise NotImplementedError(
+                f"StreamBP: {self.name} are read before any layer of this forward produced them (keys/values "
+                "passed in from outside the forward): this model cannot run under long_seq.streambp; use mini_seq"
+            )
+        return self
+
     def release(self) -> None:
         self.k = self.v = self.dk = self.dv = None
 
@@ -172,12 +181,7 @@ class KVStream:
         them instead of computing its own: counted as this chunk's cache update, in whole-cache mode. In replay
         they are leaves (:attr:`prefix_leaves`) whose gradient the caller adds to :attr:`dk` / :attr:`dv`, which
         are the producer's accumulators (:meth:`SharedKV.grad_buffers`)."""
-        shared = self.reads
-        if shared.k is None:
-            raise NotImplementedError(
-                f"StreamBP: {shared.name} are read before any layer of this forward produced them (keys/values "
-                "passed in from outside the forward): this model cannot run under long_seq.streambp; use mini_seq"
-            )
+        shared = self.reads.checked()
         self.updates += 1
         self.concat = True  # every chunk attends all tokens so far, given in one tensor
         self.k, self.v = shared.k, shared.v
@@ -195,6 +199,19 @@ class KVStream:
         if self.start == 0 and self.mode == "append":
             self.concat = True
         return self.concat
+
+    def attends(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Called by the attention function with what the layer attends: whether those are the keys/values this
+        chunk wrote through the cache (or, in whole-cache mode, every cached token so far). A layer attending
+        something else than it cached (multi-head latent attention) switches to whole-cache mode on its first
+        chunk (:meth:`prefer_concat`)."""
+        same = (tuple(key.shape), tuple(value.shape)) == self.updated_shapes
+        return same or self.prefer_concat()
+
+    def attended_keys(self) -> int:
+        """How many keys the current chunk's attention call must be given (the runtime guard's check): the
+        chunk's own, or in whole-cache mode every token up to the chunk's end."""
+        return self.end if self.concat else self.end - self.start
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """Tokens before the current chunk, as a transformers ``Cache`` reports the tokens it holds before an
@@ -341,6 +358,14 @@ class GlobalKVStream:
     layer), ``"attend"`` (return K/V unchanged: the attention reads :attr:`k_heads` /
     :attr:`v_heads`), ``"capture_grad"`` (keep the chunk's K/V with their autograd history, stop).
 
+    Where the K/V are taken (:attr:`capture_at`, found on the first chunk of the capture pass): ``"cache"``, at
+    the cache update, for layers that attend what they cache; ``"attention"``, at the attention call
+    (:meth:`attends`), for layers that cache something else and derive their keys/values from it after the
+    update, token by token (multi-head latent attention caches the compressed latent and expands it): the
+    expanded keys/values are then exchanged and attended like any layer's. Only families whose 2-rank parity
+    test verified sequence parallelism get here (``FamilySpec.sequence_parallel_verified``), which proves that
+    derivation per token for them (the whole-cache mode of :class:`KVStream` has no such requirement).
+
     Attributes read by the attention function: ``exchange``, ``start``, ``end``, ``k_heads`` /
     ``v_heads`` ((B, Hkv_l, P*T_l, D), heads-sharded K/V of the whole sequence) and
     :attr:`grad_sink`.
@@ -358,8 +383,33 @@ class GlobalKVStream:
         self.updates, self.attended, self.updated_shapes = 0, [], None  # as in KVStream
         self.produces: SharedKV | None = None  # as in KVStream, with the heads-sharded K/V
         self.reads: SharedKV | None = None
+        self.capture_at: str | None = None  # "cache" | "attention" (class docstring); None until the first chunk
+        self.taken = None  # the captured K/V's shapes without their token dim (_per_token)
 
     begin_chunk = KVStream.begin_chunk
+
+    def attended_keys(self) -> int:
+        """Keys the current chunk's attention call is given (the runtime guard's check): the chunk's own (the
+        attention reads the rest from :attr:`k_heads`)."""
+        return self.end - self.start
+
+    def attends(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Called by the attention function with what the layer attends (see :meth:`KVStream.attends`). In the
+        capture modes this is where a layer's K/V are taken when it attends something else than it cached
+        (:attr:`capture_at` ``"attention"``, decided here on the first chunk): stored or kept, then the layer
+        is stopped (raises ``_KVCaptured``)."""
+        shapes = (tuple(key.shape), tuple(value.shape))
+        if self.capture_at is None:  # first chunk of the capture pass: update() stored the cached tensors
+            self.capture_at = "cache" if shapes == self.updated_shapes else "attention"
+            if self.capture_at == "attention":
+                self.k = self.v = None  # the buffers are for the attended tensors
+        if self.mode == "attend":
+            if self.capture_at == "attention":  # the chunk's own, as captured (the attention reads k_heads)
+                return key.shape[2] == self.end - self.start and _per_token(key, value) == self.taken
+            return shapes == self.updated_shapes
+        if self.capture_at == "attention":
+            self._take(key, value)
+        raise _KVCaptured
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """Tokens of the whole sequence before the current chunk (the shard's global offset plus the chunk's
@@ -370,13 +420,9 @@ class GlobalKVStream:
         """:meth:`KVStream.read_shared` under sequence parallelism: the attention reads the producer's heads-sharded
         K/V (:meth:`exchange_kv`) and sends their gradient to its accumulators (:meth:`alloc_grads`); the layer gets
         zero-cost (B, 1, C, D) placeholders to pass it, and nothing of its own to capture."""
-        shared = self.reads
-        if shared.k is None:
-            raise NotImplementedError(
-                f"StreamBP: {shared.name} are read before any layer of this forward produced them (keys/values "
-                "passed in from outside the forward): this model cannot run under long_seq.streambp; use mini_seq"
-            )
+        shared = self.reads.checked()
         self.updates += 1
+        self.capture_at = "cache"  # nothing of its own to capture at the attention either
         C = self.end - self.start
         k, v = (t.new_zeros(()).expand(t.shape[0], 1, C, t.shape[-1]) for t in (shared.k, shared.v))
         self.updated_shapes = (tuple(k.shape), tuple(v.shape))
@@ -387,11 +433,20 @@ class GlobalKVStream:
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         self.updates += 1
         self.updated_shapes = (tuple(key_states.shape), tuple(value_states.shape))
-        if self.mode == "attend":
+        if self.mode == "attend" or self.capture_at == "attention":  # the attention call takes them (attends)
             return key_states, value_states
+        self._take(key_states, value_states)
+        if self.capture_at is None:  # first chunk: on to the attention call, which decides where to capture
+            return key_states, value_states
+        raise _KVCaptured
+
+    def _take(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The chunk's K/V: kept with their autograd history (capture_grad), or stored in the local (B, Hkv, T_l,
+        D) buffers (capture)."""
         if self.mode == "capture_grad":
             self.k_chunk, self.v_chunk = key_states, value_states
-            raise _KVCaptured
+            return
+        self.taken = _per_token(key_states, value_states)
         if self.k is None:  # in the dtype the attention reads (see KVStream.update)
             B, Hkv, _, D = key_states.shape
             self.k = key_states.new_empty((B, Hkv, self.local_len, D), dtype=autocast_dtype(key_states))
@@ -401,7 +456,6 @@ class GlobalKVStream:
         with torch.no_grad():
             self.k[:, :, self.start : self.end] = key_states
             self.v[:, :, self.start : self.end] = value_states
-        raise _KVCaptured
 
     def exchange_kv(self) -> None:
         """Local K/V -> heads-sharded K/V of the whole sequence (one all-to-all each); frees the local copy. A
@@ -448,6 +502,11 @@ class GlobalKVStream:
         return dk, dv
 
 
+def _per_token(key: torch.Tensor, value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(B, H, D) and (B, Hv, Dv): the shapes of a chunk's keys and values without their token dim."""
+    return tuple(key.shape[:2] + key.shape[3:]), tuple(value.shape[:2] + value.shape[3:])
+
+
 def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
     """Run every chunk up to its cache update (no attention, no MLP) so ``stream`` holds its K/V."""
     for s, e in bounds:
@@ -457,9 +516,10 @@ def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
         except _KVCaptured:
             continue
         raise RuntimeError(
-            "StreamBP: the layer never called its KV cache's update(), so its keys/values cannot be captured "
-            "(its attention does not write them through the cache): disable long_seq.streambp for this model "
-            "and use mini_seq"
+            f"StreamBP: on tokens [{s}, {e}) the layer never reached its KV cache's update() and ds_longseq's "
+            f"attention function (cache updates: {stream.updates}), so its keys/values cannot be captured (its "
+            "attention does not write them through the cache, or is computed inline): disable long_seq.streambp "
+            "for this model and use mini_seq"
         )
 
 

@@ -64,14 +64,7 @@ class SequenceParallelism(Technique):
                 "families.discovery.OVERRIDES, and this one was found from its structure without such a test "
                 "(StreamBP, mini_seq and the chunked head apply); set long_seq.sequence_parallel.size=1"
             ]
-        problems = []
-        if ctx.config.streambp.enabled and spec.sequence_parallel_streambp_problem:
-            problems.append(
-                f"long_seq.sequence_parallel with long_seq.streambp on {spec.causal_lm_class}: "
-                f"{spec.sequence_parallel_streambp_problem}. Use mini_seq (or neither) under sequence parallelism, "
-                "or StreamBP with long_seq.sequence_parallel.size=1"
-            )
-        return problems + [
+        return [
             f"long_seq.sequence_parallel with rope_type={kind!r}: this RoPE scaling picks its frequencies from the "
             "largest position the forward sees, and under sequence parallelism each rank sees only its shard (the "
             "ranks would rotate with other frequencies than one process on the whole sequence); use a static "

@@ -55,12 +55,13 @@ class StreamBP(Technique):
         taps = ctx.router_taps()
         sharing = ctx.adapter.kv_sharing()
         reused = {key for role, key in sharing.values() if role == "reuse"}
+        streams = ctx.adapter.stacked_streams()
         for i, layer in enumerate(ctx.adapter.layers):
             role, key = sharing.get(i, (None, None))
             forward = StreamBPLayerForward(
                 layer, layer.forward, ctx.config.streambp.chunk_size, ctx.config.attention.kv_block_size,
                 ctx.offload, router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
-                kv_sharing=None if role is None else (role, key, key in reused),
+                kv_sharing=None if role is None else (role, key, key in reused), streams=streams,
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
 
