@@ -104,7 +104,7 @@ def enable(
             forward = CausalLMForward(
                 model, model.forward, cfg, ctx.sp, adapter.final_logit_softcap,
                 decoder=adapter.base_model, head=adapter.lm_head, moe_aux=adapter.spec.head_kind in MOE_AUX_KINDS,
-                logit_scale=adapter.logit_scale,
+                logit_scale=adapter.logit_scale, stock_masks_see_packed_rows=adapter.stock_masks_see_packed_rows(),
             )
             handle.set_instance_attr(model, "forward", forward)
             handle.forward = forward

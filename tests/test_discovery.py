@@ -252,3 +252,56 @@ def test_lm_head_that_is_more_than_a_linear_is_refused(head_cls, subclass):
                        "not a plain torch.nn.Linear"):
         ds_longseq.enable(model, STREAMBP)
     assert not ds_longseq.is_enabled(model)
+
+
+def test_decoder_one_level_down_and_a_head_of_another_name_are_found():
+    """OPT keeps its decoder stack at model.model.decoder and calls it so; BioGPT names its LM head
+    output_projection. Both are read from structure and their forwards recognised as the plain head (the sweep
+    checks them exact); a forward calling some other submodule of the base model is not."""
+    from tests import model_zoo
+
+    opt = model_zoo.tiny_model("opt", torch.float32)
+    adapter = ds_longseq.patch.check_model(opt, STREAMBP)
+    assert adapter.spec.decoder_attr == "model.decoder" and adapter.base_model is opt.model.decoder
+    assert adapter.layers == list(opt.model.decoder.layers) and adapter.spec.head_kind == "plain"
+    assert head_kind(opt) is None  # its forward calls self.model.decoder: not the template without that path
+    biogpt = model_zoo.tiny_model("biogpt", torch.float32)
+    adapter = ds_longseq.patch.check_model(biogpt, STREAMBP)
+    assert adapter.spec.lm_head_attr == "output_projection" and adapter.spec.head_kind == "plain"
+    assert head_kind(biogpt, head_attr="lm_head") is None
+
+    class EmbeddingsOnly(transformers.OPTForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden = self.model.decoder.embed_tokens(input_ids)
+            logits = self.lm_head(hidden)
+            return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+
+    with pytest.raises(UnsupportedModelError, match=r"EmbeddingsOnly.forward does something after its decoder"):
+        ds_longseq.enable(EmbeddingsOnly(opt.config), STREAMBP)
+
+
+def test_stock_masks_that_ignore_position_ids_are_told_apart():
+    """transformers separates packed documents only where the decoder gives its mask builders the position ids:
+    by keyword (Llama), in a mask_kwargs dict and its copy (Gemma 3), through a variable bound to a builder
+    (Mistral), beside an encoder's bidirectional mask (GPT-2); not gpt-oss's or OPT's, nor a forward that builds
+    no mask through them."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Model
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssModel
+    from transformers.models.llama.modeling_llama import LlamaModel
+    from transformers.models.mistral.modeling_mistral import MistralModel
+    from transformers.models.opt.modeling_opt import OPTDecoder
+
+    from ds_longseq.families.discovery import masks_see_packed_rows
+
+    for cls in (LlamaModel, Gemma3TextModel, MistralModel, GPT2Model):
+        assert masks_see_packed_rows(cls), cls.__name__
+    for cls in (GptOssModel, OPTDecoder):
+        assert not masks_see_packed_rows(cls), cls.__name__
+
+    class OwnMask(LlamaModel):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            mask = self._my_mask(input_ids, position_ids)
+            return mask
+
+    assert not masks_see_packed_rows(OwnMask)

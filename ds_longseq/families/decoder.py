@@ -21,11 +21,18 @@ family is checked by that technique (``ds_longseq.techniques``), reading these f
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
-from ds_longseq.families.discovery import discover_spec, head_kind, is_plain_linear, logit_scale
+from ds_longseq.families.discovery import (
+    discover_spec,
+    head_kind,
+    is_plain_linear,
+    logit_scale,
+    masks_see_packed_rows,
+)
 
 __all__ = [
     "FamilySpec",
@@ -85,7 +92,8 @@ class FamilySpec:
     causal_lm_class: str
     """The ``*ForCausalLM`` class name transformers gives this ``model_type``."""
     decoder_attr: str = "model"
-    """Attribute of the ``*ForCausalLM`` holding the decoder stack (embeddings, layers, final norm)."""
+    """Attribute of the ``*ForCausalLM`` holding the decoder stack (embeddings, layers, final norm); dotted for one
+    nested deeper (OPT's ``model.decoder``)."""
     layers_attr: str = "layers"
     """Attribute of the decoder stack holding the decoder layers (an ``nn.ModuleList``); each layer's
     attention module is ``self_attn`` and writes its K/V through ``past_key_values.update``."""
@@ -139,9 +147,6 @@ class FamilySpec:
     a discovered one only where ``discovery.OVERRIDES`` says so (its test named there). The shard context must
     reach the attention, and nothing in the layers may use rank-local positions (Llama 4's temperature tuning
     counts them from its cache's length: ``DecoderLMAdapter.cache_positioned_attention``)."""
-    sequence_parallel_streambp_problem: str | None = None
-    """Why StreamBP under sequence parallelism cannot run this family exactly (refused with that pair; either
-    alone applies), or None."""
 
 
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
@@ -226,8 +231,8 @@ class DecoderLMAdapter:
 
     @property
     def base_model(self) -> torch.nn.Module:
-        """The decoder stack (e.g. ``model.model``): embeddings, layers, final norm."""
-        return getattr(self.model, self.spec.decoder_attr)
+        """The decoder stack (e.g. ``model.model``, OPT's ``model.model.decoder``): embeddings, layers, final norm."""
+        return operator.attrgetter(self.spec.decoder_attr)(self.model)
 
     @property
     def layers(self) -> list[torch.nn.Module]:
@@ -282,6 +287,18 @@ class DecoderLMAdapter:
                     break
         return out
 
+    def stock_masks_see_packed_rows(self) -> bool:
+        """Whether the stock attention keeps packed documents apart: the decoder stack gives transformers' mask
+        builders the position ids (``discovery.masks_see_packed_rows``); gpt-oss's and OPT's do not."""
+        return masks_see_packed_rows(type(self.base_model))
+
+    def stacked_streams(self) -> int | None:
+        """How many hidden-state streams the layers take stacked on a leading dim, (S, B, T, d) instead of
+        (B, T, d): Gemma 3n's AltUp (``config.altup_num_inputs``, the layers predict and correct all S streams
+        per token and attend with one of them); None for the usual (B, T, d)."""
+        streams = getattr(self.model.config.get_text_config(), "altup_num_inputs", None)
+        return streams if isinstance(streams, int) and streams > 1 else None
+
     def cache_positioned_attention(self) -> list[torch.nn.Module]:
         """Attention modules that position their queries by the cache's length (``cache.get_seq_length()`` plus
         the query's index): Llama 4's attention temperature tuning on its no-RoPE layers
@@ -329,7 +346,11 @@ class DecoderLMAdapter:
         """Why this model's parts are not where its family keeps them (empty when they are)."""
         spec, cls, where = self.spec, type(self.model).__name__, self.where
         problems = []
-        layers = getattr(getattr(self.model, spec.decoder_attr, None), spec.layers_attr, None)
+        try:
+            decoder = self.base_model
+        except AttributeError:
+            decoder = None
+        layers = getattr(decoder, spec.layers_attr, None)
         if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
             problems.append(f"{where} is not a non-empty ModuleList")
             layers = []

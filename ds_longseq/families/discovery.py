@@ -33,8 +33,8 @@ import textwrap
 import torch
 
 __all__ = [
-    "discover_spec", "head_kind", "logit_scale", "is_plain_linear", "HEAD_TEMPLATES", "MOE_AUX_KINDS", "OVERRIDES",
-    "text_config",
+    "discover_spec", "head_kind", "logit_scale", "is_plain_linear", "masks_see_packed_rows", "HEAD_TEMPLATES",
+    "MOE_AUX_KINDS", "OVERRIDES", "text_config",
 ]
 
 def is_plain_linear(module: torch.nn.Module | None) -> bool:
@@ -51,8 +51,8 @@ def is_plain_linear(module: torch.nn.Module | None) -> bool:
 
 HEAD_TEMPLATES: dict[str, tuple[str, ...]] = {
     # logits = lm_head(hidden); loss = the causal-LM cross entropy (dense families; MoE ones without a
-    # load-balancing term, DeepSeek-V3's layout)
-    "plain": ("LlamaForCausalLM", "DeepseekV3ForCausalLM"),
+    # load-balancing term, DeepSeek-V3's layout; GPT-J's slices the decoder's output in one statement)
+    "plain": ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "GPTJForCausalLM"),
     # the same, with cap * tanh(logits / cap) after the head (Gemma 2's layout)
     "final_softcap": ("Gemma2ForCausalLM",),
     # the same, plus router_aux_loss_coef x the modeling module's load_balancing_loss_func on the recorded
@@ -87,11 +87,9 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_text": {"sequence_parallel_verified": True},
     # chunked attention and temperature tuning's positions (the shard's offset) under Ulysses: the same test
     "llama4_text": {"sequence_parallel_verified": True},
-    # multi-head latent attention (values of another head dim) under Ulysses: the same test; its cache holds a
-    # latent the layer expands, which the sequence-parallel StreamBP cannot exchange
-    "deepseek_v3": {"sequence_parallel_verified": True, "sequence_parallel_streambp_problem": (
-        "multi-head latent attention caches a latent that each layer expands to its keys and values; the "
-        "sequence-parallel StreamBP exchanges cached keys and values, so it cannot run it")},
+    # multi-head latent attention (values of another head dim) under Ulysses: the same test; under StreamBP its
+    # keys/values are taken at the attention call, expanded from the cached latent token by token
+    "deepseek_v3": {"sequence_parallel_verified": True},
 }
 """model_type -> ``FamilySpec`` fields that cannot be read from structure, for discovered families (each checked
 by the sweep, tests/test_model_sweep.py, and per forward by the mask audit)."""
@@ -120,8 +118,11 @@ class _Normalise(ast.NodeTransformer):
     returned output but ``loss``.
     """
 
-    def __init__(self, decoder_attrs: tuple[str, ...]):
-        self.decoder_attrs = decoder_attrs
+    def __init__(self, decoder_attrs: tuple[str, ...], head_attr: str = "lm_head"):
+        # how the forward may reach its decoder stack: ``self.<attr>`` for each (dotted for a nested one, OPT's
+        # ``self.model.decoder``), all spelled ``self.model`` after normalising
+        self.decoder_calls = {f"self.{attr}" for attr in decoder_attrs}
+        self.head_attr = head_attr  # the LM head's attribute (BioGPT's output_projection), spelled lm_head
         self.renamed: dict[str, str] = {}
 
     def visit_AnnAssign(self, node):  # `outputs: BaseModelOutputWithPast = self.model(...)`
@@ -155,8 +156,13 @@ class _Normalise(ast.NodeTransformer):
 
     def _is_decoder_call(self, value) -> bool:
         func = value.func if isinstance(value, ast.Call) else None
-        return (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
-                and func.attr in self.decoder_attrs)
+        return isinstance(func, ast.Attribute) and ast.unparse(func) in self.decoder_calls
+
+    def visit_Attribute(self, node):  # self.<head attribute> -> self.lm_head
+        if (self.head_attr != "lm_head" and isinstance(node.value, ast.Name) and node.value.id == "self"
+                and node.attr == self.head_attr):
+            return ast.copy_location(_self_attr("lm_head"), node)
+        return self.generic_visit(node)
 
     def visit_Expr(self, node):
         if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
@@ -175,9 +181,9 @@ class _Normalise(ast.NodeTransformer):
         if (isinstance(func, ast.Attribute) and func.attr in ("float", "contiguous") and not node.args
                 and not node.keywords):
             return self.visit(func.value)  # x.float() / x.contiguous() -> x
+        if self._is_decoder_call(node):
+            return ast.copy_location(ast.Call(func=_self_attr("model"), args=[], keywords=[]), node)
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
-            if func.attr in self.decoder_attrs:
-                return ast.copy_location(ast.Call(func=_self_attr("model"), args=[], keywords=[]), node)
             if func.attr == "loss_function":
                 return ast.copy_location(ast.Call(func=_self_attr("loss_function"), args=[], keywords=[]), node)
         return self.generic_visit(node)
@@ -195,8 +201,10 @@ def _self_attr(name: str) -> ast.Attribute:
     return ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()), attr=name, ctx=ast.Load())
 
 
-def _forward_code(cls: type) -> str | None:
-    """The normalised body of ``cls.forward`` (no signature, decorators or docstring), or None if unreadable."""
+def _forward_code(cls: type, decoder_path: str | None = None, head_attr: str = "lm_head") -> str | None:
+    """The normalised body of ``cls.forward`` (no signature, decorators or docstring), or None if unreadable.
+    ``decoder_path``: where discovery found the decoder stack when it is not the base-model prefix itself
+    (OPT's ``model.decoder``); ``head_attr``: the LM head's attribute name."""
     try:
         source = textwrap.dedent(inspect.getsource(cls.forward))
         func = ast.parse(source).body[0]
@@ -204,7 +212,8 @@ def _forward_code(cls: type) -> str | None:
         return None
     if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
-    normalise = _Normalise(("model", getattr(cls, "base_model_prefix", "model") or "model"))
+    attrs = ("model", getattr(cls, "base_model_prefix", "model") or "model", *([decoder_path] if decoder_path else []))
+    normalise = _Normalise(attrs, head_attr)
     body = [normalise.visit(stmt) for stmt in func.body]
     return "\n".join(ast.unparse(stmt) for stmt in body if stmt is not None)
 
@@ -225,8 +234,8 @@ def _template_codes() -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _head_kind_of_class(cls: type) -> str | None:
-    code = _forward_code(cls)
+def _head_kind_of_class(cls: type, decoder_path: str | None, head_attr: str) -> str | None:
+    code = _forward_code(cls, decoder_path, head_attr)
     return None if code is None else _template_codes().get(code)
 
 
@@ -245,9 +254,59 @@ def logit_scale(model: torch.nn.Module, kind: str) -> float:
     return 1.0
 
 
-def head_kind(model: torch.nn.Module) -> str | None:
-    """What ``type(model).forward`` computes after its decoder stack, one of :data:`HEAD_TEMPLATES`, or None."""
-    return _head_kind_of_class(type(model))
+def head_kind(model: torch.nn.Module, decoder_path: str | None = None, head_attr: str = "lm_head") -> str | None:
+    """What ``type(model).forward`` computes after its decoder stack, one of :data:`HEAD_TEMPLATES`, or None.
+    ``decoder_path`` (dotted) and ``head_attr``: where the decoder stack and the LM head are, when discovery found
+    them elsewhere than ``model`` / ``lm_head``."""
+    return _head_kind_of_class(type(model), decoder_path, head_attr)
+
+
+def _is_mask_builder(name: str) -> bool:
+    """transformers' builders of the decoder's own causal masks (``create_causal_mask``,
+    ``create_sliding_window_causal_mask``, ``create_chunked_causal_mask``, ...); not the encoder's bidirectional
+    one a cross-attention decoder (GPT-2) builds besides."""
+    return name.startswith("create_") and name.endswith("mask") and name != "create_bidirectional_mask"
+
+
+@functools.lru_cache(maxsize=None)
+def masks_see_packed_rows(decoder_cls: type) -> bool:
+    """Whether a decoder stack's ``forward`` gives transformers' mask builders the position ids, which is how
+    transformers finds packed rows (positions restarting, no ``attention_mask``, no cache) and keeps each document's
+    attention to itself: every causal-mask builder call (``create_*mask``, called by name or through a variable
+    bound to one, as Mistral's ``mask_function``) passes ``position_ids``, by keyword or in a dict literal
+    unpacked into it (the ``mask_kwargs`` idiom, copies included). False for a forward building its masks without
+    them (gpt-oss, OPT: their stock attention attends across packed documents), elsewhere, or unreadably."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(decoder_cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    builders, with_positions = set(), set()  # names bound to a mask builder / to mask kwargs with position_ids
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign):
+            continue
+        names = {t.id for t in node.targets if isinstance(t, ast.Name)}
+        value = node.value
+        if any(isinstance(n, ast.Name) and _is_mask_builder(n.id) for n in ast.walk(value)) and not isinstance(
+            value, (ast.Call, ast.Dict)
+        ):
+            builders |= names  # mask_function = create_causal_mask if ... else create_sliding_window_causal_mask
+        if isinstance(value, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "position_ids"
+                                               for k in value.keys):
+            with_positions |= names
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "copy"
+                and isinstance(value.func.value, ast.Name) and value.func.value.id in with_positions):
+            with_positions |= names  # sliding_mask_kwargs = mask_kwargs.copy()
+    calls = [
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        and (_is_mask_builder(node.func.id) or node.func.id in builders)
+    ]
+
+    def passes_positions(keyword: ast.keyword) -> bool:
+        unpacked = keyword.value.id if keyword.arg is None and isinstance(keyword.value, ast.Name) else None
+        return keyword.arg == "position_ids" or unpacked in with_positions
+
+    return bool(calls) and all(any(passes_positions(k) for k in call.keywords) for call in calls)
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,21 +359,31 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     names = _causal_lm_class_names()
     if not any(c.__name__.endswith("ForCausalLM") or c.__name__ in names for c in type(model).__mro__):
         return None, [f"{cls} is not a causal-LM class (*ForCausalLM): ds_longseq trains decoder-only causal LMs"]
-    kind = head_kind(model)
+    prefix = getattr(model, "base_model_prefix", "model") or "model"
+    if not isinstance(getattr(model, prefix, None), torch.nn.Module):
+        prefix = "model"  # e.g. Llama 4's text model: prefix "language_model", decoder at .model
+    decoder = getattr(model, prefix, None)
+    head = model.get_output_embeddings()
+    head_attrs = [name for name, child in model.named_children() if child is head]
+    if not isinstance(decoder, torch.nn.Module):
+        return None, problems + [f"{cls}.{prefix} (its base_model_prefix) is not the decoder stack"]
+    num_layers = getattr(text_config(model), "num_hidden_layers", None)
+
+    def layer_lists(module: torch.nn.Module) -> list[str]:
+        return _child_names(module, lambda c: isinstance(c, torch.nn.ModuleList) and len(c) == num_layers)
+
+    lists = layer_lists(decoder)
+    inner = [name for name, child in decoder.named_children() if layer_lists(child)]
+    if not lists and len(inner) == 1:  # a decoder stack one level down (OPT: model.model.decoder.layers)
+        prefix, decoder = f"{prefix}.{inner[0]}", getattr(decoder, inner[0])
+        lists = layer_lists(decoder)
+    kind = head_kind(model, prefix if "." in prefix else None, head_attrs[0] if head_attrs else "lm_head")
     if kind is None:
         problems.append(
             f"{cls}.forward does something after its decoder stack that ds_longseq does not re-implement (its code "
             "is none of " + ", ".join(n for names in HEAD_TEMPLATES.values() for n in names) + "'s, e.g. a logit "
             "scale or another loss), and ds_longseq replaces that forward"
         )
-    prefix = getattr(model, "base_model_prefix", "model") or "model"
-    if not isinstance(getattr(model, prefix, None), torch.nn.Module):
-        prefix = "model"  # e.g. Llama 4's text model: prefix "language_model", decoder at .model
-    decoder = getattr(model, prefix, None)
-    if not isinstance(decoder, torch.nn.Module):
-        return None, problems + [f"{cls}.{prefix} (its base_model_prefix) is not the decoder stack"]
-    num_layers = getattr(text_config(model), "num_hidden_layers", None)
-    lists = _child_names(decoder, lambda c: isinstance(c, torch.nn.ModuleList) and len(c) == num_layers)
     if len(lists) != 1:
         found = "no" if not lists else f"{len(lists)} ({lists})"
         return None, problems + [
@@ -369,8 +438,6 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         # Other parameterised children beside it (Gemma 4's per-layer-input gate and projection, its MoE block
         # next to the dense MLP): the one transformers names mlp is the MLP; the others run stock
         mlp_attr = "mlp"
-    head = model.get_output_embeddings()
-    head_attrs = [name for name, child in model.named_children() if child is head]
     if not is_plain_linear(head) or not head_attrs:
         problems.append(f"{cls}'s output embeddings are {type(head).__name__}, not a plain torch.nn.Linear child "
                         "(ds_longseq's chunked head computes hidden @ weight.T + bias and nothing else)")

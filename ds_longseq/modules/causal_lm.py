@@ -124,6 +124,7 @@ class CausalLMForward:
         head: torch.nn.Module | None = None,
         moe_aux: bool | None = None,
         logit_scale: float = 1.0,
+        stock_masks_see_packed_rows: bool = True,
     ):
         self.model = model
         self.orig_forward = orig_forward
@@ -137,6 +138,9 @@ class CausalLMForward:
         # head); None: whenever the model has router_aux_loss_coef
         self.moe_aux = moe_aux
         self.logit_scale = logit_scale  # the family's factor on the logits after the head (1.0: none)
+        # whether the family's stock attention keeps packed documents apart (its decoder gives transformers' mask
+        # builders the position ids: families.discovery.masks_see_packed_rows); ds_longseq's own attention does
+        self.stock_masks_see_packed_rows = stock_masks_see_packed_rows
         self.token_outputs = TokenOutputs(self.head, config.lm_head.enabled, final_logit_softcap, logit_scale)
 
     def configure_fused_head(
@@ -202,6 +206,13 @@ class CausalLMForward:
                 # passes its **kwargs on to every decoder layer.
                 kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start)
             if doc_start is not None:
+                if not self.config.streambp.enabled and not self.stock_masks_see_packed_rows:
+                    raise NotImplementedError(
+                        f"packed documents on {type(self.model).__name__} without long_seq.streambp: its decoder "
+                        "builds its stock attention masks without the position ids, so transformers' attention would "
+                        "attend across the documents. Enable long_seq.streambp (ds_longseq's attention keeps each "
+                        "document to itself) or send one document per row"
+                    )
                 if use_cache:
                     raise ValueError(
                         "packed documents with use_cache=True: with a cache transformers ignores the document "
