@@ -160,7 +160,21 @@ def test_discovered_family_refuses_what_is_not_verified_on_it():
     assert not ds_longseq.is_enabled(model)
 
 
-def test_hybrid_layers_are_refused_naming_them():
+class _CumulativeMixer(torch.nn.Module):
+    """A token mixer that neither attends through the interface nor carries its state through the cache API."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, hidden_states, **kwargs):
+        return self.proj(hidden_states).cumsum(1)
+
+
+def test_hybrid_layers_are_found_and_unknown_mixers_refused():
+    """Qwen3-Next's Gated DeltaNet layers carry their state through the linear-attention cache API: found as the
+    recurrent mixer (the sweep checks the family exact); a layer mixing tokens through anything else is refused
+    before compute, naming it."""
     config = transformers.Qwen3NextConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=101, layer_types=["linear_attention", "full_attention"], num_experts=4,
@@ -168,7 +182,13 @@ def test_hybrid_layers_are_refused_naming_them():
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
     )
     model = transformers.Qwen3NextForCausalLM(config)
-    with pytest.raises(UnsupportedModelError, match=r"layers\[0\] \(Qwen3NextDecoderLayer\) have no attention module"):
+    adapter = ds_longseq.patch.check_model(model, STREAMBP)
+    first, second = adapter.layers
+    assert adapter.spec.mixer_attr == "linear_attn" and adapter.mixer(first) is first.linear_attn
+    assert adapter.attention(first) is None and adapter.mixer(second) is None
+    model.model.layers[0].linear_attn = _CumulativeMixer(64)
+    with pytest.raises(UnsupportedModelError, match=r"layers\[0\] \(Qwen3NextDecoderLayer\) have no attention module "
+                                                    r"and no token mixer carrying its state"):
         ds_longseq.enable(model, STREAMBP)
 
 

@@ -30,6 +30,7 @@ from ds_longseq.families.discovery import (
     discover_spec,
     head_kind,
     is_plain_linear,
+    is_state_mixer,
     logit_scale,
     masks_see_packed_rows,
 )
@@ -99,6 +100,11 @@ class FamilySpec:
     attention module is ``self_attn`` and writes its K/V through ``past_key_values.update``."""
     attn_attr: str = "self_attn"
     """Attribute of a decoder layer holding its attention module."""
+    mixer_attr: str | None = None
+    """Attribute of a decoder layer holding a recurrent token mixer instead of (or beside) its attention: a
+    linear-attention, state-space or short-convolution module carrying its state through transformers'
+    linear-attention cache API (``discovery.is_state_mixer``: Qwen3.5's ``linear_attn``, Bamba's ``mamba``);
+    None for a family of attention layers only."""
     mlp_attr: str | None = "mlp"
     """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block); None when
     the layers have no single such module (mini_seq is then refused)."""
@@ -113,6 +119,9 @@ class FamilySpec:
     moe_block_class: str | None = None
     """Class name of the family's mixture-of-experts block (a layer's MLP); layers whose MLP is
     another class are dense. None for dense families."""
+    moe_attr: str | None = None
+    """Attribute of a decoder layer holding its mixture-of-experts block when that is not the MLP (beside other
+    MLP parts: Granite-MoE-hybrid's ``block_sparse_moe`` next to ``shared_mlp``); None: the MLP is the block."""
     router_attr: str = "gate"
     """Attribute of the mixture-of-experts block holding its router, whose output is
     ``(router_logits (N, E), ...)``."""
@@ -246,7 +255,18 @@ class DecoderLMAdapter:
         return None if self.spec.mlp_attr is None else getattr(layer, self.spec.mlp_attr, None)
 
     def attention(self, layer: torch.nn.Module) -> torch.nn.Module | None:
-        return getattr(layer, self.spec.attn_attr, None)
+        """The layer's attention module; None for a layer whose token mixer is recurrent (:meth:`mixer`), even
+        under the same attribute name (Kimi Linear's ``self_attn`` is either)."""
+        module = getattr(layer, self.spec.attn_attr, None)
+        return None if module is None or is_state_mixer(type(module)) else module
+
+    def mixer(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        """The layer's recurrent token mixer carrying a state from chunk to chunk (``FamilySpec.mixer_attr``), or
+        None for an attention layer."""
+        if self.spec.mixer_attr is None:
+            return None
+        module = getattr(layer, self.spec.mixer_attr, None)
+        return module if module is not None and is_state_mixer(type(module)) else None
 
     def mask_only_windows(self) -> list[tuple[torch.nn.Module, int]]:
         """(layer, sliding window) of each layer whose family keeps the window in the mask only (``window_from``)."""
@@ -375,7 +395,7 @@ class DecoderLMAdapter:
 
     def router(self, layer: torch.nn.Module) -> torch.nn.Module | None:
         """The router of ``layer``'s mixture-of-experts block, or None for a dense layer."""
-        mlp = self.mlp(layer)
+        mlp = self.mlp(layer) if self.spec.moe_attr is None else getattr(layer, self.spec.moe_attr, None)
         if self.spec.moe_block_class is None or type(mlp).__name__ != self.spec.moe_block_class:
             return None
         return getattr(mlp, self.spec.router_attr)

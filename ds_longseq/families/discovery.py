@@ -33,8 +33,8 @@ import textwrap
 import torch
 
 __all__ = [
-    "discover_spec", "head_kind", "logit_scale", "is_plain_linear", "masks_see_packed_rows", "HEAD_TEMPLATES",
-    "MOE_AUX_KINDS", "OVERRIDES", "text_config",
+    "discover_spec", "head_kind", "logit_scale", "is_plain_linear", "is_state_mixer", "masks_see_packed_rows",
+    "HEAD_TEMPLATES", "MOE_AUX_KINDS", "OVERRIDES", "text_config",
 ]
 
 def is_plain_linear(module: torch.nn.Module | None) -> bool:
@@ -73,6 +73,7 @@ HEAD_TEMPLATES: dict[str, tuple[str, ...]] = {
 """Head kind -> classes whose ``forward`` defines it (the transformers classes ds_longseq's forward re-implements)."""
 
 _ATTENTION_MARKERS = ("ALL_ATTENTION_FUNCTIONS", ".update(")
+_STATE_MARKERS = (".update_recurrent_state(", ".update_conv_state(")
 
 OVERRIDES: dict[str, dict] = {
     # the attention never passes its window on (it is in the mask only); the sliding layers' attention
@@ -310,6 +311,18 @@ def masks_see_packed_rows(decoder_cls: type) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def is_state_mixer(cls: type) -> bool:
+    """Whether a module class's ``forward`` carries a recurrent or convolution state through transformers'
+    linear-attention cache API (``update_recurrent_state`` / ``update_conv_state``): a linear-attention,
+    state-space or short-convolution token mixer (Gated DeltaNet, Mamba, LFM2's short convolution)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return any(marker in source for marker in _STATE_MARKERS)
+
+
+@functools.lru_cache(maxsize=None)
 def _routes_through_interface(cls: type) -> bool:
     """Whether an attention class's forward selects transformers' attention interface and updates the cache."""
     try:
@@ -392,29 +405,34 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     layers_attr = lists[0]
     layers = list(getattr(decoder, layers_attr))
     where = f"{cls}.{prefix}.{layers_attr}"
-    attn_names = [_child_names(layer, lambda c: "Attention" in type(c).__name__) for layer in layers]
-    missing = [i for i, names in enumerate(attn_names) if not names]
+    # token mixers: attention modules, and recurrent ones carrying a state through the cache (hybrid stacks)
+    mixer_names = [_child_names(layer, lambda c: is_state_mixer(type(c))) for layer in layers]
+    attn_names = [
+        _child_names(layer, lambda c: "Attention" in type(c).__name__ and not is_state_mixer(type(c)))
+        for layer in layers
+    ]
+    missing = [i for i, names in enumerate(attn_names) if not names and not mixer_names[i]]
     if missing:
         kinds = sorted({type(layers[i]).__name__ for i in missing})
         return None, problems + [
-            f"{where}{missing} ({', '.join(kinds)}) have no attention module (a recurrent, state-space or "
-            "linear-attention mixer): such hybrid layers are not supported yet"
+            f"{where}{missing} ({', '.join(kinds)}) have no attention module and no token mixer carrying its state "
+            "through transformers' linear-attention cache API (update_recurrent_state / update_conv_state): "
+            "ds_longseq cannot tell how they mix tokens"
         ]
-    several = [i for i, names in enumerate(attn_names) if len(names) > 1]
-    if several or len({names[0] for names in attn_names}) != 1:
+    several = [i for i, names in enumerate(attn_names) if len(names) > 1] + [
+        i for i, names in enumerate(mixer_names) if len(names) > 1]
+    attn_attrs = {names[0] for names in attn_names if names}
+    mixer_attrs = {names[0] for names in mixer_names if names}
+    if several or len(attn_attrs) > 1 or len(mixer_attrs) > 1:
         return None, problems + [
-            f"{where}: the layers' attention modules are not one attribute per layer ({sorted(map(tuple, attn_names))})"
+            f"{where}: the layers' token mixers are not one attribute per kind (attention "
+            f"{sorted(map(tuple, attn_names))}, recurrent {sorted(map(tuple, mixer_names))})"
         ]
-    attn_attr = attn_names[0][0]
-    inline = sorted({
-        type(getattr(layer, attn_attr)).__name__
-        for layer in layers
-        if not _routes_through_interface(type(getattr(layer, attn_attr)))
-    })
-    indexed = sorted({
-        type(m).__name__ for layer in layers for m in getattr(layer, attn_attr).modules()
-        if "Indexer" in type(m).__name__
-    })
+    attn_attr = next(iter(attn_attrs), None)
+    mixer_attr = next(iter(mixer_attrs), None)
+    attentions = [getattr(layer, attn_attr) for layer, names in zip(layers, attn_names, strict=True) if names]
+    inline = sorted({type(a).__name__ for a in attentions if not _routes_through_interface(type(a))})
+    indexed = sorted({type(m).__name__ for a in attentions for m in a.modules() if "Indexer" in type(m).__name__})
     attention_problem = None  # what keeps ds_longseq's own attention (StreamBP, SP) off this family
     if indexed:
         attention_problem = (
@@ -429,7 +447,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     mlp_names = {
         tuple(
             name for name, child in layer.named_children()
-            if name != attn_attr and not _is_norm(child) and any(True for _ in child.parameters())
+            if name not in (attn_attr, mixer_attr) and not _is_norm(child) and any(True for _ in child.parameters())
         )
         for layer in layers
     }
@@ -445,18 +463,27 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         problems.append(f"{cls} scales the hidden states before an LM head with a bias, which ds_longseq's chunked "
                         "head (scaling the logits instead) would not reproduce")
     norms = _child_names(decoder, _is_norm)
-    moe_class = router_attr = None
-    if mlp_attr is not None:
-        moe = [getattr(layer, mlp_attr) for layer in layers if hasattr(getattr(layer, mlp_attr), "experts")]
-        if moe:
-            moe_class = type(moe[0]).__name__
-            routers = [a for a in _ROUTER_ATTRS if isinstance(getattr(moe[0], a, None), torch.nn.Module)]
-            router_attr = routers[0] if routers else None
-            if len({type(m).__name__ for m in moe}) > 1:
-                problems.append(f"{where}: mixture-of-experts blocks of several classes")
+    moe_class = router_attr = moe_attr = None
+    # the mixture-of-experts block: the MLP itself, else the one child with experts beside other MLP parts
+    # (Granite-MoE-hybrid's block_sparse_moe beside its shared_mlp)
+    moe_attrs = {name for layer in layers for name, child in layer.named_children()
+                 if name not in (attn_attr, mixer_attr) and hasattr(child, "experts")}
+    if mlp_attr is not None and mlp_attr in moe_attrs:
+        moe_attr = mlp_attr
+    elif len(moe_attrs) == 1:
+        moe_attr = next(iter(moe_attrs))
+    elif moe_attrs:
+        problems.append(f"{where}: mixture-of-experts blocks under several attributes ({sorted(moe_attrs)})")
+    if moe_attr is not None:
+        moe = [getattr(layer, moe_attr) for layer in layers if hasattr(getattr(layer, moe_attr, None), "experts")]
+        moe_class = type(moe[0]).__name__
+        routers = [a for a in _ROUTER_ATTRS if isinstance(getattr(moe[0], a, None), torch.nn.Module)]
+        router_attr = routers[0] if routers else None
+        if len({type(m).__name__ for m in moe}) > 1:
+            problems.append(f"{where}: mixture-of-experts blocks of several classes")
     if kind in MOE_AUX_KINDS and moe_class is not None and router_attr is None:
         problems.append(
-            f"{where}[i].{mlp_attr} ({moe_class}) has no router (.gate or .router) whose logits the load-balancing "
+            f"{where}[i].{moe_attr} ({moe_class}) has no router (.gate or .router) whose logits the load-balancing "
             "loss reads"
         )
     if problems:
@@ -466,12 +493,14 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         causal_lm_class=cls,
         decoder_attr=prefix,
         layers_attr=layers_attr,
-        attn_attr=attn_attr,
+        attn_attr=attn_attr or "self_attn",
+        mixer_attr=mixer_attr,
         mlp_attr=mlp_attr,
         lm_head_attr=head_attrs[0],
         dropout_fields=_fields(config, _DROPOUT_WORDS),
         final_logit_softcap_field="final_logit_softcapping" if kind == "final_softcap" else None,
         moe_block_class=moe_class if kind in MOE_AUX_KINDS else None,
+        moe_attr=moe_attr if kind in MOE_AUX_KINDS and moe_attr != mlp_attr else None,
         router_attr=router_attr or "gate",
         mlp_noise_fields=_fields(config, _NOISE_WORDS),
         norm_folds=(),

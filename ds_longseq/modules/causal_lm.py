@@ -125,6 +125,7 @@ class CausalLMForward:
         moe_aux: bool | None = None,
         logit_scale: float = 1.0,
         stock_masks_see_packed_rows: bool = True,
+        recurrent_mixers: bool = False,
     ):
         self.model = model
         self.orig_forward = orig_forward
@@ -141,6 +142,8 @@ class CausalLMForward:
         # whether the family's stock attention keeps packed documents apart (its decoder gives transformers' mask
         # builders the position ids: families.discovery.masks_see_packed_rows); ds_longseq's own attention does
         self.stock_masks_see_packed_rows = stock_masks_see_packed_rows
+        # layers with a linear-attention / state-space / short-convolution mixer (DecoderLMAdapter.mixer)
+        self.recurrent_mixers = recurrent_mixers
         self.token_outputs = TokenOutputs(self.head, config.lm_head.enabled, final_logit_softcap, logit_scale)
 
     def configure_fused_head(
@@ -206,6 +209,13 @@ class CausalLMForward:
                 # passes its **kwargs on to every decoder layer.
                 kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start)
             if doc_start is not None:
+                if self.recurrent_mixers:
+                    raise NotImplementedError(
+                        f"packed documents on {type(self.model).__name__}: its linear-attention / state-space layers "
+                        "carry their state across document starts in transformers' torch path (nothing resets it "
+                        "there), so each document would start from the previous one's state. Send one document per "
+                        "row"
+                    )
                 if not self.config.streambp.enabled and not self.stock_masks_see_packed_rows:
                     raise NotImplementedError(
                         f"packed documents on {type(self.model).__name__} without long_seq.streambp: its decoder "

@@ -57,10 +57,14 @@ class StreamBPLayerForward:
         name: str | None = None,
         kv_sharing: tuple[str, str, bool] | None = None,
         streams: int | None = None,
+        mixer: str | None = None,
     ):
         """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``;
         ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``); ``streams``: S when the
-        layer takes its hidden states stacked as (S, B, T, d) (``DecoderLMAdapter.stacked_streams``)."""
+        layer takes its hidden states stacked as (S, B, T, d) (``DecoderLMAdapter.stacked_streams``); ``mixer``:
+        "recurrent" for a layer whose token mixer carries a state instead of attending (its padding mask is its
+        chunk's own, its states are carried from chunk to chunk), "both" for one with an attention beside it,
+        None for an attention layer (``DecoderLMAdapter.mixer``)."""
         self.layer = layer
         self.name = name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
@@ -77,6 +81,9 @@ class StreamBPLayerForward:
         # reuses this key), or None
         self.kv_sharing = kv_sharing
         self.streams = streams
+        self.mixer = mixer
+        # a recurrent mixer's first forward over two chunks or more checks that it uses every carried state
+        self.state_checked = mixer is None
 
     def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
         """``kwargs`` with the positional arguments after the hidden states added by their parameter names
@@ -159,6 +166,15 @@ class StreamBPLayerForward:
             doc_start, _ = find_documents(
                 position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
             )
+        if self.mixer is not None and (sp is not None or doc_start is not None):
+            raise NotImplementedError(
+                f"StreamBP: {self.name} ({type(layer).__name__}) carries a recurrent state (a linear-attention, "
+                "state-space or short-convolution mixer), which "
+                + ("ds_longseq does not yet shard under sequence parallelism: set long_seq.sequence_parallel.size=1"
+                   if sp is not None else
+                   "transformers' torch path does not reset at packed documents' starts (it would carry one "
+                   "document's state into the next): send one document per row")
+            )
         check_zero3_leaf(layer)
         check_no_active_dropout(layer, "long_seq.streambp")
         orig = self.orig_forward
@@ -190,8 +206,10 @@ class StreamBPLayerForward:
                 with chunk_spec(spec):
                     out = orig(
                         h_c,
-                        # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`.
-                        attention_mask=None if attention_mask is None or sp is not None else attention_mask[:, :e],
+                        # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`; a
+                        # recurrent mixer zeroes its chunk's own padded tokens.
+                        attention_mask=None if attention_mask is None or sp is not None else (
+                            attention_mask[:, s:e] if self.mixer == "recurrent" else attention_mask[:, :e]),
                         position_ids=None if position_ids is None else position_ids[..., s:e],
                         **{self.cache_kwarg: stream},
                         use_cache=False,
@@ -203,6 +221,9 @@ class StreamBPLayerForward:
                 _check_chunk_attended(name, layer, stream, s, e)
                 return tokens.pack_output(out[0] if isinstance(out, tuple) else out)
 
+            if not self.state_checked and stream.state.mode == "forward" and stream.state.index == 1:
+                self.state_checked = True
+                _check_carried_states_used(name, layer, stream.state, call)
             if with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
                 return tap.call_recording(call, B, e - s)
             return call()
@@ -213,7 +234,8 @@ class StreamBPLayerForward:
             if sp is not None:
                 result = streambp_sp_apply(run_chunk, tokens.packed, params, self.chunk_size, sp.exchange, offloader)
             else:
-                result = streambp_apply(run_chunk, tokens.packed, params, self.chunk_size, offloader)
+                result = streambp_apply(run_chunk, tokens.packed, params, self.chunk_size, offloader,
+                                        min_chunk=1 if self.mixer is None else 2)
         if role == "store":
             if sp is None:  # what the stock layer stores: its keys/values of the whole sequence
                 shared_states[self.kv_sharing[1]] = (share.k, share.v)
@@ -391,9 +413,45 @@ def _check_chunkable_kwargs(name: str, layer: torch.nn.Module, kwargs: dict) -> 
         )
 
 
+def _check_carried_states_used(name: str, layer: torch.nn.Module, state, call: Callable) -> None:
+    """Raise unless the layer's output on the current (second) chunk changes with each state it starts from.
+
+    A mixer may read a state and still compute its multi-token path without it (Jamba's Mamba scan takes the
+    recurrent state only in its one-token decode step): run chunk by chunk it would silently restart. So the
+    chunk is run once per incoming state with that state perturbed (:meth:`CarriedState.perturbed`), then once
+    as is (what it writes then is what the forward keeps); an output equal to the unperturbed one is refused.
+    Once per layer, on its first forward of two chunks or more."""
+    probes = {}
+    for key in sorted(state.incoming):
+        with state.perturbed(key):
+            probes[key] = call()
+    reference = call()
+    main = (lambda out: out[0] if isinstance(out, tuple) else out)
+    ignored = [key for key, out in probes.items() if torch.equal(main(out), main(reference))]
+    if ignored:
+        raise NotImplementedError(
+            f"StreamBP: {name} ({type(layer).__name__}) reads its carried state(s) {ignored} but computes the same "
+            "output from other values of it (its multi-token path restarts from zeros, e.g. Jamba's Mamba scan): "
+            "run in chunks it would not continue from the tokens before, so long_seq.streambp cannot run this model "
+            "exactly; use mini_seq"
+        )
+
+
 def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: int) -> None:
     """The runtime guard: one cache update and one call of ds_longseq's chunk attention with this chunk's
-    queries and keys, else the layer mixes tokens some other way and would see only its chunk."""
+    queries and keys, else the layer mixes tokens some other way and would see only its chunk. A recurrent
+    mixer must instead read the states the previous chunk wrote and write them again (``CarriedState.problem``);
+    a layer that only does that has no attention to check."""
+    state = getattr(stream, "state", None)
+    if state is not None and state.used:
+        problem = state.problem()
+        if problem is not None:
+            raise NotImplementedError(
+                f"StreamBP: {name} ({type(layer).__name__}) {problem} on tokens [{s}, {e}): run in chunks it would "
+                "not continue from the tokens before, so long_seq.streambp cannot run this model exactly; use mini_seq"
+            )
+        if stream.updates == 0 and not stream.attended:
+            return
     C = e - s
     keys = stream.attended_keys()  # whole-cache mode (KVStream): the prefix too
     if stream.updates == 1 and stream.attended == [(C, keys)]:

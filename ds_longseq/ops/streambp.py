@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ds_longseq.ops.carried_state import CarriedState
 from ds_longseq.ops.chunk_grads import (
     AutocastState,
     ChunkGrads,
@@ -55,9 +56,14 @@ class _KVCaptured(Exception):
     """Raised by ``KVStream.update`` in capture mode to stop the layer right after K/V exist."""
 
 
-def chunk_bounds(total: int, chunk_size: int) -> list[tuple[int, int]]:
-    """[(start, end)] of consecutive chunks of ``chunk_size`` covering ``total`` (last may be short)."""
-    return [(s, min(s + chunk_size, total)) for s in range(0, total, chunk_size)]
+def chunk_bounds(total: int, chunk_size: int, min_chunk: int = 1) -> list[tuple[int, int]]:
+    """[(start, end)] of consecutive chunks of ``chunk_size`` (at least ``min_chunk``) covering ``total`` (last may
+    be short); a last chunk shorter than ``min_chunk`` is merged into the one before it."""
+    chunk_size = max(chunk_size, min_chunk)
+    bounds = [(s, min(s + chunk_size, total)) for s in range(0, total, chunk_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < min_chunk:
+        bounds[-2:] = [(bounds[-2][0], total)]
+    return bounds
 
 
 class SharedKV:
@@ -121,6 +127,10 @@ class KVStream:
     are handed over, its backward adds the consumers' gradient) or ``reads`` (a layer that attends another
     layer's K/V instead of computing its own: :meth:`read_shared` stands in for ``update``, in whole-cache
     mode). Both are set by the decoder layer before each chunk.
+
+    Recurrent token mixers (linear attention, state-space, short convolutions: hybrid stacks) carry their
+    states from chunk to chunk through the linear-attention half of the cache API, which :attr:`state` (a
+    :class:`~ds_longseq.ops.carried_state.CarriedState`) implements.
     """
 
     def __init__(self, total_len: int, concat: bool = False):
@@ -137,6 +147,23 @@ class KVStream:
         # calls during the current chunk, for the caller's check that the layer's attention went
         # through the cache and the chunk attention (``begin_chunk`` resets them)
         self.updates, self.attended, self.updated_shapes = 0, [], None
+        self.state = CarriedState()
+
+    # transformers' linear-attention cache API: the recurrent mixers' states (CarriedState)
+    def get_conv_state(self, *args, **kwargs):
+        return self.state.get_conv_state(*args, **kwargs)
+
+    def get_recurrent_state(self, *args, **kwargs):
+        return self.state.get_recurrent_state(*args, **kwargs)
+
+    def update_conv_state(self, *args, **kwargs):
+        return self.state.update_conv_state(*args, **kwargs)
+
+    def update_recurrent_state(self, *args, **kwargs):
+        return self.state.update_recurrent_state(*args, **kwargs)
+
+    def is_recording_past(self, *args, **kwargs) -> bool:
+        return self.state.is_recording_past(*args, **kwargs)
 
     def begin_chunk(self) -> None:
         """Reset the current chunk's ``updates`` (cache updates, the last one's (key shape, value shape) in
@@ -253,12 +280,19 @@ RunChunk = Callable[[torch.Tensor, int, int, KVStream], "torch.Tensor | tuple[to
 
 def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=None) -> tuple[list[torch.Tensor], Any]:
     """([out, *aux], the stream) of a forward over the chunks, K/V appended to ``stream`` (a new KVStream if
-    None)."""
+    None), recurrent states carried from chunk to chunk (``stream.state``, where the stream has one)."""
     stream = KVStream(hidden.shape[1]) if stream is None else stream
+    state = getattr(stream, "state", None)
+    index = {s: i for i, (s, _) in enumerate(bounds)}
 
     def fn(h_c, s, e):
         stream.start, stream.end = s, e
-        return run_chunk(h_c, s, e, stream)
+        if state is not None:
+            state.enter(index[s])
+        out = run_chunk(h_c, s, e, stream)
+        if state is not None:
+            state.leave()
+        return out
 
     return assemble_chunks(fn, hidden, bounds), stream
 
@@ -270,6 +304,9 @@ class _StreamBPFunction(torch.autograd.Function):
             outs, stream = _forward_chunks(run_chunk, hidden, bounds)
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.concat = run_chunk, bounds, stream.concat
+        ctx.has_kv = stream.k is not None  # an attention (not only a recurrent mixer): its K/V are captured again
+        # a recurrent mixer's states at each chunk's start (small: no token dim), kept on the device for backward
+        ctx.boundaries = stream.state.boundaries if stream.state.first_written else None
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (modules/decoder_layer.py)
@@ -283,15 +320,19 @@ class _StreamBPFunction(torch.autograd.Function):
             grad_out = hidden.new_zeros(ctx.out_shape)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1], concat=ctx.concat)
-        stream.mode = "capture"
-        with torch.no_grad(), ctx.autocast.replay():
-            _capture(run_chunk, hidden, bounds, stream)
-        stream.alloc_grads()
-        stream.mode = "replay"
+        stream.state = CarriedState("capture", ctx.boundaries)
+        if ctx.has_kv:
+            stream.mode = "capture"
+            with torch.no_grad(), ctx.autocast.replay():
+                _capture(run_chunk, hidden, bounds, stream)
+            stream.alloc_grads()
+        stream.mode = stream.state.mode = "replay"
+        state_grads = {}  # gradient of the states the chunk being replayed writes, sent back by the next chunk
         grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=4)
         with torch.enable_grad():
-            for s, e in reversed(bounds):
+            for i, (s, e) in reversed(list(enumerate(bounds))):
                 stream.start, stream.end = s, e
+                stream.state.enter(i)
                 h_c = grads.leaf(hidden[:, s:e])
                 with ctx.autocast.replay():
                     out_c, aux_c = split_outputs(run_chunk(h_c, s, e, stream))
@@ -301,11 +342,21 @@ class _StreamBPFunction(torch.autograd.Function):
                     if t is not None and t.requires_grad:  # None: the layer reads shared K/V (read_shared)
                         outputs.append(t)
                         grad_outputs.append(buf[:, :, s:e].to(t.dtype))
+                more, more_grads = stream.state.outputs_with_grads(state_grads)
+                outputs += more
+                grad_outputs += more_grads
                 leaves = stream.prefix_leaves or ()
-                prefix_grads = grads.backward(outputs, grad_outputs, h_c, s, e, extra=leaves)
+                state_keys = list(stream.state.leaves)
+                extra_grads = grads.backward(
+                    outputs, grad_outputs, h_c, s, e, extra=(*leaves, *stream.state.leaves.values())
+                )
+                prefix_grads, incoming_grads = extra_grads[: len(leaves)], extra_grads[len(leaves):]
                 for buf, g in zip((stream.dk, stream.dv)[: len(leaves)], prefix_grads, strict=True):
                     if g is not None:  # whole-cache mode: the prefix's (or the shared keys') gradient
                         buf[:, :, : g.shape[2]] += g
+                # what this chunk started from: the previous chunk wrote it, and gets this gradient for it
+                state_grads = {k: g for k, g in zip(state_keys, incoming_grads, strict=True) if g is not None}
+                stream.state.leave()
                 stream.k_chunk = stream.v_chunk = stream.prefix_leaves = None
         grad_in, param_grads = grads.result()
         return (grad_in, None, None, None, *param_grads)
@@ -317,6 +368,7 @@ def streambp_apply(
     params: Sequence[torch.nn.Parameter],
     chunk_size: int,
     offloader: LayerInputOffloader | None = None,
+    min_chunk: int = 1,
 ) -> torch.Tensor:
     """Run a causal layer over ``hidden`` with StreamBP.
 
@@ -329,14 +381,20 @@ def streambp_apply(
         params: every parameter the layer uses; those with ``requires_grad`` get exact gradients.
         chunk_size: tokens per chunk.
         offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
+        min_chunk: the fewest tokens a chunk may have (``chunk_size`` is raised to it, a shorter last chunk
+            joins the one before): 2 for a layer with a recurrent mixer, whose 1-token steps take decode
+            kernels that update a state in place.
+
+    ``run_chunk`` may instead (or also) carry recurrent states through ``stream``'s linear-attention cache
+    API (``ops.carried_state``): each chunk then continues from the states the previous one wrote.
 
     Returns:
         (B, T, d) layer output; when ``run_chunk`` returns ``(out_c, *aux_c)``, the tuple ``(out,
         *aux)`` with each auxiliary output assembled along dim 1 and differentiable (its gradient
-        joins the chunk's replay). Under grad mode the only tensor saved for backward is ``hidden``
-        (in the offloader, if given).
+        joins the chunk's replay). Under grad mode the tensors saved for backward are ``hidden`` (in the
+        offloader, if given) and a recurrent mixer's states at each chunk's start.
     """
-    bounds = chunk_bounds(hidden.shape[1], chunk_size)
+    bounds = chunk_bounds(hidden.shape[1], chunk_size, min_chunk)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
         return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, *params)
     outs, _ = _forward_chunks(run_chunk, hidden, bounds)
@@ -508,9 +566,13 @@ def _per_token(key: torch.Tensor, value: torch.Tensor) -> tuple[tuple[int, ...],
 
 
 def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
-    """Run every chunk up to its cache update (no attention, no MLP) so ``stream`` holds its K/V."""
-    for s, e in bounds:
+    """Run every chunk up to its cache update (no attention, no MLP) so ``stream`` holds its K/V (a recurrent
+    mixer before the attention is served its boundary states, ``stream.state`` in capture mode)."""
+    state = getattr(stream, "state", None)
+    for i, (s, e) in enumerate(bounds):
         stream.start, stream.end = s, e
+        if state is not None:
+            state.enter(i)
         try:
             run_chunk(hidden[:, s:e], s, e, stream)
         except _KVCaptured:

@@ -58,10 +58,12 @@ class StreamBP(Technique):
         streams = ctx.adapter.stacked_streams()
         for i, layer in enumerate(ctx.adapter.layers):
             role, key = sharing.get(i, (None, None))
+            recurrent = ctx.adapter.mixer(layer) is not None
+            mixer = None if not recurrent else ("both" if ctx.adapter.attention(layer) is not None else "recurrent")
             forward = StreamBPLayerForward(
                 layer, layer.forward, ctx.config.streambp.chunk_size, ctx.config.attention.kv_block_size,
                 ctx.offload, router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
-                kv_sharing=None if role is None else (role, key, key in reused), streams=streams,
+                kv_sharing=None if role is None else (role, key, key in reused), streams=streams, mixer=mixer,
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
 

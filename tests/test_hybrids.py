@@ -1,0 +1,155 @@
+"""Hybrid stacks under StreamBP: linear-attention, state-space and short-convolution layers carried exactly
+across chunks (``ops.carried_state``), beyond what the family sweep checks at its one chunk size.
+
+Qwen3.5 text (Gated DeltaNet layers with a 4-wide short convolution and the stock torch scan in chunks of 64,
+beside full-attention layers) is the representative; LFM2 (short convolutions only) and Kimi Linear (three
+convolution states per layer) cover the other state layouts. References are the stock model on the whole
+sequence, both sides in full float64 (``tests/model_sweep.py``: stock float32 casts such as Qwen3.5's
+``A_log.float()`` kept at float64, so the comparison holds at 1e-10).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_longseq
+from tests import model_sweep, model_zoo
+from tests.dist_utils import run_distributed
+
+
+def _streambp(chunk_size: int) -> dict:
+    return {"streambp": {"enabled": True, "chunk_size": chunk_size}, "attention": {"kv_block_size": 16},
+            "lm_head": {"enabled": True, "chunk_size": 23}}
+
+
+def _worst_error(model_type: str, config: dict, seq_len: int) -> tuple[str, float]:
+    """(name, relative error) of the worst of loss, input gradient and every parameter gradient, ds_longseq
+    under ``config`` against the stock model on a batch of 2 rows of ``seq_len`` (row 0 padded, row 1's first
+    labels masked)."""
+    torch.manual_seed(0)
+    model = model_zoo.tiny_model(model_type, torch.float64).train()
+    batch = model_zoo.tiny_batch(model_type, seq_len=seq_len)
+    ref_loss, ref_grads, ref_embeds = model_sweep._loss_and_grads(model, batch)
+    ours = ds_longseq.enable(model, config)
+    try:
+        loss, grads, embeds = model_sweep._loss_and_grads(ours, batch)
+    finally:
+        ds_longseq.disable(model)
+    floor = model_sweep.FLOOR * max(g.norm().item() for g in ref_grads.values())
+    errors = {"loss": model_sweep._rel(loss, ref_loss), "input_grad": model_sweep._rel(embeds, ref_embeds)}
+    errors.update({n: model_sweep._rel(grads[n], ref_grads[n], floor) for n in ref_grads})
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 13, 64, 100])
+def test_qwen3_5_chunk_boundaries_anywhere(chunk_size):
+    """150 tokens in chunks that are not multiples of the convolution width (4) nor of the stock scan's 64-token
+    blocks, shorter than the window (1 runs as 2, the fewest a recurrent layer's chunk takes: every chunk continues
+    the previous one's window; a 1-token last chunk joins the one before), and one chunk spanning several scan
+    blocks: exact."""
+    worst, error = _worst_error("qwen3_5_text", _streambp(chunk_size), 150)
+    assert error < 1e-10, (worst, error)
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "kimi_linear"])
+def test_other_state_layouts_over_many_chunks(model_type):
+    """LFM2's short convolution (a conv state only) and Kimi Linear's three convolution states plus a recurrent
+    one, over 9 chunks of 11 tokens: exact."""
+    worst, error = _worst_error(model_type, _streambp(11), 99)
+    assert error < 1e-10, (worst, error)
+
+
+def test_mixer_layer_keeps_its_input_and_the_boundary_states_only():
+    """What a Gated DeltaNet layer under StreamBP keeps from forward to backward: its input (the only tensor saved
+    through autograd) and the states at each chunk's start, none with a token dim (nothing of T x inner dim)."""
+    model = ds_longseq.enable(model_zoo.tiny_model("qwen3_5_text", torch.float64), _streambp(13))
+    layer = model.model.layers[0]
+    assert model.config.layer_types[0] == "linear_attention"
+    T = 40
+    h = torch.randn(2, T, model.config.hidden_size, dtype=torch.float64, requires_grad=True)
+    pos = torch.arange(T).unsqueeze(0)
+    cos_sin = model.model.rotary_emb(h, pos.expand(3, 1, -1))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(h, position_embeddings=cos_sin, position_ids=pos)
+    assert len(saved) == 1 and saved[0] is h
+    boundaries = out.grad_fn.boundaries
+    assert len(boundaries) == 3 and boundaries[0] == {}  # chunks 13, 13, 13, 1: the last joins, 13, 13, 14
+    attn = layer.linear_attn
+    for states in boundaries[1:]:
+        assert set(states) == {("conv", 0), ("recurrent", 0)}
+        assert states[("conv", 0)].shape == (2, attn.conv_dim, attn.conv_kernel_size)
+        assert states[("recurrent", 0)].shape == (2, attn.num_v_heads, attn.head_k_dim, attn.head_v_dim)
+    out.square().sum().backward()
+    assert h.grad is not None and all(p.grad is not None for p in layer.parameters())
+
+
+def test_mutation_state_gradient_not_sent_back_is_caught(monkeypatch):
+    """A carried state whose gradient never reaches the previous chunk (detached between chunks) must be reported
+    as a difference."""
+    from ds_longseq.ops.carried_state import CarriedState
+
+    monkeypatch.setattr(CarriedState, "outputs_with_grads", lambda self, grads: ([], []))
+    result = model_sweep.check_family("qwen3_5_text", "streambp")
+    assert result.outcome == "different", result
+
+
+def test_state_read_but_ignored_is_refused_at_the_first_forward():
+    """Jamba's Mamba layers read their recurrent state but their multi-token scan starts from zeros: run in chunks
+    they would silently restart, so the first forward over two chunks refuses them, naming the layer."""
+    result = model_sweep.check_family("jamba", "streambp")
+    assert result.outcome == "refused" and "JambaMambaDecoderLayer) reads its carried state(s) [('recurrent', 0)]" in (
+        result.detail), result
+
+
+def test_mixer_that_does_not_carry_its_state_is_refused(monkeypatch):
+    """A recurrent mixer that writes no state for the next chunk in its second chunk is refused by the runtime
+    guard, naming the layer."""
+    from ds_longseq.ops.carried_state import CarriedState
+
+    update = CarriedState.update_recurrent_state
+
+    def forgetful(self, states, *args, **kwargs):
+        return states if self.index > 0 else update(self, states, *args, **kwargs)
+
+    monkeypatch.setattr(CarriedState, "update_recurrent_state", forgetful)
+    result = model_sweep.check_family("qwen3_5_text", "streambp")
+    assert result.outcome == "refused" and "did not write its state(s) [('recurrent', 0)]" in result.detail, result
+
+
+@pytest.mark.parametrize("mode", sorted(model_sweep.MODES))
+def test_packed_rows_are_refused_on_hybrids(mode):
+    """transformers' torch path carries a linear-attention state across packed documents' starts: refused before
+    compute in both modes, naming the fix."""
+    model = ds_longseq.enable(model_zoo.tiny_model("qwen3_5_text", torch.float64), model_sweep.MODES[mode])
+    batch = model_zoo.tiny_batch("qwen3_5_text")
+    del batch["attention_mask"]
+    batch["position_ids"] = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, -1)
+    with pytest.raises(NotImplementedError, match="packed documents on Qwen3_5ForCausalLM: its linear-attention"):
+        model(**batch)
+
+
+def test_sequence_parallelism_is_refused_on_hybrids():
+    with pytest.raises(ds_longseq.UnsupportedModelError, match=r"sequence_parallel on .*without such a test"):
+        ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_5_text", torch.float64),
+                                     {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
+
+
+# --- ZeRO-3 on 2 CPU ranks, float32 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", sorted(model_sweep.MODES))
+def test_zero3_two_ranks_match_one_process(mode):
+    """Qwen3.5 text under ZeRO-3 with StreamBP or mini_seq: every parameter after 2 steps as one process with the
+    stock model (1e-5 relative: float32 rounding over two steps)."""
+    from tests.test_feature_families import _one_process, _zero3_worker
+
+    results = run_distributed(_zero3_worker, 2, ("qwen3_5_text", mode))
+    reference = _one_process("qwen3_5_text", 2)
+    for name, ref in reference.items():
+        for rank, result in enumerate(results):
+            err = model_sweep._rel(result["params"][name], ref)
+            assert err < 1e-5, (name, rank, err)
+    assert results[0]["losses"] != results[1]["losses"]
