@@ -397,6 +397,11 @@ _QWEN4_EXP_TEXT = {
     "indexer_compress_ratio": 4,
 }
 OVERRIDES: dict[str, dict] = {
+    # Falcon-H1's multipliers are all 1.0 by default; its checkpoints scale the LM head, the embeddings, the
+    # attention and the SSM (e.g. lm_head_multiplier 0.0390625 in Falcon-H1-0.5B): values that bite
+    "falcon_h1": {"lm_head_multiplier": 0.6, "embedding_multiplier": 1.7, "mlp_multipliers": [0.9, 1.3],
+                  "key_multiplier": 0.8, "attention_out_multiplier": 1.2, "attention_in_multiplier": 0.9,
+                  "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.05], "ssm_in_multiplier": 1.1, "ssm_out_multiplier": 0.95},
     # no attention layer by default (attn_layer_indices None, a pure Mamba-2 stack); Bamba-9B has some
     "bamba": {"attn_layer_indices": [1]},
     # layer kinds come from periods: Mamba+dense, Mamba+MoE and attention+dense (the three the default mixes)

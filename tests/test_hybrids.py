@@ -153,3 +153,24 @@ def test_zero3_two_ranks_match_one_process(mode):
             err = model_sweep._rel(result["params"][name], ref)
             assert err < 1e-5, (name, rank, err)
     assert results[0]["losses"] != results[1]["losses"]
+
+
+def test_bamba_z_loss_is_refused_unless_zero():
+    """Bamba's head adds a z-loss over every position's logits when z_loss_coefficient > 0 (the chunked head does
+    not compute it): refused then, naming the setting; at its default 0 the head is plain (the sweep: exact)."""
+    model = model_zoo.tiny_model("bamba", torch.float64)
+    assert ds_longseq.patch.check_model(model, model_sweep.MODES["streambp"]).spec.head_kind == "z_loss"
+    model.z_loss_coefficient = 1e-4
+    with pytest.raises(ds_longseq.UnsupportedModelError, match=r"z_loss_coefficient=0.0001.*set config.z_loss_coeff"):
+        ds_longseq.enable(model, model_sweep.MODES["streambp"])
+
+
+def test_mutation_falcon_h1_head_multiplier_dropped_is_caught(monkeypatch):
+    """Falcon-H1 multiplies its logits by model.model.lm_head_multiplier (0.6 in the zoo); a chunked head without
+    it must be reported as a difference."""
+    from ds_longseq.families import decoder
+
+    scale = decoder.logit_scale
+    monkeypatch.setattr(decoder, "logit_scale", lambda model, kind: 1.0 if kind == "lm_head_multiplier" else (
+        scale(model, kind)))
+    assert model_sweep.check_family("falcon_h1", "streambp").outcome == "different"

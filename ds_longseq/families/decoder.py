@@ -9,6 +9,7 @@ Holds:
         and the structural checks every technique relies on.
     ACTIVATION_KINDS, norm_kind: activation and norm classes by the function they compute.
     PER_TOKEN_LAYER_INPUTS: decoder-layer arguments holding one entry per token besides the hidden states.
+    RECURRENT_MASK_KWARGS: decoder-layer arguments holding a recurrent mixer's own padding mask.
     KV_SHARING_KWARG: the decoder-layer argument cross-layer K/V sharing goes through.
 
 A spec names where a family's parts are (decoder stack, layers, attention, MLP, router, LM head) and what
@@ -45,6 +46,7 @@ __all__ = [
     "norm_kind",
     "ACTIVATION_KINDS",
     "PER_TOKEN_LAYER_INPUTS",
+    "RECURRENT_MASK_KWARGS",
     "KV_SHARING_KWARG",
 ]
 
@@ -58,6 +60,11 @@ PER_TOKEN_LAYER_INPUTS = frozenset({"per_layer_input"})
 (B, T, ...) like the hidden states, in the hidden states' dtype: StreamBP cuts them into the same chunks and
 gives them exact gradients. Gemma 3n's and Gemma 4's per-layer inputs (a per-token embedding plus a projection
 of the input embeddings, gating a residual branch at the end of each layer)."""
+
+RECURRENT_MASK_KWARGS = frozenset({"mamba_attention_mask"})
+"""Decoder-layer arguments holding a (B, T) padding mask for the layer's recurrent mixer alone, beside the
+attention's ``attention_mask`` (Falcon-H1 runs attention and Mamba side by side): StreamBP gives each chunk its
+own tokens' slice."""
 
 ACTIVATION_KINDS: dict[str, str] = {
     "SiLUActivation": "silu",  # transformers' ACT2FN["silu"]

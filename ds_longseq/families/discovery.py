@@ -64,6 +64,11 @@ HEAD_TEMPLATES: dict[str, tuple[str, ...]] = {
     "logits_scaling": ("GraniteForCausalLM",),
     # logits = lm_head(hidden) * config.logits_scaling (HyperCLOVA X's layout)
     "logits_multiplier": ("HyperCLOVAXForCausalLM",),
+    # logits = lm_head(hidden) * model.model.lm_head_multiplier (Falcon-H1's layout)
+    "lm_head_multiplier": ("FalconH1ForCausalLM",),
+    # the plain head plus z_loss_coefficient x mean(logsumexp(logits)^2) over every position (Bamba's layout):
+    # run as plain where the coefficient is 0 (its default), refused otherwise
+    "z_loss": ("BambaForCausalLM",),
     # Mixtral's load-balancing loss on Granite's scaled logits (Granite-MoE's layout)
     "moe_aux_logits_scaling": ("GraniteMoeForCausalLM",),
     # logits = lm_head(hidden / config.logits_scaling) (MiniCPM3's layout): with no head bias, the same as
@@ -252,6 +257,8 @@ def logit_scale(model: torch.nn.Module, kind: str) -> float:
         return 1.0 / float(text_config(model).logits_scaling)
     if kind == "logits_multiplier":
         return float(text_config(model).logits_scaling)
+    if kind == "lm_head_multiplier":
+        return float(model.model.lm_head_multiplier)
     return 1.0
 
 
@@ -459,6 +466,10 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     if not is_plain_linear(head) or not head_attrs:
         problems.append(f"{cls}'s output embeddings are {type(head).__name__}, not a plain torch.nn.Linear child "
                         "(ds_longseq's chunked head computes hidden @ weight.T + bias and nothing else)")
+    elif kind == "z_loss" and getattr(model, "z_loss_coefficient", 0.0):
+        problems.append(f"{cls} adds a z-loss (z_loss_coefficient={model.z_loss_coefficient}: the squared logsumexp "
+                        "of every position's logits), which ds_longseq's chunked head does not compute; set "
+                        "config.z_loss_coefficient=0.0")
     elif kind == "hidden_scaling" and head.bias is not None:
         problems.append(f"{cls} scales the hidden states before an LM head with a bias, which ds_longseq's chunked "
                         "head (scaling the logits instead) would not reproduce")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ds_longseq.compat import CACHE_KWARGS, cache_kwarg, pop_cache
-from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS
+from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS, RECURRENT_MASK_KWARGS
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, chunk_spec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import check_no_active_dropout
@@ -133,6 +133,7 @@ class StreamBPLayerForward:
         layer = self.layer
         tokens = _TokenInputs(self.name, layer, hidden_states, kwargs, self.streams)
         B, T = tokens.batch_shape
+        mixer_masks = {key: kwargs.pop(key) for key in RECURRENT_MASK_KWARGS if key in kwargs}  # cut per chunk
         shared_states = kwargs.pop(KV_SHARING_KWARG, None)
         share = self._shared_kv(shared_states)
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
@@ -191,6 +192,7 @@ class StreamBPLayerForward:
             )
 
         role = None if share is None else self.kv_sharing[0]
+        returned = [None]  # how many things the stock layer returns: 0 for its hidden states alone, else a tuple's
 
         def run_chunk(x_c: torch.Tensor, s: int, e: int, stream):
             h_c, per_token = tokens.split(x_c)
@@ -216,10 +218,16 @@ class StreamBPLayerForward:
                         position_embeddings=_chunk_of(position_embeddings, s, e),
                         **{SPEC_KWARG: spec},
                         **per_token,
+                        **{key: None if m is None else m[:, s:e] for key, m in mixer_masks.items()},
                         **kwargs,
                     )
                 _check_chunk_attended(name, layer, stream, s, e)
-                return tokens.pack_output(out[0] if isinstance(out, tuple) else out)
+                if isinstance(out, tuple):
+                    returned[0] = _check_extra_outputs(name, layer, out)
+                    out = out[0]
+                else:
+                    returned[0] = 0
+                return tokens.pack_output(out)
 
             if not self.state_checked and stream.state.mode == "forward" and stream.state.index == 1:
                 self.state_checked = True
@@ -242,10 +250,12 @@ class StreamBPLayerForward:
             if not self.kv_sharing[2]:  # kept for the backward only when a later layer attends them
                 share.release()
         if with_router_logits:
-            out, logits = result
+            result, logits = result
             record_router_logits(logits.flatten(0, 1))
-            return tokens.unpack_output(out)
-        return tokens.unpack_output(result)
+        out = tokens.unpack_output(result)
+        # as the stock layer returns it (Bamba's decoder unpacks (hidden states, attention weights)); its other
+        # outputs were None in every chunk (_check_extra_outputs)
+        return (out, *[None] * (returned[0] - 1)) if returned[0] else out
 
 
     def _shared_kv(self, shared_states) -> SharedKV | None:
@@ -411,6 +421,19 @@ def _check_chunkable_kwargs(name: str, layer: torch.nn.Module, kwargs: dict) -> 
             f"StreamBP: {name} ({type(layer).__name__}) is called with {tensors}, which StreamBP does not cut into "
             f"chunks (it cuts {_CHUNKED_KWARGS}): this model cannot run under long_seq.streambp; use mini_seq"
         )
+
+
+def _check_extra_outputs(name: str, layer: torch.nn.Module, out: tuple) -> int:
+    """``len(out)`` of a layer returning a tuple, whose elements after the hidden states must all be None (attention
+    weights and caches, off in training): anything else would be one chunk's, which StreamBP does not assemble."""
+    extra = [type(x).__name__ for x in out[1:] if x is not None]
+    if extra:
+        raise NotImplementedError(
+            f"StreamBP: {name} ({type(layer).__name__}) returns {extra} beside its hidden states, which StreamBP "
+            "does not assemble from its chunks (output_attentions off?): this model cannot run under "
+            "long_seq.streambp; use mini_seq"
+        )
+    return len(out)
 
 
 def _check_carried_states_used(name: str, layer: torch.nn.Module, state, call: Callable) -> None:
