@@ -60,7 +60,7 @@ class ModelShape:
     """A decoder-only model's dimensions; ``family`` picks the transformers config and model classes."""
 
     name: str
-    family: Literal["llama", "qwen3", "gpt_oss", "deepseek_v3"]
+    family: Literal["llama", "qwen3", "gpt_oss", "deepseek_v3", "qwen3_5"]
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -77,7 +77,8 @@ class ModelShape:
         import transformers
 
         cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
-               "gpt_oss": transformers.GptOssConfig, "deepseek_v3": transformers.DeepseekV3Config}[self.family]
+               "gpt_oss": transformers.GptOssConfig, "deepseek_v3": transformers.DeepseekV3Config,
+               "qwen3_5": transformers.Qwen3_5TextConfig}[self.family]
         kwargs = dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -121,7 +122,15 @@ DEEPSEEK_V3_SMALL = ModelShape(
            ("v_head_dim", 64), ("n_routed_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 344),
            ("first_k_dense_replace", 1), ("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1)),
 )
-SHAPES = {s.name: s for s in (LLAMA_SMALL, GPT_OSS_SMALL, DEEPSEEK_V3_SMALL)}
+# Issue 28's memory check: Qwen3.5's hybrid layout at LLAMA_SMALL's width, depth and vocabulary (three Gated
+# DeltaNet layers with a 4-wide short convolution, then one gated full-attention layer, as Qwen3.5 repeats them)
+QWEN3_5_SMALL = ModelShape(
+    "qwen3.5-small", "qwen3_5", 512, 1376, 4, 8, 2, 32000, head_dim=64,
+    extra=(("layer_types", ["linear_attention"] * 3 + ["full_attention"]), ("linear_num_key_heads", 4),
+           ("linear_num_value_heads", 8), ("linear_key_head_dim", 64), ("linear_value_head_dim", 64),
+           ("linear_conv_kernel_dim", 4)),
+)
+SHAPES = {s.name: s for s in (LLAMA_SMALL, GPT_OSS_SMALL, DEEPSEEK_V3_SMALL, QWEN3_5_SMALL)}
 """The shapes the CPU memory benchmark takes by name (``--shape``)."""
 LLAMA_TINY = ModelShape("llama-tiny", "llama", 64, 160, 2, 4, 2, 512)
 QWEN3_TINY = ModelShape("qwen3-tiny", "qwen3", 64, 160, 2, 4, 2, 512, head_dim=16, tie_word_embeddings=True)
@@ -156,7 +165,8 @@ def build_model(shape: ModelShape, *, dtype: str, device: str, seq_len: int, see
     import transformers
 
     cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-           "gpt_oss": transformers.GptOssForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM}[shape.family]
+           "gpt_oss": transformers.GptOssForCausalLM, "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+           "qwen3_5": transformers.Qwen3_5ForCausalLM}[shape.family]
     config = shape.config(max_position_embeddings=max(seq_len, 4096))
     torch.manual_seed(seed)
     with _default_dtype(getattr(torch, dtype)), torch.device(device):

@@ -174,3 +174,18 @@ def test_mutation_falcon_h1_head_multiplier_dropped_is_caught(monkeypatch):
     monkeypatch.setattr(decoder, "logit_scale", lambda model, kind: 1.0 if kind == "lm_head_multiplier" else (
         scale(model, kind)))
     assert model_sweep.check_family("falcon_h1", "streambp").outcome == "different"
+
+
+def test_layer_inputs_offloaded_to_host_memory():
+    """StreamBP with the layer inputs in host memory (the boundary states stay on the device): exact."""
+    config = {**_streambp(13), "offload": {"layer_inputs": "cpu"}}
+    worst, error = _worst_error("qwen3_5_text", config, 40)
+    assert error < 1e-10, (worst, error)
+
+
+@pytest.mark.parametrize("mode", sorted(model_sweep.MODES))
+def test_lora_matches_peft(mode):
+    """LoRA on every linear layer (the Gated DeltaNet projections included) through PEFT: as PEFT's own model."""
+    from tests.test_feature_families import test_lora_matches_peft as lora_parity
+
+    lora_parity("qwen3_5_text", mode)
