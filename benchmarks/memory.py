@@ -2,7 +2,7 @@
 
 For each method and sequence length, a fresh child process (``benchmarks.harness.spawn``) builds
 the small Llama-shaped model (``benchmarks.recipes.LLAMA_SMALL``: random weights, float32,
-batch 1; ``--shape`` picks gpt-oss's or DeepSeek-V3's layout at the same size instead), records
+batch 1; ``--shape`` picks gpt-oss's, DeepSeek-V3's or Qwen3.5's hybrid layout at the same size instead), records
 the process's peak resident set size (``ru_maxrss``) as the baseline, runs
 exactly one forward + backward step (no optimizer step) and reports the peak RSS minus that
 baseline, in MiB. Fresh processes matter: ``ru_maxrss`` is a high-water mark and the allocator

@@ -34,7 +34,8 @@ from ds_longseq.modules import mlp as mlp_module
 from tests import model_zoo
 from tests.helpers import grads_of
 
-__all__ = ["MODES", "TOLERANCE", "Result", "full_float64", "check_family", "sweep", "render_markdown", "main"]
+__all__ = ["MODES", "TOLERANCE", "Result", "full_float64", "check_family", "worst_error", "sweep", "render_markdown",
+           "main"]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "SUPPORTED_MODELS.md"
 
@@ -129,6 +130,19 @@ zero in exact arithmetic (a top-1 router's weight, whose renormalised routing we
 rounding noise (~1e-17), whose relative error means nothing."""
 
 
+def worst_error(result, reference) -> tuple[str, float]:
+    """(name, relative error) of the worst of the loss, the input-embedding gradient and every parameter gradient of
+    ``result`` against ``reference`` (each ``(loss, {name: grad}, input grad)``), a parameter gradient compared
+    against at least :data:`FLOOR` x the largest reference gradient's norm."""
+    loss, grads, embeds = result
+    ref_loss, ref_grads, ref_embeds = reference
+    errors = {"loss": _rel(loss, ref_loss), "input_grad": _rel(embeds, ref_embeds)}
+    floor = FLOOR * max(g.double().norm().item() for g in ref_grads.values())
+    errors.update({f"grad:{n}": _rel(grads[n], ref_grads[n], floor) for n in ref_grads})
+    worst = max(errors, key=errors.get)
+    return worst, errors[worst]
+
+
 def _loss_and_grads(model, batch):
     """(loss, {name: grad, zeros where none}, input-embedding-output grad), forward and backward in full float64."""
     with full_float64():
@@ -214,17 +228,12 @@ def check_family(model_type: str, mode: str, batch: dict | None = None) -> Resul
     if not wanted <= ran:
         return Result(model_type, mode, "different",
                       f"the chunked path ran on {len(wanted & ran)} of {len(wanted)} layers", seconds)
-    loss, grads, embeds = ours
-    ref_loss, ref_grads, ref_embeds = reference
-    if set(grads) != set(ref_grads):
-        return Result(model_type, mode, "different", f"parameters differ: {sorted(set(grads) ^ set(ref_grads))}")
-    errors = {"loss": _rel(loss, ref_loss), "input_grad": _rel(embeds, ref_embeds)}
-    floor = FLOOR * max(g.double().norm().item() for g in ref_grads.values())
-    errors.update({f"grad:{n}": _rel(grads[n], ref_grads[n], floor) for n in ref_grads})
-    worst = max(errors, key=errors.get)
-    if not errors[worst] < TOLERANCE:  # (NaN fails too)
-        return Result(model_type, mode, "different", f"{worst} relative error {errors[worst]:.2e}", seconds)
-    return Result(model_type, mode, "exact", f"{errors[worst]:.1e}", seconds)
+    if set(ours[1]) != set(reference[1]):
+        return Result(model_type, mode, "different", f"parameters differ: {sorted(set(ours[1]) ^ set(reference[1]))}")
+    worst, error = worst_error(ours, reference)
+    if not error < TOLERANCE:  # (NaN fails too)
+        return Result(model_type, mode, "different", f"{worst} relative error {error:.2e}", seconds)
+    return Result(model_type, mode, "exact", f"{error:.1e}", seconds)
 
 
 _CACHE: dict[tuple[str, str], Result] = {}
