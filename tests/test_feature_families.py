@@ -142,9 +142,10 @@ SP_MODES = {
 def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MODES), mutation: str | None = None):
     """Each rank its shard of the batch (20 of 40 tokens; different valid-token counts), every mode; the
     ranks' gradients summed (each holds its tokens' share). ``out["capture_at"]``: where the sequence-parallel
-    StreamBP layers took their keys/values (``GlobalKVStream.capture_at``). ``mutation`` "expanded_kv_grad_dropped"
-    (a control): keys/values taken at the attention call are detached in the K/V pass, so their gradient never
-    reaches the layer's K/V projections."""
+    StreamBP layers took their keys/values (``GlobalKVStream.capture_at``). ``mutation`` (a control):
+    "expanded_kv_grad_dropped", keys/values taken at the attention call are detached in the K/V pass, so their
+    gradient never reaches the layer's K/V projections; "state_not_passed", recurrent layers start every rank from
+    zeros (the previous rank's states are received and dropped)."""
     import torch.distributed as dist
 
     from ds_longseq.engine import shard_batch
@@ -167,6 +168,11 @@ def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MOD
     GlobalKVStream.attends = recorded
     if mutation == "expanded_kv_grad_dropped":
         GlobalKVStream._take = dropped
+    if mutation == "state_not_passed":  # recurrent layers start every rank from zeros
+        from ds_longseq.ops.state_passing import StateRing
+
+        StateRing.from_previous = lambda self, device: ({} if self.prev is None else (self._recv(self.prev, device),
+                                                                                     {})[1])
     local = shard_batch(model_zoo.tiny_batch(model_type), rank, 2)
     out = {}
     for mode in modes:

@@ -126,9 +126,41 @@ def test_packed_rows_are_refused_on_hybrids(mode):
         model(**batch)
 
 
-def test_sequence_parallelism_is_refused_on_hybrids():
+def test_sequence_parallel_matches_one_process():
+    """Qwen3.5 text under Ulysses SP=2 with StreamBP: the Gated DeltaNet layers continue from the previous rank's
+    states (and send their gradient back), the attention layer exchanges heads; loss, this rank's input gradient
+    and every parameter gradient as one process at 1e-10 (float64; the ranks hold different numbers of valid
+    tokens). Without StreamBP a recurrent layer has no state to start from: refused at enable, naming why."""
+    from tests.test_feature_families import _sp_worker
+
+    batch = model_zoo.tiny_batch("qwen3_5_text")
+    reference = model_sweep._loss_and_grads(model_zoo.tiny_model("qwen3_5_text", torch.float64).train(), batch)
+    half = batch["input_ids"].shape[1] // 2
+    for rank, result in enumerate(run_distributed(_sp_worker, 2, ("qwen3_5_text",))):
+        for mode in ("ulysses_only", "mini_seq"):
+            refusal = result[mode]
+            assert "carry a recurrent state" in refusal and "Enable long_seq.streambp" in refusal, refusal
+        loss, grads, embeds = result["streambp"]
+        local_reference = (reference[0], reference[1], reference[2][:, rank * half:(rank + 1) * half])
+        worst, error = model_sweep.worst_error((loss, grads, embeds), local_reference)
+        assert error < 1e-10, (rank, worst, error)
+
+
+def test_mutation_state_not_passed_between_ranks_is_caught():
+    """If the second rank's recurrent layers started from zeros (no state from the first rank), the parity check
+    must see it."""
+    from tests.test_feature_families import _sp_worker
+
+    batch = model_zoo.tiny_batch("qwen3_5_text")
+    reference = model_sweep._loss_and_grads(model_zoo.tiny_model("qwen3_5_text", torch.float64).train(), batch)
+    result = run_distributed(_sp_worker, 2, ("qwen3_5_text", ("streambp",), "state_not_passed"))[1]
+    _, error = model_sweep.worst_error(result["streambp"], (reference[0], reference[1], reference[2][:, 20:]))
+    assert error > 1e-3, error
+
+
+def test_sequence_parallelism_is_refused_where_not_verified():
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"sequence_parallel on .*without such a test"):
-        ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_5_text", torch.float64),
+        ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_next", torch.float64),
                                      {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
 
 

@@ -96,6 +96,11 @@ OVERRIDES: dict[str, dict] = {
     # multi-head latent attention (values of another head dim) under Ulysses: the same test; under StreamBP its
     # keys/values are taken at the attention call, expanded from the cached latent token by token
     "deepseek_v3": {"sequence_parallel_verified": True},
+    # Gated DeltaNet layers under StreamBP pass their state rank to rank (ops.state_passing), gated attention
+    # under Ulysses: tests/test_hybrids.py::test_sequence_parallel_matches_one_process (the text model; the
+    # multimodal container's decoder is the same)
+    "qwen3_5_text": {"sequence_parallel_verified": True},
+    "qwen3_5": {"sequence_parallel_verified": True},
 }
 """model_type -> ``FamilySpec`` fields that cannot be read from structure, for discovered families (each checked
 by the sweep, tests/test_model_sweep.py, and per forward by the mask audit)."""

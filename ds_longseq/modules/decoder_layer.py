@@ -25,6 +25,7 @@ from ds_longseq.modules.replay import check_no_active_dropout
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
+from ds_longseq.ops.state_passing import StateRing
 from ds_longseq.ops.streambp import SharedKV, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
@@ -167,14 +168,18 @@ class StreamBPLayerForward:
             doc_start, _ = find_documents(
                 position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
             )
-        if self.mixer is not None and (sp is not None or doc_start is not None):
+        if self.mixer is not None and (doc_start is not None or (sp is not None and sp.doc_start is not None)):
             raise NotImplementedError(
                 f"StreamBP: {self.name} ({type(layer).__name__}) carries a recurrent state (a linear-attention, "
-                "state-space or short-convolution mixer), which "
-                + ("ds_longseq does not yet shard under sequence parallelism: set long_seq.sequence_parallel.size=1"
-                   if sp is not None else
-                   "transformers' torch path does not reset at packed documents' starts (it would carry one "
-                   "document's state into the next): send one document per row")
+                "state-space or short-convolution mixer), which transformers' torch path does not reset at packed "
+                "documents' starts (it would carry one document's state into the next): send one document per row"
+            )
+        if self.mixer == "both" and sp is not None:
+            raise NotImplementedError(
+                f"StreamBP: {self.name} ({type(layer).__name__}) runs an attention and a recurrent mixer side by "
+                "side, which ds_longseq does not run under sequence parallelism yet (the attention's keys are "
+                "exchanged once per layer, the mixer's state passed rank to rank): set "
+                "long_seq.sequence_parallel.size=1"
             )
         check_zero3_leaf(layer)
         check_no_active_dropout(layer, "long_seq.streambp")
@@ -210,8 +215,9 @@ class StreamBPLayerForward:
                         h_c,
                         # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`; a
                         # recurrent mixer zeroes its chunk's own padded tokens.
-                        attention_mask=None if attention_mask is None or sp is not None else (
-                            attention_mask[:, s:e] if self.mixer == "recurrent" else attention_mask[:, :e]),
+                        attention_mask=None if attention_mask is None else (
+                            attention_mask[:, s:e] if self.mixer == "recurrent" else (
+                                None if sp is not None else attention_mask[:, :e])),
                         position_ids=None if position_ids is None else position_ids[..., s:e],
                         **{self.cache_kwarg: stream},
                         use_cache=False,
@@ -239,11 +245,12 @@ class StreamBPLayerForward:
         offloader = None if self.offload is None else self.offload.offloader()
         # The router runs once per chunk (and again in backward): not what transformers should record.
         with collection_paused() if tap is not None else nullcontext():
-            if sp is not None:
+            if sp is not None and self.mixer is None:
                 result = streambp_sp_apply(run_chunk, tokens.packed, params, self.chunk_size, sp.exchange, offloader)
-            else:
+            else:  # a recurrent layer under sequence parallelism continues from the previous rank's state
                 result = streambp_apply(run_chunk, tokens.packed, params, self.chunk_size, offloader,
-                                        min_chunk=1 if self.mixer is None else 2)
+                                        min_chunk=1 if self.mixer is None else 2,
+                                        ring=None if sp is None else StateRing(sp.exchange.group))
         if role == "store":
             if sp is None:  # what the stock layer stores: its keys/values of the whole sequence
                 shared_states[self.kv_sharing[1]] = (share.k, share.v)

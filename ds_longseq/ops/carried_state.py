@@ -49,8 +49,12 @@ class CarriedState:
     (:meth:`problem`).
     """
 
-    def __init__(self, mode: str = "forward", boundaries: list[dict[StateKey, torch.Tensor]] | None = None):
+    def __init__(self, mode: str = "forward", boundaries: list[dict[StateKey, torch.Tensor]] | None = None,
+                 initial: dict[StateKey, torch.Tensor] | None = None):
+        """``initial``: the states the first chunk starts from (forward; under sequence parallelism the previous
+        rank's final ones, ``ops.state_passing``), none for the sequence's start."""
         self.mode = mode
+        self.initial = initial or {}
         self.boundaries: list[dict[StateKey, torch.Tensor]] = [] if boundaries is None else boundaries
         self.kernel: dict[int, int] = {}  # conv window width per state index (set by the first update)
         self.incoming: dict[StateKey, torch.Tensor] = {}  # the current chunk's starting states
@@ -70,7 +74,7 @@ class CarriedState:
         boundary (capture, replay: as leaves requiring grad)."""
         self.index = index
         if self.mode == "forward":
-            self.incoming = self.written if index > 0 else {}
+            self.incoming = self.written if index > 0 else self.initial
             self.boundaries.append(self.incoming)
         else:
             states = self.boundaries[index] if index < len(self.boundaries) else {}
@@ -79,6 +83,11 @@ class CarriedState:
                 states = self.leaves
             self.incoming = states
         self.written, self.read = {}, set()
+
+    @property
+    def used_any(self) -> bool:
+        """Whether the layer carried a state through this pass (chunk 0 wrote one)."""
+        return bool(self.first_written)
 
     def leave(self) -> None:
         """End the current chunk (forward: what it wrote becomes the next chunk's start)."""

@@ -299,14 +299,20 @@ def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=No
 
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, offloader, *params):
+    def forward(ctx, hidden, run_chunk, bounds, offloader, ring, *params):
+        stream = KVStream(hidden.shape[1])
+        if ring is not None:  # sequence parallelism: a recurrent layer continues from the previous rank's states
+            stream.state = CarriedState(initial=ring.from_previous(hidden.device))
         with torch.no_grad():
-            outs, stream = _forward_chunks(run_chunk, hidden, bounds)
+            outs, stream = _forward_chunks(run_chunk, hidden, bounds, stream)
+        if ring is not None:
+            ring.to_next(stream.state.written)
+        ctx.ring = ring
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.concat = run_chunk, bounds, stream.concat
         ctx.has_kv = stream.k is not None  # an attention (not only a recurrent mixer): its K/V are captured again
         # a recurrent mixer's states at each chunk's start (small: no token dim), kept on the device for backward
-        ctx.boundaries = stream.state.boundaries if stream.state.first_written else None
+        ctx.boundaries = stream.state.boundaries if stream.state.used_any else None
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (modules/decoder_layer.py)
@@ -327,8 +333,10 @@ class _StreamBPFunction(torch.autograd.Function):
                 _capture(run_chunk, hidden, bounds, stream)
             stream.alloc_grads()
         stream.mode = stream.state.mode = "replay"
-        state_grads = {}  # gradient of the states the chunk being replayed writes, sent back by the next chunk
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=4)
+        # gradient of the states the chunk being replayed writes, sent back by the next chunk (the next rank's
+        # first chunk, for the last chunk under sequence parallelism)
+        state_grads = {} if ctx.ring is None else ctx.ring.grads_from_next(hidden.device)
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
         with torch.enable_grad():
             for i, (s, e) in reversed(list(enumerate(bounds))):
                 stream.start, stream.end = s, e
@@ -358,8 +366,10 @@ class _StreamBPFunction(torch.autograd.Function):
                 state_grads = {k: g for k, g in zip(state_keys, incoming_grads, strict=True) if g is not None}
                 stream.state.leave()
                 stream.k_chunk = stream.v_chunk = stream.prefix_leaves = None
+        if ctx.ring is not None:  # the first chunk's starting states came from the previous rank
+            ctx.ring.grads_to_previous(state_grads)
         grad_in, param_grads = grads.result()
-        return (grad_in, None, None, None, *param_grads)
+        return (grad_in, None, None, None, None, *param_grads)
 
 
 def streambp_apply(
@@ -369,6 +379,7 @@ def streambp_apply(
     chunk_size: int,
     offloader: LayerInputOffloader | None = None,
     min_chunk: int = 1,
+    ring=None,
 ) -> torch.Tensor:
     """Run a causal layer over ``hidden`` with StreamBP.
 
@@ -384,6 +395,9 @@ def streambp_apply(
         min_chunk: the fewest tokens a chunk may have (``chunk_size`` is raised to it, a shorter last chunk
             joins the one before): 2 for a layer with a recurrent mixer, whose 1-token steps take decode
             kernels that update a state in place.
+        ring: under sequence parallelism, the group's ``ops.state_passing.StateRing`` for a recurrent layer (no
+            attention): the first chunk starts from the previous rank's final states, which are received
+            (and their gradient sent back) inside; every rank of the group must call this for the layer.
 
     ``run_chunk`` may instead (or also) carry recurrent states through ``stream``'s linear-attention cache
     API (``ops.carried_state``): each chunk then continues from the states the previous one wrote.
@@ -396,8 +410,13 @@ def streambp_apply(
     """
     bounds = chunk_bounds(hidden.shape[1], chunk_size, min_chunk)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, *params)
-    outs, _ = _forward_chunks(run_chunk, hidden, bounds)
+        return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, ring, *params)
+    stream = KVStream(hidden.shape[1])
+    if ring is not None:
+        stream.state = CarriedState(initial=ring.from_previous(hidden.device))
+    outs, stream = _forward_chunks(run_chunk, hidden, bounds, stream)
+    if ring is not None:
+        ring.to_next(stream.state.written)
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 

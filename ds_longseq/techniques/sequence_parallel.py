@@ -64,7 +64,16 @@ class SequenceParallelism(Technique):
                 "families.discovery.OVERRIDES, and this one was found from its structure without such a test "
                 "(StreamBP, mini_seq and the chunked head apply); set long_seq.sequence_parallel.size=1"
             ]
-        return [
+        problems = []
+        recurrent = [i for i, layer in enumerate(ctx.adapter.layers) if ctx.adapter.mixer(layer) is not None]
+        if recurrent and not ctx.config.streambp.enabled:
+            problems.append(
+                f"long_seq.sequence_parallel on {spec.causal_lm_class} without long_seq.streambp: layers {recurrent} "
+                "carry a recurrent state (linear attention, state space, short convolution), which each rank's "
+                "shard must continue from the previous rank's; ds_longseq passes it rank to rank inside StreamBP "
+                "only. Enable long_seq.streambp, or set long_seq.sequence_parallel.size=1"
+            )
+        return problems + [
             f"long_seq.sequence_parallel with rope_type={kind!r}: this RoPE scaling picks its frequencies from the "
             "largest position the forward sees, and under sequence parallelism each rank sees only its shard (the "
             "ranks would rotate with other frequencies than one process on the whole sequence); use a static "
