@@ -212,14 +212,25 @@ def _self_attr(name: str) -> ast.Attribute:
     return ast.Attribute(value=ast.Name(id="self", ctx=ast.Load()), attr=name, ctx=ast.Load())
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_source(cls: type) -> str | None:
+    """The dedented source of ``cls.forward``, or None where it cannot be read."""
+    try:
+        return textwrap.dedent(inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return None
+
+
 def _forward_code(cls: type, decoder_path: str | None = None, head_attr: str = "lm_head") -> str | None:
     """The normalised body of ``cls.forward`` (no signature, decorators or docstring), or None if unreadable.
     ``decoder_path``: where discovery found the decoder stack when it is not the base-model prefix itself
     (OPT's ``model.decoder``); ``head_attr``: the LM head's attribute name."""
+    source = _forward_source(cls)
+    if source is None:
+        return None
     try:
-        source = textwrap.dedent(inspect.getsource(cls.forward))
         func = ast.parse(source).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
+    except (SyntaxError, IndexError):
         return None
     if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
@@ -289,9 +300,12 @@ def masks_see_packed_rows(decoder_cls: type) -> bool:
     bound to one, as Mistral's ``mask_function``) passes ``position_ids``, by keyword or in a dict literal
     unpacked into it (the ``mask_kwargs`` idiom, copies included). False for a forward building its masks without
     them (gpt-oss, OPT: their stock attention attends across packed documents), elsewhere, or unreadably."""
+    source = _forward_source(decoder_cls)
+    if source is None:
+        return False
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(decoder_cls.forward)))
-    except (OSError, TypeError, SyntaxError):
+        tree = ast.parse(source)
+    except SyntaxError:
         return False
     builders, with_positions = set(), set()  # names bound to a mask builder / to mask kwargs with position_ids
     for node in ast.walk(tree):
@@ -327,21 +341,15 @@ def is_state_mixer(cls: type) -> bool:
     """Whether a module class's ``forward`` carries a recurrent or convolution state through transformers'
     linear-attention cache API (``update_recurrent_state`` / ``update_conv_state``): a linear-attention,
     state-space or short-convolution token mixer (Gated DeltaNet, Mamba, LFM2's short convolution)."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return any(marker in source for marker in _STATE_MARKERS)
+    source = _forward_source(cls)
+    return source is not None and any(marker in source for marker in _STATE_MARKERS)
 
 
 @functools.lru_cache(maxsize=None)
 def _routes_through_interface(cls: type) -> bool:
     """Whether an attention class's forward selects transformers' attention interface and updates the cache."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return all(marker in source for marker in _ATTENTION_MARKERS)
+    source = _forward_source(cls)
+    return source is not None and all(marker in source for marker in _ATTENTION_MARKERS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -398,8 +406,8 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         return _child_names(module, lambda c: isinstance(c, torch.nn.ModuleList) and len(c) == num_layers)
 
     lists = layer_lists(decoder)
-    inner = [name for name, child in decoder.named_children() if layer_lists(child)]
-    if not lists and len(inner) == 1:  # a decoder stack one level down (OPT: model.model.decoder.layers)
+    inner = [] if lists else [name for name, child in decoder.named_children() if layer_lists(child)]
+    if len(inner) == 1:  # a decoder stack one level down (OPT: model.model.decoder.layers)
         prefix, decoder = f"{prefix}.{inner[0]}", getattr(decoder, inner[0])
         lists = layer_lists(decoder)
     kind = head_kind(model, prefix if "." in prefix else None, head_attrs[0] if head_attrs else "lm_head")

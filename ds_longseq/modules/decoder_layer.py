@@ -339,7 +339,6 @@ class _TokenInputs:
                 f"{wanted}: StreamBP cannot find their token dim to cut into chunks: this model cannot run under "
                 "long_seq.streambp; use mini_seq"
             )
-        self.hidden_shape = hidden.shape
         if streams is not None:  # (S, B, T, d) -> (B, T, S*d): streams of one token side by side
             hidden = hidden.permute(1, 2, 0, 3).flatten(2)
         self.batch_shape = tuple(hidden.shape[:2])

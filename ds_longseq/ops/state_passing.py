@@ -11,7 +11,9 @@ same chunk chain. The price: a recurrent layer runs on the ranks one after the o
 p-1 in forward and for p+1 in backward), so it is not faster on P ranks, only P times smaller per rank.
 
 Point-to-point through ``torch.distributed`` on the group (gloo or NCCL); the states' keys, shapes and
-dtypes go first as a small object, so the receiver needs no template.
+dtypes go first as a small object, so the receiver needs no template. Both sides stage that object on the
+device of the layer input they pass (the current CUDA device for NCCL), so they agree even when a side has
+no state to send.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ class StateRing:
         self.prev = None if self.rank == 0 else dist.get_global_rank(group, self.rank - 1)
         self.next = None if self.rank == self.size - 1 else dist.get_global_rank(group, self.rank + 1)
 
-    def _send(self, states: dict, dst: int | None) -> None:
+    def _send(self, states: dict, dst: int | None, device: torch.device) -> None:
         if dst is None:
             return
         meta = [[(key, tuple(t.shape), t.dtype) for key, t in sorted(states.items())]]
-        dist.send_object_list(meta, dst=dst, group=self.group, device=_object_device(states))
+        dist.send_object_list(meta, dst=dst, group=self.group, device=_object_device(device))
         for _, t in sorted(states.items()):
             dist.send(t.detach().contiguous(), dst=dst, group=self.group)
 
@@ -48,7 +50,7 @@ class StateRing:
         if src is None:
             return {}
         meta = [None]
-        dist.recv_object_list(meta, src=src, group=self.group, device=_object_device({}, device))
+        dist.recv_object_list(meta, src=src, group=self.group, device=_object_device(device))
         out = {}
         for key, shape, dtype in meta[0]:
             out[key] = torch.empty(shape, dtype=dtype, device=device)
@@ -59,22 +61,20 @@ class StateRing:
         """The states rank p-1 ended with ({} on the first rank): this rank's first chunk starts from them."""
         return self._recv(self.prev, device)
 
-    def to_next(self, states: dict) -> None:
+    def to_next(self, states: dict, device: torch.device) -> None:
         """Send the states this rank ended with to rank p+1 (nothing on the last rank)."""
-        self._send(states, self.next)
+        self._send(states, self.next, device)
 
     def grads_from_next(self, device: torch.device) -> dict:
         """The gradient of the states this rank ended with, sent back by rank p+1 ({} on the last rank)."""
         return self._recv(self.next, device)
 
-    def grads_to_previous(self, grads: dict) -> None:
+    def grads_to_previous(self, grads: dict, device: torch.device) -> None:
         """Send the gradient of the states this rank started from to rank p-1 (nothing on the first rank)."""
-        self._send(grads, self.prev)
+        self._send(grads, self.prev, device)
 
 
-def _object_device(states: dict, device: torch.device | None = None) -> torch.device | None:
-    """Where ``send_object_list`` stages its bytes: the current CUDA device for NCCL (states on CUDA), else CPU."""
-    devices = [t.device for t in states.values()] or ([device] if device is not None else [])
-    if devices and devices[0].type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+def _object_device(device: torch.device) -> torch.device | None:
+    """Where ``send_object_list`` stages its bytes: the current CUDA device for a layer on CUDA (NCCL), else the
+    CPU (None)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else None

@@ -297,16 +297,23 @@ def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=No
     return assemble_chunks(fn, hidden, bounds), stream
 
 
+def _forward_passing_states(run_chunk: RunChunk, hidden: torch.Tensor, bounds, ring) -> tuple[list[torch.Tensor], Any]:
+    """:func:`_forward_chunks` on a new :class:`KVStream`; with a ``ring`` (sequence parallelism, a recurrent
+    layer), the first chunk starts from the previous rank's final states and this rank's go to the next."""
+    stream = KVStream(hidden.shape[1])
+    if ring is not None:
+        stream.state = CarriedState(initial=ring.from_previous(hidden.device))
+    outs, stream = _forward_chunks(run_chunk, hidden, bounds, stream)
+    if ring is not None:
+        ring.to_next(stream.state.written, hidden.device)
+    return outs, stream
+
+
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, run_chunk, bounds, offloader, ring, *params):
-        stream = KVStream(hidden.shape[1])
-        if ring is not None:  # sequence parallelism: a recurrent layer continues from the previous rank's states
-            stream.state = CarriedState(initial=ring.from_previous(hidden.device))
         with torch.no_grad():
-            outs, stream = _forward_chunks(run_chunk, hidden, bounds, stream)
-        if ring is not None:
-            ring.to_next(stream.state.written)
+            outs, stream = _forward_passing_states(run_chunk, hidden, bounds, ring)
         ctx.ring = ring
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.concat = run_chunk, bounds, stream.concat
@@ -367,7 +374,7 @@ class _StreamBPFunction(torch.autograd.Function):
                 stream.state.leave()
                 stream.k_chunk = stream.v_chunk = stream.prefix_leaves = None
         if ctx.ring is not None:  # the first chunk's starting states came from the previous rank
-            ctx.ring.grads_to_previous(state_grads)
+            ctx.ring.grads_to_previous(state_grads, hidden.device)
         grad_in, param_grads = grads.result()
         return (grad_in, None, None, None, None, *param_grads)
 
@@ -411,12 +418,7 @@ def streambp_apply(
     bounds = chunk_bounds(hidden.shape[1], chunk_size, min_chunk)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
         return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, ring, *params)
-    stream = KVStream(hidden.shape[1])
-    if ring is not None:
-        stream.state = CarriedState(initial=ring.from_previous(hidden.device))
-    outs, stream = _forward_chunks(run_chunk, hidden, bounds, stream)
-    if ring is not None:
-        ring.to_next(stream.state.written)
+    outs, _ = _forward_passing_states(run_chunk, hidden, bounds, ring)
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
