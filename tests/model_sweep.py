@@ -222,7 +222,7 @@ def check_family(model_type: str, mode: str, batch: dict | None = None) -> Resul
     seconds = time.perf_counter() - start
     adapter = ds_longseq.patch.check_model(model, MODES[mode])
     wanted = {id(layer) for layer in adapter.layers} if mode == "streambp" else {
-        id(next(adapter.mlp(layer).parameters())) for layer in adapter.layers
+        id(next(adapter.mlp(layer).parameters())) for layer in adapter.layers if adapter.mlp(layer) is not None
     }
     ran = calls.layers if mode == "streambp" else calls.mlps
     if not wanted <= ran:

@@ -187,9 +187,20 @@ def test_hybrid_layers_are_found_and_unknown_mixers_refused():
     assert adapter.spec.mixer_attr == "linear_attn" and adapter.mixer(first) is first.linear_attn
     assert adapter.attention(first) is None and adapter.mixer(second) is None
     model.model.layers[0].linear_attn = _CumulativeMixer(64)
-    with pytest.raises(UnsupportedModelError, match=r"layers\[0\] \(Qwen3NextDecoderLayer\) have no attention module "
-                                                    r"and no token mixer carrying its state"):
+    with pytest.raises(UnsupportedModelError, match=r"layers\[0\] \(Qwen3NextDecoderLayer\) have no attention module, "
+                                                    r"no token mixer carrying its state .* not one MLP-like child"):
         ds_longseq.enable(model, STREAMBP)
+    # the unknown mixer as the layer's only parameterised child: taken for a token-wise block (NemotronH's MLP
+    # blocks), then caught by the first forward's probe, naming the layer
+    del model.model.layers[0].mlp
+    model.model.layers[0].mlp = lambda hidden_states: hidden_states
+    ours = ds_longseq.enable(model, STREAMBP)
+    try:
+        with pytest.raises(NotImplementedError, match=r"layers\[0\] \(Qwen3NextDecoderLayer, a layer with no token "
+                                                      r"mixer\) mixes tokens"):
+            ours(input_ids=torch.randint(0, 101, (1, 20)), labels=torch.randint(0, 101, (1, 20))).loss.backward()
+    finally:
+        ds_longseq.disable(model)
 
 
 def test_chunked_attention_mask_no_attention_applies_is_refused():

@@ -216,3 +216,33 @@ def test_lora_matches_peft(mode):
     from tests.test_feature_families import test_lora_matches_peft as lora_parity
 
     lora_parity("qwen3_5_text", mode)
+
+
+def test_nemotron_h_token_wise_blocks_over_many_chunks():
+    """NemotronH's blocks hold one mixer each: Mamba-2, attention, an MLP or an MoE block. The MLP and MoE blocks
+    mix no tokens: StreamBP runs them chunk by chunk with nothing carried, mini_seq chunks them as the layers'
+    MLPs and leaves the Mamba-2 and attention blocks stock. Exact over 9 chunks of 11 tokens, and in mini_seq."""
+    model = model_zoo.tiny_model("nemotron_h", torch.float64)
+    adapter = ds_longseq.patch.check_model(model, model_sweep.MODES["streambp"])
+    assert [model.config.layers_block_type[i] for i in adapter.spec.token_wise_layers] == ["moe", "mlp"]
+    assert [model.config.layers_block_type[i] for i in adapter.spec.mlp_free_layers] == [
+        "linear_attention", "full_attention"]
+    worst, error = _worst_error("nemotron_h", _streambp(11), 99)
+    assert error < 1e-10, (worst, error)
+    result = model_sweep.check_family("nemotron_h", "mini_seq")
+    assert result.outcome == "exact", result
+
+
+@pytest.mark.parametrize("mode", sorted(model_sweep.MODES))
+def test_token_wise_block_that_mixes_tokens_is_refused(mode, monkeypatch):
+    """Mutation: NemotronH's MLP made to mix tokens (a running sum over the sequence; the MoE block's shared
+    experts are one too). StreamBP would run those blocks on one chunk at a time, mini_seq would chunk them as
+    MLPs: both refuse at the first forward, naming the layer, instead of training on chunks."""
+    from transformers.models.nemotron_h import modeling_nemotron_h
+
+    original = modeling_nemotron_h.NemotronHMLP.forward
+    monkeypatch.setattr(modeling_nemotron_h.NemotronHMLP, "forward",
+                        lambda self, x: original(self, x) + 1e-3 * x.cumsum(dim=1))
+    result = model_sweep.check_family("nemotron_h", mode)
+    assert result.outcome == "refused", result
+    assert "model.layers[1]" in result.detail and "mixes tokens" in result.detail, result.detail

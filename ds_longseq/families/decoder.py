@@ -115,6 +115,14 @@ class FamilySpec:
     mlp_attr: str | None = "mlp"
     """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block); None when
     the layers have no single such module (mini_seq is then refused)."""
+    token_wise_layers: tuple[int, ...] = ()
+    """Layers with no token mixer at all (NemotronH's MLP and MoE blocks): their one parameterised child under
+    ``mlp_attr`` is their MLP, StreamBP runs them chunk by chunk with nothing carried, and both StreamBP and
+    mini_seq check on the first forward that its outputs do not depend on other tokens
+    (``modules.replay.check_token_wise``)."""
+    mlp_free_layers: tuple[int, ...] = ()
+    """Layers that are a token mixer (and norms) only, with no MLP (NemotronH's attention and Mamba blocks):
+    mini_seq leaves them stock."""
     lm_head_attr: str = "lm_head"
     """Attribute of the ``*ForCausalLM`` holding the LM head (an ``nn.Linear``)."""
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
@@ -258,14 +266,26 @@ class DecoderLMAdapter:
     def lm_head(self) -> torch.nn.Linear:
         return getattr(self.model, self.spec.lm_head_attr)
 
+    def _index(self, layer: torch.nn.Module) -> int:
+        return next(i for i, other in enumerate(self.layers) if other is layer)
+
+    def token_wise(self, layer: torch.nn.Module) -> bool:
+        """Whether ``layer`` has no token mixer (``FamilySpec.token_wise_layers``)."""
+        return bool(self.spec.token_wise_layers) and self._index(layer) in self.spec.token_wise_layers
+
     def mlp(self, layer: torch.nn.Module) -> torch.nn.Module | None:
-        return None if self.spec.mlp_attr is None else getattr(layer, self.spec.mlp_attr, None)
+        """The layer's MLP (or mixture-of-experts block); None for a layer with none (``mlp_free_layers``)."""
+        if self.spec.mlp_attr is None or self.spec.mlp_free_layers and self._index(layer) in self.spec.mlp_free_layers:
+            return None
+        return getattr(layer, self.spec.mlp_attr, None)
 
     def attention(self, layer: torch.nn.Module) -> torch.nn.Module | None:
         """The layer's attention module; None for a layer whose token mixer is recurrent (:meth:`mixer`), even
-        under the same attribute name (Kimi Linear's ``self_attn`` is either)."""
+        under the same attribute name (Kimi Linear's ``self_attn`` is either), and for a token-wise layer."""
         module = getattr(layer, self.spec.attn_attr, None)
-        return None if module is None or is_state_mixer(type(module)) else module
+        if module is None or is_state_mixer(type(module)) or self.token_wise(layer):
+            return None
+        return module
 
     def mixer(self, layer: torch.nn.Module) -> torch.nn.Module | None:
         """The layer's recurrent token mixer carrying a state from chunk to chunk (``FamilySpec.mixer_attr``), or

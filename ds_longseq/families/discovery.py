@@ -431,13 +431,22 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         _child_names(layer, lambda c: "Attention" in type(c).__name__ and not is_state_mixer(type(c)))
         for layer in layers
     ]
-    missing = [i for i, names in enumerate(attn_names) if not names and not mixer_names[i]]
+    def parameterised(layer: torch.nn.Module, exclude: list[str]) -> tuple[str, ...]:
+        return tuple(name for name, child in layer.named_children()
+                     if name not in exclude and not _is_norm(child) and any(True for _ in child.parameters()))
+
+    # what is left beside each layer's token mixer: its MLP (or MoE block, or parts of one)
+    others = [parameterised(layer, attn_names[i] + mixer_names[i]) for i, layer in enumerate(layers)]
+    # layers with no token mixer at all (NemotronH's MLP and MoE blocks): one parameterised child, checked to be
+    # token-wise on the first forward (modules.replay.check_token_wise)
+    token_wise = [i for i, names in enumerate(attn_names) if not names and not mixer_names[i]]
+    missing = [i for i in token_wise if len(others[i]) != 1]
     if missing:
         kinds = sorted({type(layers[i]).__name__ for i in missing})
         return None, problems + [
-            f"{where}{missing} ({', '.join(kinds)}) have no attention module and no token mixer carrying its state "
-            "through transformers' linear-attention cache API (update_recurrent_state / update_conv_state): "
-            "ds_longseq cannot tell how they mix tokens"
+            f"{where}{missing} ({', '.join(kinds)}) have no attention module, no token mixer carrying its state "
+            "through transformers' linear-attention cache API (update_recurrent_state / update_conv_state) and not "
+            "one MLP-like child either: ds_longseq cannot tell how they mix tokens"
         ]
     several = [i for i, names in enumerate(attn_names) if len(names) > 1] + [
         i for i, names in enumerate(mixer_names) if len(names) > 1]
@@ -464,18 +473,14 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
             f"{where}[i].{attn_attr} ({', '.join(inline)}) does not compute through transformers' attention interface "
             "with its K/V through the KV cache's update(), which ds_longseq's chunked attention replaces"
         )
-    mlp_names = {
-        tuple(
-            name for name, child in layer.named_children()
-            if name not in (attn_attr, mixer_attr) and not _is_norm(child) and any(True for _ in child.parameters())
-        )
-        for layer in layers
-    }
+    mlp_names = {names for names in others if names}
     mlp_attr = next(iter(mlp_names))[0] if len(mlp_names) == 1 and len(next(iter(mlp_names))) == 1 else None
     if mlp_attr is None and mlp_names and all("mlp" in names for names in mlp_names):
         # Other parameterised children beside it (Gemma 4's per-layer-input gate and projection, its MoE block
         # next to the dense MLP): the one transformers names mlp is the MLP; the others run stock
         mlp_attr = "mlp"
+    # layers that are a token mixer only (NemotronH's attention and Mamba blocks): nothing for mini_seq to chunk
+    mlp_free = tuple(i for i, names in enumerate(others) if not names) if mlp_attr is not None else ()
     if not is_plain_linear(head) or not head_attrs:
         problems.append(f"{cls}'s output embeddings are {type(head).__name__}, not a plain torch.nn.Linear child "
                         "(ds_longseq's chunked head computes hidden @ weight.T + bias and nothing else)")
@@ -490,8 +495,8 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     moe_class = router_attr = moe_attr = None
     # the mixture-of-experts block: the MLP itself, else the one child with experts beside other MLP parts
     # (Granite-MoE-hybrid's block_sparse_moe beside its shared_mlp)
-    moe_attrs = {name for layer in layers for name, child in layer.named_children()
-                 if name not in (attn_attr, mixer_attr) and hasattr(child, "experts")}
+    moe_attrs = {name for i, layer in enumerate(layers) for name, child in layer.named_children()
+                 if name in others[i] and hasattr(child, "experts")}
     if mlp_attr is not None and mlp_attr in moe_attrs:
         moe_attr = mlp_attr
     elif len(moe_attrs) == 1:
@@ -534,6 +539,8 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         discovered=True,
         attention_problem=attention_problem,
         sequence_parallel_verified=False,
+        token_wise_layers=tuple(token_wise),
+        mlp_free_layers=mlp_free,
     )
     fields.update(OVERRIDES.get(getattr(model.config, "model_type", None), {}))
     return family_spec_cls(**fields), []

@@ -21,7 +21,7 @@ from ds_longseq.compat import CACHE_KWARGS, cache_kwarg, pop_cache
 from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS, RECURRENT_MASK_KWARGS
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, chunk_spec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
-from ds_longseq.modules.replay import check_no_active_dropout
+from ds_longseq.modules.replay import TOKEN_WISE_PROBE_TOKENS, check_no_active_dropout, check_token_wise
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
@@ -65,7 +65,8 @@ class StreamBPLayerForward:
         layer takes its hidden states stacked as (S, B, T, d) (``DecoderLMAdapter.stacked_streams``); ``mixer``:
         "recurrent" for a layer whose token mixer carries a state instead of attending (its padding mask is its
         chunk's own, its states are carried from chunk to chunk), "both" for one with an attention beside it,
-        None for an attention layer (``DecoderLMAdapter.mixer``)."""
+        "token_wise" for one with no token mixer (``DecoderLMAdapter.token_wise``: nothing carried, checked once
+        to mix no tokens), None for an attention layer (``DecoderLMAdapter.mixer``)."""
         self.layer = layer
         self.name = name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
@@ -84,7 +85,9 @@ class StreamBPLayerForward:
         self.streams = streams
         self.mixer = mixer
         # a recurrent mixer's first forward over two chunks or more checks that it uses every carried state
-        self.state_checked = mixer is None
+        self.state_checked = mixer not in ("recurrent", "both")
+        # a layer with no token mixer is checked once to compute each token from its own input alone
+        self.token_wise_checked = mixer != "token_wise"
 
     def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
         """``kwargs`` with the positional arguments after the hidden states added by their parameter names
@@ -168,7 +171,8 @@ class StreamBPLayerForward:
             doc_start, _ = find_documents(
                 position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
             )
-        if self.mixer is not None and (doc_start is not None or (sp is not None and sp.doc_start is not None)):
+        recurrent = self.mixer in ("recurrent", "both")
+        if recurrent and (doc_start is not None or (sp is not None and sp.doc_start is not None)):
             raise NotImplementedError(
                 f"StreamBP: {self.name} ({type(layer).__name__}) carries a recurrent state (a linear-attention, "
                 "state-space or short-convolution mixer), which transformers' torch path does not reset at packed "
@@ -196,6 +200,9 @@ class StreamBPLayerForward:
                 "output_router_logits=False (or set config.output_router_logits=False), or disable sequence_parallel"
             )
 
+        if not self.token_wise_checked and layer.training and torch.is_grad_enabled():
+            self.token_wise_checked = True
+            self._check_token_wise(tokens, attention_mask, position_ids, position_embeddings, mixer_masks, kwargs)
         role = None if share is None else self.kv_sharing[0]
         returned = [None]  # how many things the stock layer returns: 0 for its hidden states alone, else a tuple's
 
@@ -216,7 +223,7 @@ class StreamBPLayerForward:
                         # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`; a
                         # recurrent mixer zeroes its chunk's own padded tokens.
                         attention_mask=None if attention_mask is None else (
-                            attention_mask[:, s:e] if self.mixer == "recurrent" else (
+                            attention_mask[:, s:e] if self.mixer in ("recurrent", "token_wise") else (
                                 None if sp is not None else attention_mask[:, :e])),
                         position_ids=None if position_ids is None else position_ids[..., s:e],
                         **{self.cache_kwarg: stream},
@@ -227,7 +234,7 @@ class StreamBPLayerForward:
                         **{key: None if m is None else m[:, s:e] for key, m in mixer_masks.items()},
                         **kwargs,
                     )
-                _check_chunk_attended(name, layer, stream, s, e)
+                _check_chunk_attended(name, layer, stream, s, e, token_wise=self.mixer == "token_wise")
                 if isinstance(out, tuple):
                     returned[0] = _check_extra_outputs(name, layer, out)
                     out = out[0]
@@ -249,8 +256,8 @@ class StreamBPLayerForward:
                 result = streambp_sp_apply(run_chunk, tokens.packed, params, self.chunk_size, sp.exchange, offloader)
             else:  # a recurrent layer under sequence parallelism continues from the previous rank's state
                 result = streambp_apply(run_chunk, tokens.packed, params, self.chunk_size, offloader,
-                                        min_chunk=1 if self.mixer is None else 2,
-                                        ring=None if sp is None else StateRing(sp.exchange.group))
+                                        min_chunk=2 if recurrent else 1,
+                                        ring=StateRing(sp.exchange.group) if sp is not None and recurrent else None)
         if role == "store":
             if sp is None:  # what the stock layer stores: its keys/values of the whole sequence
                 shared_states[self.kv_sharing[1]] = (share.k, share.v)
@@ -264,6 +271,30 @@ class StreamBPLayerForward:
         # outputs were None in every chunk (_check_extra_outputs)
         return (out, *[None] * (returned[0] - 1)) if returned[0] else out
 
+
+    def _check_token_wise(self, tokens: "_TokenInputs", attention_mask, position_ids, position_embeddings,
+                          mixer_masks: dict, kwargs: dict) -> None:
+        """The first training forward of a layer with no token mixer: its stock forward on the first tokens
+        mixes none of them (``check_token_wise``); it is then safe to run chunk by chunk with nothing carried."""
+        n = min(tokens.batch_shape[1], TOKEN_WISE_PROBE_TOKENS)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            h, per_token = tokens.split(x)
+            out = self.orig_forward(
+                h.contiguous(),
+                attention_mask=None if attention_mask is None else attention_mask[:, :n],
+                position_ids=None if position_ids is None else position_ids[..., :n],
+                use_cache=False,
+                position_embeddings=_chunk_of(position_embeddings, 0, n),
+                **per_token,
+                **{key: None if m is None else m[:, :n] for key, m in mixer_masks.items()},
+                **kwargs,
+            )
+            return tokens.pack_output(out[0] if isinstance(out, tuple) else out)
+
+        with collection_paused() if self.router_tap is not None else nullcontext():
+            check_token_wise(f"{self.name} ({type(self.layer).__name__}, a layer with no token mixer)", run,
+                             tokens.packed, "long_seq.streambp")
 
     def _shared_kv(self, shared_states) -> SharedKV | None:
         """This forward's :class:`SharedKV` for this layer's key: new for a "store" layer, the one an earlier
@@ -466,12 +497,21 @@ def _check_carried_states_used(name: str, layer: torch.nn.Module, state, call: C
         )
 
 
-def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: int) -> None:
+def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: int, token_wise: bool = False) -> None:
     """The runtime guard: one cache update and one call of ds_longseq's chunk attention with this chunk's
     queries and keys, else the layer mixes tokens some other way and would see only its chunk. A recurrent
     mixer must instead read the states the previous chunk wrote and write them again (``CarriedState.problem``);
-    a layer that only does that has no attention to check."""
+    a layer that only does that has no attention to check. A layer with no token mixer (``token_wise``) must
+    do none of it (else discovery missed its mixer)."""
     state = getattr(stream, "state", None)
+    if token_wise:
+        if stream.updates or stream.attended or state is not None and state.used:
+            raise NotImplementedError(
+                f"StreamBP: {name} ({type(layer).__name__}) was found to have no token mixer but used its KV cache "
+                f"on tokens [{s}, {e}): ds_longseq cannot tell how it mixes tokens, so long_seq.streambp cannot run "
+                "this model exactly; use mini_seq"
+            )
+        return
     if state is not None and state.used:
         problem = state.problem()
         if problem is not None:

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
-from ds_longseq.modules.replay import check_no_active_dropout
+from ds_longseq.modules.replay import check_no_active_dropout, check_token_wise
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 
@@ -27,12 +27,17 @@ class MiniSeqMLPForward:
     """
 
     def __init__(
-        self, mlp: torch.nn.Module, orig_forward: Callable, num_chunks: int, router_tap: RouterTap | None = None
+        self, mlp: torch.nn.Module, orig_forward: Callable, num_chunks: int, router_tap: RouterTap | None = None,
+        name: str | None = None,
     ):
+        """``name``: how errors name the layer holding the MLP (e.g. ``LlamaForCausalLM.model.layers[3]``)."""
         self.mlp = mlp
         self.orig_forward = orig_forward
         self.num_chunks = num_chunks
         self.router_tap = router_tap
+        self.name = name or type(mlp).__name__
+        # the first training forward checks that the module found as the MLP mixes no tokens
+        self.token_wise_checked = False
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs:
@@ -45,8 +50,13 @@ class MiniSeqMLPForward:
         check_no_active_dropout(self.mlp, "long_seq.mini_seq")
         params = list(self.mlp.parameters())
         tap = self.router_tap
-
         layout = _OutputLayout(type(self.mlp).__name__)
+        if not self.token_wise_checked and self.mlp.training and torch.is_grad_enabled():
+            self.token_wise_checked = True
+            with collection_paused() if tap is not None else nullcontext():
+                check_token_wise(f"{self.name}'s MLP ({type(self.mlp).__name__})",
+                                 lambda h: layout.per_token(self.orig_forward(h.contiguous()), *h.shape[:2]),
+                                 x, "long_seq.mini_seq")
 
         def block(x_c: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # MoE blocks and GPT-2's Conv1D .view() their input flat; a chunk of a batch > 1 is not contiguous

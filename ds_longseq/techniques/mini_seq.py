@@ -35,7 +35,9 @@ class MiniSeq(Technique):
     def check(self, ctx: EnableContext) -> list[str]:
         adapter = ctx.adapter
         problems = []
-        if not all(isinstance(adapter.mlp(layer), torch.nn.Module) for layer in adapter.layers):
+        mlp_free = set(adapter.spec.mlp_free_layers)
+        if not all(isinstance(adapter.mlp(layer), torch.nn.Module)
+                   for i, layer in enumerate(adapter.layers) if i not in mlp_free):
             what = "the MLP" if adapter.spec.mlp_attr is None else f".{adapter.spec.mlp_attr}"
             problems.append(f"{adapter.where}[i]: {what} is not one module in every layer; mini_seq chunks the MLP")
         return problems + replay_noise_problems(ctx)
@@ -43,11 +45,13 @@ class MiniSeq(Technique):
     def install(self, ctx: EnableContext) -> None:
         taps = ctx.router_taps()
         num_chunks = ctx.config.mini_seq.mlp_num_chunks
-        for layer in ctx.adapter.layers:
+        for i, layer in enumerate(ctx.adapter.layers):
             mlp = ctx.adapter.mlp(layer)
-            ctx.handle.set_instance_attr(
-                mlp, "forward", MiniSeqMLPForward(mlp, mlp.forward, num_chunks, router_tap=taps.get(layer))
-            )
+            if mlp is None:  # a token mixer only (FamilySpec.mlp_free_layers): runs stock
+                continue
+            ctx.handle.set_instance_attr(mlp, "forward", MiniSeqMLPForward(
+                mlp, mlp.forward, num_chunks, router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]"
+            ))
             if ctx.offload is not None:
                 ctx.handle.set_instance_attr(
                     layer, "forward", CheckpointLayerForward(layer, layer.forward, ctx.offload, moe=layer in taps)
@@ -56,8 +60,8 @@ class MiniSeq(Technique):
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         mlps = [ctx.adapter.mlp(layer) for layer in ctx.adapter.layers]
         if ctx.config.offload.layer_inputs is None:
-            return mlps
+            return [mlp for mlp in mlps if mlp is not None]
         # The layer checkpoint passes all the layer's weights to one Function, so the whole layer is
         # gathered for it; its MLP is marked too only to pass the MLP's own leaf check (DeepSpeed never
         # looks at the children of a leaf).
-        return [m for layer, mlp in zip(ctx.adapter.layers, mlps, strict=True) for m in (layer, mlp)]
+        return [m for layer, mlp in zip(ctx.adapter.layers, mlps, strict=True) for m in (layer, mlp) if m is not None]

@@ -60,6 +60,8 @@ class StreamBP(Technique):
             role, key = sharing.get(i, (None, None))
             recurrent = ctx.adapter.mixer(layer) is not None
             mixer = None if not recurrent else ("both" if ctx.adapter.attention(layer) is not None else "recurrent")
+            if ctx.adapter.token_wise(layer):
+                mixer = "token_wise"
             forward = StreamBPLayerForward(
                 layer, layer.forward, ctx.config.streambp.chunk_size, ctx.config.attention.kv_block_size,
                 ctx.offload, router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
