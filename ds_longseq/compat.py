@@ -10,6 +10,8 @@ Holds:
         renamed (``past_key_values`` to ``cache``; older layouts say ``layer_past``).
     deepspeed_sp_group: DeepSpeed's initialised sequence-parallel group (``parallel_state_sp``), or None.
     dim_zero_all_to_all: DeepSpeed-Ulysses' registered all-to-all and its group registration.
+    parameters_replaced: a module's parameters read as other tensors inside a ``with`` block (torch's own
+        ``functional_call`` machinery, without calling the module and its hooks).
     Z3_LEAF_ATTR, is_zero3_partitioned: DeepSpeed ZeRO-3's leaf-module flag and partitioned-parameter mark.
     default_process_group / default_store: torch.distributed's default group and rendezvous store.
     deepspeed_initialize_replaced: ``deepspeed.initialize`` stood in for, inside a ``with`` block.
@@ -47,6 +49,7 @@ __all__ = [
     "pop_cache",
     "deepspeed_sp_group",
     "dim_zero_all_to_all",
+    "parameters_replaced",
     "Z3_LEAF_ATTR",
     "is_zero3_partitioned",
     "default_process_group",
@@ -148,6 +151,15 @@ def dim_zero_all_to_all() -> tuple[Callable, Callable]:
     from deepspeed.sequence.layer import _dim_zero_all_to_all, register_all_to_all_group
 
     return _dim_zero_all_to_all, register_all_to_all_group
+
+
+def parameters_replaced(module: Any, tensors: dict) -> contextlib.AbstractContextManager:
+    """Inside the block, ``module``'s parameters named in ``tensors`` (dotted paths below it) are those tensors
+    (e.g. differentiable slices of the parameters themselves), restored after: ``torch.func.functional_call``'s
+    ``_reparametrize_module``, for a caller that runs the module's unpatched forward itself (no hooks)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=False, strict=False)
 
 
 Z3_LEAF_ATTR = "_z3_leaf"

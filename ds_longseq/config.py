@@ -110,6 +110,13 @@ class SequenceParallelConfig:
     size: int = 1
     """Ranks per sequence (1 = off). The world size must be a multiple; the remaining factor is data
     parallel. Must equal DeepSpeed's top-level ``sequence_parallel_size`` when that is set too."""
+    recurrent: Literal["heads", "pass_state"] = "heads"
+    """How a hybrid's recurrent layers (linear attention: Qwen3.5's Gated DeltaNet) run across the group.
+    ``"heads"``: each rank runs the whole sequence's recurrence for 1/size of the heads, at the same time as
+    the others (the mixer's input gathered, its output reduce-scattered: 2 x T x d elements moved per layer;
+    each rank holds the (B, T, d) gathered input and the mixer's activations for its heads over T while that
+    layer runs). ``"pass_state"``: each rank continues from the state the previous rank ended with, sent
+    point to point (nothing of size T, but the ranks run that layer one after the other); StreamBP only."""
 
     @property
     def enabled(self) -> bool:
@@ -251,6 +258,8 @@ def _choices(section_cls: type, name: str) -> tuple[Any, ...] | None:
     Read from the annotation, so a field's choices are written once, in its type.
     """
     hint = typing.get_type_hints(section_cls)[name]
+    if typing.get_origin(hint) is Literal:  # Literal[...] alone (get_args would give its values)
+        return typing.get_args(hint)
     values: list[Any] = []
     for arg in typing.get_args(hint) or (hint,):
         if arg is type(None):

@@ -69,6 +69,13 @@ def test_wrong_types(bad):
         LongSeqConfig.from_dict(bad)
 
 
+def test_a_plain_literal_field_takes_its_choices_only():
+    """``sequence_parallel.recurrent`` is ``Literal["heads", "pass_state"]`` (no None): its choices are named."""
+    assert LongSeqConfig.from_dict({"sequence_parallel": {"size": 2}}).sequence_parallel.recurrent == "heads"
+    with pytest.raises(LongSeqConfigError, match="recurrent must be 'heads' or 'pass_state', got 'rings'"):
+        LongSeqConfig.from_dict({"sequence_parallel": {"size": 2, "recurrent": "rings"}})
+
+
 def test_options_of_a_disabled_section_warn():
     with pytest.warns(UserWarning, match="long_seq.streambp.enabled is false"):
         LongSeqConfig.from_dict({"streambp": {"chunk_size": 128}})

@@ -139,13 +139,16 @@ SP_MODES = {
 }
 
 
-def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MODES), mutation: str | None = None):
+def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MODES), mutation: str | None = None,
+               sequence_parallel: dict | None = None):
     """Each rank its shard of the batch (20 of 40 tokens; different valid-token counts), every mode; the
     ranks' gradients summed (each holds its tokens' share). ``out["capture_at"]``: where the sequence-parallel
     StreamBP layers took their keys/values (``GlobalKVStream.capture_at``). ``mutation`` (a control):
     "expanded_kv_grad_dropped", keys/values taken at the attention call are detached in the K/V pass, so their
     gradient never reaches the layer's K/V projections; "state_not_passed", recurrent layers start every rank from
-    zeros (the previous rank's states are received and dropped)."""
+    zeros (the previous rank's states are received and dropped); "mixer_input_grad_dropped", a head-sharded
+    mixer's input gradient is not pushed back through the layer before it. ``sequence_parallel``: more fields of
+    that config section (``recurrent``)."""
     import torch.distributed as dist
 
     from ds_longseq.engine import shard_batch
@@ -173,13 +176,19 @@ def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MOD
 
         StateRing.from_previous = lambda self, device: ({} if self.prev is None else (self._recv(self.prev, device),
                                                                                      {})[1])
+    if mutation == "mixer_input_grad_dropped":
+        from ds_longseq.ops.chunk_grads import ChunkGrads
+
+        backward_to = ChunkGrads.backward_to
+        ChunkGrads.backward_to = lambda self, outs, grads, leaves: (backward_to(self, outs, grads, leaves), (None,))[1]
     local = shard_batch(model_zoo.tiny_batch(model_type), rank, 2)
     out = {}
     for mode in modes:
         config = SP_MODES[mode]
         try:
             model = ds_longseq.enable(model_zoo.tiny_model(model_type, torch.float64).train(),
-                                      {**config, "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+                                      {**config, "sequence_parallel": {"size": 2, **(sequence_parallel or {})}},
+                                      sp_group=dist.group.WORLD)
         except ds_longseq.UnsupportedModelError as error:
             out[mode] = str(error)
             continue

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ds_longseq
+from ds_longseq.families.decoder import decoder_adapter
 from tests import model_sweep, model_zoo
 from tests.dist_utils import run_distributed
 
@@ -126,36 +127,109 @@ def test_packed_rows_are_refused_on_hybrids(mode):
         model(**batch)
 
 
-def test_sequence_parallel_matches_one_process():
-    """Qwen3.5 text under Ulysses SP=2 with StreamBP: the Gated DeltaNet layers continue from the previous rank's
-    states (and send their gradient back), the attention layer exchanges heads; loss, this rank's input gradient
-    and every parameter gradient as one process at 1e-10 (float64; the ranks hold different numbers of valid
-    tokens). Without StreamBP a recurrent layer has no state to start from: refused at enable, naming why."""
+def _sp_results(recurrent: str, mutation: str | None = None, modes=("ulysses_only", "mini_seq", "streambp")):
+    """[(rank, mode, result)] of Qwen3.5 text under Ulysses SP=2 with ``recurrent`` (the ranks' gradients summed),
+    and the one-process reference cut to each rank's tokens."""
     from tests.test_feature_families import _sp_worker
 
     batch = model_zoo.tiny_batch("qwen3_5_text")
     reference = model_sweep._loss_and_grads(model_zoo.tiny_model("qwen3_5_text", torch.float64).train(), batch)
     half = batch["input_ids"].shape[1] // 2
-    for rank, result in enumerate(run_distributed(_sp_worker, 2, ("qwen3_5_text",))):
-        for mode in ("ulysses_only", "mini_seq"):
-            refusal = result[mode]
-            assert "carry a recurrent state" in refusal and "Enable long_seq.streambp" in refusal, refusal
-        loss, grads, embeds = result["streambp"]
-        local_reference = (reference[0], reference[1], reference[2][:, rank * half:(rank + 1) * half])
-        worst, error = model_sweep.worst_error((loss, grads, embeds), local_reference)
+    results = run_distributed(_sp_worker, 2, ("qwen3_5_text", modes, mutation, {"recurrent": recurrent}))
+    return [
+        (rank, mode, result[mode], (reference[0], reference[1], reference[2][:, rank * half:(rank + 1) * half]))
+        for rank, result in enumerate(results) for mode in modes
+    ]
+
+
+def test_sequence_parallel_heads_matches_one_process():
+    """Qwen3.5 text under Ulysses SP=2, its Gated DeltaNet layers sharded by heads (recurrent="heads", the
+    default: each rank runs the whole sequence's recurrence for half the heads), with Ulysses alone, with mini_seq
+    and with StreamBP (the mixer's input captured chunk by chunk, the mixer run once per layer): loss, this rank's
+    input gradient and every parameter gradient as one process at 1e-10 (float64; the ranks hold different numbers
+    of valid tokens)."""
+    for rank, mode, result, reference in _sp_results("heads"):
+        worst, error = model_sweep.worst_error(result, reference)
+        assert error < 1e-10, (rank, mode, worst, error)
+
+
+def test_sequence_parallel_pass_state_matches_one_process():
+    """recurrent="pass_state": with StreamBP the Gated DeltaNet layers continue from the previous rank's states
+    (and send their gradient back): exact at 1e-10. Without StreamBP a recurrent layer has no state to start from:
+    refused at enable, naming why."""
+    for rank, mode, result, reference in _sp_results("pass_state"):
+        if mode != "streambp":
+            assert "carry a recurrent state" in result and "Enable long_seq.streambp" in result, result
+            continue
+        worst, error = model_sweep.worst_error(result, reference)
         assert error < 1e-10, (rank, worst, error)
 
 
 def test_mutation_state_not_passed_between_ranks_is_caught():
     """If the second rank's recurrent layers started from zeros (no state from the first rank), the parity check
     must see it."""
-    from tests.test_feature_families import _sp_worker
-
-    batch = model_zoo.tiny_batch("qwen3_5_text")
-    reference = model_sweep._loss_and_grads(model_zoo.tiny_model("qwen3_5_text", torch.float64).train(), batch)
-    result = run_distributed(_sp_worker, 2, ("qwen3_5_text", ("streambp",), "state_not_passed"))[1]
-    _, error = model_sweep.worst_error(result["streambp"], (reference[0], reference[1], reference[2][:, 20:]))
+    (_, _, result, reference), = [r for r in _sp_results("pass_state", "state_not_passed", ("streambp",)) if r[0] == 1]
+    _, error = model_sweep.worst_error(result, reference)
     assert error > 1e-3, error
+
+
+def test_mutation_head_sharded_mixer_input_gradient_dropped_is_caught():
+    """Under StreamBP with head-sharded mixers, the mixer's input gradient must go back through each chunk's part
+    of the layer before the mixer (its input norm): dropping it must fail the parity check."""
+    for rank, _, result, reference in _sp_results("heads", "mixer_input_grad_dropped", ("streambp",)):
+        worst, error = model_sweep.worst_error(result, reference)
+        assert error > 1e-3 and "input_layernorm" in worst, (rank, worst, error)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_head_layout_shares_add_up_to_the_mixer(model_type):
+    """The check every head-sharded mixer runs on its first call, run here for 2 ranks on one process: the ranks'
+    shares (parameters cut by families.mixer_heads, the mixer's own forward) add up to the whole mixer's output
+    (float64, 1e-12 relative), also with padding. A layout with the key and query rows swapped is refused by it."""
+    from ds_longseq.families import mixer_heads
+    from ds_longseq.modules import sharded_mixer
+
+    model = model_zoo.tiny_model(model_type, torch.float64)
+    mixer = model.model.layers[0].linear_attn
+    forward = sharded_mixer.HeadShardedMixerForward(mixer, mixer.forward, None, 0, 2, "layers[0].linear_attn")
+    x = torch.randn(2, 20, model.config.get_text_config().hidden_size, dtype=torch.float64)
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    valid[0, :3] = False
+    for mask in (None, valid):
+        whole = mixer(x, attention_mask=mask)
+        shares = sum(forward._share(x, mask, mixer_heads.head_layout(mixer, r, 2)) for r in range(2))
+        assert model_sweep._rel(shares, whole) < 1e-12
+        forward._check_layout(x, mask)
+
+    def swapped(module, rank, size):
+        layout = mixer_heads.head_layout(module, rank, size)
+        qkv = layout.slices["in_proj_qkv.weight"][1]
+        third = len(qkv) // 4  # q and k rows of the rank's key heads come first, each a quarter here
+        qkv = torch.cat([qkv[third:2 * third], qkv[:third], qkv[2 * third:]])
+        return mixer_heads.HeadLayout({**layout.slices, "in_proj_qkv.weight": (0, qkv)}, layout.attrs)
+
+    sharded_mixer.head_layout, original = swapped, sharded_mixer.head_layout
+    try:
+        with pytest.raises(NotImplementedError, match=r"heads' shares add up to a different output"):
+            forward._check_layout(x, None)
+    finally:
+        sharded_mixer.head_layout = original
+
+
+def test_head_sharding_refused_where_heads_do_not_divide():
+    """A sequence-parallel size that does not divide the mixer's heads, or a mixer whose layout ds_longseq does not
+    know (LFM2's short convolution), is refused at enable with recurrent="heads", naming the way out."""
+    from ds_longseq.families import mixer_heads
+
+    mixer = model_zoo.tiny_model("qwen3_5_text", torch.float64).model.layers[0].linear_attn
+    assert "not both divisible by sequence_parallel size 3" in mixer_heads.head_layout(mixer, 0, 3)
+    adapter = decoder_adapter(model_zoo.tiny_model("lfm2", torch.float64))
+    conv = next(m for m in map(adapter.mixer, adapter.layers) if m is not None)
+    assert "knows which parameters of" in mixer_heads.head_layout(conv, 0, 2)
+    with pytest.raises(ds_longseq.UnsupportedModelError, match=r"recurrent='heads' on Qwen3_5ForCausalLM: .* not both "
+                                                                r"divisible by sequence_parallel size 3.*'pass_state'"):
+        ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_5_text", torch.float64),
+                                     {"sequence_parallel": {"size": 3}, "streambp": {"enabled": True}})
 
 
 def test_sequence_parallelism_is_refused_where_not_verified():

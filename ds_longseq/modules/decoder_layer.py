@@ -22,9 +22,11 @@ from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, chunk_spec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import TOKEN_WISE_PROBE_TOKENS, check_no_active_dropout, check_token_wise
+from ds_longseq.modules.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
+from ds_longseq.ops.sharded_mixer import MixerStream, streambp_mixer_sp_apply
 from ds_longseq.ops.state_passing import StateRing
 from ds_longseq.ops.streambp import SharedKV, streambp_apply, streambp_sp_apply
 
@@ -59,6 +61,7 @@ class StreamBPLayerForward:
         kv_sharing: tuple[str, str, bool] | None = None,
         streams: int | None = None,
         mixer: str | None = None,
+        mixer_module: torch.nn.Module | None = None,
     ):
         """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``;
         ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``); ``streams``: S when the
@@ -66,7 +69,8 @@ class StreamBPLayerForward:
         "recurrent" for a layer whose token mixer carries a state instead of attending (its padding mask is its
         chunk's own, its states are carried from chunk to chunk), "both" for one with an attention beside it,
         "token_wise" for one with no token mixer (``DecoderLMAdapter.token_wise``: nothing carried, checked once
-        to mix no tokens), None for an attention layer (``DecoderLMAdapter.mixer``)."""
+        to mix no tokens), None for an attention layer (``DecoderLMAdapter.mixer``); ``mixer_module``: the recurrent
+        mixer itself (under sequence parallelism it may be head-sharded: ``modules.sharded_mixer``)."""
         self.layer = layer
         self.name = name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
@@ -84,6 +88,7 @@ class StreamBPLayerForward:
         self.kv_sharing = kv_sharing
         self.streams = streams
         self.mixer = mixer
+        self.mixer_module = mixer_module
         # a recurrent mixer's first forward over two chunks or more checks that it uses every carried state
         self.state_checked = mixer not in ("recurrent", "both")
         # a layer with no token mixer is checked once to compute each token from its own input alone
@@ -242,7 +247,8 @@ class StreamBPLayerForward:
                     returned[0] = 0
                 return tokens.pack_output(out)
 
-            if not self.state_checked and stream.state.mode == "forward" and stream.state.index == 1:
+            state = getattr(stream, "state", None)
+            if not self.state_checked and state is not None and state.mode == "forward" and state.index == 1:
                 self.state_checked = True
                 _check_carried_states_used(name, layer, stream.state, call)
             if with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
@@ -252,8 +258,13 @@ class StreamBPLayerForward:
         offloader = None if self.offload is None else self.offload.offloader()
         # The router runs once per chunk (and again in backward): not what transformers should record.
         with collection_paused() if tap is not None else nullcontext():
+            sharded = getattr(self.mixer_module, "forward", None)
             if sp is not None and self.mixer is None:
                 result = streambp_sp_apply(run_chunk, tokens.packed, params, self.chunk_size, sp.exchange, offloader)
+            elif sp is not None and self.mixer == "recurrent" and isinstance(sharded, HeadShardedMixerForward):
+                # the mixer runs once per layer over the whole sequence, sharded by heads across the group
+                result = streambp_mixer_sp_apply(run_chunk, tokens.packed, params, self.chunk_size,
+                                                 lambda x: sharded.sharded(x, sp.key_valid), offloader)
             else:  # a recurrent layer under sequence parallelism continues from the previous rank's state
                 result = streambp_apply(run_chunk, tokens.packed, params, self.chunk_size, offloader,
                                         min_chunk=2 if recurrent else 1,
@@ -504,6 +515,14 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
     a layer that only does that has no attention to check. A layer with no token mixer (``token_wise``) must
     do none of it (else discovery missed its mixer)."""
     state = getattr(stream, "state", None)
+    if isinstance(stream, MixerStream):  # a head-sharded mixer (ops.sharded_mixer) served this chunk
+        if stream.calls != 1:
+            raise NotImplementedError(
+                f"StreamBP: {name} ({type(layer).__name__}) called its head-sharded mixer {stream.calls} times on "
+                f"tokens [{s}, {e}) (once expected): long_seq.streambp cannot run this model exactly under "
+                "sequence parallelism; set long_seq.sequence_parallel.recurrent='pass_state'"
+            )
+        return
     if token_wise:
         if stream.updates or stream.attended or state is not None and state.used:
             raise NotImplementedError(

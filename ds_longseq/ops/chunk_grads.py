@@ -116,6 +116,19 @@ class ChunkGrads:
             elif not add:
                 self.grad_in[:, start:end] = 0
             grads = grads[1:]
+        self._add(grads)
+        return tuple(extra_grads)
+
+    def backward_to(self, outputs, grad_outputs, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        """Differentiate ``outputs`` for the parameters (added to the totals) and for ``leaves`` (returned, None
+        where unused): a part of the layer run once for the whole input rather than per chunk (a head-sharded
+        mixer, ``ops.sharded_mixer``)."""
+        inputs = [self.params[i] for i in self.trainable] + list(leaves)
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        self._add(grads[: len(self.trainable)])
+        return tuple(grads[len(self.trainable):])
+
+    def _add(self, grads: Sequence[torch.Tensor | None]) -> None:
         for i, g in zip(self.trainable, grads, strict=True):
             if g is None:
                 continue
@@ -123,7 +136,6 @@ class ChunkGrads:
                 self.sums[i] = g.to(acc_dtype(g.dtype))
             else:
                 self.sums[i] += g
-        return tuple(extra_grads)
 
     def result(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """(input gradient, parameter gradients in their parameters' dtypes)."""

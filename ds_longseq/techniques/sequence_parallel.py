@@ -9,9 +9,13 @@ Holds:
 
 from __future__ import annotations
 
+import torch
+
 from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_problem
 from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
+from ds_longseq.families.mixer_heads import head_layout
 from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook, ShardOffsetHook
+from ds_longseq.modules.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["SequenceParallelism", "sequence_parallel_group"]
@@ -66,12 +70,23 @@ class SequenceParallelism(Technique):
             ]
         problems = []
         recurrent = [i for i, layer in enumerate(ctx.adapter.layers) if ctx.adapter.mixer(layer) is not None]
-        if recurrent and not ctx.config.streambp.enabled:
+        size = ctx.config.sequence_parallel.size
+        if recurrent and ctx.config.sequence_parallel.recurrent == "heads":
+            reasons = {layout for i in recurrent
+                       if isinstance(layout := head_layout(ctx.adapter.mixer(ctx.adapter.layers[i]), 0, size), str)}
+            problems += [
+                f"long_seq.sequence_parallel.recurrent='heads' on {spec.causal_lm_class}: layers {recurrent} carry a "
+                f"recurrent state and cannot be sharded by heads ({reason}); set recurrent='pass_state' (with "
+                "long_seq.streambp), or long_seq.sequence_parallel.size=1"
+                for reason in sorted(reasons)
+            ]
+        elif recurrent and not ctx.config.streambp.enabled:
             problems.append(
-                f"long_seq.sequence_parallel on {spec.causal_lm_class} without long_seq.streambp: layers {recurrent} "
-                "carry a recurrent state (linear attention, state space, short convolution), which each rank's "
-                "shard must continue from the previous rank's; ds_longseq passes it rank to rank inside StreamBP "
-                "only. Enable long_seq.streambp, or set long_seq.sequence_parallel.size=1"
+                f"long_seq.sequence_parallel.recurrent='pass_state' on {spec.causal_lm_class} without "
+                f"long_seq.streambp: layers {recurrent} carry a recurrent state (linear attention, state space, short "
+                "convolution), which each rank's shard must continue from the previous rank's; ds_longseq passes "
+                "it rank to rank inside StreamBP only. Enable long_seq.streambp, set recurrent='heads', or set "
+                "long_seq.sequence_parallel.size=1"
             )
         return problems + [
             f"long_seq.sequence_parallel with rope_type={kind!r}: this RoPE scaling picks its frequencies from the "
@@ -99,4 +114,17 @@ class SequenceParallelism(Technique):
         for attn in ctx.adapter.cache_positioned_attention():
             ctx.handle.add_hook(attn.register_forward_pre_hook(ShardOffsetHook(sp), with_kwargs=True))
         ctx.sp = ctx.handle.sp = sp
+        if ctx.config.sequence_parallel.recurrent == "heads":
+            for i, layer in enumerate(ctx.adapter.layers):
+                mixer = ctx.adapter.mixer(layer)
+                if mixer is not None:
+                    name = f"{ctx.adapter.where}[{i}].{ctx.adapter.spec.mixer_attr}"
+                    ctx.handle.set_instance_attr(mixer, "forward", HeadShardedMixerForward(
+                        mixer, mixer.forward, sp.group, sp.rank, sp.size, name))
+
+    def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
+        # a head-sharded mixer slices its parameters itself: ZeRO-3 must gather them whole first
+        if ctx.config.sequence_parallel.recurrent != "heads":
+            return []
+        return [m for m in map(ctx.adapter.mixer, ctx.adapter.layers) if m is not None]
 

@@ -66,6 +66,7 @@ class StreamBP(Technique):
                 layer, layer.forward, ctx.config.streambp.chunk_size, ctx.config.attention.kv_block_size,
                 ctx.offload, router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
                 kv_sharing=None if role is None else (role, key, key in reused), streams=streams, mixer=mixer,
+                mixer_module=ctx.adapter.mixer(layer),
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
 

@@ -1,0 +1,228 @@
+"""A recurrent token mixer sharded by heads across a sequence-parallel group, and StreamBP around it.
+
+Holds:
+    gather_tokens: (B, T_l, ...) shards -> (B, P*T_l, ...) on every rank; its backward sums the ranks' gradients.
+    reduce_scatter_tokens: (B, P*T_l, ...) partial sums on every rank -> this rank's (B, T_l, ...) of their sum.
+    MixerStream: what a StreamBP chunk of such a layer gets as its cache: the mixer's input is captured
+        chunk by chunk, its output (computed once for the whole shard) served chunk by chunk.
+    streambp_mixer_sp_apply: StreamBP over a layer whose mixer is one such collective call.
+
+Why: a linear-attention layer's recurrence must run over the whole sequence in order. Under sequence
+parallelism rank p holds tokens [p*T_l, (p+1)*T_l); sharding the mixer by heads (each rank runs the whole
+sequence's recurrence for H/P heads, ``families.mixer_heads``) keeps the ranks working at once, where
+passing the state rank to rank (``ops.state_passing``) runs them in turn. The mixer's input is gathered
+(every rank gets the (B, T, d) sequence) and its output, a sum over heads, reduce-scattered back to tokens;
+both are DeepSpeed-Ulysses' own differentiable all-to-all (``compat.dim_zero_all_to_all``). Per layer and
+rank that moves 2 x (P-1)/P x T x d elements (Ulysses' attention exchange moves its q/k/v/out widths / P).
+
+Under StreamBP the layer runs in chunks but the mixer may not (its recurrence needs the tokens before,
+held by other ranks), so, as for attention's keys/values (``streambp_sp_apply``), a capture pass runs each
+chunk up to the mixer and keeps its input, the mixer runs once on the whole shard, and the chunks then
+run with its output. Backward replays the chunks with the output as a constant, sums its gradient, runs the
+mixer's backward once, and pushes its input gradient through each chunk's part before the mixer. Kept
+from forward to backward: the layer input only.
+
+Shape legend: B batch, P ranks, T_l tokens per rank, T = P * T_l, d hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ds_longseq.compat import dim_zero_all_to_all
+from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads
+from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
+from ds_longseq.ops.streambp import chunk_bounds
+
+__all__ = ["gather_tokens", "reduce_scatter_tokens", "MixerStream", "streambp_mixer_sp_apply"]
+
+_REGISTERED: set[int] = set()
+
+
+def _a2a(group) -> Callable:
+    a2a, register = dim_zero_all_to_all()
+    if id(group) not in _REGISTERED:  # DeepSpeed's operator looks its group up by name
+        register(group)
+        _REGISTERED.add(id(group))
+    return lambda blocks: a2a(group, blocks.contiguous())
+
+
+def gather_tokens(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """(B, T_l, ...) this rank's tokens -> (B, size*T_l, ...) every rank's, in rank order. Differentiable: the
+    gradient of this rank's tokens is the sum of every rank's gradient for them."""
+    received = _a2a(group)(x.unsqueeze(0).expand(size, *x.shape))  # (P, B, T_l, ...) by source rank
+    return received.transpose(0, 1).flatten(1, 2)
+
+
+def reduce_scatter_tokens(y: torch.Tensor, group, size: int) -> torch.Tensor:
+    """(B, size*T_l, ...) a partial sum on each rank -> (B, T_l, ...) this rank's tokens of the sum over ranks
+    (added in rank order, the same on every rank). Differentiable: the adjoint of :func:`gather_tokens`."""
+    blocks = y.unflatten(1, (size, y.shape[1] // size)).transpose(0, 1)  # token block r goes to rank r
+    return _a2a(group)(blocks).sum(0)
+
+
+class _MixerReached(Exception):
+    """Raised by the mixer in a capture pass: the rest of the layer is not needed."""
+
+
+class MixerStream:
+    """The cache a StreamBP chunk of a head-sharded mixer layer runs with (``modules.sharded_mixer`` calls
+    :meth:`mixer_call` in place of the mixer).
+
+    Modes: "capture" keeps the chunk's mixer input (no grad) and stops the layer there; "apply" returns the
+    chunk's rows of :attr:`output` (a leaf under grad, whose gradient the replay collects); "capture_grad"
+    keeps the chunk's mixer input with its graph and stops the layer.
+    """
+
+    def __init__(self, local_len: int):
+        self.local_len = local_len
+        self.mode = "capture"
+        self.start = self.end = 0
+        self.inputs: torch.Tensor | None = None  # (B, T_l, d) the mixer's input, from the capture pass
+        self.output: torch.Tensor | None = None  # (B, T_l, d) its output, from the whole-shard call
+        self.leaf: torch.Tensor | None = None  # the served output chunk (apply under grad)
+        self.input_chunk: torch.Tensor | None = None  # the captured input chunk (capture_grad)
+        self.calls = 0
+
+    def begin_chunk(self) -> None:
+        self.calls = 0
+
+    def mixer_call(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the mixer returns on this chunk's (B, C, d) input (see the modes)."""
+        self.calls += 1
+        s, e = self.start, self.end
+        if hidden_states.shape[1] != e - s:
+            raise RuntimeError(f"the mixer got {hidden_states.shape[1]} tokens on chunk [{s}, {e})")
+        if self.mode == "capture":
+            if self.inputs is None:
+                B, _, d = hidden_states.shape
+                self.inputs = hidden_states.new_empty(B, self.local_len, d)
+            self.inputs[:, s:e] = hidden_states.detach()
+            raise _MixerReached
+        if self.mode == "capture_grad":
+            self.input_chunk = hidden_states
+            raise _MixerReached
+        out = self.output[:, s:e]
+        if torch.is_grad_enabled():
+            out = out.detach().requires_grad_(True)
+            self.leaf = out
+        return out
+
+
+def _not_reached(s: int, e: int) -> RuntimeError:
+    return RuntimeError(
+        f"StreamBP: on tokens [{s}, {e}) the layer never called its head-sharded mixer, so the mixer's input "
+        "cannot be captured: set long_seq.sequence_parallel.recurrent='pass_state'"
+    )
+
+
+def _capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable) -> MixerStream:
+    """A stream in "apply" mode holding the mixer's output for the whole shard (no grad)."""
+    stream = MixerStream(hidden.shape[1])
+    with torch.no_grad():
+        for s, e in bounds:
+            stream.start, stream.end = s, e
+            try:
+                run_chunk(hidden[:, s:e], s, e, stream)
+            except _MixerReached:
+                continue
+            raise _not_reached(s, e)
+        stream.output = mixer(stream.inputs)
+    stream.mode = "apply"
+    return stream
+
+
+def _forward(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable) -> torch.Tensor:
+    stream = _capture(run_chunk, hidden, bounds, mixer)
+    with torch.no_grad():
+        outs = []
+        for s, e in bounds:
+            stream.start, stream.end = s, e
+            outs.append(run_chunk(hidden[:, s:e], s, e, stream))
+    return torch.cat(outs, dim=1)
+
+
+class _MixerSPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, run_chunk, bounds, mixer, offloader, *params):
+        out = _forward(run_chunk, hidden, bounds, mixer)
+        save_input(ctx, hidden, offloader)
+        ctx.run_chunk, ctx.bounds, ctx.mixer, ctx.params = run_chunk, bounds, mixer, params
+        ctx.autocast = AutocastState.capture(hidden.device.type)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden = load_input(ctx)
+        run_chunk, bounds = ctx.run_chunk, ctx.bounds
+        with ctx.autocast.replay():
+            stream = _capture(run_chunk, hidden, bounds, ctx.mixer)
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
+        grad_mixer_out = torch.zeros_like(stream.output)
+        # Pass 1: every chunk through the whole layer, the mixer's output a constant whose gradient is kept.
+        with torch.enable_grad():
+            for s, e in bounds:
+                stream.start, stream.end, stream.leaf = s, e, None
+                h_c = grads.leaf(hidden[:, s:e])
+                with ctx.autocast.replay():
+                    out_c = run_chunk(h_c, s, e, stream)
+                if stream.leaf is None:
+                    raise _not_reached(s, e)
+                (leaf_grad,) = grads.backward([out_c], [grad_out[:, s:e]], h_c, s, e, extra=[stream.leaf])
+                if leaf_grad is not None:
+                    grad_mixer_out[:, s:e] = leaf_grad
+        # The mixer once with grad (its collectives run on every rank at once): its parameters' gradients, and
+        # its input's, which pass 2 pushes through each chunk's part of the layer before the mixer.
+        inputs = stream.inputs.detach().requires_grad_(True)
+        with torch.enable_grad():
+            with ctx.autocast.replay():
+                mixer_out = ctx.mixer(inputs)
+            (grad_inputs,) = grads.backward_to([mixer_out], [grad_mixer_out.to(mixer_out.dtype)], [inputs])
+        stream.mode = "capture_grad"
+        with torch.enable_grad():
+            for s, e in bounds:
+                stream.start, stream.end, stream.input_chunk = s, e, None
+                h_c = grads.leaf(hidden[:, s:e])
+                try:
+                    with ctx.autocast.replay():
+                        run_chunk(h_c, s, e, stream)
+                except _MixerReached:
+                    pass
+                else:
+                    raise _not_reached(s, e)
+                x_c = stream.input_chunk
+                if grad_inputs is not None and x_c.requires_grad:
+                    grads.backward([x_c], [grad_inputs[:, s:e].to(x_c.dtype)], h_c, s, e, add=True)
+        grad_in, param_grads = grads.result()
+        return (grad_in, None, None, None, None, *param_grads)
+
+
+def streambp_mixer_sp_apply(
+    run_chunk: Callable,
+    hidden: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    chunk_size: int,
+    mixer: Callable[[torch.Tensor], torch.Tensor],
+    offloader: LayerInputOffloader | None = None,
+) -> torch.Tensor:
+    """StreamBP over a decoder layer whose token mixer runs head-sharded over the sequence-parallel group.
+
+    Args:
+        run_chunk: ``run_chunk(h_c, s, e, stream)`` runs the layer on tokens [s, e) with ``stream`` (a
+            :class:`MixerStream`) as its cache; the layer's mixer must call ``stream.mixer_call`` once.
+        hidden: (B, T_l, d) this rank's layer input.
+        params: every parameter the layer uses (the mixer's included).
+        chunk_size: tokens per chunk of the local shard.
+        mixer: (B, T_l, d) the mixer's input on this rank -> (B, T_l, d) its output, a collective call every
+            rank of the group makes at once (``modules.sharded_mixer.HeadShardedMixerForward.sharded``).
+        offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
+
+    Returns:
+        (B, T_l, d) the layer output; under grad mode only ``hidden`` is saved for backward.
+    """
+    bounds = chunk_bounds(hidden.shape[1], chunk_size)
+    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return _MixerSPFunction.apply(hidden, run_chunk, bounds, mixer, offloader, *params)
+    return _forward(run_chunk, hidden, bounds, mixer)
