@@ -468,7 +468,18 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
             f"{where}[i].{attn_attr} selects its keys with a learned indexer ({', '.join(indexed)}: sparse "
             "attention, DSA), which ds_longseq's chunked attention does not implement"
         )
-    if inline:
+    # the attention a level further down (BERT's self-attention inside its attention block; Zamba / Zamba2's
+    # shared transformer block, one instance called from several hybrid layers)
+    wrapped = {type(a).__name__: type(m).__name__ for a in attentions if type(a).__name__ in inline
+               for m in a.modules() if m is not a and "Attention" in type(m).__name__}
+    if wrapped:
+        shared = len({id(a) for a in attentions}) < len(attentions)
+        problems.append(
+            f"{where}[i].{attn_attr} ({', '.join(sorted(wrapped))}) holds its attention a level further down "
+            f"({', '.join(sorted(set(wrapped.values())))}){', one instance shared by several layers' if shared else ''}"
+            ", which ds_longseq does not look into: it runs attention modules found directly in each layer"
+        )
+    elif inline:
         problems.append(
             f"{where}[i].{attn_attr} ({', '.join(inline)}) does not compute through transformers' attention interface "
             "with its K/V through the KV cache's update(), which ds_longseq's chunked attention replaces"
