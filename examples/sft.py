@@ -73,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--model", default=None, help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama"
     )
-    p.add_argument("--data", default=None, help="JSONL with 'text' or 'prompt'/'completion' per line (needs --model)")
+    p.add_argument("--data", default=None, help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' (trained "
+                   "on the assistant turns) per line (needs --model)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--pack", action="store_true",
                    help="pack several --data documents into each row of --seq-len tokens (position_ids restart "

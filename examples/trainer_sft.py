@@ -7,8 +7,11 @@ for TRL). Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl):
     deepspeed --num_gpus 2 examples/trainer_sft.py
     deepspeed --num_gpus 2 examples/trainer_sft.py --trl        # TRL's SFTTrainer (pip install 'trl>=1.16')
 
-With no arguments it trains sft.py's embedded default: the tiny Llama-shaped model built from a
-config, from scratch, on the built-in copy task (a random document, then the same document again;
+``--model PATH --data FILE.jsonl`` trains a local Hugging Face model on your data, as sft.py does: one JSON
+object per line, ``{"text": ...}``, ``{"prompt": ..., "completion": ...}`` (the prompt untrained) or a chat
+``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered by the tokenizer's chat template and trained on
+its assistant turns only. With no arguments it trains sft.py's embedded default: the tiny Llama-shaped model
+built from a config, from scratch, on the built-in copy task (a random document, then the same document again;
 only the copy is trained on, so the loss can fall below chance, ln 224, only once attention reaches
 back to the first copy), here at a shorter default length. Outputs under --output-dir: the model in
 HF format (``hf_model/``, loadable by the stock ``AutoModelForCausalLM``), ``trainer_state.json``
@@ -35,7 +38,15 @@ import torch
 from transformers import TrainingArguments
 
 from ds_longseq.trainer import LongSeqTrainer, with_long_seq
-from ds_longseq.training import DOC_TOKENS, VOCAB, build_model, copy_example, plot_losses, start_distributed
+from ds_longseq.training import (
+    DOC_TOKENS,
+    VOCAB,
+    JsonlData,
+    build_model,
+    copy_example,
+    plot_losses,
+    start_distributed,
+)
 
 BATCH = 8  # rows per rank and step: 8 x 256 tokens, the 2048 tokens per rank of sft.py's default step
 DEFAULT_LR = 3e-3  # sft.py's rate for the embedded tiny model, which trains from scratch
@@ -48,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/trainer_zero2_streambp.json",
                    help="DeepSpeed JSON config with a long_seq section; Trainer-set values 'auto' or equal to its own")
     p.add_argument("--trl", action="store_true", help="train with TRL's SFTTrainer instead of transformers' Trainer")
+    p.add_argument("--model", default=None,
+                   help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")
+    p.add_argument("--data", default=None, help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' per line "
+                   "(needs --model)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default: {DEFAULT_LR} for the built-in model, 2e-5 with --model)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--max-steps", type=int, default=150, help="optimizer steps")
     p.add_argument("--output-dir", "--save-dir", dest="output_dir", default="outputs/trainer_sft",
@@ -80,17 +97,30 @@ def copy_task_tokenizer():
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    copy_example(0, args.seq_len, args.seed)  # a too-short --seq-len fails here, before anything starts
+    if args.data and not args.model:
+        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+    tokenizer = None
+    if args.data:  # bad data fails here, before anything starts
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        data = JsonlData(args.data, tokenizer, args.seq_len)
+    else:
+        copy_example(0, args.seq_len, args.seed)  # a too-short --seq-len fails here, before anything starts
     if args.trl:
         SFTConfig, SFTTrainer = import_trl()
     # gloo on CPU, nccl on GPU; checks the config's long_seq section against --seq-len and the world size
     _, world, ds_config, _, use_bf16 = start_distributed(args.ds_config, seq_len=args.seq_len)
 
-    model = build_model(None, torch.bfloat16 if use_bf16 else torch.float32, seq_len=args.seq_len, seed=args.seed)
-    rows = [copy_example(i, args.seq_len, args.seed) for i in range(args.max_steps * world * BATCH)]
+    model = build_model(args.model, torch.bfloat16 if use_bf16 else torch.float32, seq_len=args.seq_len,
+                        seed=args.seed)
+    count = args.max_steps * world * BATCH
+    rows = [data[i] for i in range(count)] if args.data else [
+        copy_example(i, args.seq_len, args.seed) for i in range(count)]
+    lr = args.lr if args.lr is not None else (2e-5 if args.model else DEFAULT_LR)
     training = dict(
         output_dir=args.output_dir, deepspeed=ds_config, max_steps=args.max_steps, per_device_train_batch_size=BATCH,
-        learning_rate=DEFAULT_LR, adam_beta2=0.95, weight_decay=0.0, warmup_steps=10,
+        learning_rate=lr, adam_beta2=0.95, weight_decay=0.0, warmup_steps=10,
         lr_scheduler_type="constant_with_warmup", max_grad_norm=1.0, bf16=use_bf16,
         use_cpu=not torch.cuda.is_available(), logging_steps=0.02,  # 50 logs per run
         save_strategy="no", report_to="none", seed=args.seed,
@@ -109,14 +139,14 @@ def main(argv=None) -> int:
         ])
         config = SFTConfig(**training, max_length=args.seq_len, activation_checkpointing=False)
         trainer = with_long_seq(SFTTrainer)(model=model, args=config, train_dataset=data,
-                                            processing_class=copy_task_tokenizer())
+                                            processing_class=tokenizer or copy_task_tokenizer())
     result = trainer.train()
     trainer.save_model(os.path.join(args.output_dir, "hf_model"))  # every rank: ZeRO-3 gathers the weights
     trainer.save_state()  # trainer_state.json, with the log history
 
     if trainer.is_world_process_zero():
         losses = [h for h in trainer.state.log_history if "loss" in h]
-        chance = math.log(len(DOC_TOKENS))
+        chance = None if args.data else math.log(len(DOC_TOKENS))
         plot_losses(losses, os.path.join(args.output_dir, "loss.png"), chance,
                     chance_label=f"chance without looking back (ln {len(DOC_TOKENS)})",
                     title="examples/trainer_sft.py" + (" --trl" if args.trl else ""))
@@ -126,8 +156,9 @@ def main(argv=None) -> int:
             + (f" (sequence parallel {sp} x data parallel {world // sp})" if sp > 1 else "")
             + f", seq_len {args.seq_len}, "
             f"loss {losses[0]['loss']:.4f} (step {losses[0]['step']}) -> {losses[-1]['loss']:.4f} "
-            f"(step {losses[-1]['step']}; chance without looking back {chance:.4f}), "
-            f"{result.metrics['train_runtime']:.0f} s of training\n"
+            f"(step {losses[-1]['step']}"
+            + ("" if chance is None else f"; chance without looking back {chance:.4f}")
+            + f"), {result.metrics['train_runtime']:.0f} s of training\n"
             f"outputs: {args.output_dir}/ (hf_model/, trainer_state.json, loss.png)",
             flush=True,
         )

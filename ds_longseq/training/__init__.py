@@ -32,6 +32,7 @@ from ds_longseq.training.checkpoint import (
 )
 from ds_longseq.training.data import (
     JsonlData,
+    chat_tokens,
     micro_batch,
     micro_batch_indices,
     pad_id_of,
@@ -78,7 +79,8 @@ from ds_longseq.training.tasks import (
 
 __all__ = [
     # data
-    "read_jsonl", "require_keys", "pad_id_of", "pad_row", "JsonlData", "micro_batch_indices", "micro_batch",
+    "read_jsonl", "require_keys", "pad_id_of", "pad_row", "JsonlData", "chat_tokens", "micro_batch_indices",
+    "micro_batch",
     # packing
     "first_fit_decreasing", "PackStats", "PackedData", "pack_jsonl", "log_packing",
     # tasks
