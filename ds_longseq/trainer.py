@@ -32,8 +32,13 @@ what ``engine.initialize`` would, at these points:
   ``engine.shard_batch``, the loss computed with this rank's share as its value, and the values
   summed over the group. So each rank's loss value is that of the unsharded batch (what the Trainer
   logs) and its gradient this rank's share (DeepSpeed sums the shares over the group).
-- evaluation and prediction under sequence parallelism: paused (``SequenceParallel.paused``), each
-  rank runs its own whole sequences.
+- evaluation under sequence parallelism (issue 29 item 4), for the loss (``prediction_loss_only``, i.e. no
+  ``compute_metrics``): each rank's evaluation batch is run sharded across its sequence-parallel group like a
+  training batch, the group's P batches one after the other (each broadcast from its rank), so an
+  evaluation sequence is as long as a training one can be; each rank's loss is the one the stock step
+  computes on its own batch (the same token count, ``num_items_in_batch``), so the Trainer's gathering and
+  averaging are unchanged. Evaluation that needs logits (``compute_metrics``), prediction and generation
+  pause sequence parallelism (``SequenceParallel.paused``): each rank runs its own whole sequences.
 """
 
 from __future__ import annotations
@@ -325,10 +330,51 @@ class LongSeqTrainerMixin:
         return contextlib.nullcontext() if self._sp is None else self._sp.paused()
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if self._sp is None:
+        sp = self._sp
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        if sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        with self._sp.paused():
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if not (prediction_loss_only and has_labels):  # logits wanted: whole sequences on each rank
+            with sp.paused():
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        # counted as the stock step counts them (across devices where the Trainer averages tokens so)
+        num_items = self._get_num_items_in_batch([inputs], self.args.device)
+        loss = None
+        for member in range(sp.size):  # the group's batches in turn, each sharded across the group
+            batch, count = _broadcast_batch(inputs, num_items, member, sp.group)
+            shard = _shard_inputs(batch, sp.rank, sp.size)
+            with torch.no_grad(), self.compute_loss_context_manager(), sp.local_losses():
+                share = super().compute_loss(model, shard, num_items_in_batch=count)
+            total = share.detach().clone()
+            dist.all_reduce(total, group=sp.group)  # value: that batch's loss, as one rank computes it
+            if member == sp.rank:
+                loss = total.mean()
+        return loss, None, None
+
+
+def _broadcast_batch(inputs: Mapping[str, Any], num_items, member: int, group) -> tuple[dict[str, Any], Any]:
+    """Rank ``member`` (of ``group``)'s evaluation batch and token count, on every rank of the group: its tensors
+    broadcast (shapes and dtypes first), its other values as they are."""
+    src = dist.get_global_rank(group, member)
+    device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    meta = [{k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()},
+            num_items.item() if isinstance(num_items, torch.Tensor) else num_items]
+    dist.broadcast_object_list(meta, src=src, group=group,
+                               device=device if device.type == "cuda" else None)
+    batch = {}
+    for key, value in meta[0].items():
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
+            tensor = inputs[key].contiguous() if dist.get_rank() == src else torch.empty(
+                value[0], dtype=value[1], device=device)
+            dist.broadcast(tensor, src=src, group=group)
+            batch[key] = tensor
+        else:
+            batch[key] = value
+    count = meta[1]
+    if isinstance(num_items, torch.Tensor):
+        count = torch.tensor(count, dtype=num_items.dtype, device=num_items.device)
+    return batch, count
 
 
 def _shard_inputs(inputs: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
@@ -338,8 +384,9 @@ def _shard_inputs(inputs: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("ds_longseq sequence parallelism in the Trainer needs (batch, seq) input_ids in each batch")
     seq = {k: v for k, v in inputs.items() if k in SHARDED_KEYS}
-    # seq_idx (TRL's padding-free collator: each token's document) is read only by the short
-    # convolutions of linear-attention layers, which no family ds_longseq supports has.
+    # seq_idx (TRL's padding-free collator: each token's document) is read only by the fused short-convolution
+    # kernels of linear-attention layers; ds_longseq refuses packed rows on those families (it finds the
+    # documents from the restarting position ids, which the collator also sends).
     rest = {k: v for k, v in inputs.items() if k not in SHARDED_KEYS and k != "seq_idx"}
     for key, value in rest.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(ids.shape):

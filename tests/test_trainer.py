@@ -107,8 +107,15 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
 
     trainer = Recording(model=model, args=args, train_dataset=_samples(), data_collator=collate)
     trainer.train(resume_from_checkpoint=opts.get("resume"))
-    # sequence parallelism is paused in evaluation: each rank runs its own whole eval batches
+    # under sequence parallelism each rank's eval batch runs sharded across the group, the group's batches in
+    # turn: the decoder sees (batch, length / P) inputs, recorded here for the test
+    lengths = []
+    hook = trainer.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(int(kwargs["input_ids"].shape[1])), with_kwargs=True)
     eval_loss = trainer.evaluate(eval_dataset=_samples(EVAL_SAMPLES, seed=1))["eval_loss"]
+    hook.remove()
+    with open(os.path.join(workdir, f"eval_lengths{rank}.json"), "w") as f:
+        json.dump(lengths, f)
     if opts.get("generate"):
         prompt = torch.tensor([_samples(1, seed=2)[0]["input_ids"][:6]])
         with trainer.sequence_parallel_paused(), torch.no_grad():
@@ -309,6 +316,14 @@ def test_trainer_matches_plain_pytorch(tmp_path, case):
         expected = ref_model.generate(prompt, max_new_tokens=4, do_sample=False)
     for tokens in generated:  # greedy generation after training, sequence parallelism paused
         assert torch.equal(tokens, expected)
+    # evaluation ran sharded under sequence parallelism: the group's 2 batches per step, each cut in P
+    # (padded to a multiple of P), so every rank saw both batches' halves; the eval loss matched above
+    samples = _samples(EVAL_SAMPLES, seed=1)
+    batch_lengths = [max(len(s["input_ids"]) for s in samples[i:i + 2]) for i in range(0, EVAL_SAMPLES, 2)]
+    expected_lengths = [-(-n // sp) for n in batch_lengths] if sp > 1 else [batch_lengths[r::2] for r in (0, 1)]
+    for rank in (0, 1):
+        seen_lengths = json.loads((tmp_path / f"eval_lengths{rank}.json").read_text())
+        assert seen_lengths == (expected_lengths if sp > 1 else expected_lengths[rank]), (rank, seen_lengths)
 
 
 @pytest.mark.parametrize("packing", [True, pytest.param(False, marks=pytest.mark.slow)])
