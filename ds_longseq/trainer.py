@@ -191,13 +191,19 @@ class LongSeqTrainerMixin:
             if section is not None:
                 raise ValueError("long_seq is in the DeepSpeed config and passed as long_seq=: keep only one")
             section = long_seq.to_dict() if isinstance(long_seq, LongSeqConfig) else dict(long_seq)
+        _, cfg = split_config({**ds_config, "long_seq": section})
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and getattr(pc, "sp_enabled", False):
+            ours = cfg.sequence_parallel.size
             raise ValueError(
-                "accelerate's sequence parallelism (ParallelismConfig sp_size > 1) and ds_longseq's are both "
-                "configured: drop parallelism_config and set long_seq.sequence_parallel.size instead"
+                f"TrainingArguments(parallelism_config=ParallelismConfig(sp_size={pc.sp_size}, ...)) turns on "
+                "accelerate's own sequence parallelism (DeepSpeed's UlyssesSPAttentionHF, its dataloader adapter), "
+                "which ds_longseq does not run under yet"
+                + ("" if ours == 1 else f" (and long_seq.sequence_parallel.size={ours} is set too)")
+                + f": drop parallelism_config and set \"sequence_parallel\": {{\"size\": {pc.sp_size}}} in the "
+                "DeepSpeed config's long_seq section (note: ALST's adapter runs each rank's batch across the group, so "
+                "its steps per epoch are sp_size times ds_longseq's, where a group reads one batch per step)"
             )
-        _, cfg = split_config({**ds_config, "long_seq": section})
         return section, cfg
 
     @classmethod

@@ -400,6 +400,34 @@ def bad_input_body(rank: int, workdir: str, model_dir: str) -> dict[str, str]:
     }
 
 
+def alst_body(rank: int, workdir: str, model_dir: str) -> str:
+    """A Trainer script written the ALST way (accelerate's parallelism_config, sp_size 2) with a long_seq section
+    that sets no sequence parallelism: the error at construction."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from ds_longseq.trainer import LongSeqTrainer
+
+    args = TrainingArguments(output_dir=workdir, deepspeed=ds_config(2, 1), use_cpu=True, report_to=[], max_steps=1,
+                             parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+    try:
+        LongSeqTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=_samples(4),
+                       data_collator=collate)
+    except Exception as err:  # noqa: BLE001 - the test reads the type and the message
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_parallelism_config_names_the_switch(tmp_path):
+    """accelerate's ALST path is not run under yet: refused at construction, saying which setting to move where
+    (and not claiming a long_seq sequence parallelism that was never configured)."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    for error in run_distributed(alst_body, 2, (str(tmp_path), model_dir), timeout=300):
+        assert error.startswith("ValueError: TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2"), error
+        assert '"sequence_parallel": {"size": 2}' in error and "is set too" not in error, error
+
+
 def test_trainer_bad_input_fails_at_construction(tmp_path):
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
