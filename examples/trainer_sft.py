@@ -2,10 +2,12 @@
 
 Compared with a stock Trainer script, two things change: the DeepSpeed config carries a
 ``"long_seq"`` section, and the Trainer class is ``LongSeqTrainer`` (``with_long_seq(SFTTrainer)``
-for TRL). Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl):
+for TRL). Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl), or with accelerate and a
+DeepSpeed accelerate config (its ``deepspeed_config_file`` is then the default ``--ds_config``):
 
     deepspeed --num_gpus 2 examples/trainer_sft.py
     deepspeed --num_gpus 2 examples/trainer_sft.py --trl        # TRL's SFTTrainer (pip install 'trl>=1.16')
+    accelerate launch --config_file launch/accelerate_deepspeed.yaml examples/trainer_sft.py
 
 ``--model PATH --data FILE.jsonl`` trains a local Hugging Face model on your data, as sft.py does: one JSON
 object per line, ``{"text": ...}``, ``{"prompt": ..., "completion": ...}`` (the prompt untrained) or a chat
@@ -48,6 +50,7 @@ from ds_longseq.training import (
     start_distributed,
 )
 
+DEFAULT_DS_CONFIG = "ds_configs/trainer_zero2_streambp.json"
 BATCH = 8  # rows per rank and step: 8 x 256 tokens, the 2048 tokens per rank of sft.py's default step
 DEFAULT_LR = 3e-3  # sft.py's rate for the embedded tiny model, which trains from scratch
 
@@ -56,8 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/trainer_zero2_streambp.json",
-                   help="DeepSpeed JSON config with a long_seq section; Trainer-set values 'auto' or equal to its own")
+    p.add_argument("--ds_config", "--ds-config", dest="ds_config",
+                   default=os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or DEFAULT_DS_CONFIG,
+                   help="DeepSpeed JSON config with a long_seq section; Trainer-set values 'auto' or equal to its own "
+                   "(under accelerate launch: the config file its DeepSpeed config names)")
     p.add_argument("--trl", action="store_true", help="train with TRL's SFTTrainer instead of transformers' Trainer")
     p.add_argument("--model", default=None,
                    help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")

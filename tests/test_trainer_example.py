@@ -78,3 +78,30 @@ def test_trl_missing_is_a_clear_error(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "--trl needs TRL, which is not installed: pip install 'trl>=1.16'" in proc.stderr
+
+
+def test_accelerate_launch_trl_sequence_parallel(tmp_path):
+    """`accelerate launch` with launch/accelerate_deepspeed.yaml (its DeepSpeed config file swapped for one with
+    long_seq.sequence_parallel.size 2) runs examples/trainer_sft.py --trl on 2 CPU ranks: accelerate's DeepSpeed
+    config is the script's default --ds_config, and sequence parallelism comes from its long_seq section."""
+    import shutil
+
+    from tests.dist_utils import run_job
+    from tests.test_dpo_example import _port
+
+    if shutil.which("accelerate") is None:
+        raise AssertionError("the accelerate launcher is not on PATH: pip install accelerate")
+    text = open(os.path.join(ROOT, "launch", "accelerate_deepspeed.yaml")).read()
+    assert "deepspeed_config_file: ds_configs/trainer_zero2_streambp.json" in text
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(text.replace("ds_configs/trainer_zero2_streambp.json", trainer_config(tmp_path, sp=2)))
+    out = tmp_path / "out"
+    pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    proc = run_job(
+        ["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(_port()),
+         os.path.join(ROOT, "examples", "trainer_sft.py"), "--trl", "--seq-len", "256", "--max-steps", str(STEPS),
+         "--output-dir", str(out)],
+        cwd=ROOT, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_outputs(out, proc, f"LongSeqSFTTrainer, {STEPS} steps on 2 rank(s) (sequence parallel 2 x data parallel 1)")
