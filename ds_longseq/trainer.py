@@ -32,6 +32,10 @@ what ``engine.initialize`` would, at these points:
   ``engine.shard_batch``, the loss computed with this rank's share as its value, and the values
   summed over the group. So each rank's loss value is that of the unsharded batch (what the Trainer
   logs) and its gradient this rank's share (DeepSpeed sums the shares over the group).
+- ``parallelism_config`` with ``sp_size`` P > 1 (a script written the ALST way): sets the sequence-parallel
+  size; accelerate's and the Trainer's ALST machinery is hidden from the run (``_accelerate_sp_hidden``) and
+  the training data keeps ALST's semantics: each rank reads its own batches, the group trains on the P batches
+  in turn (``_GroupTurns``), so steps per epoch and samples per step are ALST's.
 - evaluation under sequence parallelism (issue 29 item 4), for the loss (``prediction_loss_only``, i.e. no
   ``compute_metrics``): each rank's evaluation batch is run sharded across its sequence-parallel group like a
   training batch, the group's P batches one after the other (each broadcast from its rank), so an
@@ -116,8 +120,8 @@ class LongSeqTrainerMixin:
 
     Raises (from ``__init__``, before any training):
         LongSeqConfigError: the ``long_seq`` section or the ZeRO stage is invalid.
-        ValueError: the sequence-parallel size does not divide the world size; both accelerate's
-            and ds_longseq's sequence parallelism are configured; ``long_seq`` given twice.
+        ValueError: the sequence-parallel size does not divide the world size; ``parallelism_config``'s
+            ``sp_size`` and ``long_seq.sequence_parallel.size`` disagree; ``long_seq`` given twice.
         UnsupportedModelError: the model family or one of its settings is not supported.
         NotImplementedError: a TRL trainer other than ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``;
             ``DPOTrainer`` or ``GRPOTrainer`` under sequence parallelism.
@@ -191,20 +195,36 @@ class LongSeqTrainerMixin:
             if section is not None:
                 raise ValueError("long_seq is in the DeepSpeed config and passed as long_seq=: keep only one")
             section = long_seq.to_dict() if isinstance(long_seq, LongSeqConfig) else dict(long_seq)
-        _, cfg = split_config({**ds_config, "long_seq": section})
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and getattr(pc, "sp_enabled", False):
-            ours = cfg.sequence_parallel.size
-            raise ValueError(
-                f"TrainingArguments(parallelism_config=ParallelismConfig(sp_size={pc.sp_size}, ...)) turns on "
-                "accelerate's own sequence parallelism (DeepSpeed's UlyssesSPAttentionHF, its dataloader adapter), "
-                "which ds_longseq does not run under yet"
-                + ("" if ours == 1 else f" (and long_seq.sequence_parallel.size={ours} is set too)")
-                + f": drop parallelism_config and set \"sequence_parallel\": {{\"size\": {pc.sp_size}}} in the "
-                "DeepSpeed config's long_seq section (note: ALST's adapter runs each rank's batch across the group, so "
-                "its steps per epoch are sp_size times ds_longseq's, where a group reads one batch per step)"
-            )
+            section = self._take_parallelism_config(pc, section)
+        _, cfg = split_config({**ds_config, "long_seq": section})
         return section, cfg
+
+    def _take_parallelism_config(self, pc, section: dict | None) -> dict:
+        """The long_seq section with its sequence-parallel size from ``parallelism_config`` (the ALST way to
+        ask for it: ``ParallelismConfig(sp_backend="deepspeed", sp_size=P, sp_handler=...)``). accelerate's
+        own Ulysses (its attention, its dataloader adapter, the Trainer's loss) is then kept out of the run and
+        ds_longseq's does the work, with ALST's data semantics (:class:`_GroupTurns`)."""
+        section = dict(section or {})
+        ours = dict(section.get("sequence_parallel") or {})
+        if ours.get("size", 1) not in (1, pc.sp_size):
+            raise ValueError(
+                f"parallelism_config sp_size={pc.sp_size} and long_seq.sequence_parallel.size={ours['size']} disagree: "
+                "set one of them (or both to the same size)"
+            )
+        handler = getattr(pc, "sp_handler", None)
+        knobs = {name: getattr(handler, name, None) for name in ("sp_seq_length", "sp_attn_implementation")}
+        set_knobs = {name: value for name, value in knobs.items() if value is not None}
+        if set_knobs:
+            logger.warning(
+                "ds_longseq: parallelism_config's sp_handler settings %s are ignored: ds_longseq's own attention "
+                "runs every layer (its kernel choice: long_seq.attention) and takes any sequence length (a batch is "
+                "padded to a multiple of sp_size)", set_knobs,
+            )
+        self._accelerate_sp = pc
+        section["sequence_parallel"] = {**ours, "size": pc.sp_size}
+        return section
 
     @classmethod
     def _check_trainer_class(cls) -> None:
@@ -255,10 +275,26 @@ class LongSeqTrainerMixin:
             return
         self._long_seq_routing = True
         try:
-            with deepspeed_initialize_replaced(self._deepspeed_initialize):
+            with deepspeed_initialize_replaced(self._deepspeed_initialize), self._accelerate_sp_hidden():
                 yield
         finally:
             self._long_seq_routing = False
+
+    @contextlib.contextmanager
+    def _accelerate_sp_hidden(self):
+        """With ``parallelism_config`` asking for sequence parallelism, accelerate and the Trainer would each do
+        their part of ALST (register DeepSpeed's Ulysses attention, wrap the dataloader, compute the loss over the
+        group): all of it is ds_longseq's here, so the config is out of their sight while the run goes on."""
+        pc = getattr(self, "_accelerate_sp", None)
+        if pc is None:
+            yield
+            return
+        state = self.accelerator.state
+        state.parallelism_config = None
+        try:
+            yield
+        finally:
+            state.parallelism_config = pc
 
     def train(self, *args, **kwargs):
         with self._long_seq_engine():
@@ -278,6 +314,9 @@ class LongSeqTrainerMixin:
         dataloader = super().get_train_dataloader()
         if self._sp is None:
             return dataloader
+        if getattr(self, "_accelerate_sp", None) is not None:
+            # parallelism_config's (ALST's) data: every rank reads its own batches, the group trains on them in turn
+            return _GroupTurns(dataloader, self._sp.rank, self._sp.size, self._sp.group)
         if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
             raise ValueError(
                 "train_sampling_strategy='batch_rebalance' under ds_longseq sequence parallelism: that sampler "
@@ -357,6 +396,30 @@ class LongSeqTrainerMixin:
             if member == sp.rank:
                 loss = total.mean()
         return loss, None, None
+
+
+class _GroupTurns:
+    """A training dataloader under ``parallelism_config``'s sequence parallelism, with ALST's semantics
+    (DeepSpeed's ``UlyssesSPDataLoaderAdapter``): every rank reads its own batches, and for each of them the group's
+    P batches are trained on one after the other, rank 0's first, each whole on every rank of the group
+    (``compute_loss`` cuts it). So an epoch has P times the wrapped loader's batches, as the Trainer counts it
+    under ALST, and every step sees the same samples as under ALST."""
+
+    def __init__(self, dataloader, rank: int, size: int, group):
+        self.dataloader, self.rank, self.size, self.group = dataloader, rank, size, group
+
+    def __len__(self) -> int:
+        return len(self.dataloader) * self.size
+
+    def __iter__(self):
+        for batch in self.dataloader:
+            for member in range(self.size):
+                yield _broadcast_batch(batch, None, member, self.group)[0]
+
+    def __getattr__(self, name: str):  # set_epoch, sampler, dataset, ...: the wrapped loader's
+        if name == "dataloader":
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
 
 
 def _broadcast_batch(inputs: Mapping[str, Any], num_items, member: int, group) -> tuple[dict[str, Any], Any]:

@@ -400,32 +400,107 @@ def bad_input_body(rank: int, workdir: str, model_dir: str) -> dict[str, str]:
     }
 
 
-def alst_body(rank: int, workdir: str, model_dir: str) -> str:
-    """A Trainer script written the ALST way (accelerate's parallelism_config, sp_size 2) with a long_seq section
-    that sets no sequence parallelism: the error at construction."""
+def _alst_collate(features: list[dict]) -> dict[str, torch.Tensor]:
+    """:func:`collate` at a fixed 24 tokens with position ids: what stock ALST's dataloader adapter needs (it
+    gathers the ranks' batches, so their shapes must agree, and it wants position_ids in every batch)."""
+    batch = collate(features)
+    pad = 24 - batch["input_ids"].shape[1]
+    batch = {k: torch.nn.functional.pad(v, (0, pad), value=-100 if k == "labels" else 0) for k, v in batch.items()}
+    batch["position_ids"] = torch.arange(24).expand(len(features), 24).clone()
+    return batch
+
+
+def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
+    """A Trainer script written the ALST way (TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=
+    "deepspeed", sp_size=2)), ZeRO-2): stock (``ours`` False: transformers' Trainer, accelerate's Ulysses) or with
+    ds_longseq (LongSeqTrainer, a long_seq section without sequence_parallel; accelerate's Ulysses made to raise
+    if anything calls it). Returns the batches each step trained on, the log history and the sp_handler warning."""
+    import logging
+
     from accelerate.parallelism_config import ParallelismConfig
-    from transformers import AutoModelForCausalLM, TrainingArguments
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from ds_longseq.trainer import LongSeqTrainer
 
-    args = TrainingArguments(output_dir=workdir, deepspeed=ds_config(2, 1), use_cpu=True, report_to=[], max_steps=1,
-                             parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
-    try:
-        LongSeqTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=_samples(4),
-                       data_collator=collate)
-    except Exception as err:  # noqa: BLE001 - the test reads the type and the message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
+    config = ds_config(2, 1)
+    if ours:
+        def refuse(*args, **kwargs):
+            raise AssertionError("accelerate's Ulysses ran under ds_longseq")
+
+        ulysses_sp.UlyssesSPAttentionHF.register_with_transformers = refuse
+        ulysses_sp.UlyssesSPDataLoaderAdapter.__init__ = refuse
+    else:
+        del config["long_seq"]
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    args = TrainingArguments(
+        output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=LR,
+        lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, optim="sgd", deepspeed=config,
+        report_to=[], logging_steps=1, use_cpu=True, disable_tqdm=True, seed=7, save_strategy="no",
+        remove_unused_columns=False,
+        parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=handler),
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    seen = []
+
+    class Recording(LongSeqTrainer if ours else Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return super().training_step(model, inputs, num_items_in_batch=num_items_in_batch)
+
+    records = []
+    capture = logging.Handler()
+    capture.emit = records.append
+    logging.getLogger("ds_longseq.trainer").addHandler(capture)
+    trainer = Recording(model=model, args=args, train_dataset=_samples(), data_collator=_alst_collate)
+    trainer.train()
+    return {"seen": seen, "log": [h for h in trainer.state.log_history if "loss" in h],
+            "warnings": [r.getMessage() for r in records]}
 
 
-def test_parallelism_config_names_the_switch(tmp_path):
-    """accelerate's ALST path is not run under yet: refused at construction, saying which setting to move where
-    (and not claiming a long_seq sequence parallelism that was never configured)."""
+def test_parallelism_config_runs_ds_longseq_with_alst_semantics(tmp_path):
+    """A script written the ALST way runs with ds_longseq once LongSeqTrainer replaces Trainer: parallelism_config's
+    sp_size sets the sequence-parallel size (its sp_handler settings ignored with a warning), none of accelerate's
+    Ulysses runs, and each step trains on the same samples as stock ALST (every rank's batch in turn across the
+    group: its first step's loss equal, ALST's shards are cut from ours), with the same steps per epoch. Our losses
+    equal plain PyTorch on those batches in that order (float32, 1e-5). Stock ALST's own steps after the first
+    differ: on this setup its gradient is sp_size times the batch mean loss's (docs/TRAINER.md)."""
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
-    for error in run_distributed(alst_body, 2, (str(tmp_path), model_dir), timeout=300):
-        assert error.startswith("ValueError: TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2"), error
-        assert '"sequence_parallel": {"size": 2}' in error and "is set too" not in error, error
+    stock = run_distributed(alst_body, 2, (str(tmp_path / "stock"), model_dir, False), timeout=300)
+    ours = run_distributed(alst_body, 2, (str(tmp_path / "ours"), model_dir, True), timeout=300)
+    assert "sp_attn_implementation" in ours[0]["warnings"][0] and "are ignored" in ours[0]["warnings"][0]
+    for rank in (0, 1):
+        assert [h["epoch"] for h in ours[rank]["log"]] == [h["epoch"] for h in stock[rank]["log"]]
+        assert ours[rank]["log"][0]["loss"] == pytest.approx(stock[rank]["log"][0]["loss"], rel=1e-6)
+        for full, shard in zip(ours[rank]["seen"], stock[rank]["seen"], strict=True):
+            assert torch.equal(full["input_ids"][:, rank * 12:(rank + 1) * 12], shard["input_ids"])
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    expected = []
+    for batch in ours[0]["seen"]:
+        loss = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss
+        expected.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [h["loss"] for h in ours[0]["log"]] == pytest.approx(expected, rel=1e-5)
+    assert [h["loss"] for h in ours[1]["log"]] == pytest.approx(expected, rel=1e-5)
+
+
+def test_parallelism_config_and_long_seq_disagreeing_is_refused(tmp_path):
+    from ds_longseq.trainer import LongSeqTrainerMixin
+
+    class Fake:
+        sp_size, sp_handler = 2, None
+
+    with pytest.raises(ValueError, match=r"parallelism_config sp_size=2 and long_seq.sequence_parallel.size=4 "
+                                         r"disagree"):
+        LongSeqTrainerMixin._take_parallelism_config(object.__new__(LongSeqTrainerMixin), Fake(),
+                                                     {"sequence_parallel": {"size": 4}})
 
 
 def test_trainer_bad_input_fails_at_construction(tmp_path):
