@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.test_dpo_example import run_example
@@ -80,10 +81,12 @@ def test_trl_missing_is_a_clear_error(tmp_path):
     assert "--trl needs TRL, which is not installed: pip install 'trl>=1.16'" in proc.stderr
 
 
-def test_accelerate_launch_trl_sequence_parallel(tmp_path):
-    """`accelerate launch` with launch/accelerate_deepspeed.yaml (its DeepSpeed config file swapped for one with
-    long_seq.sequence_parallel.size 2) runs examples/trainer_sft.py --trl on 2 CPU ranks: accelerate's DeepSpeed
-    config is the script's default --ds_config, and sequence parallelism comes from its long_seq section."""
+@pytest.mark.parametrize("accelerate_config", ["accelerate_deepspeed.yaml", "accelerate_alst.yaml"])
+def test_accelerate_launch_trl_sequence_parallel(tmp_path, accelerate_config):
+    """`accelerate launch` runs examples/trainer_sft.py --trl at sequence parallelism 2 on 2 CPU ranks, with
+    launch/accelerate_deepspeed.yaml (its DeepSpeed config file swapped for one with long_seq.sequence_parallel.size
+    2: accelerate's DeepSpeed config is the script's default --ds_config) and with launch/accelerate_alst.yaml (TRL's
+    ALST config with a long_seq section in its DeepSpeed JSON: parallelism_config's sp_size sets the size)."""
     import shutil
 
     from tests.dist_utils import run_job
@@ -91,10 +94,12 @@ def test_accelerate_launch_trl_sequence_parallel(tmp_path):
 
     if shutil.which("accelerate") is None:
         raise AssertionError("the accelerate launcher is not on PATH: pip install accelerate")
-    text = open(os.path.join(ROOT, "launch", "accelerate_deepspeed.yaml")).read()
+    text = open(os.path.join(ROOT, "launch", accelerate_config)).read()
     assert "deepspeed_config_file: ds_configs/trainer_zero2_streambp.json" in text
     config = tmp_path / "accelerate.yaml"
-    config.write_text(text.replace("ds_configs/trainer_zero2_streambp.json", trainer_config(tmp_path, sp=2)))
+    alst = "parallelism_config_sp_size: 2" in text
+    ds_json = trainer_config(tmp_path, sp=None if alst else 2)
+    config.write_text(text.replace("ds_configs/trainer_zero2_streambp.json", ds_json))
     out = tmp_path / "out"
     pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     proc = run_job(
@@ -105,3 +110,4 @@ def test_accelerate_launch_trl_sequence_parallel(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_outputs(out, proc, f"LongSeqSFTTrainer, {STEPS} steps on 2 rank(s) (sequence parallel 2 x data parallel 1)")
+    assert ("sp_handler settings {'sp_attn_implementation': 'sdpa'} are ignored" in proc.stderr) == alst
