@@ -206,6 +206,17 @@ class LongSeqTrainerMixin:
         ask for it: ``ParallelismConfig(sp_backend="deepspeed", sp_size=P, sp_handler=...)``). accelerate's
         own Ulysses (its attention, its dataloader adapter, the Trainer's loss) is then kept out of the run and
         ds_longseq's does the work, with ALST's data semantics (:class:`_GroupTurns`)."""
+        trl = sorted(_trl_trainer_names(type(self)))
+        if trl:
+            # TRL's SFTTrainer computes its own loss under parallelism_config (divided by the shard's token count
+            # where the Trainer passes none), which summed over the group would be sp_size times the batch's: found
+            # by comparing with stock ALST, not yet made exact
+            raise NotImplementedError(
+                f"TRL's {trl[0]} with parallelism_config's sequence parallelism (sp_size={pc.sp_size}) is not verified "
+                "under ds_longseq yet: drop parallelism_config and set \"sequence_parallel\": {\"size\": "
+                f"{pc.sp_size}}} in the DeepSpeed config's long_seq section (transformers' Trainer takes "
+                "parallelism_config)"
+            )
         section = dict(section or {})
         ours = dict(section.get("sequence_parallel") or {})
         if ours.get("size", 1) not in (1, pc.sp_size):
