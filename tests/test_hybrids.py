@@ -10,6 +10,8 @@ sequence, both sides in full float64 (``tests/model_sweep.py``: stock float32 ca
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -191,7 +193,9 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type):
 
     model = model_zoo.tiny_model(model_type, torch.float64)
     mixer = model.model.layers[0].linear_attn
-    forward = sharded_mixer.HeadShardedMixerForward(mixer, mixer.forward, None, 0, 2, "layers[0].linear_attn")
+    # the layout check runs on one rank: an exchange's rank and size, no collective
+    exchange = types.SimpleNamespace(rank=0, world_size=2)
+    forward = sharded_mixer.HeadShardedMixerForward(mixer, mixer.forward, exchange, "layers[0].linear_attn")
     x = torch.randn(2, 20, model.config.get_text_config().hidden_size, dtype=torch.float64)
     valid = torch.ones(2, 20, dtype=torch.bool)
     valid[0, :3] = False

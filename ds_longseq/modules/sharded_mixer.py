@@ -23,6 +23,7 @@ from ds_longseq.compat import parameters_replaced
 from ds_longseq.families.mixer_heads import HeadLayout, head_layout
 from ds_longseq.modules.attn_spec import SPEC_KWARG, spec_of
 from ds_longseq.ops.sharded_mixer import MixerStream, gather_tokens, reduce_scatter_tokens
+from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["HeadShardedMixerForward", "LAYOUT_CHECK_TOKENS"]
 
@@ -41,16 +42,16 @@ class HeadShardedMixerForward:
     Args:
         mixer: the mixer module.
         orig_forward: its forward before this one was installed.
-        group, rank, size: the sequence-parallel process group, this rank in it and its size.
+        exchange: the sequence-parallel group's ``UlyssesExchange`` (its rank and size, its all-to-all).
         name: how errors name the layer (e.g. ``Qwen3_5ForCausalLM.model.layers[0].linear_attn``).
     """
 
-    def __init__(self, mixer: torch.nn.Module, orig_forward: Callable, group, rank: int, size: int, name: str):
-        layout = head_layout(mixer, rank, size)
+    def __init__(self, mixer: torch.nn.Module, orig_forward: Callable, exchange: UlyssesExchange, name: str):
+        self.exchange, self.size = exchange, exchange.world_size
+        layout = head_layout(mixer, exchange.rank, self.size)
         if isinstance(layout, str):
             raise ValueError(f"{name}: {layout}")
         self.mixer, self.orig_forward, self.name = mixer, orig_forward, name
-        self.group, self.rank, self.size = group, rank, size
         self.layout = layout
         self.checked = False
 
@@ -70,11 +71,11 @@ class HeadShardedMixerForward:
 
         ``key_valid``: (B, T) the global padding mask (None: nothing padded), which the mixer zeroes padded
         tokens with, as on one process."""
-        full = gather_tokens(x, self.group, self.size)
+        full = gather_tokens(x, self.exchange)
         if not self.checked:
             self.checked = True
             self._check_layout(full, key_valid)
-        return reduce_scatter_tokens(self._share(full, key_valid, self.layout), self.group, self.size)
+        return reduce_scatter_tokens(self._share(full, key_valid, self.layout), self.exchange)
 
     def _share(self, full: torch.Tensor, key_valid: torch.Tensor | None, layout: HeadLayout) -> torch.Tensor:
         """The mixer's forward on ``full`` (B, T, d) with the parameters and head counts of ``layout``."""

@@ -12,7 +12,7 @@ parallelism rank p holds tokens [p*T_l, (p+1)*T_l); sharding the mixer by heads 
 sequence's recurrence for H/P heads, ``families.mixer_heads``) keeps the ranks working at once, where
 passing the state rank to rank (``ops.state_passing``) runs them in turn. The mixer's input is gathered
 (every rank gets the (B, T, d) sequence) and its output, a sum over heads, reduce-scattered back to tokens;
-both are DeepSpeed-Ulysses' own differentiable all-to-all (``compat.dim_zero_all_to_all``). Per layer and
+both are DeepSpeed-Ulysses' own differentiable all-to-all (``UlyssesExchange.all_to_all``). Per layer and
 rank that moves 2 x (P-1)/P x T x d elements (Ulysses' attention exchange moves its q/k/v/out widths / P).
 
 Under StreamBP the layer runs in chunks but the mixer may not (its recurrence needs the tokens before,
@@ -31,36 +31,26 @@ from typing import Callable, Sequence
 
 import torch
 
-from ds_longseq.compat import dim_zero_all_to_all
 from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads
 from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
 from ds_longseq.ops.streambp import chunk_bounds
+from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["gather_tokens", "reduce_scatter_tokens", "MixerStream", "streambp_mixer_sp_apply"]
 
-_REGISTERED: set[int] = set()
-
-
-def _a2a(group) -> Callable:
-    a2a, register = dim_zero_all_to_all()
-    if id(group) not in _REGISTERED:  # DeepSpeed's operator looks its group up by name
-        register(group)
-        _REGISTERED.add(id(group))
-    return lambda blocks: a2a(group, blocks.contiguous())
-
-
-def gather_tokens(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    """(B, T_l, ...) this rank's tokens -> (B, size*T_l, ...) every rank's, in rank order. Differentiable: the
-    gradient of this rank's tokens is the sum of every rank's gradient for them."""
-    received = _a2a(group)(x.unsqueeze(0).expand(size, *x.shape))  # (P, B, T_l, ...) by source rank
+def gather_tokens(x: torch.Tensor, exchange: UlyssesExchange) -> torch.Tensor:
+    """(B, T_l, ...) this rank's tokens -> (B, P*T_l, ...) every rank's of the group, in rank order.
+    Differentiable: the gradient of this rank's tokens is the sum of every rank's gradient for them."""
+    received = exchange.all_to_all(x.unsqueeze(0).expand(exchange.world_size, *x.shape))  # (P, B, T_l, ...)
     return received.transpose(0, 1).flatten(1, 2)
 
 
-def reduce_scatter_tokens(y: torch.Tensor, group, size: int) -> torch.Tensor:
-    """(B, size*T_l, ...) a partial sum on each rank -> (B, T_l, ...) this rank's tokens of the sum over ranks
+def reduce_scatter_tokens(y: torch.Tensor, exchange: UlyssesExchange) -> torch.Tensor:
+    """(B, P*T_l, ...) a partial sum on each rank -> (B, T_l, ...) this rank's tokens of the sum over ranks
     (added in rank order, the same on every rank). Differentiable: the adjoint of :func:`gather_tokens`."""
+    size = exchange.world_size
     blocks = y.unflatten(1, (size, y.shape[1] // size)).transpose(0, 1)  # token block r goes to rank r
-    return _a2a(group)(blocks).sum(0)
+    return exchange.all_to_all(blocks).sum(0)
 
 
 class _MixerReached(Exception):

@@ -84,6 +84,12 @@ class UlyssesExchange:
         received = self._a2a(self.group, blocks)
         return received.transpose(0, 1).reshape(B, P * h, PC // P, D)
 
+    def all_to_all(self, blocks: torch.Tensor) -> torch.Tensor:
+        """(P, ...) block r sent to rank r -> (P, ...) block r received from rank r: DeepSpeed's differentiable
+        all-to-all on this group (its backward is the same exchange). For exchanges other than attention's
+        (``ops.sharded_mixer``)."""
+        return self._a2a(self.group, blocks.contiguous())
+
     def query_to_heads(self, q: torch.Tensor) -> torch.Tensor:
         """(B, H, C, D) tokens-sharded -> (B, H_l, P*C, D) heads-sharded. Differentiable."""
         return self._to_heads(q)

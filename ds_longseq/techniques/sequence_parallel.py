@@ -120,7 +120,7 @@ class SequenceParallelism(Technique):
                 if mixer is not None:
                     name = f"{ctx.adapter.where}[{i}].{ctx.adapter.spec.mixer_attr}"
                     ctx.handle.set_instance_attr(mixer, "forward", HeadShardedMixerForward(
-                        mixer, mixer.forward, sp.group, sp.rank, sp.size, name))
+                        mixer, mixer.forward, sp.exchange, name))
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         # a head-sharded mixer slices its parameters itself: ZeRO-3 must gather them whole first
