@@ -48,11 +48,13 @@ what ``engine.initialize`` would, at these points:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer
+from transformers.trainer_utils import unwrap_peft_model
 
 from ds_longseq.compat import deepspeed_initialize_replaced
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
@@ -206,17 +208,6 @@ class LongSeqTrainerMixin:
         ask for it: ``ParallelismConfig(sp_backend="deepspeed", sp_size=P, sp_handler=...)``). accelerate's
         own Ulysses (its attention, its dataloader adapter, the Trainer's loss) is then kept out of the run and
         ds_longseq's does the work, with ALST's data semantics (:class:`_GroupTurns`)."""
-        trl = sorted(_trl_trainer_names(type(self)))
-        if trl:
-            # TRL's SFTTrainer computes its own loss under parallelism_config (divided by the shard's token count
-            # where the Trainer passes none), which summed over the group would be sp_size times the batch's: found
-            # by comparing with stock ALST, not yet made exact
-            raise NotImplementedError(
-                f"TRL's {trl[0]} with parallelism_config's sequence parallelism (sp_size={pc.sp_size}) is not verified "
-                "under ds_longseq yet: drop parallelism_config and set \"sequence_parallel\": {\"size\": "
-                f"{pc.sp_size}}} in the DeepSpeed config's long_seq section (transformers' Trainer takes "
-                "parallelism_config)"
-            )
         section = dict(section or {})
         ours = dict(section.get("sequence_parallel") or {})
         if ours.get("size", 1) not in (1, pc.sp_size):
@@ -234,6 +225,10 @@ class LongSeqTrainerMixin:
                 "padded to a multiple of sp_size)", set_knobs,
             )
         self._accelerate_sp = pc
+        # The Trainer turned model_accepts_loss_kwargs off for ALST, whose loss counts each shard's tokens itself; ours
+        # takes the batch's count (num_items_in_batch) as without parallelism_config, so the loss is token-weighted over
+        # the accumulation window and TRL's trainers (which divide by that count) sum exactly over the group
+        self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self.accelerator.unwrap_model(self.model))
         section["sequence_parallel"] = {**ours, "size": pc.sp_size}
         return section
 
@@ -431,6 +426,15 @@ class _GroupTurns:
         if name == "dataloader":
             raise AttributeError(name)
         return getattr(self.dataloader, name)
+
+
+def _accepts_loss_kwargs(model) -> bool:
+    """Whether the Trainer passes ``num_items_in_batch`` to ``model`` (its own test, without parallelism_config)."""
+    base = unwrap_peft_model(model)
+    if hasattr(base, "accepts_loss_kwargs"):
+        return bool(base.accepts_loss_kwargs)
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _broadcast_batch(inputs: Mapping[str, Any], num_items, member: int, group) -> tuple[dict[str, Any], Any]:

@@ -491,6 +491,64 @@ def test_parallelism_config_runs_ds_longseq_with_alst_semantics(tmp_path):
     assert [h["loss"] for h in ours[1]["log"]] == pytest.approx(expected, rel=1e-5)
 
 
+def trl_alst_body(rank: int, workdir: str, model_dir: str, gas: int) -> dict:
+    """A TRL script written the ALST way (SFTConfig(parallelism_config=ParallelismConfig(sp_backend="deepspeed",
+    sp_size=2)), ZeRO-3) with ds_longseq's two changes: a long_seq section in the DeepSpeed JSON and
+    with_long_seq(SFTTrainer). accelerate's Ulysses is made to raise if anything calls it."""
+    import datasets
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from ds_longseq.trainer import with_long_seq
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("accelerate's Ulysses ran under ds_longseq")
+
+    ulysses_sp.UlyssesSPAttentionHF.register_with_transformers = refuse
+    ulysses_sp.UlyssesSPDataLoaderAdapter.__init__ = refuse
+    args = SFTConfig(
+        output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        optim="sgd", deepspeed=ds_config(3, 1), report_to=[], logging_steps=1, use_cpu=True, disable_tqdm=True,
+        seed=7, save_strategy="no", packing=False, max_length=40, bf16=False,
+        parallelism_config=ParallelismConfig(
+            sp_backend="deepspeed", sp_size=2,
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
+        ),
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    data = datasets.Dataset.from_list([{"input_ids": s["input_ids"]} for s in _samples()])
+    seen = []
+
+    class Recording(with_long_seq(SFTTrainer)):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return super().training_step(model, inputs, num_items_in_batch=num_items_in_batch)
+
+    trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer())
+    trainer.train()
+    trainer.save_model(os.path.join(workdir, "hf_model"))
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return seen, [h["loss"] for h in logs], [h["mean_token_accuracy"] for h in logs]
+
+
+def test_trl_script_written_the_alst_way(tmp_path):
+    """TRL's SFTTrainer under parallelism_config (sp_size 2, ZeRO-3, 2 accumulation steps): each rank's batches
+    trained in turn across the group (ALST's samples per step), the loss token-weighted over the accumulation window;
+    losses and trained parameters equal plain PyTorch on those batches (float32, 1e-5)."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    results = run_distributed(trl_alst_body, 2, (str(tmp_path), model_dir, 2), timeout=600)
+    assert len(results[0][0]) == STEPS * 2
+    for seen, _, accuracy in results:
+        assert "position_ids" in seen[0]  # TRL's collator under parallelism_config
+        assert all(0.0 <= a <= 1.0 for a in accuracy)
+    assert_matches_reference(tmp_path, results, model_dir, 2, 2)
+
+
 def test_parallelism_config_and_long_seq_disagreeing_is_refused(tmp_path):
     from ds_longseq.trainer import LongSeqTrainerMixin
 
