@@ -20,14 +20,18 @@ what ``engine.initialize`` would, at these points:
   fused-LM-head forward, so TRL's ``fused_lm_head=True`` calls are served by ds_longseq's chunked
   head (``modules.causal_lm.FusedLMHeadOutput``), configured as the TRL trainer configured its own
   (``patch.configure_fused_lm_head``: GRPO's temperature and ``cast_lm_head_to_fp32``, the fields
-  DPO reads). TRL's reference model (DPO; GRPO with ``beta > 0``) keeps TRL's own fused head.
-  ``DPOTrainer`` and ``GRPOTrainer`` are refused under sequence parallelism.
+  DPO reads). TRL's reference model (DPO; GRPO with ``beta > 0``) keeps TRL's own fused head, except under
+  sequence parallelism (DPO), where it is enabled with the policy's sequence parallelism.
+  ``GRPOTrainer`` is refused under sequence parallelism.
 - ``train`` / ``evaluate`` / ``predict``: inside them ``deepspeed.initialize`` is
   ``engine.initialize_with`` (``compat.deepspeed_initialize_replaced``), so the engine gets the
   sequence-parallel groups (``mpu``), ZeRO-3 leaf modules and the ZeRO-3 average fix.
 - data under sequence parallelism (P ranks per sequence): the P ranks of a group read the same
   batches; accelerate's batch sampler is sharded over the world / P data-parallel replicas.
-- ``compute_loss`` in training under sequence parallelism: the Trainer has counted the batch's
+- ``compute_loss`` of TRL's ``DPOTrainer`` in training under sequence parallelism: TRL's model calls take the
+  whole batch and run cut across the group (``engine.WholeSequenceCalls``), so TRL's loss and metrics are computed
+  from whole sequences on every rank, each rank's gradient its slice's; TRL's metric gathers keep one copy per group.
+- ``compute_loss`` (other trainers) in training under sequence parallelism: the Trainer has counted the batch's
   tokens (``num_items_in_batch``) on the whole sequences; the batch is then cut with
   ``engine.shard_batch``, the loss computed with this rank's share as its value, and the values
   summed over the group. So each rank's loss value is that of the unsharded batch (what the Trainer
@@ -59,6 +63,7 @@ from transformers.trainer_utils import unwrap_peft_model
 from ds_longseq.compat import deepspeed_initialize_replaced
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.engine import (
+    WholeSequenceCalls,
     data_parallel_rank_and_size,
     initialize_with,
     sequence_parallel_groups,
@@ -85,8 +90,11 @@ logger = get_logger(__name__)
 _TRL_SUPPORTED = {"SFTTrainer", "DPOTrainer", "GRPOTrainer", "_BaseTrainer", "BaseTrainer"}
 # Their losses are functions of whole-sequence sums of per-token log-probs (DPO: each completion's
 # log-likelihood; GRPO: each completion's token count and, for its sequence-level loss types, sums),
-# which TRL computes over the tokens on the rank: under sequence parallelism a rank holds a shard.
-_TRL_NO_SEQUENCE_PARALLEL = {"DPOTrainer", "GRPOTrainer"}
+# which TRL computes over the tokens it is given. DPO's model calls take whole sequences under sequence
+# parallelism (engine.WholeSequenceCalls); GRPO also generates and scores per rank, gathering rewards over
+# every rank to normalise them per prompt, which the group's ranks would each do on their own samples.
+_TRL_NO_SEQUENCE_PARALLEL = {"GRPOTrainer"}
+_TRL_WHOLE_SEQUENCE_CALLS = {"DPOTrainer"}
 
 
 def _trl_trainer_names(cls: type) -> set[str]:
@@ -169,6 +177,10 @@ class LongSeqTrainerMixin:
             if fused_head is not None:
                 configure_fused_lm_head(self.model, **fused_head)
         self._sp = sequence_parallel_of(self.model)
+        self._sps = [] if self._sp is None else [self._sp]  # every model's, paused together
+        self._whole_calls = None
+        if self._sp is not None and _trl_trainer_names(type(self)) & _TRL_WHOLE_SEQUENCE_CALLS:
+            self._whole_calls = self._whole_sequence_calls(cfg, sp_group)
 
     # ---- set-up ---------------------------------------------------------------------------------
 
@@ -232,6 +244,61 @@ class LongSeqTrainerMixin:
         section["sequence_parallel"] = {**ours, "size": pc.sp_size}
         return section
 
+    def _whole_sequence_calls(self, cfg: LongSeqConfig, sp_group) -> WholeSequenceCalls:
+        """TRL's DPO under sequence parallelism: its model calls take whole sequences and run sharded
+        (:class:`~ds_longseq.engine.WholeSequenceCalls`), so TRL's loss and metrics see whole sequences. Its
+        reference model is enabled with the same sequence parallelism (and chunked head), so its calls are cut too
+        (with PEFT and no reference model, the policy with its adapter off is the reference)."""
+        if getattr(self, "aux_loss_enabled", False):
+            raise NotImplementedError(
+                f"TRL's DPOTrainer with a MoE load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) "
+                f"under long_seq.sequence_parallel.size={cfg.sequence_parallel.size}: the router loss of a sharded "
+                "call is not verified against TRL's. Set router_aux_loss_coef=0 in the DPOConfig, or "
+                "sequence_parallel.size to 1"
+            )
+        modules = [self.accelerator.unwrap_model(self.model)]
+        ref = getattr(self, "ref_model", None)
+        if ref is not None:
+            ref = self.accelerator.unwrap_model(ref)
+            ref_cfg = LongSeqConfig.from_dict({
+                name: getattr(cfg, name).__dict__ for name in ("sequence_parallel", "lm_head", "attention", "watchdog")
+            })
+            if is_enabled(ref):
+                disable(ref)
+            enable(ref, ref_cfg, sp_group=sp_group)
+            configure_fused_lm_head(ref)  # what TRL's DPO asked of the reference's head: add_fused_lm_head(ref_model)
+            self._sps.append(sequence_parallel_of(ref))
+            modules.append(ref)
+        return WholeSequenceCalls(modules, self._sp.rank, self._sp.size, self._sp.group)
+
+    @contextlib.contextmanager
+    def _metrics_per_group(self):
+        """TRL gathers its metrics over every rank; under whole-sequence calls the P ranks of a sequence-parallel
+        group hold the same values, so each gather keeps one copy per group (as one rank per group would log)."""
+        accelerator, size = self.accelerator, self._sp.size
+        gather = accelerator.gather
+
+        def per_group(tensor):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"ds_longseq: TRL gathered a {type(tensor).__name__} under sequence parallelism, "
+                                "where a tensor was expected")
+            out = gather(tensor)
+            return out.unflatten(0, (dist.get_world_size(), -1))[::size].flatten(0, 1)
+
+        accelerator.gather = per_group
+        try:
+            yield
+        finally:
+            del accelerator.gather
+
+    @contextlib.contextmanager
+    def _paused(self):
+        """Every model's sequence parallelism paused (the policy's and the reference's)."""
+        with contextlib.ExitStack() as stack:
+            for sp in self._sps:
+                stack.enter_context(sp.paused())
+            yield
+
     @classmethod
     def _check_trainer_class(cls) -> None:
         for name in sorted(_trl_trainer_names(cls) - _TRL_SUPPORTED):
@@ -246,11 +313,11 @@ class LongSeqTrainerMixin:
         for name in sorted(_trl_trainer_names(type(self)) & _TRL_NO_SEQUENCE_PARALLEL):
             if size > 1:
                 raise NotImplementedError(
-                    f"TRL's {name} with long_seq.sequence_parallel.size={size}: its loss needs whole-sequence sums of "
-                    "per-token log-probs, which TRL computes from the tokens on each rank, and under sequence "
-                    "parallelism a rank holds only a shard of each sequence. Set sequence_parallel.size to 1 "
-                    "(streambp, mini_seq and lm_head still apply), or use examples/dpo.py / examples/grpo.py "
-                    "(ds_longseq's exact chunked DPO / GRPO under sequence parallelism)"
+                    f"TRL's {name} with long_seq.sequence_parallel.size={size}: it generates and scores completions on "
+                    "each rank and normalises the rewards over every rank's, which the ranks of a sequence-parallel "
+                    "group (one sequence between them) would each do on their own samples. Set sequence_parallel.size "
+                    "to 1 (streambp, mini_seq and lm_head still apply), or use examples/grpo.py "
+                    "(ds_longseq's exact chunked GRPO under sequence parallelism)"
                 )
 
     @property
@@ -307,7 +374,9 @@ class LongSeqTrainerMixin:
             return super().train(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        with self._long_seq_engine():
+        # TRL's DPO evaluates whole pairs on each rank (and may precompute reference log-probs for a new dataset)
+        paused = self._paused() if self._whole_calls is not None else contextlib.nullcontext()
+        with self._long_seq_engine(), paused:
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
@@ -362,7 +431,11 @@ class LongSeqTrainerMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         if not self.model.training or not torch.is_grad_enabled():
-            with sp.paused():
+            with self._paused():
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
+        if self._whole_calls is not None:  # TRL's DPO: whole sequences in, its loss whole on every rank
+            with self._whole_calls, self._metrics_per_group():
                 return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                             num_items_in_batch=num_items_in_batch)
         inputs = _shard_inputs(inputs, sp.rank, sp.size)
@@ -378,7 +451,7 @@ class LongSeqTrainerMixin:
     def sequence_parallel_paused(self):
         """Context in which the model runs whole sequences on each rank (no sequence parallelism),
         e.g. for ``trainer.model.generate(...)``; a no-op without sequence parallelism."""
-        return contextlib.nullcontext() if self._sp is None else self._sp.paused()
+        return self._paused()
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         sp = self._sp
@@ -386,7 +459,7 @@ class LongSeqTrainerMixin:
         if sp is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if not (prediction_loss_only and has_labels):  # logits wanted: whole sequences on each rank
-            with sp.paused():
+            with self._paused():
                 return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         inputs = self._prepare_inputs(inputs)
         # counted as the stock step counts them (across devices where the Trainer averages tokens so)

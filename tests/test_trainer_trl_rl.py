@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import VOCAB, ds_config, save_tiny_llama
+from tests.test_trainer import VOCAB, add_lora, ds_config, save_tiny_llama
 
 LR, STEPS = 0.5, 3
 EOS = f"t{VOCAB - 1}"
@@ -73,6 +73,7 @@ def common_args(workdir: str, stage: int, sp: int, long_seq: bool) -> dict:
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
         optim="sgd", deepspeed=ds_config(stage, sp, long_seq=long_seq), report_to=[], logging_steps=1, use_cpu=True,
         disable_tqdm=True, seed=7, save_strategy="no", bf16=False,  # TRL configs default to bf16
+        per_device_eval_batch_size=2,
     )
 
 
@@ -88,14 +89,25 @@ def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts:
     args = DPOConfig(**common_args(workdir, stage, sp, long_seq), beta=0.5, use_weighting=opts.get("weighting", False))
     # after the config: under ZeRO-3 the model is created partitioned (zero.Init), as users do
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if opts.get("lora"):  # no reference model: TRL's reference is the policy with its adapter off
+        model = add_lora(model)
     trainer_cls = with_long_seq(DPOTrainer) if long_seq else DPOTrainer
     trainer = trainer_cls(
         model=model, args=args, train_dataset=datasets.Dataset.from_list(preference_pairs()),
         processing_class=word_tokenizer(),
     )
+    lengths = []  # the decoder's input lengths (cut in P under sequence parallelism), reference model's included
+    decoders = [trainer.accelerator.unwrap_model(m) for m in (trainer.model, trainer.ref_model) if m is not None]
+    for decoder in decoders:
+        decoder = decoder.get_base_model() if hasattr(decoder, "get_base_model") else decoder
+        decoder.model.register_forward_pre_hook(
+            lambda module, args, kwargs: lengths.append(int(kwargs["input_ids"].shape[1])), with_kwargs=True)
     trainer.train()
+    evaluation = None
+    if opts.get("eval"):  # sequence parallelism paused: each rank its own 2 pairs, whole
+        evaluation = trainer.evaluate(eval_dataset=datasets.Dataset.from_list(preference_pairs(4, seed=1)))
     trainer.save_model(os.path.join(workdir, "hf_model"))
-    return [h for h in trainer.state.log_history if "loss" in h]
+    return [h for h in trainer.state.log_history if "loss" in h], evaluation, lengths
 
 
 def grpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts: dict):
@@ -130,6 +142,18 @@ def grpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts
     return [h for h in trainer.state.log_history if "loss" in h], seen
 
 
+def saved_model(model_dir, saved):
+    """The model a run saved: the whole model, or (a LoRA run) its adapter merged into the initial weights."""
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.exists(os.path.join(saved, "adapter_config.json")):
+        return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, saved).merge_and_unload()
+
+
 def assert_same_training(tmp_path, model_dir, ours_logs, theirs_logs, metrics):
     from transformers import AutoModelForCausalLM
 
@@ -138,10 +162,8 @@ def assert_same_training(tmp_path, model_dir, ours_logs, theirs_logs, metrics):
         for key in ("loss", *metrics):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"step {step + 1} {key}: {a[key]} vs {b[key]}"
     initial = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours" / "hf_model", dtype=torch.float32)
-    theirs = dict(
-        AutoModelForCausalLM.from_pretrained(tmp_path / "theirs" / "hf_model", dtype=torch.float32).named_parameters()
-    )
+    ours = saved_model(model_dir, tmp_path / "ours" / "hf_model")
+    theirs = dict(saved_model(model_dir, tmp_path / "theirs" / "hf_model").named_parameters())
     moved = 0.0
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p, theirs[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
@@ -165,9 +187,9 @@ def run_dpo(tmp_path, stage: int, weighting: bool):
         dpo_body, 2, (str(tmp_path / "theirs"), model_dir, stage, 1, {"weighting": weighting, "long_seq": False}),
         timeout=600,
     )
-    assert_same_training(tmp_path, model_dir, ours[0], theirs[0], DPO_METRICS)
+    assert_same_training(tmp_path, model_dir, ours[0][0], theirs[0][0], DPO_METRICS)
     # the metrics read from mean_logits are real values, not TRL's 0.0 for "no tokens"
-    assert all(abs(h["logits/chosen"]) > 0 for h in ours[0])
+    assert all(abs(h["logits/chosen"]) > 0 for h in ours[0][0])
 
 
 @pytest.mark.parametrize(
@@ -177,6 +199,40 @@ def run_dpo(tmp_path, stage: int, weighting: bool):
 )
 def test_dpo_trainer_matches_plain_trl(tmp_path, stage, weighting):
     run_dpo(tmp_path, stage, weighting)
+
+
+def run_dpo_sequence_parallel(tmp_path, stage: int, opts: dict):
+    """TRL's DPOTrainer with ds_longseq at sequence parallelism 2 on 2 ranks against plain TRL on one rank (the same
+    batches: one data-parallel replica either way), then evaluation on 4 pairs (2 per rank with ours)."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    opts = {**opts, "eval": True}
+    ours = run_distributed(dpo_body, 2, (str(tmp_path / "ours"), model_dir, stage, 2, opts), timeout=600)
+    theirs = run_distributed(dpo_body, 1, (str(tmp_path / "theirs"), model_dir, stage, 1, {**opts, "long_seq": False}),
+                             timeout=600)
+    for logs, evaluation, lengths in ours:
+        assert_same_training(tmp_path, model_dir, logs, theirs[0][0], DPO_METRICS + ("num_tokens",))
+        # means over the pairs (each rank evaluated 2, plain TRL 2 steps of 2); absolute 1e-5: the rewards are
+        # differences of float32 sequence log-probs of ~-30, whose rounding is ~1e-5 after 3 trained steps
+        for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected"):
+            assert evaluation[key] == pytest.approx(theirs[0][1][key], rel=1e-5, abs=1e-5), key
+        # every training forward (policy and reference) ran on half of each batch, the evaluation on whole ones
+        calls = 2 * STEPS  # policy and reference forward per step
+        whole = theirs[0][2][:calls]
+        assert lengths[:calls] == [-(-n // 2) for n in whole], (lengths, whole)
+
+
+@pytest.mark.parametrize(
+    "stage,opts",
+    [(3, {"weighting": True}), pytest.param(2, {}, marks=pytest.mark.slow), (2, {"lora": True})],
+    ids=["zero3-wpo-ref-model", "zero2-ref-model", "zero2-lora"],
+)
+def test_dpo_trainer_sequence_parallel_matches_one_rank(tmp_path, stage, opts):
+    """Each sequence cut in two across the ranks (the reference model's forward too: a model of its own, or the
+    LoRA policy with its adapter off), TRL's loss and metrics computed from the whole sequences' per-token outputs:
+    losses, every DPO metric and the trained parameters equal plain TRL's on one rank (float32, 1e-5); evaluation
+    (sequence parallelism paused) too."""
+    run_dpo_sequence_parallel(tmp_path, stage, opts)
 
 
 GRPO_METRICS = ("entropy", "reward", "reward_std")
@@ -208,8 +264,9 @@ def test_grpo_trainer_matches_plain_trl(tmp_path, stage, beta):
 
 
 def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
-    """Each TRL trainer built on this rank: under sequence parallelism (size 2) the error it raises at
-    construction; without, the fused-head settings ds_longseq's forward got from it."""
+    """Each TRL trainer built on this rank under sequence parallelism (size 2): the error it raises at construction
+    (GRPO), or what ds_longseq set up (DPO: its reference model enabled with the policy's sequence parallelism); without
+    sequence parallelism, the fused-head settings ds_longseq's forward got from it."""
     import datasets
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
@@ -226,14 +283,21 @@ def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return with_long_seq(trainer_cls)(model=model, args=args, processing_class=word_tokenizer(), **extra)
 
+    import ds_longseq
+    from ds_longseq.patch import sequence_parallel_of
+
     results = {}
     for name, trainer_cls in (("DPOTrainer", DPOTrainer), ("GRPOTrainer", GRPOTrainer)):
         try:
-            build(trainer_cls, 2)
+            trainer = build(trainer_cls, 2)
         except Exception as err:  # noqa: BLE001 - the test reads the type and the message
             results[name] = f"{type(err).__name__}: {err}"
         else:
-            results[name] = "no error"
+            ref = trainer.accelerator.unwrap_model(trainer.ref_model)
+            results[name] = {
+                "ref enabled": ds_longseq.is_enabled(ref), "ref sp size": sequence_parallel_of(ref).size,
+                "ref head": ref.forward.fused_head, "ref streambp": ds_longseq.get_config(ref).streambp.enabled,
+            }
     # the forward ds_longseq installed on the model (no PEFT here), and what it computes for fused calls
     results["grpo"] = build(GRPOTrainer, 1, temperature=0.6, cast_lm_head_to_fp32=True).model.forward.fused_head
     results["dpo"] = build(DPOTrainer, 1).model.forward.fused_head
@@ -242,20 +306,22 @@ def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
 
 
 def test_trl_trainers_at_construction(tmp_path):
-    """DPO and GRPO are refused under sequence parallelism; otherwise what each asked of its own fused
-    head (GRPO's temperature and cast_lm_head_to_fp32, DPO's fields with and without WPO) is what
-    ds_longseq's forward computes."""
+    """GRPO is refused under sequence parallelism (DPO's reference model is enabled with the same sequence
+    parallelism, the head TRL gave it, no StreamBP: it runs without gradient); otherwise what each asked of its own
+    fused head (GRPO's temperature and cast_lm_head_to_fp32, DPO's fields with and without WPO) is what ds_longseq's
+    forward computes."""
     from ds_longseq.modules.token_outputs import FusedHeadSettings
 
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
     dpo_fields = ("log_probs", "entropy", "mean_logits", "is_top1")
     for results in run_distributed(construction_body, 2, (str(tmp_path), model_dir), timeout=600):
-        for name in ("DPOTrainer", "GRPOTrainer"):
-            message = results[name]
-            assert message.startswith("NotImplementedError"), message
-            assert f"TRL's {name} with long_seq.sequence_parallel.size=2" in message
-            assert "whole-sequence sums" in message and "sequence_parallel.size to 1" in message
+        message = results["GRPOTrainer"]
+        assert message.startswith("NotImplementedError"), message
+        assert "TRL's GRPOTrainer with long_seq.sequence_parallel.size=2" in message
+        assert "normalises the rewards over every rank's" in message and "sequence_parallel.size to 1" in message
+        assert results["DPOTrainer"] == {"ref enabled": True, "ref sp size": 2, "ref head": FusedHeadSettings(),
+                                         "ref streambp": False}
         assert results["grpo"] == FusedHeadSettings(0.6, ("log_probs", "entropy"), True)
         assert results["dpo"] == FusedHeadSettings(1.0, dpo_fields)
         assert results["dpo-wpo"] == FusedHeadSettings(1.0, (*dpo_fields, "log_sum_sq_probs"))

@@ -10,6 +10,7 @@ from ds_longseq.engine.initialize import (
     split_config,
 )
 from ds_longseq.engine.sequence_parallel import (
+    WholeSequenceCalls,
     data_parallel_rank_and_size,
     sequence_parallel_groups,
     sequence_parallel_rank_and_size,
@@ -25,6 +26,7 @@ __all__ = [
     "MIN_DEEPSPEED_VERSION",
     "DEFAULT_DISTRIBUTED_PORT",
     "shard_batch",
+    "WholeSequenceCalls",
     "data_parallel_rank_and_size",
     "sequence_parallel_groups",
     "sequence_parallel_rank_and_size",

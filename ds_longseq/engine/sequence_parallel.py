@@ -5,6 +5,8 @@ Holds:
         labels shifted once over the whole sequence first.
     sequence_parallel_groups: DeepSpeed's ``parallel_state_sp`` (its ``mpu``), initialised for P ranks.
     sequence_parallel_rank_and_size: this rank's place in its group (DeepSpeed's groups).
+    WholeSequenceCalls: while active, fused-LM-head calls with whole sequences (the same on every rank of a group)
+        run sharded across the group and return whole-sequence per-token outputs (TRL's DPO trainer).
 
 Shape legend: B batch, T global length, P ranks per sequence, T_l = T / P.
 
@@ -15,14 +17,18 @@ averages gradients over the world / P data-parallel replicas.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from ds_longseq.compat import deepspeed_sp_group
+from ds_longseq.ops.objectives import gather_sequence
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
 
-__all__ = ["data_parallel_rank_and_size", "shard_batch", "sequence_parallel_groups", "sequence_parallel_rank_and_size"]
+__all__ = [
+    "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "sequence_parallel_groups",
+    "sequence_parallel_rank_and_size",
+]
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
 SHARDED_KEYS = frozenset(_SEQ_KEYS) | frozenset(PACKED_KWARGS)
@@ -168,3 +174,71 @@ def shard_batch(
         T += extra
     local = T // sp_size
     return {k: v[:, sp_rank * local : (sp_rank + 1) * local].contiguous() for k, v in out.items()}
+
+
+# the per-token fields of a fused-LM-head output (TRL's FusedCausalLMOutput, ds_longseq's FusedLMHeadOutput)
+_PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+class WholeSequenceCalls:
+    """Context inside which the fused-LM-head calls of ``modules`` take whole sequences under sequence parallelism.
+
+    For a caller whose loss is a function of whole-sequence sums of per-token log-probs (TRL's DPO trainer: each
+    completion's log-likelihood) and that calls ``model(input_ids=..., attention_mask=..., labels=...,
+    fused_lm_head=True)`` itself. Every rank of a sequence-parallel group holds the same whole (B, T) batch; each
+    such call is cut here (:func:`shard_batch`, padded to a multiple of P), runs on this rank's 1/P (the module's
+    forward must be ds_longseq's, enabled with sequence parallelism over ``group``), and its per-token outputs are
+    gathered back along the sequence (:func:`~ds_longseq.ops.objectives.gather_sequence`) to (B, T - 1), as
+    TRL's own head returns them. So the caller computes its whole loss and metrics on every rank; each rank's
+    gradient is that of its own slice, and the ranks' gradients summed (DeepSpeed's reduction) are the loss's.
+
+    Args:
+        modules: the modules the caller calls (a PEFT wrapper, the causal LM), each hooked once.
+        rank, size, group: this rank's place in its sequence-parallel group, and the group.
+
+    Raises (from a call inside the context):
+        ValueError: a call that is not a fused-LM-head call with ``labels=`` and keyword inputs (its outputs
+            could not be made whole), or a batch key :func:`shard_batch` cannot cut.
+    """
+
+    def __init__(self, modules: Iterable[torch.nn.Module], rank: int, size: int, group):
+        self.modules = list({id(m): m for m in modules}.values())
+        self.rank, self.size, self.group = rank, size, group
+        self._handles: list = []
+        self._lengths: list[int] = []  # the whole T of the calls under way (innermost last)
+
+    def __enter__(self) -> "WholeSequenceCalls":
+        if self._handles:
+            raise RuntimeError("WholeSequenceCalls is already active")
+        for module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(self._cut, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._join, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._lengths.clear()
+
+    def _cut(self, module, args, kwargs):
+        if args or not kwargs.get("fused_lm_head") or kwargs.get("labels") is None:
+            raise ValueError(
+                f"{type(module).__name__} called under sequence parallelism with whole sequences, but not as a "
+                "fused-LM-head call (model(input_ids=..., labels=..., fused_lm_head=True), keyword arguments): only "
+                "those calls' per-token outputs can be made whole again. Compute logits with sequence parallelism "
+                "paused (trainer.sequence_parallel_paused())"
+            )
+        seq = {k: kwargs.pop(k) for k in list(kwargs) if k in SHARDED_KEYS and kwargs[k] is not None}
+        kwargs.pop("seq_idx", None)  # see trainer._shard_inputs: documents come from the restarting positions
+        self._lengths.append(int(seq["input_ids"].shape[1]))
+        kwargs.update(shard_batch(seq, self.rank, self.size, pad=True))
+        return args, kwargs
+
+    def _join(self, module, args, kwargs, output):
+        length = self._lengths.pop() - 1  # labels= calls score positions 0 .. T - 2 (the next token)
+        for name in _PER_TOKEN_FIELDS:
+            value = getattr(output, name, None)
+            if isinstance(value, torch.Tensor):
+                output[name] = gather_sequence(value, self.group, self.rank, self.size)[:, :length]
+        return output

@@ -7,6 +7,8 @@ Holds:
     dpo_loss: Direct Preference Optimization on sequence log-probabilities (the sigmoid loss with
         conservative label smoothing), with TRL's reward metrics.
     group_advantages: GRPO advantages from rewards, normalised within each group of completions.
+    gather_sequence: every rank's slice of (B, T) per-token values side by side, for callers that compute a
+        whole-sequence function on every rank (TRL's DPO trainer under sequence parallelism).
     grpo_loss: the clipped-ratio GRPO objective with an optional k3 KL to a reference, normalised as
         TRL's ``loss_type`` ("grpo", "bnpo", "dr_grpo", "dapo").
 
@@ -34,7 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["TokenLogprobs", "dpo_loss", "group_advantages", "grpo_loss", "GRPO_LOSS_TYPES", "DPO_LOSS_TYPES"]
+__all__ = [
+    "TokenLogprobs", "gather_sequence", "dpo_loss", "group_advantages", "grpo_loss", "GRPO_LOSS_TYPES",
+    "DPO_LOSS_TYPES",
+]
 
 DPO_LOSS_TYPES = ("sigmoid",)
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -91,6 +96,43 @@ class TokenLogprobs:
                     "drop them, or give them a completion (allow_empty=True to accept a log-probability of 0)"
                 )
         return self.sum(self.logprobs)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence (dim 1); backward: this rank's own slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.rank, ctx.width = rank, values.shape[1]
+        return _all_gather_seq(values, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[:, ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width], None, None, None
+
+
+def _all_gather_seq(values: torch.Tensor, group, size: int) -> torch.Tensor:
+    sent = values.to(torch.uint8) if values.dtype == torch.bool else values  # gloo has no bool all-gather
+    parts = [torch.empty_like(sent) for _ in range(size)]
+    dist.all_gather(parts, sent.contiguous(), group=group)
+    return torch.cat(parts, dim=1).to(values.dtype)
+
+
+def gather_sequence(values: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+    """(B, P * T) per-token ``values`` of the P ranks of ``group`` side by side, from this rank's (B, T) slice
+    (rank ``rank`` of ``size``; every rank's slice the same shape).
+
+    For a caller that then computes the same whole-sequence function on every rank of the group (TRL's DPO loss
+    from per-token log-probs): the gradient of the result goes back to this rank's own slice only, not summed over
+    the ranks (each computed the whole function), so the ranks' parameter gradients summed (DeepSpeed's
+    reduction over the group) are the function's gradient, exactly. Values without gradient (masks, metrics) are
+    gathered as they are.
+    """
+    if values.dim() < 2:
+        raise ValueError(f"gather_sequence takes (batch, seq, ...) values, got shape {tuple(values.shape)}")
+    if values.requires_grad:
+        return _GatherSequence.apply(values, group, rank, size)
+    return _all_gather_seq(values, group, size)
 
 
 def dpo_loss(
