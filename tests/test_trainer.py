@@ -491,7 +491,7 @@ def test_parallelism_config_runs_ds_longseq_with_alst_semantics(tmp_path):
     assert [h["loss"] for h in ours[1]["log"]] == pytest.approx(expected, rel=1e-5)
 
 
-def trl_alst_body(rank: int, workdir: str, model_dir: str, gas: int) -> dict:
+def trl_alst_body(rank: int, workdir: str, model_dir: str, gas: int, packing: bool = False) -> dict:
     """A TRL script written the ALST way (SFTConfig(parallelism_config=ParallelismConfig(sp_backend="deepspeed",
     sp_size=2)), ZeRO-3) with ds_longseq's two changes: a long_seq section in the DeepSpeed JSON and
     with_long_seq(SFTTrainer). accelerate's Ulysses is made to raise if anything calls it."""
@@ -513,7 +513,7 @@ def trl_alst_body(rank: int, workdir: str, model_dir: str, gas: int) -> dict:
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
         optim="sgd", deepspeed=ds_config(3, 1), report_to=[], logging_steps=1, use_cpu=True, disable_tqdm=True,
-        seed=7, save_strategy="no", packing=False, max_length=40, bf16=False,
+        seed=7, save_strategy="no", packing=packing, max_length=40, bf16=False,
         parallelism_config=ParallelismConfig(
             sp_backend="deepspeed", sp_size=2,
             sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
@@ -535,13 +535,17 @@ def trl_alst_body(rank: int, workdir: str, model_dir: str, gas: int) -> dict:
     return seen, [h["loss"] for h in logs], [h["mean_token_accuracy"] for h in logs]
 
 
-def test_trl_script_written_the_alst_way(tmp_path):
+@pytest.mark.parametrize("packing", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_trl_script_written_the_alst_way(tmp_path, packing):
     """TRL's SFTTrainer under parallelism_config (sp_size 2, ZeRO-3, 2 accumulation steps): each rank's batches
     trained in turn across the group (ALST's samples per step), the loss token-weighted over the accumulation window;
-    losses and trained parameters equal plain PyTorch on those batches (float32, 1e-5)."""
+    losses and trained parameters equal plain PyTorch on those batches (float32, 1e-5). With packing, TRL's
+    padding-free rows (restarting position ids, a document may span the two ranks' halves)."""
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
-    results = run_distributed(trl_alst_body, 2, (str(tmp_path), model_dir, 2), timeout=600)
+    results = run_distributed(trl_alst_body, 2, (str(tmp_path), model_dir, 2, packing), timeout=600)
+    if packing:
+        assert "attention_mask" not in results[0][0][0]
     assert len(results[0][0]) == STEPS * 2
     for seen, _, accuracy in results:
         assert "position_ids" in seen[0]  # TRL's collator under parallelism_config
