@@ -39,7 +39,6 @@ from ds_longseq.training import (
     mean_over_ranks,
     micro_batch_indices,
     preference_micro_batch,
-    save_if_due,
     setup_run,
     synthetic_pair,
     token_logprobs,
@@ -127,8 +126,7 @@ def main(argv=None) -> int:
             for key in ("rewards/chosen", "rewards/rejected"):
                 sums[key] += metrics[key].float().mean().item() / run.gas
         log.log({"step": step + 1, **mean_over_ranks(sums, run.world)})
-        save_if_due(engine, args.save_dir, step + 1, save_every=args.save_every, max_steps=args.max_steps,
-                    rank=run.rank)
+        run.save_if_due(step + 1)
     log.bar.close()
 
     exported = finish(run)

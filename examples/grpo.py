@@ -49,7 +49,6 @@ from ds_longseq.training import (
     mean_over_ranks,
     micro_batch_indices,
     rollout_micro_batch,
-    save_if_due,
     setup_run,
     synthetic_group,
     token_logprobs,
@@ -170,8 +169,7 @@ def main(argv=None) -> int:
         values = mean_over_ranks(values, run.world)
         row = {"step": step + 1, "loss": sum(values[f"loss/update{i + 1}"] for i in range(len(losses))) / len(losses)}
         log.log({**row, **values})
-        save_if_due(engine, args.save_dir, step + 1, save_every=args.save_every, max_steps=args.max_steps,
-                    rank=run.rank)
+        run.save_if_due(step + 1)
     log.bar.close()
 
     exported = finish(run)

@@ -55,7 +55,6 @@ from ds_longseq.training import (
     pack_jsonl,
     peak_memory_gib,
     plot_losses,
-    save_if_due,
     setup_run,
     start_or_resume,
 )
@@ -82,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--save-dir", default="outputs/sft", help="checkpoints, metrics, plot and HF export")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--save-total-limit", type=int, default=0,
+                   help="keep only the newest N checkpoints, removing older ones once a new one is complete (0: all)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None,
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
     os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     start_step, metrics = start_or_resume(engine, args.save_dir, metrics_path, resume_run=args.resume,
-                                          max_steps=args.max_steps, rank=rank)
+                                          max_steps=args.max_steps, rank=rank,
+                                          frozen_excluded=run.checkpoint_options["exclude_frozen"])
 
     bar = tqdm(total=args.max_steps, initial=start_step, disable=rank != 0, dynamic_ncols=True, desc="sft")
     t_start, tokens = time.perf_counter(), 0
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics[-1]) + "\n")
-        save_if_due(engine, args.save_dir, step + 1, save_every=args.save_every, max_steps=args.max_steps, rank=rank)
+        run.save_if_due(step + 1)
     bar.close()
 
     exported = finish(run)

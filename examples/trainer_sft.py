@@ -45,6 +45,7 @@ from ds_longseq.training import (
     VOCAB,
     JsonlData,
     build_model,
+    check_model_and_data,
     copy_example,
     plot_losses,
     start_distributed,
@@ -102,8 +103,7 @@ def copy_task_tokenizer():
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.data and not args.model:
-        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+    check_model_and_data(args.model, args.data)  # the paths named before anything loads
     tokenizer = None
     if args.data:  # bad data fails here, before anything starts
         from transformers import AutoTokenizer

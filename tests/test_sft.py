@@ -81,9 +81,10 @@ def losses(save_dir):
 def test_resume_after_a_crash_during_save_matches_an_uninterrupted_run(tmp_path):
     config = _config(tmp_path)
     straight = tmp_path / "straight"
-    run_sft(config, straight, "--max-steps", "4")
+    run_sft(config, straight, "--max-steps", "4", "--save-every", "1", "--save-total-limit", "2")
     assert (straight / "loss.png").exists() and (straight / "hf_model" / "config.json").exists()
     assert (straight / "latest").read_text() == "step4"
+    assert sorted(p.name for p in straight.glob("step*")) == ["step3", "step4"]  # --save-total-limit 2
 
     crashed = tmp_path / "crashed"
     proc = run_sft(config, crashed, "--max-steps", "4", "--save-every", "2", fault="crash_during_save:4",
@@ -111,6 +112,36 @@ def test_bad_input_fails_before_training(tmp_path):
     out = proc.stdout + proc.stderr
     assert "--seq-len must be positive, got 0" in out and "long_seq" not in out
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_missing_model_and_data_paths_are_named(tmp_path):
+    """--model / --data that are not there are named before anything loads (not transformers' "Repo id must be in
+    the form ..." for a path it took for a hub id)."""
+    from ds_longseq.training import check_model_and_data
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    model = tmp_path / "model"
+    cases = {
+        (str(tmp_path / "no" / "such"), None): "no such directory",
+        (str(tmp_path), None): "no config.json in it",
+        (None, str(data)): "--data needs --model",
+    }
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cases[(str(model), str(tmp_path / "none.jsonl"))] = "none.jsonl: no such file"
+    for (model_path, data_path), message in cases.items():
+        with pytest.raises(SystemExit, match=message):
+            check_model_and_data(model_path, data_path)
+    check_model_and_data(str(model), str(data))  # both there: no error
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import sft
+    finally:
+        sys.path.pop(0)
+    for flag in ("--save-total-limit", "--save-every"):
+        with pytest.raises(SystemExit, match=f"{flag} must be >= 0"):
+            sft.check_args(sft.parse_args([flag, "-1"]))
 
 
 def _tiny_hf_model_with_tokenizer(path):

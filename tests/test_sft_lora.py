@@ -58,18 +58,16 @@ def test_lora_run_trains_only_the_adapter_and_its_export_reproduces_the_model(tm
     assert "outputs:" in proc.stdout and "hf_adapter/, hf_model/)" in proc.stdout
 
     initial = add_lora(_base(), 4).state_dict()  # as sft.py starts
-    # A ZeRO-2 checkpoint holds the engine's whole module: the PeftModel after the last step.
+    # A LoRA checkpoint holds the adapter (and its optimizer state), not the frozen base: --resume rebuilds the base
+    # from --model (the built-in model here) and loads the adapter onto it.
     trained = torch.load(out / "step4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    assert set(trained) == set(initial)
-    lora_keys = [k for k in trained if "lora_" in k]
+    lora_keys = [k for k in initial if "lora_" in k]
+    assert set(trained) == set(lora_keys)
     assert len(lora_keys) == 2 * len(PROJECTIONS) * 2  # A and B of every projection of both layers
-    for key, value in trained.items():
-        if "lora_" in key:
-            assert not torch.equal(value, initial[key]), f"{key} did not train"
-        else:
-            assert torch.equal(value, initial[key]), f"{key} is frozen but changed"
+    for key in lora_keys:
+        assert not torch.equal(trained[key], initial[key]), f"{key} did not train"
     num_lora = sum(trained[k].numel() for k in lora_keys)
-    assert f"training {num_lora:,} of {sum(v.numel() for v in trained.values()):,} parameters" in (
+    assert f"training {num_lora:,} of {sum(v.numel() for v in initial.values()):,} parameters" in (
         proc.stdout + proc.stderr
     )
 
@@ -84,7 +82,7 @@ def test_lora_run_trains_only_the_adapter_and_its_export_reproduces_the_model(tm
     from transformers import AutoModelForCausalLM
 
     trained_model = add_lora(_base(), 4)
-    trained_model.load_state_dict(trained)
+    trained_model.load_state_dict(trained, strict=False)
     loaded = peft.PeftModel.from_pretrained(_base(), adapter_dir)
     merged = AutoModelForCausalLM.from_pretrained(out / "hf_model")
     assert type(merged).__name__ == "LlamaForCausalLM" and not any("lora_" in n for n, _ in merged.named_parameters())

@@ -20,7 +20,13 @@ Modules, one concern each (see each one's "Holds:"):
     faults: fault injection for the package's crash-safety tests (DS_LONGSEQ_FAULT_INJECT; tests only).
 """
 
-from ds_longseq.training.args import add_common_args, check_args, check_lora_args, check_run_args
+from ds_longseq.training.args import (
+    add_common_args,
+    check_args,
+    check_lora_args,
+    check_model_and_data,
+    check_run_args,
+)
 from ds_longseq.training.checkpoint import (
     export_hf,
     gathered_state_dict,
@@ -96,7 +102,7 @@ __all__ = [
     "configure_logging", "init_process_group", "check_parallel_args", "start_distributed", "set_learning_rate",
     "mean_over_ranks", "to_rank_batch",
     # args
-    "add_common_args", "check_run_args", "check_lora_args", "check_args",
+    "add_common_args", "check_run_args", "check_model_and_data", "check_lora_args", "check_args",
     # run
     "Run", "setup_run", "finish",
     # policy

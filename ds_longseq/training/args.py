@@ -5,7 +5,8 @@ blamed on the config).
 
 Holds:
     add_common_args: the flags of examples/dpo.py and grpo.py that mean what they mean in sft.py.
-    check_run_args: lengths, steps, --save-every, --data needs --model.
+    check_run_args: lengths, steps, --save-every, --save-total-limit, --data needs --model, the paths exist.
+    check_model_and_data: --data needs --model; the --model directory and the --data file exist.
     check_lora_args: --lora-rank / --lora-alpha / --lora-targets / --merge-lora, and peft installed.
     check_args: both, in that order.
 """
@@ -13,10 +14,11 @@ Holds:
 from __future__ import annotations
 
 import argparse
+import os
 
 from ds_longseq.training.lora import import_peft, parse_lora_targets
 
-__all__ = ["add_common_args", "check_run_args", "check_lora_args", "check_args"]
+__all__ = ["add_common_args", "check_run_args", "check_model_and_data", "check_lora_args", "check_args"]
 
 
 def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int, seq_len: int, lr: float) -> None:
@@ -35,6 +37,8 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
     p.add_argument("--max-steps", type=int, default=max_steps, help="training steps")
     p.add_argument("--save-dir", default=save_dir, help="checkpoints, metrics, plot and HF export")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--save-total-limit", type=int, default=0,
+                   help="keep only the newest N checkpoints, removing older ones once a new one is complete (0: all)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --save-dir (same data, same losses)")
     p.add_argument("--seed", type=int, default=0)
@@ -57,15 +61,37 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
 
 
 def check_run_args(args: argparse.Namespace) -> None:
-    """Refuse bad --seq-len, --max-steps, --save-every, and --data without --model."""
+    """Refuse bad --seq-len, --max-steps, --save-every, --save-total-limit, --data without --model, and a --model
+    directory or --data file that is not there."""
     if args.seq_len <= 0:
         raise SystemExit(f"--seq-len must be positive, got {args.seq_len}: pass the tokens per sequence, e.g. 2048")
     if args.max_steps <= 0:
         raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
     if args.save_every < 0:
         raise SystemExit(f"--save-every must be >= 0 (0: a checkpoint only at the end), got {args.save_every}")
+    if getattr(args, "save_total_limit", 0) < 0:
+        raise SystemExit(f"--save-total-limit must be >= 0 (0: keep every checkpoint), got {args.save_total_limit}")
+    check_model_and_data(args.model, args.data)
     if args.data and not args.model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+
+
+def check_model_and_data(model: str | None, data: str | None) -> None:
+    """Refuse --data without --model, a --model that is not a saved Hugging Face model directory, and a --data file
+    that is not there or not readable, naming the path (before transformers' hub-id messages could)."""
+    if data and not model:
+        raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+    if model and not os.path.isdir(model):
+        raise SystemExit(
+            f"--model {model}: no such directory. Pass a local Hugging Face model directory (with config.json and the "
+            "weights, e.g. from `huggingface-cli download <repo> --local-dir DIR`)"
+        )
+    if model and not os.path.isfile(os.path.join(model, "config.json")):
+        raise SystemExit(f"--model {model}: no config.json in it: pass the directory of a saved Hugging Face model")
+    if data and not os.path.isfile(data):
+        raise SystemExit(f"--data {data}: no such file (a JSONL file, one record per line)")
+    if data and not os.access(data, os.R_OK):
+        raise SystemExit(f"--data {data}: not readable (check its permissions)")
 
 
 def check_lora_args(args: argparse.Namespace) -> None:

@@ -11,6 +11,7 @@ Holds:
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
     save_checkpoint: every rank writes step<N>/, then rank 0 moves ``latest``.
     save_if_due: a checkpoint every ``save_every`` steps and at the last step.
+    prune_checkpoints: keep only the newest N checkpoints (``--save-total-limit``).
     gathered_state_dict: a model's (or its trainable) weights as CPU copies on rank 0, gathered under ZeRO-3.
     export_hf: ``hf_model/``, or with LoRA ``hf_adapter/`` (and optionally a merged ``hf_model/``).
 """
@@ -28,8 +29,8 @@ from ds_longseq.logging import get_logger
 from ds_longseq.training import faults
 from ds_longseq.training.lora import merge_lora
 
-__all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "gathered_state_dict",
-           "export_hf"]
+__all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "prune_checkpoints",
+           "gathered_state_dict", "export_hf"]
 
 logger = get_logger(__name__)
 
@@ -44,8 +45,11 @@ def write_latest(save_dir: str, tag: str) -> None:
     os.replace(tmp, os.path.join(save_dir, "latest"))
 
 
-def resume(engine, save_dir: str, metrics_path: str) -> tuple[int, list[dict], str]:
+def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = False) -> tuple[int, list[dict], str]:
     """Load the checkpoint ``latest`` points at into ``engine``.
+
+    With ``frozen_excluded`` (LoRA: the checkpoint holds the trainable weights only) the frozen weights stay as the
+    engine's model has them (the base built from ``--model``).
 
     Returns:
         (its step, the rows of ``metrics_path`` up to that step, its tag).
@@ -55,7 +59,7 @@ def resume(engine, save_dir: str, metrics_path: str) -> tuple[int, list[dict], s
         raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
     with open(latest) as f:
         tag = f.read().strip()
-    _, client_state = engine.load_checkpoint(save_dir, tag=tag)
+    _, client_state = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=not frozen_excluded)
     start_step, metrics = client_state["step"], []
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
@@ -64,7 +68,8 @@ def resume(engine, save_dir: str, metrics_path: str) -> tuple[int, list[dict], s
 
 
 def start_or_resume(
-    engine, save_dir: str, metrics_path: str, *, resume_run: bool, max_steps: int, rank: int
+    engine, save_dir: str, metrics_path: str, *, resume_run: bool, max_steps: int, rank: int,
+    frozen_excluded: bool = False,
 ) -> tuple[int, list[dict]]:
     """(first step to train, metrics rows of the steps before it); every rank calls it.
 
@@ -77,6 +82,7 @@ def start_or_resume(
             ``metrics_path``. Otherwise: step 0 and a fresh ``metrics_path``.
         max_steps: the run's last step; resuming a checkpoint already there is refused.
         rank: this process's global rank.
+        frozen_excluded: the checkpoints hold the trainable weights only (:func:`save_checkpoint`).
     """
     import deepspeed.comm as dist
 
@@ -84,7 +90,7 @@ def start_or_resume(
         if rank == 0 and os.path.exists(metrics_path):
             os.remove(metrics_path)
         return 0, []
-    start_step, metrics, tag = resume(engine, save_dir, metrics_path)
+    start_step, metrics, tag = resume(engine, save_dir, metrics_path, frozen_excluded=frozen_excluded)
     if start_step >= max_steps:
         raise SystemExit(f"--resume: {save_dir}/{tag} is at step {start_step}, and --max-steps is "
                          f"{max_steps}: nothing left to train; raise --max-steps")
@@ -96,26 +102,58 @@ def start_or_resume(
     return start_step, metrics
 
 
-def save_checkpoint(engine, save_dir: str, step: int, rank: int) -> None:
-    """``<save_dir>/step<step>/`` from every rank, then ``latest`` moved to it; every rank calls it."""
+def save_checkpoint(
+    engine, save_dir: str, step: int, rank: int, *, exclude_frozen: bool = False, keep: int = 0
+) -> None:
+    """``<save_dir>/step<step>/`` from every rank, then ``latest`` moved to it; every rank calls it.
+
+    Args:
+        exclude_frozen: write the trainable weights only (LoRA: the adapter and its optimizer state, not the frozen
+            base, which a resume rebuilds from ``--model``).
+        keep: once ``latest`` has moved, keep only the newest ``keep`` checkpoints (0: all).
+    """
     import deepspeed.comm as dist
 
     tag = f"step{step}"
     faults.arm_before_save(engine, rank, step)  # test-only: nothing unless DS_LONGSEQ_FAULT_INJECT asks
     # save_latest=False: DeepSpeed would rewrite ``latest`` in place; ours flips it only after
     # every rank has finished writing, so a crash mid-save leaves the previous one in charge.
-    engine.save_checkpoint(save_dir, tag=tag, client_state={"step": step}, save_latest=False)
+    engine.save_checkpoint(save_dir, tag=tag, client_state={"step": step}, save_latest=False,
+                           exclude_frozen_parameters=exclude_frozen)
     faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
     dist.barrier()
     if rank == 0:
         write_latest(save_dir, tag)
+        if keep:
+            prune_checkpoints(save_dir, keep)
     dist.barrier()
 
 
-def save_if_due(engine, save_dir: str, step: int, *, save_every: int, max_steps: int, rank: int) -> None:
-    """After step ``step`` (1-based): a checkpoint every ``save_every`` steps (0: none), the last one included."""
+def prune_checkpoints(save_dir: str, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` ``step<N>/`` checkpoints of ``save_dir`` (never the one ``latest`` names);
+    returns the removed tags. Called after ``latest`` moved, so a crash here loses nothing ``latest`` needs."""
+    import shutil
+
+    with open(os.path.join(save_dir, "latest")) as f:
+        latest = f.read().strip()
+    tags = sorted((int(name[4:]), name) for name in os.listdir(save_dir)
+                  if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(save_dir, name)))
+    removed = [name for _, name in tags[:-keep] if name != latest]
+    for name in removed:
+        shutil.rmtree(os.path.join(save_dir, name))
+    if removed:
+        logger.info("removed old checkpoints %s (--save-total-limit %d)", removed, keep)
+    return removed
+
+
+def save_if_due(
+    engine, save_dir: str, step: int, *, save_every: int, max_steps: int, rank: int, exclude_frozen: bool = False,
+    keep: int = 0,
+) -> None:
+    """After step ``step`` (1-based): a checkpoint every ``save_every`` steps (0: none), the last one included
+    (``exclude_frozen`` and ``keep`` as :func:`save_checkpoint` takes them)."""
     if (save_every and step % save_every == 0) or step == max_steps:
-        save_checkpoint(engine, save_dir, step, rank)
+        save_checkpoint(engine, save_dir, step, rank, exclude_frozen=exclude_frozen, keep=keep)
 
 
 def gathered_state_dict(model: torch.nn.Module, rank: int, trainable_only: bool = False) -> dict | None:

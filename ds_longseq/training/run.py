@@ -16,7 +16,7 @@ import torch
 import ds_longseq.engine
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
-from ds_longseq.training.checkpoint import export_hf
+from ds_longseq.training.checkpoint import export_hf, save_if_due
 from ds_longseq.training.distributed import set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.training.lora import add_lora
 from ds_longseq.training.tasks import build_model
@@ -61,6 +61,17 @@ class Run:
     def build_base(self) -> torch.nn.Module:
         """The model as it was before training: --model, or the seeded built-in model, without LoRA."""
         return build_model(self.args.model, self.dtype, seq_len=self.args.seq_len, seed=self.args.seed)
+
+    @property
+    def checkpoint_options(self) -> dict:
+        """How this run's checkpoints are written: LoRA runs leave the frozen base out (a resume rebuilds it from
+        --model), and ``--save-total-limit`` keeps the newest N."""
+        return {"exclude_frozen": bool(self.args.lora_rank), "keep": getattr(self.args, "save_total_limit", 0)}
+
+    def save_if_due(self, step: int) -> None:
+        """After optimizer step ``step`` (1-based): a checkpoint if --save-every or the last step asks for one."""
+        save_if_due(self.engine, self.args.save_dir, step, save_every=self.args.save_every,
+                    max_steps=self.args.max_steps, rank=self.rank, **self.checkpoint_options)
 
     def prepare(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
         """This rank's shard of ``batch`` (whole rows without sequence parallelism), on its device."""
