@@ -26,7 +26,10 @@ setup(
         # SFTTrainer (examples/trainer_sft.py --trl), which requires accelerate and datasets; tested with
         # trl 1.16.0, datasets 5.2.0, accelerate 1.15.0
         # triton: the Approx-BP activation kernels' tests run them in Triton's CPU interpreter; tested with 3.9.0
-        "test": ["pytest>=8", "peft>=0.21", "trl>=1.16", "accelerate>=1.15", "triton>=3.9"],
+        # tensorboard: DeepSpeed's TensorBoard monitor, which the examples' metrics feed when the config enables it
+        # (tests/test_metrics.py reads its event files); tested with 2.21.0
+        "test": ["pytest>=8", "peft>=0.21", "trl>=1.16", "accelerate>=1.15", "triton>=3.9", "tensorboard>=2.21"],
+        "monitor": ["tensorboard>=2.21"],
         "lora": ["peft>=0.21"],
         "trainer": ["accelerate>=1.15"],
         "trl": ["trl>=1.16", "accelerate>=1.15"],

@@ -37,6 +37,7 @@ __all__ = [
     "PatchHandle",
     "is_enabled",
     "get_config",
+    "decoder_layers",
     "mark_zero3_leaves",
     "sequence_parallel_of",
     "configure_fused_lm_head",
@@ -197,6 +198,15 @@ def get_config(model: torch.nn.Module) -> LongSeqConfig | None:
     """The :class:`LongSeqConfig` in effect on ``model``, or None."""
     handle = _handle(model)
     return None if handle is None else handle.config
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a supported causal LM (or a PEFT model around one), in order; [] for a family without
+    a decoder-layer stack ds_longseq knows (the SSM families)."""
+    try:
+        return list(decoder_adapter(_causal_lm(model)).layers)
+    except UnsupportedModelError:
+        return []
 
 
 def sequence_parallel_of(model: torch.nn.Module) -> SequenceParallel | None:

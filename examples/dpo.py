@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                 sums[key] += metrics[key].float().mean().item() / run.gas
         log.log({"step": step + 1, **mean_over_ranks(sums, run.world)})
         run.save_if_due(step + 1)
-    log.bar.close()
+    log.close()
 
     exported = finish(run)
     if run.rank == 0:

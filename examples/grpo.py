@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         row = {"step": step + 1, "loss": sum(values[f"loss/update{i + 1}"] for i in range(len(losses))) / len(losses)}
         log.log({**row, **values})
         run.save_if_due(step + 1)
-    log.bar.close()
+    log.close()
 
     exported = finish(run)
     if run.rank == 0:

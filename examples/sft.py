@@ -34,17 +34,16 @@ its 1/P (labels shifted first); the world / P groups are data-parallel replicas.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import time
 
 import torch
 
 from ds_longseq.training import (
     DOC_TOKENS,
     JsonlData,
+    MetricsLog,
     check_lora_args,
     check_run_args,
     copy_example,
@@ -56,7 +55,6 @@ from ds_longseq.training import (
     peak_memory_gib,
     plot_losses,
     setup_run,
-    start_or_resume,
 )
 from ds_longseq.training.faults import before_backward
 
@@ -123,7 +121,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
     import deepspeed.comm as dist
-    from tqdm import tqdm
 
     data = {}  # what load_data reads: the rows' source, the loss at chance (or None), the pad id, the packing
 
@@ -148,25 +145,18 @@ def main(argv=None) -> int:
     # Ranks of one sequence-parallel group build the same batch and keep their shard of it.
     gas, replica, num_replicas = run.gas, run.replica, run.num_replicas
 
-    os.makedirs(args.save_dir, exist_ok=True)
-    metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
-    start_step, metrics = start_or_resume(engine, args.save_dir, metrics_path, resume_run=args.resume,
-                                          max_steps=args.max_steps, rank=rank,
-                                          frozen_excluded=run.checkpoint_options["exclude_frozen"])
-
-    bar = tqdm(total=args.max_steps, initial=start_step, disable=rank != 0, dynamic_ncols=True, desc="sft")
-    t_start, tokens = time.perf_counter(), 0
-    for step in range(start_step, args.max_steps):
+    log = MetricsLog(run, "sft", ("loss",))
+    for step in range(log.start_step, args.max_steps):
         step_loss = torch.zeros((), device=device)
         for micro in range(gas):
             batch = micro_batch(source, step, micro, gas, replica, num_replicas, run.micro_bs)
             # Text tokens of this replica's whole micro-batch (before sharding), times the replicas;
             # padding is not counted. Packed rows have no mask: their data knows each row's pad tail.
             if packed is None:
-                tokens += int(batch["attention_mask"].sum()) * num_replicas
+                log.tokens += int(batch["attention_mask"].sum()) * num_replicas
             else:
                 indices = micro_batch_indices(step, micro, gas, replica, num_replicas, run.micro_bs)
-                tokens += sum(packed.num_real_tokens(i) for i in indices) * num_replicas
+                log.tokens += sum(packed.num_real_tokens(i) for i in indices) * num_replicas
             batch = run.prepare(batch, pad_id)
             # No KV cache in training. It also matters for packed rows: transformers reads restarting
             # position_ids as separate documents only when no cache is passed, and with the config's
@@ -178,22 +168,15 @@ def main(argv=None) -> int:
             engine.step()
             step_loss += loss.detach().float() / gas
         dist.all_reduce(step_loss)  # ranks of a sequence-parallel group report the same value
-        step_loss = step_loss.item() / world
-        metrics.append({"step": step + 1, "loss": step_loss})
-        elapsed = time.perf_counter() - t_start
-        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / elapsed:.0f}", peak_gib=f"{peak_memory_gib():.2f}")
-        bar.update(1)
-        if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(metrics[-1]) + "\n")
+        log.log({"step": step + 1, "loss": step_loss.item() / world})
         run.save_if_due(step + 1)
-    bar.close()
+    log.close()
+    metrics, start_step = log.rows, log.start_step
 
     exported = finish(run)
     if rank == 0:
         plot_losses(metrics, os.path.join(args.save_dir, "loss.png"), chance,
                     chance_label=f"chance without looking back (ln {len(DOC_TOKENS)})")
-        elapsed = time.perf_counter() - t_start
         first, last = metrics[0]["loss"], metrics[-1]["loss"]
         print(
             f"\nsummary: {args.max_steps - start_step} steps on {world} rank(s)"
@@ -201,7 +184,7 @@ def main(argv=None) -> int:
             + f", seq_len {args.seq_len}, "
             f"loss {first:.4f} -> {last:.4f}"
             + (f" (chance without looking back {chance:.4f})" if chance is not None else "")
-            + f", {tokens / elapsed:.0f} tokens/s, peak memory {peak_memory_gib():.2f} GiB/rank\n"
+            + f", {log.mean_tokens_per_s:.0f} tokens/s, peak memory {peak_memory_gib():.2f} GiB/rank\n"
             f"outputs: {args.save_dir}/ (latest checkpoint, metrics.jsonl, loss.png, {exported})",
             flush=True,
         )

@@ -421,3 +421,23 @@ def test_zero3_with_offload_matches_single_process_reference(long_seq):
             # as in test_engine_dist: float32 round-off over 3 SGD steps
             err = ((result["params"][name] - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (name, rank, err)
+
+
+def test_host_allocation_is_logged_once_with_its_size(caplog):
+    """The first training step's host slabs are named with their size; later steps reuse them and say nothing."""
+    import logging
+
+    from ds_longseq.training import tiny_llama
+
+    model = tiny_llama(64, seed=0)
+    ds_longseq.enable(model, {"streambp": {"enabled": True, "chunk_size": 32}, "offload": {"layer_inputs": "cpu"}})
+    ids = torch.randint(0, 100, (1, 64))
+    with caplog.at_level(logging.INFO, logger="ds_longseq"):
+        for _ in range(2):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    lines = [r.getMessage() for r in caplog.records if "offload: allocating" in r.getMessage()]
+    hidden = model.config.hidden_size
+    per_layer = 64 * hidden * 4  # (1, 64, d) float32 in one power-of-two slab
+    slab = 1 << (per_layer - 1).bit_length()
+    assert lines == [f"offload: allocating {2 * slab} bytes ({2 * slab / 1024:.1f} KiB) of host memory for layer "
+                     "inputs (2 layers x batch 1 x 64 tokens; kept and reused by later steps)"]

@@ -17,8 +17,11 @@ import os
 import torch
 
 from ds_longseq.compat import pop_cache
+from ds_longseq.logging import get_logger
 from ds_longseq.ops import offload as offload_ops
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader
+
+logger = get_logger(__name__)
 
 __all__ = ["LayerInputOffload", "HostMemoryError"]
 
@@ -108,6 +111,12 @@ class LayerInputOffload:
         ranks = _ranks_on_this_host()
         available = offload_ops.host_available_bytes()
         if to_allocate * ranks <= available:
+            # the first training forward (and a longer one later) allocates host slabs: say how much, once each
+            logger.info(
+                "offload: allocating %s of %shost memory for layer inputs (%d layers x batch %d x %d tokens; kept and "
+                "reused by later steps)", _fmt_bytes(to_allocate), "pinned " if pinned else "", self.num_layers,
+                batch_size, seq_len,
+            )
             return
         needed = self.bytes_needed(batch_size, seq_len, dtype)
         shape = (

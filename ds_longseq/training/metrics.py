@@ -1,10 +1,26 @@
-"""Run metrics: metrics.jsonl, the rank-0 progress bar, peak memory, and the end-of-run plots.
+"""Run metrics: metrics.jsonl, DeepSpeed's monitor, the rank-0 progress bar, peak memory, and the end-of-run plots.
 
 Holds:
     peak_memory_gib: this process's peak memory (CUDA allocator peak, else the CPU high-water mark).
+    host_memory_gib: this process's resident memory now and its high-water mark.
+    training_flops_per_token: the model FLOPs of one trained token (the MFU numerator's formula).
+    device_peak_flops: the accelerator's peak FLOP/s for the run's dtype, when known (the MFU denominator).
+    BackwardProgress: rank 0's sign of life inside a long step: which decoder layer the backward has reached.
     plot_losses: loss against step, with an optional chance line, as a png.
     plot_panels: one panel per metric against step, as a png.
-    MetricsLog: metrics.jsonl (kept up to the checkpoint with --resume), the tqdm bar, tokens/s, the plot.
+    MetricsLog: per optimizer step the loss, learning rate, gradient norm, tokens/s, MFU and peak memory into
+        metrics.jsonl (kept up to the checkpoint with --resume) and DeepSpeed's monitor; the tqdm bar; the plot.
+
+MFU (model FLOPs utilisation) = the step's model FLOPs / (step time x ranks x one device's peak FLOP/s). Model FLOPs
+of a trained token (:func:`training_flops_per_token`): 2 per weight in the forward, 2 per weight for the input
+gradient, 2 per trainable weight for its own gradient (so 6 N for full training, 4 N + 2 N_trainable with LoRA),
+over every weight that multiplies (the input embedding is a lookup: left out; a tied LM head counted), plus causal
+attention's 6 x layers x (heads x head_dim) x seq_len (QK^T and AV, forward and backward, at the average causal
+length seq_len / 2). Recomputation (StreamBP's replay, checkpointing) is not model FLOPs: it lowers MFU, as it
+should. Counted as if every layer were full attention and every MoE expert ran: an upper bound on sliding-window,
+linear-attention and MoE layers (MFU overstated there). The peak: ``DS_LONGSEQ_PEAK_TFLOPS`` when set, else the dense
+bf16 tensor-core peak of a known GPU (H100 / H200: 989 TFLOP/s; A100: 312); None otherwise (CPU, other dtypes):
+then MFU is null.
 """
 
 from __future__ import annotations
@@ -17,12 +33,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ds_longseq.logging import get_logger
 from ds_longseq.training.checkpoint import start_or_resume
 
 if TYPE_CHECKING:
     from ds_longseq.training.run import Run
 
-__all__ = ["peak_memory_gib", "plot_losses", "plot_panels", "MetricsLog"]
+logger = get_logger(__name__)
+
+__all__ = ["peak_memory_gib", "host_memory_gib", "training_flops_per_token", "device_peak_flops", "BackwardProgress",
+           "plot_losses", "plot_panels", "MetricsLog"]
+
+PEAK_FLOPS_ENV = "DS_LONGSEQ_PEAK_TFLOPS"
+"""Environment variable: one device's peak TFLOP/s for MFU (overrides the table below; the only source on CPU)."""
+
+# Dense bf16 tensor-core peaks (the vendors' datasheets, without sparsity), by a substring of the device name
+_PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.1}
 
 
 def peak_memory_gib() -> float:
@@ -30,6 +56,104 @@ def peak_memory_gib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+def host_memory_gib() -> tuple[float, float]:
+    """(resident memory now, its high-water mark) of this process in GiB: Linux's VmRSS and VmHWM; elsewhere the
+    high-water mark (``ru_maxrss``) twice."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
+        return int(fields["VmRSS"].split()[0]) / 2**20, int(fields["VmHWM"].split()[0]) / 2**20  # KiB -> GiB
+    except (OSError, KeyError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return peak, peak
+
+
+def _numel(p: torch.Tensor) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # a ZeRO-3 partitioned parameter keeps its full size there
+
+
+def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Model FLOPs of one trained token in rows of ``seq_len`` tokens, forward and backward (the module docstring
+    gives the formula). ``model``: the causal LM, or a PEFT model around one; ZeRO-3 partitioned parameters count
+    whole."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    total = trainable = 0
+    for p in model.parameters():
+        if p is embedding:
+            continue
+        total += _numel(p)
+        trainable += _numel(p) if p.requires_grad else 0
+    if head is not None and head.weight is embedding:  # tied: the head's matmul still runs
+        total += _numel(embedding)
+        trainable += _numel(embedding) if embedding.requires_grad else 0
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    attention = 6 * text.num_hidden_layers * heads * head_dim * seq_len
+    return 4.0 * total + 2.0 * trainable + attention
+
+
+def device_peak_flops(dtype: torch.dtype) -> float | None:
+    """One device's peak FLOP/s for MFU: ``DS_LONGSEQ_PEAK_TFLOPS``, else a known GPU's dense bf16 peak (bf16 runs
+    only), else None."""
+    override = os.environ.get(PEAK_FLOPS_ENV)
+    if override:
+        try:
+            return float(override) * 1e12
+        except ValueError:
+            raise SystemExit(f"{PEAK_FLOPS_ENV}={override!r}: give one device's peak in TFLOP/s, e.g. 989") from None
+    if not torch.cuda.is_available() or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name()
+    return next((tflops * 1e12 for key, tflops in _PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+class BackwardProgress:
+    """A sign of life inside a long step, on rank 0: the decoder layer the backward has reached.
+
+    A forward hook on every decoder layer puts a gradient hook on its output, which fires when the backward reaches
+    that layer. Rate-limited: the bar's postfix at most every ``bar_every_s`` seconds, a log line at most every
+    ``log_every_s`` seconds (a step of minutes shows where it is; a fast step shows nothing extra). Undo with
+    :meth:`remove`.
+    """
+
+    def __init__(self, model: torch.nn.Module, bar, bar_every_s: float = 2.0, log_every_s: float = 60.0):
+        from ds_longseq.patch import decoder_layers
+
+        self.bar, self.bar_every_s, self.log_every_s = bar, bar_every_s, log_every_s
+        self.layers = decoder_layers(model)
+        self.step = 0
+        self._step_start = self._last_bar = self._last_log = time.perf_counter()
+        self._handles = [layer.register_forward_hook(self._on_forward(i)) for i, layer in enumerate(self.layers)]
+
+    def start_step(self, step: int) -> None:
+        self.step, self._step_start = step, time.perf_counter()
+
+    def _on_forward(self, index: int):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda grad: self._reached(index))
+        return hook
+
+    def _reached(self, index: int) -> None:
+        now = time.perf_counter()
+        where = f"layer {index + 1}/{len(self.layers)}"
+        if now - self._last_bar >= self.bar_every_s:
+            self._last_bar = now
+            self.bar.set_description_str(f"{self.bar.desc.split(' [')[0]} [step {self.step + 1} backward {where}]")
+        if now - self._last_log >= self.log_every_s and now - self._step_start >= self.log_every_s:
+            self._last_log = now
+            logger.info("step %d: backward at decoder %s, %.0f s into the step", self.step + 1, where,
+                        now - self._step_start)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
 
 def _pyplot():
@@ -79,18 +203,27 @@ def plot_panels(rows: list[dict], panels: list[tuple[str, str]], title: str, pat
 
 
 class MetricsLog:
-    """metrics.jsonl (rank 0 writes), the rank-0 tqdm bar, tokens/s, and the plot at the end.
+    """metrics.jsonl (rank 0 writes), DeepSpeed's monitor, the rank-0 tqdm bar, and the plot at the end.
 
     With ``--resume`` it first loads the checkpoint ``latest`` points at into the engine
     (:func:`~ds_longseq.training.checkpoint.start_or_resume`): ``start_step`` is the first step to
-    train, ``rows`` the metrics before it. The loop adds its tokens to ``tokens`` and calls
-    :meth:`log` once per step.
+    train, ``rows`` the metrics before it. The loop adds the step's real tokens (every replica's, padding left out)
+    to ``tokens`` and calls :meth:`log` once per optimizer step, which adds to the row:
+
+    - ``lr``: the learning rate the step used; ``grad_norm``: DeepSpeed's global gradient norm (before clipping;
+      null where DeepSpeed did not compute one);
+    - ``step_s``, ``tokens/s`` (this step's real tokens over its wall time), ``mfu`` (null without a known peak:
+      see the module docstring);
+    - ``gpu_peak_gib`` (the allocator's peak during the step; null on CPU), ``host_rss_gib``, ``host_peak_gib``.
+
+    When the DeepSpeed config enables a monitor (``tensorboard``, ``csv_monitor``, ``wandb``, ``comet``), every numeric
+    value goes there too, as ``Train/ds_longseq/<key>`` at the step.
     """
 
     def __init__(self, run: Run, name: str, bar_keys: tuple[str, ...]):
         """
         Args:
-            run: the started run (its args name save_dir, resume and max_steps).
+            run: the started run (its args name save_dir, resume, max_steps and seq_len).
             name: the bar's label.
             bar_keys: the metrics shown on the bar (by their last ``/`` component).
         """
@@ -106,11 +239,39 @@ class MetricsLog:
         self.tokens = 0
         self.bar = tqdm(total=args.max_steps, initial=self.start_step, disable=run.rank != 0,
                         dynamic_ncols=True, desc=name)
-        self.t_start = time.perf_counter()
+        self.flops_per_token = training_flops_per_token(run.model, args.seq_len)
+        self.peak_flops = device_peak_flops(run.dtype)
+        self.progress = BackwardProgress(run.model, self.bar) if run.rank == 0 else None
+        self.t_start = self._t_step = time.perf_counter()
+        self._tokens_before = 0
+        self._begin_step(self.start_step)
+
+    def _begin_step(self, step: int) -> None:
+        self._lr = float(self.run.engine.get_lr()[0])  # the rate this step trains with (the scheduler moves after it)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        if self.progress is not None:
+            self.progress.start_step(step)
 
     def log(self, row: dict) -> None:
-        """Add ``row`` (with its ``step``) and the tokens/s so far; rank 0 appends it to metrics.jsonl."""
-        row["tokens/s"] = self.tokens / (time.perf_counter() - self.t_start)
+        """Add ``row`` (with its ``step``) and the step's training metrics; rank 0 appends it to metrics.jsonl and
+        writes it to DeepSpeed's monitor."""
+        now = time.perf_counter()
+        engine, step_s = self.run.engine, now - self._t_step
+        step_tokens = self.tokens - self._tokens_before
+        grad_norm = engine.get_global_grad_norm()
+        rss, host_peak = host_memory_gib()
+        row.update({
+            "lr": self._lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "step_s": step_s,
+            "tokens/s": step_tokens / step_s,
+            "mfu": (None if self.peak_flops is None
+                    else step_tokens * self.flops_per_token / (step_s * self.run.world * self.peak_flops)),
+            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "host_rss_gib": rss,
+            "host_peak_gib": host_peak,
+        })
         self.rows.append(row)
         post = {k.split("/")[-1]: f"{row[k]:.4f}" for k in self.bar_keys if k in row}
         self.bar.set_postfix(**post, tok_s=f"{row['tokens/s']:.0f}", peak_gib=f"{peak_memory_gib():.2f}")
@@ -118,6 +279,23 @@ class MetricsLog:
         if self.run.rank == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        monitor = getattr(engine, "monitor", None)
+        if monitor is not None and monitor.enabled:  # DeepSpeed's MonitorMaster writes on rank 0 only
+            monitor.write_events([(f"Train/ds_longseq/{key}", value, row["step"]) for key, value in row.items()
+                                  if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)])
+        self._t_step, self._tokens_before = time.perf_counter(), self.tokens
+        self._begin_step(row["step"])
+
+    @property
+    def mean_tokens_per_s(self) -> float:
+        """Real tokens per second over the run so far (start-up after the model was built included)."""
+        return self.tokens / (time.perf_counter() - self.t_start)
+
+    def close(self) -> None:
+        """The bar closed and the progress hooks removed (the model is as it was)."""
+        self.bar.close()
+        if self.progress is not None:
+            self.progress.remove()
 
     def plot(self, panels: list[tuple[str, str]], title: str, filename: str) -> str:
         """One panel per (metric key, y label), against the step, in ``save_dir/filename``; returns its path."""
