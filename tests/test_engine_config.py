@@ -47,6 +47,26 @@ def test_every_config_file_loads_and_validates(path, tmp_path):
     assert ds_config["bf16"]["enabled"] is True  # GPU default; examples/sft.py switches CPU runs to fp32
 
 
+def test_gpu_presets_carry_the_gpu_tiles_and_cpu_presets_get_a_hint_on_cuda():
+    """The GPU presets use what the GPU measurements found best (4096-token chunks, the whole-prefix tile) and draw
+    no hint on CUDA; every CPU preset with StreamBP draws one there, and nothing is said on CPU."""
+    from ds_longseq.training.distributed import cpu_tuned_config_hint
+
+    gpu = [p for p in CONFIGS if os.path.basename(p).startswith(("gpu", "multinode"))]
+    assert len(gpu) == 3
+    for path in CONFIGS:
+        _, long_seq = split_config(path)
+        hint = cpu_tuned_config_hint(long_seq, on_cuda=True)
+        if path in gpu:
+            assert long_seq.streambp.chunk_size == 4096 and long_seq.attention.kv_block_size is None, path
+            assert hint is None, path
+        elif long_seq.streambp.enabled:
+            assert hint is not None and "ds_configs/gpu*.json" in hint, path
+        assert cpu_tuned_config_hint(long_seq, on_cuda=False) is None
+    readme = open(os.path.join(os.path.dirname(CONFIGS[0]), "README.md")).read()
+    assert all(f"`{os.path.basename(p)}`" in readme for p in CONFIGS)  # every file is described
+
+
 def test_split_config_reports_long_seq_and_zero_stage_problems_together():
     with pytest.raises(LongSeqConfigError) as info:
         split_config({"zero_optimization": {"stage": 4}, "long_seq": {"streambp": {"enabeld": True}}})

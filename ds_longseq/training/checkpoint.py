@@ -13,6 +13,7 @@ Holds:
     save_if_due: a checkpoint every ``save_every`` steps and at the last step.
     prune_checkpoints: keep only the newest N checkpoints (``--save-total-limit``).
     gathered_state_dict: a model's (or its trainable) weights as CPU copies on rank 0, gathered under ZeRO-3.
+    save_streamed: a model in Hugging Face's safetensors format, one decoder layer gathered and written at a time.
     export_hf: ``hf_model/``, or with LoRA ``hf_adapter/`` (and optionally a merged ``hf_model/``).
 """
 
@@ -30,7 +31,7 @@ from ds_longseq.training import faults
 from ds_longseq.training.lora import merge_lora
 
 __all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "prune_checkpoints",
-           "gathered_state_dict", "export_hf"]
+           "gathered_state_dict", "save_streamed", "export_hf"]
 
 logger = get_logger(__name__)
 
@@ -174,6 +175,87 @@ def gathered_state_dict(model: torch.nn.Module, rank: int, trainable_only: bool 
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def _parameter_groups(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """The model's parameters (each shared one once, under its first name, as safetensors wants tied weights) in
+    order, grouped by decoder layer (a name's prefix through its first numeric part: ``model.layers.3``), the other
+    modules one group each."""
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
+    last = None
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        key = ".".join(parts[: index + 1]) if index is not None else ".".join(parts[:-1])
+        if key != last:
+            groups.append([])
+            last = key
+        groups[-1].append((name, param))
+    return groups
+
+
+def save_streamed(model: torch.nn.Module, out_dir: str, rank: int) -> list[str]:
+    """``model`` (a transformers ``PreTrainedModel``) in Hugging Face's format at ``out_dir``: ``config.json``, the
+    generation config, and one safetensors shard per decoder layer and per other module holding weights (the
+    embedding, the final norm, the LM head) with ``model.safetensors.index.json``; every rank calls it.
+
+    Under ZeRO-3 one decoder layer is gathered at a time (as DeepSpeed's own 16-bit save gathers per module) and
+    rank 0 writes its shard before the next is gathered, so no rank ever holds the whole model: rank 0's host memory
+    grows by about one layer. Weights are written as transformers' ``save_pretrained`` writes them (tied weights once,
+    ``_keys_to_ignore_on_save`` left out, its load-time weight conversions reverted per layer, e.g. fused MoE experts
+    split back), so ``from_pretrained`` loads the directory as it loads transformers' own.
+
+    Returns:
+        The shard file names (on rank 0; [] elsewhere).
+    """
+    import deepspeed
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    state_keys = set(model.state_dict().keys())  # persistent buffers are saved too, non-persistent ones are not
+    groups = _parameter_groups(model)
+    buffers = [(n, b) for n, b in model.named_buffers() if n in state_keys and n not in ignored]
+    is_zero3 = any(is_zero3_partitioned(p) for group in groups for _, p in group)
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(out_dir):  # an earlier export's shards would otherwise mix with these
+            if name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")):
+                os.remove(os.path.join(out_dir, name))
+    written: list[tuple[str, list[str], int]] = []  # (temporary file, tensor names, bytes)
+    for i, group in enumerate([*groups, []]):
+        # the last group: the persistent buffers (never partitioned)
+        tensors = group if i < len(groups) else buffers
+        with deepspeed.zero.GatheredParameters([p for _, p in group], enabled=is_zero3 and bool(group)):
+            if rank != 0:
+                continue
+            # written while gathered: a CPU tensor is written from where it is, a GPU one through one host copy
+            shard = {name: t.detach().to("cpu").contiguous() for name, t in tensors if name not in ignored}
+            if not shard:
+                continue
+            shard = revert_weight_conversion(model, shard)
+            path = os.path.join(out_dir, f"model.part{i:05d}.safetensors.tmp")
+            save_file(shard, path, metadata={"format": "pt"})
+            written.append((path, list(shard), sum(t.numel() * t.element_size() for t in shard.values())))
+            del shard
+    if rank != 0:
+        return []
+    names = []
+    weight_map = {}
+    for k, (path, tensors, _) in enumerate(written):
+        name = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(path, os.path.join(out_dir, name))
+        names.append(name)
+        weight_map.update(dict.fromkeys(tensors, name))
+    total = sum(size for _, _, size in written)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    model.config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out_dir)
+    return names
+
+
 def export_hf(
     model: torch.nn.Module, save_dir: str, rank: int, *, lora: bool = False,
     merge_base: Callable[[], torch.nn.Module] | None = None,
@@ -193,9 +275,7 @@ def export_hf(
         ``"hf_adapter/, hf_model/"``.
     """
     if not lora:
-        state = gathered_state_dict(model, rank)
-        if rank == 0:
-            model.save_pretrained(os.path.join(save_dir, "hf_model"), state_dict=state)
+        save_streamed(model, os.path.join(save_dir, "hf_model"), rank)
         return "hf_model/"
     state = gathered_state_dict(model, rank, trainable_only=True)
     if rank == 0:

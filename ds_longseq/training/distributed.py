@@ -5,6 +5,7 @@ Holds:
     init_process_group: DeepSpeed's process group, rank-0 logging and the GPU, before anything else.
     check_parallel_args: refuse a sequence length or rank count that does not fit the sequence-parallel size.
     start_distributed: the process group, logging, and the config checked against the arguments.
+    cpu_tuned_config_hint: on a GPU, a hint when the config carries the CPU presets' tile sizes.
     set_learning_rate: a peak learning rate into the config's optimizer and WarmupLR scheduler.
     mean_over_ranks: a dict of floats averaged over all ranks.
     to_rank_batch: this rank's shard of a batch (under sequence parallelism), on its device.
@@ -19,6 +20,7 @@ from typing import Literal
 import torch
 
 from ds_longseq.engine import DEFAULT_DISTRIBUTED_PORT, check_sequence_length, shard_batch, split_config
+from ds_longseq.logging import get_logger
 from ds_longseq.training import faults
 
 __all__ = [
@@ -30,6 +32,9 @@ __all__ = [
     "mean_over_ranks",
     "to_rank_batch",
 ]
+
+
+logger = get_logger(__name__)
 
 
 def configure_logging(rank: int) -> None:
@@ -114,7 +119,34 @@ def start_distributed(
             if key in config.get("zero_optimization", {}):
                 config["zero_optimization"][key]["pin_memory"] = False
     config["long_seq"] = long_seq.to_dict()
+    hint = cpu_tuned_config_hint(long_seq, on_cuda=torch.cuda.is_available())
+    if hint is not None and rank == 0:
+        logger.warning("%s: %s", ds_config, hint)
     return rank, world, config, long_seq, use_bf16
+
+
+GPU_CHUNK_TOKENS = 4096
+"""The StreamBP chunk the GPU measurements used (benchmarks/RESULTS.md section 5) and the GPU presets ship."""
+
+
+def cpu_tuned_config_hint(long_seq, *, on_cuda: bool) -> str | None:
+    """On a GPU, a hint when the long_seq section carries the CPU presets' tiles (a 1024-key attention tile, chunks
+    under 4096 tokens), which cost speed there; None otherwise."""
+    if not on_cuda:
+        return None
+    tile = long_seq.attention.kv_block_size
+    small = long_seq.streambp.enabled and long_seq.streambp.chunk_size < GPU_CHUNK_TOKENS
+    if tile is None and not small:
+        return None
+    found = ", ".join(part for part in (
+        f"attention.kv_block_size {tile}" if tile is not None else "",
+        f"streambp.chunk_size {long_seq.streambp.chunk_size}" if small else "",
+    ) if part)
+    return (
+        f"{found}: sizes tuned for CPU. On GPUs the measured best is the whole prefix per attention tile (leave "
+        f"attention.kv_block_size unset) and {GPU_CHUNK_TOKENS}-token StreamBP chunks: the ds_configs/gpu*.json "
+        "and multinode_*.json presets (ds_configs/README.md)"
+    )
 
 
 def set_learning_rate(ds_config: dict, lr: float | None) -> None:

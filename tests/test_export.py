@@ -1,0 +1,73 @@
+"""The end-of-run Hugging Face export under ZeRO-3 (``training.checkpoint.save_streamed``): one decoder layer gathered
+and written at a time, so rank 0's host memory grows by about one layer, where gathering the whole state dict (the
+export before) grows it by the whole model. 2 CPU ranks, real DeepSpeed; the export loads with ``from_pretrained``
+into the same weights."""
+
+import os
+
+import torch
+
+from tests.dist_utils import run_distributed
+
+LAYERS, HIDDEN, FFN = 6, 1024, 4096
+
+
+def _rss_and_peak() -> tuple[int, int]:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _growth(fn) -> int:
+    """Bytes the resident set peaked above where it stood when ``fn`` started (Linux: VmHWM reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current resident set
+    before, _ = _rss_and_peak()
+    fn()
+    return _rss_and_peak()[1] - before
+
+
+def export_body(rank: int, workdir: str) -> dict:
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ds_longseq.training.checkpoint import gathered_state_dict, save_streamed
+
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=8,
+                         num_key_value_heads=8, vocab_size=512, tie_word_embeddings=False)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}}}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = LlamaForCausalLM(config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)  # a training step: the steady state an export starts from
+    engine.step()
+    streamed = _growth(lambda: save_streamed(engine.module, os.path.join(workdir, "streamed"), rank))
+
+    def whole():  # the export before: every weight gathered and copied to rank 0 at once
+        state = gathered_state_dict(engine.module, rank)
+        if rank == 0:
+            engine.module.save_pretrained(os.path.join(workdir, "whole"), state_dict=state)
+
+    return {"streamed": streamed, "whole": _growth(whole)}
+
+
+def test_zero3_export_gathers_one_layer_at_a_time(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    growth = run_distributed(export_body, 2, (str(tmp_path),), timeout=600)[0]
+    layer = (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN) * 4  # float32 bytes of one decoder layer (~64 MiB)
+    model = layer * LAYERS
+    # rank 0, after a training step (the allocator warm, as at the end of a run): at most about one layer (the
+    # gathered layer being written), where gathering the whole state dict grew it by several (measured: 17 MiB against
+    # 194 MiB for this 384 MiB model)
+    assert growth["streamed"] <= 1.5 * layer, (growth, layer)
+    assert growth["whole"] >= 2 * layer and growth["whole"] >= 4 * growth["streamed"], (growth, layer, model)
+    streamed = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", dtype=torch.float32)
+    whole = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "whole", dtype=torch.float32).named_parameters())
+    shards = [n for n in os.listdir(tmp_path / "streamed") if n.endswith(".safetensors")]
+    assert len(shards) == LAYERS + 3  # a shard per decoder layer, and the embedding, final norm and LM head
+    for name, p in streamed.named_parameters():
+        assert torch.equal(p, whole[name]), name
