@@ -38,6 +38,7 @@ __all__ = [
     "is_enabled",
     "get_config",
     "decoder_layers",
+    "recording_tokens",
     "mark_zero3_leaves",
     "sequence_parallel_of",
     "configure_fused_lm_head",
@@ -207,6 +208,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         return list(decoder_adapter(_causal_lm(model)).layers)
     except UnsupportedModelError:
         return []
+
+
+def recording_tokens(model: torch.nn.Module):
+    """Context in which an enabled model's loss calls also append their targets' per-token (log-probs, valid mask)
+    to the list it yields (``modules.causal_lm.CausalLMForward.recording_tokens``); a PEFT model's inner model."""
+    handle = _handle(_causal_lm(model))
+    if handle is None or handle.forward is None:
+        raise ValueError("recording_tokens needs a model enabled with ds_longseq (its loss forward)")
+    return handle.forward.recording_tokens()
 
 
 def sequence_parallel_of(model: torch.nn.Module) -> SequenceParallel | None:

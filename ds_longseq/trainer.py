@@ -78,12 +78,16 @@ from ds_longseq.patch import (
     enable,
     get_config,
     is_enabled,
+    recording_tokens,
     sequence_parallel_of,
 )
 
 __all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq"]
 
 logger = get_logger(__name__)
+
+POSITION_BUCKETS = 8
+"""Evaluation reports the loss in this many buckets of each document's length (``eval_loss_pos_1of8`` ...)."""
 
 # TRL trainers integrated (their fused-LM-head calls served by ds_longseq's head); the others
 # (KTO, RLOO, ...) are refused until their losses are checked against TRL's.
@@ -456,8 +460,10 @@ class LongSeqTrainerMixin:
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         sp = self._sp
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        records = self._position_sums is not None and prediction_loss_only and has_labels
         if sp is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            with self._recording(inputs if records else None):
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if not (prediction_loss_only and has_labels):  # logits wanted: whole sequences on each rank
             with self._paused():
                 return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
@@ -468,13 +474,86 @@ class LongSeqTrainerMixin:
         for member in range(sp.size):  # the group's batches in turn, each sharded across the group
             batch, count = _broadcast_batch(inputs, num_items, member, sp.group)
             shard = _shard_inputs(batch, sp.rank, sp.size)
-            with torch.no_grad(), self.compute_loss_context_manager(), sp.local_losses():
+            with torch.no_grad(), self.compute_loss_context_manager(), sp.local_losses(), \
+                    self._recording(batch if records else None, sp):
                 share = super().compute_loss(model, shard, num_items_in_batch=count)
             total = share.detach().clone()
             dist.all_reduce(total, group=sp.group)  # value: that batch's loss, as one rank computes it
             if member == sp.rank:
                 loss = total.mean()
         return loss, None, None
+
+    # ---- evaluation by position -------------------------------------------------------------------
+
+    _position_sums: torch.Tensor | None = None  # (2, POSITION_BUCKETS): loss sums and token counts, while evaluating
+
+    @contextlib.contextmanager
+    def _recording(self, batch: Mapping[str, Any] | None, sp=None):
+        """Around one evaluation forward of ``batch`` (whole; None: nothing recorded): the loss of its targets added
+        to :attr:`_position_sums` by where each target sits in its document (this rank's shard under ``sp``)."""
+        if batch is None:
+            yield
+            return
+        with recording_tokens(self.model) as records:
+            yield
+        targets = _target_buckets(batch, POSITION_BUCKETS)  # (B, T): the bucket of the token each position predicts
+        if sp is not None:  # cut like the batch: padded to a multiple of P, this rank's 1/P
+            pad = -targets.shape[1] % sp.size
+            targets = torch.nn.functional.pad(targets, (0, pad), value=-1)
+            local = targets.shape[1] // sp.size
+            targets = targets[:, sp.rank * local:(sp.rank + 1) * local]
+        for logprobs, mask in records:
+            width = logprobs.shape[1]  # T - 1 from a fused call given unshifted labels
+            buckets = targets[:, :width].to(logprobs.device)
+            valid = mask & (buckets >= 0)
+            index = buckets[valid]
+            sums = torch.zeros(2, POSITION_BUCKETS, dtype=torch.float64, device=logprobs.device)
+            sums[0].index_add_(0, index, -logprobs[valid].double())
+            sums[1].index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
+            self._position_sums += sums.cpu()
+
+    def evaluation_loop(self, *args, **kwargs):
+        """The Trainer's, plus the loss by position when ds_longseq's forward serves the model: ``<prefix>_loss_pos_
+        <b>of8``, the token-mean loss over the targets in the b-th eighth of their document (a row, or a packed
+        document; padding left out), summed over every rank (so under sequence parallelism too)."""
+        self._position_sums = torch.zeros(2, POSITION_BUCKETS, dtype=torch.float64) if is_enabled(self.model) else None
+        try:
+            output = super().evaluation_loop(*args, **kwargs)
+            sums = self._position_sums
+        finally:
+            self._position_sums = None
+        if sums is None or output.metrics is None:
+            return output
+        if dist.is_initialized():
+            sums = sums.to(self.args.device)
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        for b in range(POSITION_BUCKETS):
+            if sums[1, b] > 0:
+                output.metrics[f"{prefix}_loss_pos_{b + 1}of{POSITION_BUCKETS}"] = (sums[0, b] / sums[1, b]).item()
+        return output
+
+
+def _target_buckets(batch: Mapping[str, Any], buckets: int) -> torch.Tensor:
+    """(B, T) long: for each position, the bucket (0 .. buckets - 1) of the token it predicts (the next one) by that
+    token's place in its document, floor(buckets x place / document length); -1 where no token is predicted (the
+    last position) or the next token is padding. Documents: rows (right or left padded by ``attention_mask``), or the
+    packed documents of rows without a mask whose ``position_ids`` restart at 0."""
+    ids = batch["input_ids"]
+    mask, pos = batch.get("attention_mask"), batch.get("position_ids")
+    if mask is None and pos is not None:  # packed rows: a document starts where the positions restart
+        pos = pos.expand_as(ids).long()
+        doc = (pos == 0).long().cumsum(-1)
+        counts = pos.new_zeros(pos.shape[0], pos.shape[1] + 1).scatter_add_(1, doc, torch.ones_like(pos))
+        length = counts.gather(1, doc)
+        place, real = pos, torch.ones_like(pos, dtype=torch.bool)
+    else:
+        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        place = real.long().cumsum(-1) - 1
+        length = real.long().sum(-1, keepdim=True).expand_as(place)
+    bucket = torch.where(real, (buckets * place) // length.clamp_min(1), torch.full_like(place, -1))
+    return torch.cat([bucket[:, 1:], bucket.new_full((bucket.shape[0], 1), -1)], dim=1)
 
 
 class _GroupTurns:

@@ -112,10 +112,13 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
     lengths = []
     hook = trainer.model.model.register_forward_pre_hook(
         lambda module, args, kwargs: lengths.append(int(kwargs["input_ids"].shape[1])), with_kwargs=True)
-    eval_loss = trainer.evaluate(eval_dataset=_samples(EVAL_SAMPLES, seed=1))["eval_loss"]
+    metrics = trainer.evaluate(eval_dataset=_samples(EVAL_SAMPLES, seed=1))
+    eval_loss = metrics["eval_loss"]
     hook.remove()
     with open(os.path.join(workdir, f"eval_lengths{rank}.json"), "w") as f:
         json.dump(lengths, f)
+    with open(os.path.join(workdir, f"eval_metrics{rank}.json"), "w") as f:
+        json.dump(metrics, f)
     if opts.get("generate"):
         prompt = torch.tensor([_samples(1, seed=2)[0]["input_ids"][:6]])
         with trainer.sequence_parallel_paused(), torch.no_grad():
@@ -176,6 +179,10 @@ def trl_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas: 
 
     trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer())
     trainer.train()
+    if opts.get("eval"):  # TRL's fused-head evaluation (packed like training), by position
+        evaluation = datasets.Dataset.from_list([{"input_ids": s["input_ids"]} for s in _samples(EVAL_SAMPLES, seed=1)])
+        with open(os.path.join(workdir, f"eval_metrics{rank}.json"), "w") as f:
+            json.dump(trainer.evaluate(eval_dataset=evaluation), f)
     trainer.save_model(os.path.join(workdir, "hf_model"))
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return seen, [h["loss"] for h in logs], [h["mean_token_accuracy"] for h in logs]
@@ -260,6 +267,26 @@ def reference_eval_loss(model, world: int = 2) -> float:
     return sum(step_losses) / len(step_losses)
 
 
+def reference_position_losses(model, prompts_masked: bool = True) -> list[float]:
+    """The loss of the evaluation samples' targets in each eighth of their sample (the target token's place in its
+    row over the row's length), as the Trainer's eval_loss_pos_<b>of8; every token a target without
+    ``prompts_masked``."""
+    import torch.nn.functional as F
+
+    sums, counts = [0.0] * 8, [0] * 8
+    with torch.no_grad():
+        for sample in _samples(EVAL_SAMPLES, seed=1):
+            ids = torch.tensor([sample["input_ids"]])
+            labels = torch.tensor(sample["labels"] if prompts_masked else sample["input_ids"])
+            losses = F.cross_entropy(model(input_ids=ids).logits[0, :-1], labels[1:], reduction="none")
+            n = len(sample["input_ids"])
+            for t in range(1, n):  # the target token t
+                if labels[t] != -100:
+                    sums[8 * t // n] += losses[t - 1].item()
+                    counts[8 * t // n] += 1
+    return [s / c for s, c in zip(sums, counts, strict=True)]
+
+
 def assert_matches_reference(tmp_path, results, model_dir, sp, gas, lora: bool = False):
     from transformers import AutoModelForCausalLM
 
@@ -269,6 +296,11 @@ def assert_matches_reference(tmp_path, results, model_dir, sp, gas, lora: bool =
         # train_body's runs also evaluated after training (trl_body's third item is its token accuracies)
         if len(result) == 3 and isinstance(result[2], float):
             assert result[2] == pytest.approx(reference_eval_loss(ref_model), rel=1e-5)
+            by_position = reference_position_losses(ref_model)
+            for rank in range(len(results)):  # every rank reports the loss by position over all ranks' samples
+                metrics = json.loads((tmp_path / f"eval_metrics{rank}.json").read_text())
+                got = [metrics[f"eval_loss_pos_{b}of8"] for b in range(1, 9)]
+                assert got == pytest.approx(by_position, rel=1e-5), (rank, got, by_position)
     if lora:  # the Trainer saved the adapter alone, in PEFT's format
         from peft import PeftModel
 
@@ -332,10 +364,15 @@ def test_trl_sft_trainer_matches_plain_pytorch(tmp_path, packing):
     with packing the rows are TRL's padding-free ones (restarting position_ids, cu_seq_lens)."""
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
-    results = run_distributed(trl_body, 2, (str(tmp_path), model_dir, 3, 2, 2, {"packing": packing}), timeout=600)
+    results = run_distributed(trl_body, 2, (str(tmp_path), model_dir, 3, 2, 2, {"packing": packing, "eval": True}),
+                              timeout=600)
     if packing:  # the records are TRL's packed rows
         assert "position_ids" in results[0][0][0] and "attention_mask" not in results[0][0][0]
-    assert_matches_reference(tmp_path, results, model_dir, 2, 2)
+    ref_model = assert_matches_reference(tmp_path, results, model_dir, 2, 2)
+    by_position = reference_position_losses(ref_model, prompts_masked=False)
+    for rank in (0, 1):  # evaluation sharded like training (SP 2), TRL's fused calls recorded by position
+        metrics = json.loads((tmp_path / f"eval_metrics{rank}.json").read_text())
+        assert [metrics[f"eval_loss_pos_{b}of8"] for b in range(1, 9)] == pytest.approx(by_position, rel=1e-5)
     for _, _, accuracy in results:
         assert all(0.0 <= a <= 1.0 for a in accuracy)
 
@@ -632,3 +669,16 @@ def test_trainer_without_deepspeed_one_process(tmp_path):
     assert runs["ds_longseq"][0] == pytest.approx(runs["stock"][0], rel=1e-5)
     for n, p in runs["stock"][1].items():
         torch.testing.assert_close(runs["ds_longseq"][1][n], p, rtol=1e-5, atol=1e-5)
+
+
+def test_target_buckets_by_place_in_the_document():
+    """Each position gets the bucket of the token it predicts: its place in its row (left or right padding) or packed
+    document over that document's length; -1 where the next token is padding or there is none."""
+    from ds_longseq.trainer import _target_buckets
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1]])  # right and left padding, 4 tokens each
+    got = _target_buckets({"input_ids": ids, "attention_mask": mask}, 4)
+    assert got.tolist() == [[1, 2, 3, -1, -1, -1, -1, -1], [-1, -1, -1, 0, 1, 2, 3, -1]]
+    packed = {"input_ids": ids[:1], "position_ids": torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]])}  # documents of 2 and 6
+    assert _target_buckets(packed, 2).tolist() == [[1, 0, 0, 0, 1, 1, 1, -1]]

@@ -25,6 +25,7 @@ trainer reads, ``cast_lm_head_to_fp32``) is set with :meth:`CausalLMForward.conf
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from typing import TYPE_CHECKING, Callable
@@ -145,6 +146,21 @@ class CausalLMForward:
         # layers with a linear-attention / state-space / short-convolution mixer (DecoderLMAdapter.mixer)
         self.recurrent_mixers = recurrent_mixers
         self.token_outputs = TokenOutputs(self.head, config.lm_head.enabled, final_logit_softcap, logit_scale)
+        self.token_records: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        """While not None (:meth:`recording_tokens`), every loss call appends its targets' (log-probs, valid mask)."""
+
+    @contextlib.contextmanager
+    def recording_tokens(self):
+        """Context in which every call that computes a loss (the Trainer's, TRL's fused-head calls) also appends its
+        targets' per-token log-probabilities and valid mask, (B, T) each, detached, to the list it yields: for
+        evaluation metrics by position. The loss is the same (computed from those log-probs, without gradient)."""
+        if self.token_records is not None:
+            raise RuntimeError("recording_tokens is already active on this model")
+        self.token_records = []
+        try:
+            yield self.token_records
+        finally:
+            self.token_records = None
 
     def configure_fused_head(
         self,
@@ -243,7 +259,9 @@ class CausalLMForward:
         wants_loss = labels is not None or (sp is not None and kwargs.get("shift_labels") is not None)
         if per_token:
             check_token_outputs_call(generating, wants_loss)
-        elif generating or not wants_loss or (not self.config.lm_head.enabled and sp is None):
+        elif generating or not wants_loss or (
+            not self.config.lm_head.enabled and sp is None and self.token_records is None
+        ):
             return self.orig_forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -288,12 +306,19 @@ class CausalLMForward:
             # no valid token: a finite 0 as TRL's own head gives, not 0 / 0
             mean = lambda total, valid: self._token_mean(total, valid, num_items_in_batch, empty_is_zero=True)
             coef = self.model.router_aux_loss_coef if aux is not None else 0.0
-            return self.token_outputs.fused(hidden, targets, ignore_index, shift_labels is None, mean, aux, coef)
+            out = self.token_outputs.fused(hidden, targets, ignore_index, shift_labels is None, mean, aux, coef)
+            if self.token_records is not None:
+                self.token_records.append((out.log_probs.detach(), out.label_mask))
+            return out
         if per_token:
             out = self.token_outputs.per_token(hidden, targets, ignore_index, ("entropy",) if want_entropy else ())
             return TokenLogprobs(out.log_probs, out.mask, out.entropy, group=None if sp is None else sp.group)
         logits = None
-        if self.config.lm_head.enabled:
+        if self.token_records is not None and not torch.is_grad_enabled():  # evaluation recording its tokens
+            out = self.token_outputs.per_token(hidden, targets, ignore_index, ())
+            self.token_records.append((out.log_probs, out.mask))
+            loss_sum, num_valid = -out.log_probs.sum(), out.mask.sum()
+        elif self.config.lm_head.enabled:
             loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
         else:  # sequence parallel with the stock head: its logits, a summed loss, the group's mean below
             logits = self.head(hidden)
