@@ -22,12 +22,14 @@ what ``engine.initialize`` would, at these points:
   (``patch.configure_fused_lm_head``: GRPO's temperature and ``cast_lm_head_to_fp32``, the fields
   DPO reads). TRL's reference model (DPO; GRPO with ``beta > 0``) keeps TRL's own fused head, except under
   sequence parallelism (DPO), where it is enabled with the policy's sequence parallelism.
-  ``GRPOTrainer`` is refused under sequence parallelism.
 - ``train`` / ``evaluate`` / ``predict``: inside them ``deepspeed.initialize`` is
   ``engine.initialize_with`` (``compat.deepspeed_initialize_replaced``), so the engine gets the
   sequence-parallel groups (``mpu``), ZeRO-3 leaf modules and the ZeRO-3 average fix.
 - data under sequence parallelism (P ranks per sequence): the P ranks of a group read the same
   batches; accelerate's batch sampler is sharded over the world / P data-parallel replicas.
+- ``compute_loss`` of TRL's ``GRPOTrainer`` under sequence parallelism: each rank generated for its own prompts (as
+  plain TRL, sequence parallelism paused in ``_prepare_inputs``); the group trains on its ranks' batches in turn,
+  each cut across the group by whole-sequence calls, each loss / P; TRL's token-weighted metrics recombined.
 - ``compute_loss`` of TRL's ``DPOTrainer`` in training under sequence parallelism: TRL's model calls take the
   whole batch and run cut across the group (``engine.WholeSequenceCalls``), so TRL's loss and metrics are computed
   from whole sequences on every rank, each rank's gradient its slice's; TRL's metric gathers keep one copy per group.
@@ -94,11 +96,17 @@ POSITION_BUCKETS = 8
 _TRL_SUPPORTED = {"SFTTrainer", "DPOTrainer", "GRPOTrainer", "_BaseTrainer", "BaseTrainer"}
 # Their losses are functions of whole-sequence sums of per-token log-probs (DPO: each completion's
 # log-likelihood; GRPO: each completion's token count and, for its sequence-level loss types, sums),
-# which TRL computes over the tokens it is given. DPO's model calls take whole sequences under sequence
-# parallelism (engine.WholeSequenceCalls); GRPO also generates and scores per rank, gathering rewards over
-# every rank to normalise them per prompt, which the group's ranks would each do on their own samples.
-_TRL_NO_SEQUENCE_PARALLEL = {"GRPOTrainer"}
-_TRL_WHOLE_SEQUENCE_CALLS = {"DPOTrainer"}
+# which TRL computes over the tokens it is given. So under sequence parallelism their model calls take whole
+# sequences (engine.WholeSequenceCalls). DPO: the ranks of a group read the same batches. GRPO generates and scores
+# its completions per rank as without sequence parallelism, and the group trains on its ranks' batches in turn.
+_TRL_WHOLE_SEQUENCE_CALLS = {"DPOTrainer", "GRPOTrainer"}
+_TRL_GROUP_TURNS = {"GRPOTrainer"}
+# TRL GRPO's metrics that are token-weighted means over the world's batch (its global_masked_mean): under group turns
+# each turn logs its batch's, so the group's turns are recombined with the batches' token counts; the clip-ratio
+# ones only when importance sampling is per token (per sequence every batch weighs the same)
+_GRPO_TOKEN_MEANS = ("entropy", "kl")
+_GRPO_CLIP_MEANS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+_GRPO_EXTREMES = {"clip_ratio/low_min": min, "clip_ratio/high_max": max}
 
 
 def _trl_trainer_names(cls: type) -> set[str]:
@@ -138,7 +146,8 @@ class LongSeqTrainerMixin:
             ``sp_size`` and ``long_seq.sequence_parallel.size`` disagree; ``long_seq`` given twice.
         UnsupportedModelError: the model family or one of its settings is not supported.
         NotImplementedError: a TRL trainer other than ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``;
-            ``DPOTrainer`` or ``GRPOTrainer`` under sequence parallelism.
+            under sequence parallelism, a DPO MoE router loss, and the GRPO options that span the group's turns
+            (ZeRO-3, ``top_entropy_quantile``, an entropy bonus, a router loss, ``vespo``, vLLM).
     """
 
     def __init__(self, *args, long_seq: Mapping[str, Any] | LongSeqConfig | None = None, **kwargs):
@@ -183,7 +192,13 @@ class LongSeqTrainerMixin:
         self._sp = sequence_parallel_of(self.model)
         self._sps = [] if self._sp is None else [self._sp]  # every model's, paused together
         self._whole_calls = None
-        if self._sp is not None and _trl_trainer_names(type(self)) & _TRL_WHOLE_SEQUENCE_CALLS:
+        names = _trl_trainer_names(type(self))
+        self._group_turns = self._sp is not None and bool(names & _TRL_GROUP_TURNS)
+        if self._group_turns:
+            self._check_grpo_sequence_parallel()
+            self._whole_calls = WholeSequenceCalls([self.accelerator.unwrap_model(self.model)], self._sp.rank,
+                                                   self._sp.size, self._sp.group)
+        elif self._sp is not None and names & _TRL_WHOLE_SEQUENCE_CALLS:
             self._whole_calls = self._whole_sequence_calls(cfg, sp_group)
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -275,6 +290,45 @@ class LongSeqTrainerMixin:
             modules.append(ref)
         return WholeSequenceCalls(modules, self._sp.rank, self._sp.size, self._sp.group)
 
+    def _group_turns_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """TRL's GRPO under sequence parallelism: the P batches of the group (each rank generated its own) are broadcast
+        and trained one after the other, each cut across the group by its model calls (whole-sequence calls), each
+        loss / P. Each rank's loss value is the mean of the group's batches' and the gradients summed over the group
+        and averaged over the world / P replicas are plain TRL's average over the world's ranks. TRL's token-weighted
+        metrics logged by the turns are recombined with the batches' token counts (:meth:`_recombine_turn_metrics`)."""
+        sp = self._sp
+        metrics = self._metrics["train"]
+        before = {key: len(values) for key, values in metrics.items()}
+        total, weights = 0.0, []
+        for member in range(sp.size):
+            batch, _ = _broadcast_batch(inputs, None, member, sp.group)
+            mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+            weights.append(mask.sum().float())
+            with self._whole_calls:
+                loss = super().compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+            total = total + loss / sp.size
+        weights = torch.stack(weights)
+        dist.all_reduce(weights)  # each member's tokens over every replica (times P: the same on each group rank)
+        self._recombine_turn_metrics(metrics, before, weights.tolist())
+        return total
+
+    def _recombine_turn_metrics(self, metrics: dict, before: dict, weights: list[float]) -> None:
+        """The P values each of TRL's token-weighted metrics got from the turns, replaced by P copies of their
+        token-weighted mean (TRL averages a logging window's values: the window then holds the world's mean over all
+        the group's tokens, as one call over every rank's batch gives it); min / max metrics by the extreme."""
+        size = self._sp.size
+        token_level = getattr(self.args, "importance_sampling_level", "token") == "token"
+        pooled = set(_GRPO_TOKEN_MEANS) | (set(_GRPO_CLIP_MEANS) if token_level else set())
+        for key, values in metrics.items():
+            new = values[before.get(key, 0):]
+            if len(new) != size or not (key in pooled or key in _GRPO_EXTREMES):
+                continue
+            if key in pooled:
+                value = sum(v * w for v, w in zip(new, weights, strict=True)) / max(sum(weights), 1.0)
+            else:
+                value = _GRPO_EXTREMES[key](new)
+            values[before.get(key, 0):] = [value] * size
+
     @contextlib.contextmanager
     def _metrics_per_group(self):
         """TRL gathers its metrics over every rank; under whole-sequence calls the P ranks of a sequence-parallel
@@ -313,15 +367,31 @@ class LongSeqTrainerMixin:
             )
 
     def _check_trl_sequence_parallel(self) -> None:
-        size = self.long_seq_config.sequence_parallel.size
-        for name in sorted(_trl_trainer_names(type(self)) & _TRL_NO_SEQUENCE_PARALLEL):
-            if size > 1:
+        """Nothing refused at the moment (kept as the one place for TRL trainers refused under sequence
+        parallelism)."""
+
+    def _check_grpo_sequence_parallel(self) -> None:
+        """TRL's GRPO options whose state or statistics span the group's turns are refused under sequence
+        parallelism, each naming the option."""
+        size, args = self._sp.size, self.args
+        refused = {
+            "top_entropy_quantile < 1 (its entropy threshold is a quantile over every rank's tokens)":
+                getattr(args, "top_entropy_quantile", 1.0) < 1.0,
+            "an entropy bonus (entropy_coef / use_adaptive_entropy: its running statistics update once per call)":
+                getattr(self, "_entropy_bonus_enabled", False),
+            "a MoE load-balancing loss (router_aux_loss_coef; not verified under sequence parallelism)":
+                getattr(self, "aux_loss_enabled", False),
+            "loss_type='vespo' (not verified under sequence parallelism)": getattr(args, "loss_type", "") == "vespo",
+            "use_vllm (generation outside this process)": getattr(args, "use_vllm", False),
+            "ZeRO-3 (its gradient hooks reduce a parameter once per use, and the group's turns use each parameter P "
+            "times before one backward): use ZeRO-2":
+                getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3,
+        }
+        for what, given in refused.items():
+            if given:
                 raise NotImplementedError(
-                    f"TRL's {name} with long_seq.sequence_parallel.size={size}: it generates and scores completions on "
-                    "each rank and normalises the rewards over every rank's, which the ranks of a sequence-parallel "
-                    "group (one sequence between them) would each do on their own samples. Set sequence_parallel.size "
-                    "to 1 (streambp, mini_seq and lm_head still apply), or use examples/grpo.py "
-                    "(ds_longseq's exact chunked GRPO under sequence parallelism)"
+                    f"TRL's GRPOTrainer under long_seq.sequence_parallel.size={size} with {what}: drop it, or set "
+                    "sequence_parallel.size to 1"
                 )
 
     @property
@@ -391,7 +461,7 @@ class LongSeqTrainerMixin:
 
     def get_train_dataloader(self):
         dataloader = super().get_train_dataloader()
-        if self._sp is None:
+        if self._sp is None or self._group_turns:  # GRPO: every rank generates for its own prompts, as TRL does
             return dataloader
         if getattr(self, "_accelerate_sp", None) is not None:
             # parallelism_config's (ALST's) data: every rank reads its own batches, the group trains on them in turn
@@ -423,7 +493,10 @@ class LongSeqTrainerMixin:
         return dataloader
 
     def get_total_train_batch_size(self, args) -> int:
-        """Sequences per optimizer step: the world / P data-parallel replicas each read their own."""
+        """Sequences per optimizer step: the world / P data-parallel replicas each read their own (GRPO: every rank
+        its own, trained by its group in turn)."""
+        if self._group_turns:
+            return super().get_total_train_batch_size(args)
         replicas = data_parallel_rank_and_size(self.long_seq_sp_size, rank=0, world=args.world_size)[1]
         return self._train_batch_size * args.gradient_accumulation_steps * replicas
 
@@ -438,6 +511,8 @@ class LongSeqTrainerMixin:
             with self._paused():
                 return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                             num_items_in_batch=num_items_in_batch)
+        if self._group_turns:  # TRL's GRPO: the group's P batches in turn, each whole on every rank of the group
+            return self._group_turns_loss(model, inputs, return_outputs, num_items_in_batch)
         if self._whole_calls is not None:  # TRL's DPO: whole sequences in, its loss whole on every rank
             with self._whole_calls, self._metrics_per_group():
                 return super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -451,6 +526,14 @@ class LongSeqTrainerMixin:
         dist.all_reduce(total, group=sp.group)
         loss = loss - loss.detach() + total  # value: the group's; gradient: this rank's share
         return (loss, *result[1:]) if return_outputs else loss
+
+    def _prepare_inputs(self, inputs):
+        # TRL's GRPO generates and scores here (and computes the old / reference log-probs): each rank its own
+        # completions, whole, as without sequence parallelism
+        if self._group_turns:
+            with self._paused():
+                return super()._prepare_inputs(inputs)
+        return super()._prepare_inputs(inputs)
 
     def sequence_parallel_paused(self):
         """Context in which the model runs whole sequences on each rank (no sequence parallelism),

@@ -238,10 +238,12 @@ def test_dpo_trainer_sequence_parallel_matches_one_rank(tmp_path, stage, opts):
 GRPO_METRICS = ("entropy", "reward", "reward_std")
 
 
-def run_grpo(tmp_path, stage: int, beta: float):
+def run_grpo(tmp_path, stage: int, beta: float, sp: int = 1):
+    """Ours (sequence parallelism ``sp``) against plain TRL, both on 2 ranks. Under sequence parallelism each rank
+    still generates for its own prompts as plain TRL does, and the group trains on the ranks' batches in turn."""
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
-    ours = run_distributed(grpo_body, 2, (str(tmp_path / "ours"), model_dir, stage, 1, {"beta": beta}), timeout=600)
+    ours = run_distributed(grpo_body, 2, (str(tmp_path / "ours"), model_dir, stage, sp, {"beta": beta}), timeout=600)
     theirs = run_distributed(
         grpo_body, 2, (str(tmp_path / "theirs"), model_dir, stage, 1, {"beta": beta, "long_seq": False}), timeout=600
     )
@@ -251,7 +253,10 @@ def run_grpo(tmp_path, stage: int, beta: float):
         for step, (a, b) in enumerate(zip(ours_seen, theirs_seen, strict=True)):
             assert torch.equal(a, b), f"step {step + 1}: other completions sampled (the policies differ before it)"
     metrics = GRPO_METRICS + (("kl",) if beta > 0 else ())
-    assert_same_training(tmp_path, model_dir, ours[0][0], theirs[0][0], metrics)
+    if sp > 1:  # the metrics the group's turns recombine, on every rank
+        metrics += ("clip_ratio/low_mean", "clip_ratio/high_max")
+    for rank in range(2 if sp > 1 else 1):
+        assert_same_training(tmp_path, model_dir, ours[rank][0], theirs[rank][0], metrics)
 
 
 @pytest.mark.parametrize(
@@ -261,6 +266,14 @@ def run_grpo(tmp_path, stage: int, beta: float):
 )
 def test_grpo_trainer_matches_plain_trl(tmp_path, stage, beta):
     run_grpo(tmp_path, stage, beta)
+
+
+@pytest.mark.parametrize("stage,beta", [(2, 0.2), pytest.param(2, 0.0, marks=pytest.mark.slow)],
+                         ids=["zero2-ref-model", "zero2"])
+def test_grpo_trainer_sequence_parallel_matches_plain_trl(tmp_path, stage, beta):
+    """Losses, GRPO's metrics (entropy and kl token-weighted over the world's batch, as plain TRL computes them),
+    the sampled completions and the trained parameters equal plain TRL's on the same 2 ranks (float32, 1e-5)."""
+    run_grpo(tmp_path, stage, beta, sp=2)
 
 
 def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
@@ -273,13 +286,13 @@ def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
 
     from ds_longseq.trainer import with_long_seq
 
-    def build(trainer_cls, sp: int, **options):
+    def build(trainer_cls, sp: int, stage: int = 2, **options):
         extra = {"train_dataset": datasets.Dataset.from_list(preference_pairs(4))}
         config_cls = DPOConfig
         if trainer_cls is GRPOTrainer:
             extra = {"train_dataset": datasets.Dataset.from_list(prompts(4)), "reward_funcs": even_token_reward}
             config_cls, options = GRPOConfig, {"num_generations": 2, "max_completion_length": 4, **options}
-        args = config_cls(**common_args(os.path.join(workdir, str(len(results))), 2, sp, True), **options)
+        args = config_cls(**common_args(os.path.join(workdir, str(len(results))), stage, sp, True), **options)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return with_long_seq(trainer_cls)(model=model, args=args, processing_class=word_tokenizer(), **extra)
 
@@ -287,17 +300,18 @@ def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
     from ds_longseq.patch import sequence_parallel_of
 
     results = {}
-    for name, trainer_cls in (("DPOTrainer", DPOTrainer), ("GRPOTrainer", GRPOTrainer)):
+    trainer = build(DPOTrainer, 2)
+    ref = trainer.accelerator.unwrap_model(trainer.ref_model)
+    results["DPOTrainer"] = {
+        "ref enabled": ds_longseq.is_enabled(ref), "ref sp size": sequence_parallel_of(ref).size,
+        "ref head": ref.forward.fused_head, "ref streambp": ds_longseq.get_config(ref).streambp.enabled,
+    }
+    results["GRPOTrainer"] = type(build(GRPOTrainer, 2)).__name__
+    for name, stage, options in (("top_entropy_quantile", 2, {"top_entropy_quantile": 0.5}), ("zero3", 3, {})):
         try:
-            trainer = build(trainer_cls, 2)
+            build(GRPOTrainer, 2, stage=stage, **options)
         except Exception as err:  # noqa: BLE001 - the test reads the type and the message
-            results[name] = f"{type(err).__name__}: {err}"
-        else:
-            ref = trainer.accelerator.unwrap_model(trainer.ref_model)
-            results[name] = {
-                "ref enabled": ds_longseq.is_enabled(ref), "ref sp size": sequence_parallel_of(ref).size,
-                "ref head": ref.forward.fused_head, "ref streambp": ds_longseq.get_config(ref).streambp.enabled,
-            }
+            results[f"GRPO {name}"] = f"{type(err).__name__}: {err}"
     # the forward ds_longseq installed on the model (no PEFT here), and what it computes for fused calls
     results["grpo"] = build(GRPOTrainer, 1, temperature=0.6, cast_lm_head_to_fp32=True).model.forward.fused_head
     results["dpo"] = build(DPOTrainer, 1).model.forward.fused_head
@@ -306,8 +320,9 @@ def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
 
 
 def test_trl_trainers_at_construction(tmp_path):
-    """GRPO is refused under sequence parallelism (DPO's reference model is enabled with the same sequence
-    parallelism, the head TRL gave it, no StreamBP: it runs without gradient); otherwise what each asked of its own
+    """Under sequence parallelism DPO's reference model is enabled with the same sequence parallelism (the head TRL
+    gave it, no StreamBP: it runs without gradient), GRPO builds and its options that span the group's turns are
+    refused; otherwise what each asked of its own
     fused head (GRPO's temperature and cast_lm_head_to_fp32, DPO's fields with and without WPO) is what ds_longseq's
     forward computes."""
     from ds_longseq.modules.token_outputs import FusedHeadSettings
@@ -316,10 +331,11 @@ def test_trl_trainers_at_construction(tmp_path):
     save_tiny_llama(model_dir)
     dpo_fields = ("log_probs", "entropy", "mean_logits", "is_top1")
     for results in run_distributed(construction_body, 2, (str(tmp_path), model_dir), timeout=600):
-        message = results["GRPOTrainer"]
+        assert results["GRPOTrainer"] == "LongSeqGRPOTrainer"
+        message = results["GRPO top_entropy_quantile"]
         assert message.startswith("NotImplementedError"), message
-        assert "TRL's GRPOTrainer with long_seq.sequence_parallel.size=2" in message
-        assert "normalises the rewards over every rank's" in message and "sequence_parallel.size to 1" in message
+        assert "TRL's GRPOTrainer under long_seq.sequence_parallel.size=2 with top_entropy_quantile < 1" in message
+        assert "with ZeRO-3 (its gradient hooks" in results["GRPO zero3"] and "use ZeRO-2" in results["GRPO zero3"]
         assert results["DPOTrainer"] == {"ref enabled": True, "ref sp size": 2, "ref head": FusedHeadSettings(),
                                          "ref streambp": False}
         assert results["grpo"] == FusedHeadSettings(0.6, ("log_probs", "entropy"), True)
