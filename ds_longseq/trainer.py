@@ -384,7 +384,7 @@ class LongSeqTrainerMixin:
             "loss_type='vespo' (not verified under sequence parallelism)": getattr(args, "loss_type", "") == "vespo",
             "use_vllm (generation outside this process)": getattr(args, "use_vllm", False),
             "ZeRO-3 (its gradient hooks reduce a parameter once per use, and the group's turns use each parameter P "
-            "times before one backward): use ZeRO-2":
+            "times before one backward: DeepSpeed issue 5321): use ZeRO-2":
                 getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3,
         }
         for what, given in refused.items():
