@@ -295,22 +295,41 @@ class LongSeqTrainerMixin:
         and trained one after the other, each cut across the group by its model calls (whole-sequence calls), each
         loss / P. Each rank's loss value is the mean of the group's batches' and the gradients summed over the group
         and averaged over the world / P replicas are plain TRL's average over the world's ranks. TRL's token-weighted
-        metrics logged by the turns are recombined with the batches' token counts (:meth:`_recombine_turn_metrics`)."""
+        metrics logged by the turns are recombined with the batches' token counts (:meth:`_recombine_turn_metrics`).
+
+        Every turn but the last is backed up here, through the DeepSpeed engine without a gradient-accumulation
+        boundary and scaled as the Trainer scales the loss it returns (the last turn's backward is the Trainer's):
+        each turn's graph is freed before the next one runs, and ZeRO-3, whose hooks reduce a parameter once per
+        backward, sees each parameter once per backward (DeepSpeed issue 5321)."""
         sp = self._sp
         metrics = self._metrics["train"]
         before = {key: len(values) for key, values in metrics.items()}
+        engine = self.model_wrapped
         total, weights = 0.0, []
         for member in range(sp.size):
             batch, _ = _broadcast_batch(inputs, None, member, sp.group)
             mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
             weights.append(mask.sum().float())
             with self._whole_calls:
-                loss = super().compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
-            total = total + loss / sp.size
+                loss = super().compute_loss(model, batch, num_items_in_batch=num_items_in_batch) / sp.size
+            if member < sp.size - 1 and hasattr(engine, "set_gradient_accumulation_boundary"):
+                engine.set_gradient_accumulation_boundary(False)
+                engine.backward(loss * self._trainer_loss_scale(num_items_in_batch), scale_wrt_gas=False)
+                loss = loss.detach()
+            total = total + loss
         weights = torch.stack(weights)
         dist.all_reduce(weights)  # each member's tokens over every replica (times P: the same on each group rank)
         self._recombine_turn_metrics(metrics, before, weights.tolist())
         return total
+
+    def _trainer_loss_scale(self, num_items_in_batch) -> float:
+        """The factor ``Trainer.training_step`` puts on the loss ``compute_loss`` returns before its backward
+        (transformers 5.24: 1 / the accumulation steps unless the loss is already scaled for them)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None)
+        return 1.0 if scaled else 1.0 / self.current_gradient_accumulation_steps
 
     def _recombine_turn_metrics(self, metrics: dict, before: dict, weights: list[float]) -> None:
         """The P values each of TRL's token-weighted metrics got from the turns, replaced by P copies of their
@@ -383,9 +402,6 @@ class LongSeqTrainerMixin:
                 getattr(self, "aux_loss_enabled", False),
             "loss_type='vespo' (not verified under sequence parallelism)": getattr(args, "loss_type", "") == "vespo",
             "use_vllm (generation outside this process)": getattr(args, "use_vllm", False),
-            "ZeRO-3 (its gradient hooks reduce a parameter once per use, and the group's turns use each parameter P "
-            "times before one backward: DeepSpeed issue 5321): use ZeRO-2":
-                getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3,
         }
         for what, given in refused.items():
             if given:
