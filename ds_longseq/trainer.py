@@ -263,6 +263,13 @@ class LongSeqTrainerMixin:
         section["sequence_parallel"] = {**ours, "size": pc.sp_size}
         return section
 
+    @property
+    def _whole_eval(self) -> bool:
+        """TRL's DPO under sequence parallelism evaluates with its model calls cut across the group (the group's
+        ranks reading the same pairs); with precomputed reference log-probs it evaluates paused."""
+        return (self._whole_calls is not None and not self._group_turns
+                and not getattr(self.args, "precompute_ref_log_probs", False))
+
     def _whole_sequence_calls(self, cfg: LongSeqConfig, sp_group) -> WholeSequenceCalls:
         """TRL's DPO under sequence parallelism: its model calls take whole sequences and run sharded
         (:class:`~ds_longseq.engine.WholeSequenceCalls`), so TRL's loss and metrics see whole sequences. Its
@@ -464,8 +471,9 @@ class LongSeqTrainerMixin:
             return super().train(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        # TRL's DPO evaluates whole pairs on each rank (and may precompute reference log-probs for a new dataset)
-        paused = self._paused() if self._whole_calls is not None else contextlib.nullcontext()
+        # TRL's DPO with precomputed reference log-probs precomputes them for a new dataset here, whole pairs per rank
+        precompute = self._whole_calls is not None and getattr(self.args, "precompute_ref_log_probs", False)
+        paused = self._paused() if precompute else contextlib.nullcontext()
         with self._long_seq_engine(), paused:
             return super().evaluate(*args, **kwargs)
 
@@ -488,6 +496,18 @@ class LongSeqTrainerMixin:
                 "shards over every rank, but the ranks of a sequence-parallel group must read the same batches; "
                 "use 'random', 'sequential' or 'group_by_length'"
             )
+        return self._shared_within_groups(dataloader, "training")
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataloader = super().get_eval_dataloader(eval_dataset)
+        if not self._whole_eval:
+            return dataloader
+        # TRL's DPO evaluates like it trains: the ranks of a group read the same pairs, cut across the group
+        return self._shared_within_groups(dataloader, "evaluation")
+
+    def _shared_within_groups(self, dataloader, what: str):
+        """``dataloader`` (accelerate's, sharded over every rank) sharded over the world / P data-parallel replicas
+        instead, so that the P ranks of a sequence-parallel group read the same batches."""
         replica, replicas = data_parallel_rank_and_size(self.long_seq_sp_size)
         batch_sampler = getattr(dataloader, "batch_sampler", None)
         dataset = getattr(dataloader, "dataset", None)
@@ -503,7 +523,7 @@ class LongSeqTrainerMixin:
             dataset.num_processes, dataset.process_index = replicas, replica
         elif dist.get_world_size() > 1:
             raise ValueError(
-                f"cannot share the training batches within sequence-parallel groups: unknown dataloader "
+                f"cannot share the {what} batches within sequence-parallel groups: unknown dataloader "
                 f"{type(dataloader).__name__} (expected accelerate's DataLoaderShard)"
             )
         return dataloader
@@ -523,7 +543,12 @@ class LongSeqTrainerMixin:
         if sp is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        if not self.model.training or not torch.is_grad_enabled():
+        evaluating = not self.model.training or not torch.is_grad_enabled()
+        if evaluating and self._whole_eval:
+            with self._whole_calls, self._metrics_per_group():  # TRL's DPO evaluation, cut like its training
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
+        if evaluating:
             with self._paused():
                 return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                             num_items_in_batch=num_items_in_batch)
@@ -563,6 +588,8 @@ class LongSeqTrainerMixin:
         if sp is None:
             with self._recording(inputs if records else None):
                 return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self._whole_eval and prediction_loss_only:  # TRL's DPO: its own step, the model calls cut (compute_loss)
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if not (prediction_loss_only and has_labels):  # logits wanted: whole sequences on each rank
             with self._paused():
                 return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

@@ -479,6 +479,7 @@ def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
         parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=handler),
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    assert model.config.get_text_config().vocab_size >= VOCAB  # the samples' token ids fit
     seen = []
 
     class Recording(LongSeqTrainer if ours else Trainer):
@@ -588,6 +589,30 @@ def test_trl_script_written_the_alst_way(tmp_path, packing):
         assert "position_ids" in seen[0]  # TRL's collator under parallelism_config
         assert all(0.0 <= a <= 1.0 for a in accuracy)
     assert_matches_reference(tmp_path, results, model_dir, 2, 2)
+
+
+def test_parallelism_config_runs_a_qwen3_5_hybrid(tmp_path):
+    """The ALST-way script with a Qwen3.5-shaped hybrid (Gated DeltaNet layers beside attention, which accelerate's own
+    Ulysses refuses): under ds_longseq its linear-attention layers run sharded by heads across the 2 ranks, and the
+    losses equal plain PyTorch on the batches each step trained on (float32, 1e-5)."""
+    from tests import model_zoo
+
+    model_dir = str(tmp_path / "init")
+    model_zoo.tiny_model("qwen3_5_text", torch.float32).save_pretrained(model_dir)
+    ours = run_distributed(alst_body, 2, (str(tmp_path / "ours"), model_dir, True), timeout=600)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    expected = []
+    for batch in ours[0]["seen"]:
+        loss = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss
+        expected.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank in (0, 1):
+        assert [h["loss"] for h in ours[rank]["log"]] == pytest.approx(expected, rel=1e-5)
 
 
 def test_parallelism_config_and_long_seq_disagreeing_is_refused(tmp_path):

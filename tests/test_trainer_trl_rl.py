@@ -104,7 +104,7 @@ def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts:
             lambda module, args, kwargs: lengths.append(int(kwargs["input_ids"].shape[1])), with_kwargs=True)
     trainer.train()
     evaluation = None
-    if opts.get("eval"):  # sequence parallelism paused: each rank its own 2 pairs, whole
+    if opts.get("eval"):  # under sequence parallelism the group's ranks read the same pairs, cut like training
         evaluation = trainer.evaluate(eval_dataset=datasets.Dataset.from_list(preference_pairs(4, seed=1)))
     trainer.save_model(os.path.join(workdir, "hf_model"))
     return [h for h in trainer.state.log_history if "loss" in h], evaluation, lengths
@@ -204,7 +204,7 @@ def test_dpo_trainer_matches_plain_trl(tmp_path, stage, weighting):
 
 def run_dpo_sequence_parallel(tmp_path, stage: int, opts: dict):
     """TRL's DPOTrainer with ds_longseq at sequence parallelism 2 on 2 ranks against plain TRL on one rank (the same
-    batches: one data-parallel replica either way), then evaluation on 4 pairs (2 per rank with ours)."""
+    batches: one data-parallel replica either way), then evaluation on 4 pairs (the same 2 batches of 2)."""
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
     opts = {**opts, "eval": True}
@@ -213,14 +213,15 @@ def run_dpo_sequence_parallel(tmp_path, stage: int, opts: dict):
                              timeout=600)
     for logs, evaluation, lengths in ours:
         assert_same_training(tmp_path, model_dir, logs, theirs[0][0], DPO_METRICS + ("num_tokens",))
-        # means over the pairs (each rank evaluated 2, plain TRL 2 steps of 2); absolute 1e-5: the rewards are
+        # means over the pairs (2 steps of 2 pairs in both runs); absolute 1e-5: the rewards are
         # differences of float32 sequence log-probs of ~-30, whose rounding is ~1e-5 after 3 trained steps
-        for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected"):
+        for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected", "eval_entropy",
+                    "eval_logits/chosen", "eval_mean_token_accuracy"):
             assert evaluation[key] == pytest.approx(theirs[0][1][key], rel=1e-5, abs=1e-5), key
-        # every training forward (policy and reference) ran on half of each batch, the evaluation on whole ones
-        calls = 2 * STEPS  # policy and reference forward per step
-        whole = theirs[0][2][:calls]
-        assert lengths[:calls] == [-(-n // 2) for n in whole], (lengths, whole)
+        # every forward (policy and reference; training, then evaluation) ran on half of each batch
+        whole = theirs[0][2]
+        assert len(whole) == 2 * STEPS + 2 * 2  # 2 evaluation steps of 2 pairs
+        assert lengths == [-(-n // 2) for n in whole], (lengths, whole)
 
 
 @pytest.mark.parametrize(
@@ -231,8 +232,8 @@ def run_dpo_sequence_parallel(tmp_path, stage: int, opts: dict):
 def test_dpo_trainer_sequence_parallel_matches_one_rank(tmp_path, stage, opts):
     """Each sequence cut in two across the ranks (the reference model's forward too: a model of its own, or the
     LoRA policy with its adapter off), TRL's loss and metrics computed from the whole sequences' per-token outputs:
-    losses, every DPO metric and the trained parameters equal plain TRL's on one rank (float32, 1e-5); evaluation
-    (sequence parallelism paused) too."""
+    losses, every DPO metric and the trained parameters equal plain TRL's on one rank (float32, 1e-5); evaluation,
+    cut across the group the same way, too."""
     run_dpo_sequence_parallel(tmp_path, stage, opts)
 
 
