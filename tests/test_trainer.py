@@ -497,6 +497,22 @@ def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
             "warnings": [r.getMessage() for r in records]}
 
 
+def plain_sgd_losses(model_dir: str, batches: list[dict]) -> list[float]:
+    """The stock model's loss on each batch in turn, with a plain SGD step after each (the runs' optimizer)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batch in batches:
+        loss = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
 def test_parallelism_config_runs_ds_longseq_with_alst_semantics(tmp_path):
     """A script written the ALST way runs with ds_longseq once LongSeqTrainer replaces Trainer: parallelism_config's
     sp_size sets the sequence-parallel size (its sp_handler settings ignored with a warning), none of accelerate's
@@ -514,17 +530,7 @@ def test_parallelism_config_runs_ds_longseq_with_alst_semantics(tmp_path):
         assert ours[rank]["log"][0]["loss"] == pytest.approx(stock[rank]["log"][0]["loss"], rel=1e-6)
         for full, shard in zip(ours[rank]["seen"], stock[rank]["seen"], strict=True):
             assert torch.equal(full["input_ids"][:, rank * 12:(rank + 1) * 12], shard["input_ids"])
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    expected = []
-    for batch in ours[0]["seen"]:
-        loss = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss
-        expected.append(loss.item())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    expected = plain_sgd_losses(model_dir, ours[0]["seen"])
     assert [h["loss"] for h in ours[0]["log"]] == pytest.approx(expected, rel=1e-5)
     assert [h["loss"] for h in ours[1]["log"]] == pytest.approx(expected, rel=1e-5)
 
@@ -600,17 +606,7 @@ def test_parallelism_config_runs_a_qwen3_5_hybrid(tmp_path):
     model_dir = str(tmp_path / "init")
     model_zoo.tiny_model("qwen3_5_text", torch.float32).save_pretrained(model_dir)
     ours = run_distributed(alst_body, 2, (str(tmp_path / "ours"), model_dir, True), timeout=600)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    expected = []
-    for batch in ours[0]["seen"]:
-        loss = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss
-        expected.append(loss.item())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    expected = plain_sgd_losses(model_dir, ours[0]["seen"])
     for rank in (0, 1):
         assert [h["loss"] for h in ours[rank]["log"]] == pytest.approx(expected, rel=1e-5)
 
