@@ -147,7 +147,7 @@ class LongSeqTrainerMixin:
         UnsupportedModelError: the model family or one of its settings is not supported.
         NotImplementedError: a TRL trainer other than ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``;
             under sequence parallelism, a DPO MoE router loss, and the GRPO options that span the group's turns
-            (ZeRO-3, ``top_entropy_quantile``, an entropy bonus, a router loss, ``vespo``, vLLM).
+            (``top_entropy_quantile``, an entropy bonus, a router loss, ``vespo``, vLLM).
     """
 
     def __init__(self, *args, long_seq: Mapping[str, Any] | LongSeqConfig | None = None, **kwargs):
