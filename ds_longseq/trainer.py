@@ -156,7 +156,6 @@ class LongSeqTrainerMixin:
         self._long_seq_routing = False
         self._long_seq_section, self.long_seq_config = self._take_long_seq_section(long_seq)
         cfg = self.long_seq_config
-        self._check_trl_sequence_parallel()
         sp_group = None
         if cfg.sequence_parallel.enabled:
             sp_group = sequence_parallel_groups(cfg.sequence_parallel.size).get_sequence_parallel_group()
@@ -391,10 +390,6 @@ class LongSeqTrainerMixin:
                 f"DPOTrainer and GRPOTrainer, not TRL's {name} yet: use the plain TRL trainer, or "
                 "examples/dpo.py / examples/grpo.py (ds_longseq's exact chunked DPO / GRPO)"
             )
-
-    def _check_trl_sequence_parallel(self) -> None:
-        """Nothing refused at the moment (kept as the one place for TRL trainers refused under sequence
-        parallelism)."""
 
     def _check_grpo_sequence_parallel(self) -> None:
         """TRL's GRPO options whose state or statistics span the group's turns are refused under sequence
