@@ -52,7 +52,6 @@ from ds_longseq.training import (
     micro_batch,
     micro_batch_indices,
     pack_jsonl,
-    peak_memory_gib,
     plot_losses,
     setup_run,
 )
@@ -184,7 +183,7 @@ def main(argv=None) -> int:
             + f", seq_len {args.seq_len}, "
             f"loss {first:.4f} -> {last:.4f}"
             + (f" (chance without looking back {chance:.4f})" if chance is not None else "")
-            + f", {log.mean_tokens_per_s:.0f} tokens/s, peak memory {peak_memory_gib():.2f} GiB/rank\n"
+            + f", {log.mean_tokens_per_s:.0f} tokens/s, peak memory {log.peak_gib:.2f} GiB/rank\n"
             f"outputs: {args.save_dir}/ (latest checkpoint, metrics.jsonl, loss.png, {exported})",
             flush=True,
         )

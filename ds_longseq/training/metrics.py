@@ -52,10 +52,12 @@ _PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0,
 
 
 def peak_memory_gib() -> float:
-    """Peak memory of this process in GiB: CUDA's allocator peak on GPU, the resident high-water mark on CPU."""
+    """Peak memory of this process in GiB: CUDA's allocator peak on GPU (since its peak statistics were last reset:
+    :class:`MetricsLog` resets them every step and keeps the run's peak itself, ``MetricsLog.peak_gib``), the
+    resident high-water mark on CPU."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    return host_memory_gib()[1]
 
 
 def host_memory_gib() -> tuple[float, float]:
@@ -244,6 +246,9 @@ class MetricsLog:
         self.progress = BackwardProgress(run.model, self.bar) if run.rank == 0 else None
         self.t_start = self._t_step = time.perf_counter()
         self._tokens_before = 0
+        self.peak_gib = 0.0
+        """The run's peak memory per rank so far, GiB: the device's (the steps' allocator peaks) on GPU, the host's
+        on CPU."""
         self._begin_step(self.start_step)
 
     def _begin_step(self, step: int) -> None:
@@ -272,9 +277,10 @@ class MetricsLog:
             "host_rss_gib": rss,
             "host_peak_gib": host_peak,
         })
+        self.peak_gib = max(self.peak_gib, host_peak if row["gpu_peak_gib"] is None else row["gpu_peak_gib"])
         self.rows.append(row)
         post = {k.split("/")[-1]: f"{row[k]:.4f}" for k in self.bar_keys if k in row}
-        self.bar.set_postfix(**post, tok_s=f"{row['tokens/s']:.0f}", peak_gib=f"{peak_memory_gib():.2f}")
+        self.bar.set_postfix(**post, tok_s=f"{row['tokens/s']:.0f}", peak_gib=f"{self.peak_gib:.2f}")
         self.bar.update(1)
         if self.run.rank == 0:
             with open(self.path, "a") as f:
