@@ -38,6 +38,7 @@ from benchmarks.recipes import (
     long_seq_config,
     prepare,
     random_tokens,
+    step_context,
 )
 
 MODULE = "benchmarks.memory"
@@ -66,8 +67,9 @@ def measure(spec: dict) -> dict:
     if spec.get("budget_mib"):
         harness.set_address_space_budget(spec["budget_mib"])
     start = time.perf_counter()
-    loss = compute_loss(recipe, model, ids)
-    loss.backward()
+    with step_context(recipe, pin_memory=False):
+        loss = compute_loss(recipe, model, ids)
+        loss.backward()
     step_s = time.perf_counter() - start
     return {"baseline_mib": baseline, "peak_mib": harness.maxrss_mib() - baseline, "step_s": step_s,
             "loss": float(loss.detach()), "device": "cpu"}

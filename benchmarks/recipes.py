@@ -9,11 +9,14 @@ Holds:
         same weights.
     apply_lora: PEFT LoRA (rank 16, alpha 32, all seven projections) on a model; returns the PEFT
         wrapper and the inner ``*ForCausalLM`` that recipes are applied to.
-    Recipe and METHODS: what each method does to a model (stock, hf_gc, alst, alst_offload, mst,
-        streambp, streambp_offload, streambp_2x, the sequence-parallel alst_sp, mst_sp, streambp_sp, and
+    Recipe and METHODS: what each method does to a model (stock, hf_gc, alst, alst_offload,
+        alst_offload_sync, mst, streambp, streambp_offload, streambp_2x, the sequence-parallel alst_sp,
+        mst_sp, streambp_sp, and
         the Approx-BP stock_approx, hf_gc_approx, mst_approx, streambp_approx, streambp_approx_2x);
-        ``prepare`` applies one, ``long_seq_config`` is its ds_longseq section, ``compute_loss``
-        runs its forward (inside the checkpoint-offload context where the recipe has one).
+        ``prepare`` applies one, ``long_seq_config`` is its ds_longseq section, ``step_context`` is the
+        context a training step (forward AND backward) runs in (DeepSpeed's checkpoint offload for
+        alst_offload), ``compute_loss`` runs its forward (inside save_on_cpu for alst_offload_sync).
+    ALLOC_CONF: the CUDA allocator setting of ALST's published recipe, which every GPU method runs with.
     ALST pieces (DeepSpeed's own ops): alst_mlp_forward (TiledMLP), tiled_fused_loss and alst_loss
         (TiledFusedLogitsLoss).
     Residual SSM models (``ds_longseq.adjoint``, the adjoint-sharding suites): SSMShape and SSM_SHAPES,
@@ -23,10 +26,18 @@ Methods:
     stock:            plain Hugging Face model, SDPA attention.
     hf_gc:            HF gradient checkpointing (non-reentrant).
     alst:             hf_gc + DeepSpeed's TiledMLP + TiledFusedLogitsLoss (the ALST recipe on one rank).
-    alst_offload:     alst with ALST's checkpoint offload: REENTRANT checkpointing, whose
-                      CheckpointFunction saves each layer's input with save_for_backward, and
-                      ``torch.autograd.graph.save_on_cpu`` around the forward only, so exactly those
-                      checkpoints go to host memory (the backward's recomputations stay on the device).
+    alst_offload:     alst with ALST's own checkpoint offload as DeepSpeed 0.19.8 ships it:
+                      ``deepspeed.runtime.activation_checkpointing.offload_activations.
+                      get_checkpoint_hidden_states_offloading_ctx_manager`` around the forward and the
+                      backward, which marks each HF checkpointed layer's hidden_states input and copies it
+                      to pinned host memory on a side stream (asynchronous, buffer pool, the last layer's
+                      kept on the device), with HF non-reentrant checkpointing, the checkpointing it is
+                      written for. On a CPU accelerator DeepSpeed's engine skips every tensor (nothing to
+                      offload to), so on CPU this recipe is alst plus the marking: its wiring only.
+    alst_offload_sync: the IMITATION the 2026-11-22 H100 rows called alst_offload, kept to compare with
+                      them: REENTRANT checkpointing (CheckpointFunction saves each layer's input with
+                      save_for_backward) and a synchronous ``torch.autograd.graph.save_on_cpu`` around the
+                      forward only, so exactly those checkpoints go to host memory, blocking the stream.
     mst:              hf_gc + ds_longseq mini-sequence MLP (as many chunks as ALST's tiles) + chunked LM head.
     streambp:         ds_longseq StreamBP layers + chunked LM head (no checkpointing).
     streambp_offload: streambp with ds_longseq's ``long_seq.offload.layer_inputs = "cpu"``.
@@ -50,6 +61,9 @@ SEED = 0
 # Loss tile: 1024 tokens (125 MiB of fp32 logits at vocab 32000) for ALST's shards and for our
 # lm_head chunk_size (its default), so the two loss paths are compared like for like.
 LOSS_TOKENS_PER_CHUNK = 1024
+# ALST's published recipe runs with PyTorch's expandable segments (less fragmentation at long
+# lengths); benchmarks.run gives every method on CUDA this setting, so no method wins by allocator.
+ALLOC_CONF = "expandable_segments:True"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The Approx-BP section of the *_approx methods: both replacements on (the models here are SiLU / RMSNorm).
 APPROX_BP = {"activation": "resilu2", "norm": "ms_rmsnorm"}
@@ -273,9 +287,10 @@ class Recipe:
     name: str
     checkpointing: Literal["none", "non_reentrant", "reentrant"] = "none"
     alst: bool = False  # DeepSpeed TiledMLP on every MLP and TiledFusedLogitsLoss for the loss
-    # save_on_cpu around the forward only. With reentrant checkpointing, as ALST does it: its
-    # CheckpointFunction saves each layer's input with save_for_backward, which save_on_cpu intercepts.
-    offload_checkpoints: bool = False
+    # How checkpointed layer inputs go to the host: "deepspeed" = ALST's own offload context around the
+    # forward and backward; "save_on_cpu" = the synchronous imitation around the forward only (with
+    # reentrant checkpointing, whose CheckpointFunction saves each layer's input with save_for_backward).
+    offload_checkpoints: Literal["none", "deepspeed", "save_on_cpu"] = "none"
     long_seq: Literal["none", "mst", "streambp"] = "none"
     offload_layer_inputs: bool = False  # ds_longseq long_seq.offload.layer_inputs = "cpu" (StreamBP)
     sequence_parallel: bool = False
@@ -287,7 +302,8 @@ _BASE = (
     Recipe("stock"),
     Recipe("hf_gc", checkpointing="non_reentrant"),
     Recipe("alst", checkpointing="non_reentrant", alst=True),
-    Recipe("alst_offload", checkpointing="reentrant", alst=True, offload_checkpoints=True),
+    Recipe("alst_offload", checkpointing="non_reentrant", alst=True, offload_checkpoints="deepspeed"),
+    Recipe("alst_offload_sync", checkpointing="reentrant", alst=True, offload_checkpoints="save_on_cpu"),
     Recipe("mst", checkpointing="non_reentrant", long_seq="mst"),
     Recipe("streambp", long_seq="streambp"),
     Recipe("streambp_offload", long_seq="streambp", offload_layer_inputs=True),
@@ -388,16 +404,32 @@ def prepare(model, recipe: Recipe, *, frozen_inputs: bool = False) -> None:
 
 
 def checkpoint_offload(recipe: Recipe, pin_memory: bool):
-    """The context around a recipe's FORWARD: ``save_on_cpu`` for alst_offload, else nothing.
+    """The context around a recipe's FORWARD: ``save_on_cpu`` for alst_offload_sync, else nothing.
 
     Only the forward: the backward's recomputations save their own tensors, which must stay on the
     device (offloading them would copy each layer's activations to the host and straight back).
     """
     import torch
 
-    if recipe.offload_checkpoints:
+    if recipe.offload_checkpoints == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
     return contextlib.nullcontext()
+
+
+def step_context(recipe: Recipe, pin_memory: bool = True):
+    """The context a training step of ``recipe`` runs in: forward AND backward (its exit drops what the
+    backward has not restored, so the backward must run inside).
+
+    alst_offload: DeepSpeed's ``get_checkpoint_hidden_states_offloading_ctx_manager`` with its
+    defaults (ALST's recipe), pinned host buffers on CUDA. Every other recipe: nothing.
+    """
+    if recipe.offload_checkpoints != "deepspeed":
+        return contextlib.nullcontext()
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager,
+    )
+
+    return get_checkpoint_hidden_states_offloading_ctx_manager(use_pin_memory=pin_memory)
 
 
 def compute_loss(recipe: Recipe, model, input_ids, *, call=None, loss_chunk_size: int = LOSS_TOKENS_PER_CHUNK,

@@ -58,6 +58,7 @@ from typing import Callable, Literal
 
 from benchmarks import harness
 from benchmarks.recipes import (
+    ALLOC_CONF,
     LLAMA3_8B,
     LLAMA_SMALL,
     LLAMA_TINY,
@@ -73,6 +74,7 @@ from benchmarks.recipes import (
     long_seq_config,
     prepare,
     random_tokens,
+    step_context,
 )
 
 MODULE = "benchmarks.run"
@@ -243,8 +245,9 @@ def build_step(suite: Suite, method: str, seq_len: int, device: str) -> Callable
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=suite.lr)
 
         def step():
-            loss = compute_loss(recipe, model, ids, **loss_kwargs)
-            loss.backward()
+            with step_context(recipe, pin_memory=cuda):
+                loss = compute_loss(recipe, model, ids, **loss_kwargs)
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return float(loss.detach())
@@ -278,8 +281,9 @@ def build_step(suite: Suite, method: str, seq_len: int, device: str) -> Callable
     engine, *_ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
     def step():
-        loss = compute_loss(recipe, engine.module, ids, call=engine, **loss_kwargs)
-        engine.backward(loss)
+        with step_context(recipe, pin_memory=cuda):
+            loss = compute_loss(recipe, engine.module, ids, call=engine, **loss_kwargs)
+            engine.backward(loss)
         engine.step()
         return float(loss.detach())
 
@@ -326,7 +330,9 @@ def measure(spec: dict) -> dict:
         peak, reserved = harness.gpu_memory_above_baseline(
             base_allocated, base_reserved, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         )
-        record.update(peak_mib=peak, reserved_mib=reserved, host_peak_mib=host, device=torch.cuda.get_device_name())
+        alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"
+        record.update(peak_mib=peak, reserved_mib=reserved, host_peak_mib=host,
+                      device=f"{torch.cuda.get_device_name()} (PYTORCH_CUDA_ALLOC_CONF={alloc})")
     else:
         record.update(peak_mib=host, device="cpu")
     if not all(math.isfinite(x) for x in losses):
@@ -415,6 +421,9 @@ class Runner:
                     budget_mib=budget_mib)
         # A fixed mmap threshold keeps glibc from serving big tensors from a heap whose freed pages stay in RSS.
         env = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
+        # every method, on CUDA, with ALST's allocator setting (set before the child touches CUDA); a
+        # user's own PYTORCH_CUDA_ALLOC_CONF wins, and the report names the one used
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
         (record,) = self.spawn(MODULE, spec, timeout_s=self.budget.timeout(self.timeout_s), env=env)
         if record.get("status") == "timeout" and self.budget.spent():
             record["error"] += " (cut at the time budget)"

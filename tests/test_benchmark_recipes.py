@@ -1,10 +1,13 @@
 """``benchmarks.recipes``: the model builders and what each method's recipe does, on tiny models.
 
-The ALST checkpoint offload is checked by what it moves (each decoder layer's input, during the
-forward only) and by its gradients (equal to the plain model's); the LoRA path by gradients
-reaching the adapters through reentrant checkpointing.
+ALST's own checkpoint offload (DeepSpeed's context, alst_offload) is checked by what it marks and,
+with DeepSpeed's CPU skip lifted, by a real round trip through its buffers (each layer's input but the
+last offloaded and restored, gradients equal to the plain model's); the synchronous imitation
+(alst_offload_sync) by what it moves (each decoder layer's input, during the forward only); the LoRA
+path by gradients reaching the adapters through both checkpointings.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +17,16 @@ import pytest
 import torch
 
 from benchmarks import recipes
-from benchmarks.recipes import LLAMA_TINY, QWEN3_TINY, build_model, compute_loss, get_recipe, prepare, random_tokens
+from benchmarks.recipes import (
+    LLAMA_TINY,
+    QWEN3_TINY,
+    build_model,
+    compute_loss,
+    get_recipe,
+    prepare,
+    random_tokens,
+    step_context,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 96  # several ALST loss tiles and MLP shards at the chunk sizes below
@@ -98,12 +110,12 @@ class _Recorder:
         return self._hooks.__exit__(*exc)
 
 
-def test_alst_offload_moves_each_layer_input_in_the_forward_only(monkeypatch):
-    """The reentrant checkpoints (each layer's input, saved with save_for_backward) go to the host in
-    the forward; the backward's recomputations keep their saved tensors on the device."""
+def test_alst_offload_sync_moves_each_layer_input_in_the_forward_only(monkeypatch):
+    """The imitation: the reentrant checkpoints (each layer's input, saved with save_for_backward) go
+    to the host in the forward; the backward's recomputations keep their saved tensors on the device."""
     opened = []
     monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", lambda pin_memory: opened.append(_Recorder()) or opened[0])
-    recipe = get_recipe("alst_offload")
+    recipe = get_recipe("alst_offload_sync")
     model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
     prepare(model, recipe)
     layer_inputs = []
@@ -125,16 +137,45 @@ def test_alst_offload_moves_each_layer_input_in_the_forward_only(monkeypatch):
     assert len(around_backward.packed) > 0
 
 
-@pytest.mark.parametrize("method", ["hf_gc", "alst", "alst_offload"])
-def test_checkpointing_recipes_give_the_plain_gradients(method):
-    reference = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+def _alst_offload_step(model, ids, monkeypatch, *, lift_cpu_skip):
+    """One alst_offload forward + backward inside the recipe's context; returns (loss, the context)."""
+    from deepspeed.runtime.activation_checkpointing import offload_activations
+
+    if lift_cpu_skip:  # DeepSpeed skips every tensor on a CPU accelerator; let it copy CPU -> CPU buffers
+        monkeypatch.setattr(offload_activations._ActivationOffloadEngine, "_should_skip",
+                            lambda self, t: isinstance(t, torch.nn.Parameter) or t.numel() < 2)
+    recipe = get_recipe("alst_offload")
+    ctx = step_context(recipe, pin_memory=False)
+    with ctx:
+        loss = compute_loss(recipe, model, ids, loss_chunk_size=32)
+        loss.backward()
+        stats = dataclasses.replace(ctx.stats)  # a copy: the next entry resets the counts
+    return loss, stats
+
+
+@pytest.mark.parametrize("lift_cpu_skip", [False, True])
+def test_alst_offload_is_deepspeeds_own_context_and_round_trips_each_layer_input(monkeypatch, lift_cpu_skip):
+    """alst_offload runs DeepSpeed's ``get_checkpoint_hidden_states_offloading_ctx_manager``: each
+    decoder layer's hidden_states is marked once; on CPU DeepSpeed skips them all (what this recipe
+    does on CPU: wiring only). With that skip lifted, its engine copies every layer input but the
+    last (kept on the device, ``keep_last_count=1``) into its buffers in the forward and restores each
+    in the backward, and the gradients are the plain model's: the restore hands back the same values."""
+    n_layers = LLAMA_TINY.num_hidden_layers
     ids = random_tokens(LLAMA_TINY, SEQ)
+    reference = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
     ref_loss = compute_loss(get_recipe("stock"), reference, ids)
     ref_loss.backward()
     model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
-    prepare(model, get_recipe(method))
-    loss = compute_loss(get_recipe(method), model, ids, loss_chunk_size=32)
-    loss.backward()
+    prepare(model, get_recipe("alst_offload"))
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)  # what DeepSpeed marks
+    loss, stats = _alst_offload_step(model, ids, monkeypatch, lift_cpu_skip=lift_cpu_skip)
+    assert stats.marked_tensors == n_layers
+    if lift_cpu_skip:
+        assert (stats.offloaded_tensors, stats.kept_last_tensors) == (n_layers - 1, 1)
+        assert stats.restored_tensors == n_layers - 1 and stats.offloaded_bytes == (n_layers - 1) * SEQ * 4 * (
+            LLAMA_TINY.hidden_size)
+    else:
+        assert stats.skipped_marked_tensors == n_layers and stats.offloaded_tensors == 0
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
     got, want = _grads(model), _grads(reference)
     assert got.keys() == want.keys()
@@ -142,10 +183,28 @@ def test_checkpointing_recipes_give_the_plain_gradients(method):
         torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=name)
 
 
-@pytest.mark.parametrize("method", ["hf_gc", "alst_offload", "mst", "streambp"])
+@pytest.mark.parametrize("method", ["hf_gc", "alst", "alst_offload", "alst_offload_sync"])
+def test_checkpointing_recipes_give_the_plain_gradients(method):
+    reference = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    ids = random_tokens(LLAMA_TINY, SEQ)
+    ref_loss = compute_loss(get_recipe("stock"), reference, ids)
+    ref_loss.backward()
+    model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    prepare(model, get_recipe(method))
+    with step_context(get_recipe(method), pin_memory=False):
+        loss = compute_loss(get_recipe(method), model, ids, loss_chunk_size=32)
+        loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    got, want = _grads(model), _grads(reference)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("method", ["hf_gc", "alst_offload", "alst_offload_sync", "mst", "streambp"])
 def test_lora_recipes_train_the_adapters(method):
     """LoRA on the inner model: every recipe gives the adapters the gradients of the plain LoRA model
-    (alst_offload's reentrant checkpointing needs ``enable_input_require_grads`` for that)."""
+    (alst_offload_sync's reentrant checkpointing needs ``enable_input_require_grads`` for that)."""
     pytest.importorskip("peft")
     import ds_longseq
 
@@ -161,7 +220,8 @@ def test_lora_recipes_train_the_adapters(method):
         cfg = recipes.long_seq_config(recipe, LLAMA_TINY, SEQ, chunk_size=32, loss_chunk_size=32)
         if cfg:
             ds_longseq.enable(inner, cfg)
-        compute_loss(recipe, inner, ids, loss_chunk_size=32).backward()
+        with step_context(recipe, pin_memory=False):
+            compute_loss(recipe, inner, ids, loss_chunk_size=32).backward()
         grads[name] = _grads(inner)
     assert grads[method].keys() == grads["stock"].keys() and grads["stock"]
     assert all("lora_" in n for n in grads["stock"])  # the base is frozen
@@ -182,10 +242,11 @@ def test_alst_with_tied_embeddings_under_zero3_gives_the_plain_gradients():
         import deepspeed, torch
         from deepspeed.utils import safe_get_full_grad
         import ds_longseq.engine
-        from benchmarks.recipes import QWEN3_TINY, build_model, compute_loss, get_recipe, prepare, random_tokens
+        from benchmarks.recipes import (QWEN3_TINY, build_model, compute_loss, get_recipe, prepare, random_tokens,
+                                        step_context)
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         grads = {}
-        for method in ("stock", "alst", "alst_offload"):
+        for method in ("stock", "alst", "alst_offload", "alst_offload_sync"):
             model = build_model(QWEN3_TINY, dtype="float32", device="cpu", seq_len=128)
             recipe = get_recipe(method)
             prepare(model, recipe)
@@ -194,9 +255,10 @@ def test_alst_with_tied_embeddings_under_zero3_gives_the_plain_gradients():
                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "long_seq": {}}
             engine, *_ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=config)
             ids = random_tokens(QWEN3_TINY, 128)
-            engine.backward(compute_loss(recipe, engine.module, ids, call=engine, loss_chunk_size=32))
+            with step_context(recipe, pin_memory=False):
+                engine.backward(compute_loss(recipe, engine.module, ids, call=engine, loss_chunk_size=32))
             grads[method] = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
-        for method in ("alst", "alst_offload"):
+        for method in ("alst", "alst_offload", "alst_offload_sync"):
             for name, want in grads["stock"].items():
                 torch.testing.assert_close(grads[method][name], want, rtol=1e-4, atol=1e-6, msg=name)
         print("GRADS MATCH", sorted(grads["stock"])[0])
