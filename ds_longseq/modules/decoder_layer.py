@@ -256,17 +256,20 @@ class StreamBPLayerForward:
             return call()
 
         offloader = None if self.offload is None else self.offload.offloader()
+        # StreamBP's Function keeps the layer input itself (saved, or offloaded to the host): run_chunk, which the
+        # Function keeps for the backward, must not hold it too through `tokens`, or it stays on the device.
+        layer_input = tokens.take_packed()
         # The router runs once per chunk (and again in backward): not what transformers should record.
         with collection_paused() if tap is not None else nullcontext():
             sharded = getattr(self.mixer_module, "forward", None)
             if sp is not None and self.mixer is None:
-                result = streambp_sp_apply(run_chunk, tokens.packed, params, self.chunk_size, sp.exchange, offloader)
+                result = streambp_sp_apply(run_chunk, layer_input, params, self.chunk_size, sp.exchange, offloader)
             elif sp is not None and self.mixer == "recurrent" and isinstance(sharded, HeadShardedMixerForward):
                 # the mixer runs once per layer over the whole sequence, sharded by heads across the group
-                result = streambp_mixer_sp_apply(run_chunk, tokens.packed, params, self.chunk_size,
+                result = streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,
                                                  lambda x: sharded.sharded(x, sp.key_valid), offloader)
             else:  # a recurrent layer under sequence parallelism continues from the previous rank's state
-                result = streambp_apply(run_chunk, tokens.packed, params, self.chunk_size, offloader,
+                result = streambp_apply(run_chunk, layer_input, params, self.chunk_size, offloader,
                                         min_chunk=2 if recurrent else 1,
                                         ring=StateRing(sp.exchange.group) if sp is not None and recurrent else None)
         if role == "store":
@@ -400,6 +403,12 @@ class _TokenInputs:
         self.packed = hidden if not found else torch.cat(
             [hidden, *(value.flatten(2) for value in found.values())], dim=-1
         )
+
+    def take_packed(self) -> torch.Tensor:
+        """:attr:`packed`, handed over: this object keeps no reference to it afterwards (it lives on in closures
+        StreamBP keeps for the backward, which would otherwise keep every layer's input on the device)."""
+        packed, self.packed = self.packed, None
+        return packed
 
     def split(self, x_c: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A chunk of :attr:`packed`, (B, C, d_in), as the hidden states ((B, C, d), or (S, B, C, d) stacked) and
