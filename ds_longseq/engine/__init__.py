@@ -9,6 +9,7 @@ from ds_longseq.engine.initialize import (
     initialize_with,
     split_config,
 )
+from ds_longseq.engine.preflight import PreflightError, available_memory, memory_preflight
 from ds_longseq.engine.sequence_parallel import (
     WholeSequenceCalls,
     data_parallel_rank_and_size,
@@ -23,6 +24,9 @@ __all__ = [
     "initialize_with",
     "split_config",
     "check_sequence_length",
+    "memory_preflight",
+    "available_memory",
+    "PreflightError",
     "MIN_DEEPSPEED_VERSION",
     "DEFAULT_DISTRIBUTED_PORT",
     "shard_batch",

@@ -174,7 +174,11 @@ def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
 def initialize(*args, **kwargs):
     """``deepspeed.initialize`` with long-sequence training applied from the config's ``long_seq``.
 
-    Takes exactly ``deepspeed.initialize``'s arguments; ``config`` (or ``config_params``, or
+    Takes ``deepspeed.initialize``'s arguments, plus two of its own: ``seq_len=N`` runs the memory preflight
+    (:func:`ds_longseq.engine.memory_preflight`: the planner's estimate of one step of N tokens per sequence
+    against this machine's free memory, refusing with :class:`PreflightError` only a run that cannot fit) before
+    DeepSpeed allocates anything, and ``skip_preflight=True`` turns its refusal into a warning. ``config`` (or
+    ``config_params``, or
     ``args.deepspeed_config``) may hold a ``"long_seq"`` section (see :class:`LongSeqConfig`),
     which is validated and removed before DeepSpeed sees the config. The model is patched with
     :func:`ds_longseq.enable` (unless it already is, with the same settings) and, under ZeRO-3,
@@ -210,6 +214,7 @@ def initialize_with(
     one accelerate calls through here) and so must reach the original function.
     """
     deepspeed = _check_deepspeed()
+    seq_len, skip_preflight = kwargs.pop("seq_len", None), kwargs.pop("skip_preflight", False)
     if model is None:
         raise ValueError("ds_longseq.engine.initialize needs model=")
     if config is None and config_params is not None:
@@ -222,6 +227,12 @@ def initialize_with(
     if config is None:
         raise ValueError("ds_longseq.engine.initialize needs a DeepSpeed config: pass config= (path or dict)")
     ds_config, long_seq = split_config(config)
+    if seq_len is not None:
+        from ds_longseq.engine.preflight import memory_preflight
+
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        memory_preflight(getattr(model, "config", None), {**ds_config, "long_seq": long_seq.to_dict()},
+                         seq_len, trainable_params=trainable, override=skip_preflight)
     stage = zero_stage(ds_config)
     sp_group = None
     if long_seq.sequence_parallel.enabled and mpu is not None:

@@ -12,8 +12,6 @@ Shape legend: B batch, T sequence (the local shard under sequence parallelism), 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ds_longseq.compat import pop_cache
@@ -41,14 +39,6 @@ def _fmt_bytes(num_bytes: int) -> str:
             break
         size, unit = size / 1024, next_unit
     return f"{num_bytes} bytes" if unit == "bytes" else f"{num_bytes} bytes ({size:.1f} {unit})"
-
-
-def _ranks_on_this_host() -> int:
-    """Processes of the job on this host (the launchers' ``LOCAL_WORLD_SIZE``; 1 when not set)."""
-    try:
-        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    except ValueError:
-        return 1
 
 
 class LayerInputOffload:
@@ -108,7 +98,7 @@ class LayerInputOffload:
         to_allocate = self.pool.bytes_to_allocate([per_layer] * self.num_layers, pinned)
         if to_allocate == 0:
             return
-        ranks = _ranks_on_this_host()
+        ranks = offload_ops.ranks_on_this_host()
         available = offload_ops.host_available_bytes()
         if to_allocate * ranks <= available:
             # the first training forward (and a longer one later) allocates host slabs: say how much, once each

@@ -42,6 +42,7 @@ __all__ = [
     "LayerInputOffloader",
     "OffloadedTensor",
     "host_available_bytes",
+    "ranks_on_this_host",
     "save_input",
     "load_input",
 ]
@@ -60,6 +61,22 @@ def _slab_sizes(nbytes: int) -> list[int]:
     if nbytes == 0:
         return []
     return [1 << (nbytes - 1).bit_length()]
+
+
+LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+"""Where launchers put the number of this job's processes on this host: torchrun / accelerate, DeepSpeed's
+launcher, Open MPI, MPICH."""
+
+
+def ranks_on_this_host() -> int:
+    """Processes of the job on this host, from the launcher's environment (``LOCAL_SIZE_VARIABLES``); 1 when
+    none is set."""
+    for name in LOCAL_SIZE_VARIABLES:
+        try:
+            return max(int(os.environ[name]), 1)
+        except (KeyError, ValueError):
+            continue
+    return 1
 
 
 def host_available_bytes() -> int:

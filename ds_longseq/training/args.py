@@ -56,6 +56,8 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                    help="comma-separated module names LoRA adapts; default: every linear projection of the decoder")
     p.add_argument("--merge-lora", action="store_true",
                    help="with --lora-rank: also write the base model with the adapter merged in to hf_model/")
+    p.add_argument("--no-preflight", action="store_true",
+                   help="run even when the memory planner says the step cannot fit (python -m ds_longseq.plan)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     p.set_defaults(default_lr=lr)
 

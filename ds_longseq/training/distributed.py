@@ -79,6 +79,10 @@ def init_process_group() -> tuple[int, int]:
     import deepspeed.comm as dist
 
     faults.active_fault()
+    # As ALST's published recipe and the GPU benchmarks: expandable segments fragment less at long lengths (the
+    # memory planner models allocated memory, which the default allocator can exceed by 10+ GB). Set before the
+    # first CUDA allocation; a setting of the user's own wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # Under mpirun, DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: honour the caller's.
     deepspeed.init_distributed(
         dist_backend="nccl" if torch.cuda.is_available() else "gloo",

@@ -19,7 +19,7 @@ from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_ran
 from ds_longseq.training.checkpoint import export_hf, save_if_due
 from ds_longseq.training.distributed import set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.training.lora import add_lora
-from ds_longseq.training.tasks import build_model
+from ds_longseq.training.tasks import build_model, model_config
 
 __all__ = ["Run", "setup_run", "finish"]
 
@@ -79,6 +79,18 @@ class Run:
                              pad_token_id=pad_id)
 
 
+def check_memory(args: argparse.Namespace, ds_config: dict) -> None:
+    """The memory preflight (:func:`ds_longseq.engine.memory_preflight`) for this run, before any weight is
+    allocated or file written: an impossible --seq-len stops here with the planner's numbers and what would fit,
+    unless --no-preflight."""
+    try:  # ds_config: start_distributed's, with the run's bf16 and long_seq sections
+        ds_longseq.engine.memory_preflight(model_config(args.model, args.seq_len), ds_config, args.seq_len,
+                                           lora_rank=args.lora_rank or None,
+                                           override=getattr(args, "no_preflight", False))
+    except ds_longseq.engine.PreflightError as err:
+        raise SystemExit(f"preflight: {err}") from None
+
+
 def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     """Start DeepSpeed, check the config against the arguments, build the model and its engine.
 
@@ -91,6 +103,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
         args.ds_config, seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, dtype=args.dtype
     )
     set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
+    check_memory(args, ds_config)
     if before_model is not None:
         before_model()
 

@@ -190,15 +190,30 @@ def tiny_llama(seq_len: int, seed: int, dtype: torch.dtype = torch.float32):
     Built from ``seed`` on every rank (and again for a reference or a LoRA merge), so every copy starts
     from the same weights without loading any file.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    return LlamaForCausalLM(tiny_llama_config(seq_len)).to(dtype)
+
+
+def tiny_llama_config(seq_len: int):
+    """The built-in model's ``LlamaConfig`` (what :func:`tiny_llama` builds, and what the memory preflight reads)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, max_position_embeddings=max(seq_len, 2048), rope_theta=10000.0,
         tie_word_embeddings=False, attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config).to(dtype)
+
+
+def model_config(model: str | None, seq_len: int):
+    """The config of ``model`` (a local HF model directory; read, no weights loaded) or of the built-in model."""
+    if model:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    return tiny_llama_config(seq_len)
 
 
 def build_model(model: str | None, dtype: torch.dtype, *, seq_len: int, seed: int):

@@ -1,0 +1,562 @@
+"""Memory planner: what one training step needs per GPU and per host, and the longest sequence that fits.
+
+    python -m ds_longseq.plan --model PATH_OR_CONFIG_JSON --ds-config ds_configs/gpu1_zero3_offload_streambp.json \
+        --seq-len 393216 --gpu-mem-gib 80 --host-mem-gib 128 [--lora-rank 16] [--gpus 8 --nodes 2]
+
+Holds:
+    ModelDims: a decoder's sizes, read from a Hugging Face config (``from_config``) and its parameter counts.
+    Setup: how it trains (method from the ``long_seq`` section, offload, SP degree, ZeRO stage, LoRA, dtype,
+        GPUs and nodes); ``Setup.from_configs`` reads a DeepSpeed config with its ``long_seq`` section.
+    Coefficient / COEFFICIENTS: the fitted part of the model, per method and regime (see below).
+    estimate: per-GPU and per-host bytes of one step at a length, broken down by component.
+    longest_fit, plan (a Plan with the estimate, the longest fitting length, chunk suggestions and the preset
+        to start from), preflight (the check the examples run before their first step) and the CLI.
+
+The model. Per GPU, for a sequence of T tokens (T_local = T / SP degree per rank, batch B):
+
+    weights     every parameter, in the training dtype; divided over the GPUs under ZeRO-3
+    grads       the trainable parameters' gradients; divided under ZeRO-2/3
+    optimizer   AdamW state (fp32 master + 2 moments = 12 B/param in mixed precision, 2 moments = 8 B in fp32);
+                divided under ZeRO-1/2/3; on the host with ``offload_optimizer``
+    layer_inputs  L x B x T_local x d x dtype bytes: what StreamBP / checkpointing keep between forward and
+                backward; on the host with ``long_seq.offload.layer_inputs`` (pinned, per rank)
+    activations the rest of the step's peak that grows with T_local: FITTED, ``per_token`` units of a
+                method-specific size per token (hidden-size vectors, or vocab-size fp32 vectors for methods
+                whose un-chunked LM head dominates)
+    fixed       the rest that does not grow with T (chunk work space, LM-head chunk, allocator): FITTED, MiB
+    buffers     a fixed 1 GiB per GPU for the CUDA context and communication buffers (not fitted: the
+                measurements count from after the model's build, which already holds them)
+
+The fitted numbers come from the repository's own measurements (``benchmarks/plan_fit.py``): each
+(method, regime) line is fitted on half of its measured points (every other length) and the error is reported
+on the other half (``benchmarks/results/plan_validation.md``). Regimes: ``cpu`` (float32 models on CPU: the
+Llama h512 / 4-layer shape of the cpu, memory and sp_memory suites) and ``gpu`` (bf16 on CUDA: the
+Llama-3-8B LoRA rows measured on an H100 and an H200). Another model shape scales the fitted per-token term
+with its own sizes: an estimate, not a measurement, until a run checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Literal, Mapping
+
+__all__ = [
+    "ModelDims",
+    "Setup",
+    "Coefficient",
+    "COEFFICIENTS",
+    "HELD_OUT_ERROR",
+    "Estimate",
+    "Plan",
+    "PreflightError",
+    "estimate",
+    "longest_fit",
+    "plan",
+    "preflight",
+    "main",
+]
+
+GIB = 1024**3
+MIB = 1024**2
+BUFFERS_BYTES = GIB  # CUDA context + NCCL / DeepSpeed buffers per GPU (not part of any fitted measurement)
+LORA_TARGETS = 7  # q, k, v, o, gate, up, down (what the examples' --lora-rank adapts)
+Method = Literal["stock", "hf_gc", "alst", "alst_offload", "alst_offload_sync", "mst", "streambp"]
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """A decoder-only model's sizes (MoE: ``num_experts`` routed experts of ``expert_intermediate_size``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool = False
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+
+    @classmethod
+    def from_config(cls, config) -> "ModelDims":
+        """From a transformers config object or its ``config.json`` dict (a ``text_config`` inside wins)."""
+        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
+            lambda k, d=None: getattr(config, k, d))
+        text = get("text_config")
+        if text:
+            return cls.from_config(text)
+        d = get("hidden_size") or get("n_embd") or get("d_model")
+        layers = get("num_hidden_layers") or get("n_layer") or get("num_layers")
+        heads = get("num_attention_heads") or get("n_head")
+        if not (d and layers and heads and get("vocab_size")):
+            raise ValueError("the model config has no hidden_size / num_hidden_layers / num_attention_heads / "
+                             "vocab_size: the planner needs a decoder's sizes (pass its config.json)")
+        experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
+        ffn = get("intermediate_size") or get("n_inner") or 4 * d
+        return cls(
+            hidden_size=d,
+            intermediate_size=ffn,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or d // heads,
+            vocab_size=get("vocab_size"),
+            tied_embeddings=bool(get("tie_word_embeddings", False)),
+            num_experts=int(experts or 0),
+            expert_intermediate_size=int(get("moe_intermediate_size") or ffn) if experts else 0,
+        )
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (attention, MLP or experts, two norms)."""
+        d, dh = self.hidden_size, self.head_dim
+        attn = d * dh * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * dh * d
+        if self.num_experts:  # routed experts and the router
+            mlp = 3 * d * self.expert_intermediate_size * self.num_experts + d * self.num_experts
+        else:
+            mlp = 3 * d * self.intermediate_size
+        return attn + mlp + 2 * d
+
+    @property
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        return embed * (1 if self.tied_embeddings else 2) + self.num_layers * self.layer_params + self.hidden_size
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA parameters at ``rank`` on q, k, v, o, gate, up, down of every layer (r x (in + out) each)."""
+        d, dh = self.hidden_size, self.head_dim
+        q, kv, o = d + self.num_heads * dh, d + self.num_kv_heads * dh, self.num_heads * dh + d
+        ffn = self.intermediate_size
+        return rank * self.num_layers * (q + 2 * kv + o + 3 * (d + ffn))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the model trains. ``method`` is ds_longseq's (``streambp``, ``mst`` = mini_seq, ``hf_gc`` =
+    Hugging Face checkpointing, ``stock``) or a competitor's recipe (``alst``, ``alst_offload``: ALST's own
+    checkpoint offload, ``alst_offload_sync``: the benchmarks' older imitation)."""
+
+    method: Method = "streambp"
+    offload_layer_inputs: bool = False
+    sequence_parallel: int = 1
+    zero_stage: int = 2
+    gpus: int = 1
+    nodes: int = 1
+    dtype_bytes: int = 2
+    lora_rank: int | None = None
+    trainable_params: int | None = None  # counted from the model when known; default: all, or LoRA's at lora_rank
+    offload_optimizer: bool = False
+    # default: 12 (bf16 mixed precision: fp32 master + 2 moments), 8 (fp32: 2 moments)
+    optimizer_bytes_per_param: int | None = None
+    batch_size: int = 1
+    device: Literal["cuda", "cpu"] = "cuda"
+    chunk_size: int = 4096
+    lm_head_chunk_size: int = 4096
+
+    def __post_init__(self):
+        problems = []
+        if self.gpus < 1 or self.nodes < 1 or self.gpus % self.nodes:
+            problems.append(f"gpus={self.gpus} over nodes={self.nodes}: the GPU count must be a multiple of nodes")
+        if self.sequence_parallel < 1 or self.gpus % self.sequence_parallel:
+            problems.append(f"sequence_parallel={self.sequence_parallel} must divide gpus={self.gpus}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            problems.append(f"zero_stage={self.zero_stage}: DeepSpeed's stages are 0-3")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            problems.append(f"lora_rank={self.lora_rank} must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    @property
+    def keeps_layer_inputs(self) -> bool:
+        """Whether the method keeps each layer's input between forward and backward (all but stock)."""
+        return self.method != "stock"
+
+    @classmethod
+    def from_configs(cls, ds_config: Mapping | None = None, *, device: str = "cuda", gpus: int = 1, nodes: int = 1,
+                     lora_rank: int | None = None, batch_size: int | None = None,
+                     trainable_params: int | None = None) -> "Setup":
+        """From a DeepSpeed config dict (with its ``long_seq`` section) and the launch."""
+        ds_config = dict(ds_config or {})
+        ls = ds_config.get("long_seq") or {}
+        zero = ds_config.get("zero_optimization") or {}
+        if (ls.get("streambp") or {}).get("enabled"):
+            method = "streambp"
+        elif (ls.get("mini_seq") or {}).get("enabled"):
+            method = "mst"
+        else:
+            method = "hf_gc"  # the examples turn HF checkpointing on when no ds_longseq technique is
+        bf16 = (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled")
+        return cls(
+            method=method,
+            offload_layer_inputs=(ls.get("offload") or {}).get("layer_inputs") == "cpu",
+            sequence_parallel=int((ls.get("sequence_parallel") or {}).get("size", 1)),
+            zero_stage=int(zero.get("stage", 0)),
+            gpus=gpus,
+            nodes=nodes,
+            dtype_bytes=2 if bf16 else 4,
+            lora_rank=lora_rank,
+            trainable_params=trainable_params,
+            offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
+            batch_size=batch_size or int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1),
+            device="cpu" if device == "cpu" else "cuda",
+            chunk_size=int((ls.get("streambp") or {}).get("chunk_size", 1024)),
+            lm_head_chunk_size=int((ls.get("lm_head") or {}).get("chunk_size", 1024)),
+        )
+
+
+@dataclass(frozen=True)
+class Coefficient:
+    """The fitted part of one (regime, method): ``per_token`` units of ``unit`` per local token, ``fixed_mib``."""
+
+    per_token: float
+    fixed_mib: float
+    unit: Literal["hidden", "vocab"] = "hidden"  # hidden: d x dtype bytes; vocab: V x 4 bytes (fp32 logits)
+    fitted_on: str = ""
+
+
+# Written by `python -m benchmarks.plan_fit --write` from the fit half of the measurements (every other length
+# of each method's points); tests/test_plan.py re-fits the committed CSVs and checks these numbers.
+# BEGIN FITTED
+COEFFICIENTS: dict[tuple[str, str], Coefficient] = {
+    ('cpu', 'alst'): Coefficient(7.122, 251.8, 'hidden',
+                                  '5 points of cpu_suite.csv, memory_cpu.csv, memory_cpu_32k.csv'),
+    ('cpu', 'alst_sp'): Coefficient(4.2583, 282.0, 'hidden',
+                                  '2 points of sp_memory_cpu.csv'),
+    ('cpu', 'hf_gc'): Coefficient(3.0474, -145.1, 'vocab',
+                                  '4 points of cpu_suite.csv, memory_cpu.csv'),
+    ('cpu', 'mst'): Coefficient(10.8201, 68.3, 'hidden',
+                                  '5 points of cpu_suite.csv, memory_cpu.csv, memory_cpu_32k.csv'),
+    ('cpu', 'mst_sp'): Coefficient(8.875, 58.3, 'hidden',
+                                  '2 points of sp_memory_cpu.csv'),
+    ('cpu', 'stock'): Coefficient(4.3797, -149.0, 'vocab',
+                                  '4 points of cpu_suite.csv, memory_cpu.csv'),
+    ('cpu', 'streambp'): Coefficient(4.1593, 112.2, 'hidden',
+                                  '5 points of cpu_suite.csv, memory_cpu.csv, memory_cpu_32k.csv'),
+    ('cpu', 'streambp_sp'): Coefficient(4.3792, 101.0, 'hidden',
+                                  '2 points of sp_memory_cpu.csv'),
+    ('gpu', 'alst'): Coefficient(25.6109, 147.4, 'hidden',
+                                  '2 points of gpu_lora_h100.csv'),
+    ('gpu', 'alst_offload'): Coefficient(58.1941, 409.1, 'hidden',
+                                  '2 points of gpu_lora_real_alst_h200.csv'),
+    ('gpu', 'alst_offload_sync'): Coefficient(28.414, 282.3, 'hidden',
+                                  '3 points of gpu_lora_h100.csv'),
+    ('gpu', 'hf_gc'): Coefficient(3.033, 144.0, 'vocab',
+                                  '2 points of gpu_lora_h100.csv'),
+    ('gpu', 'mst'): Coefficient(25.6109, 147.4, 'hidden',
+                                  '2 points of gpu_lora_h100.csv'),
+    ('gpu', 'streambp'): Coefficient(11.1804, 728.3, 'hidden',
+                                  '2 points of gpu_lora_h100.csv'),
+    ('gpu', 'streambp_offload'): Coefficient(11.5918, 622.2, 'hidden',
+                                  '4 points of gpu_lora_h100.csv, gpu_lora_real_alst_h200.csv'),
+}
+HELD_OUT_ERROR: dict[str, float] = {'cpu': 0.1, 'gpu': 0.09}  # largest held-out error, rounded up, at least 5%
+# END FITTED
+
+
+def _key(setup: Setup) -> str:
+    base = setup.method
+    if setup.sequence_parallel > 1 and base in ("alst", "mst", "streambp"):
+        return f"{base}_sp"
+    if base == "streambp" and setup.offload_layer_inputs:
+        return "streambp_offload"
+    return base
+
+
+def coefficient(setup: Setup) -> tuple[Coefficient, str]:
+    """The fitted coefficient for ``setup`` and where it comes from (a note when borrowed from elsewhere)."""
+    regime = "cpu" if setup.device == "cpu" else "gpu"
+    key = _key(setup)
+    base = key.removesuffix("_sp")
+    for candidate, note in (
+        ((regime, key), ""),
+        ((regime, base), f"no {key} measurement in the {regime} regime: {base}'s"),
+        (("gpu" if regime == "cpu" else "cpu", key), f"no {regime} measurement of {key}: the other regime's"),
+    ):
+        if candidate in COEFFICIENTS:
+            return COEFFICIENTS[candidate], note
+    raise ValueError(f"no fitted memory coefficient for method {key!r} (measured: "
+                     f"{sorted({k for _, k in COEFFICIENTS})})")
+
+
+@dataclass
+class Estimate:
+    """Bytes of one training step at ``seq_len``: per GPU (``device``) and per host (``host``), by component."""
+
+    seq_len: int
+    device: dict[str, float]
+    host: dict[str, float]
+    note: str = ""
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def above_build(self) -> float:
+        """What the benchmarks measure: the step's peak above the built model (no weights, no buffers)."""
+        return sum(v for k, v in self.device.items() if k not in ("weights", "buffers"))
+
+
+def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: bool = True,
+             coef: Coefficient | None = None) -> Estimate:
+    """Per-GPU and per-host bytes of one step of ``seq_len`` tokens (global; each rank holds seq_len / SP).
+
+    ``optimizer_step``: count the optimizer state (a forward + backward alone does not create it);
+    ``coef``: the fitted part to use (default: ``COEFFICIENTS``' for the setup)."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1")
+    coef, note = (coef, "") if coef is not None else coefficient(setup)
+    b, world, sp = setup.dtype_bytes, setup.gpus, setup.sequence_parallel
+    t_local = math.ceil(seq_len / sp) * setup.batch_size
+    trainable = setup.trainable_params if setup.trainable_params is not None else (
+        dims.lora_params(setup.lora_rank) if setup.lora_rank else dims.num_params)
+    zero3 = setup.zero_stage >= 3
+    weights = dims.num_params * b / (world if zero3 else 1) + (dims.layer_params * b if zero3 and world > 1 else 0)
+    grads = trainable * b / (world if setup.zero_stage >= 2 else 1)
+    state_bytes = setup.optimizer_bytes_per_param or (12 if b == 2 else 8)
+    optimizer = trainable * state_bytes / (world if setup.zero_stage >= 1 else 1) if optimizer_step else 0.0
+    inputs = dims.num_layers * t_local * dims.hidden_size * b if setup.keeps_layer_inputs else 0.0
+    unit = dims.hidden_size * b if coef.unit == "hidden" else dims.vocab_size * 4
+    device = {
+        "weights": weights,
+        "grads": grads,
+        "optimizer": 0.0 if setup.offload_optimizer else optimizer,
+        "layer_inputs": 0.0 if setup.offload_layer_inputs else inputs,
+        "activations": coef.per_token * unit * t_local,
+        "fixed": coef.fixed_mib * MIB,
+        "buffers": BUFFERS_BYTES if setup.device == "cuda" else 0.0,
+    }
+    ranks = setup.gpus_per_node
+    host = {
+        "layer_inputs": inputs * ranks if setup.offload_layer_inputs else 0.0,
+        # DeepSpeed's CPU Adam: fp32 gradients + master weights + 2 moments per parameter, this host's share
+        "optimizer": trainable * (4 + 12) / world * ranks if setup.offload_optimizer else 0.0,
+    }
+    return Estimate(seq_len, device, host, note)
+
+
+def longest_fit(dims: ModelDims, setup: Setup, device_bytes: float, host_bytes: float | None = None, *,
+                granularity: int = 1024, limit: int = 1 << 26) -> int:
+    """The longest multiple of ``granularity`` tokens whose estimate fits ``device_bytes`` per GPU (and
+    ``host_bytes`` per host); 0 when not even ``granularity`` does."""
+
+    def fits(t: int) -> bool:
+        e = estimate(dims, setup, t)
+        return e.device_total <= device_bytes and (host_bytes is None or e.host_total <= host_bytes)
+
+    if not fits(granularity):
+        return 0
+    lo, hi = 1, 2
+    while hi * granularity <= limit and fits(hi * granularity):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * granularity) else (lo, mid)
+    return lo * granularity
+
+
+PRESETS = {
+    "gpu1_zero3_offload_streambp.json": "one GPU: ZeRO-3, optimizer and layer inputs offloaded to the host",
+    "gpu8_zero3_sp8_streambp.json": "one 8-GPU node: ZeRO-3, Ulysses SP over the 8 GPUs",
+    "multinode_zero3_sp8_offload_streambp.json": "several nodes: ZeRO-3, SP 8 within a node, offload",
+    "zero2_streambp.json": "CPU runs (1024-token chunks tuned for CPU)",
+}
+
+
+def recommend_preset(setup: Setup) -> str:
+    """The ds_configs/ preset to start from for this launch."""
+    if setup.device == "cpu":
+        return "zero2_streambp.json"
+    if setup.nodes > 1:
+        return "multinode_zero3_sp8_offload_streambp.json"
+    return "gpu8_zero3_sp8_streambp.json" if setup.gpus_per_node >= 8 else "gpu1_zero3_offload_streambp.json"
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one model, setup and memory."""
+
+    dims: ModelDims
+    setup: Setup
+    device_bytes: float
+    host_bytes: float | None
+    estimate: Estimate
+    longest: int
+    options: list[str] = field(default_factory=list)
+    preset: str = ""
+    chunks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def margin(self) -> float:
+        return HELD_OUT_ERROR["cpu" if self.setup.device == "cpu" else "gpu"]
+
+    @property
+    def fits(self) -> bool:
+        e = self.estimate
+        return e.device_total <= self.device_bytes and (self.host_bytes is None or e.host_total <= self.host_bytes)
+
+    @property
+    def surely_too_big(self) -> bool:
+        """Above the memory even if the estimate is high by its measured held-out error."""
+        e, m = self.estimate, 1 - self.margin
+        return e.device_total * m > self.device_bytes or (
+            self.host_bytes is not None and e.host_total * m > self.host_bytes)
+
+    def report(self) -> str:
+        e = self.estimate
+        gib = lambda x: f"{x / GIB:8.2f} GiB"  # noqa: E731
+        s = self.setup
+        lines = [
+            f"ds_longseq plan: {e.seq_len:,} tokens, method {_key(s)}, {s.gpus} GPU(s) on {s.nodes} node(s), "
+            f"SP {s.sequence_parallel}, ZeRO-{s.zero_stage}, {'LoRA r=' + str(s.lora_rank) if s.lora_rank else 'full'}"
+            f", {'bf16' if s.dtype_bytes == 2 else 'fp32'}, device {s.device}",
+            f"per {'GPU' if s.device == 'cuda' else 'process (device = host memory)'}:",
+            *(f"  {k:<13}{gib(v)}" for k, v in e.device.items()),
+            f"  {'total':<13}{gib(e.device_total)}   of {gib(self.device_bytes).strip()}",
+            "per host:",
+            *(f"  {k:<13}{gib(v)}" for k, v in e.host.items()),
+            f"  {'total':<13}{gib(e.host_total)}"
+            + (f"   of {gib(self.host_bytes).strip()}" if self.host_bytes is not None else ""),
+            f"estimate error: within {self.margin:.0%} on held-out measurements "
+            "(benchmarks/results/plan_validation.md)" + (f"; {e.note}" if e.note else ""),
+            f"fits: {'yes' if self.fits else 'NO'}; longest that fits: {self.longest:,} tokens",
+            f"chunks: {', '.join(f'{k}={v}' for k, v in self.chunks.items())}",
+            f"preset to start from: ds_configs/{self.preset} ({PRESETS[self.preset]})",
+        ]
+        if self.options:
+            lines += ["options that fit this length:", *(f"  - {o}" for o in self.options)]
+        return "\n".join(lines)
+
+
+def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_bytes: float | None) -> list[str]:
+    """What would make ``seq_len`` fit: more SP, layer-input offload, optimizer offload, LoRA."""
+    tries = []
+    cuda = setup.device == "cuda"  # on CPU the device is the host: offloading moves nothing out of it
+    if cuda and setup.method in ("streambp", "mst") and not setup.offload_layer_inputs:
+        tries.append(("offload the layer inputs (long_seq.offload.layer_inputs='cpu')",
+                      replace(setup, offload_layer_inputs=True)))
+    if cuda and not setup.offload_optimizer:
+        tries.append(("offload the optimizer (zero_optimization.offload_optimizer.device='cpu')",
+                      replace(setup, offload_optimizer=True)))
+    if setup.method not in ("streambp",):
+        tries.append(("StreamBP (long_seq.streambp.enabled)", replace(setup, method="streambp")))
+    sp = setup.sequence_parallel * 2
+    while sp <= setup.gpus:
+        if setup.gpus % sp == 0:
+            tries.append((f"sequence parallelism {sp} (long_seq.sequence_parallel.size={sp})",
+                          replace(setup, sequence_parallel=sp)))
+            break
+        sp *= 2
+    tries.append((f"more GPUs with SP: {setup.gpus * 2} GPUs, SP {setup.sequence_parallel * 2}",
+                  replace(setup, gpus=setup.gpus * 2, nodes=setup.nodes * 2 if setup.gpus_per_node >= 8 else
+                          setup.nodes, sequence_parallel=setup.sequence_parallel * 2)))
+    out = []
+    for what, s in tries:
+        try:
+            e = estimate(dims, s, seq_len)
+        except ValueError:
+            continue
+        if e.device_total <= device_bytes and (host_bytes is None or e.host_total <= host_bytes):
+            out.append(f"{what}: {e.device_total / GIB:.1f} GiB per GPU, {e.host_total / GIB:.1f} GiB per host")
+    return out
+
+
+def plan(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_bytes: float | None = None) -> Plan:
+    """Estimate ``seq_len`` for ``setup`` against ``device_bytes`` per GPU (and ``host_bytes`` per host)."""
+    e = estimate(dims, setup, seq_len)
+    p = Plan(dims, setup, device_bytes, host_bytes, e, longest_fit(dims, setup, device_bytes, host_bytes))
+    if not p.fits:
+        p.options = _options(dims, setup, seq_len, device_bytes, host_bytes)
+    t_local = math.ceil(seq_len / setup.sequence_parallel)
+    # what the measurements found best: 4096-token chunks and the whole-prefix key tile on GPU, 1024 on CPU
+    best = 4096 if setup.device == "cuda" else 1024
+    p.chunks = {"streambp.chunk_size": min(best, t_local), "lm_head.chunk_size": min(best, t_local)}
+    p.preset = recommend_preset(setup)
+    return p
+
+
+class PreflightError(RuntimeError):
+    """A run that cannot fit, refused before its first step (nothing written)."""
+
+
+def preflight(dims: ModelDims, setup: Setup, seq_len: int, *, device_bytes: float, host_bytes: float | None,
+              override: bool = False, log=None) -> Plan:
+    """Check ``seq_len`` against the memory actually available. Refuses (PreflightError) only when even an
+    estimate low by its measured error would not fit, unless ``override``; warns through ``log`` when the
+    estimate is above the memory but within that error; returns the plan."""
+    p = plan(dims, setup, seq_len, device_bytes, host_bytes)
+    if p.surely_too_big and not override:
+        e = p.estimate
+        where = "GPU" if setup.device == "cuda" else "process"
+        host = "" if host_bytes is None else (
+            f" and {e.host_total / GIB:.1f} GiB per host (available {host_bytes / GIB:.1f})")
+        raise PreflightError(
+            f"{seq_len:,} tokens do not fit: the planner estimates {e.device_total / GIB:.1f} GiB per {where} "
+            f"(available {device_bytes / GIB:.1f}){host}, more than the memory even at its {p.margin:.0%} error. "
+            f"Longest that fits: {p.longest:,} tokens. "
+            + ("Options: " + "; ".join(p.options) + ". " if p.options else "")
+            + "Run `python -m ds_longseq.plan` for the breakdown; pass --no-preflight to try anyway."
+        )
+    if not p.fits and log is not None:
+        log(f"preflight: {seq_len:,} tokens may not fit (estimate {p.estimate.device_total / GIB:.1f} GiB per device "
+            f"against {device_bytes / GIB:.1f} available, within the planner's {p.margin:.0%} error); trying")
+    return p
+
+
+def _load_model_config(path: str) -> dict:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise SystemExit(f"--model {path}: no such directory or config.json (pass a model directory or its "
+                         "config.json)")
+    with open(file) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds_longseq.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model directory or its config.json")
+    p.add_argument("--ds-config", help="DeepSpeed JSON with its long_seq section (default: ZeRO-2, StreamBP)")
+    p.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs in all (default 1)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per GPU (default 80)")
+    p.add_argument("--host-mem-gib", type=float, default=None, help="memory per host (default: unchecked)")
+    p.add_argument("--lora-rank", type=int, default=None)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--method", choices=("stock", "hf_gc", "alst", "alst_offload", "alst_offload_sync", "mst",
+                                        "streambp"), help="override the method the config implies")
+    args = p.parse_args(argv)
+    ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "long_seq": {"streambp": {"enabled": True}}}
+    if args.ds_config:
+        with open(args.ds_config) as f:
+            ds = json.load(f)
+    try:
+        setup = Setup.from_configs(ds, device=args.device, gpus=args.gpus, nodes=args.nodes, lora_rank=args.lora_rank)
+        if args.method:
+            setup = replace(setup, method=args.method)
+        dims = ModelDims.from_config(_load_model_config(args.model))
+        host = None if args.host_mem_gib is None else args.host_mem_gib * GIB
+        result = plan(dims, setup, args.seq_len, args.gpu_mem_gib * GIB, host)
+    except ValueError as err:
+        print(f"ds_longseq.plan: {err}", file=sys.stderr)
+        return 2
+    print(result.report())
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
