@@ -4,6 +4,7 @@ learning rate, gradient norm, tokens/s, MFU and memory to metrics.jsonl and, wit
 
 import csv
 import json
+import os
 
 import pytest
 import torch
@@ -101,3 +102,27 @@ def test_backward_progress_names_each_layer_as_the_backward_reaches_it():
     assert bar.shown == ["sft [step 7 backward layer 2/2]", "sft [step 7 backward layer 1/2]"]
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # removed: nothing more
     assert len(bar.shown) == 2
+
+
+def test_a_monitor_section_deepspeed_would_reject_is_named_before_the_model(tmp_path, monkeypatch):
+    """Bad monitor sections stop in start_distributed's check (before the weights), naming the field."""
+    from ds_longseq.training.distributed import check_monitor_config
+
+    check_monitor_config({"train_micro_batch_size_per_gpu": 1})  # no monitor: nothing to check
+    check_monitor_config({"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "new" / "csv")}})
+    with pytest.raises(SystemExit, match="(?s)monitor section is invalid.*output_pth"):
+        check_monitor_config({"tensorboard": {"enabled": True, "output_pth": "x"}})
+    with pytest.raises(SystemExit, match="csv_monitor.enabled"):
+        check_monitor_config({"csv_monitor": {"enabled": "yes please"}})
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if not os.access(locked, os.W_OK):  # root writes anywhere: the check cannot be exercised then
+        with pytest.raises(SystemExit, match="cannot be written"):
+            check_monitor_config({"csv_monitor": {"enabled": True, "output_path": str(locked / "csv")}})
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(SystemExit, match="wandb package is not installed"):
+        check_monitor_config({"wandb": {"enabled": True}})

@@ -139,9 +139,11 @@ def test_missing_model_and_data_paths_are_named(tmp_path):
         import sft
     finally:
         sys.path.pop(0)
-    for flag in ("--save-total-limit", "--save-every"):
-        with pytest.raises(SystemExit, match=f"{flag} must be >= 0"):
-            sft.check_args(sft.parse_args([flag, "-1"]))
+    with pytest.raises(SystemExit, match="--save-every must be >= 0"):
+        sft.check_args(sft.parse_args(["--save-every", "-1"]))
+    for value in ("0", "-1"):
+        with pytest.raises(SystemExit, match="--save-total-limit must be >= 1.*leave it out"):
+            sft.check_args(sft.parse_args(["--save-total-limit", value]))
 
 
 def _tiny_hf_model_with_tokenizer(path):

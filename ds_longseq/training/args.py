@@ -37,8 +37,9 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
     p.add_argument("--max-steps", type=int, default=max_steps, help="training steps")
     p.add_argument("--save-dir", default=save_dir, help="checkpoints, metrics, plot and HF export")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--save-total-limit", type=int, default=0,
-                   help="keep only the newest N checkpoints, removing older ones once a new one is complete (0: all)")
+    p.add_argument("--save-total-limit", type=int, default=None,
+                   help="keep only the newest N >= 1 checkpoints, removing older ones once a new one is complete "
+                        "(default: keep all)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --save-dir (same data, same losses)")
     p.add_argument("--seed", type=int, default=0)
@@ -71,8 +72,10 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
     if args.save_every < 0:
         raise SystemExit(f"--save-every must be >= 0 (0: a checkpoint only at the end), got {args.save_every}")
-    if getattr(args, "save_total_limit", 0) < 0:
-        raise SystemExit(f"--save-total-limit must be >= 0 (0: keep every checkpoint), got {args.save_total_limit}")
+    limit = getattr(args, "save_total_limit", None)
+    if limit is not None and limit < 1:
+        raise SystemExit(f"--save-total-limit must be >= 1 (the newest checkpoints to keep), got {limit}: leave it "
+                         "out to keep every checkpoint")
     check_model_and_data(args.model, args.data)
     if args.data and not args.model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")

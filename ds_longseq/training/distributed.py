@@ -96,6 +96,40 @@ def init_process_group() -> tuple[int, int]:
     return rank, world
 
 
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml", "csv_monitor": None}
+
+
+def check_monitor_config(config: dict) -> None:
+    """Refuse a monitor section (tensorboard / csv_monitor / wandb / comet) that DeepSpeed would reject, whose
+    package is missing, or whose output_path cannot be written, before the model is built (DeepSpeed's own
+    check comes at initialize, after the weights are allocated)."""
+    import importlib.util
+
+    from deepspeed.monitor.config import get_monitor_config
+
+    if not any(key in config for key in MONITOR_PACKAGES):
+        return
+    try:
+        monitor = get_monitor_config(config)
+    except Exception as err:  # pydantic's ValidationError: names the field and why
+        raise SystemExit(f"the DeepSpeed config's monitor section is invalid (DeepSpeed's check): {err}") from None
+    for key, package in MONITOR_PACKAGES.items():
+        section = getattr(monitor, key)
+        if not section.enabled:
+            continue
+        if package and importlib.util.find_spec(package) is None:
+            extra = " (pip install 'ds_longseq[monitor]')" if key == "tensorboard" else ""
+            raise SystemExit(f"the DeepSpeed config enables {key}, but the {package} package is not installed: "
+                             f"pip install {package}{extra}, or set {key}.enabled to false")
+        path = getattr(section, "output_path", "") or "."
+        parent = os.path.abspath(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+            raise SystemExit(f"{key}.output_path {path!r} cannot be written ({parent} is not a writable directory): "
+                             "point it at a directory you can write")
+
+
 def start_distributed(
     ds_config: str, *, seq_len: int, pad_for_sp: bool = False, dtype: Literal["auto", "fp32", "bf16"] = "auto"
 ):
@@ -113,6 +147,7 @@ def start_distributed(
     """
     rank, world = init_process_group()
     config, long_seq = split_config(ds_config)
+    check_monitor_config(config)
     check_sequence_length(long_seq, seq_len)
     check_parallel_args(seq_len, long_seq.sequence_parallel.size, world, pad_for_sp=pad_for_sp)
     use_bf16 = dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())

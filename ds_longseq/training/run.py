@@ -66,7 +66,7 @@ class Run:
     def checkpoint_options(self) -> dict:
         """How this run's checkpoints are written: LoRA runs leave the frozen base out (a resume rebuilds it from
         --model), and ``--save-total-limit`` keeps the newest N."""
-        return {"exclude_frozen": bool(self.args.lora_rank), "keep": getattr(self.args, "save_total_limit", 0)}
+        return {"exclude_frozen": bool(self.args.lora_rank), "keep": getattr(self.args, "save_total_limit", None) or 0}
 
     def save_if_due(self, step: int) -> None:
         """After optimizer step ``step`` (1-based): a checkpoint if --save-every or the last step asks for one."""
