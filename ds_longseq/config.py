@@ -136,6 +136,13 @@ class OffloadConfig:
     bytes x batch per token (256 KiB per token at the Llama-3-8B shape in bf16: 32 x 4096 x 2).
     Needs ``streambp`` or ``mini_seq``."""
 
+    keep_every: int = 1
+    """k: keep the input of every k-th decoder layer only (layers 0, k, 2k, ...; where ``layer_inputs`` says: on
+    the device, or ``"cpu"``) and rebuild the others in backward by running the layers between two kept inputs
+    forward again, chunk by chunk, once per block: exact, about 1/k of the layer-input memory, for about one extra
+    forward of (k-1)/k of the layers. 1 (default): keep every input. Needs ``streambp``; not yet with
+    ``mini_seq``, ``sequence_parallel`` or ZeRO-3 (refused)."""
+
 
 @dataclass
 class ApproxBPConfig:
@@ -426,6 +433,18 @@ class LongSeqConfig:
                     hint = " (T-bar >= 1; null for exact gradients)" if f.name == "truncation" else ""
                     problems.append(f"{where} must be a positive integer{hint}, got {value}")
         problems.extend(self._rule_problems())
+        k = self.offload.keep_every
+        if isinstance(k, int) and not isinstance(k, bool) and k > 1:
+            where = f"long_seq.offload.keep_every={k}"
+            if not self.streambp.enabled:
+                problems.append(f"{where} needs long_seq.streambp (it rebuilds dropped layer inputs by re-running "
+                                "StreamBP layers): enable streambp, or set keep_every to 1")
+            if self.mini_seq.enabled:
+                problems.append(f"{where} is not implemented with mini_seq's per-layer checkpoints yet: drop mini_seq "
+                                "(StreamBP alone), or set keep_every to 1")
+            if self.sequence_parallel.size > 1:
+                problems.append(f"{where} is not implemented under sequence parallelism yet (the rebuilt layers would "
+                                "exchange their keys again): set keep_every to 1, or sequence_parallel.size to 1")
         old, new = self.streambp.kv_block_size, self.attention.kv_block_size
         if old is not None and new is not None and old != new:
             problems.append(

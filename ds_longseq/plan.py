@@ -19,7 +19,10 @@ The model. Per GPU, for a sequence of T tokens (T_local = T / SP degree per rank
     optimizer   AdamW state (fp32 master + 2 moments = 12 B/param in mixed precision, 2 moments = 8 B in fp32);
                 divided under ZeRO-1/2/3; on the host with ``offload_optimizer``
     layer_inputs  L x B x T_local x d x dtype bytes: what StreamBP / checkpointing keep between forward and
-                backward; on the host with ``long_seq.offload.layer_inputs`` (pinned, per rank)
+                backward; on the host with ``long_seq.offload.layer_inputs`` (pinned, per rank); ceil(L / k) of
+                them with ``long_seq.offload.keep_every = k``
+    rebuilt_block with keep_every = k > 1: the block's inputs rebuilt in backward, waiting on the device (k - 1
+                inputs, k when the kept ones are offloaded): structural, not yet checked against a measurement
     activations the rest of the step's peak that grows with T_local: FITTED, ``per_token`` units of a
                 method-specific size per token (hidden-size vectors, or vocab-size fp32 vectors for methods
                 whose un-chunked LM head dominates)
@@ -144,6 +147,7 @@ class Setup:
 
     method: Method = "streambp"
     offload_layer_inputs: bool = False
+    keep_every: int = 1  # long_seq.offload.keep_every: only every k-th layer input is kept (StreamBP)
     sequence_parallel: int = 1
     zero_stage: int = 2
     gpus: int = 1
@@ -167,6 +171,8 @@ class Setup:
             problems.append(f"sequence_parallel={self.sequence_parallel} must divide gpus={self.gpus}")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage={self.zero_stage}: DeepSpeed's stages are 0-3")
+        if self.keep_every < 1:
+            problems.append(f"keep_every={self.keep_every} must be >= 1")
         if self.lora_rank is not None and self.lora_rank < 1:
             problems.append(f"lora_rank={self.lora_rank} must be >= 1")
         if problems:
@@ -199,6 +205,7 @@ class Setup:
         return cls(
             method=method,
             offload_layer_inputs=(ls.get("offload") or {}).get("layer_inputs") == "cpu",
+            keep_every=int((ls.get("offload") or {}).get("keep_every", 1) or 1),
             sequence_parallel=int((ls.get("sequence_parallel") or {}).get("size", 1)),
             zero_stage=int(zero.get("stage", 0)),
             gpus=gpus,
@@ -329,13 +336,17 @@ def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: boo
     grads = trainable * b / (world if setup.zero_stage >= 2 else 1)
     state_bytes = setup.optimizer_bytes_per_param or (12 if b == 2 else 8)
     optimizer = trainable * state_bytes / (world if setup.zero_stage >= 1 else 1) if optimizer_step else 0.0
-    inputs = dims.num_layers * t_local * dims.hidden_size * b if setup.keeps_layer_inputs else 0.0
+    one_input = t_local * dims.hidden_size * b
+    k = setup.keep_every
+    inputs = -(-dims.num_layers // k) * one_input if setup.keeps_layer_inputs else 0.0
     unit = dims.hidden_size * b if coef.unit == "hidden" else dims.vocab_size * 4
     device = {
         "weights": weights,
         "grads": grads,
         "optimizer": 0.0 if setup.offload_optimizer else optimizer,
         "layer_inputs": 0.0 if setup.offload_layer_inputs else inputs,
+        # keep_every > 1: in backward one block's inputs are rebuilt and wait on the device (not yet measured)
+        "rebuilt_block": (k - (0 if setup.offload_layer_inputs else 1)) * one_input if k > 1 else 0.0,
         "activations": coef.per_token * unit * t_local,
         "fixed": coef.fixed_mib * MIB,
         "buffers": BUFFERS_BYTES if setup.device == "cuda" else 0.0,

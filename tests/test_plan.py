@@ -98,6 +98,11 @@ def test_components_follow_the_setup():
     assert sp.device["activations"] == pytest.approx(P.estimate(dims, base, t // 8).device["activations"])
     off = P.estimate(dims, replace(base, offload_layer_inputs=True), t)
     assert off.device["layer_inputs"] == 0 and off.host["layer_inputs"] == layer_inputs * 8  # 8 ranks on this host
+    sparse = P.estimate(dims, replace(base, offload_layer_inputs=True, keep_every=4), t)
+    assert sparse.host["layer_inputs"] == layer_inputs * 8 / 4  # ceil(32 / 4) of the 32 inputs, 8 ranks
+    assert sparse.device["rebuilt_block"] == 4 * layer_inputs / dims.num_layers  # one block on the device
+    read = P.Setup.from_configs({"long_seq": {"streambp": {"enabled": True}, "offload": {"keep_every": 4}}})
+    assert read.keep_every == 4
     full = P.estimate(dims, replace(base, lora_rank=None, zero_stage=2, offload_optimizer=True), t)
     assert full.device["optimizer"] == 0 and full.host["optimizer"] == pytest.approx(dims.num_params * 16)
     assert full.device["grads"] == pytest.approx(dims.num_params * 2 / 8)

@@ -18,6 +18,7 @@ from ds_longseq.compat import pop_cache
 from ds_longseq.logging import get_logger
 from ds_longseq.ops import offload as offload_ops
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader
+from ds_longseq.ops.sparse_inputs import SparseInputs
 
 logger = get_logger(__name__)
 
@@ -49,21 +50,32 @@ class LayerInputOffload:
         hidden_size: d.
     """
 
-    def __init__(self, num_layers: int, hidden_size: int):
+    def __init__(self, num_layers: int, hidden_size: int, *, host: bool = True, keep_every: int = 1):
         self.num_layers = num_layers
         self.hidden_size = hidden_size
+        self.host = host
+        self.keep_every = keep_every
         self.pool = HostBufferPool()
-        self.current: LayerInputOffloader | None = None
-        """The offloader of the training forward in progress (None between forwards)."""
+        self.current: LayerInputOffloader | SparseInputs | None = None
+        """What the training forward in progress saves layer inputs through (None between forwards)."""
 
-    def offloader(self) -> LayerInputOffloader:
-        """What a layer saves its input through: the current forward's offloader, or a fresh one for a
-        layer called on its own (outside the model's forward), which then gets no prefetch."""
-        return self.current if self.current is not None else LayerInputOffloader(self.pool)
+    def _new(self) -> LayerInputOffloader | SparseInputs:
+        offloader = LayerInputOffloader(self.pool) if self.host else None
+        return offloader if self.keep_every == 1 else SparseInputs(self.keep_every, offloader)
+
+    def offloader(self) -> LayerInputOffloader | SparseInputs:
+        """What a layer saves its input through: the current forward's, or a fresh one for a layer called on its
+        own (outside the model's forward), which then gets no prefetch (and keeps its input)."""
+        return self.current if self.current is not None else self._new()
+
+    @property
+    def kept_layers(self) -> int:
+        """Layer inputs a forward keeps: all L, or ceil(L / keep_every) with sparse storage."""
+        return -(-self.num_layers // self.keep_every)
 
     def bytes_needed(self, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
-        """Host bytes that saving L inputs of (B, T, d) ``dtype`` takes: L x B x T x d x itemsize."""
-        return self.num_layers * batch_size * seq_len * self.hidden_size * dtype.itemsize
+        """Host bytes that saving the kept inputs of (B, T, d) ``dtype`` takes: kept layers x B x T x d x itemsize."""
+        return self.kept_layers * batch_size * seq_len * self.hidden_size * dtype.itemsize
 
     def before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook (``with_kwargs=True``) of the base model: runs before the embedding."""
@@ -78,10 +90,16 @@ class LayerInputOffload:
         )
         if not training:
             return  # nothing is kept for backward, so nothing is offloaded
+        if self.keep_every > 1 and any(hasattr(p, "ds_id") for p in module.parameters()):
+            raise NotImplementedError(
+                "long_seq.offload.keep_every > 1 under ZeRO-3: rebuilding a dropped layer input would run layers whose "
+                "parameters ZeRO-3 has partitioned; set keep_every to 1, or use ZeRO-2"
+            )
         # The residual stream has the embedding's dtype, also under autocast (embeddings are not autocast).
         dtype = embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
-        self.check_host_memory(tokens.shape[0], tokens.shape[1], dtype, pinned=tokens.device.type == "cuda")
-        self.current = LayerInputOffloader(self.pool)
+        if self.host:
+            self.check_host_memory(tokens.shape[0], tokens.shape[1], dtype, pinned=tokens.device.type == "cuda")
+        self.current = self._new()
 
     def after_forward(self, module, args, kwargs, output) -> None:
         """Forward hook (``always_call=True``): the forward's handles stay with its autograd graph."""
@@ -95,7 +113,7 @@ class LayerInputOffload:
         time: their sum must fit.
         """
         per_layer = batch_size * seq_len * self.hidden_size * dtype.itemsize
-        to_allocate = self.pool.bytes_to_allocate([per_layer] * self.num_layers, pinned)
+        to_allocate = self.pool.bytes_to_allocate([per_layer] * self.kept_layers, pinned)
         if to_allocate == 0:
             return
         ranks = offload_ops.ranks_on_this_host()
@@ -104,13 +122,13 @@ class LayerInputOffload:
             # the first training forward (and a longer one later) allocates host slabs: say how much, once each
             logger.info(
                 "offload: allocating %s of %shost memory for layer inputs (%d layers x batch %d x %d tokens; kept and "
-                "reused by later steps)", _fmt_bytes(to_allocate), "pinned " if pinned else "", self.num_layers,
+                "reused by later steps)", _fmt_bytes(to_allocate), "pinned " if pinned else "", self.kept_layers,
                 batch_size, seq_len,
             )
             return
         needed = self.bytes_needed(batch_size, seq_len, dtype)
         shape = (
-            f"{self.num_layers} layers x batch {batch_size} x {seq_len} tokens x hidden {self.hidden_size} x "
+            f"{self.kept_layers} layers x batch {batch_size} x {seq_len} tokens x hidden {self.hidden_size} x "
             f"{dtype.itemsize} bytes ({dtype})"
         )
         per_host = f", x {ranks} processes on this host" if ranks > 1 else ""
@@ -118,9 +136,10 @@ class LayerInputOffload:
             f"long_seq.offload.layer_inputs='cpu' needs {_fmt_bytes(needed)} of host memory for this forward's "
             f"layer inputs ({shape}{per_host}; {_fmt_bytes(to_allocate * ranks)} still to allocate after reusing "
             f"{_fmt_bytes(self.pool.free_bytes)} already pooled) but only {_fmt_bytes(available)} is available. "
-            "Use shorter sequences or a smaller batch, more sequence-parallel ranks (long_seq.sequence_parallel.size: "
-            "each rank keeps T / size tokens), or remove long_seq.offload.layer_inputs to keep the inputs on the "
-            "device. Nothing was computed."
+            "Use shorter sequences or a smaller batch, keep every k-th layer's input only "
+            "(long_seq.offload.keep_every: k times less), more sequence-parallel ranks "
+            "(long_seq.sequence_parallel.size: each rank keeps T / size tokens), or remove "
+            "long_seq.offload.layer_inputs to keep the inputs on the device. Nothing was computed."
         )
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from ds_longseq.ops.objectives import (
 )
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader, OffloadedTensor, host_available_bytes
 from ds_longseq.ops.packing import doc_starts, mask_document_starts
+from ds_longseq.ops.sparse_inputs import Recompute, SparseInputs
 from ds_longseq.ops.streambp import KVStream, chunk_bounds, streambp_apply
 
 __all__ = [
@@ -56,4 +57,6 @@ __all__ = [
     "adjoint_scan",
     "truncated_adjoint",
     "LinearScan",
+    "Recompute",
+    "SparseInputs",
 ]

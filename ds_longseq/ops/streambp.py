@@ -41,6 +41,7 @@ from ds_longseq.ops.chunk_grads import (
     with_aux_grads,
 )
 from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
+from ds_longseq.ops.sparse_inputs import Recompute, SparseInputs
 
 __all__ = [
     "KVStream",
@@ -309,6 +310,18 @@ def _forward_passing_states(run_chunk: RunChunk, hidden: torch.Tensor, bounds, r
     return outs, stream
 
 
+def _layer_forward(run_chunk: RunChunk, bounds, autocast: AutocastState):
+    """The layer's forward again, as the StreamBP Function ran it (no grad, same chunks, same autocast): what
+    ``long_seq.offload.keep_every`` rebuilds a dropped input of the next layer with."""
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), autocast.replay():
+            outs, _ = _forward_passing_states(run_chunk, hidden, bounds, None)
+        return outs[0]
+
+    return forward
+
+
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, run_chunk, bounds, offloader, ring, *params):
@@ -322,6 +335,8 @@ class _StreamBPFunction(torch.autograd.Function):
         ctx.boundaries = stream.state.boundaries if stream.state.used_any else None
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
+        if isinstance(offloader, SparseInputs) and ring is None:  # the next layer's input may be rebuilt from ours
+            offloader.produced(outs[0], Recompute(_layer_forward(run_chunk, bounds, ctx.autocast)))
         ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (modules/decoder_layer.py)
         ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
         return outs[0] if len(outs) == 1 else tuple(outs)

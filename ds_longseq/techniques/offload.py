@@ -8,7 +8,7 @@ Holds:
 
 from __future__ import annotations
 
-from ds_longseq.config import LongSeqConfig, OffloadConfig
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError, OffloadConfig
 from ds_longseq.modules.offload import LayerInputOffload
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
@@ -32,15 +32,24 @@ class Offload(Technique):
 
     @classmethod
     def active(cls, config: LongSeqConfig) -> bool:
-        return config.offload.layer_inputs is not None
+        return config.offload.layer_inputs is not None or config.offload.keep_every != 1
 
     @classmethod
     def describe(cls, config: LongSeqConfig) -> str:
-        return f"long_seq.offload.layer_inputs={config.offload.layer_inputs!r}"
+        o = config.offload
+        return f"long_seq.offload.layer_inputs={o.layer_inputs!r}" + (
+            f" with keep_every={o.keep_every}" if o.keep_every != 1 else "")
 
     def install(self, ctx: EnableContext) -> None:
         adapter = ctx.adapter
-        offload = LayerInputOffload(len(adapter.layers), ctx.model.config.get_text_config().hidden_size)
+        cfg = ctx.config.offload
+        if cfg.keep_every > len(adapter.layers):
+            n = len(adapter.layers)
+            raise LongSeqConfigError([
+                f"long_seq.offload.keep_every={cfg.keep_every} is larger than the model's {n} decoder layers: use 1 "
+                f"to {n} (k keeps every k-th layer's input)"])
+        offload = LayerInputOffload(len(adapter.layers), ctx.model.config.get_text_config().hidden_size,
+                                    host=cfg.layer_inputs == "cpu", keep_every=cfg.keep_every)
         ctx.handle.add_undo(offload.close)
         base = adapter.base_model
         ctx.handle.add_hook(base.register_forward_pre_hook(offload.before_forward, with_kwargs=True))

@@ -1,0 +1,154 @@
+"""``long_seq.offload.keep_every``: keep every k-th layer's input, rebuild the others in backward.
+
+Exact: float64 against the stock model at 1e-10 and bitwise against StreamBP keeping every input, for k dividing
+the layer count and not, k = L, with the kept inputs on the device and in host memory, with packed documents and
+padding, over two steps. What is stored: ceil(L / k) inputs kept, the others freed after the forward (weak
+references die), rebuilt once per block in backward. Refusals: k < 1, k > L, with mini_seq, under sequence
+parallelism, without StreamBP, under ZeRO-3, a second backward.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+
+import ds_longseq
+from ds_longseq import LongSeqConfigError
+from ds_longseq.ops import SparseInputs
+from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
+
+STREAMBP = {
+    "streambp": {"enabled": True, "chunk_size": 8}, "attention": {"kv_block_size": 6},
+    "lm_head": {"enabled": True, "chunk_size": 7},
+}
+LAYERS = 5
+
+
+def _sparse(k: int, host: bool = False) -> dict:
+    return {**STREAMBP, "offload": {"keep_every": k, **({"layer_inputs": "cpu"} if host else {})}}
+
+
+def _bitwise(a, b):
+    (la, ga, ea), (lb, gb, eb) = a, b
+    assert torch.equal(la, lb) and torch.equal(ea, eb) and set(ga) == set(gb)
+    for name in ga:
+        assert torch.equal(ga[name], gb[name]), name
+
+
+def _packed_batch(seq_len: int = 37):
+    """One row of three documents: position_ids restart at each document's start, no attention_mask."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (1, seq_len), generator=g)
+    lengths = (11, 17, seq_len - 28)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return {"input_ids": ids, "position_ids": positions, "labels": ids.clone()}
+
+
+@pytest.mark.parametrize("k,host", [(2, False), (3, True), (LAYERS, False), (2, True)])
+def test_keep_every_is_exact(k, host):
+    model = make_model("llama", torch.float64, num_layers=LAYERS)
+    batch = make_batch()
+    ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
+    every = ds_longseq.enable(clone(model), STREAMBP)
+    sparse = ds_longseq.enable(clone(model), _sparse(k, host))
+    for _ in range(2):  # the second step: fresh storage, pooled host slabs reused
+        ours = loss_and_grads(sparse, batch)
+        assert max(compare(ours, ref).values()) < 1e-10  # float64 round-off over 5 layers: ~1e-15
+        _bitwise(ours, loss_and_grads(every, batch))  # the same kernels on the same values
+
+
+def test_keep_every_with_packed_documents_and_float32():
+    model = make_model("qwen3", torch.float32, num_layers=4)
+    batch = _packed_batch()
+    _bitwise(loss_and_grads(ds_longseq.enable(clone(model), _sparse(3)), batch),
+             loss_and_grads(ds_longseq.enable(clone(model), STREAMBP), batch))
+
+
+def _storage_after_forward(model, batch):
+    """(the forward's SparseInputs, whether each layer's input is still alive after the forward, loss)."""
+    offload = model.model._forward_pre_hooks
+    (hook,) = offload.values()
+    store = []
+    grab = model.model.register_forward_hook(lambda *a: store.append(hook.__self__.current), prepend=True)
+    refs = []
+    pre = [layer.register_forward_pre_hook(
+        lambda mod, args, kwargs, refs=refs: refs.append(weakref.ref(kwargs.get("hidden_states", args[0] if args
+                                                                                else None))), with_kwargs=True)
+        for layer in model.model.layers]
+    loss = model(**batch).loss
+    for h in (grab, *pre):
+        h.remove()
+    gc.collect()
+    return store[0], [r() is not None for r in refs], loss
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_only_every_kth_input_is_kept_and_the_rest_freed(k, monkeypatch):
+    from ds_longseq.ops import streambp
+
+    reforwards = []
+    layer_forward = streambp._layer_forward
+
+    def counted(*args):
+        forward = layer_forward(*args)
+        return lambda x: reforwards.append(x.shape) or forward(x)
+
+    monkeypatch.setattr(streambp, "_layer_forward", counted)
+    model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=LAYERS), _sparse(k)).train()
+    store, alive, loss = _storage_after_forward(model, make_batch())
+    kept = math.ceil(LAYERS / k)
+    assert isinstance(store, SparseInputs) and (store.num_kept, store.num_dropped) == (kept, LAYERS - kept)
+    assert alive == [i % k == 0 for i in range(LAYERS)]  # the dropped inputs' memory is free
+    assert reforwards == []
+    loss.backward()
+    assert store.num_kept == store.num_dropped == 0  # every input handed back
+    assert len(reforwards) == LAYERS - kept  # each dropped input rebuilt once: one block re-run per block
+
+
+def test_a_changed_input_between_layers_is_kept():
+    """Only an input that IS the previous layer's output may be dropped."""
+    store = SparseInputs(2)
+    x0, y0 = torch.ones(2), torch.full((2,), 2.0)
+    h0 = store.save(x0)
+    store.produced(y0, None)
+    h1 = store.save(y0 * 1)  # another tensor with the same values: kept
+    assert h0.kept and h1.kept and store.num_kept == 2
+    store.produced(torch.zeros(2), None)
+    y2 = torch.zeros(2)
+    store.produced(y2, None)
+    with pytest.raises(ValueError, match="keep_every must be >= 1"):
+        SparseInputs(0)
+
+
+def test_second_backward_is_refused():
+    model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=4), _sparse(2)).train()
+    loss = model(**make_batch()).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="keep_every was already used"):
+        loss.backward()
+
+
+def test_bad_keep_every_is_refused():
+    model = make_model("llama", torch.float32, num_layers=4)
+    with pytest.raises(LongSeqConfigError, match="keep_every must be a positive integer"):
+        ds_longseq.enable(clone(model), _sparse(0))
+    with pytest.raises(LongSeqConfigError, match="larger than the model's 4 decoder layers"):
+        ds_longseq.enable(clone(model), _sparse(5))
+    with pytest.raises(LongSeqConfigError, match="needs long_seq.streambp"):
+        ds_longseq.enable(clone(model), {"mini_seq": {"enabled": True}, "offload": {"keep_every": 2}})
+    with pytest.raises(LongSeqConfigError, match="not implemented with mini_seq"):
+        ds_longseq.enable(clone(model), {**_sparse(2), "mini_seq": {"enabled": True}})
+    with pytest.raises(LongSeqConfigError, match="under sequence parallelism"):  # the config alone refuses it
+        ds_longseq.LongSeqConfig.from_dict({**_sparse(2), "sequence_parallel": {"size": 2}})
+    assert ds_longseq.enable(clone(model), _sparse(1)) is not None  # 1: today's behaviour
+
+
+def test_zero3_partitioned_parameters_are_refused():
+    model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=4), _sparse(2)).train()
+    model.model.layers[0].mlp.up_proj.weight.ds_id = 0  # what ZeRO-3 puts on a partitioned parameter
+    with pytest.raises(NotImplementedError, match="keep_every > 1 under ZeRO-3"):
+        model(**make_batch())
