@@ -43,6 +43,7 @@ from benchmarks.recipes import (
 
 MODULE = "benchmarks.memory"
 METHODS = ("stock", "hf_gc", "alst", "mst", "streambp")
+SPARSE_METHODS = ("streambp_keep2", "streambp_keep4")  # long_seq.offload.keep_every, by name only
 DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384)
 CHUNK_SIZE = 1024  # StreamBP chunk and key-block tokens
 
@@ -100,7 +101,7 @@ def main(argv=None, spawn=harness.spawn):
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=list(DEFAULT_SEQ_LENS))
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS + SPARSE_METHODS, default=list(METHODS))
     p.add_argument("--shape", choices=sorted(SHAPES), default=LLAMA_SMALL.name,
                    help="model layout (same width, depth and vocabulary): Llama, gpt-oss or DeepSeek-V3")
     p.add_argument("--repeats", type=int, default=3)

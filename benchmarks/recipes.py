@@ -42,6 +42,8 @@ Methods:
     streambp:         ds_longseq StreamBP layers + chunked LM head (no checkpointing).
     streambp_offload: streambp with ds_longseq's ``long_seq.offload.layer_inputs = "cpu"``.
     streambp_2x:      streambp with a chunk twice the suite's ``chunk_size`` (exact): the bigger chunk's own effect.
+    streambp_keep<k>, streambp_offload_keep<k> (k = 2, 4): streambp / streambp_offload keeping every k-th layer
+                      input only (``long_seq.offload.keep_every``), the others rebuilt in backward.
     <m>_approx:       stock, hf_gc, mst, streambp with ds_longseq's Approx-BP on top (``APPROX_BP``: ReSiLU2
                       activations, which backpropagate an approximate derivative, and MS-RMSNorm, an exact
                       re-parameterisation); for stock / hf_gc the ds_longseq section is then only ``approx_bp``,
@@ -296,6 +298,7 @@ class Recipe:
     sequence_parallel: bool = False
     approx_bp: bool = False  # ds_longseq long_seq.approx_bp = APPROX_BP, on top of whatever else the recipe does
     chunk_scale: int = 1  # StreamBP chunk = chunk_scale x the suite's chunk_size
+    keep_every: int = 1  # ds_longseq long_seq.offload.keep_every (StreamBP keeps every k-th layer input only)
 
 
 _BASE = (
@@ -312,6 +315,10 @@ METHODS: dict[str, Recipe] = {r.name: r for r in _BASE}
 for _name in ("alst", "mst", "streambp"):
     METHODS[f"{_name}_sp"] = replace(METHODS[_name], name=f"{_name}_sp", sequence_parallel=True)
 METHODS["streambp_2x"] = replace(METHODS["streambp"], name="streambp_2x", chunk_scale=2)
+for _k in (2, 4):  # sparse layer-input storage, on the device and offloaded
+    METHODS[f"streambp_keep{_k}"] = replace(METHODS["streambp"], name=f"streambp_keep{_k}", keep_every=_k)
+    METHODS[f"streambp_offload_keep{_k}"] = replace(METHODS["streambp_offload"], name=f"streambp_offload_keep{_k}",
+                                                    keep_every=_k)
 for _name in ("stock", "hf_gc", "mst", "streambp", "streambp_2x"):
     _approx = _name.replace("_2x", "") + "_approx" + ("_2x" if _name.endswith("_2x") else "")
     METHODS[_approx] = replace(METHODS[_name], name=_approx, approx_bp=True)
@@ -359,6 +366,8 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
         cfg = {"streambp": {"enabled": True, "chunk_size": chunk_size * recipe.chunk_scale}, "lm_head": lm_head}
         if recipe.offload_layer_inputs:
             cfg["offload"] = {"layer_inputs": "cpu"}
+        if recipe.keep_every > 1:
+            cfg.setdefault("offload", {})["keep_every"] = recipe.keep_every
     else:
         cfg = {}
     if recipe.approx_bp:

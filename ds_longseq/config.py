@@ -141,7 +141,7 @@ class OffloadConfig:
     the device, or ``"cpu"``) and rebuild the others in backward by running the layers between two kept inputs
     forward again, chunk by chunk, once per block: exact, about 1/k of the layer-input memory, for about one extra
     forward of (k-1)/k of the layers. 1 (default): keep every input. Needs ``streambp``; not yet with
-    ``mini_seq``, ``sequence_parallel`` or ZeRO-3 (refused)."""
+    ``mini_seq`` or ``sequence_parallel`` (refused)."""
 
 
 @dataclass

@@ -90,11 +90,6 @@ class LayerInputOffload:
         )
         if not training:
             return  # nothing is kept for backward, so nothing is offloaded
-        if self.keep_every > 1 and any(hasattr(p, "ds_id") for p in module.parameters()):
-            raise NotImplementedError(
-                "long_seq.offload.keep_every > 1 under ZeRO-3: rebuilding a dropped layer input would run layers whose "
-                "parameters ZeRO-3 has partitioned; set keep_every to 1, or use ZeRO-2"
-            )
         # The residual stream has the embedding's dtype, also under autocast (embeddings are not autocast).
         dtype = embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
         if self.host:

@@ -10,9 +10,10 @@ passes through wait on the device for their own layer's backward, which comes ne
 reverse), so at most k inputs of one block are on the device at a time, and each block is re-run once: about one
 extra forward of (k-1)/k of the layers per step.
 
-A layer input is dropped only when it is exactly the previous StreamBP layer's output (the same tensor object):
-whatever a model computes between two layers (a scaling, per-layer inputs joined to the hidden states, stacked
-streams) makes the next input another tensor, and that input is kept. The first input of each forward is kept.
+A layer input is dropped only when it is exactly the previous StreamBP layer's output (the same tensor, or an alias
+of all of it that nothing wrote to since, as DeepSpeed's ZeRO-3 hooks pass it on): whatever a model computes between
+two layers (a scaling, per-layer inputs joined to the hidden states, stacked streams) makes the next input another
+tensor, and that input is kept. The first input of each forward is kept.
 
 Holds:
     Recompute: one StreamBP layer's forward, to run again (its chunk function, chunk bounds, autocast state).
@@ -87,6 +88,16 @@ class _Handle:
         return x
 
 
+def _same_values(output: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``x`` is ``output`` or an alias of all of it no one has written since (DeepSpeed's ZeRO-3 module
+    hooks hand the next layer a detached alias of a layer's output, not the object): then rebuilding ``output``
+    rebuilds ``x``."""
+    if x is output:
+        return True
+    return (x.data_ptr() == output.data_ptr() and x.shape == output.shape and x.stride() == output.stride()
+            and x.dtype == output.dtype and x.device == output.device and x._version == output._version)
+
+
 class SparseInputs:
     """One training forward's layer inputs under ``keep_every = k``.
 
@@ -101,7 +112,8 @@ class SparseInputs:
         self.keep_every = keep_every
         self.offloader = offloader
         self._count = 0
-        self._last: tuple[weakref.ref, Recompute, _Handle] | None = None  # the previous layer's output and forward
+        # the previous layer's output (held until the next save: the next layer holds it then anyway) and forward
+        self._last: tuple[torch.Tensor, Recompute, _Handle] | None = None
         self._pending: _Handle | None = None  # the handle of the layer whose forward is running
         self.handles: list[weakref.ref[_Handle]] = []
 
@@ -110,7 +122,7 @@ class SparseInputs:
         position, self._count = self._count, self._count + 1
         link = self._last
         self._last = None
-        if position % self.keep_every and link is not None and link[0]() is tensor:
+        if position % self.keep_every and link is not None and _same_values(link[0], tensor):
             handle = _Handle(source=link[2], recompute=link[1])
         else:
             handle = _Handle(kept=self.offloader.save(tensor) if self.offloader is not None else tensor)
@@ -121,7 +133,7 @@ class SparseInputs:
     def produced(self, output: torch.Tensor, recompute: Recompute) -> None:
         """The layer whose input was just saved returned ``output``; ``recompute`` runs that forward again."""
         if self._pending is not None:
-            self._last = (weakref.ref(output), recompute, self._pending)
+            self._last = (output, recompute, self._pending)
         self._pending = None
 
     @property

@@ -26,6 +26,7 @@ Algorithm (StreamBP paper Sec. 3.2.2, Property 3.1; see DESIGN_NOTES.md, lead 1)
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -310,16 +311,29 @@ def _forward_passing_states(run_chunk: RunChunk, hidden: torch.Tensor, bounds, r
     return outs, stream
 
 
-def _layer_forward(run_chunk: RunChunk, bounds, autocast: AutocastState):
+def _layer_forward(run_chunk: RunChunk, bounds, autocast: AutocastState, params: Sequence[torch.nn.Parameter]):
     """The layer's forward again, as the StreamBP Function ran it (no grad, same chunks, same autocast): what
-    ``long_seq.offload.keep_every`` rebuilds a dropped input of the next layer with."""
+    ``long_seq.offload.keep_every`` rebuilds a dropped input of the next layer with. Under ZeRO-3 the layer's
+    partitioned parameters are gathered around it (in backward no hook of DeepSpeed's does: the layer is not
+    called as a module here)."""
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), autocast.replay():
+        with _gathered(params), torch.no_grad(), autocast.replay():
             outs, _ = _forward_passing_states(run_chunk, hidden, bounds, None)
         return outs[0]
 
     return forward
+
+
+def _gathered(params: Sequence[torch.nn.Parameter]):
+    """DeepSpeed's GatheredParameters around ZeRO-3-partitioned ``params`` (every rank gathers the same layers in
+    the same order: backward runs them alike); nothing for ordinary parameters."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned)
 
 
 class _StreamBPFunction(torch.autograd.Function):
@@ -336,7 +350,7 @@ class _StreamBPFunction(torch.autograd.Function):
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         if isinstance(offloader, SparseInputs) and ring is None:  # the next layer's input may be rebuilt from ours
-            offloader.produced(outs[0], Recompute(_layer_forward(run_chunk, bounds, ctx.autocast)))
+            offloader.produced(outs[0], Recompute(_layer_forward(run_chunk, bounds, ctx.autocast, params)))
         ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (modules/decoder_layer.py)
         ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
         return outs[0] if len(outs) == 1 else tuple(outs)
