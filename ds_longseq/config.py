@@ -140,8 +140,8 @@ class OffloadConfig:
     """k: keep the input of every k-th decoder layer only (layers 0, k, 2k, ...; where ``layer_inputs`` says: on
     the device, or ``"cpu"``) and rebuild the others in backward by running the layers between two kept inputs
     forward again, chunk by chunk, once per block: exact, about 1/k of the layer-input memory, for about one extra
-    forward of (k-1)/k of the layers. 1 (default): keep every input. Needs ``streambp``; not yet with
-    ``mini_seq`` or ``sequence_parallel`` (refused)."""
+    forward of (k-1)/k of the layers. 1 (default): keep every input. Needs ``streambp`` (also under
+    ``sequence_parallel`` and ZeRO-3); not yet with ``mini_seq`` (refused)."""
 
 
 @dataclass
@@ -442,9 +442,6 @@ class LongSeqConfig:
             if self.mini_seq.enabled:
                 problems.append(f"{where} is not implemented with mini_seq's per-layer checkpoints yet: drop mini_seq "
                                 "(StreamBP alone), or set keep_every to 1")
-            if self.sequence_parallel.size > 1:
-                problems.append(f"{where} is not implemented under sequence parallelism yet (the rebuilt layers would "
-                                "exchange their keys again): set keep_every to 1, or sequence_parallel.size to 1")
         old, new = self.streambp.kv_block_size, self.attention.kv_block_size
         if old is not None and new is not None and old != new:
             problems.append(

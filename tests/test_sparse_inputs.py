@@ -3,8 +3,9 @@
 Exact: float64 against the stock model at 1e-10 and bitwise against StreamBP keeping every input, for k dividing
 the layer count and not, k = L, with the kept inputs on the device and in host memory, with packed documents and
 padding, over two steps. What is stored: ceil(L / k) inputs kept, the others freed after the forward (weak
-references die), rebuilt once per block in backward. Refusals: k < 1, k > L, with mini_seq, under sequence
-parallelism, without StreamBP, a second backward. Under DeepSpeed ZeRO-2 and ZeRO-3 (2 ranks) against plain autograd.
+references die), rebuilt once per block in backward. Refusals: k < 1, k > L, with mini_seq, without StreamBP, a
+second backward. Under DeepSpeed ZeRO-2 and ZeRO-3 (2 ranks) against plain autograd, under sequence parallelism
+bitwise against StreamBP.
 """
 
 from __future__ import annotations
@@ -142,8 +143,6 @@ def test_bad_keep_every_is_refused():
         ds_longseq.enable(clone(model), {"mini_seq": {"enabled": True}, "offload": {"keep_every": 2}})
     with pytest.raises(LongSeqConfigError, match="not implemented with mini_seq"):
         ds_longseq.enable(clone(model), {**_sparse(2), "mini_seq": {"enabled": True}})
-    with pytest.raises(LongSeqConfigError, match="under sequence parallelism"):  # the config alone refuses it
-        ds_longseq.LongSeqConfig.from_dict({**_sparse(2), "sequence_parallel": {"size": 2}})
     assert ds_longseq.enable(clone(model), _sparse(1)) is not None  # 1: today's behaviour
 
 
@@ -184,3 +183,60 @@ def test_under_deepspeed_matches_the_single_process_reference(stage, host):
         for rank, result in enumerate(results):
             err = ((result["params"][name] - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (name, rank, err)  # float32 round-off over 3 SGD steps, as test_engine_dist
+
+
+def sp_sparse_worker(rank: int, world: int):
+    import torch.distributed as dist
+
+    from ds_longseq.engine import shard_batch
+    from ds_longseq.ops import streambp
+    from tests.helpers import full_precision_norms
+    from tests.test_sequence_parallel import SP_CASES, global_batch
+
+    reforwards = []
+    layer_forward = streambp._layer_forward
+    streambp._layer_forward = lambda *a: (lambda f: lambda x: reforwards.append(1) or f(x))(layer_forward(*a))
+    local = shard_batch(global_batch(), rank, world)
+    results = []
+    for extra in ({}, {"offload": {"keep_every": 2}}, {"offload": {"keep_every": 3, "layer_inputs": "cpu"}}):
+        model = full_precision_norms(make_model("llama", torch.float64, num_layers=4))
+        cfg = {**SP_CASES["streambp"], **extra, "sequence_parallel": {"size": world}}
+        ds_longseq.enable(model, cfg, sp_group=dist.group.WORLD).train()
+        results.append(loss_and_grads(model, local))
+    streambp._layer_forward = layer_forward
+    plain = results[0]
+    same = []
+    for r in results[1:]:
+        same.append(torch.equal(r[0], plain[0]) and torch.equal(r[2], plain[2])
+                    and all(torch.equal(r[1][n], plain[1][n]) for n in plain[1]))
+    return {"bitwise": same, "reforwards": len(reforwards)}
+
+
+def test_under_sequence_parallelism_is_bitwise_streambp():
+    """SP 2 (the ranks exchange keys/values again when a dropped input is rebuilt): bitwise StreamBP under SP keeping
+    every input, k = 2 on the device and k = 3 offloaded, 4 layers (2 inputs rebuilt per run, counted)."""
+    from tests.dist_utils import run_distributed
+
+    for r in run_distributed(sp_sparse_worker, world_size=2, args=(2,)):
+        assert r["bitwise"] == [True, True] and r["reforwards"] == 4, r
+
+
+def test_a_hybrid_stack_rebuilds_through_its_recurrent_layers(monkeypatch):
+    """Qwen3.5's Gated DeltaNet layers carry states from chunk to chunk: a rebuilt input passes through them
+    (k = L: every input but the first rebuilt, counted), and the result is bitwise StreamBP keeping every input."""
+    from ds_longseq.ops import streambp
+    from tests import model_zoo
+
+    reforwards = []
+    layer_forward = streambp._layer_forward
+    monkeypatch.setattr(streambp, "_layer_forward",
+                        lambda *a: (lambda f: lambda x: reforwards.append(1) or f(x))(layer_forward(*a)))
+    model = model_zoo.tiny_model("qwen3_5_text", torch.float64)
+    assert "linear_attention" in model.config.layer_types
+    batch = make_batch(seq_len=40, pad=False)
+    layers = len(model.model.layers)
+    _bitwise(loss_and_grads(ds_longseq.enable(clone(model), {**_sparse(layers), "streambp": {
+        "enabled": True, "chunk_size": 13}}), batch),
+        loss_and_grads(ds_longseq.enable(clone(model), {**STREAMBP, "streambp": {"enabled": True, "chunk_size": 13}}),
+                       batch))
+    assert len(reforwards) == layers - 1

@@ -311,18 +311,24 @@ def _forward_passing_states(run_chunk: RunChunk, hidden: torch.Tensor, bounds, r
     return outs, stream
 
 
-def _layer_forward(run_chunk: RunChunk, bounds, autocast: AutocastState, params: Sequence[torch.nn.Parameter]):
-    """The layer's forward again, as the StreamBP Function ran it (no grad, same chunks, same autocast): what
-    ``long_seq.offload.keep_every`` rebuilds a dropped input of the next layer with. Under ZeRO-3 the layer's
-    partitioned parameters are gathered around it (in backward no hook of DeepSpeed's does: the layer is not
-    called as a module here)."""
+def _layer_forward(layer: Callable[[torch.Tensor], torch.Tensor], autocast: AutocastState,
+                   params: Sequence[torch.nn.Parameter]):
+    """``layer`` (the StreamBP Function's forward computation, input -> output) run again as the Function ran it:
+    no grad, the same autocast state. What ``long_seq.offload.keep_every`` rebuilds a dropped input of the next
+    layer with. Under ZeRO-3 the layer's partitioned parameters are gathered around it (in backward no hook of
+    DeepSpeed's does: the layer is not called as a module here)."""
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         with _gathered(params), torch.no_grad(), autocast.replay():
-            outs, _ = _forward_passing_states(run_chunk, hidden, bounds, None)
-        return outs[0]
+            return layer(hidden)
 
     return forward
+
+
+def _sp_forward(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> torch.Tensor:
+    """A StreamBP layer's forward under sequence parallelism: the group's keys/values, then this rank's chunks."""
+    stream = _global_kv(run_chunk, hidden, bounds, exchange)
+    return _single_output(_forward_chunks(run_chunk, hidden, bounds, stream)[0])
 
 
 def _gathered(params: Sequence[torch.nn.Parameter]):
@@ -350,7 +356,8 @@ class _StreamBPFunction(torch.autograd.Function):
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         if isinstance(offloader, SparseInputs) and ring is None:  # the next layer's input may be rebuilt from ours
-            offloader.produced(outs[0], Recompute(_layer_forward(run_chunk, bounds, ctx.autocast, params)))
+            offloader.produced(outs[0], Recompute(_layer_forward(
+                lambda x: _forward_passing_states(run_chunk, x, bounds, None)[0][0], ctx.autocast, params)))
         ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (modules/decoder_layer.py)
         ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -648,11 +655,13 @@ class _StreamBPSPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, run_chunk, bounds, exchange, offloader, *params):
         with torch.no_grad():
-            stream = _global_kv(run_chunk, hidden, bounds, exchange)
-            out = _single_output(_forward_chunks(run_chunk, hidden, bounds, stream)[0])
+            out = _sp_forward(run_chunk, hidden, bounds, exchange)
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
         ctx.autocast = AutocastState.capture(hidden.device.type)
+        if isinstance(offloader, SparseInputs):  # every rank drops and rebuilds the same layers' inputs
+            offloader.produced(out, Recompute(_layer_forward(
+                lambda x: _sp_forward(run_chunk, x, bounds, exchange), ctx.autocast, params)))
         return out
 
     @staticmethod
