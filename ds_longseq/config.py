@@ -140,8 +140,8 @@ class OffloadConfig:
     """k: keep the input of every k-th decoder layer only (layers 0, k, 2k, ...; where ``layer_inputs`` says: on
     the device, or ``"cpu"``) and rebuild the others in backward by running the layers between two kept inputs
     forward again, chunk by chunk, once per block: exact, about 1/k of the layer-input memory, for about one extra
-    forward of (k-1)/k of the layers. 1 (default): keep every input. Needs ``streambp`` (also under
-    ``sequence_parallel`` and ZeRO-3); not yet with ``mini_seq`` (refused)."""
+    forward of (k-1)/k of the layers. 1 (default): keep every input. Needs ``streambp`` or ``mini_seq`` (whose
+    layers then become one checkpoint each, as with ``layer_inputs``)."""
 
 
 @dataclass
@@ -436,12 +436,9 @@ class LongSeqConfig:
         k = self.offload.keep_every
         if isinstance(k, int) and not isinstance(k, bool) and k > 1:
             where = f"long_seq.offload.keep_every={k}"
-            if not self.streambp.enabled:
-                problems.append(f"{where} needs long_seq.streambp (it rebuilds dropped layer inputs by re-running "
-                                "StreamBP layers): enable streambp, or set keep_every to 1")
-            if self.mini_seq.enabled:
-                problems.append(f"{where} is not implemented with mini_seq's per-layer checkpoints yet: drop mini_seq "
-                                "(StreamBP alone), or set keep_every to 1")
+            if not (self.streambp.enabled or self.mini_seq.enabled):
+                problems.append(f"{where} needs long_seq.streambp or long_seq.mini_seq (it rebuilds dropped layer "
+                                "inputs by re-running their layers): enable one, or set keep_every to 1")
         old, new = self.streambp.kv_block_size, self.attention.kv_block_size
         if old is not None and new is not None and old != new:
             problems.append(

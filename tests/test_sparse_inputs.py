@@ -3,9 +3,9 @@
 Exact: float64 against the stock model at 1e-10 and bitwise against StreamBP keeping every input, for k dividing
 the layer count and not, k = L, with the kept inputs on the device and in host memory, with packed documents and
 padding, over two steps. What is stored: ceil(L / k) inputs kept, the others freed after the forward (weak
-references die), rebuilt once per block in backward. Refusals: k < 1, k > L, with mini_seq, without StreamBP, a
-second backward. Under DeepSpeed ZeRO-2 and ZeRO-3 (2 ranks) against plain autograd, under sequence parallelism
-bitwise against StreamBP.
+references die), rebuilt once per block in backward; mini_seq's per-layer checkpoints likewise, dropout masks
+replayed. Under DeepSpeed ZeRO-2 and ZeRO-3 (2 ranks) against plain autograd; under sequence parallelism bitwise
+against StreamBP. Refusals: k < 1, k > L, without StreamBP or mini_seq, a second backward.
 """
 
 from __future__ import annotations
@@ -27,6 +27,21 @@ STREAMBP = {
     "lm_head": {"enabled": True, "chunk_size": 7},
 }
 LAYERS = 5
+
+
+def count_reforwards(setattr_fn=setattr) -> list:
+    """Patch ``ops.sparse_inputs.recompute`` (through ``setattr_fn``: monkeypatch.setattr in a test) so every
+    re-forward that rebuilds a dropped input appends to the returned list."""
+    from ds_longseq.ops import sparse_inputs
+
+    counts, orig = [], sparse_inputs.recompute
+
+    def counted(*args, **kwargs):
+        r = orig(*args, **kwargs)
+        return sparse_inputs.Recompute(lambda x: counts.append(1) or r.forward(x))
+
+    setattr_fn(sparse_inputs, "recompute", counted)
+    return counts
 
 
 def _sparse(k: int, host: bool = False) -> dict:
@@ -89,16 +104,7 @@ def _storage_after_forward(model, batch):
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_only_every_kth_input_is_kept_and_the_rest_freed(k, monkeypatch):
-    from ds_longseq.ops import streambp
-
-    reforwards = []
-    layer_forward = streambp._layer_forward
-
-    def counted(*args):
-        forward = layer_forward(*args)
-        return lambda x: reforwards.append(x.shape) or forward(x)
-
-    monkeypatch.setattr(streambp, "_layer_forward", counted)
+    reforwards = count_reforwards(monkeypatch.setattr)
     model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=LAYERS), _sparse(k)).train()
     store, alive, loss = _storage_after_forward(model, make_batch())
     kept = math.ceil(LAYERS / k)
@@ -139,30 +145,17 @@ def test_bad_keep_every_is_refused():
         ds_longseq.enable(clone(model), _sparse(0))
     with pytest.raises(LongSeqConfigError, match="larger than the model's 4 decoder layers"):
         ds_longseq.enable(clone(model), _sparse(5))
-    with pytest.raises(LongSeqConfigError, match="needs long_seq.streambp"):
-        ds_longseq.enable(clone(model), {"mini_seq": {"enabled": True}, "offload": {"keep_every": 2}})
-    with pytest.raises(LongSeqConfigError, match="not implemented with mini_seq"):
-        ds_longseq.enable(clone(model), {**_sparse(2), "mini_seq": {"enabled": True}})
+    with pytest.raises(LongSeqConfigError, match="needs long_seq.streambp or long_seq.mini_seq"):
+        ds_longseq.enable(clone(model), {"lm_head": {"enabled": True}, "offload": {"keep_every": 2}})
     assert ds_longseq.enable(clone(model), _sparse(1)) is not None  # 1: today's behaviour
 
 
 def sparse_train_worker(rank: int, stage: int, config: dict):
     """test_engine_dist's training worker, counting the re-forwards that rebuild dropped inputs."""
-    from ds_longseq.ops import streambp
     from tests.test_engine_dist import train_worker
 
-    reforwards = []
-    layer_forward = streambp._layer_forward
-
-    def counted(*args):
-        forward = layer_forward(*args)
-        return lambda x: reforwards.append(1) or forward(x)
-
-    streambp._layer_forward = counted
-    try:
-        return {**train_worker(rank, stage, 1, False, config), "reforwards": len(reforwards)}
-    finally:
-        streambp._layer_forward = layer_forward
+    reforwards = count_reforwards()
+    return {**train_worker(rank, stage, 1, False, config), "reforwards": len(reforwards)}
 
 
 @pytest.mark.parametrize("stage,host", [(3, True), (2, False)], ids=["zero3-offloaded", "zero2-device"])
@@ -189,13 +182,10 @@ def sp_sparse_worker(rank: int, world: int):
     import torch.distributed as dist
 
     from ds_longseq.engine import shard_batch
-    from ds_longseq.ops import streambp
     from tests.helpers import full_precision_norms
     from tests.test_sequence_parallel import SP_CASES, global_batch
 
-    reforwards = []
-    layer_forward = streambp._layer_forward
-    streambp._layer_forward = lambda *a: (lambda f: lambda x: reforwards.append(1) or f(x))(layer_forward(*a))
+    reforwards = count_reforwards()
     local = shard_batch(global_batch(), rank, world)
     results = []
     for extra in ({}, {"offload": {"keep_every": 2}}, {"offload": {"keep_every": 3, "layer_inputs": "cpu"}}):
@@ -203,7 +193,6 @@ def sp_sparse_worker(rank: int, world: int):
         cfg = {**SP_CASES["streambp"], **extra, "sequence_parallel": {"size": world}}
         ds_longseq.enable(model, cfg, sp_group=dist.group.WORLD).train()
         results.append(loss_and_grads(model, local))
-    streambp._layer_forward = layer_forward
     plain = results[0]
     same = []
     for r in results[1:]:
@@ -224,13 +213,9 @@ def test_under_sequence_parallelism_is_bitwise_streambp():
 def test_a_hybrid_stack_rebuilds_through_its_recurrent_layers(monkeypatch):
     """Qwen3.5's Gated DeltaNet layers carry states from chunk to chunk: a rebuilt input passes through them
     (k = L: every input but the first rebuilt, counted), and the result is bitwise StreamBP keeping every input."""
-    from ds_longseq.ops import streambp
     from tests import model_zoo
 
-    reforwards = []
-    layer_forward = streambp._layer_forward
-    monkeypatch.setattr(streambp, "_layer_forward",
-                        lambda *a: (lambda f: lambda x: reforwards.append(1) or f(x))(layer_forward(*a)))
+    reforwards = count_reforwards(monkeypatch.setattr)
     model = model_zoo.tiny_model("qwen3_5_text", torch.float64)
     assert "linear_attention" in model.config.layer_types
     batch = make_batch(seq_len=40, pad=False)
@@ -240,3 +225,39 @@ def test_a_hybrid_stack_rebuilds_through_its_recurrent_layers(monkeypatch):
         loss_and_grads(ds_longseq.enable(clone(model), {**STREAMBP, "streambp": {"enabled": True, "chunk_size": 13}}),
                        batch))
     assert len(reforwards) == layers - 1
+
+
+MST = {"mini_seq": {"enabled": True, "mlp_num_chunks": 4}, "lm_head": {"enabled": True, "chunk_size": 9}}
+
+
+@pytest.mark.parametrize("k,host", [(2, True), (3, False)])
+def test_mini_seq_layer_checkpoints_keep_every(k, host, monkeypatch):
+    """mini_seq's per-layer checkpoints (as with layer_inputs): float64-exact against stock, bitwise against keeping
+    every checkpoint input, the dropped ones rebuilt once each (counted)."""
+    reforwards = count_reforwards(monkeypatch.setattr)
+    model = make_model("llama", torch.float64, num_layers=LAYERS)
+    batch = make_batch()
+    ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
+    offload = {"layer_inputs": "cpu"} if host else {}
+    every = ds_longseq.enable(clone(model), {**MST, "offload": {"layer_inputs": "cpu"}}).train()
+    sparse = ds_longseq.enable(clone(model), {**MST, "offload": {"keep_every": k, **offload}}).train()
+    ours = loss_and_grads(sparse, batch)
+    assert max(compare(ours, ref).values()) < 1e-10
+    _bitwise(ours, loss_and_grads(every, batch))
+    assert len(reforwards) == LAYERS - math.ceil(LAYERS / k)
+
+
+def test_mini_seq_rebuild_replays_dropout(monkeypatch):
+    """Attention dropout: the rebuilt layer draws the forward's masks again (its RNG state replayed), so the
+    gradients equal the stock model's drawing the same masks. No lm_head section: keep_every alone makes a training
+    call cache-free, as layer_inputs does (else the layers would run their stock forward and keep everything)."""
+    reforwards = count_reforwards(monkeypatch.setattr)
+    model = make_model("llama", torch.float64, num_layers=4, attention_dropout=0.3).train()
+    batch = make_batch()
+    sparse = ds_longseq.enable(clone(model), {"mini_seq": {"enabled": True, "mlp_num_chunks": 3},
+                                              "offload": {"keep_every": 2}})
+    torch.manual_seed(7)
+    ref = loss_and_grads(model, batch)
+    torch.manual_seed(7)
+    assert max(compare(loss_and_grads(sparse, batch), ref).values()) < 1e-10
+    assert len(reforwards) == 2

@@ -254,6 +254,7 @@ class CausalLMForward:
         # layers run their stock forward: no streaming, nothing offloaded.
         if not generating and (
             self.config.streambp.enabled or sp is not None or self.config.offload.layer_inputs is not None
+            or self.config.offload.keep_every != 1
         ):
             use_cache = False
         wants_loss = labels is not None or (sp is not None and kwargs.get("shift_labels") is not None)

@@ -20,8 +20,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from ds_longseq.ops import sparse_inputs
 from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads
 from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
+from ds_longseq.ops.sparse_inputs import SparseInputs
 
 __all__ = ["checkpoint_apply"]
 
@@ -39,6 +41,8 @@ class _CheckpointFunction(torch.autograd.Function):
             out = fn(x)
         save_input(ctx, x, offloader)
         ctx.fn, ctx.params = fn, params
+        if isinstance(offloader, SparseInputs):  # the next layer's input may be rebuilt from ours (same RNG)
+            offloader.produced(out, sparse_inputs.recompute(fn, ctx.autocast, params, rng=(ctx.cpu_rng, ctx.cuda_rng)))
         return out
 
     @staticmethod

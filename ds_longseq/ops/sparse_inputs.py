@@ -16,7 +16,8 @@ two layers (a scaling, per-layer inputs joined to the hidden states, stacked str
 tensor, and that input is kept. The first input of each forward is kept.
 
 Holds:
-    Recompute: one StreamBP layer's forward, to run again (its chunk function, chunk bounds, autocast state).
+    Recompute / recompute: one layer's forward, to run again as the forward ran it (no grad, its autocast state and,
+        for a layer with dropout under mini_seq's checkpoint, its RNG state; under ZeRO-3 its parameters gathered).
     SparseInputs: one training forward's storage: ``save`` (a layer's input, from ``ops.offload.save_input``),
         ``produced`` (the layer's output and how to recompute it, from the StreamBP Function), handles whose
         ``load`` gives the input back once in backward.
@@ -24,22 +25,60 @@ Holds:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
+from ds_longseq.ops.chunk_grads import AutocastState
 from ds_longseq.ops.offload import LayerInputOffloader, OffloadedTensor
 
-__all__ = ["Recompute", "SparseInputs"]
+__all__ = ["Recompute", "recompute", "SparseInputs"]
 
 
 @dataclass
 class Recompute:
-    """How to run one StreamBP layer's forward again: ``forward(x)`` returns the layer's output for input ``x``."""
+    """How to run one layer's forward again: ``forward(x)`` returns the layer's output for input ``x``."""
 
     forward: Callable[[torch.Tensor], torch.Tensor]
+
+
+def recompute(layer: Callable[[torch.Tensor], torch.Tensor], autocast: AutocastState,
+              params: Sequence[torch.nn.Parameter], rng: tuple | None = None) -> Recompute:
+    """``layer`` (a Function's forward computation, input -> output) to run again as the Function ran it: no grad,
+    the same autocast state, the forward's RNG state when ``rng`` = (cpu state, cuda state or None) is given. Under
+    ZeRO-3 the layer's partitioned parameters are gathered around it: in backward no hook of DeepSpeed's does, the
+    layer not being called as a module here (every rank gathers the same layers in the same order)."""
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with _gathered(params), torch.no_grad(), autocast.replay(), _replayed_rng(rng, hidden.device):
+            return layer(hidden)
+
+    return Recompute(forward)
+
+
+def _gathered(params: Sequence[torch.nn.Parameter]):
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned)
+
+
+@contextlib.contextmanager
+def _replayed_rng(rng: tuple | None, device: torch.device):
+    if rng is None:
+        yield
+        return
+    cpu, cuda = rng
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
 
 
 class _Handle:

@@ -26,11 +26,11 @@ Algorithm (StreamBP paper Sec. 3.2.2, Property 3.1; see DESIGN_NOTES.md, lead 1)
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ds_longseq.ops import sparse_inputs
 from ds_longseq.ops.carried_state import CarriedState
 from ds_longseq.ops.chunk_grads import (
     AutocastState,
@@ -42,7 +42,7 @@ from ds_longseq.ops.chunk_grads import (
     with_aux_grads,
 )
 from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
-from ds_longseq.ops.sparse_inputs import Recompute, SparseInputs
+from ds_longseq.ops.sparse_inputs import SparseInputs
 
 __all__ = [
     "KVStream",
@@ -311,35 +311,10 @@ def _forward_passing_states(run_chunk: RunChunk, hidden: torch.Tensor, bounds, r
     return outs, stream
 
 
-def _layer_forward(layer: Callable[[torch.Tensor], torch.Tensor], autocast: AutocastState,
-                   params: Sequence[torch.nn.Parameter]):
-    """``layer`` (the StreamBP Function's forward computation, input -> output) run again as the Function ran it:
-    no grad, the same autocast state. What ``long_seq.offload.keep_every`` rebuilds a dropped input of the next
-    layer with. Under ZeRO-3 the layer's partitioned parameters are gathered around it (in backward no hook of
-    DeepSpeed's does: the layer is not called as a module here)."""
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        with _gathered(params), torch.no_grad(), autocast.replay():
-            return layer(hidden)
-
-    return forward
-
-
 def _sp_forward(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> torch.Tensor:
     """A StreamBP layer's forward under sequence parallelism: the group's keys/values, then this rank's chunks."""
     stream = _global_kv(run_chunk, hidden, bounds, exchange)
     return _single_output(_forward_chunks(run_chunk, hidden, bounds, stream)[0])
-
-
-def _gathered(params: Sequence[torch.nn.Parameter]):
-    """DeepSpeed's GatheredParameters around ZeRO-3-partitioned ``params`` (every rank gathers the same layers in
-    the same order: backward runs them alike); nothing for ordinary parameters."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(partitioned)
 
 
 class _StreamBPFunction(torch.autograd.Function):
@@ -356,8 +331,8 @@ class _StreamBPFunction(torch.autograd.Function):
         ctx.params = params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         if isinstance(offloader, SparseInputs) and ring is None:  # the next layer's input may be rebuilt from ours
-            offloader.produced(outs[0], Recompute(_layer_forward(
-                lambda x: _forward_passing_states(run_chunk, x, bounds, None)[0][0], ctx.autocast, params)))
+            offloader.produced(outs[0], sparse_inputs.recompute(
+                lambda x: _forward_passing_states(run_chunk, x, bounds, None)[0][0], ctx.autocast, params))
         ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (modules/decoder_layer.py)
         ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -660,8 +635,8 @@ class _StreamBPSPFunction(torch.autograd.Function):
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         if isinstance(offloader, SparseInputs):  # every rank drops and rebuilds the same layers' inputs
-            offloader.produced(out, Recompute(_layer_forward(
-                lambda x: _sp_forward(run_chunk, x, bounds, exchange), ctx.autocast, params)))
+            offloader.produced(out, sparse_inputs.recompute(
+                lambda x: _sp_forward(run_chunk, x, bounds, exchange), ctx.autocast, params))
         return out
 
     @staticmethod

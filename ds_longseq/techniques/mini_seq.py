@@ -59,7 +59,7 @@ class MiniSeq(Technique):
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         mlps = [ctx.adapter.mlp(layer) for layer in ctx.adapter.layers]
-        if ctx.config.offload.layer_inputs is None:
+        if ctx.config.offload.layer_inputs is None and ctx.config.offload.keep_every == 1:  # no layer checkpoint
             return [mlp for mlp in mlps if mlp is not None]
         # The layer checkpoint passes all the layer's weights to one Function, so the whole layer is
         # gathered for it; its MLP is marked too only to pass the MLP's own leaf check (DeepSpeed never
