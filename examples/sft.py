@@ -78,8 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--save-dir", default="outputs/sft", help="checkpoints, metrics, plot and HF export")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--save-total-limit", type=int, default=0,
-                   help="keep only the newest N checkpoints, removing older ones once a new one is complete (0: all)")
+    p.add_argument("--save-total-limit", type=int, default=None,
+                   help="keep only the newest N >= 1 checkpoints, removing older ones once a new one is complete "
+                        "(default: keep all)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None,
@@ -97,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "linear projection of the decoder layers")
     p.add_argument("--merge-lora", action="store_true",
                    help="with --lora-rank: also write the base model with the adapter merged in to hf_model/")
+    p.add_argument("--no-preflight", action="store_true",
+                   help="run even when the memory planner says the step cannot fit (python -m ds_longseq.plan)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     p.set_defaults(default_lr=DEFAULT_LR)  # what training.setup_run reads for the built-in model
     return p.parse_args(argv)

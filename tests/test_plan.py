@@ -186,6 +186,19 @@ def test_sft_refuses_an_impossible_length_before_writing_anything(tmp_path):
     assert not save.exists()
 
 
+def test_every_example_takes_no_preflight():
+    """The override the refusal names exists in each example's command line."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    try:
+        import dpo
+        import grpo
+        import sft
+    finally:
+        sys.path.pop(0)
+    for module in (sft, dpo, grpo):
+        assert module.parse_args(["--no-preflight"]).no_preflight, module.__name__
+
+
 def plan_fit_port() -> int:
     from benchmarks.harness import free_port
 
