@@ -139,8 +139,11 @@ class OffloadConfig:
     keep_every: int = 1
     """k: keep the input of every k-th decoder layer only (layers 0, k, 2k, ...; where ``layer_inputs`` says: on
     the device, or ``"cpu"``) and rebuild the others in backward by running the layers between two kept inputs
-    forward again, chunk by chunk, once per block: exact, about 1/k of the layer-input memory, for about one extra
-    forward of (k-1)/k of the layers. 1 (default): keep every input. Needs ``streambp`` or ``mini_seq`` (whose
+    forward again, chunk by chunk, once per block: exact, for about one extra forward of (k-1)/k of the layers. Held
+    at the peak: the ceil(L/k) kept inputs (in host memory with ``layer_inputs``: k times less host memory) plus
+    one block's k - 1 rebuilt inputs on the device in backward; on one device ceil(L/k) + k - 1 inputs instead of
+    L, least near k = sqrt(L) (e.g. 11 instead of 32 at k = 4 or 8 for 32 layers). 1 (default): keep every
+    input. Needs ``streambp`` or ``mini_seq`` (whose
     layers then become one checkpoint each, as with ``layer_inputs``)."""
 
 

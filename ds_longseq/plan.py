@@ -366,8 +366,7 @@ def longest_fit(dims: ModelDims, setup: Setup, device_bytes: float, host_bytes: 
     ``host_bytes`` per host); 0 when not even ``granularity`` does."""
 
     def fits(t: int) -> bool:
-        e = estimate(dims, setup, t)
-        return e.device_total <= device_bytes and (host_bytes is None or e.host_total <= host_bytes)
+        return _fits(estimate(dims, setup, t), device_bytes, host_bytes)
 
     if not fits(granularity):
         return 0
@@ -417,8 +416,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        e = self.estimate
-        return e.device_total <= self.device_bytes and (self.host_bytes is None or e.host_total <= self.host_bytes)
+        return _fits(self.estimate, self.device_bytes, self.host_bytes)
 
     @property
     def surely_too_big(self) -> bool:
@@ -453,6 +451,10 @@ class Plan:
         return "\n".join(lines)
 
 
+def _fits(e: Estimate, device_bytes: float, host_bytes: float | None) -> bool:
+    return e.device_total <= device_bytes and (host_bytes is None or e.host_total <= host_bytes)
+
+
 def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_bytes: float | None) -> list[str]:
     """What would make ``seq_len`` fit: more SP, layer-input offload, optimizer offload, LoRA."""
     tries = []
@@ -460,6 +462,17 @@ def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, h
     if cuda and setup.method in ("streambp", "mst") and not setup.offload_layer_inputs:
         tries.append(("offload the layer inputs (long_seq.offload.layer_inputs='cpu')",
                       replace(setup, offload_layer_inputs=True)))
+    if setup.method in ("streambp", "mst") and setup.keep_every == 1:
+        # sparse layer-input storage: the smallest k that fits (the fewest re-forwards; a block of k is rebuilt on
+        # the device, so larger k is not always better: on one device ceil(L/k) + k - 1 inputs, least near sqrt(L))
+        offloads = (False, True) if cuda and not setup.offload_layer_inputs else (setup.offload_layer_inputs,)
+        for offload in offloads:
+            for k in sorted({2, 4, 8, round(math.sqrt(dims.num_layers))} - {0, 1}):
+                s = replace(setup, keep_every=k, offload_layer_inputs=offload)
+                if k <= dims.num_layers and _fits(estimate(dims, s, seq_len), device_bytes, host_bytes):
+                    where = "offloaded, " if offload and not setup.offload_layer_inputs else ""
+                    tries.append((f"keep every {k}th layer input only ({where}long_seq.offload.keep_every={k})", s))
+                    break
     if cuda and not setup.offload_optimizer:
         tries.append(("offload the optimizer (zero_optimization.offload_optimizer.device='cpu')",
                       replace(setup, offload_optimizer=True)))
@@ -481,7 +494,7 @@ def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, h
             e = estimate(dims, s, seq_len)
         except ValueError:
             continue
-        if e.device_total <= device_bytes and (host_bytes is None or e.host_total <= host_bytes):
+        if _fits(e, device_bytes, host_bytes):
             out.append(f"{what}: {e.device_total / GIB:.1f} GiB per GPU, {e.host_total / GIB:.1f} GiB per host")
     return out
 

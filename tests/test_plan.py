@@ -117,6 +117,8 @@ def test_plan_suggests_what_fits_and_a_preset():
     setup = P.Setup(method="streambp", lora_rank=16, zero_stage=3)
     p = P.plan(dims, setup, 393216, 79.18 * GIB, 125 * GIB)
     assert not p.fits and any("offload the layer inputs" in o for o in p.options), p.report()
+    host_bound = P.plan(dims, replace(setup, offload_layer_inputs=True), 524288, 79.18 * GIB, 125 * GIB)
+    assert not host_bound.fits and any("keep_every=2" in o for o in host_bound.options), host_bound.report()
     assert p.preset == "gpu1_zero3_offload_streambp.json" and p.chunks["streambp.chunk_size"] == 4096
     assert 0 < p.longest < 393216
     fitted = P.plan(dims, replace(setup, offload_layer_inputs=True), 393216, 79.18 * GIB, 125 * GIB)

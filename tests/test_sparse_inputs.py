@@ -261,3 +261,10 @@ def test_mini_seq_rebuild_replays_dropout(monkeypatch):
     torch.manual_seed(7)
     assert max(compare(loss_and_grads(sparse, batch), ref).values()) < 1e-10
     assert len(reforwards) == 2
+
+
+def test_offloaded_keep_every_pools_one_kth_of_the_inputs():
+    """benchmarks.sparse_host's measurement: the pinned pool holds ceil(L / k) inputs (1 MiB each here)."""
+    from benchmarks.sparse_host import measure
+
+    assert [measure(512, k)["pool_mib"] for k in (1, 2, 4)] == [4.0, 2.0, 1.0]
