@@ -471,7 +471,7 @@ def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, h
                 s = replace(setup, keep_every=k, offload_layer_inputs=offload)
                 if k <= dims.num_layers and _fits(estimate(dims, s, seq_len), device_bytes, host_bytes):
                     where = "offloaded, " if offload and not setup.offload_layer_inputs else ""
-                    tries.append((f"keep every {k}th layer input only ({where}long_seq.offload.keep_every={k})", s))
+                    tries.append((f"keep every {k}-th layer input only ({where}long_seq.offload.keep_every={k})", s))
                     break
     if cuda and not setup.offload_optimizer:
         tries.append(("offload the optimizer (zero_optimization.offload_optimizer.device='cpu')",
