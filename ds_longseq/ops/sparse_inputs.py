@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ds_longseq.compat import is_zero3_partitioned
 from ds_longseq.ops.chunk_grads import AutocastState
 from ds_longseq.ops.offload import LayerInputOffloader, OffloadedTensor
 
@@ -60,7 +61,7 @@ def recompute(layer: Callable[[torch.Tensor], torch.Tensor], autocast: AutocastS
 
 
 def _gathered(params: Sequence[torch.nn.Parameter]):
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    partitioned = [p for p in params if is_zero3_partitioned(p)]
     if not partitioned:
         return contextlib.nullcontext()
     import deepspeed
