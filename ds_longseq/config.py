@@ -16,6 +16,7 @@ attention kernel (``kv_block_size``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -128,13 +129,21 @@ class SequenceParallelConfig:
 class OffloadConfig:
     """Where the tensors kept between forward and backward live (ALST-style offload to host memory)."""
 
-    layer_inputs: Literal["cpu"] | None = None
+    layer_inputs: Literal["cpu", "disk"] | None = None
     """``"cpu"``: keep each decoder layer's input, the only activation StreamBP (or, with mini_seq, a
     per-layer checkpoint) holds from forward to backward, in pinned host memory instead of on the
-    GPU; it is copied back one layer ahead in backward. ``None``: keep it on the device. Host
-    memory needed: num_layers x batch x T x hidden_size x dtype bytes, i.e. num_layers x d x dtype
-    bytes x batch per token (256 KiB per token at the Llama-3-8B shape in bf16: 32 x 4096 x 2).
-    Needs ``streambp`` or ``mini_seq``."""
+    GPU; it is copied back one layer ahead in backward. ``"disk"``: in files under ``disk_path``
+    instead, written and read with DeepSpeed's async I/O op (libaio, ``O_DIRECT``: no page cache),
+    read back one layer ahead; host memory holds two 16 MiB staging buffers. ``None``: keep it on the
+    device. Memory (or disk) needed: num_layers x batch x T x hidden_size x dtype bytes, i.e.
+    num_layers x d x dtype bytes x batch per token (256 KiB per token at the Llama-3-8B shape in bf16:
+    32 x 4096 x 2). Needs ``streambp`` or ``mini_seq``."""
+
+    disk_path: str | None = None
+    """With ``layer_inputs: "disk"`` (and only then): an existing, writable directory on a local disk
+    (NVMe ideally; not tmpfs, which is memory). Each rank writes into a directory of its own in it
+    (``ds_longseq-rank<r>-*``), whose files are removed as they are read back, and which is removed
+    when the model is disabled, the process exits, or a step fails."""
 
     keep_every: int = 1
     """k: keep the input of every k-th decoder layer only (layers 0, k, 2k, ...; where ``layer_inputs`` says: on
@@ -420,6 +429,9 @@ class LongSeqConfig:
                         problems.append(f"{where} must be {allowed}, got {value!r}")
                 elif value is None and f.default is None:
                     continue  # an optional size left to its device default
+                elif f.name == "disk_path":
+                    if not isinstance(value, (str, os.PathLike)) or not str(value):
+                        problems.append(f"{where} must be a directory path, got {value!r}")
                 elif f.name == "layer_split":
                     if not isinstance(value, (list, tuple)) or not value or any(
                         isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value
@@ -442,6 +454,13 @@ class LongSeqConfig:
             if not (self.streambp.enabled or self.mini_seq.enabled):
                 problems.append(f"{where} needs long_seq.streambp or long_seq.mini_seq (it rebuilds dropped layer "
                                 "inputs by re-running their layers): enable one, or set keep_every to 1")
+        where_to, path = self.offload.layer_inputs, self.offload.disk_path
+        if where_to == "disk" and path is None:
+            problems.append("long_seq.offload.layer_inputs='disk' needs long_seq.offload.disk_path: a directory on a "
+                            "local disk (each rank writes a directory of its own there)")
+        elif path is not None and where_to != "disk":
+            problems.append(f"long_seq.offload.disk_path={path!r} is only used with layer_inputs='disk' (got "
+                            f"layer_inputs={where_to!r}): set layer_inputs to 'disk', or remove disk_path")
         old, new = self.streambp.kv_block_size, self.attention.kv_block_size
         if old is not None and new is not None and old != new:
             problems.append(

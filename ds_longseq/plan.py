@@ -19,8 +19,9 @@ The model. Per GPU, for a sequence of T tokens (T_local = T / SP degree per rank
     optimizer   AdamW state (fp32 master + 2 moments = 12 B/param in mixed precision, 2 moments = 8 B in fp32);
                 divided under ZeRO-1/2/3; on the host with ``offload_optimizer``
     layer_inputs  L x B x T_local x d x dtype bytes: what StreamBP / checkpointing keep between forward and
-                backward; on the host with ``long_seq.offload.layer_inputs`` (pinned, per rank); ceil(L / k) of
-                them with ``long_seq.offload.keep_every = k``
+                backward; on the host with ``long_seq.offload.layer_inputs='cpu'`` (pinned, per rank), on disk
+                with ``'disk'`` (``Estimate.disk``; the host then holds two 16 MiB staging buffers per rank,
+                ``disk_staging``); ceil(L / k) of them with ``long_seq.offload.keep_every = k``
     rebuilt_block with keep_every = k > 1: the block's inputs rebuilt in backward, waiting on the device (k - 1
                 inputs, k when the kept ones are offloaded): structural, not yet checked against a measurement
     activations the rest of the step's peak that grows with T_local: FITTED, ``per_token`` units of a
@@ -67,6 +68,7 @@ __all__ = [
 GIB = 1024**3
 MIB = 1024**2
 BUFFERS_BYTES = GIB  # CUDA context + NCCL / DeepSpeed buffers per GPU (not part of any fitted measurement)
+DISK_STAGING_BYTES = 2 * 16 * MIB  # the disk tier's two staging buffers per rank (ops.disk_offload.PIECE_BYTES each)
 LORA_TARGETS = 7  # q, k, v, o, gate, up, down (what the examples' --lora-rank adapts)
 Method = Literal["stock", "hf_gc", "alst", "alst_offload", "alst_offload_sync", "mst", "streambp"]
 
@@ -147,6 +149,7 @@ class Setup:
 
     method: Method = "streambp"
     offload_layer_inputs: bool = False
+    disk_layer_inputs: bool = False  # long_seq.offload.layer_inputs='disk': the offloaded inputs go to files
     keep_every: int = 1  # long_seq.offload.keep_every: only every k-th layer input is kept (StreamBP)
     sequence_parallel: int = 1
     zero_stage: int = 2
@@ -171,6 +174,8 @@ class Setup:
             problems.append(f"sequence_parallel={self.sequence_parallel} must divide gpus={self.gpus}")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage={self.zero_stage}: DeepSpeed's stages are 0-3")
+        if self.disk_layer_inputs and not self.offload_layer_inputs:
+            problems.append("disk_layer_inputs=True is a kind of offload: set offload_layer_inputs=True too")
         if self.keep_every < 1:
             problems.append(f"keep_every={self.keep_every} must be >= 1")
         if self.lora_rank is not None and self.lora_rank < 1:
@@ -204,7 +209,8 @@ class Setup:
         bf16 = (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled")
         return cls(
             method=method,
-            offload_layer_inputs=(ls.get("offload") or {}).get("layer_inputs") == "cpu",
+            offload_layer_inputs=(ls.get("offload") or {}).get("layer_inputs") in ("cpu", "disk"),
+            disk_layer_inputs=(ls.get("offload") or {}).get("layer_inputs") == "disk",
             keep_every=int((ls.get("offload") or {}).get("keep_every", 1) or 1),
             sequence_parallel=int((ls.get("sequence_parallel") or {}).get("size", 1)),
             zero_stage=int(zero.get("stage", 0)),
@@ -303,6 +309,8 @@ class Estimate:
     device: dict[str, float]
     host: dict[str, float]
     note: str = ""
+    disk: dict[str, float] = field(default_factory=dict)
+    """Bytes per host on disk (``layer_inputs='disk'``), by component; empty otherwise."""
 
     @property
     def device_total(self) -> float:
@@ -352,12 +360,16 @@ def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: boo
         "buffers": BUFFERS_BYTES if setup.device == "cuda" else 0.0,
     }
     ranks = setup.gpus_per_node
+    on_disk = setup.disk_layer_inputs
     host = {
-        "layer_inputs": inputs * ranks if setup.offload_layer_inputs else 0.0,
+        "layer_inputs": inputs * ranks if setup.offload_layer_inputs and not on_disk else 0.0,
         # DeepSpeed's CPU Adam: fp32 gradients + master weights + 2 moments per parameter, this host's share
         "optimizer": trainable * (4 + 12) / world * ranks if setup.offload_optimizer else 0.0,
     }
-    return Estimate(seq_len, device, host, note)
+    if on_disk:
+        host["disk_staging"] = DISK_STAGING_BYTES * ranks
+    disk = {"layer_inputs": inputs * ranks} if on_disk else {}
+    return Estimate(seq_len, device, host, note, disk)
 
 
 def longest_fit(dims: ModelDims, setup: Setup, device_bytes: float, host_bytes: float | None = None, *,
@@ -440,6 +452,8 @@ class Plan:
             *(f"  {k:<13}{gib(v)}" for k, v in e.host.items()),
             f"  {'total':<13}{gib(e.host_total)}"
             + (f"   of {gib(self.host_bytes).strip()}" if self.host_bytes is not None else ""),
+            *([f"per host on disk (long_seq.offload.disk_path): {gib(sum(e.disk.values())).strip()}"] if e.disk
+              else []),
             f"estimate error: within {self.margin:.0%} on held-out measurements "
             "(benchmarks/results/plan_validation.md)" + (f"; {e.note}" if e.note else ""),
             f"fits: {'yes' if self.fits else 'NO'}; longest that fits: {self.longest:,} tokens",
@@ -462,6 +476,9 @@ def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, h
     if cuda and setup.method in ("streambp", "mst") and not setup.offload_layer_inputs:
         tries.append(("offload the layer inputs (long_seq.offload.layer_inputs='cpu')",
                       replace(setup, offload_layer_inputs=True)))
+    if setup.method in ("streambp", "mst") and not setup.disk_layer_inputs:
+        tries.append(("the layer inputs on disk (long_seq.offload.layer_inputs='disk' with disk_path on a local disk)",
+                      replace(setup, offload_layer_inputs=True, disk_layer_inputs=True)))
     if setup.method in ("streambp", "mst") and setup.keep_every == 1:
         # sparse layer-input storage: the smallest k that fits (the fewest re-forwards; a block of k is rebuilt on
         # the device, so larger k is not always better: on one device ceil(L/k) + k - 1 inputs, least near sqrt(L))

@@ -30,7 +30,7 @@ MAIN_JOB = (
 )
 TEST_COMMAND = (
     'pip install torch==2.13.0 && pip install -e ".[test]" && bash .ci/install_mpi.sh && '
-    "bash .ci/install_multinode.sh && python -m pytest -q"
+    "bash .ci/install_multinode.sh && bash .ci/install_aio.sh && python -m pytest -q"
 )
 
 

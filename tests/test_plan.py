@@ -103,6 +103,17 @@ def test_components_follow_the_setup():
     assert sparse.device["rebuilt_block"] == 4 * layer_inputs / dims.num_layers  # one block on the device
     read = P.Setup.from_configs({"long_seq": {"streambp": {"enabled": True}, "offload": {"keep_every": 4}}})
     assert read.keep_every == 4
+    disk = P.Setup.from_configs({"bf16": {"enabled": True}, "long_seq": {"streambp": {"enabled": True}, "offload": {
+        "layer_inputs": "disk", "disk_path": "/nvme", "keep_every": 2}}}, gpus=8)
+    assert disk.offload_layer_inputs and disk.disk_layer_inputs
+    on_disk = P.estimate(dims, replace(disk, lora_rank=16, zero_stage=3), t)
+    assert on_disk.device["layer_inputs"] == 0 and on_disk.host["layer_inputs"] == 0
+    assert on_disk.disk == {"layer_inputs": layer_inputs * 8 / 2}  # 16 of 32 inputs, 8 ranks on this host
+    from ds_longseq.ops.disk_offload import PIECE_BYTES
+
+    assert on_disk.host["disk_staging"] == 8 * 2 * PIECE_BYTES == 8 * P.DISK_STAGING_BYTES  # two per rank
+    with pytest.raises(ValueError, match="set offload_layer_inputs=True too"):
+        P.Setup(disk_layer_inputs=True)
     full = P.estimate(dims, replace(base, lora_rank=None, zero_stage=2, offload_optimizer=True), t)
     assert full.device["optimizer"] == 0 and full.host["optimizer"] == pytest.approx(dims.num_params * 16)
     assert full.device["grads"] == pytest.approx(dims.num_params * 2 / 8)
@@ -119,6 +130,10 @@ def test_plan_suggests_what_fits_and_a_preset():
     assert not p.fits and any("offload the layer inputs" in o for o in p.options), p.report()
     host_bound = P.plan(dims, replace(setup, offload_layer_inputs=True), 524288, 79.18 * GIB, 125 * GIB)
     assert not host_bound.fits and any("keep_every=2" in o for o in host_bound.options), host_bound.report()
+    assert any("layer_inputs='disk'" in o for o in host_bound.options), host_bound.report()
+    long = P.plan(dims, replace(setup, offload_layer_inputs=True, disk_layer_inputs=True), 1 << 20, 79.18 * GIB,
+                  125 * GIB)
+    assert "per host on disk" in long.report() and long.estimate.host_total < 1 * GIB
     assert p.preset == "gpu1_zero3_offload_streambp.json" and p.chunks["streambp.chunk_size"] == 4096
     assert 0 < p.longest < 393216
     fitted = P.plan(dims, replace(setup, offload_layer_inputs=True), 393216, 79.18 * GIB, 125 * GIB)

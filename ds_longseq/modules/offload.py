@@ -1,28 +1,34 @@
 """Layer-input offload for one model: the host pool, the per-forward offloader and the host-memory check.
 
 Holds:
-    LayerInputOffload: installed by ``enable`` when ``long_seq.offload.layer_inputs == "cpu"``; its
-        forward pre-hook on the base model (``model.model``) checks host memory and starts a fresh
-        :class:`~ds_longseq.ops.offload.LayerInputOffloader` for each training forward, which every
-        decoder layer (StreamBP, or the mini_seq layer checkpoint) saves its input through.
+    LayerInputOffload: installed by ``enable`` when ``long_seq.offload`` is set; its forward pre-hook on the base
+        model (``model.model``) checks host memory (``layer_inputs="cpu"``) or disk space (``"disk"``) and starts a
+        fresh :class:`~ds_longseq.ops.offload.LayerInputOffloader` (or
+        :class:`~ds_longseq.ops.disk_offload.DiskOffloader`) for each training forward, which every decoder layer
+        (StreamBP, or the mini_seq layer checkpoint) saves its input through.
     HostMemoryError: a training forward whose layer inputs would not fit in host memory.
+    DiskSpaceError: a training forward whose layer inputs would not fit in the free space under ``disk_path``.
 
 Shape legend: B batch, T sequence (the local shard under sequence parallelism), d hidden; L layers.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
 from ds_longseq.compat import pop_cache
 from ds_longseq.logging import get_logger
 from ds_longseq.ops import offload as offload_ops
+from ds_longseq.ops.disk_offload import ALIGNMENT, DiskOffloader, DiskStore
 from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader
 from ds_longseq.ops.sparse_inputs import SparseInputs
 
 logger = get_logger(__name__)
 
-__all__ = ["LayerInputOffload", "HostMemoryError"]
+__all__ = ["LayerInputOffload", "HostMemoryError", "DiskSpaceError"]
 
 # the base model's positional parameters (the fourth is its KV cache, ``past_key_values`` before transformers 5.24)
 _INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
@@ -30,6 +36,10 @@ _INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_
 
 class HostMemoryError(MemoryError):
     """The layer inputs of a training forward would not fit in the host memory that is available."""
+
+
+class DiskSpaceError(OSError):
+    """The layer inputs of a training forward would not fit in the free space under ``offload.disk_path``."""
 
 
 def _fmt_bytes(num_bytes: int) -> str:
@@ -48,22 +58,41 @@ class LayerInputOffload:
     Args:
         num_layers: L, the decoder layers that save their input through :meth:`offloader`.
         hidden_size: d.
+        layer_inputs: where kept inputs live: ``"cpu"`` (host memory), ``"disk"`` (files under ``disk_path``), or
+            None (on the device: only ``keep_every`` > 1 makes this object useful then).
+        keep_every: k (``long_seq.offload.keep_every``).
+        disk_path: the directory ``"disk"`` writes a directory of this rank's into.
+        rank: this process's rank (names that directory).
+
+    Raises:
+        AsyncIOUnavailable, OSError: ``"disk"`` without DeepSpeed's async I/O op, or with an unusable ``disk_path``
+            (``ops.disk_offload.DiskStore``).
     """
 
-    def __init__(self, num_layers: int, hidden_size: int, *, host: bool = True, keep_every: int = 1):
+    def __init__(self, num_layers: int, hidden_size: int, *, layer_inputs: str | None = "cpu", keep_every: int = 1,
+                 disk_path: str | None = None, rank: int = 0):
+        if layer_inputs not in ("cpu", "disk", None):
+            raise ValueError(f"layer_inputs must be 'cpu', 'disk' or None, got {layer_inputs!r}")
         self.num_layers = num_layers
         self.hidden_size = hidden_size
-        self.host = host
+        self.layer_inputs = layer_inputs
         self.keep_every = keep_every
         self.pool = HostBufferPool()
-        self.current: LayerInputOffloader | SparseInputs | None = None
+        self.store = DiskStore(disk_path, rank) if layer_inputs == "disk" else None
+        self.current: LayerInputOffloader | DiskOffloader | SparseInputs | None = None
         """What the training forward in progress saves layer inputs through (None between forwards)."""
 
-    def _new(self) -> LayerInputOffloader | SparseInputs:
-        offloader = LayerInputOffloader(self.pool) if self.host else None
+    @property
+    def host(self) -> bool:
+        """Whether kept inputs go to host memory."""
+        return self.layer_inputs == "cpu"
+
+    def _new(self) -> LayerInputOffloader | DiskOffloader | SparseInputs:
+        offloader = {"cpu": lambda: LayerInputOffloader(self.pool), "disk": lambda: DiskOffloader(self.store),
+                     None: lambda: None}[self.layer_inputs]()
         return offloader if self.keep_every == 1 else SparseInputs(self.keep_every, offloader)
 
-    def offloader(self) -> LayerInputOffloader | SparseInputs:
+    def offloader(self) -> LayerInputOffloader | DiskOffloader | SparseInputs:
         """What a layer saves its input through: the current forward's, or a fresh one for a layer called on its
         own (outside the model's forward), which then gets no prefetch (and keeps its input)."""
         return self.current if self.current is not None else self._new()
@@ -94,6 +123,8 @@ class LayerInputOffload:
         dtype = embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
         if self.host:
             self.check_host_memory(tokens.shape[0], tokens.shape[1], dtype, pinned=tokens.device.type == "cuda")
+        elif self.store is not None:
+            self.check_disk_space(tokens.shape[0], tokens.shape[1], dtype)
         self.current = self._new()
 
     def after_forward(self, module, args, kwargs, output) -> None:
@@ -137,7 +168,29 @@ class LayerInputOffload:
             "long_seq.offload.layer_inputs to keep the inputs on the device. Nothing was computed."
         )
 
+    def check_disk_space(self, batch_size: int, seq_len: int, dtype: torch.dtype) -> None:
+        """Raise :class:`DiskSpaceError` if this forward's layer inputs cannot fit in the free space under
+        ``disk_path`` (every process of the job on this host is assumed to write as much to the same filesystem)."""
+        per_layer = batch_size * seq_len * self.hidden_size * dtype.itemsize
+        needed = self.kept_layers * -(-per_layer // ALIGNMENT) * ALIGNMENT  # each file is padded for O_DIRECT
+        ranks = offload_ops.ranks_on_this_host()
+        free = shutil.disk_usage(self.store.dir).free
+        if needed * ranks <= free:
+            return
+        shape = (f"{self.kept_layers} layers x batch {batch_size} x {seq_len} tokens x hidden {self.hidden_size} x "
+                 f"{dtype.itemsize} bytes ({dtype})")
+        per_host = f", x {ranks} processes on this host" if ranks > 1 else ""
+        raise DiskSpaceError(
+            f"long_seq.offload.layer_inputs='disk' needs {_fmt_bytes(needed * ranks)} under "
+            f"{os.path.dirname(self.store.dir)} for this forward's layer inputs ({shape}{per_host}) but only "
+            f"{_fmt_bytes(free)} is free there. Free space, point long_seq.offload.disk_path at a larger disk, keep "
+            "every k-th layer's input only (long_seq.offload.keep_every: k times less), or use more "
+            "sequence-parallel ranks. Nothing was computed or written."
+        )
+
     def close(self) -> None:
-        """Free the pool's host memory (``disable``)."""
+        """Free the pool's host memory and remove this rank's disk directory (``disable``)."""
         self.current = None
         self.pool.clear()
+        if self.store is not None:
+            self.store.close()

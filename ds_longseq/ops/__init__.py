@@ -1,7 +1,9 @@
-"""Autograd ops: pure functions and ``torch.autograd.Function``s. No transformers, no DeepSpeed."""
+"""Autograd ops: pure functions and ``torch.autograd.Function``s. No transformers; DeepSpeed only where an op is its
+(ZeRO-3 gathering in sparse_inputs, the async I/O op in disk_offload), imported lazily."""
 
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.checkpoint import checkpoint_apply
+from ds_longseq.ops.disk_offload import DiskOffloader, DiskStore, DiskTensor
 from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
 from ds_longseq.ops.lm_head_loss import (
     TOKEN_HEAD_OUTPUTS,
@@ -52,6 +54,9 @@ __all__ = [
     "HostBufferPool",
     "LayerInputOffloader",
     "OffloadedTensor",
+    "DiskStore",
+    "DiskOffloader",
+    "DiskTensor",
     "host_available_bytes",
     "linear_scan",
     "adjoint_scan",

@@ -34,7 +34,7 @@ import torch
 
 from ds_longseq.compat import is_zero3_partitioned
 from ds_longseq.ops.chunk_grads import AutocastState
-from ds_longseq.ops.offload import LayerInputOffloader, OffloadedTensor
+from ds_longseq.ops.offload import LayerInputOffloader
 
 __all__ = ["Recompute", "recompute", "SparseInputs"]
 
@@ -107,7 +107,8 @@ class _Handle:
                 "not supported; run a new forward"
             )
         if self.kept:
-            self._value = self._kept.load() if isinstance(self._kept, OffloadedTensor) else self._kept
+            # a device tensor, or the handle of an offloaded one
+            self._value = self._kept if isinstance(self._kept, torch.Tensor) else self._kept.load()
             self._kept = None
             return self._value
         chain, handle = [], self

@@ -1,4 +1,4 @@
-"""Layer-input offload to host memory (ALST-style) as a technique: ``long_seq.offload``.
+"""Layer-input offload to host memory (ALST-style) or to disk, as a technique: ``long_seq.offload``.
 
 Holds:
     Offload: installs ``modules.offload.LayerInputOffload`` (a forward pre-hook and a forward hook on the
@@ -8,11 +8,22 @@ Holds:
 
 from __future__ import annotations
 
+import os
+
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError, OffloadConfig
 from ds_longseq.modules.offload import LayerInputOffload
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["Offload"]
+
+
+def _rank() -> int:
+    """This process's rank in the job (0 alone): the launcher's ``RANK``, else torch.distributed's."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 @register
@@ -49,7 +60,8 @@ class Offload(Technique):
                 f"long_seq.offload.keep_every={cfg.keep_every} is larger than the model's {n} decoder layers: use 1 "
                 f"to {n} (k keeps every k-th layer's input)"])
         offload = LayerInputOffload(len(adapter.layers), ctx.model.config.get_text_config().hidden_size,
-                                    host=cfg.layer_inputs == "cpu", keep_every=cfg.keep_every)
+                                    layer_inputs=cfg.layer_inputs, keep_every=cfg.keep_every,
+                                    disk_path=cfg.disk_path, rank=_rank())
         ctx.handle.add_undo(offload.close)
         base = adapter.base_model
         ctx.handle.add_hook(base.register_forward_pre_hook(offload.before_forward, with_kwargs=True))

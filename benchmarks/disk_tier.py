@@ -1,0 +1,161 @@
+"""The disk tier (``long_seq.offload.layer_inputs: "disk"``) against keeping the layer inputs in memory, on CPU.
+
+    python -m benchmarks.disk_tier --seq-lens 16384 32768 --disk-path /var/tmp --out benchmarks/results/disk_tier_cpu
+
+StreamBP on an 8-layer Llama h512 (benchmarks.recipes.LLAMA_SMALL, 8 layers instead of 4: the layer inputs weigh
+more against the chunk's work space), float32, chunks of 1024 tokens, one sequence per step; each (length, method)
+in a fresh process, side by side in one run: one warm-up step, then ``--steps`` timed steps. Methods:
+
+    memory   the layer inputs stay in memory (on a CPU model that is the "device")
+    disk     layer_inputs="disk" under --disk-path (DeepSpeed's async I/O, O_DIRECT)
+
+Reported per run: step time (median), the step's peak RSS above the RSS before it (``/proc/self/clear_refs``
+reset before each timed step), the page cache's growth over the timed steps (``Cached`` in /proc/meminfo: O_DIRECT
+should leave it flat), bytes written and read per step and the I/O thread's throughput (bytes over the thread's busy
+time, copies included). The table then compares: "above the chunk" = disk's peak minus (memory's peak minus the L
+layer inputs memory keeps), in layer inputs (L x T x d x 4 bytes / L): the target is at most one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+MIB = 1024**2
+METHODS = ("memory", "disk")
+
+
+def _cached_mib() -> float:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def shape():
+    from benchmarks.recipes import LLAMA_SMALL
+
+    return dataclasses.replace(LLAMA_SMALL, name="llama-small-8l", num_hidden_layers=8)
+
+
+def measure(seq_len: int, method: str, disk_path: str, steps: int) -> dict:
+    """One (length, method) in this process: the numbers the module docstring lists."""
+    import ds_longseq
+    from benchmarks import harness
+    from benchmarks.recipes import build_model, random_tokens
+
+    torch.set_num_threads(2)
+    s = shape()
+    model = build_model(s, dtype="float32", device="cpu", seq_len=seq_len)
+    cfg = {"streambp": {"enabled": True, "chunk_size": 1024}, "lm_head": {"enabled": True, "chunk_size": 1024}}
+    if method == "disk":
+        cfg["offload"] = {"layer_inputs": "disk", "disk_path": disk_path}
+    ds_longseq.enable(model, cfg)
+    store = None
+    if method == "disk":
+        (hook,) = model.model._forward_pre_hooks.values()
+        store = hook.__self__.store
+    ids = random_tokens(s, seq_len)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm-up: first-touch allocations, the staging buffers
+    times, peaks = [], []
+    cached0 = _cached_mib()
+    written0 = store.stats.bytes_written if store else 0
+    busy0 = (store.stats.write_seconds, store.stats.read_seconds) if store else (0.0, 0.0)
+    for _ in range(steps):
+        harness.reset_peak_rss()
+        base = harness.rss_mib()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        peaks.append(harness.maxrss_mib() - base)
+    row = {"seq_len": seq_len, "method": method, "step_s": statistics.median(times), "peak_mib": max(peaks),
+           "page_cache_growth_mib": _cached_mib() - cached0,
+           "inputs_mib": s.num_hidden_layers * seq_len * s.hidden_size * 4 / MIB}
+    if store is not None:
+        written = (store.stats.bytes_written - written0) / steps
+        w_s = (store.stats.write_seconds - busy0[0]) / steps
+        r_s = (store.stats.read_seconds - busy0[1]) / steps
+        row.update(disk_mib_per_step=written / MIB, write_gb_s=written / w_s / 1e9 if w_s else 0.0,
+                   read_gb_s=written / r_s / 1e9 if r_s else 0.0, io_thread_s=w_s + r_s)
+        ds_longseq.disable(model)
+    return row
+
+
+def run_child(seq_len: int, method: str, disk_path: str, steps: int) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.disk_tier", "--child", str(seq_len), method, "--disk-path", disk_path,
+           "--steps", str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(rows: list[dict], command: str) -> str:
+    from benchmarks import harness
+
+    s = shape()
+    lines = [f"# The disk tier against layer inputs in memory: {s.describe()}, fp32, StreamBP chunks of 1024, CPU",
+             "", "| T | method | step s | vs memory | peak MiB | layer inputs MiB (all L) | above the chunk, in inputs "
+             "| page cache growth MiB | disk MiB / step | write GB/s | read GB/s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    by = {(r["seq_len"], r["method"]): r for r in rows}
+    for (t, method), r in sorted(by.items()):
+        mem = by.get((t, "memory"))
+        ratio = r["step_s"] / mem["step_s"] if mem else float("nan")
+        one_input = r["inputs_mib"] / s.num_hidden_layers
+        above = ""
+        if method == "disk" and mem:
+            chunk = mem["peak_mib"] - mem["inputs_mib"]  # what memory holds besides its L inputs
+            above = f"{(r['peak_mib'] - chunk) / one_input:.2f}"
+        io = (f"{r['disk_mib_per_step']:.0f} | {r['write_gb_s']:.2f} | {r['read_gb_s']:.2f}" if method == "disk"
+              else "- | - | -")
+        lines.append(f"| {t} | {method} | {r['step_s']:.2f} | {ratio:.2f}x | {r['peak_mib']:.0f} | "
+                     f"{r['inputs_mib']:.0f} | {above} | {r['page_cache_growth_mib']:.0f} | {io} |")
+    lines += ["", *harness.environment([command]), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 32768])
+    p.add_argument("--disk-path", default="/var/tmp", help="a directory on a local disk (not tmpfs)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--out", default=None, help="write <out>.md and <out>.jsonl")
+    p.add_argument("--child", nargs=2, metavar=("SEQ_LEN", "METHOD"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(int(args.child[0]), args.child[1], args.disk_path, args.steps)))
+        return 0
+    os.makedirs(args.disk_path, exist_ok=True)
+    rows = []
+    for t in args.seq_lens:
+        for method in METHODS:
+            rows.append(run_child(t, method, args.disk_path, args.steps))
+            print(json.dumps(rows[-1]), flush=True)
+    command = "python -m benchmarks.disk_tier " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = report(rows, command)
+    print(text)
+    if args.out:
+        with open(f"{args.out}.md", "w") as f:
+            f.write(text)
+        with open(f"{args.out}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
