@@ -59,9 +59,19 @@ class StreamBPConfig:
     enabled: bool = False
     """Run every decoder layer through StreamBP: forward keeps only the layer input, backward
     re-forwards the layer chunk by chunk (last chunk first) with exact gradients."""
-    chunk_size: int = 1024
+    chunk_size: int | Literal["auto"] = 1024
     """Tokens per chunk of the query sequence, in forward and in backward. The last chunk may be
-    shorter; a sequence shorter than ``chunk_size`` is one chunk."""
+    shorter; a sequence shorter than ``chunk_size`` is one chunk. ``"auto"``: at every training
+    forward, the largest chunk (the whole sequence, else a power of two of at least 128 tokens) whose
+    work fits the memory budget (``auto_budget_gib`` / ``auto_free_fraction``): a short sequence runs
+    as one chunk, at checkpointing speed, a long one streams (``modules.auto_chunk`` has the model)."""
+    auto_budget_gib: float | None = None
+    """With ``chunk_size: "auto"`` only: GiB one chunk's work may take (the activations of one layer
+    over one chunk, forward and backward). None: ``auto_free_fraction`` of the memory free when the
+    forward starts, less what the forward keeps whatever the chunk."""
+    auto_free_fraction: float = 0.8
+    """With ``chunk_size: "auto"`` and no ``auto_budget_gib``: the fraction of free memory the step may
+    use (the rest is headroom for what the model does not count: allocator fragmentation, buffers)."""
     kv_block_size: int | None = None
     """Deprecated: set ``long_seq.attention.kv_block_size`` (the tile is the attention kernel's, used by
     sequence parallelism and mini-sequence too). Still read for one release, with a warning, when
@@ -429,6 +439,14 @@ class LongSeqConfig:
                         problems.append(f"{where} must be {allowed}, got {value!r}")
                 elif value is None and f.default is None:
                     continue  # an optional size left to its device default
+                elif f.name == "chunk_size" and value == "auto" and name == "streambp":
+                    continue
+                elif f.name == "auto_budget_gib":
+                    if not _positive_number(value):
+                        problems.append(f"{where} must be a positive number of GiB, got {value!r}")
+                elif f.name == "auto_free_fraction":
+                    if not _positive_number(value) or value > 1:
+                        problems.append(f"{where} must be a fraction in (0, 1], got {value!r}")
                 elif f.name == "disk_path":
                     if not isinstance(value, (str, os.PathLike)) or not str(value):
                         problems.append(f"{where} must be a directory path, got {value!r}")
@@ -454,6 +472,11 @@ class LongSeqConfig:
             if not (self.streambp.enabled or self.mini_seq.enabled):
                 problems.append(f"{where} needs long_seq.streambp or long_seq.mini_seq (it rebuilds dropped layer "
                                 "inputs by re-running their layers): enable one, or set keep_every to 1")
+        sbp = self.streambp
+        if sbp.chunk_size != "auto" and (sbp.auto_budget_gib is not None or sbp.auto_free_fraction != 0.8):
+            problems.append("long_seq.streambp.auto_budget_gib and auto_free_fraction are only used with "
+                            f"chunk_size='auto' (got chunk_size={sbp.chunk_size!r}): set chunk_size to 'auto', or "
+                            "remove them")
         where_to, path = self.offload.layer_inputs, self.offload.disk_path
         if where_to == "disk" and path is None:
             problems.append("long_seq.offload.layer_inputs='disk' needs long_seq.offload.disk_path: a directory on a "

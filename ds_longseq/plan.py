@@ -49,6 +49,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
+from ds_longseq.families.dims import ModelDims
+
 __all__ = [
     "ModelDims",
     "Setup",
@@ -69,76 +71,7 @@ GIB = 1024**3
 MIB = 1024**2
 BUFFERS_BYTES = GIB  # CUDA context + NCCL / DeepSpeed buffers per GPU (not part of any fitted measurement)
 DISK_STAGING_BYTES = 2 * 16 * MIB  # the disk tier's two staging buffers per rank (ops.disk_offload.PIECE_BYTES each)
-LORA_TARGETS = 7  # q, k, v, o, gate, up, down (what the examples' --lora-rank adapts)
 Method = Literal["stock", "hf_gc", "alst", "alst_offload", "alst_offload_sync", "mst", "streambp"]
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """A decoder-only model's sizes (MoE: ``num_experts`` routed experts of ``expert_intermediate_size``)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tied_embeddings: bool = False
-    num_experts: int = 0
-    expert_intermediate_size: int = 0
-
-    @classmethod
-    def from_config(cls, config) -> "ModelDims":
-        """From a transformers config object or its ``config.json`` dict (a ``text_config`` inside wins)."""
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
-            lambda k, d=None: getattr(config, k, d))
-        text = get("text_config")
-        if text:
-            return cls.from_config(text)
-        d = get("hidden_size") or get("n_embd") or get("d_model")
-        layers = get("num_hidden_layers") or get("n_layer") or get("num_layers")
-        heads = get("num_attention_heads") or get("n_head")
-        if not (d and layers and heads and get("vocab_size")):
-            raise ValueError("the model config has no hidden_size / num_hidden_layers / num_attention_heads / "
-                             "vocab_size: the planner needs a decoder's sizes (pass its config.json)")
-        experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
-        ffn = get("intermediate_size") or get("n_inner") or 4 * d
-        return cls(
-            hidden_size=d,
-            intermediate_size=ffn,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=get("num_key_value_heads") or heads,
-            head_dim=get("head_dim") or d // heads,
-            vocab_size=get("vocab_size"),
-            tied_embeddings=bool(get("tie_word_embeddings", False)),
-            num_experts=int(experts or 0),
-            expert_intermediate_size=int(get("moe_intermediate_size") or ffn) if experts else 0,
-        )
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention, MLP or experts, two norms)."""
-        d, dh = self.hidden_size, self.head_dim
-        attn = d * dh * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * dh * d
-        if self.num_experts:  # routed experts and the router
-            mlp = 3 * d * self.expert_intermediate_size * self.num_experts + d * self.num_experts
-        else:
-            mlp = 3 * d * self.intermediate_size
-        return attn + mlp + 2 * d
-
-    @property
-    def num_params(self) -> int:
-        embed = self.vocab_size * self.hidden_size
-        return embed * (1 if self.tied_embeddings else 2) + self.num_layers * self.layer_params + self.hidden_size
-
-    def lora_params(self, rank: int) -> int:
-        """LoRA parameters at ``rank`` on q, k, v, o, gate, up, down of every layer (r x (in + out) each)."""
-        d, dh = self.hidden_size, self.head_dim
-        q, kv, o = d + self.num_heads * dh, d + self.num_kv_heads * dh, self.num_heads * dh + d
-        ffn = self.intermediate_size
-        return rank * self.num_layers * (q + 2 * kv + o + 3 * (d + ffn))
 
 
 @dataclass(frozen=True)
@@ -163,7 +96,7 @@ class Setup:
     optimizer_bytes_per_param: int | None = None
     batch_size: int = 1
     device: Literal["cuda", "cpu"] = "cuda"
-    chunk_size: int = 4096
+    chunk_size: int = 4096  # long_seq.streambp.chunk_size; 0 for "auto" (chosen at each step)
     lm_head_chunk_size: int = 4096
 
     def __post_init__(self):
@@ -222,9 +155,14 @@ class Setup:
             offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
             batch_size=batch_size or int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1),
             device="cpu" if device == "cpu" else "cuda",
-            chunk_size=int((ls.get("streambp") or {}).get("chunk_size", 1024)),
+            chunk_size=_chunk((ls.get("streambp") or {}).get("chunk_size", 1024)),
             lm_head_chunk_size=int((ls.get("lm_head") or {}).get("chunk_size", 1024)),
         )
+
+
+def _chunk(value) -> int:
+    """A config's ``streambp.chunk_size`` as the planner's ``Setup.chunk_size`` ("auto": 0, chosen per step)."""
+    return 0 if value == "auto" else int(value)
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,7 @@ def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
     if sp_size > 1:
         local_len = -(-seq_len // sp_size)
         where = f"the local shard {local_len} (sequence length {seq_len} / sequence_parallel size {sp_size})"
-    if config.streambp.enabled and config.streambp.chunk_size > local_len:
+    if config.streambp.enabled and config.streambp.chunk_size != "auto" and config.streambp.chunk_size > local_len:
         warn_once(
             logger,
             f"long_seq.streambp.chunk_size={config.streambp.chunk_size} exceeds {where}: each sequence is one "

@@ -3,7 +3,9 @@
 Holds:
     StreamBP: checks that every layer can be replayed chunk by chunk (no dropout, no MLP noise) and
         installs ``modules.decoder_layer.StreamBPLayerForward`` as each decoder layer's forward, with
-        attention routed through ds_longseq's chunked attention function.
+        attention routed through ds_longseq's chunked attention function; with ``chunk_size: "auto"``, the
+        base model's forward pre-hook that picks the chunk size for each training forward
+        (``modules.auto_chunk``).
     replay_noise_problems: the MLP-noise check StreamBP and mini_seq share (both recompute the MLP).
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from ds_longseq.config import StreamBPConfig
+from ds_longseq.families.dims import ModelDims
+from ds_longseq.modules.auto_chunk import AutoChunkSize
 from ds_longseq.modules.decoder_layer import StreamBPLayerForward
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
@@ -35,7 +39,9 @@ class StreamBP(Technique):
 
     name = "streambp"
     Config = StreamBPConfig
-    run_after = ("approx_bp", "offload")  # the layer forward reads the offload installed before it
+    # the layer forward reads the offload installed before it; the automatic chunk size's hook must see the local
+    # shard (after the sequence-parallel hook, by registration order)
+    run_after = ("approx_bp", "offload", "sequence_parallel")
     uses_model_forward = True  # the model forward finds packed documents once and passes them to every layer
 
     def check(self, ctx: EnableContext) -> list[str]:
@@ -56,6 +62,7 @@ class StreamBP(Technique):
         sharing = ctx.adapter.kv_sharing()
         reused = {key for role, key in sharing.values() if role == "reuse"}
         streams = ctx.adapter.stacked_streams()
+        forwards = []
         for i, layer in enumerate(ctx.adapter.layers):
             role, key = sharing.get(i, (None, None))
             recurrent = ctx.adapter.mixer(layer) is not None
@@ -69,6 +76,17 @@ class StreamBP(Technique):
                 mixer_module=ctx.adapter.mixer(layer),
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
+            forwards.append(forward)
+        cfg = ctx.config
+        if cfg.streambp.chunk_size == "auto":
+            auto = AutoChunkSize(
+                ModelDims.from_config(ctx.model.config), forwards, budget_gib=cfg.streambp.auto_budget_gib,
+                free_fraction=cfg.streambp.auto_free_fraction, kv_block_size=cfg.attention.kv_block_size,
+                offloaded=cfg.offload.layer_inputs is not None, keep_every=cfg.offload.keep_every,
+                lm_head_chunk_size=cfg.lm_head.chunk_size if cfg.lm_head.enabled else None, model=ctx.model,
+            )
+            ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(auto.before_forward,
+                                                                                 with_kwargs=True))
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         return ctx.adapter.layers

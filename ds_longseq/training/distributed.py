@@ -174,7 +174,8 @@ def cpu_tuned_config_hint(long_seq, *, on_cuda: bool) -> str | None:
     if not on_cuda:
         return None
     tile = long_seq.attention.kv_block_size
-    small = long_seq.streambp.enabled and long_seq.streambp.chunk_size < GPU_CHUNK_TOKENS
+    chunk = long_seq.streambp.chunk_size
+    small = long_seq.streambp.enabled and chunk != "auto" and chunk < GPU_CHUNK_TOKENS
     if tile is None and not small:
         return None
     found = ", ".join(part for part in (

@@ -1,0 +1,169 @@
+"""StreamBP's automatic chunk size (``long_seq.streambp.chunk_size: "auto"``), chosen at every training forward.
+
+The largest chunk, up to the whole sequence, whose work fits a memory budget: a short sequence then runs as one chunk
+(as fast as plain checkpointing: one forward per layer in backward, no chunk loop), a long one streams. Chunk sizes
+below the whole sequence are powers of two, at least ``MIN_CHUNK`` tokens.
+
+Memory model (per device, B sequences of T local tokens, d hidden, L layers, b bytes per activation element):
+
+    kept    what the forward keeps whatever the chunk: the layer inputs left on the device (all L, ceil(L/k) + k - 1
+            with keep_every = k, none offloaded but the rebuilt block), one layer's keys and values with their
+            gradient buffers (StreamBP holds them across the chunks of a layer), the residual stream's gradient
+            in and out, the LM head's logits work (its chunk, or all T without the chunked head), and the gradients
+            of trainable parameters that have none yet (allocated by this backward)
+    work    B x chunk x ``ModelDims.chunk_work_per_token`` (ANALYTIC: the activations one layer saves for a chunk
+            and the backward's transient gradients, plus the score tiles on CPU)
+    budget  ``streambp.auto_budget_gib`` if set (for the work alone), else ``auto_free_fraction`` x the memory free
+            when the forward starts (CUDA: free device memory plus what torch's allocator holds unused; CPU:
+            available host memory), less kept.
+
+Holds:
+    MIN_CHUNK: the smallest chunk chosen.
+    choose_chunk_size: the largest chunk whose work fits a budget.
+    AutoChunkSize: the forward pre-hook on the base model that sets every StreamBP layer's chunk size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ds_longseq.compat import pop_cache
+from ds_longseq.families.dims import ModelDims
+from ds_longseq.logging import get_logger
+from ds_longseq.ops import offload as offload_ops
+from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from ds_longseq.modules.decoder_layer import StreamBPLayerForward
+
+__all__ = ["MIN_CHUNK", "choose_chunk_size", "AutoChunkSize"]
+
+logger = get_logger(__name__)
+
+MIN_CHUNK = 128
+"""The smallest chunk ``"auto"`` picks: below it the per-chunk overhead (one kernel launch per op and chunk, the
+prefix keys read again) outweighs the memory it saves."""
+
+GIB = 1024**3
+
+# the positional parameters of a base model's forward (as modules.offload reads them)
+_INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
+
+
+def choose_chunk_size(seq_len: int, batch_size: int, work_per_token: float, budget_bytes: float) -> int:
+    """The largest chunk of a ``seq_len``-token sequence whose work (``batch_size`` x chunk x ``work_per_token``
+    bytes) fits ``budget_bytes``: ``seq_len`` itself (one chunk), else the largest power of two below it that fits,
+    never below ``MIN_CHUNK`` (or ``seq_len`` when shorter)."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if batch_size * seq_len * work_per_token <= budget_bytes:
+        return seq_len
+    floor = min(MIN_CHUNK, seq_len)
+    chunk = 1 << (seq_len - 1).bit_length() - 1  # the largest power of two below seq_len
+    while chunk > floor and batch_size * chunk * work_per_token > budget_bytes:
+        chunk //= 2
+    return max(chunk, floor)
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return offload_ops.host_available_bytes()
+
+
+class AutoChunkSize:
+    """Sets the chunk size of every StreamBP layer before each training forward (installed by the StreamBP technique).
+
+    Args:
+        dims: the model's sizes.
+        layers: the StreamBP layer forwards whose ``chunk_size`` it sets.
+        budget_gib: ``streambp.auto_budget_gib`` (None: from free memory).
+        free_fraction: ``streambp.auto_free_fraction``.
+        kv_block_size: ``attention.kv_block_size`` (None: the device default).
+        offloaded: whether ``offload.layer_inputs`` takes the kept inputs off the device.
+        keep_every: ``offload.keep_every``.
+        lm_head_chunk_size: ``lm_head.chunk_size`` when the chunked head is on, else None (the whole sequence).
+        model: the whole model, whose trainable parameters without a gradient yet count as kept (None: the base
+            model's, the hook's module).
+    """
+
+    def __init__(self, dims: ModelDims, layers: Sequence["StreamBPLayerForward"], *, budget_gib: float | None,
+                 free_fraction: float, kv_block_size: int | None, offloaded: bool, keep_every: int,
+                 lm_head_chunk_size: int | None, model: torch.nn.Module | None = None):
+        self.dims = dims
+        self.model = model
+        self.layers = list(layers)
+        self.budget_gib = budget_gib
+        self.free_fraction = free_fraction
+        self.kv_block_size = kv_block_size
+        self.offloaded = offloaded
+        self.keep_every = keep_every
+        self.lm_head_chunk_size = lm_head_chunk_size
+        self.last: dict | None = None
+        """The last choice: ``{"seq_len", "batch_size", "chunk_size", "work_bytes", "budget_bytes", "kept_bytes"}``."""
+        self._logged: set[tuple[int, int]] = set()
+
+    def inputs_on_device(self) -> int:
+        """Layer inputs on the device at the peak: all L; ceil(L/k) + k - 1 with keep_every = k (k when offloaded:
+        the rebuilt block); none when offloaded and k = 1."""
+        num_layers, k = self.dims.num_layers, self.keep_every
+        if self.offloaded:
+            return k if k > 1 else 0
+        return math.ceil(num_layers / k) + (k - 1 if k > 1 else 0)
+
+    def kept_bytes(self, batch_size: int, seq_len: int, dtype_bytes: int, grads_to_come: int) -> float:
+        """What the forward keeps whatever the chunk (the module docstring's ``kept``)."""
+        d = self.dims
+        tokens = batch_size * seq_len
+        inputs = self.inputs_on_device() * tokens * d.hidden_size * dtype_bytes
+        kv = 4 * tokens * d.num_kv_heads * d.head_dim * dtype_bytes
+        residual_grads = 2 * tokens * d.hidden_size * dtype_bytes
+        head_tokens = min(self.lm_head_chunk_size or seq_len, seq_len) * (1 if self.lm_head_chunk_size else batch_size)
+        head = 3 * head_tokens * d.vocab_size * 4  # float32 logits, their softmax and gradient
+        return inputs + kv + residual_grads + head + grads_to_come
+
+    def choose(self, batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
+               grads_to_come: int = 0) -> int:
+        """Pick the chunk for one forward of (B, T) on ``device`` and set it on every layer; returns it."""
+        b = dtype.itemsize
+        tile = None if device.type == "cuda" and self.kv_block_size is None else min(
+            self.kv_block_size or CPU_KV_BLOCK_SIZE, seq_len)  # a tile holds at most the sequence's keys
+        score_bytes = 4 if dtype in (torch.float16, torch.bfloat16) else b  # tiles are merged in float32 at least
+        work = self.dims.chunk_work_per_token(b, tile, score_bytes)
+        kept = self.kept_bytes(batch_size, seq_len, b, grads_to_come)
+        if self.budget_gib is not None:
+            budget = self.budget_gib * GIB
+        else:
+            budget = self.free_fraction * _free_bytes(device) - kept
+        chunk = choose_chunk_size(seq_len, batch_size, work, budget)
+        for layer in self.layers:
+            layer.chunk_size = chunk
+        self.last = {"seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk,
+                     "work_bytes": batch_size * chunk * work, "budget_bytes": budget, "kept_bytes": kept}
+        if (seq_len, chunk) not in self._logged:
+            self._logged.add((seq_len, chunk))
+            fits = batch_size * chunk * work <= budget
+            logger.info(
+                "streambp.chunk_size auto: %d tokens per chunk for %d x %d tokens (%s; chunk work %.2f GiB of a "
+                "%.2f GiB budget%s)", chunk, batch_size, seq_len, "one chunk" if chunk == seq_len else "streamed",
+                batch_size * chunk * work / GIB, budget / GIB,
+                "" if fits else ": even the smallest chunk exceeds it, the step may run out of memory",
+            )
+        return chunk
+
+    def before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook (``with_kwargs=True``) of the base model: a training forward gets its chunk size."""
+        kwargs = {**dict(zip(_INPUT_NAMES, args, strict=False)), **kwargs}
+        embeds = kwargs.get("inputs_embeds")
+        tokens = embeds if embeds is not None else kwargs.get("input_ids")
+        if tokens is None or tokens.dim() < 2 or pop_cache(kwargs) is not None:
+            return  # generation: the layers run their stock forward
+        trainable = [p for p in (self.model or module).parameters() if p.requires_grad]
+        dtype = embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
+        grads_to_come = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+        self.choose(tokens.shape[0], tokens.shape[1], dtype, tokens.device,
+                    grads_to_come if torch.is_grad_enabled() else 0)
