@@ -1,18 +1,22 @@
 """The disk tier (``long_seq.offload.layer_inputs: "disk"``) against keeping the layer inputs in memory, on CPU.
 
-    python -m benchmarks.disk_tier --seq-lens 16384 32768 --disk-path /var/tmp --out benchmarks/results/disk_tier_cpu
+    python -m benchmarks.disk_tier --seq-lens 16384 32768 --hidden 128 --disk-path /var/tmp \
+        --out benchmarks/results/disk_tier_cpu
 
-StreamBP on an 8-layer Llama h512 (benchmarks.recipes.LLAMA_SMALL, 8 layers instead of 4: the layer inputs weigh
-more against the chunk's work space), float32, chunks of 1024 tokens, one sequence per step; each (length, method)
-in a fresh process, side by side in one run: one warm-up step, then ``--steps`` timed steps. Methods:
+StreamBP on benchmarks.recipes.LLAMA_SMALL's Llama with 8 layers instead of 4 (the layer inputs weigh more against
+the chunk's work space) and ``--hidden`` wide (heads of 64; 128 keeps a 32K step near 7 minutes on 2 cores: attention
+costs T^2 x d, the layer inputs' I/O T x d, so their ratio does not depend on d), float32, chunks of 1024 tokens, one
+sequence per step; each (length, method) in a fresh process, side by side in one run: one warm-up step, then
+``--steps`` timed steps. Methods:
 
     memory   the layer inputs stay in memory (on a CPU model that is the "device")
     disk     layer_inputs="disk" under --disk-path (DeepSpeed's async I/O, O_DIRECT)
 
 Reported per run: step time (median), the step's peak RSS above the RSS before it (``/proc/self/clear_refs``
-reset before each timed step), the page cache's growth over the timed steps (``Cached`` in /proc/meminfo: O_DIRECT
-should leave it flat), bytes written and read per step and the I/O thread's throughput (bytes over the thread's busy
-time, copies included). The table then compares: "above the chunk" = disk's peak minus (memory's peak minus the L
+reset before each timed step; children run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed blocks leave RSS),
+the page cache's growth over the timed steps (``Cached`` in /proc/meminfo: O_DIRECT should leave it flat), bytes
+written and read per step and the I/O thread's throughput (bytes over the thread's busy time, copies included).
+The table then compares: "above the chunk" = disk's peak minus (memory's peak minus the L
 layer inputs memory keeps), in layer inputs (L x T x d x 4 bytes / L): the target is at most one.
 """
 
@@ -29,6 +33,8 @@ import time
 
 import torch
 
+from benchmarks import harness
+
 MIB = 1024**2
 METHODS = ("memory", "disk")
 
@@ -41,20 +47,21 @@ def _cached_mib() -> float:
     return float("nan")
 
 
-def shape():
+def shape(hidden: int = 512):
     from benchmarks.recipes import LLAMA_SMALL
 
-    return dataclasses.replace(LLAMA_SMALL, name="llama-small-8l", num_hidden_layers=8)
+    return dataclasses.replace(LLAMA_SMALL, name=f"llama-h{hidden}-8l", num_hidden_layers=8, hidden_size=hidden,
+                               intermediate_size=LLAMA_SMALL.intermediate_size * hidden // LLAMA_SMALL.hidden_size,
+                               num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64)
 
 
-def measure(seq_len: int, method: str, disk_path: str, steps: int) -> dict:
+def measure(seq_len: int, method: str, disk_path: str, steps: int, hidden: int = 512) -> dict:
     """One (length, method) in this process: the numbers the module docstring lists."""
     import ds_longseq
-    from benchmarks import harness
     from benchmarks.recipes import build_model, random_tokens
 
     torch.set_num_threads(2)
-    s = shape()
+    s = shape(hidden)
     model = build_model(s, dtype="float32", device="cpu", seq_len=seq_len)
     cfg = {"streambp": {"enabled": True, "chunk_size": 1024}, "lm_head": {"enabled": True, "chunk_size": 1024}}
     if method == "disk":
@@ -95,19 +102,20 @@ def measure(seq_len: int, method: str, disk_path: str, steps: int) -> dict:
     return row
 
 
-def run_child(seq_len: int, method: str, disk_path: str, steps: int) -> dict:
+def run_child(seq_len: int, method: str, disk_path: str, steps: int, hidden: int) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.disk_tier", "--child", str(seq_len), method, "--disk-path", disk_path,
-           "--steps", str(steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+           "--steps", str(steps), "--hidden", str(hidden)]
+    # large blocks mmapped and returned at free: RSS then follows live memory instead of keeping what an earlier
+    # step freed (which would hide part of a later step's peak)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 << 10))
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def report(rows: list[dict], command: str) -> str:
-    from benchmarks import harness
-
-    s = shape()
+def report(rows: list[dict], command: str, hidden: int) -> str:
+    s = shape(hidden)
     lines = [f"# The disk tier against layer inputs in memory: {s.describe()}, fp32, StreamBP chunks of 1024, CPU",
              "", "| T | method | step s | vs memory | peak MiB | layer inputs MiB (all L) | above the chunk, in inputs "
              "| page cache growth MiB | disk MiB / step | write GB/s | read GB/s |",
@@ -134,26 +142,21 @@ def main(argv=None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--disk-path", default="/var/tmp", help="a directory on a local disk (not tmpfs)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512, help="hidden size (a multiple of 64)")
     p.add_argument("--out", default=None, help="write <out>.md and <out>.jsonl")
     p.add_argument("--child", nargs=2, metavar=("SEQ_LEN", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(int(args.child[0]), args.child[1], args.disk_path, args.steps)))
+        print(json.dumps(measure(int(args.child[0]), args.child[1], args.disk_path, args.steps, args.hidden)))
         return 0
     os.makedirs(args.disk_path, exist_ok=True)
     rows = []
     for t in args.seq_lens:
         for method in METHODS:
-            rows.append(run_child(t, method, args.disk_path, args.steps))
+            rows.append(run_child(t, method, args.disk_path, args.steps, args.hidden))
             print(json.dumps(rows[-1]), flush=True)
     command = "python -m benchmarks.disk_tier " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = report(rows, command)
-    print(text)
-    if args.out:
-        with open(f"{args.out}.md", "w") as f:
-            f.write(text)
-        with open(f"{args.out}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    harness.write_report(args.out, report(rows, command, args.hidden), rows)
     return 0
 
 

@@ -124,6 +124,18 @@ def write_csv(rows: Iterable[dict], path) -> None:
         writer.writerows(rows)
 
 
+def write_report(out: str | None, text: str, rows: Iterable[dict]) -> None:
+    """Print ``text``; with ``out``, also write it to ``<out>.md`` and the records to ``<out>.jsonl`` (one a line)."""
+    print(text)
+    if not out:
+        return
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(f"{out}.md", "w") as f:
+        f.write(text)
+    with open(f"{out}.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def num(value) -> float | None:
     """A CSV cell as a float, or None when empty."""
     return None if value in ("", None) else float(value)

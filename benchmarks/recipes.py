@@ -42,6 +42,8 @@ Methods:
     streambp:         ds_longseq StreamBP layers + chunked LM head (no checkpointing).
     streambp_offload: streambp with ds_longseq's ``long_seq.offload.layer_inputs = "cpu"``.
     streambp_2x:      streambp with a chunk twice the suite's ``chunk_size`` (exact): the bigger chunk's own effect.
+    streambp_auto, streambp_offload_auto: streambp / streambp_offload with ``streambp.chunk_size = "auto"``: the
+                      whole sequence as one chunk when its work fits 80% of free memory, else the largest power of two.
     streambp_keep<k>, streambp_offload_keep<k> (k = 2, 4): streambp / streambp_offload keeping every k-th layer
                       input only (``long_seq.offload.keep_every``), the others rebuilt in backward.
     <m>_approx:       stock, hf_gc, mst, streambp with ds_longseq's Approx-BP on top (``APPROX_BP``: ReSiLU2
@@ -299,6 +301,7 @@ class Recipe:
     approx_bp: bool = False  # ds_longseq long_seq.approx_bp = APPROX_BP, on top of whatever else the recipe does
     chunk_scale: int = 1  # StreamBP chunk = chunk_scale x the suite's chunk_size
     keep_every: int = 1  # ds_longseq long_seq.offload.keep_every (StreamBP keeps every k-th layer input only)
+    auto_chunk: bool = False  # ds_longseq long_seq.streambp.chunk_size = "auto" (the whole sequence when it fits)
 
 
 _BASE = (
@@ -315,6 +318,8 @@ METHODS: dict[str, Recipe] = {r.name: r for r in _BASE}
 for _name in ("alst", "mst", "streambp"):
     METHODS[f"{_name}_sp"] = replace(METHODS[_name], name=f"{_name}_sp", sequence_parallel=True)
 METHODS["streambp_2x"] = replace(METHODS["streambp"], name="streambp_2x", chunk_scale=2)
+METHODS["streambp_auto"] = replace(METHODS["streambp"], name="streambp_auto", auto_chunk=True)
+METHODS["streambp_offload_auto"] = replace(METHODS["streambp_offload"], name="streambp_offload_auto", auto_chunk=True)
 for _k in (2, 4):  # sparse layer-input storage, on the device and offloaded
     METHODS[f"streambp_keep{_k}"] = replace(METHODS["streambp"], name=f"streambp_keep{_k}", keep_every=_k)
     METHODS[f"streambp_offload_keep{_k}"] = replace(METHODS["streambp_offload"], name=f"streambp_offload_keep{_k}",
@@ -363,7 +368,8 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
         cfg = {"mini_seq": {"enabled": True, "mlp_num_chunks": num_chunks}, "lm_head": lm_head}
     elif recipe.long_seq == "streambp":
         # kv_block_size left to the device default: the whole prefix per tile on CUDA, 1024 keys on CPU
-        cfg = {"streambp": {"enabled": True, "chunk_size": chunk_size * recipe.chunk_scale}, "lm_head": lm_head}
+        chunk = "auto" if recipe.auto_chunk else chunk_size * recipe.chunk_scale
+        cfg = {"streambp": {"enabled": True, "chunk_size": chunk}, "lm_head": lm_head}
         if recipe.offload_layer_inputs:
             cfg["offload"] = {"layer_inputs": "cpu"}
         if recipe.keep_every > 1:

@@ -80,7 +80,7 @@ def test_the_budget_from_free_memory_counts_what_the_forward_keeps(monkeypatch):
     batch = make_batch(seq_len=SEQ)
     auto = _hook(model)
     dims = ModelDims.from_config(model.config)
-    work = dims.chunk_work_per_token(4, min(1024, SEQ), 4)  # CPU: a tile of the sequence's 300 keys
+    work = dims.chunk_work_per_token(4)  # Llama: the fused CPU kernel, no score tile
     seen = []
     for available in (1 << 40, 0, None):
         if available is not None:
@@ -167,3 +167,18 @@ def test_under_sequence_parallelism_the_local_shard_is_chunked():
 
     for r in run_distributed(sp_auto_worker, world_size=2, args=(2,)):
         assert r == {"same": True, "seq_len": SEQ, "chunk": 128}, r
+
+
+def test_score_tiles_count_only_where_attention_runs_the_math_kernel():
+    """A soft-capped model (Gemma 2) runs attention's math kernel, which holds the scores and probabilities of every
+    head over a key tile; the fused kernels of every other model hold none."""
+    from transformers import Gemma2Config
+
+    dims = ModelDims(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     vocab_size=100)
+    capped = ModelDims.from_config(Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                vocab_size=100))
+    assert capped.attention_softcap and not dims.attention_softcap
+    assert dims.chunk_work_per_token(4, 1024) == dims.chunk_work_per_token(4)
+    assert capped.chunk_work_per_token(4, 1024) - capped.chunk_work_per_token(4) == 2 * 4 * 1024 * 4

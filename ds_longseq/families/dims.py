@@ -30,6 +30,7 @@ class ModelDims:
     num_experts: int = 0
     expert_intermediate_size: int = 0
     experts_per_token: int = 0  # routed experts each token goes through (MoE)
+    attention_softcap: bool = False  # attention logits soft-capped (Gemma 2): attention runs the math kernel
 
     @classmethod
     def from_config(cls, config) -> "ModelDims":
@@ -59,6 +60,7 @@ class ModelDims:
             num_experts=int(experts or 0),
             expert_intermediate_size=int(get("moe_intermediate_size") or ffn) if experts else 0,
             experts_per_token=int(get("num_experts_per_tok") or get("moe_topk") or 0) if experts else 0,
+            attention_softcap=bool(get("attn_logit_softcapping")),
         )
 
     @property
@@ -94,16 +96,18 @@ class ModelDims:
     def chunk_work_per_token(self, dtype_bytes: int, kv_tile: int | None = None, score_bytes: int = 4) -> float:
         """Bytes one decoder layer holds per token of a chunk while StreamBP runs the chunk forward and backward.
 
-        ANALYTIC (counted from the layer's structure, not fitted; ``benchmarks/auto_chunk.py`` compares it with
-        measured peaks): the activations autograd saves for the chunk (the two norms' inputs and outputs, q, k, v
-        and their rotated copies, the attention output, the MLP's gate, up, activation and product, the router's
-        logits) plus the backward's transient gradients of the widest of them (the MLP's and the residual's), all in
-        the activations' dtype (``dtype_bytes``); with a key tile of ``kv_tile`` keys (CPU kernels; None on CUDA,
-        whose fused kernels hold none) the score and probability tiles of every head, ``score_bytes`` each.
+        ANALYTIC (counted from the layer's structure, not fitted; ``benchmarks/auto_chunk.py`` measures it 1.3x
+        above the real slope on CPU, so a budget it keeps is kept): the activations autograd saves for the chunk
+        (the two norms' inputs and outputs, q, k, v and their rotated copies, the attention output, the MLP's gate,
+        up, activation and product, the router's logits) plus the backward's transient gradients of the widest of
+        them (the MLP's and the residual's), all in the activations' dtype (``dtype_bytes``). The fused attention
+        kernels hold no score tile; where attention runs the math kernel (a soft-capped model:
+        ``attention_softcap``) the score and probability tiles of every head over ``kv_tile`` keys count too,
+        ``score_bytes`` each.
         """
         d, ffn = self.hidden_size, self.token_mlp_width
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         saved = 6 * d + 3 * q + 3 * kv + 4 * ffn + self.num_experts
         transient = 2 * ffn + 2 * d
-        tile = 2 * self.num_heads * kv_tile * score_bytes if kv_tile else 0
+        tile = 2 * self.num_heads * kv_tile * score_bytes if kv_tile and self.attention_softcap else 0
         return (saved + transient) * dtype_bytes + tile

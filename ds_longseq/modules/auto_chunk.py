@@ -12,7 +12,8 @@ Memory model (per device, B sequences of T local tokens, d hidden, L layers, b b
             in and out, the LM head's logits work (its chunk, or all T without the chunked head), and the gradients
             of trainable parameters that have none yet (allocated by this backward)
     work    B x chunk x ``ModelDims.chunk_work_per_token`` (ANALYTIC: the activations one layer saves for a chunk
-            and the backward's transient gradients, plus the score tiles on CPU)
+            and the backward's transient gradients, plus the score tiles where attention runs the math kernel;
+            measured on CPU, benchmarks/auto_chunk.py: the real slope is 1/1.3 of it)
     budget  ``streambp.auto_budget_gib`` if set (for the work alone), else ``auto_free_fraction`` x the memory free
             when the forward starts (CUDA: free device memory plus what torch's allocator holds unused; CPU:
             available host memory), less kept.

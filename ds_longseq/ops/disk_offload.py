@@ -51,6 +51,7 @@ import weakref
 import torch
 
 from ds_longseq.logging import get_logger
+from ds_longseq.ops.offload import SaveStack
 
 __all__ = ["PIECE_BYTES", "ALIGNMENT", "AsyncIOUnavailable", "load_async_io", "DiskStore", "DiskOffloader",
            "DiskTensor", "check_disk_path", "filesystem_type"]
@@ -434,7 +435,7 @@ class DiskTensor:
             self._offloader.store.remove(self.path)
 
 
-class DiskOffloader:
+class DiskOffloader(SaveStack):
     """The layer inputs saved to disk by one forward pass, in order; each is read back once, in backward.
 
     Backward runs the layers in reverse, so when layer i's input is loaded the offloader queues the read of the input
@@ -444,39 +445,16 @@ class DiskOffloader:
         store: the rank's :class:`DiskStore` (shared by every forward of a model).
     """
 
+    STORED = "disk"
+    SETTING = "long_seq.offload.layer_inputs='disk'"
+
     def __init__(self, store: DiskStore):
+        super().__init__()
         self.store = store
-        self._saved: list[weakref.ref[DiskTensor]] = []  # weak: the autograd graph owns the handles
 
     def save(self, tensor: torch.Tensor) -> DiskTensor:
         """Queue the write of ``tensor`` (a (B, T, d) layer input) to disk; the handle keeps no reference to it."""
-        if tensor.device.type not in ("cuda", "cpu"):
-            raise NotImplementedError(
-                f"long_seq.offload.layer_inputs='disk' supports CUDA and CPU tensors, got one on {tensor.device}: "
-                "remove long_seq.offload.layer_inputs"
-            )
+        self._check_device(tensor)
         if self._saved and (last := self._saved[-1]()) is not None and last._written.done():
             last._written.result()  # a failed write (disk full) stops the forward here, not in backward
-        handle = DiskTensor(self, len(self._saved), tensor)
-        self._saved.append(weakref.ref(handle))
-        return handle
-
-    @property
-    def num_saved(self) -> int:
-        """Tensors saved and not yet loaded (nor freed with their graph)."""
-        return sum(1 for ref in self._saved if (h := ref()) is not None and h.state == "disk")
-
-    @property
-    def saved_bytes(self) -> int:
-        """Bytes of the tensors saved and not yet loaded."""
-        return sum(h.nbytes for ref in self._saved if (h := ref()) is not None and h.state == "disk")
-
-    def _prefetch_before(self, index: int) -> None:
-        """Queue the read of the latest tensor saved before ``index`` that is still on disk."""
-        for ref in reversed(self._saved[:index]):
-            handle = ref()
-            if handle is None or handle.state == "consumed":
-                continue
-            if handle.state == "disk":
-                handle._fetch()
-            return
+        return self._track(DiskTensor(self, len(self._saved), tensor))

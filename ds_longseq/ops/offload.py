@@ -41,6 +41,7 @@ __all__ = [
     "HostBufferPool",
     "LayerInputOffloader",
     "OffloadedTensor",
+    "SaveStack",
     "host_available_bytes",
     "ranks_on_this_host",
     "save_input",
@@ -297,7 +298,55 @@ class OffloadedTensor:
             self._slabs = []
 
 
-class LayerInputOffloader:
+class SaveStack:
+    """The handles of one forward's saved tensors, in order: the bookkeeping every offload tier shares.
+
+    A handle has ``state`` (``STORED`` until its copy back starts, then ``"fetching"``, then ``"consumed"``),
+    ``nbytes`` and ``_fetch()`` (start the copy back). References are weak: the autograd graph owns the handles, so a
+    graph freed without a backward releases their storage at once instead of when this stack dies.
+    """
+
+    STORED = "host"
+    """The state of a saved handle whose copy back has not started."""
+    SETTING = "long_seq.offload.layer_inputs"
+    """How errors name the setting that chose this tier."""
+
+    def __init__(self):
+        self._saved: list[weakref.ref] = []
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type not in ("cuda", "cpu"):
+            raise NotImplementedError(
+                f"{self.SETTING} supports CUDA and CPU tensors, got one on {tensor.device}: remove "
+                "long_seq.offload.layer_inputs"
+            )
+
+    def _track(self, handle):
+        self._saved.append(weakref.ref(handle))
+        return handle
+
+    @property
+    def num_saved(self) -> int:
+        """Tensors saved and not yet loaded (nor freed with their graph)."""
+        return sum(1 for ref in self._saved if (h := ref()) is not None and h.state == self.STORED)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of the tensors saved and not yet loaded."""
+        return sum(h.nbytes for ref in self._saved if (h := ref()) is not None and h.state == self.STORED)
+
+    def _prefetch_before(self, index: int) -> None:
+        """Start copying back the latest tensor saved before ``index`` that is still stored."""
+        for ref in reversed(self._saved[:index]):
+            handle = ref()
+            if handle is None or handle.state == "consumed":
+                continue
+            if handle.state == self.STORED:
+                handle._fetch()
+            return
+
+
+class LayerInputOffloader(SaveStack):
     """The layer inputs saved by one forward pass, in order; each is loaded back once, in backward.
 
     Backward runs the layers in reverse, so when layer i's input is loaded the offloader starts copying
@@ -308,47 +357,19 @@ class LayerInputOffloader:
     """
 
     def __init__(self, pool: HostBufferPool):
+        super().__init__()
         self.pool = pool
-        # Weak references: the autograd graph owns the handles, so a graph freed without backward
-        # releases its slabs at once instead of when this offloader dies.
-        self._saved: list[weakref.ref[OffloadedTensor]] = []
 
     def save(self, tensor: torch.Tensor) -> OffloadedTensor:
         """Copy ``tensor`` (a (B, T, d) layer input) to host slabs; keep no reference to it."""
-        if tensor.device.type not in ("cuda", "cpu"):
-            raise NotImplementedError(
-                f"long_seq.offload.layer_inputs supports CUDA and CPU tensors, got one on {tensor.device}: "
-                "remove long_seq.offload.layer_inputs"
-            )
+        self._check_device(tensor)
         if tensor.device.type == "cpu":
             warn_once(
                 logger,
                 "long_seq.offload.layer_inputs='cpu' on a model that runs on the CPU saves no memory (the layer "
                 "inputs are already in host memory, and are copied once more); it is meant for GPU models",
             )
-        handle = OffloadedTensor(self, len(self._saved), tensor)
-        self._saved.append(weakref.ref(handle))
-        return handle
-
-    @property
-    def num_saved(self) -> int:
-        """Tensors saved and not yet loaded (nor freed with their graph)."""
-        return sum(1 for ref in self._saved if (h := ref()) is not None and h.state == "host")
-
-    @property
-    def saved_bytes(self) -> int:
-        """Bytes of the tensors saved and not yet loaded."""
-        return sum(h.nbytes for ref in self._saved if (h := ref()) is not None and h.state == "host")
-
-    def _prefetch_before(self, index: int) -> None:
-        """Start copying back the latest tensor saved before ``index`` that is still on the host."""
-        for ref in reversed(self._saved[:index]):
-            handle = ref()
-            if handle is None or handle.state == "consumed":
-                continue
-            if handle.state == "host":
-                handle._fetch()
-            return
+        return self._track(OffloadedTensor(self, len(self._saved), tensor))
 
 
 def save_input(ctx, x: torch.Tensor, offloader: "LayerInputOffloader | None") -> None:
