@@ -296,7 +296,7 @@ def test_config_validation():
         LongSeqConfig.from_dict({"offload": {"layer_inputs": "cpu"}})
     assert "long_seq.offload.layer_inputs='cpu' needs long_seq.streambp or long_seq.mini_seq" in str(info.value)
     for bad in ["gpu", True, 1, "CPU"]:
-        with pytest.raises(LongSeqConfigError, match="long_seq.offload.layer_inputs must be 'cpu' or null"):
+        with pytest.raises(LongSeqConfigError, match="long_seq.offload.layer_inputs must be 'cpu' or 'disk' or null"):
             LongSeqConfig.from_dict({"streambp": {"enabled": True}, "offload": {"layer_inputs": bad}})
     with pytest.raises(LongSeqConfigError, match="unknown key long_seq.offload.'activations'"):
         LongSeqConfig.from_dict({"streambp": {"enabled": True}, "offload": {"activations": "cpu"}})
