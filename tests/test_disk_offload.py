@@ -377,3 +377,24 @@ def test_without_the_async_io_op_the_error_names_libaio(disk_dir, monkeypatch):
     finally:
         disk_offload.load_async_io.cache_clear()
     assert _all_files(disk_dir) == []
+
+
+def test_a_process_that_exits_mid_step_leaves_nothing(disk_dir):
+    """A process that ends between forward and backward, without disable: its directory goes at exit."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ds_longseq\n"
+        "from tests.helpers import make_batch, make_model\n"
+        f"cfg = {_disk(disk_dir)!r}\n"
+        "model = ds_longseq.enable(make_model('llama', torch.float32, num_layers=3), cfg).train()\n"
+        "loss = model(**make_batch()).loss\n"
+        "import os; print(len(os.listdir(cfg['offload']['disk_path'])))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1"  # the rank's directory existed, files in it
+    assert _all_files(disk_dir) == []

@@ -37,7 +37,6 @@ every write is checked against the file's size once it completes.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import errno
 import functools
@@ -204,7 +203,6 @@ class DiskStore:
         self.stats = _Stats()
         self.closed = False
         self._finalizer = weakref.finalize(self, _remove_tree, self.dir)  # also runs at interpreter exit
-        atexit.register(self._finalizer)
 
     # -- files -------------------------------------------------------------------------------------------------------
     def new_path(self) -> str:
@@ -235,8 +233,12 @@ class DiskStore:
 
     def remove(self, path: str) -> None:
         """Queue the removal of ``path`` (after the writes and reads queued before it)."""
-        if not self.closed:
+        if self.closed:
+            return  # close() removes the whole directory
+        try:
             self._thread.submit(_unlink, path)
+        except RuntimeError:  # the interpreter is shutting down (no new jobs): the directory goes at exit anyway
+            pass
 
     def _buffers(self, pinned: bool) -> list[torch.Tensor]:
         if pinned not in self._staging:
@@ -362,7 +364,6 @@ class DiskStore:
         self._staging.clear()
         self._streams.clear()
         self._finalizer()
-        atexit.unregister(self._finalizer)
 
 
 def _unlink(path: str) -> None:
