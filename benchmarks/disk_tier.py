@@ -102,6 +102,36 @@ def measure(seq_len: int, method: str, disk_path: str, steps: int, hidden: int =
     return row
 
 
+def paired(seq_len: int, disk_path: str, steps: int, hidden: int) -> dict:
+    """Step times of both methods in ONE process, alternating (memory, disk, then disk, memory, ...) after one
+    warm-up step each: a slow patch of a shared machine then hits both alike (fresh processes one after the other
+    moved the ratio from 0.98x to 1.24x at 16K between two runs here). No memory numbers (the process holds both)."""
+    import ds_longseq
+    from benchmarks.recipes import build_model, random_tokens
+
+    torch.set_num_threads(2)
+    s = shape(hidden)
+    models = {}
+    for method in METHODS:
+        model = build_model(s, dtype="float32", device="cpu", seq_len=seq_len)
+        cfg = {"streambp": {"enabled": True, "chunk_size": 1024}, "lm_head": {"enabled": True, "chunk_size": 1024}}
+        if method == "disk":
+            cfg["offload"] = {"layer_inputs": "disk", "disk_path": disk_path}
+        models[method] = ds_longseq.enable(model, cfg)
+    ids = random_tokens(s, seq_len)
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    for rep in range(steps + 1):
+        order = METHODS if rep % 2 == 0 else tuple(reversed(METHODS))
+        for method in order:
+            t0 = time.perf_counter()
+            models[method](input_ids=ids, labels=ids).loss.backward()
+            models[method].zero_grad(set_to_none=True)
+            if rep:
+                times[method].append(time.perf_counter() - t0)
+    ratio = statistics.median(times["disk"]) / statistics.median(times["memory"])
+    return {"seq_len": seq_len, "paired_steps": steps, "times": times, "median_ratio": ratio}
+
+
 def run_child(seq_len: int, method: str, disk_path: str, steps: int, hidden: int) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.disk_tier", "--child", str(seq_len), method, "--disk-path", disk_path,
            "--steps", str(steps), "--hidden", str(hidden)]
@@ -144,18 +174,30 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--hidden", type=int, default=512, help="hidden size (a multiple of 64)")
     p.add_argument("--out", default=None, help="write <out>.md and <out>.jsonl")
+    p.add_argument("--paired", action="store_true",
+                   help="step times only, both methods alternating in one process (see paired())")
     p.add_argument("--child", nargs=2, metavar=("SEQ_LEN", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(measure(int(args.child[0]), args.child[1], args.disk_path, args.steps, args.hidden)))
         return 0
     os.makedirs(args.disk_path, exist_ok=True)
+    command = "python -m benchmarks.disk_tier " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.paired:
+        rows = [paired(t, args.disk_path, args.steps, args.hidden) for t in args.seq_lens]
+        title = ("# The disk tier against layer inputs in memory, paired in one process: "
+                 f"{shape(args.hidden).describe()}")
+        lines = [f"{title}, fp32, StreamBP chunks of 1024, CPU", "",
+                 "| T | memory steps s | disk steps s | median disk / memory |", "|---:|---|---|---:|"]
+        lines += [f"| {r['seq_len']} | {', '.join(f'{x:.2f}' for x in r['times']['memory'])} | "
+                  f"{', '.join(f'{x:.2f}' for x in r['times']['disk'])} | {r['median_ratio']:.2f}x |" for r in rows]
+        harness.write_report(args.out, "\n".join([*lines, "", *harness.environment([command]), ""]), rows)
+        return 0
     rows = []
     for t in args.seq_lens:
         for method in METHODS:
             rows.append(run_child(t, method, args.disk_path, args.steps, args.hidden))
             print(json.dumps(rows[-1]), flush=True)
-    command = "python -m benchmarks.disk_tier " + " ".join(sys.argv[1:] if argv is None else argv)
     harness.write_report(args.out, report(rows, command, args.hidden), rows)
     return 0
 

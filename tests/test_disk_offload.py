@@ -398,3 +398,19 @@ def test_a_process_that_exits_mid_step_leaves_nothing(disk_dir):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "1"  # the rank's directory existed, files in it
     assert _all_files(disk_dir) == []
+
+
+def test_staging_buffers_fit_the_memlock_limit(disk_dir, monkeypatch):
+    """Without CAP_IPC_LOCK a process may page-lock only RLIMIT_MEMLOCK bytes (8 MiB by default for users): the two
+    staging buffers shrink to fit it (and the round trip stays bitwise), or the store refuses, naming ulimit -l."""
+    monkeypatch.setattr(disk_offload, "lockable_bytes", lambda: 1 << 20)
+    store = DiskStore(str(disk_dir))
+    assert store.piece_bytes == 512 << 10
+    x = torch.randn(3, 100_000)  # 1.2 MB: three pieces
+    h = DiskOffloader(store).save(x)
+    assert torch.equal(h.load(), x)
+    store.close()
+    monkeypatch.setattr(disk_offload, "lockable_bytes", lambda: 4096)
+    with pytest.raises(OSError, match="ulimit -l"):
+        DiskStore(str(disk_dir))
+    assert _all_files(disk_dir) == []

@@ -41,6 +41,7 @@ import concurrent.futures
 import errno
 import functools
 import os
+import resource
 import shutil
 import tempfile
 import threading
@@ -53,7 +54,7 @@ from ds_longseq.logging import get_logger
 from ds_longseq.ops.offload import SaveStack
 
 __all__ = ["PIECE_BYTES", "ALIGNMENT", "AsyncIOUnavailable", "load_async_io", "DiskStore", "DiskOffloader",
-           "DiskTensor", "check_disk_path", "filesystem_type"]
+           "DiskTensor", "check_disk_path", "filesystem_type", "lockable_bytes"]
 
 logger = get_logger(__name__)
 
@@ -107,6 +108,23 @@ def load_async_io():
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+CAP_IPC_LOCK = 14  # capabilities(7): lock memory beyond RLIMIT_MEMLOCK
+
+
+def lockable_bytes() -> int | None:
+    """Bytes this process may page-lock (``mlock``), or None without a limit: RLIMIT_MEMLOCK's soft limit, unless
+    the process holds CAP_IPC_LOCK (root outside most containers) or the limit is infinite."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
+    except OSError:
+        caps = 0
+    return None if caps >> CAP_IPC_LOCK & 1 else soft
 
 
 def filesystem_type(path: str) -> str | None:
@@ -190,6 +208,18 @@ class DiskStore:
             raise ValueError(f"piece_bytes must be a positive multiple of {ALIGNMENT}, got {piece_bytes}")
         check_disk_path(disk_path)
         self._aio = load_async_io()
+        limit = lockable_bytes()
+        if limit is not None and 2 * piece_bytes > limit:
+            # a CPU model's staging buffers are page-locked (DeepSpeed's op needs them so): two must fit the limit
+            fitted = limit // 2 // ALIGNMENT * ALIGNMENT
+            if fitted < ALIGNMENT:
+                raise OSError(errno.ENOMEM, f"long_seq.offload.layer_inputs='disk' needs two page-locked staging "
+                                            f"buffers, and this process may lock only {limit} bytes "
+                                            "(RLIMIT_MEMLOCK): raise it (ulimit -l, or memlock in "
+                                            "/etc/security/limits.conf or the container's settings)")
+            logger.info("offload: staging buffers of %d bytes instead of %d (RLIMIT_MEMLOCK allows %d locked bytes)",
+                        fitted, piece_bytes, limit)
+            piece_bytes = fitted
         self.piece_bytes = piece_bytes
         self.dir = tempfile.mkdtemp(prefix=f"ds_longseq-rank{rank}-", dir=disk_path)
         # one handle per staging buffer: wait() on a handle waits for all of its requests, so a buffer's own
@@ -247,7 +277,12 @@ class DiskStore:
                                          for _ in range(2)]
             else:
                 example = torch.empty(0, dtype=torch.uint8)
-                self._staging[pinned] = [h.new_cpu_locked_tensor(self.piece_bytes, example) for h in self._handles]
+                buffers = [h.new_cpu_locked_tensor(self.piece_bytes, example) for h in self._handles]
+                if any(b.data_ptr() == 0 for b in buffers):  # DeepSpeed's allocator returns null when mlock fails
+                    raise OSError(errno.ENOMEM, f"long_seq.offload.layer_inputs='disk': page-locking two staging "
+                                                f"buffers of {self.piece_bytes} bytes failed (mlock): raise the "
+                                                "memlock limit (ulimit -l) or free memory")
+                self._staging[pinned] = buffers
         return self._staging[pinned]
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
