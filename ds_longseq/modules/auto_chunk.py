@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ds_longseq.compat import pop_cache
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.logging import get_logger
+from ds_longseq.modules.offload import forward_tokens
 from ds_longseq.ops import offload as offload_ops
 from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
 
@@ -49,9 +49,6 @@ MIN_CHUNK = 128
 prefix keys read again) outweighs the memory it saves."""
 
 GIB = 1024**3
-
-# the positional parameters of a base model's forward (as modules.offload reads them)
-_INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
 
 
 def choose_chunk_size(seq_len: int, batch_size: int, work_per_token: float, budget_bytes: float) -> int:
@@ -158,13 +155,11 @@ class AutoChunkSize:
 
     def before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook (``with_kwargs=True``) of the base model: a training forward gets its chunk size."""
-        kwargs = {**dict(zip(_INPUT_NAMES, args, strict=False)), **kwargs}
-        embeds = kwargs.get("inputs_embeds")
-        tokens = embeds if embeds is not None else kwargs.get("input_ids")
-        if tokens is None or tokens.dim() < 2 or pop_cache(kwargs) is not None:
+        found = forward_tokens(module, args, kwargs)
+        if found is None:
             return  # generation: the layers run their stock forward
+        tokens, dtype = found
         trainable = [p for p in (self.model or module).parameters() if p.requires_grad]
-        dtype = embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
         grads_to_come = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
         self.choose(tokens.shape[0], tokens.shape[1], dtype, tokens.device,
                     grads_to_come if torch.is_grad_enabled() else 0)

@@ -28,10 +28,23 @@ from ds_longseq.ops.sparse_inputs import SparseInputs
 
 logger = get_logger(__name__)
 
-__all__ = ["LayerInputOffload", "HostMemoryError", "DiskSpaceError"]
+__all__ = ["LayerInputOffload", "HostMemoryError", "DiskSpaceError", "forward_tokens"]
 
 # the base model's positional parameters (the fourth is its KV cache, ``past_key_values`` before transformers 5.24)
 _INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
+
+
+def forward_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.dtype] | None:
+    """The (B, T, ...) token tensor of a base model's forward and its residual stream's dtype, from a forward
+    pre-hook's ``args`` / ``kwargs``; None for a call with a KV cache (generation: layers run the stock forward) or
+    with no 2-D tokens (a call the model itself will refuse)."""
+    kwargs = {**dict(zip(_INPUT_NAMES, args, strict=False)), **kwargs}
+    embeds = kwargs.get("inputs_embeds")
+    tokens = embeds if embeds is not None else kwargs.get("input_ids")
+    if tokens is None or tokens.dim() < 2 or pop_cache(kwargs) is not None:
+        return None
+    # The residual stream has the embedding's dtype, also under autocast (embeddings are not autocast).
+    return tokens, embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
 
 
 class HostMemoryError(MemoryError):
@@ -109,18 +122,15 @@ class LayerInputOffload:
     def before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook (``with_kwargs=True``) of the base model: runs before the embedding."""
         self.current = None
-        kwargs = {**dict(zip(_INPUT_NAMES, args, strict=False)), **kwargs}
-        embeds = kwargs.get("inputs_embeds")
-        tokens = embeds if embeds is not None else kwargs.get("input_ids")
-        if tokens is None or tokens.dim() < 2 or pop_cache(kwargs) is not None:
+        found = forward_tokens(module, args, kwargs)
+        if found is None:
             return  # generation (layers run the stock forward) or a call the model itself will refuse
+        tokens, dtype = found
         training = torch.is_grad_enabled() and (
-            (embeds is not None and embeds.requires_grad) or any(p.requires_grad for p in module.parameters())
+            tokens.requires_grad or any(p.requires_grad for p in module.parameters())
         )
         if not training:
             return  # nothing is kept for backward, so nothing is offloaded
-        # The residual stream has the embedding's dtype, also under autocast (embeddings are not autocast).
-        dtype = embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
         if self.host:
             self.check_host_memory(tokens.shape[0], tokens.shape[1], dtype, pinned=tokens.device.type == "cuda")
         elif self.store is not None:
