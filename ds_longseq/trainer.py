@@ -158,7 +158,10 @@ class LongSeqTrainerMixin:
         cfg = self.long_seq_config
         sp_group = None
         if cfg.sequence_parallel.enabled:
+            # the process group accelerate started (or the launcher's environment describes): DeepSpeed's groups
+            # need deepspeed.comm to know it, which on CPU ranks it does not until deepspeed.initialize
             sp_group = sequence_parallel_groups(cfg.sequence_parallel.size).get_sequence_parallel_group()
+            self._check_world_matches_accelerate()
         if is_enabled(self.model):
             if get_config(self.model) != cfg:
                 raise ValueError(
@@ -201,6 +204,18 @@ class LongSeqTrainerMixin:
             self._whole_calls = self._whole_sequence_calls(cfg, sp_group)
 
     # ---- set-up ---------------------------------------------------------------------------------
+
+    def _check_world_matches_accelerate(self) -> None:
+        """accelerate must see the ranks DeepSpeed's groups span (it shards the data over them): under a bare
+        mpirun on GPUs it does not (it reads LOCAL_RANK, which MPI does not set), and would train every rank on
+        the same batches."""
+        world, seen = dist.get_world_size(), self.accelerator.num_processes
+        if seen != world:
+            raise RuntimeError(
+                f"this process is one of {world} ranks but accelerate set up {seen} process(es) (under mpirun it reads "
+                "RANK / LOCAL_RANK / WORLD_SIZE, which MPI does not set): launch through SCRIPT=your_script.py bash "
+                "launch/mpirun.sh, which sets them, or with deepspeed / torchrun / accelerate launch"
+            )
 
     def _take_long_seq_section(self, long_seq) -> tuple[dict[str, Any] | None, LongSeqConfig]:
         """(the raw section for engine.initialize_with, validated config); removes it from the

@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
-# Launch examples/sft.py with mpirun instead of the deepspeed launcher.
+# Launch examples/sft.py, or any training script, with mpirun instead of the deepspeed launcher.
 #
 # Usage:
 #   bash launch/mpirun.sh [sft.py args...]                          # NP=2 ranks on this machine
 #   NP=4 bash launch/mpirun.sh --max-steps 10 --save-dir /tmp/run
 #   HOSTFILE=launch/hostfile bash launch/mpirun.sh --seq-len 32768   # NP = sum of the slots
+#   SCRIPT=train.py bash launch/mpirun.sh [train.py args...]         # your script (Trainer, TRL, your loop)
 # Needs mpirun and mpi4py (from PyPI: bash .ci/install_mpi.sh, i.e. pip install mpich mpi4py).
 #
 # Environment (all optional):
 #   NP            number of ranks (default: the sum of slots= in HOSTFILE, else 2)
 #   HOSTFILE      DeepSpeed-style hostfile ("node1 slots=8", see launch/hostfile.example);
 #                 turned into MPICH's "node1:8" form when mpirun is MPICH's (Hydra)
-#   DS_CONFIG     DeepSpeed config (default: ds_configs/zero2_streambp.json)
+#   SCRIPT        the script every rank runs (default: examples/sft.py); its arguments are this script's
+#   DS_CONFIG     DeepSpeed config for examples/sft.py (default: ds_configs/zero2_streambp.json; passed to
+#                 sft.py only: give your own script its config in its own arguments)
 #   MPIRUN        the mpirun executable (default: mpirun); PYTHON (default: python)
 #   MPI_ARGS      extra mpirun flags, word-split (e.g. "-ppn 8" or "--bind-to none")
 #   MASTER_PORT   rendezvous port (see "Rank discovery" below for when it is honoured)
-# Every argument is passed through to examples/sft.py.
+# Every argument is passed through to the script.
 #
-# Rank discovery: sft.py calls deepspeed.init_distributed(auto_mpi_discovery=True). With RANK,
-# WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT not all set (as under mpirun), DeepSpeed's
-# mpi_discovery() asks mpi4py for the rank and world size, counts the ranks on the same host for
-# LOCAL_RANK, broadcasts rank 0's `hostname -I` as MASTER_ADDR and sets MASTER_PORT to
-# init_distributed's distributed_port argument (29500 by default), overwriting whatever the
-# environment says. Two mpirun jobs on one machine therefore collide on 29500 (EADDRINUSE)
-# unless sft.py passes distributed_port=int(os.environ.get("MASTER_PORT", 29500)); with that,
-# MASTER_PORT set here (forwarded to every rank) is used. On a node with several networks,
-# check that rank 0's first `hostname -I` address is one the other nodes reach.
+# Rank discovery: every rank runs `python -m ds_longseq.engine.mpi_env SCRIPT args`, which asks
+# mpi4py for the rank and world size, counts the ranks on the same host (LOCAL_RANK,
+# LOCAL_WORLD_SIZE), broadcasts rank 0's first `hostname -I` address as MASTER_ADDR (unless
+# MASTER_ADDR is set) and takes MASTER_PORT from the environment (29500 if unset), sets them as
+# torchrun would, then runs the script. So an unmodified Hugging Face Trainer / TRL script runs
+# here as under the deepspeed launcher (accelerate reads LOCAL_RANK and MASTER_ADDR when
+# TrainingArguments is made: a bare mpirun trains every GPU rank alone, on GPU 0, and fails on CPU
+# ranks for want of MASTER_ADDR). Two mpirun jobs on one machine need different MASTER_PORTs. On a
+# node with several networks, check that rank 0's first `hostname -I` address is one the other
+# nodes reach, or set MASTER_ADDR.
 #
-# Ranks run as `python -u -m mpi4py examples/sft.py`: an uncaught exception on one rank then
-# calls MPI_Abort and ends the whole job, where plain `python` would leave the other ranks
-# waiting in a collective (or in MPI_Finalize) until a timeout.
+# Ranks run as `python -u -m mpi4py -m ds_longseq.engine.mpi_env SCRIPT`: an uncaught exception on
+# one rank then calls MPI_Abort and ends the whole job, where plain `python` would leave the other
+# ranks waiting in a collective (or in MPI_Finalize) until a timeout.
 #
 # MPICH (Hydra) forwards the whole environment to every rank and accepts -genv NAME VALUE,
 # -ppn N (ranks per node), -hosts a,b and -f/-hostfile FILE ("host:N" lines).
@@ -81,7 +85,13 @@ fi
 NP="${NP:-2}"
 args=(-np "$NP" "${args[@]}")
 
-rank_cmd=("$PYTHON" -u -m mpi4py "$ROOT/examples/sft.py" --ds_config "$DS_CONFIG" "$@")
+SCRIPT="${SCRIPT:-$ROOT/examples/sft.py}"
+[[ -f "$SCRIPT" ]] || die "no script at $SCRIPT"
+script_args=("$@")
+if [[ "$(readlink -f "$SCRIPT")" == "$(readlink -f "$ROOT/examples/sft.py")" ]]; then
+  script_args=(--ds_config "$DS_CONFIG" "$@")
+fi
+rank_cmd=("$PYTHON" -u -m mpi4py -m ds_longseq.engine.mpi_env "$SCRIPT" "${script_args[@]}")
 
 if [[ $flavour == openmpi ]]; then
   [[ $EUID == 0 ]] && args+=(--allow-run-as-root)
@@ -102,7 +112,7 @@ if [[ $flavour == openmpi ]]; then
     done
     [[ -n "${MPI4PY_LIBMPI:-}" ]] || die "Open MPI's libmpi.so.40 not found next to $MPIRUN: set MPI4PY_LIBMPI to it"
   fi
-  for name in MASTER_PORT PATH LD_LIBRARY_PATH PYTHONPATH OMP_NUM_THREADS VIRTUAL_ENV HF_HOME MPI4PY_LIBMPI; do
+  for name in MASTER_ADDR MASTER_PORT PATH LD_LIBRARY_PATH PYTHONPATH OMP_NUM_THREADS VIRTUAL_ENV HF_HOME MPI4PY_LIBMPI; do
     [[ -n "${!name:-}" ]] && args+=(-x "$name")
   done
 fi

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ds_longseq.compat import deepspeed_sp_group
+from ds_longseq.engine.process_group import ensure_process_group
 from ds_longseq.ops.objectives import gather_sequence
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
 
@@ -38,11 +39,14 @@ SHARDED_KEYS = frozenset(_SEQ_KEYS) | frozenset(PACKED_KWARGS)
 def sequence_parallel_groups(size: int):
     """DeepSpeed's ``parallel_state_sp`` module with its groups built for ``size`` ranks per sequence.
 
-    ``torch.distributed`` must be initialised. Building twice with the same size reuses the groups.
+    The world's process group is adopted (accelerate's, the user's) or started from the launcher's environment
+    (:func:`~ds_longseq.engine.process_group.ensure_process_group`); with neither, ``size`` > 1 is refused naming
+    the launch commands. Building twice with the same size reuses the groups.
     """
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
     import torch.distributed as dist
 
+    ensure_process_group(size)
     world = dist.get_world_size()
     if world % size:
         raise ValueError(

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ds_longseq.compat import default_process_group, default_store
+from ds_longseq.engine.process_group import launcher_environment
 
 __all__ = ["PeerWatch", "RankInfo", "start_watchdog", "active_watch", "started_by_launcher", "PEER_GONE_EXIT_CODE"]
 
@@ -46,14 +47,12 @@ PEER_GONE_EXIT_CODE = 75
 
 _PREFIX = "ds_longseq/watch"
 _DONE = b"done"
-# Env variables that only a launcher sets: DeepSpeed's launch.py, torchrun, Open MPI, MPICH/Hydra, Slurm.
-_LAUNCHER_ENV = ("CROSS_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 _PR_SET_PDEATHSIG = 1
 
 
 def started_by_launcher() -> bool:
     """Whether this process was started by a launcher (deepspeed, torchrun, mpirun, srun)."""
-    return any(name in os.environ for name in _LAUNCHER_ENV)
+    return launcher_environment() not in (None, "env")
 
 
 def die_with_parent() -> bool:

@@ -1,0 +1,98 @@
+"""The process group DeepSpeed's collectives run on: adopted where a launcher or accelerate started one, started
+the way DeepSpeed's own launchers expect where only the launcher's variables are there.
+
+Holds:
+    LAUNCHER_VARIABLES: environment variables that only a launcher sets, by launcher.
+    launcher_environment: which launcher started this process (None: none).
+    ensure_process_group: ``deepspeed.comm`` ready on the world's process group, or a one-line refusal.
+
+Why this exists: DeepSpeed's sequence-parallel groups (``parallel_state_sp``) and its collectives go through
+``deepspeed.comm``, which knows a process group only once ``deepspeed.init_distributed`` has run. accelerate
+starts the group with ``torch.distributed.init_process_group`` itself on CPU ranks (``use_cpu=True``: its
+MULTI_CPU path) and whenever the DeepSpeed plugin is not in play when its state is built, so a Trainer script
+can reach ds_longseq with a torch process group that DeepSpeed does not know yet (DeepSpeed's engine adopts it
+later, inside ``deepspeed.initialize``; the sequence-parallel groups are needed before that).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ds_longseq.logging import get_logger
+
+__all__ = ["LAUNCHER_VARIABLES", "launcher_environment", "ensure_process_group"]
+
+logger = get_logger(__name__)
+
+LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
+    "deepspeed": ("CROSS_RANK",),  # DeepSpeed's launch.py (also RANK, LOCAL_RANK, ...)
+    "torchrun": ("TORCHELASTIC_RUN_ID",),  # torchrun and accelerate launch (which runs torchrun)
+    "mpirun": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"),  # Open MPI, MPICH / Hydra, MVAPICH
+    "srun": ("SLURM_PROCID",),
+}
+"""Variables only a launcher sets (a plain ``python script.py`` has none of them)."""
+
+_TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_PORT = 29500  # DeepSpeed's and torch's default rendezvous port
+
+HOW_TO_LAUNCH = (
+    "deepspeed --num_gpus {n} script.py, torchrun --nproc_per_node {n} script.py, accelerate launch "
+    "--num_processes {n} script.py, or SCRIPT=script.py NP={n} bash launch/mpirun.sh (docs/LAUNCHING.md)"
+)
+
+
+def launcher_environment() -> str | None:
+    """The launcher whose variables this process has ('deepspeed', 'torchrun', 'mpirun', 'srun'), 'env' for
+    the bare torch variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set by hand, None for none."""
+    for name, variables in LAUNCHER_VARIABLES.items():
+        if any(v in os.environ for v in variables):
+            return name
+    if all(v in os.environ for v in _TORCH_VARIABLES):
+        return "env"
+    return None
+
+
+def ensure_process_group(world_size_needed: int = 1, *, backend: str | None = None) -> bool:
+    """Make ``deepspeed.comm`` usable: adopt torch's default process group if one exists (accelerate's, the
+    user's), else start one from the launcher's environment as ``deepspeed.init_distributed`` does (MPI discovery
+    under mpirun). Nothing is started for one process without a launcher.
+
+    Args:
+        world_size_needed: the ranks the caller needs (a sequence-parallel size); > 1 with no process group and
+            no launcher environment is refused, naming the launch commands.
+        backend: for a new group; default gloo on CPU, nccl with CUDA.
+
+    Returns:
+        True if a process group is in place afterwards.
+
+    Raises:
+        RuntimeError: more than one rank needed, none started and no launcher environment.
+    """
+    import deepspeed
+    import deepspeed.comm as ds_dist
+
+    if ds_dist.is_initialized():
+        return True
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # deepspeed.init_distributed wraps an existing torch group without starting another one
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+        return True
+    launcher = launcher_environment()
+    if launcher is None:
+        if world_size_needed > 1:
+            raise RuntimeError(
+                f"{world_size_needed} ranks are needed (long_seq.sequence_parallel.size={world_size_needed}) but this "
+                "process was not started by a launcher and no process group exists: launch it with "
+                + HOW_TO_LAUNCH.format(n=world_size_needed)
+            )
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    logger.info("ds_longseq: starting the %s process group from the %s launcher's environment", backend, launcher)
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=True, verbose=False,
+        distributed_port=int(os.environ.get("MASTER_PORT", DEFAULT_PORT)),
+    )
+    return True
