@@ -70,6 +70,8 @@ def setup(tmp_path_factory):
         (root / f"{name}.json").write_text(json.dumps(rows))
     config = root / "ds.json"
     config.write_text(json.dumps(DS_CONFIG))
+    long_seq_sp = {**DS_CONFIG["long_seq"], "sequence_parallel": {"size": 2}}
+    (root / "ds_sp.json").write_text(json.dumps({**DS_CONFIG, "long_seq": long_seq_sp}))
     (root / "accelerate.yaml").write_text(ACCELERATE_YAML.format(config=config))
     references = {}
 
@@ -143,7 +145,11 @@ def test_unmodified_script_trains_under_every_launcher(setup, launcher, trainer)
     out = root / f"{launcher}_{trainer}"
     proc = launch(launcher, root, trainer, out)
     assert proc.returncode == 0, f"{launcher} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    ref = reference(trainer)
+    assert_same_as_reference(root, out, reference(trainer))
+
+
+def assert_same_as_reference(root, out, ref) -> None:
+    """The run in ``out`` logged the stock one-process run's losses and saved its weights (float32, 1e-5)."""
     ours = json.loads((out / "log.json").read_text())
     stock = json.loads((ref / "log.json").read_text())
     assert [h["step"] for h in ours] == [h["step"] for h in stock] == [1, 2, 3, 4]
@@ -192,3 +198,19 @@ def test_accelerate_seeing_fewer_ranks_than_the_group_is_refused(monkeypatch):
         trainer_module.LongSeqTrainerMixin._check_world_matches_accelerate(fake)
     fake.accelerator.num_processes = 2
     trainer_module.LongSeqTrainerMixin._check_world_matches_accelerate(fake)
+
+
+@pytest.mark.parametrize("trainer", ["trainer", pytest.param("sft", marks=pytest.mark.slow),
+                                     pytest.param("dpo", marks=pytest.mark.slow)])
+def test_long_seq_sequence_parallel_equals_one_process(setup, trainer):
+    """The other way to ask for sequence parallelism: long_seq.sequence_parallel.size=2 in the DeepSpeed JSON, no
+    parallelism_config. The group's ranks read the same batches (one data-parallel replica here), so each step
+    trains one batch of per_device_train_batch_size rows, as the stock trainer in one process does."""
+    root, reference = setup
+    out = root / f"long_seq_sp_{trainer}"
+    args = script_args(root, trainer, out)
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT,
+           "--deepspeed", str(root / "ds_sp.json"), "--sp", "1", *args]
+    proc = run_job(cmd, cwd=ROOT, env=clean_env(), timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert_same_as_reference(root, out, reference(trainer))

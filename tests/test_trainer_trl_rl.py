@@ -282,6 +282,18 @@ def test_grpo_trainer_sequence_parallel_matches_plain_trl(tmp_path, stage, beta,
     run_grpo(tmp_path, stage, beta, sp=2, **options)
 
 
+def test_grpo_under_parallelism_config_is_trls_refusal():
+    """The GRPO row of docs/TRAINER.md's "What one step trains" under parallelism_config: TRL's GRPOConfig itself
+    refuses sp_size > 1 (TRL 1.16), before any trainer exists; ds_longseq's sequence parallelism for GRPO is
+    long_seq.sequence_parallel.size. If TRL starts accepting it, this fails and that row must be decided anew."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from trl import GRPOConfig
+
+    with pytest.raises(ValueError, match="GRPOTrainer does not support sequence-dim parallelism"):
+        GRPOConfig(output_dir="unused", use_cpu=True, report_to=[],
+                   parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+
+
 def construction_body(rank: int, workdir: str, model_dir: str) -> dict:
     """Each TRL trainer built on this rank under sequence parallelism (size 2): the error it raises at construction
     (GRPO), or what ds_longseq set up (DPO: its reference model enabled with the policy's sequence parallelism); without

@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("--data", required=True, help="JSON list of samples")
     p.add_argument("--out", required=True)
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (with a long_seq section)")
-    p.add_argument("--sp", type=int, default=2, help="parallelism_config's sp_size")
+    p.add_argument("--sp", type=int, default=2, help="parallelism_config's sp_size (1: no parallelism_config)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--stock", action="store_true", help="the plain trainer, no DeepSpeed, no parallelism_config")
@@ -59,7 +59,8 @@ def main() -> None:
     if not cli.stock:
         if cli.deepspeed:  # under accelerate launch, its config file names the DeepSpeed JSON instead
             common["deepspeed"] = cli.deepspeed
-        common["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=cli.sp)
+        if cli.sp > 1:  # else: sequence parallelism, if any, from the DeepSpeed JSON's long_seq section
+            common["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=cli.sp)
     with open(cli.data) as f:
         data = datasets.Dataset.from_list(json.load(f))
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
