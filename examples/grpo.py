@@ -46,6 +46,7 @@ from ds_longseq.training import (
     add_common_args,
     completion_tokens,
     finish,
+    load_tokenizer,
     mean_over_ranks,
     micro_batch_indices,
     rollout_micro_batch,
@@ -103,9 +104,7 @@ def main(argv=None) -> int:
 
     def load_data():  # after the config checks, before the model is built
         if args.data:
-            from transformers import AutoTokenizer
-
-            data = RolloutData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len, args.scale_rewards)
+            data = RolloutData(args.data, load_tokenizer(args.model), args.seq_len, args.scale_rewards)
             state.update(source=data.__getitem__, pad_id=data.pad_id, group_size=data.group_size)
         else:
             synthetic_group(0, args.seq_len, args.seed)  # fail early if --seq-len is too short

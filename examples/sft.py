@@ -48,6 +48,7 @@ from ds_longseq.training import (
     check_run_args,
     copy_example,
     finish,
+    load_tokenizer,
     log_packing,
     micro_batch,
     micro_batch_indices,
@@ -67,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/zero2_streambp.json",
                    help="DeepSpeed JSON config with an optional long_seq section")
     p.add_argument(
-        "--model", default=None, help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama"
+        "--model", default=None,
+        help="local HF causal-LM directory or .gguf file (from_pretrained); default: tiny built-in Llama"
     )
     p.add_argument("--data", default=None, help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' (trained "
                    "on the assistant turns) per line (needs --model)")
@@ -128,9 +130,7 @@ def main(argv=None) -> int:
 
     def load_data():  # after the config checks, before any weight is allocated: bad data fails first
         if args.data:
-            from transformers import AutoTokenizer
-
-            rows = JsonlData(args.data, AutoTokenizer.from_pretrained(args.model), args.seq_len)
+            rows = JsonlData(args.data, load_tokenizer(args.model), args.seq_len)
             packed = pack_jsonl(rows, args.seed) if args.pack else None
             if packed is not None:
                 log_packing(packed.stats)

@@ -47,6 +47,7 @@ from ds_longseq.training import (
     build_model,
     check_model_and_data,
     copy_example,
+    load_tokenizer,
     plot_losses,
     start_distributed,
 )
@@ -66,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(under accelerate launch: the config file its DeepSpeed config names)")
     p.add_argument("--trl", action="store_true", help="train with TRL's SFTTrainer instead of transformers' Trainer")
     p.add_argument("--model", default=None,
-                   help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")
+                   help="local HF causal-LM directory or .gguf file (from_pretrained); default: tiny built-in Llama")
     p.add_argument("--data", default=None, help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' per line "
                    "(needs --model)")
     p.add_argument("--lr", type=float, default=None,
@@ -106,9 +107,7 @@ def main(argv=None) -> int:
     check_model_and_data(args.model, args.data)  # the paths named before anything loads
     tokenizer = None
     if args.data:  # bad data fails here, before anything starts
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = load_tokenizer(args.model)
         data = JsonlData(args.data, tokenizer, args.seq_len)
     else:
         copy_example(0, args.seq_len, args.seed)  # a too-short --seq-len fails here, before anything starts

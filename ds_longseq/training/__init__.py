@@ -10,6 +10,7 @@ Modules, one concern each (see each one's "Holds:"):
     data: JSONL records, rows padded to a fixed length, the deterministic micro-batch order.
     packing: several documents per row in the padding-free form (first-fit decreasing).
     tasks: the built-in synthetic tasks and the tiny Llama-shaped model they start from.
+    pretrained: a user's checkpoint for --model, a Hugging Face directory or a GGUF file (load_model, load_tokenizer).
     lora: LoRA through PEFT (targets checked, seeded init) and the merge for export.
     checkpoint: crash-safe checkpoints (atomic ``latest``), resume, the HF export.
     metrics: metrics.jsonl, the progress bar, peak memory, plots.
@@ -68,6 +69,7 @@ from ds_longseq.training.policy import (
     rollout_micro_batch,
     token_logprobs,
 )
+from ds_longseq.training.pretrained import gguf_parts, load_config, load_model, load_tokenizer
 from ds_longseq.training.run import Run, finish, setup_run
 from ds_longseq.training.tasks import (
     BOS,
@@ -92,6 +94,8 @@ __all__ = [
     # tasks
     "BOS", "DOC_TOKENS", "VOCAB", "DEFAULT_GROUP_SIZE", "copy_example", "rule_continuation", "synthetic_pair",
     "synthetic_group", "TopicRecallTask", "tiny_llama", "build_model",
+    # pretrained checkpoints (a HF directory or a GGUF file)
+    "gguf_parts", "load_config", "load_model", "load_tokenizer",
     # lora
     "import_peft", "parse_lora_targets", "decoder_linear_names", "add_lora", "merge_lora",
     # checkpoint

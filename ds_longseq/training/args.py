@@ -14,6 +14,7 @@ Holds:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 from ds_longseq.training.lora import import_peft, parse_lora_targets
@@ -32,7 +33,7 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/zero2_streambp.json",
                    help="DeepSpeed JSON config with an optional long_seq section")
     p.add_argument("--model", default=None,
-                   help="local HF causal-LM path (from_pretrained); default: tiny built-in Llama")
+                   help="local HF causal-LM directory or .gguf file (from_pretrained); default: tiny built-in Llama")
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row (prompt + completion), padded")
     p.add_argument("--max-steps", type=int, default=max_steps, help="training steps")
     p.add_argument("--save-dir", default=save_dir, help="checkpoints, metrics, plot and HF export")
@@ -82,16 +83,23 @@ def check_run_args(args: argparse.Namespace) -> None:
 
 
 def check_model_and_data(model: str | None, data: str | None) -> None:
-    """Refuse --data without --model, a --model that is not a saved Hugging Face model directory, and a --data file
-    that is not there or not readable, naming the path (before transformers' hub-id messages could)."""
+    """Refuse --data without --model, a --model that is neither a saved Hugging Face model directory nor a GGUF file
+    (or a GGUF file without the gguf package), and a --data file that is not there or not readable, naming the path
+    (before transformers' hub-id messages could)."""
     if data and not model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
-    if model and not os.path.isdir(model):
+    if model and model.lower().endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise SystemExit(f"--model {model}: no such GGUF file")
+        if importlib.util.find_spec("gguf") is None:
+            raise SystemExit(f"--model {model} is a GGUF file, which transformers reads with the gguf package: "
+                             "pip install gguf")
+    elif model and not os.path.isdir(model):
         raise SystemExit(
             f"--model {model}: no such directory. Pass a local Hugging Face model directory (with config.json and the "
-            "weights, e.g. from `huggingface-cli download <repo> --local-dir DIR`)"
+            "weights, e.g. from `huggingface-cli download <repo> --local-dir DIR`) or a .gguf file"
         )
-    if model and not os.path.isfile(os.path.join(model, "config.json")):
+    if model and not model.lower().endswith(".gguf") and not os.path.isfile(os.path.join(model, "config.json")):
         raise SystemExit(f"--model {model}: no config.json in it: pass the directory of a saved Hugging Face model")
     if data and not os.path.isfile(data):
         raise SystemExit(f"--data {data}: no such file (a JSONL file, one record per line)")

@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from ds_longseq.training.data import pad_row
+from ds_longseq.training.pretrained import load_config, load_model
 
 __all__ = ["BOS", "DOC_TOKENS", "VOCAB", "DEFAULT_GROUP_SIZE", "copy_example", "rule_continuation", "synthetic_pair",
            "synthetic_group", "TopicRecallTask", "tiny_llama", "build_model"]
@@ -208,18 +209,16 @@ def tiny_llama_config(seq_len: int):
 
 
 def model_config(model: str | None, seq_len: int):
-    """The config of ``model`` (a local HF model directory; read, no weights loaded) or of the built-in model."""
+    """The config of ``model`` (a local HF model directory or GGUF file; read, no weights loaded) or of the
+    built-in model."""
     if model:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model)
+        return load_config(model)
     return tiny_llama_config(seq_len)
 
 
 def build_model(model: str | None, dtype: torch.dtype, *, seq_len: int, seed: int):
-    """``model`` (a local HF causal-LM path) loaded with SDPA attention, or with None :func:`tiny_llama`."""
+    """``model`` (a local HF causal-LM directory or GGUF file) loaded with SDPA attention, or with None
+    :func:`tiny_llama`."""
     if model:
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype, attn_implementation="sdpa")
+        return load_model(model, dtype)
     return tiny_llama(seq_len, seed, dtype)
