@@ -108,6 +108,7 @@ def enable(
                 decoder=adapter.base_model, head=adapter.lm_head, moe_aux=adapter.spec.head_kind in MOE_AUX_KINDS,
                 logit_scale=adapter.logit_scale, stock_masks_see_packed_rows=adapter.stock_masks_see_packed_rows(),
                 recurrent_mixers=any(adapter.mixer(layer) is not None for layer in adapter.layers),
+                sliding_masks_read=adapter.sliding_masks_read(),
             )
             handle.set_instance_attr(model, "forward", forward)
             handle.forward = forward

@@ -246,8 +246,9 @@ def _shrink_rope(rope: dict, rotary_half: int) -> dict:
     return rope
 
 
-def _shrink(d: dict) -> dict:
-    """The field-name driven shrinking of one config level (a dict from ``to_dict``), sub-configs not included."""
+def _shrink(d: dict, published: bool = False) -> dict:
+    """The field-name driven shrinking of one config level (a dict from ``to_dict``), sub-configs not included.
+    ``published``: windows and their switch, and dropouts, stay as the default has them (see :func:`tiny_config`)."""
     out = {}
     for key, value in d.items():
         if isinstance(value, bool) or isinstance(value, dict):
@@ -268,16 +269,16 @@ def _shrink(d: dict) -> dict:
             out[key] = 1
         elif _VOCAB_FIELDS.search(key) and isinstance(value, int) and value > VOCAB:
             out[key] = VOCAB
-        elif key in _WINDOW_FIELDS and (value is None or isinstance(value, int)):
+        elif key in _WINDOW_FIELDS and (value is None or isinstance(value, int)) and not published:
             out[key] = _WINDOW
-        elif _DROPOUT_FIELDS.search(key) and isinstance(value, float):
+        elif _DROPOUT_FIELDS.search(key) and isinstance(value, float) and not published:
             out[key] = 0.0
         elif key in _JITTER_FIELDS and isinstance(value, float):
             out[key] = 0.0
     for key in _LAYER_FIELDS + _OTHER_LAYER_FIELDS:
         if isinstance(d.get(key), int) and not isinstance(d[key], bool) and d[key] > 2:
             out[key] = 2
-    if "use_sliding_window" in d:
+    if "use_sliding_window" in d and not published:
         out["use_sliding_window"] = True
     if d.get("is_decoder") is False:  # BertLMHeadModel & co. attend bidirectionally unless told they decode
         out["is_decoder"] = True
@@ -296,14 +297,14 @@ def _fix_tokens(d: dict, out: dict, vocab: int) -> None:
             out[key] = [v if v < vocab else 2 for v in value]
 
 
-def _tiny_dict(config) -> dict:
+def _tiny_dict(config, published: bool = False) -> dict:
     """The kwargs shrinking one config level and, recursively, its sub-configs.
 
     Attributes a config derives in ``__post_init__`` come back from ``to_dict`` and are passed again, so
     they are given values consistent with the tiny sizes (MLA's ``head_dim`` is its ``qk_rope_head_dim``).
     """
     d = config.to_dict()
-    out = _shrink(d)
+    out = _shrink(d, published)
     if isinstance(d.get("kv_lora_rank"), int):  # MLA: one latent for all heads, no GQA
         if "num_key_value_heads" in d:
             out["num_key_value_heads"] = out.get("num_attention_heads", _HEADS)
@@ -320,7 +321,7 @@ def _tiny_dict(config) -> dict:
         # the sliding-window switch off by default (Qwen2/3, SmolLM3 ...): read the kinds with it on (and half
         # the layers past max_window_layers)
         reference = d
-        if d.get("use_sliding_window") is False:
+        if d.get("use_sliding_window") is False and not published:
             switched = {"use_sliding_window": True, "sliding_window": _WINDOW, "layer_types": None}
             if "max_window_layers" in d:
                 switched["max_window_layers"] = d[layers_field] // 2
@@ -343,7 +344,7 @@ def _tiny_dict(config) -> dict:
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
         if isinstance(sub, transformers.PretrainedConfig):
-            out[name] = {**_plain(sub.to_dict()), **_tiny_dict(sub)}
+            out[name] = {**_plain(sub.to_dict()), **_tiny_dict(sub, published)}
     return out
 
 
@@ -516,19 +517,79 @@ def _model_class(model_type: str):
     return getattr(transformers, name)
 
 
-def tiny_config(model_type: str) -> transformers.PretrainedConfig:
-    """The family's default config, tiny, with its layer kinds and features present at 40 tokens."""
+VARIANTS = ("default", "published")
+"""``default``: the family's default config with its features switched on at 40 tokens (windows of 6, every
+dropout 0). ``published``: what published checkpoints' configs carry next to transformers' defaults (issue 39):
+sliding windows at their default size and switch (Qwen's ``use_sliding_window: false`` with a window set, a window
+longer than the sequence), the dropout fields at their defaults except those the model applies (found by running
+it, :func:`applied_dropouts`: GPT-2's ``summary_first_dropout`` and GPT-NeoX's ``classifier_dropout`` stay 0.1),
+RoPE scaling where the default has plain RoPE (:data:`PUBLISHED_ROPES`), the attention and MLP bias switches
+on, and the LM head tied where the default unties it and untied where it ties it."""
+
+PUBLISHED_ROPES = (
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    {"rope_type": "linear", "factor": 4.0},
+)
+"""The published variant's RoPE scaling, the first the family accepts: YaRN (Qwen2.5's long-context recipe; 4 x 128
+= the tiny max positions; its attention factor, 1 + 0.1 ln 4, scales every score), else linear position
+interpolation (families whose configs validate their own kinds, e.g. Phi-3 takes LongRoPE only: none then)."""
+_BIAS_SWITCHES = ("attention_bias", "mlp_bias")
+
+
+def _published_changes(d: dict, rope_choice: int) -> dict:
+    """One config level's published-variant changes (``d``: the default's ``to_dict``): the bias switches on, the
+    head's tying flipped, RoPE scaling :data:`PUBLISHED_ROPES`[``rope_choice``] where the default has plain RoPE
+    (none past the list's end)."""
+    out = {key: True for key in _BIAS_SWITCHES if d.get(key) is False}
+    if isinstance(d.get("tie_word_embeddings"), bool):
+        out["tie_word_embeddings"] = not d["tie_word_embeddings"]
+    rope = d.get("rope_parameters")
+    if (isinstance(rope, dict) and rope.get("rope_type") == "default" and "rope_theta" in rope
+            and "max_position_embeddings" in d and rope_choice < len(PUBLISHED_ROPES)):
+        out["rope_parameters"] = {**rope, **PUBLISHED_ROPES[rope_choice]}
+    return out
+
+
+def _with_published(kwargs: dict, default, rope_choice: int, dropped: frozenset[str]) -> dict:
+    """``kwargs`` with the published changes of every config level, less the change kinds in ``dropped``."""
+    kwargs = copy.deepcopy(kwargs)
+    levels = [(kwargs, default)] + [
+        (kwargs[name], getattr(default, name)) for name in getattr(default, "sub_configs", {}) or {}
+        if isinstance(getattr(default, name, None), transformers.PretrainedConfig)
+        and isinstance(kwargs.get(name), dict)
+    ]
+    for level_kwargs, level in levels:
+        changes = _published_changes(level.to_dict(), rope_choice)
+        for key, value in changes.items():
+            kind = "bias" if key in _BIAS_SWITCHES else key
+            if kind not in dropped:
+                if key == "rope_parameters" and isinstance(level_kwargs.get(key), dict):
+                    value = {**level_kwargs[key], **PUBLISHED_ROPES[rope_choice]}
+                level_kwargs[key] = value
+    return kwargs
+
+
+def tiny_config(model_type: str, variant: str = "default") -> transformers.PretrainedConfig:
+    """The family's config, tiny, with its layer kinds present at 40 tokens: the default with its features on, or
+    the ``published`` variant (:data:`VARIANTS`; its dropouts still at their defaults: :func:`tiny_model` zeroes the
+    applied ones)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}: one of {VARIANTS}")
     override = OVERRIDES.get(model_type, {})
     try:
         default = transformers.AutoConfig.for_model(model_type)
     except Exception:  # noqa: BLE001 - a default the family's own validation rejects: build it as overridden
         default = transformers.AutoConfig.for_model(model_type, **override)
-    kwargs = _tiny_dict(default)
+    published = variant == "published"
+    kwargs = _tiny_dict(default, published)
     _merge(kwargs, copy.deepcopy(override), set(getattr(default, "sub_configs", {}) or {}))
     cls = _model_class(model_type)
     kwargs["attn_implementation"] = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel
-    config = CONFIG_MAPPING[model_type](**kwargs)
+    if published:
+        config = _published_config(model_type, kwargs, default)
+    else:
+        config = CONFIG_MAPPING[model_type](**kwargs)
     # the causal LM class takes one of the sub-configs (Musicgen's decoder): return that one
     if not isinstance(config, cls.config_class):
         for name in getattr(config, "sub_configs", {}) or {}:
@@ -540,6 +601,21 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
     return config
 
 
+def _published_config(model_type: str, kwargs: dict, default) -> transformers.PretrainedConfig:
+    """The published variant's config: every change the family's config accepts. A family that rejects one (DBRX
+    refuses untied embeddings, Dots3's experts a bias, Phi-3 any RoPE scaling but LongRoPE) keeps its default
+    there; the next RoPE scaling is tried before none."""
+    first_error = None
+    for dropped in (frozenset(), frozenset({"tie_word_embeddings"}), frozenset({"bias"}),
+                    frozenset({"tie_word_embeddings", "bias"})):
+        for rope_choice in range(len(PUBLISHED_ROPES) + 1):
+            try:
+                return CONFIG_MAPPING[model_type](**_with_published(kwargs, default, rope_choice, dropped))
+            except Exception as error:  # noqa: BLE001 - the family's own validation: try fewer changes
+                first_error = first_error or error
+    raise first_error
+
+
 def _merge(kwargs: dict, override: dict, sub_configs: set[str]) -> None:
     for key, value in override.items():
         if key in sub_configs and isinstance(value, dict) and isinstance(kwargs.get(key), dict):
@@ -548,15 +624,57 @@ def _merge(kwargs: dict, override: dict, sub_configs: set[str]) -> None:
             kwargs[key] = value
 
 
-def tiny_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 0):
+def _dropout_fields(config) -> list[tuple[transformers.PretrainedConfig, str]]:
+    """(config level, field) of every non-zero float dropout field of ``config`` and its sub-configs."""
+    out = []
+    levels = [config] + [getattr(config, n) for n in getattr(config, "sub_configs", {}) or {}
+                         if isinstance(getattr(config, n, None), transformers.PretrainedConfig)]
+    for level in levels:
+        for key, value in vars(level).items():
+            if _DROPOUT_FIELDS.search(key) and isinstance(value, float) and not isinstance(value, bool) and value > 0:
+                out.append((level, key))
+    return out
+
+
+def applied_dropouts(model_type: str, config) -> list[str]:
+    """The dropout fields of ``config`` the causal LM applies, found by running it: with that field alone non-zero,
+    two training forwards of the same batch under different seeds give different logits. A field of a head the
+    causal LM never builds (a classifier's, a sequence summary's) changes nothing."""
+    fields = _dropout_fields(config)
+    batch = {k: v for k, v in tiny_batch(model_type).items() if k != "labels"}
+    applied = []
+    for level, key in fields:
+        trial = copy.deepcopy(config)
+        for other_level, other in _dropout_fields(trial):
+            if not (other == key and other_level.__class__ is level.__class__):
+                setattr(other_level, other, 0.0)
+        torch.manual_seed(0)
+        model = _model_class(model_type)._from_config(trial).train()
+        outs = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                outs.append(model(**batch).logits)
+        if not torch.equal(outs[0], outs[1]):
+            applied.append(key)
+    return applied
+
+
+def tiny_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 0, variant: str = "default"):
     """The stock causal LM of :func:`tiny_config`, re-initialised for peaked attention, in ``dtype``.
 
     The stock init (std 0.02) makes attention nearly uniform, which would hide masking bugs: norms' weights
     become 1 + 0.1 randn (0.1 randn where the norm computes 1 + weight), embeddings normal(0, 1), the rest
     normal(0, 0.15). Parameters whose stock value is structural (state-space decays, skip terms, convolution
-    kernels ...) go back to it where the re-initialised model's forward is not finite.
+    kernels ...) go back to it where the re-initialised model's forward is not finite. The ``published`` variant
+    is built with the dropouts it applies at 0 (what a user training it exactly sets) and the others as they are.
     """
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, variant)
+    if variant == "published":
+        applied = set(applied_dropouts(model_type, config))
+        for level, key in _dropout_fields(config):
+            if key in applied:
+                setattr(level, key, 0.0)
     torch.manual_seed(seed)
     # the mapped class itself: AutoModelForCausalLM does not take every config it maps (Musicgen's decoder)
     model = _model_class(model_type)._from_config(config)

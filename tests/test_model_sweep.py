@@ -18,7 +18,8 @@ FAMILIES = model_zoo.causal_lm_model_types()
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_family_is_exact_or_refused(model_type):
-    results = [model_sweep.cached_check(model_type, mode) for mode in model_sweep.MODES]
+    """Both modes on the default config, StreamBP on the published-style config (model_zoo.VARIANTS)."""
+    results = [model_sweep.cached_check(model_type, mode, variant) for mode, variant in model_sweep.COLUMNS]
     failed = [r for r in results if not r.ok]
     assert not failed, failed
 
@@ -115,8 +116,8 @@ _TINY_CONFIG = model_zoo.tiny_config
 
 
 def _with_rope(monkeypatch, scaling: dict | None):
-    def scaled(model_type):
-        config = _TINY_CONFIG(model_type)
+    def scaled(model_type, variant="default"):
+        config = _TINY_CONFIG(model_type, variant)
         if scaling is not None:
             config.rope_parameters = {**config.rope_parameters, **scaling}
             # dynamic NTK rescales past max_position_embeddings, the others take it as the extended length

@@ -133,7 +133,7 @@ def test_model_checks_are_reported_with_the_built_in_ones_before_anything_change
     with pytest.raises(ds_longseq.UnsupportedModelError) as info:
         ds_longseq.enable(model, cfg)
     text = str(info.value)
-    assert "config.attention_dropout=0.1: streambp re-forwards chunks" in text
+    assert "config.attention_dropout=0.1: the model applies this dropout and streambp re-forwards chunks" in text
     assert "long_seq.ledger.max_layers=2 but the model has 3 layers" in text
     assert INSTALLED == [] and not ds_longseq.is_enabled(model) and "forward" not in model.model.norm.__dict__
 

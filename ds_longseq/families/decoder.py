@@ -320,6 +320,17 @@ class DecoderLMAdapter:
             return []
         return [(layer, chunk) for layer, kind in zip(self.layers, types, strict=False) if kind == "chunked_attention"]
 
+    def sliding_masks_read(self) -> bool:
+        """Whether any layer reads a sliding-window mask. transformers' forward of several families builds the
+        ``"sliding_attention"`` mask whatever the layers are and hands each layer the mask of its
+        ``config.layer_types`` entry: a config without a sliding type in ``layer_types`` has no layer reading it
+        (Qwen1.5-MoE's published config, ``use_sliding_window: false`` with a ``sliding_window`` set: transformers
+        builds a window-0 mask nobody reads). Without ``layer_types``: assumed read."""
+        types = getattr(self.model.config.get_text_config(), "layer_types", None)
+        if not types:
+            return True
+        return any("sliding" in str(kind) for kind in types)
+
     def kv_sharing(self) -> dict[int, tuple[str, str]]:
         """Layer index -> ("store" | "reuse", key) of each layer taking part in cross-layer K/V sharing, read from
         its attention module: Gemma 3n's and Gemma 4's ``store_full_length_kv`` (writes its keys/values to

@@ -380,6 +380,36 @@ def _fields(config, words: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
+@functools.lru_cache(maxsize=None)
+def _names_in_source(cls: type) -> frozenset[str]:
+    """Every attribute name and string constant in the source of ``cls`` (empty where it has none)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    return frozenset(
+        node.attr if isinstance(node, ast.Attribute) else node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) or (isinstance(node, ast.Constant) and isinstance(node.value, str))
+    )
+
+
+def _read_by_modules(modules: list[torch.nn.Module], fields: tuple[str, ...]) -> tuple[str, ...]:
+    """The config ``fields`` that the code of the classes of ``modules`` and their submodules reads
+    (``config.<field>``, ``getattr(config, "<field>")``). For the dropout fields StreamBP refuses, ``modules`` are
+    the decoder layers, which it re-forwards in backward. A published checkpoint's config carries the fields of
+    heads the causal LM never builds (GPT-2's ``summary_first_dropout`` for its double-heads model, GPT-NeoX's
+    ``classifier_dropout`` for token classification), and of dropouts applied once before the layers (GPT-2's
+    ``embd_pdrop``, which a re-forward from the saved layer input does not repeat): their classes read by no
+    layer, those fields are left out. torch's own classes read no config."""
+    names: set[str] = set()
+    for cls in {type(m) for module in modules for m in module.modules()}:
+        for klass in cls.__mro__:
+            if not klass.__module__.startswith("torch") and klass is not object:
+                names |= _names_in_source(klass)
+    return tuple(f for f in fields if f in names)
+
+
 def discover_spec(model: torch.nn.Module, family_spec_cls: type):
     """``(spec, [])`` for a model whose parts can all be located, else ``(None, problems)``.
 
@@ -537,7 +567,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         mixer_attr=mixer_attr,
         mlp_attr=mlp_attr,
         lm_head_attr=head_attrs[0],
-        dropout_fields=_fields(config, _DROPOUT_WORDS),
+        dropout_fields=_read_by_modules(layers, _fields(config, _DROPOUT_WORDS)),
         final_logit_softcap_field="final_logit_softcapping" if kind == "final_softcap" else None,
         moe_block_class=moe_class if kind in MOE_AUX_KINDS else None,
         moe_attr=moe_attr if kind in MOE_AUX_KINDS and moe_attr != mlp_attr else None,

@@ -269,7 +269,7 @@ _AUDIT: ContextVar[_MaskAudit | None] = ContextVar("ds_longseq_mask_audit", defa
 
 
 @contextmanager
-def mask_audit():
+def mask_audit(sliding_masks_read: bool = True):
     """Around one model forward: raise if the model asked for a sliding-window mask whose window never
     reached :func:`longseq_attention` as ``sliding_window=``, or for a chunked-attention mask whose chunk size
     no attention module applied (:data:`CHUNK_ATTR`), or the other way round.
@@ -277,6 +277,11 @@ def mask_audit():
     Some families put the window only into the mask (Qwen2-MoE's attention never passes it on); ds_longseq's
     mask stays 2D, so such a window would be silently dropped. The check runs after the forward, before
     any loss is returned, so nothing is trained on the result.
+
+    Args:
+        sliding_masks_read: False when no layer of the model reads a sliding-window mask (no sliding type in
+            ``config.layer_types``): the stock forward may still build one (Qwen2-MoE builds a window-0 mask when
+            ``use_sliding_window`` is false), which stock attention never applies, so it is not a lost window.
     """
     audit = _MaskAudit()
     token = _AUDIT.set(audit)
@@ -284,7 +289,7 @@ def mask_audit():
         yield audit
     finally:
         _AUDIT.reset(token)
-    lost = sorted(w for w in audit.requested if w not in audit.received)
+    lost = sorted(w for w in audit.requested if w not in audit.received) if sliding_masks_read else []
     if lost:
         raise NotImplementedError(
             f"the model builds sliding-window masks of {lost} tokens but its attention modules never pass "

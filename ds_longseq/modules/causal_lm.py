@@ -127,6 +127,7 @@ class CausalLMForward:
         logit_scale: float = 1.0,
         stock_masks_see_packed_rows: bool = True,
         recurrent_mixers: bool = False,
+        sliding_masks_read: bool = True,
     ):
         self.model = model
         self.orig_forward = orig_forward
@@ -145,6 +146,9 @@ class CausalLMForward:
         self.stock_masks_see_packed_rows = stock_masks_see_packed_rows
         # layers with a linear-attention / state-space / short-convolution mixer (DecoderLMAdapter.mixer)
         self.recurrent_mixers = recurrent_mixers
+        # whether any layer reads the sliding-window masks the stock forward builds (DecoderLMAdapter
+        # .sliding_masks_read): if none does, the mask audit lets those masks go unused, as stock does
+        self.sliding_masks_read = sliding_masks_read
         self.token_outputs = TokenOutputs(self.head, config.lm_head.enabled, final_logit_softcap, logit_scale)
         self.token_records: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """While not None (:meth:`recording_tokens`), every loss call appends its targets' (log-probs, valid mask)."""
@@ -192,7 +196,7 @@ class CausalLMForward:
 
     def __call__(self, *args, **kwargs):
         # every sliding window the model builds a mask for must reach ds_longseq's attention (attention.py)
-        with mask_audit():
+        with mask_audit(sliding_masks_read=self.sliding_masks_read):
             return self._forward(*args, **kwargs)
 
     def _forward(

@@ -47,8 +47,10 @@ class StreamBP(Technique):
     def check(self, ctx: EnableContext) -> list[str]:
         hf_config = ctx.model.config
         problems = [
-            f"config.{field}={getattr(hf_config, field)}: streambp re-forwards chunks in backward and "
-            f"cannot replay dropout masks; set config.{field}=0.0"
+            f"config.{field}={getattr(hf_config, field)}: the model applies this dropout and streambp re-forwards "
+            f"chunks in backward, which cannot replay dropout masks; load it with {field}=0.0 "
+            f"(AutoModelForCausalLM.from_pretrained(path, {field}=0.0): the modules copy it when they are built, "
+            "so setting the config afterwards does not reach them)"
             for field in ctx.adapter.spec.dropout_fields
             if getattr(hf_config, field, 0.0)
         ]

@@ -1,0 +1,113 @@
+"""Real checkpoints' configs, not only transformers' defaults (issue 39 item 4).
+
+Published configs carry fields that transformers' defaults leave alone: Qwen1.5-MoE sets ``sliding_window`` with
+``use_sliding_window: false`` (transformers then builds a sliding-window mask of 0 tokens that no layer reads),
+GPT-2 carries ``summary_first_dropout: 0.1`` (its double-heads model's) and GPT-NeoX ``classifier_dropout: 0.1``
+(its token classifier's). ds_longseq computes what stock computes there (float64, 1e-10) and refuses only a
+dropout the re-forwarded layers apply, saying how to turn it off. The family sweep's published-config column
+(tests/model_zoo.py, ``VARIANTS``) runs every family this way.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ds_longseq
+from ds_longseq import UnsupportedModelError
+from tests.helpers import compare, grads_of, reference_loss
+
+STREAMBP = {"streambp": {"enabled": True, "chunk_size": 8}, "attention": {"kv_block_size": 4},
+            "lm_head": {"enabled": True, "chunk_size": 16}}
+TINY = dict(vocab_size=101, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+
+
+def _batch(seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 101, (2, 37), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 31:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, :5] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _worst_against_stock(model, seed: int | None = None) -> float:
+    """Largest relative error of ds_longseq's StreamBP (+ chunked head) against the stock model in float64 (same RNG
+    seed for both when given: a dropout applied once before the layers draws the same mask)."""
+    batch = _batch()
+    if seed is not None:
+        torch.manual_seed(seed)
+    stock = grads_of(model, lambda: reference_loss(model, batch, torch.float64))
+    ours_model = ds_longseq.enable(copy.deepcopy(model), STREAMBP)
+    if seed is not None:
+        torch.manual_seed(seed)
+    ours = grads_of(ours_model, lambda: ours_model(**batch).loss)
+    return max(compare(ours, stock).values())
+
+
+def test_qwen2_moe_window_set_but_off_computes_what_stock_computes():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        **TINY, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, experts_implementation="eager",
+        use_sliding_window=False, sliding_window=4096, max_window_layers=21,  # Qwen1.5-MoE-A2.7B's config
+    )
+    assert config.layer_types == ["full_attention"] * 2  # no layer slides: the window-0 mask stock builds is unread
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(config).double().train()
+    assert _worst_against_stock(model) < 1e-10
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
+def test_classification_head_dropouts_are_not_refused(family):
+    """GPT-2's summary_first_dropout and GPT-NeoX's classifier_dropout at their published 0.1, every dropout the
+    causal LM applies at 0: trained exactly."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = GPT2Config(**TINY, n_layer=2, n_embd=32, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        assert config.summary_first_dropout == 0.1
+        model = GPT2LMHeadModel(config)
+    else:
+        config = GPTNeoXConfig(**TINY, num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                               intermediate_size=64)
+        assert config.classifier_dropout == 0.1 and config.hidden_dropout == config.attention_dropout == 0.0
+        model = GPTNeoXForCausalLM(config)
+    assert _worst_against_stock(model.double().train()) < 1e-10
+
+
+def test_a_dropout_before_the_layers_is_not_refused():
+    """GPT-2's embedding dropout runs once, before the layers StreamBP re-forwards from their saved input: with the
+    same seed, stock and ds_longseq draw the same mask (and a different seed gives another gradient: the dropout
+    is on)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**TINY, n_layer=2, n_embd=32, n_head=2, resid_pdrop=0.0, attn_pdrop=0.0,
+                                       embd_pdrop=0.3)).double().train()
+    assert _worst_against_stock(model, seed=5) < 1e-10
+    batch = _batch()
+    runs = []
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        runs.append(grads_of(model, lambda: reference_loss(model, batch, torch.float64)))
+    assert max(compare(runs[0], runs[1]).values()) > 1e-2
+
+
+def test_an_applied_dropout_is_refused_saying_how_to_turn_it_off():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(**TINY, n_layer=2, n_embd=32, n_head=2))  # 0.1 everywhere, as GPT-2
+    with pytest.raises(UnsupportedModelError) as info:
+        ds_longseq.enable(model, STREAMBP)
+    message = str(info.value)
+    for field in ("attn_pdrop", "resid_pdrop"):
+        assert f"config.{field}=0.1" in message and f"from_pretrained(path, {field}=0.0)" in message
+    assert "embd_pdrop" not in message and "summary_first_dropout" not in message
+    assert not ds_longseq.is_enabled(model)
