@@ -214,3 +214,47 @@ def test_long_seq_sequence_parallel_equals_one_process(setup, trainer):
     proc = run_job(cmd, cwd=ROOT, env=clean_env(), timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert_same_as_reference(root, out, reference(trainer))
+
+
+OWN_LOOP = """
+import sys, torch, torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+import ds_longseq.engine
+dist.init_process_group("gloo")  # the user's own start-up: torch's group only, DeepSpeed's comm not told
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+g = torch.Generator().manual_seed(1)
+batch = {"input_ids": torch.randint(1, 64, (2, 24), generator=g)}
+batch["labels"] = batch["input_ids"].clone()
+batch["labels"][1, :7] = -100
+with torch.no_grad():
+    stock = model(**batch).loss.item()
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0,
+          "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+          "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "long_seq": {"streambp": {"enabled": True, "chunk_size": 4}, "sequence_parallel": {"size": 2}}}
+engine, *_ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=config)
+loss = engine(**ds_longseq.engine.shard_batch(batch)).loss
+engine.backward(loss)
+engine.step()
+print(f"RANK{dist.get_rank()} loss {loss.item():.8f} stock {stock:.8f}", flush=True)
+"""
+
+
+def test_own_loop_with_a_torch_process_group_it_started(tmp_path):
+    """A training loop that starts torch.distributed itself, then calls ds_longseq.engine.initialize with sequence
+    parallelism 2: the group is adopted for DeepSpeed's (its sequence-parallel groups asserted before), and each
+    rank's loss is the stock loss of the whole batch."""
+    script = tmp_path / "loop.py"
+    script.write_text(OWN_LOOP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script)]
+    proc = run_job(cmd, cwd=ROOT, env=clean_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    import re
+
+    found = re.findall(r"RANK(\d) loss (\S+) stock (\d+\.\d{8})", proc.stdout)  # the ranks' lines may run together
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], proc.stdout[-3000:]
+    for _, loss, stock in found:
+        assert float(loss) == pytest.approx(float(stock), rel=1e-6)
