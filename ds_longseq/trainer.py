@@ -16,9 +16,10 @@ what ``engine.initialize`` would, at these points:
 
 - ``__init__`` (after the Trainer's own): takes ``long_seq`` out of the DeepSpeed config the Trainer
   was given and validates it with ``engine.split_config`` (the same errors, before any training),
-  builds DeepSpeed's sequence-parallel groups and enables the model. It enables on top of TRL's
-  fused-LM-head forward, so TRL's ``fused_lm_head=True`` calls are served by ds_longseq's chunked
-  head (``modules.causal_lm.FusedLMHeadOutput``), configured as the TRL trainer configured its own
+  builds DeepSpeed's sequence-parallel groups (on the process group the Trainer's accelerator started, adopted for
+  DeepSpeed's collectives by ``engine.process_group``: the script starts none itself) and enables the model.
+  It enables on top of TRL's fused-LM-head forward, so TRL's ``fused_lm_head=True`` calls are served by
+  ds_longseq's chunked head (``modules.causal_lm.FusedLMHeadOutput``), configured as the TRL trainer configured its own
   (``patch.configure_fused_lm_head``: GRPO's temperature and ``cast_lm_head_to_fp32``, the fields
   DPO reads). TRL's reference model (DPO; GRPO with ``beta > 0``) keeps TRL's own fused head, except under
   sequence parallelism (DPO), where it is enabled with the policy's sequence parallelism.

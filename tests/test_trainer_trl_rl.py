@@ -161,14 +161,19 @@ def assert_same_training(tmp_path, model_dir, ours_logs, theirs_logs, metrics):
     assert len(ours_logs) == len(theirs_logs) == STEPS
     for step, (a, b) in enumerate(zip(ours_logs, theirs_logs, strict=True)):
         for key in ("loss", *metrics):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), f"step {step + 1} {key}: {a[key]} vs {b[key]}"
+            # absolute 1e-5: DPO's rewards (small, ~0.06) are beta x differences of float32 sequence log-probs of
+            # ~-30, whose last bit is 1.9e-6 (3.8e-6 above 32): measured 1.2e-6 apart, 1 bit (2026-11-27)
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), f"step {step + 1} {key}: {a[key]} vs {b[key]}"
     initial = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     ours = saved_model(model_dir, tmp_path / "ours" / "hf_model")
     theirs = dict(saved_model(model_dir, tmp_path / "theirs" / "hf_model").named_parameters())
     moved = 0.0
     for name, p in ours.named_parameters():
-        torch.testing.assert_close(p, theirs[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
         delta, ref_delta = (p - initial[name]).detach(), (theirs[name] - initial[name]).detach()
+        # each element within 1e-5 of the parameter's largest update (at least 1): float32 rounding of the
+        # gradients scales with the update, not with the weight (measured: 1.5e-5 apart where the update is 2.2)
+        torch.testing.assert_close(p, theirs[name], rtol=1e-5, atol=1e-5 * max(1.0, ref_delta.abs().max().item()),
+                                   msg=lambda m, n=name: f"{n}: {m}")
         moved = max(moved, ref_delta.norm().item())
         err = (delta - ref_delta).norm() / ref_delta.norm().clamp_min(1e-30)
         assert ref_delta.norm() == 0 or err < 1e-4, f"{name}: update differs by {err:.2e} of its size"
