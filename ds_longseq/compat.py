@@ -15,6 +15,8 @@ Holds:
     Z3_LEAF_ATTR, is_zero3_partitioned: DeepSpeed ZeRO-3's leaf-module flag and partitioned-parameter mark.
     default_process_group / default_store: torch.distributed's default group and rendezvous store.
     deepspeed_initialize_replaced: ``deepspeed.initialize`` stood in for, inside a ``with`` block.
+    drop_gguf_quantization_marker: a GGUF-loaded transformers model (dequantized on load, yet marked quantized and
+        so refused by ``save_pretrained``) made a plain model.
     ZERO3_SP_AVERAGE_VERSIONS, check_zero3_sequence_parallel, fix_zero3_sequence_parallel_average: DeepSpeed
         ZeRO-3's gradient average under sequence parallelism, corrected on the versions where it is known
         wrong and refused on versions nobody checked.
@@ -55,6 +57,7 @@ __all__ = [
     "default_process_group",
     "default_store",
     "deepspeed_initialize_replaced",
+    "drop_gguf_quantization_marker",
     "ZERO3_SP_AVERAGE_VERSIONS",
     "zero3_sequence_parallel_problem",
     "fix_zero3_sequence_parallel_average",
@@ -131,6 +134,19 @@ def pop_cache(kwargs: dict, given: Any = None) -> Any:
     the first non-None of them; None when there is none), whatever its name in this transformers release."""
     found = [kwargs.pop(name) for name in CACHE_KWARGS if name in kwargs]
     return next((cache for cache in (given, *found) if cache is not None), None)
+
+
+def drop_gguf_quantization_marker(model_or_config) -> None:
+    """A transformers model (or config) loaded with ``gguf_file=``: its weights are plain tensors, dequantized on
+    load, but transformers 5.24 keeps ``config.quantization_config`` (quant_method "gguf") and the model's
+    ``hf_quantizer``, and ``save_pretrained`` then refuses the model as not serializable. Both are dropped: the
+    model is what it holds, a float model."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    if model_or_config is not config:
+        model_or_config.hf_quantizer = None
+        model_or_config.is_quantized = False
 
 
 # ---- DeepSpeed ------------------------------------------------------------------------------------

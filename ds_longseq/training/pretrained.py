@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from ds_longseq.compat import drop_gguf_quantization_marker
+
 __all__ = ["gguf_parts", "load_config", "load_model", "load_tokenizer"]
 
 
@@ -45,8 +47,8 @@ def load_config(model: str):
 
     path, kwargs = _kwargs(model)
     config = AutoConfig.from_pretrained(path, **kwargs)
-    if kwargs and hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are dequantized on load: train the floats
+    if kwargs:
+        drop_gguf_quantization_marker(config)  # the weights are dequantized on load: train the floats
     return config
 
 
@@ -57,12 +59,7 @@ def load_model(model: str, dtype: torch.dtype):
     path, kwargs = _kwargs(model)
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
     if kwargs:
-        # transformers keeps a GGUF-loaded model marked as quantized (and refuses to save it); its weights are
-        # already plain dequantized tensors, so drop the marker
-        loaded.hf_quantizer = None
-        if hasattr(loaded.config, "quantization_config"):
-            del loaded.config.quantization_config
-        loaded.is_quantized = False
+        drop_gguf_quantization_marker(loaded)  # marked quantized, refused by save_pretrained; plain floats inside
     return loaded
 
 
