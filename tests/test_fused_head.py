@@ -244,7 +244,7 @@ def test_fused_head_unrequested_fields_are_none():
 
 def test_fused_head_cast_lm_head_to_fp32_under_autocast():
     """GRPO's cast_lm_head_to_fp32: under bfloat16 autocast the head projects the hidden states it
-    is given in float32 (the log-probs equal a float64 projection of them to 1e-6); without it, in
+    is given in float32 (the log-probs equal a float64 projection of them to a few float32 bits); without it, in
     bfloat16 (far off: the test would otherwise pass vacuously)."""
     ours = ds_longseq.enable(make_model("llama", torch.float32), CONFIGS["streambp+lm_head"])
     batch = make_batch()
@@ -259,10 +259,12 @@ def test_fused_head_cast_lm_head_to_fp32_under_autocast():
             out = ours(**batch, fused_lm_head=True)
         logits = F.linear(seen["h"].double(), ours.lm_head.weight.double()) / 0.7
         ref = torch.log_softmax(logits, -1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1) * mask
-        return (out.log_probs.double() - ref).abs().max().item()
+        # in units of one float32 bit of the largest log-prob: what a float32 projection can hold
+        return ((out.log_probs.double() - ref).abs().max() / (ref.abs().max() * torch.finfo(torch.float32).eps)).item()
 
-    assert run(True) < 1e-6
-    assert run(False) > 1e-4
+    # a few bits (measured 1.04e-6 with the largest |log-prob| 9.7: 0.9 of a bit); without the cast ~2e4 bits
+    assert run(True) < 4
+    assert run(False) > 1000
 
 
 def test_fused_head_settings_refused():
