@@ -32,6 +32,7 @@ import torch
 
 from ds_longseq.compat import fix_zero3_sequence_parallel_average
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.engine.process_group import DEFAULT_DISTRIBUTED_PORT
 from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
 from ds_longseq.engine.watchdog import start_watchdog, started_by_launcher
 from ds_longseq.logging import get_logger, warn_once
@@ -52,7 +53,6 @@ logger = get_logger(__name__)
 
 MIN_DEEPSPEED_VERSION = "0.19.8"
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
-DEFAULT_DISTRIBUTED_PORT = 29500  # deepspeed.initialize's own default, passed explicitly by the launcher-less paths
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

@@ -23,9 +23,9 @@ import runpy
 import socket
 import sys
 
-__all__ = ["mpi_environment", "main"]
+from ds_longseq.engine.process_group import DEFAULT_DISTRIBUTED_PORT
 
-DEFAULT_PORT = 29500
+__all__ = ["mpi_environment", "main"]
 
 
 def _host_address() -> str:
@@ -55,7 +55,7 @@ def mpi_environment() -> dict[str, str]:
         "LOCAL_RANK": str(hosts[:rank].count(hosts[rank])),
         "LOCAL_WORLD_SIZE": str(hosts.count(hosts[rank])),
         "MASTER_ADDR": master,
-        "MASTER_PORT": os.environ.get("MASTER_PORT", str(DEFAULT_PORT)),
+        "MASTER_PORT": os.environ.get("MASTER_PORT", str(DEFAULT_DISTRIBUTED_PORT)),
     }
 
 

@@ -5,6 +5,8 @@ Holds:
     LAUNCHER_VARIABLES: environment variables that only a launcher sets, by launcher.
     launcher_environment: which launcher started this process (None: none).
     ensure_process_group: ``deepspeed.comm`` ready on the world's process group, or a one-line refusal.
+    start_process_group: ``deepspeed.init_distributed`` as every launcher-started path here calls it.
+    DEFAULT_DISTRIBUTED_PORT: the rendezvous port when ``MASTER_PORT`` is not set.
 
 Why this exists: DeepSpeed's sequence-parallel groups (``parallel_state_sp``) and its collectives go through
 ``deepspeed.comm``, which knows a process group only once ``deepspeed.init_distributed`` has run. accelerate
@@ -22,7 +24,8 @@ import torch
 
 from ds_longseq.logging import get_logger
 
-__all__ = ["LAUNCHER_VARIABLES", "launcher_environment", "ensure_process_group"]
+__all__ = ["LAUNCHER_VARIABLES", "DEFAULT_DISTRIBUTED_PORT", "launcher_environment", "ensure_process_group",
+           "start_process_group"]
 
 logger = get_logger(__name__)
 
@@ -35,7 +38,7 @@ LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
 """Variables only a launcher sets (a plain ``python script.py`` has none of them)."""
 
 _TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-DEFAULT_PORT = 29500  # DeepSpeed's and torch's default rendezvous port
+DEFAULT_DISTRIBUTED_PORT = 29500  # deepspeed.initialize's own default, passed explicitly by the launcher-less paths
 
 HOW_TO_LAUNCH = (
     "deepspeed --num_gpus {n} script.py, torchrun --nproc_per_node {n} script.py, accelerate launch "
@@ -88,11 +91,18 @@ def ensure_process_group(world_size_needed: int = 1, *, backend: str | None = No
                 + HOW_TO_LAUNCH.format(n=world_size_needed)
             )
         return False
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    logger.info("ds_longseq: starting the %s process group from the %s launcher's environment", backend, launcher)
-    deepspeed.init_distributed(
-        dist_backend=backend, auto_mpi_discovery=True, verbose=False,
-        distributed_port=int(os.environ.get("MASTER_PORT", DEFAULT_PORT)),
-    )
+    logger.info("ds_longseq: starting the process group from the %s launcher's environment", launcher)
+    start_process_group(backend, verbose=False)
     return True
+
+
+def start_process_group(backend: str | None = None, *, verbose: bool = True) -> None:
+    """``deepspeed.init_distributed`` with ``backend`` (default gloo on CPU, nccl with CUDA) and MPI discovery, on
+    the environment's ``MASTER_PORT``: DeepSpeed's MPI discovery would otherwise set it to its own default, and two
+    mpirun jobs on one machine would collide there."""
+    import deepspeed
+
+    deepspeed.init_distributed(
+        dist_backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"), auto_mpi_discovery=True,
+        verbose=verbose, distributed_port=int(os.environ.get("MASTER_PORT", DEFAULT_DISTRIBUTED_PORT)),
+    )

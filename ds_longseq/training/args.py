@@ -14,10 +14,10 @@ Holds:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 
 from ds_longseq.training.lora import import_peft, parse_lora_targets
+from ds_longseq.training.pretrained import gguf_parts
 
 __all__ = ["add_common_args", "check_run_args", "check_model_and_data", "check_lora_args", "check_args"]
 
@@ -88,18 +88,16 @@ def check_model_and_data(model: str | None, data: str | None) -> None:
     (before transformers' hub-id messages could)."""
     if data and not model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
-    if model and model.lower().endswith(".gguf"):
-        if not os.path.isfile(model):
-            raise SystemExit(f"--model {model}: no such GGUF file")
-        if importlib.util.find_spec("gguf") is None:
-            raise SystemExit(f"--model {model} is a GGUF file, which transformers reads with the gguf package: "
-                             "pip install gguf")
-    elif model and not os.path.isdir(model):
+    try:
+        gguf = model is not None and gguf_parts(model) is not None  # its own messages: no such file, pip install gguf
+    except (FileNotFoundError, ImportError) as err:
+        raise SystemExit(str(err)) from None
+    if model and not gguf and not os.path.isdir(model):
         raise SystemExit(
             f"--model {model}: no such directory. Pass a local Hugging Face model directory (with config.json and the "
             "weights, e.g. from `huggingface-cli download <repo> --local-dir DIR`) or a .gguf file"
         )
-    if model and not model.lower().endswith(".gguf") and not os.path.isfile(os.path.join(model, "config.json")):
+    if model and not gguf and not os.path.isfile(os.path.join(model, "config.json")):
         raise SystemExit(f"--model {model}: no config.json in it: pass the directory of a saved Hugging Face model")
     if data and not os.path.isfile(data):
         raise SystemExit(f"--data {data}: no such file (a JSONL file, one record per line)")

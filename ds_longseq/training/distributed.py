@@ -19,7 +19,8 @@ from typing import Literal
 
 import torch
 
-from ds_longseq.engine import DEFAULT_DISTRIBUTED_PORT, check_sequence_length, shard_batch, split_config
+from ds_longseq.engine import check_sequence_length, shard_batch, split_config
+from ds_longseq.engine.process_group import start_process_group
 from ds_longseq.logging import get_logger
 from ds_longseq.training import faults
 
@@ -75,7 +76,6 @@ def init_process_group() -> tuple[int, int]:
     """Start DeepSpeed's process group (gloo on CPU, nccl on GPUs; MPI discovery under mpirun), set up
     rank-0 logging and this rank's GPU; return (rank, world). A malformed test-only fault variable
     (``training.faults``) fails here, before any training."""
-    import deepspeed
     import deepspeed.comm as dist
 
     faults.active_fault()
@@ -83,12 +83,7 @@ def init_process_group() -> tuple[int, int]:
     # memory planner models allocated memory, which the default allocator can exceed by 10+ GB). Set before the
     # first CUDA allocation; a setting of the user's own wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    # Under mpirun, DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: honour the caller's.
-    deepspeed.init_distributed(
-        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-        auto_mpi_discovery=True,
-        distributed_port=int(os.environ.get("MASTER_PORT", DEFAULT_DISTRIBUTED_PORT)),
-    )
+    start_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     configure_logging(rank)
     if torch.cuda.is_available():
