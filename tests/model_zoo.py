@@ -631,22 +631,21 @@ def _dropout_fields(config) -> list[tuple[transformers.PretrainedConfig, str]]:
                          if isinstance(getattr(config, n, None), transformers.PretrainedConfig)]
     for level in levels:
         for key, value in vars(level).items():
-            if _DROPOUT_FIELDS.search(key) and isinstance(value, float) and not isinstance(value, bool) and value > 0:
+            if _DROPOUT_FIELDS.search(key) and isinstance(value, float) and value > 0:
                 out.append((level, key))
     return out
 
 
-def applied_dropouts(model_type: str, config) -> list[str]:
-    """The dropout fields of ``config`` the causal LM applies, found by running it: with that field alone non-zero,
-    two training forwards of the same batch under different seeds give different logits. A field of a head the
-    causal LM never builds (a classifier's, a sequence summary's) changes nothing."""
-    fields = _dropout_fields(config)
+def applied_dropouts(model_type: str, config) -> set[tuple[type, str]]:
+    """(config level's class, field) of each dropout field of ``config`` the causal LM applies, found by running it:
+    with that field alone non-zero, two training forwards of the same batch under different seeds give different
+    logits. A field of a head the causal LM never builds (a classifier's, a sequence summary's) changes nothing."""
     batch = {k: v for k, v in tiny_batch(model_type).items() if k != "labels"}
-    applied = []
-    for level, key in fields:
+    applied = set()
+    for level, key in _dropout_fields(config):
         trial = copy.deepcopy(config)
         for other_level, other in _dropout_fields(trial):
-            if not (other == key and other_level.__class__ is level.__class__):
+            if (type(other_level), other) != (type(level), key):
                 setattr(other_level, other, 0.0)
         torch.manual_seed(0)
         model = _model_class(model_type)._from_config(trial).train()
@@ -656,7 +655,7 @@ def applied_dropouts(model_type: str, config) -> list[str]:
             with torch.no_grad():
                 outs.append(model(**batch).logits)
         if not torch.equal(outs[0], outs[1]):
-            applied.append(key)
+            applied.add((type(level), key))
     return applied
 
 
@@ -671,9 +670,9 @@ def tiny_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 
     """
     config = tiny_config(model_type, variant)
     if variant == "published":
-        applied = set(applied_dropouts(model_type, config))
+        applied = applied_dropouts(model_type, config)
         for level, key in _dropout_fields(config):
-            if key in applied:
+            if (type(level), key) in applied:
                 setattr(level, key, 0.0)
     torch.manual_seed(seed)
     # the mapped class itself: AutoModelForCausalLM does not take every config it maps (Musicgen's decoder)
