@@ -154,17 +154,27 @@ def test_chunked_lm_head_loss_matches_cross_entropy(chunk, bias):
 
 
 def test_chunked_lm_head_saves_no_logits():
-    """Only hidden, weight and small index tensors are saved: no (N x V) tensor, not even one chunk."""
+    """Training: the forward forms the gradient, keeping only the (1, T, d) input gradient and the (V, d) weight
+    gradient (nothing through autograd's saved tensors, no (N x V) tensor, not even one chunk). Evaluation (no
+    grad): nothing at all. Both give the same loss; a second backward is refused (the gradient is handed out
+    once)."""
     V, d, T = 997, 8, 300
     hidden = torch.randn(1, T, d, requires_grad=True)
     weight = torch.randn(V, d, requires_grad=True)
+    targets = shift_causal_labels(torch.randint(0, V, (1, T)))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss, _ = chunked_lm_head_loss(hidden, weight, shift_causal_labels(torch.randint(0, V, (1, T))), chunk_size=64)
-    shapes = sorted(tuple(t.shape) for t in saved)
-    assert shapes == sorted([(1, T, d), (V, d), (T - 1,), (T - 1,)]), shapes
-    loss.backward()
+        loss, _ = chunked_lm_head_loss(hidden, weight, targets, chunk_size=64)
+    assert saved == []
+    kept = sorted(tuple(g.shape) for g, _ in loss.grad_fn.grads if g is not None)
+    assert kept == sorted([(1, T, d), (V, d)]), kept
+    with torch.no_grad():
+        eval_loss, _ = chunked_lm_head_loss(hidden, weight, targets, chunk_size=64)
+    torch.testing.assert_close(eval_loss, loss.detach(), rtol=1e-6, atol=0)  # float32: summation order
+    loss.backward(retain_graph=True)
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+    with pytest.raises(RuntimeError, match="second backward through ds_longseq's chunked LM-head loss"):
+        loss.backward()
 
 
 def test_chunked_lm_head_holds_one_chunk_of_logits_at_a_time():
@@ -201,13 +211,19 @@ def test_chunked_lm_head_holds_one_chunk_of_logits_at_a_time():
     hidden = torch.randn(1, T, d, requires_grad=True)
     weight = torch.randn(V, d, requires_grad=True)
     targets = shift_causal_labels(torch.randint(0, V, (1, T)))
-    for phase in ("forward", "backward"):
+    for phase in ("forward", "backward", "forward without grad"):
         tracker = Tracker()
         with tracker:
             if phase == "forward":
                 loss, _ = chunked_lm_head_loss(hidden, weight, targets, chunk_size=chunk)
-            else:
+            elif phase == "backward":  # the gradient was formed in the forward: a scaling, no logits
                 loss.backward()
+            else:
+                with torch.no_grad():
+                    chunked_lm_head_loss(hidden, weight, targets, chunk_size=chunk)
+        if phase == "backward":
+            assert tracker.largest <= V * d and tracker.max_live == 0, (phase, tracker.largest)
+            continue
         assert chunk * V // 2 <= tracker.largest <= chunk * V, (phase, tracker.largest)  # the check sees the chunks
         assert tracker.max_live == 1, (phase, tracker.max_live)
 
@@ -239,17 +255,18 @@ def test_chunked_lm_head_weight_grad_has_no_per_chunk_temporaries(dtype):
     hidden = torch.randn(1, T, d, dtype=dtype, requires_grad=True)
     weight = torch.randn(V, d, dtype=dtype, requires_grad=True)
     targets = shift_causal_labels(torch.randint(0, V, (1, T)))
-    loss, _ = chunked_lm_head_loss(hidden, weight, targets, chunk_size=chunk)
     sizes = Sizes()
-    with sizes:
-        loss.backward()
+    with sizes:  # forward (which forms the gradient) and backward (which scales it in place)
+        loss, _ = chunked_lm_head_loss(hidden, weight, targets, chunk_size=chunk)
+        (loss * 0.5).backward()
     expected = 1 if dtype == torch.float32 else 2  # the float32 accumulator (+ its cast to bf16)
     assert len(sizes.weight_sized) == expected, sizes.weight_sized
     # and the float32 sum over chunks is what one float32 GEMM of the rounded chunk gradients gives
     h32, w32 = hidden.detach().float(), weight.detach().float()
     logits = (h32 @ w32.t()).to(dtype).float()[0, :-1]
     dl = (torch.softmax(logits, -1) - F.one_hot(targets[0, :-1], V)).to(dtype).float()
-    torch.testing.assert_close(weight.grad.float(), (dl.t() @ h32[0, :-1]).to(dtype).float(), rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(weight.grad.float(), (0.5 * dl.t() @ h32[0, :-1]).to(dtype).float(), rtol=2e-2,
+                               atol=1e-2)
 
 
 def test_attention_kernel_choice_and_clear_refusals():

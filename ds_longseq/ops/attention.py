@@ -70,6 +70,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_longseq.ops.phases import phase
+
 __all__ = [
     "chunk_causal_attention",
     "query_lower_bounds",
@@ -626,7 +628,7 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, sink_k, sink_v,
                 sink_own, sink_logits):
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False), phase("attention.forward"):
             out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan,
                                           kernel)
             if sink_logits is not None:
@@ -640,7 +642,7 @@ class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False), phase("attention.backward"):
             dq, dk, dv = _attention_backward(
                 grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, ctx.softcap, out, lse, ctx.scale,
                 ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own,

@@ -13,9 +13,14 @@ Holds:
 Shape legend: B batch, T sequence, d hidden, V vocab, N valid tokens, C chunk.
 
 Forward computes logits one chunk of valid tokens at a time under no_grad and sums the float32
-cross entropy; backward recomputes each chunk's logits and forms dLogits = softmax - onehot in
-place. Only the hidden states, the weight and the targets are saved: one (C x V) chunk of logits
-exists at a time, in forward and in backward (StreamBP Sec. 3.2.1, MsT Alg. 2).
+cross entropy. In training the loss's forward also forms its gradient while each chunk's logits exist
+(dLogits = softmax - onehot in place, then the input, weight and bias products, as Liger's fused linear
+cross entropy does): the loss is a sum, so backward only multiplies the upstream scalar in, and the logits
+are computed once per step (HF's count) instead of twice. It keeps the (B, T, d) input gradient in place of
+the hidden states, and the weight's (V, d) gradient from the forward on (allocated in backward before). The
+per-token outputs (DPO, GRPO) get a different upstream gradient per token: their backward recomputes each
+chunk's logits. One (C x V) chunk of logits exists at a time, in forward and in backward (StreamBP Sec.
+3.2.1, MsT Alg. 2).
 
 The numerics follow transformers' ``ForCausalLMLoss``: logits are computed in the model dtype (the
 autocast dtype under autocast, as the stock head's linear) and upcast to float32 before the
@@ -40,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_longseq.ops.chunk_grads import acc_dtype, autocast_dtype
+from ds_longseq.ops.phases import phase
 
 __all__ = [
     "shift_causal_labels",
@@ -123,50 +129,101 @@ def _add_weight_grad_(dw: torch.Tensor, dl: torch.Tensor, h_c: torch.Tensor, scr
 
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
+    """The summed cross entropy. With ``form_grads`` (training), the forward also forms the gradient of the sum
+    with respect to the hidden states, the weight and the bias, chunk by chunk while each chunk's logits exist
+    (as Liger's fused linear cross entropy does): the loss is a sum, so its upstream gradient is one scalar,
+    which the backward multiplies in. The logits are computed once per step instead of twice, and the backward
+    is a scaling. Without it (evaluation) the forward computes the loss alone."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, logit_scale):
+    def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, logit_scale, form_grads):
         # The dtype the stock head's F.linear runs in: the autocast dtype under autocast (as the
         # stock head under autocast), else the hidden states' dtype. Casts are explicit and autocast
         # is off inside, so forward and backward compute the same logits whatever autocast is doing.
         mm_dtype = autocast_dtype(hidden)
-        h2 = hidden.reshape(-1, hidden.shape[-1])
+        ctx.chunk_size, ctx.mm_dtype, ctx.softcap, ctx.logit_scale = chunk_size, mm_dtype, softcap, logit_scale
         total = torch.zeros((), dtype=_loss_dtype(hidden.dtype), device=hidden.device)
-        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False), phase("lm_head.forward"):
+            if form_grads:
+                ctx.grads = _head_grads(ctx, ctx.needs_input_grad[:3], hidden, weight, bias, index, targets,
+                                        _dlogits_ce(total))
+                return total
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
             for s in range(0, index.numel(), chunk_size):
                 idx = index[s : s + chunk_size]
-                logits = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(total.dtype)
+                logits = F.linear(_hidden_rows(hidden, idx).to(mm_dtype), w, b).to(total.dtype)
                 if logit_scale != 1.0:
                     logits.mul_(logit_scale)
                 if softcap is not None:
                     softcap_logits(logits, softcap, inplace=True)
                 total += _cross_entropy_sum_(logits, targets[s : s + chunk_size])
                 del logits
+        ctx.grads = None
         ctx.save_for_backward(hidden, weight, bias, index, targets)
-        ctx.chunk_size, ctx.mm_dtype, ctx.softcap, ctx.logit_scale = chunk_size, mm_dtype, softcap, logit_scale
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, bias, index, targets = ctx.saved_tensors
-        with torch.autocast(hidden.device.type, enabled=False):
-            grads = _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets)
-        return (*grads, None, None, None, None, None)
+        if ctx.grads is None:  # formed in forward unless the forward ran without grad (then nothing needs it)
+            hidden, weight, bias, index, targets = ctx.saved_tensors
+            with torch.autocast(hidden.device.type, enabled=False), phase("lm_head.backward"):
+                grads = _head_grads(ctx, ctx.needs_input_grad[:3], hidden, weight, bias, index, targets,
+                                    _dlogits_ce(None, grad_total))
+        else:
+            grads, ctx.grads = ctx.grads, "consumed"
+            if grads == "consumed":
+                raise RuntimeError(
+                    "a second backward through ds_longseq's chunked LM-head loss (backward(retain_graph=True) "
+                    "twice): its gradient is formed in the forward and handed out once. Run the forward again"
+                )
+            with phase("lm_head.backward"):
+                grads = _scaled(grads, grad_total)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _hidden_rows(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of the (B*T, d) flattened hidden states."""
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
+
+
+def _scaled(grads, scale: torch.Tensor):
+    """Each gradient formed in forward times the upstream gradient, in place (they are handed out once), in the
+    dtype it was accumulated in, then cast to its tensor's."""
+    out = []
+    for g, dtype in grads:
+        if g is None:
+            out.append(None)
+            continue
+        if not (scale.numel() == 1 and float(scale) == 1.0):
+            g.mul_(scale.to(g.dtype))
+        out.append(g.to(dtype))
+    return tuple(out)
+
+
+def _dlogits_ce(total: torch.Tensor | None, grad_total: torch.Tensor | None = None):
+    """dLoss/dLogits of the summed cross entropy, for :func:`_head_grads`: softmax - onehot, in place on the one
+    (C x V) buffer (``torch.softmax`` / a plain multiply would each allocate a second one). With ``total`` (the
+    gradient formed in forward) the chunk's loss is added to it on the way, from the same exponentials; with
+    ``grad_total`` (a backward) the result is scaled by it."""
+
+    def dlogits(z: torch.Tensor, rows: slice, t: torch.Tensor) -> torch.Tensor:
+        ar = torch.arange(z.shape[0], device=z.device)
+        if total is not None:
+            target_logits = z[ar, t]
+            row_max = z.amax(dim=-1, keepdim=True)
+            sum_exp = z.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+            total.add_((sum_exp.log().squeeze(1) + row_max.squeeze(1) - target_logits).sum())
+            z.div_(sum_exp)
+        else:
+            _softmax_(z)
+        z[ar, t] -= 1.0
+        return z if grad_total is None else z.mul_(grad_total)
+
+    return dlogits
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
-
-
-def _lm_head_backward(ctx, grad_total, hidden, weight, bias, index, targets):
-    def dlogits_ce(z: torch.Tensor, rows: slice, t: torch.Tensor) -> torch.Tensor:
-        # (softmax - onehot) * grad, all in place on the one (C x V) buffer
-        # (torch.softmax / a plain multiply would each allocate a second one).
-        _softmax_(z)
-        z[torch.arange(z.shape[0], device=z.device), t] -= 1.0
-        return z.mul_(grad_total)
-
-    return _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_ce)
 
 
 def _softmax_(z: torch.Tensor) -> torch.Tensor:
@@ -175,16 +232,20 @@ def _softmax_(z: torch.Tensor) -> torch.Tensor:
     return z.div_(z.sum(dim=-1, keepdim=True))
 
 
-def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
-    """Gradients of the chunked head given, per chunk, dLoss/dLogits from ``dlogits_fn``.
+def _head_grads(ctx, needs, hidden, weight, bias, index, targets, dlogits_fn):
+    """Gradients of the chunked head given, per chunk, dLoss/dLogits from ``dlogits_fn``: ((dh, dtype), (dw,
+    dtype), (db, dtype)), each None where ``needs`` (hidden, weight, bias) says so; sums kept in float32 for
+    half-precision weights, cast to ``dtype`` by the caller.
 
     ``dlogits_fn(z, rows, t)`` gets the chunk's (C, V) logits ``z`` in the loss dtype (after the
     softcap; it may overwrite them), the slice ``rows`` of the chunk among the valid tokens and their
     targets ``t`` (C,), and returns dLoss/dz (C, V). The softcap's chain rule, the casts and the
-    three products (input, weight, bias gradients) are shared by every objective.
+    three products (input, weight, bias gradients) are shared by every objective. Called by a backward (the
+    logits recomputed) or by a forward that forms its gradient there.
     """
     chunk_size, mm_dtype = ctx.chunk_size, ctx.mm_dtype
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
     loss_dtype = _loss_dtype(hidden.dtype)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     acc = acc_dtype(weight.dtype)
@@ -220,10 +281,16 @@ def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
             db += torch.sum(dl, 0, dtype=acc)
         del z, dlogits, dl  # free this chunk's logits before the next chunk allocates its own
     return (
-        None if dh is None else dh.view_as(hidden),
-        None if dw is None else dw.to(weight.dtype),
-        None if db is None else db.to(bias.dtype),
+        (None if dh is None else dh.view_as(hidden), hidden.dtype),
+        (dw, weight.dtype),
+        (db, None if bias is None else bias.dtype),
     )
+
+
+def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
+    """:func:`_head_grads` for a backward: the gradients in their tensors' dtypes."""
+    grads = _head_grads(ctx, ctx.needs_input_grad[:3], hidden, weight, bias, index, targets, dlogits_fn)
+    return tuple(None if g is None else g.to(dtype) for g, dtype in grads)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -247,7 +314,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
         entropy, top1 = optional(with_entropy), optional(with_top1, torch.bool)
         mean_logits, log_sum_sq = optional(with_mean_logits), optional(with_log_sum_sq)
-        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False), phase("lm_head.forward"):
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
             for s in range(0, n, chunk_size):
                 idx = index[s : s + chunk_size]
@@ -304,7 +371,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
         if grad_logps is None and grad_entropy is None:
             return (None,) * 13
-        with torch.autocast(hidden.device.type, enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False), phase("lm_head.backward"):
             grads = _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_token)
         return (*grads, *(None,) * 10)
 
@@ -472,8 +539,12 @@ def chunked_lm_head_loss(
     num_valid = torch.tensor(index.numel(), device=hidden.device)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number, got {softcap}")
+    # the gradient is formed in the forward when a backward will want it (training; not evaluation)
+    form_grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
     loss_sum = _ChunkedLMHeadLoss.apply(
         hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
-        None if softcap is None else float(softcap), float(logit_scale),
+        None if softcap is None else float(softcap), float(logit_scale), form_grads,
     )
     return loss_sum, num_valid

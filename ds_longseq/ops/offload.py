@@ -35,6 +35,7 @@ import weakref
 import torch
 
 from ds_longseq.logging import get_logger, warn_once
+from ds_longseq.ops.phases import phase
 
 __all__ = [
     "SLAB_BYTES",
@@ -387,4 +388,5 @@ def load_input(ctx) -> torch.Tensor:
     if ctx.offloaded_input is None:
         (x,) = ctx.saved_tensors
         return x
-    return ctx.offloaded_input.load()
+    with phase("offload.wait"):
+        return ctx.offloaded_input.load()

@@ -42,6 +42,7 @@ from ds_longseq.ops.chunk_grads import (
     with_aux_grads,
 )
 from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
+from ds_longseq.ops.phases import phase
 from ds_longseq.ops.sparse_inputs import SparseInputs
 
 __all__ = [
@@ -320,7 +321,7 @@ def _sp_forward(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> 
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, run_chunk, bounds, offloader, ring, *params):
-        with torch.no_grad():
+        with torch.no_grad(), phase("streambp.forward"):
             outs, stream = _forward_passing_states(run_chunk, hidden, bounds, ring)
         ctx.ring = ring
         save_input(ctx, hidden, offloader)
@@ -345,10 +346,12 @@ class _StreamBPFunction(torch.autograd.Function):
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1], concat=ctx.concat)
         stream.state = CarriedState("capture", ctx.boundaries)
-        if ctx.has_kv:
+        if ctx.has_kv and len(bounds) > 1:
+            # Every chunk's keys/values but the last's: no other chunk attends those, and its replay (the
+            # first) computes them with grad. A one-chunk sequence needs no capture pass at all.
             stream.mode = "capture"
-            with torch.no_grad(), ctx.autocast.replay():
-                _capture(run_chunk, hidden, bounds, stream)
+            with torch.no_grad(), ctx.autocast.replay(), phase("streambp.capture"):
+                _capture(run_chunk, hidden, bounds[:-1], stream)
             stream.alloc_grads()
         stream.mode = stream.state.mode = "replay"
         # gradient of the states the chunk being replayed writes, sent back by the next chunk (the next rank's
@@ -360,8 +363,10 @@ class _StreamBPFunction(torch.autograd.Function):
                 stream.start, stream.end = s, e
                 stream.state.enter(i)
                 h_c = grads.leaf(hidden[:, s:e])
-                with ctx.autocast.replay():
+                with ctx.autocast.replay(), phase("streambp.replay"):
                     out_c, aux_c = split_outputs(run_chunk(h_c, s, e, stream))
+                if stream.dk is None and stream.k is not None:  # no capture pass ran (see above)
+                    stream.alloc_grads()
                 outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
                 with_aux_grads(outputs, grad_outputs, aux_c, grad_aux, s, e)
                 for t, buf in ((stream.k_chunk, stream.dk), (stream.v_chunk, stream.dv)):
@@ -373,9 +378,10 @@ class _StreamBPFunction(torch.autograd.Function):
                 grad_outputs += more_grads
                 leaves = stream.prefix_leaves or ()
                 state_keys = list(stream.state.leaves)
-                extra_grads = grads.backward(
-                    outputs, grad_outputs, h_c, s, e, extra=(*leaves, *stream.state.leaves.values())
-                )
+                with phase("streambp.grad"):
+                    extra_grads = grads.backward(
+                        outputs, grad_outputs, h_c, s, e, extra=(*leaves, *stream.state.leaves.values())
+                    )
                 prefix_grads, incoming_grads = extra_grads[: len(leaves)], extra_grads[len(leaves):]
                 for buf, g in zip((stream.dk, stream.dv)[: len(leaves)], prefix_grads, strict=True):
                     if g is not None:  # whole-cache mode: the prefix's (or the shared keys') gradient
@@ -629,7 +635,7 @@ def _global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> G
 class _StreamBPSPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, run_chunk, bounds, exchange, offloader, *params):
-        with torch.no_grad():
+        with torch.no_grad(), phase("streambp.forward"):
             out = _sp_forward(run_chunk, hidden, bounds, exchange)
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
@@ -643,7 +649,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden = load_input(ctx)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
-        with ctx.autocast.replay():
+        with ctx.autocast.replay(), phase("streambp.capture"):
             stream = _global_kv(run_chunk, hidden, bounds, ctx.exchange)
         stream.alloc_grads()
         grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
@@ -652,9 +658,10 @@ class _StreamBPSPFunction(torch.autograd.Function):
             for s, e in bounds:
                 stream.start, stream.end = s, e
                 h_c = grads.leaf(hidden[:, s:e])
-                with ctx.autocast.replay():
+                with ctx.autocast.replay(), phase("streambp.replay"):
                     out_c = run_chunk(h_c, s, e, stream)
-                grads.backward([out_c], [grad_out[:, s:e]], h_c, s, e)
+                with phase("streambp.grad"):
+                    grads.backward([out_c], [grad_out[:, s:e]], h_c, s, e)
         dk, dv = stream.grads_to_tokens()
         # Pass 2: the chunk's K/V again (norm, projections, RoPE), now with grad, to push dK/dV through.
         stream.mode = "capture_grad"
@@ -663,7 +670,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
                 stream.start, stream.end = s, e
                 h_c = grads.leaf(hidden[:, s:e])
                 try:
-                    with ctx.autocast.replay():
+                    with ctx.autocast.replay(), phase("streambp.replay"):
                         run_chunk(h_c, s, e, stream)
                 except _KVCaptured:
                     pass
@@ -673,7 +680,8 @@ class _StreamBPSPFunction(torch.autograd.Function):
                         outputs.append(t)
                         grad_outputs.append(g[:, :, s:e].to(t.dtype))
                 if outputs:
-                    grads.backward(outputs, grad_outputs, h_c, s, e, add=True)
+                    with phase("streambp.grad"):
+                        grads.backward(outputs, grad_outputs, h_c, s, e, add=True)
                 stream.k_chunk = stream.v_chunk = None
         grad_in, param_grads = grads.result()
         return (grad_in, None, None, None, None, *param_grads)

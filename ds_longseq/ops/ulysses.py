@@ -26,6 +26,7 @@ import torch
 
 from ds_longseq.compat import dim_zero_all_to_all
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
+from ds_longseq.ops.phases import phase
 
 __all__ = ["UlyssesExchange", "ulysses_attention", "ulysses_chunk_attention"]
 
@@ -73,7 +74,8 @@ class UlyssesExchange:
         B, Hx, C, D = x.shape
         P = self.world_size
         blocks = x.reshape(B, P, Hx // P, C, D).transpose(0, 1)
-        received = self._a2a(self.group, blocks)
+        with phase("sp.exchange"):
+            received = self._a2a(self.group, blocks)
         return received.permute(1, 2, 0, 3, 4).reshape(B, Hx // P, P * C, D)
 
     def _to_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,14 +83,16 @@ class UlyssesExchange:
         B, h, PC, D = x.shape
         P = self.world_size
         blocks = x.reshape(B, h, P, PC // P, D).permute(2, 0, 1, 3, 4)
-        received = self._a2a(self.group, blocks)
+        with phase("sp.exchange"):
+            received = self._a2a(self.group, blocks)
         return received.transpose(0, 1).reshape(B, P * h, PC // P, D)
 
     def all_to_all(self, blocks: torch.Tensor) -> torch.Tensor:
         """(P, ...) block r sent to rank r -> (P, ...) block r received from rank r: DeepSpeed's differentiable
         all-to-all on this group (its backward is the same exchange). For exchanges other than attention's
         (``ops.sharded_mixer``)."""
-        return self._a2a(self.group, blocks.contiguous())
+        with phase("sp.exchange"):
+            return self._a2a(self.group, blocks.contiguous())
 
     def query_to_heads(self, q: torch.Tensor) -> torch.Tensor:
         """(B, H, C, D) tokens-sharded -> (B, H_l, P*C, D) heads-sharded. Differentiable."""
