@@ -55,6 +55,22 @@ if TYPE_CHECKING:
 __all__ = ["CausalLMForward", "LMHeadLossForward", "FusedLMHeadOutput", "FusedHeadSettings", "FUSED_HEAD_OUTPUTS"]
 
 
+def _check_loss_call(sp, kwargs: dict, logits_to_keep) -> None:
+    """Refuse a loss call ds_longseq's loss path cannot compute exactly: labels shifted per shard under sequence
+    parallelism, or ``logits_to_keep`` (the loss needs every position)."""
+    if sp is not None and kwargs.get("shift_labels") is None:
+        raise ValueError(
+            "under sequence parallelism pass shift_labels= (labels shifted once over the whole sequence, then "
+            "cut like input_ids), not labels=: shifting a shard locally loses the label at every shard boundary. "
+            "ds_longseq.engine.shard_batch(batch, ...) returns shift_labels."
+        )
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError(
+            "logits_to_keep cannot be combined with labels under ds_longseq lm_head chunking or sequence "
+            "parallelism (the loss needs every position): drop logits_to_keep"
+        )
+
+
 class LMHeadLossForward:
     """Replacement ``forward`` of the LM head (an ``nn.Linear``) instance.
 
@@ -222,37 +238,9 @@ class CausalLMForward:
         # transformers 5.24 passes the cache as cache= (generate() does), earlier releases as past_key_values=
         past_key_values = pop_cache(kwargs, past_key_values)
         if past_key_values is None and sp is None:
-            doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
-            if self.config.streambp.enabled:
-                # The StreamBP layers take the documents from here (None: no row is packed) instead of
-                # finding them again, with host syncs, in every layer. transformers' model forward
-                # passes its **kwargs on to every decoder layer.
-                kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start)
-            if doc_start is not None:
-                if self.recurrent_mixers:
-                    raise NotImplementedError(
-                        f"packed documents on {type(self.model).__name__}: its linear-attention / state-space layers "
-                        "carry their state across document starts in transformers' torch path (nothing resets it "
-                        "there), so each document would start from the previous one's state. Send one document per "
-                        "row"
-                    )
-                if not self.config.streambp.enabled and not self.stock_masks_see_packed_rows:
-                    raise NotImplementedError(
-                        f"packed documents on {type(self.model).__name__} without long_seq.streambp: its decoder "
-                        "builds its stock attention masks without the position ids, so transformers' attention would "
-                        "attend across the documents. Enable long_seq.streambp (ds_longseq's attention keeps each "
-                        "document to itself) or send one document per row"
-                    )
-                if use_cache:
-                    raise ValueError(
-                        "packed documents with use_cache=True: with a cache transformers ignores the document "
-                        "boundaries and attends across them. Pass use_cache=False for packed rows"
-                    )
-                # The stock default (config.use_cache) would create a cache, and with one transformers'
-                # own attention (the paths ds_longseq leaves stock) attends across the documents.
-                use_cache = False
-                if labels is not None:
-                    labels = mask_document_starts(labels, doc_start, kwargs.get("ignore_index", -100))
+            position_ids, labels, use_cache = self._packed_rows(
+                position_ids, attention_mask, input_ids, inputs_embeds, labels, use_cache, kwargs
+            )
         generating = past_key_values is not None or use_cache is True
         # The stock default (config.use_cache) would keep every layer's K/V, and with a cache the
         # layers run their stock forward: no streaming, nothing offloaded.
@@ -278,17 +266,7 @@ class CausalLMForward:
                 logits_to_keep=logits_to_keep,
                 **kwargs,
             )
-        if sp is not None and kwargs.get("shift_labels") is None:
-            raise ValueError(
-                "under sequence parallelism pass shift_labels= (labels shifted once over the whole sequence, then "
-                "cut like input_ids), not labels=: shifting a shard locally loses the label at every shard boundary. "
-                "ds_longseq.engine.shard_batch(batch, ...) returns shift_labels."
-            )
-        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError(
-                "logits_to_keep cannot be combined with labels under ds_longseq lm_head chunking or sequence "
-                "parallelism (the loss needs every position): drop logits_to_keep"
-            )
+        _check_loss_call(sp, kwargs, logits_to_keep)
         router_aux = self._router_aux_loss_wanted(kwargs)
         return_dict = kwargs.pop("return_dict", None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -318,26 +296,7 @@ class CausalLMForward:
         if per_token:
             out = self.token_outputs.per_token(hidden, targets, ignore_index, ("entropy",) if want_entropy else ())
             return TokenLogprobs(out.log_probs, out.mask, out.entropy, group=None if sp is None else sp.group)
-        logits = None
-        if self.token_records is not None and not torch.is_grad_enabled():  # evaluation recording its tokens
-            out = self.token_outputs.per_token(hidden, targets, ignore_index, ())
-            self.token_records.append((out.log_probs, out.mask))
-            loss_sum, num_valid = -out.log_probs.sum(), out.mask.sum()
-        elif self.config.lm_head.enabled:
-            loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
-        else:  # sequence parallel with the stock head: its logits, a summed loss, the group's mean below
-            logits = self.head(hidden)
-            if self.logit_scale != 1.0:  # as the stock forward does after its head
-                logits = logits * self.logit_scale
-            if self.final_logit_softcap is not None:
-                logits = softcap_logits(logits, self.final_logit_softcap)
-            targets = targets.to(logits.device)
-            # float32 like the stock loss, but never below the model's own precision (float64 stays)
-            loss_dtype = torch.promote_types(logits.dtype, torch.float32)
-            loss_sum = F.cross_entropy(
-                logits.to(loss_dtype).flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
-            )
-            num_valid = (targets != ignore_index).sum()
+        loss_sum, num_valid, logits = self._loss_sum(hidden, targets, ignore_index)
         loss = self._token_mean(loss_sum, num_valid, num_items_in_batch)
         if router_aux:
             output = self._with_router_aux_loss(loss, logits, outputs, attention_mask)
@@ -349,6 +308,69 @@ class CausalLMForward:
                 attentions=outputs.attentions,
             )
         return output.to_tuple() if return_dict is False else output
+
+    def _packed_rows(self, position_ids, attention_mask, input_ids, inputs_embeds, labels, use_cache, kwargs: dict):
+        """(position ids, labels, use_cache) for a packed batch (found once per forward, ``_documents``): the
+        StreamBP layers get the documents through ``kwargs`` (``ds_longseq=AttnSpec(doc_start=...)``), each
+        document's first label is masked, and no cache is made (with one, transformers attends across the
+        documents). Refused where the model's stock path would attend across them. Unchanged for unpacked rows."""
+        doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
+        if self.config.streambp.enabled:
+            # The StreamBP layers take the documents from here (None: no row is packed) instead of
+            # finding them again, with host syncs, in every layer. transformers' model forward
+            # passes its **kwargs on to every decoder layer.
+            kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start)
+        if doc_start is None:
+            return position_ids, labels, use_cache
+        if self.recurrent_mixers:
+            raise NotImplementedError(
+                f"packed documents on {type(self.model).__name__}: its linear-attention / state-space layers "
+                "carry their state across document starts in transformers' torch path (nothing resets it "
+                "there), so each document would start from the previous one's state. Send one document per "
+                "row"
+            )
+        if not self.config.streambp.enabled and not self.stock_masks_see_packed_rows:
+            raise NotImplementedError(
+                f"packed documents on {type(self.model).__name__} without long_seq.streambp: its decoder "
+                "builds its stock attention masks without the position ids, so transformers' attention would "
+                "attend across the documents. Enable long_seq.streambp (ds_longseq's attention keeps each "
+                "document to itself) or send one document per row"
+            )
+        if use_cache:
+            raise ValueError(
+                "packed documents with use_cache=True: with a cache transformers ignores the document "
+                "boundaries and attends across them. Pass use_cache=False for packed rows"
+            )
+        if labels is not None:
+            labels = mask_document_starts(labels, doc_start, kwargs.get("ignore_index", -100))
+        # The stock default (config.use_cache) would create a cache, and with one transformers'
+        # own attention (the paths ds_longseq leaves stock) attends across the documents.
+        return position_ids, labels, False
+
+    def _loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int):
+        """(summed loss, number of valid targets, logits or None) of a loss call: the chunked head's, or under
+        sequence parallelism with the stock head its logits' (returned, as the stock forward returns them); an
+        evaluation recording its tokens (:meth:`recording_tokens`) computes it from the per-token log-probs."""
+        if self.token_records is not None and not torch.is_grad_enabled():  # evaluation recording its tokens
+            out = self.token_outputs.per_token(hidden, targets, ignore_index, ())
+            self.token_records.append((out.log_probs, out.mask))
+            return -out.log_probs.sum(), out.mask.sum(), None
+        if self.config.lm_head.enabled:
+            loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
+            return loss_sum, num_valid, None
+        # sequence parallel with the stock head: its logits, a summed loss, the group's mean in the caller
+        logits = self.head(hidden)
+        if self.logit_scale != 1.0:  # as the stock forward does after its head
+            logits = logits * self.logit_scale
+        if self.final_logit_softcap is not None:
+            logits = softcap_logits(logits, self.final_logit_softcap)
+        targets = targets.to(logits.device)
+        # float32 like the stock loss, but never below the model's own precision (float64 stays)
+        loss_dtype = torch.promote_types(logits.dtype, torch.float32)
+        loss_sum = F.cross_entropy(
+            logits.to(loss_dtype).flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+        )
+        return loss_sum, (targets != ignore_index).sum(), logits
 
     # The HF Trainer keeps only the dataset columns model.forward's signature names (and TRL reads it
     # too): without this, (*args, **kwargs) would make it drop input_ids.

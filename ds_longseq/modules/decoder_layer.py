@@ -11,8 +11,10 @@ Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -118,7 +120,6 @@ class StreamBPLayerForward:
     ) -> torch.Tensor:
         # The whole forward's state, from the sequence-parallel forward hook or CausalLMForward.
         outer_spec = kwargs.pop(SPEC_KWARG, None)
-        sp = outer_spec.sp if outer_spec is not None else None
         # Packed rows in the varlen form: turned into document starts here, not passed to the layer.
         packed = {name: kwargs.pop(name) for name in PACKED_KWARGS if name in kwargs}
         if args:
@@ -139,7 +140,29 @@ class StreamBPLayerForward:
                 **{SPEC_KWARG: AttnSpec(None, self.kv_block_size)},
                 **kwargs,
             )
+        call = self._prepare(hidden_states, attention_mask, position_ids, position_embeddings, outer_spec, packed,
+                             kwargs)
+        result = self._stream(call)
+        if call.role == "store":
+            if call.sp is None:  # what the stock layer stores: its keys/values of the whole sequence
+                call.shared_states[self.kv_sharing[1]] = (call.share.k, call.share.v)
+            if not self.kv_sharing[2]:  # kept for the backward only when a later layer attends them
+                call.share.release()
+        if call.with_router_logits:
+            result, logits = result
+            record_router_logits(logits.flatten(0, 1))
+        out = call.tokens.unpack_output(result)
+        # as the stock layer returns it (Bamba's decoder unpacks (hidden states, attention weights)); its other
+        # outputs were None in every chunk (_check_extra_outputs)
+        returned = call.returned
+        return (out, *[None] * (returned - 1)) if returned else out
+
+    def _prepare(self, hidden_states, attention_mask, position_ids, position_embeddings, outer_spec, packed: dict,
+                 kwargs: dict) -> "_LayerCall":
+        """One training forward's state (:class:`_LayerCall`), every check that refuses what StreamBP cannot run
+        made before any compute."""
         layer = self.layer
+        sp = outer_spec.sp if outer_spec is not None else None
         tokens = _TokenInputs(self.name, layer, hidden_states, kwargs, self.streams)
         B, T = tokens.batch_shape
         mixer_masks = {key: kwargs.pop(key) for key in RECURRENT_MASK_KWARGS if key in kwargs}  # cut per chunk
@@ -153,31 +176,46 @@ class StreamBPLayerForward:
             )
         _check_chunkable_kwargs(self.name, layer, kwargs)
         _check_position_embeddings(self.name, layer, position_embeddings, T)
-        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        _check_padding_mask(self.name, layer, attention_mask)
+        doc_start = self._documents(outer_spec, packed, position_ids, attention_mask, B, T)
+        self._check_mixer(doc_start, sp)
+        check_zero3_leaf(layer)
+        check_no_active_dropout(layer, "long_seq.streambp")
+        with_router_logits = self.router_tap is not None and router_logits_requested()
+        if with_router_logits and sp is not None:
             raise NotImplementedError(
-                f"StreamBP: {self.name} ({type(layer).__name__}) gets attention_mask as a "
-                f"{type(attention_mask).__name__}, not a 2D (batch, seq) padding mask StreamBP can cut into chunks: "
-                "this model cannot run under long_seq.streambp; use mini_seq"
+                "output_router_logits (the mixture-of-experts load-balancing loss) under sequence parallelism: each "
+                "rank routes only its shard, so the loss would need the group's routing statistics. Pass "
+                "output_router_logits=False (or set config.output_router_logits=False), or disable sequence_parallel"
             )
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(
-                f"streambp layers take a 2D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}"
-            )
-        if sp is not None:
+        if not self.token_wise_checked and layer.training and torch.is_grad_enabled():
+            self.token_wise_checked = True
+            self._check_token_wise(tokens, attention_mask, position_ids, position_embeddings, mixer_masks, kwargs)
+        return _LayerCall(tokens, sp, doc_start, attention_mask, position_ids, position_embeddings, mixer_masks,
+                          shared_states, share, None if share is None else self.kv_sharing[0], with_router_logits,
+                          kwargs)
+
+    def _documents(self, outer_spec, packed: dict, position_ids, attention_mask, B: int, T: int):
+        """(B, T) start of each token's packed document, or None (one document per row; under sequence
+        parallelism the attention reads the global starts from ``AttnSpec.sp``)."""
+        if outer_spec is not None and outer_spec.sp is not None:
             if any(v is not None for v in packed.values()):
                 raise ValueError(
                     "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids "
                     "instead (ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
                 )
-            doc_start = None  # the attention reads the global one from sp
-        elif outer_spec is not None:  # found once for the whole forward by CausalLMForward
-            doc_start = outer_spec.doc_start
-        else:  # a caller that bypasses CausalLMForward (model.model(...) directly): found per layer
-            doc_start, _ = find_documents(
-                position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"), packed.get("cu_seq_lens_k")
-            )
-        recurrent = self.mixer in ("recurrent", "both")
-        if recurrent and (doc_start is not None or (sp is not None and sp.doc_start is not None)):
+            return None
+        if outer_spec is not None:  # found once for the whole forward by CausalLMForward
+            return outer_spec.doc_start
+        # a caller that bypasses CausalLMForward (model.model(...) directly): found per layer
+        return find_documents(position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"),
+                              packed.get("cu_seq_lens_k"))[0]
+
+    def _check_mixer(self, doc_start, sp) -> None:
+        """Refuse packed documents on a recurrent mixer and an attention + recurrent layer under SP."""
+        layer = self.layer
+        if self.mixer in ("recurrent", "both") and (doc_start is not None or (sp is not None
+                                                                              and sp.doc_start is not None)):
             raise NotImplementedError(
                 f"StreamBP: {self.name} ({type(layer).__name__}) carries a recurrent state (a linear-attention, "
                 "state-space or short-convolution mixer), which transformers' torch path does not reset at packed "
@@ -190,101 +228,83 @@ class StreamBPLayerForward:
                 "exchanged once per layer, the mixer's state passed rank to rank): set "
                 "long_seq.sequence_parallel.size=1"
             )
-        check_zero3_leaf(layer)
-        check_no_active_dropout(layer, "long_seq.streambp")
-        orig = self.orig_forward
-        name = self.name
-        kv_block_size = self.kv_block_size
-        params = list(layer.parameters())
-        tap = self.router_tap
-        with_router_logits = tap is not None and router_logits_requested()
-        if with_router_logits and sp is not None:
-            raise NotImplementedError(
-                "output_router_logits (the mixture-of-experts load-balancing loss) under sequence parallelism: each "
-                "rank routes only its shard, so the loss would need the group's routing statistics. Pass "
-                "output_router_logits=False (or set config.output_router_logits=False), or disable sequence_parallel"
-            )
 
-        if not self.token_wise_checked and layer.training and torch.is_grad_enabled():
-            self.token_wise_checked = True
-            self._check_token_wise(tokens, attention_mask, position_ids, position_embeddings, mixer_masks, kwargs)
-        role = None if share is None else self.kv_sharing[0]
-        returned = [None]  # how many things the stock layer returns: 0 for its hidden states alone, else a tuple's
+    def _chunk_mask(self, call: "_LayerCall", s: int, e: int):
+        """The padding mask a chunk [s, e) is called with: a recurrent or token-wise mixer's own tokens'; an
+        attention's keys [0, e) (under sequence parallelism None: the attention takes the GLOBAL mask from
+        ``sp``)."""
+        mask = call.attention_mask
+        if mask is None:
+            return None
+        if self.mixer in ("recurrent", "token_wise"):
+            return mask[:, s:e]
+        return None if call.sp is not None else mask[:, :e]
 
-        def run_chunk(x_c: torch.Tensor, s: int, e: int, stream):
-            h_c, per_token = tokens.split(x_c)
-            if share is not None:
-                stream.produces, stream.reads = (share, None) if role == "store" else (None, share)
-            if shared_states is not None:
-                per_token = {**per_token, KV_SHARING_KWARG: _SharedKVView(name, self.kv_sharing, stream)}
-            h_c = h_c.contiguous()  # a slice of a batch > 1 is not; some layers .view() their input
+    def _run_chunk(self, call: "_LayerCall", x_c: torch.Tensor, s: int, e: int, stream):
+        """The stock layer on tokens [s, e) of the packed layer input (StreamBP's ``run_chunk``): (B, C, d_out),
+        or with router logits recorded (out_c, (B, C, E))."""
+        h_c, per_token = call.tokens.split(x_c)
+        if call.share is not None:
+            stream.produces, stream.reads = (call.share, None) if call.role == "store" else (None, call.share)
+        if call.shared_states is not None:
+            per_token = {**per_token, KV_SHARING_KWARG: _SharedKVView(self.name, self.kv_sharing, stream)}
+        h_c = h_c.contiguous()  # a slice of a batch > 1 is not; some layers .view() their input
 
-            def call():
-                stream.begin_chunk()
-                spec = AttnSpec(stream, kv_block_size, sp, doc_start)
-                with chunk_spec(spec):
-                    out = orig(
-                        h_c,
-                        # Under sequence parallelism the attention takes the GLOBAL padding mask from `sp`; a
-                        # recurrent mixer zeroes its chunk's own padded tokens.
-                        attention_mask=None if attention_mask is None else (
-                            attention_mask[:, s:e] if self.mixer in ("recurrent", "token_wise") else (
-                                None if sp is not None else attention_mask[:, :e])),
-                        position_ids=None if position_ids is None else position_ids[..., s:e],
-                        **{self.cache_kwarg: stream},
-                        use_cache=False,
-                        position_embeddings=_chunk_of(position_embeddings, s, e),
-                        **{SPEC_KWARG: spec},
-                        **per_token,
-                        **{key: None if m is None else m[:, s:e] for key, m in mixer_masks.items()},
-                        **kwargs,
-                    )
-                _check_chunk_attended(name, layer, stream, s, e, token_wise=self.mixer == "token_wise")
-                if isinstance(out, tuple):
-                    returned[0] = _check_extra_outputs(name, layer, out)
-                    out = out[0]
-                else:
-                    returned[0] = 0
-                return tokens.pack_output(out)
+        def run():
+            stream.begin_chunk()
+            spec = AttnSpec(stream, self.kv_block_size, call.sp, call.doc_start)
+            with chunk_spec(spec):
+                out = self.orig_forward(
+                    h_c,
+                    attention_mask=self._chunk_mask(call, s, e),
+                    position_ids=None if call.position_ids is None else call.position_ids[..., s:e],
+                    **{self.cache_kwarg: stream},
+                    use_cache=False,
+                    position_embeddings=_chunk_of(call.position_embeddings, s, e),
+                    **{SPEC_KWARG: spec},
+                    **per_token,
+                    **{key: None if m is None else m[:, s:e] for key, m in call.mixer_masks.items()},
+                    **call.kwargs,
+                )
+            _check_chunk_attended(self.name, self.layer, stream, s, e, token_wise=self.mixer == "token_wise")
+            if isinstance(out, tuple):
+                call.returned = _check_extra_outputs(self.name, self.layer, out)
+                out = out[0]
+            else:
+                call.returned = 0
+            return call.tokens.pack_output(out)
 
-            state = getattr(stream, "state", None)
-            if not self.state_checked and state is not None and state.mode == "forward" and state.index == 1:
-                self.state_checked = True
-                _check_carried_states_used(name, layer, stream.state, call)
-            if with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
-                return tap.call_recording(call, B, e - s)
-            return call()
+        state = getattr(stream, "state", None)
+        if not self.state_checked and state is not None and state.mode == "forward" and state.index == 1:
+            self.state_checked = True
+            _check_carried_states_used(self.name, self.layer, stream.state, run)
+        if call.with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
+            return self.router_tap.call_recording(run, call.tokens.batch_shape[0], e - s)
+        return run()
 
+    def _stream(self, call: "_LayerCall"):
+        """The layer through StreamBP's Function for its kind (attention, head-sharded or state-passing mixer)."""
+        run_chunk = functools.partial(self._run_chunk, call)
         offloader = None if self.offload is None else self.offload.offloader()
         # StreamBP's Function keeps the layer input itself (saved, or offloaded to the host): run_chunk, which the
         # Function keeps for the backward, must not hold it too through `tokens`, or it stays on the device.
-        layer_input = tokens.take_packed()
+        layer_input = call.tokens.take_packed()
+        params = list(self.layer.parameters())
+        sp = call.sp
+        recurrent = self.mixer in ("recurrent", "both")
         # The router runs once per chunk (and again in backward): not what transformers should record.
-        with collection_paused() if tap is not None else nullcontext():
+        with collection_paused() if self.router_tap is not None else nullcontext():
             sharded = getattr(self.mixer_module, "forward", None)
             if sp is not None and self.mixer is None:
-                result = streambp_sp_apply(run_chunk, layer_input, params, self.chunk_size, sp.exchange, offloader)
-            elif sp is not None and self.mixer == "recurrent" and isinstance(sharded, HeadShardedMixerForward):
+                return streambp_sp_apply(run_chunk, layer_input, params, self.chunk_size, sp.exchange, offloader)
+            if sp is not None and self.mixer == "recurrent" and isinstance(sharded, HeadShardedMixerForward):
                 # the mixer runs once per layer over the whole sequence, sharded by heads across the group
-                result = streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,
-                                                 lambda x: sharded.sharded(x, sp.key_valid), offloader)
-            else:  # a recurrent layer under sequence parallelism continues from the previous rank's state
-                result = streambp_apply(run_chunk, layer_input, params, self.chunk_size, offloader,
-                                        min_chunk=2 if recurrent else 1,
-                                        ring=StateRing(sp.exchange.group) if sp is not None and recurrent else None)
-        if role == "store":
-            if sp is None:  # what the stock layer stores: its keys/values of the whole sequence
-                shared_states[self.kv_sharing[1]] = (share.k, share.v)
-            if not self.kv_sharing[2]:  # kept for the backward only when a later layer attends them
-                share.release()
-        if with_router_logits:
-            result, logits = result
-            record_router_logits(logits.flatten(0, 1))
-        out = tokens.unpack_output(result)
-        # as the stock layer returns it (Bamba's decoder unpacks (hidden states, attention weights)); its other
-        # outputs were None in every chunk (_check_extra_outputs)
-        return (out, *[None] * (returned[0] - 1)) if returned[0] else out
-
+                return streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,
+                                               lambda x: sharded.sharded(x, sp.key_valid), offloader)
+            # a recurrent layer under sequence parallelism continues from the previous rank's state
+            return streambp_apply(run_chunk, layer_input, params, self.chunk_size, offloader,
+                                  min_chunk=2 if recurrent else 1,
+                                  ring=StateRing(sp.exchange.group) if sp is not None and recurrent else None)
 
     def _check_token_wise(self, tokens: "_TokenInputs", attention_mask, position_ids, position_embeddings,
                           mixer_masks: dict, kwargs: dict) -> None:
@@ -333,6 +353,39 @@ class StreamBPLayerForward:
                 "cannot run under long_seq.streambp; use mini_seq"
             )
         return registry[key]
+
+
+@dataclass
+class _LayerCall:
+    """One training forward of a StreamBP layer: what its chunks are cut from and what they share."""
+
+    tokens: "_TokenInputs"
+    sp: object  # the forward's SequenceParallel state (AttnSpec.sp), or None
+    doc_start: torch.Tensor | None  # (B, T) packed documents' starts, or None
+    attention_mask: torch.Tensor | None  # (B, T) padding mask
+    position_ids: torch.Tensor | None
+    position_embeddings: object  # (cos, sin) (..., T, D), one such tensor, or None
+    mixer_masks: dict  # a recurrent mixer's own masks (RECURRENT_MASK_KWARGS), cut per chunk
+    shared_states: object  # the model's per-forward shared_kv_states, or None
+    share: SharedKV | None  # this layer's SharedKV (cross-layer K/V sharing), or None
+    role: str | None  # "store" | "reuse" | None
+    with_router_logits: bool
+    kwargs: dict  # the stock layer's other arguments, passed to every chunk unchanged
+    returned: int = 0  # how many things the stock layer returns: 0 for its hidden states alone, else a tuple's
+
+
+def _check_padding_mask(name: str, layer: torch.nn.Module, attention_mask) -> None:
+    """Raise unless ``attention_mask`` is None or a 2D (batch, seq) padding mask StreamBP can cut into chunks."""
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise NotImplementedError(
+            f"StreamBP: {name} ({type(layer).__name__}) gets attention_mask as a "
+            f"{type(attention_mask).__name__}, not a 2D (batch, seq) padding mask StreamBP can cut into chunks: "
+            "this model cannot run under long_seq.streambp; use mini_seq"
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"streambp layers take a 2D (batch, seq) padding mask, got shape {tuple(attention_mask.shape)}"
+        )
 
 
 class _SharedKVView:
