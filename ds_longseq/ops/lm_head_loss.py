@@ -149,9 +149,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                                         _dlogits_ce(total))
                 return total
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
+            buf = _logits_buffer(hidden, weight, min(chunk_size, index.numel()), total.dtype)
             for s in range(0, index.numel(), chunk_size):
                 idx = index[s : s + chunk_size]
-                logits = F.linear(_hidden_rows(hidden, idx).to(mm_dtype), w, b).to(total.dtype)
+                logits = _logits_into(buf, _hidden_rows(hidden, idx).to(mm_dtype), w, b)
                 if logit_scale != 1.0:
                     logits.mul_(logit_scale)
                 if softcap is not None:
@@ -226,6 +227,25 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
 
+def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """One (rows, V) buffer every chunk's logits are written into: a fresh (C x V) tensor per chunk costs its
+    pages again each time (on CPU a large allocation is new memory the kernel zero-fills on first touch, ~25 ms
+    per 1024 x 32000 float32 chunk here, ``benchmarks/profile.py``)."""
+    return torch.empty((max(rows, 1), weight.shape[0]), dtype=dtype, device=hidden.device)
+
+
+def _logits_into(buf: torch.Tensor, h_c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(h_c, w, b)`` in the matmul dtype, cast to ``buf``'s dtype, written into ``buf[:C]`` (returned).
+    The same values as ``F.linear(...).to(buf.dtype)``: one GEMM straight into the buffer when the dtypes agree,
+    else the GEMM's half-precision result copied (and widened) into it."""
+    z = buf[: h_c.shape[0]]
+    if h_c.dtype != buf.dtype:
+        return z.copy_(F.linear(h_c, w, b))
+    if b is None:
+        return torch.mm(h_c, w.t(), out=z)
+    return torch.addmm(b, h_c, w.t(), out=z)
+
+
 def _softmax_(z: torch.Tensor) -> torch.Tensor:
     """Row softmax of ``z`` (C, V) in place."""
     z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
@@ -253,10 +273,11 @@ def _head_grads(ctx, needs, hidden, weight, bias, index, targets, dlogits_fn):
     dh = torch.zeros_like(h2) if need_h else None
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
     db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+    buf = _logits_buffer(hidden, weight, min(chunk_size, index.numel()), loss_dtype)
     for s in range(0, index.numel(), chunk_size):
         idx = index[s : s + chunk_size]
         h_c = h2.index_select(0, idx).to(mm_dtype)
-        z = F.linear(h_c, w, b).to(loss_dtype)
+        z = _logits_into(buf, h_c, w, b)
         if ctx.logit_scale != 1.0:
             z.mul_(ctx.logit_scale)
         tanh = None
@@ -279,7 +300,7 @@ def _head_grads(ctx, needs, hidden, weight, bias, index, targets, dlogits_fn):
             _add_weight_grad_(dw, dl, h_c, dlogits)
         if need_b:
             db += torch.sum(dl, 0, dtype=acc)
-        del z, dlogits, dl  # free this chunk's logits before the next chunk allocates its own
+        del z, dlogits, dl
     return (
         (None if dh is None else dh.view_as(hidden), hidden.dtype),
         (dw, weight.dtype),
@@ -316,10 +337,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         mean_logits, log_sum_sq = optional(with_mean_logits), optional(with_log_sum_sq)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False), phase("lm_head.forward"):
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
+            buf = _logits_buffer(hidden, weight, min(chunk_size, n), loss_dtype)
             for s in range(0, n, chunk_size):
                 idx = index[s : s + chunk_size]
                 rows = slice(s, s + idx.numel())
-                z = F.linear(h2.index_select(0, idx).to(mm_dtype), w, b).to(loss_dtype)
+                z = _logits_into(buf, h2.index_select(0, idx).to(mm_dtype), w, b)
                 if logit_scale != 1.0:
                     z.mul_(logit_scale)
                 if softcap is not None:
