@@ -269,10 +269,12 @@ def measure(spec: dict) -> dict:
     for _ in range(spec["warmup"]):
         step()
     sync()
-    start = time.perf_counter()
-    step()
-    sync()
-    plain_s = time.perf_counter() - start
+    plain_s = None
+    if spec.get("plain", True):
+        start = time.perf_counter()
+        step()
+        sync()
+        plain_s = time.perf_counter() - start
     handles = module_ranges(model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -281,7 +283,9 @@ def measure(spec: dict) -> dict:
     for h in handles:
         h.remove()
     cells = classify(prof.events(), device_time=device == "cuda")
-    flops = count_flops(step)
+    flops = count_flops(step) if spec.get("flops", True) else {}
+    if plain_s is None:  # the profiled step's own wall time (the profiler's overhead included)
+        plain_s = sum(cells.values()) / 1e3
     return {"device": device, "plain_step_s": plain_s, "cells_ms": {f"{s}|{c}": v for (s, c), v in cells.items()},
             "gflop": flops}
 
@@ -327,7 +331,7 @@ def report_markdown(points: list[dict], baseline: str, command: str) -> str:
         for method, p in by_len[seq_len].items():
             g = _flop_groups(p["gflop"])
             row = f"| {method} | {p['plain_step_s']:.2f} | "
-            if base:
+            if base and g["matmul"] and _flop_groups(base["gflop"])["matmul"]:
                 bg = _flop_groups(base["gflop"])
                 row += f"{p['plain_step_s'] / base['plain_step_s']:.2f}x | {g['matmul']:.1f} | "
                 row += f"{g['matmul'] / bg['matmul']:.3f}x | {g['attention']:.1f} | "
@@ -377,6 +381,9 @@ def parse_args(argv):
     p.add_argument("--baseline", default="hf_gc")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=3600.0)
+    p.add_argument("--no-plain", action="store_true",
+                   help="no unprofiled step (long GPU points: 'plain step' is then the profiled total)")
+    p.add_argument("--no-flops", action="store_true", help="no FLOP-counting step")
     p.add_argument("--out", default=None, help="output prefix (.md, .json, .png); default: print only")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -391,7 +398,8 @@ def main(argv=None, spawn=harness.spawn):
     points = []
     for seq_len in args.seq_lens:
         for method in args.methods:
-            spec = {"suite": args.suite, "method": method, "seq_len": seq_len, "warmup": args.warmup}
+            spec = {"suite": args.suite, "method": method, "seq_len": seq_len, "warmup": args.warmup,
+                    "plain": not args.no_plain, "flops": not args.no_flops}
             result = spawn(MODULE, spec, timeout_s=args.timeout_s)[0]
             if result.get("status") != "ok" or "cells_ms" not in result:
                 print(f"{method} @ {seq_len}: failed: {result.get('error', result)}", flush=True)
