@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
 from ds_longseq.families.dims import ModelDims
+from ds_longseq.modules.auto_chunk import largest_batch
 
 __all__ = [
     "ModelDims",
@@ -359,6 +360,8 @@ class Plan:
     options: list[str] = field(default_factory=list)
     preset: str = ""
     chunks: dict[str, int] = field(default_factory=dict)
+    max_batch: int = 0
+    """The largest micro-batch (``train_micro_batch_size_per_gpu``) of ``seq_len``-token sequences that fits."""
 
     @property
     def margin(self) -> float:
@@ -396,6 +399,9 @@ class Plan:
             "(benchmarks/results/plan_validation.md)" + (f"; {e.note}" if e.note else ""),
             f"fits: {'yes' if self.fits else 'NO'}; longest that fits: {self.longest:,} tokens",
             f"chunks: {', '.join(f'{k}={v}' for k, v in self.chunks.items())}",
+            f"micro-batch: up to {self.max_batch} such sequence(s) per step fit (train_micro_batch_size_per_gpu; a "
+            "larger batch trains more samples per second where memory allows)" if self.max_batch else
+            "micro-batch: not even one such sequence fits",
             f"preset to start from: ds_configs/{self.preset} ({PRESETS[self.preset]})",
         ]
         if self.options:
@@ -465,6 +471,9 @@ def plan(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_
     best = 4096 if setup.device == "cuda" else 1024
     p.chunks = {"streambp.chunk_size": min(best, t_local), "lm_head.chunk_size": min(best, t_local)}
     p.preset = recommend_preset(setup)
+    # the largest micro-batch of such sequences that fits: the memory StreamBP saves, spent on samples per step
+    p.max_batch = largest_batch(
+        lambda n: _fits(estimate(dims, replace(setup, batch_size=n), seq_len), device_bytes, host_bytes))
     return p
 
 

@@ -101,6 +101,31 @@ def test_the_budget_from_free_memory_counts_what_the_forward_keeps(monkeypatch):
         3 * 64 * dims.vocab_size * 4
 
 
+def test_auto_reports_the_largest_micro_batch_the_free_memory_fits(monkeypatch, caplog):
+    """With the budget from free memory, auto also says how many such sequences one step could take at the chosen
+    chunk (kept + work of n sequences within the free fraction; n + 1 not), and logs it once as advice; with a
+    fixed auto_budget_gib there is no free memory to spend and it reports none."""
+    model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=3), _auto(auto_free_fraction=0.5))
+    auto = _hook(model)
+    available = 2 << 30
+    monkeypatch.setattr(auto_chunk.offload_ops, "host_available_bytes", lambda: available)
+    with caplog.at_level("INFO", logger="ds_longseq.modules.auto_chunk"):
+        model(**make_batch(seq_len=SEQ)).loss.backward()
+        model(**make_batch(seq_len=SEQ)).loss.backward()
+    last = auto.last
+    n, chunk = last["max_batch_size"], last["chunk_size"]
+    work = ModelDims.from_config(model.config).chunk_work_per_token(4)
+    free = 0.5 * available + auto.kept_bytes(2, SEQ, 4, 0)
+    assert n > 2 and auto.kept_bytes(n, SEQ, 4, 0) + n * chunk * work <= free
+    assert auto.kept_bytes(n + 1, SEQ, 4, 0) + (n + 1) * chunk * work > free
+    # logged once per (length, chunk); the first step's count is lower (its gradients were still to come)
+    advice = [r.getMessage() for r in caplog.records if "fits a micro-batch of up to" in r.getMessage()]
+    assert len(advice) == 1 and "train_micro_batch_size_per_gpu" in advice[0], advice
+    fixed = ds_longseq.enable(make_model("llama", torch.float32, num_layers=3), _auto(auto_budget_gib=1.0))
+    fixed(**make_batch(seq_len=SEQ)).loss.backward()
+    assert _hook(fixed).last["max_batch_size"] is None
+
+
 def test_offload_and_keep_every_change_what_is_kept_on_the_device():
     dims = ModelDims(hidden_size=64, intermediate_size=128, num_layers=32, num_heads=4, num_kv_heads=2, head_dim=16,
                      vocab_size=100)

@@ -142,6 +142,21 @@ def test_plan_suggests_what_fits_and_a_preset():
         "multinode_zero3_sp8_offload_streambp.json"
 
 
+def test_plan_reports_the_largest_micro_batch_that_fits():
+    """The planner's micro-batch is the largest whose estimate fits: one more does not; a length that fits once
+    gets 1, one that does not fit gets 0; StreamBP fits a larger batch than HF checkpointing on the same GPU."""
+    dims = _dims()
+    setup = P.Setup(method="streambp", lora_rank=16, zero_stage=3, offload_layer_inputs=True)
+    gpu, host = 79.18 * GIB, 125 * GIB
+    p = P.plan(dims, setup, 32768, gpu, host)
+    assert p.max_batch > 1 and f"up to {p.max_batch} such sequence(s)" in p.report()
+    assert P._fits(P.estimate(dims, replace(setup, batch_size=p.max_batch), 32768), gpu, host)
+    assert not P._fits(P.estimate(dims, replace(setup, batch_size=p.max_batch + 1), 32768), gpu, host)
+    assert P.plan(dims, replace(setup, method="hf_gc", offload_layer_inputs=False), 32768, gpu, host).max_batch \
+        < p.max_batch
+    assert P.plan(dims, setup, 1 << 24, gpu, host).max_batch == 0
+
+
 def test_cli(tmp_path, capsys):
     model = tmp_path / "m"
     model.mkdir()

@@ -21,13 +21,14 @@ Memory model (per device, B sequences of T local tokens, d hidden, L layers, b b
 Holds:
     MIN_CHUNK: the smallest chunk chosen.
     choose_chunk_size: the largest chunk whose work fits a budget.
+    largest_batch: the largest micro-batch whose memory fits (``AutoChunkSize`` reports it; the planner's too).
     AutoChunkSize: the forward pre-hook on the base model that sets every StreamBP layer's chunk size.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -40,7 +41,7 @@ from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
 if TYPE_CHECKING:
     from ds_longseq.modules.decoder_layer import StreamBPLayerForward
 
-__all__ = ["MIN_CHUNK", "choose_chunk_size", "AutoChunkSize"]
+__all__ = ["MIN_CHUNK", "choose_chunk_size", "largest_batch", "AutoChunkSize"]
 
 logger = get_logger(__name__)
 
@@ -64,6 +65,20 @@ def choose_chunk_size(seq_len: int, batch_size: int, work_per_token: float, budg
     while chunk > floor and batch_size * chunk * work_per_token > budget_bytes:
         chunk //= 2
     return max(chunk, floor)
+
+
+def largest_batch(fits: "Callable[[int], bool]", limit: int = 1024) -> int:
+    """The largest micro-batch n <= ``limit`` for which ``fits(n)`` (false from some n on); 0 if not even one."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -140,16 +155,26 @@ class AutoChunkSize:
         chunk = choose_chunk_size(seq_len, batch_size, work, budget)
         for layer in self.layers:
             layer.chunk_size = chunk
+        max_batch = None
+        if self.budget_gib is None:  # the memory the step leaves: how many such sequences one step could take
+            free = self.free_fraction * _free_bytes(device) + self.kept_bytes(batch_size, seq_len, b, 0)
+            max_batch = largest_batch(
+                lambda n: self.kept_bytes(n, seq_len, b, grads_to_come) + n * chunk * work <= free)
         self.last = {"seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk,
-                     "work_bytes": batch_size * chunk * work, "budget_bytes": budget, "kept_bytes": kept}
+                     "work_bytes": batch_size * chunk * work, "budget_bytes": budget, "kept_bytes": kept,
+                     "max_batch_size": max_batch}
         if (seq_len, chunk) not in self._logged:
             self._logged.add((seq_len, chunk))
             fits = batch_size * chunk * work <= budget
             logger.info(
                 "streambp.chunk_size auto: %d tokens per chunk for %d x %d tokens (%s; chunk work %.2f GiB of a "
-                "%.2f GiB budget%s)", chunk, batch_size, seq_len, "one chunk" if chunk == seq_len else "streamed",
+                "%.2f GiB budget%s)%s", chunk, batch_size, seq_len, "one chunk" if chunk == seq_len else "streamed",
                 batch_size * chunk * work / GIB, budget / GIB,
                 "" if fits else ": even the smallest chunk exceeds it, the step may run out of memory",
+                "" if max_batch is None or max_batch <= batch_size else
+                f"; the free memory fits a micro-batch of up to {max_batch} such sequences at this chunk (an "
+                "estimate: raise train_micro_batch_size_per_gpu / per_device_train_batch_size for more samples per "
+                "second)",
             )
         return chunk
 
