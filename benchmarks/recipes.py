@@ -193,11 +193,12 @@ def build_model(shape: ModelShape, *, dtype: str, device: str, seq_len: int, see
     return model
 
 
-def random_tokens(shape: ModelShape, seq_len: int, device="cpu", seed: int = SEED + 1):
-    """(1, seq_len) token ids, the same for every method (drawn on CPU, then moved)."""
+def random_tokens(shape: ModelShape, seq_len: int, device="cpu", seed: int = SEED + 1, batch_size: int = 1):
+    """(batch_size, seq_len) token ids, the same for every method (drawn on CPU, then moved; the first row is the
+    batch-1 draw)."""
     import torch
 
-    ids = torch.randint(0, shape.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, shape.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
     return ids.to(device)
 
 

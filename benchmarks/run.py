@@ -220,9 +220,9 @@ def resolve_device(suite: Suite) -> str:
     return "cuda" if suite.device == "auto" and torch.cuda.is_available() else "cpu"
 
 
-def build_step(suite: Suite, method: str, seq_len: int, device: str) -> Callable[[], float]:
+def build_step(suite: Suite, method: str, seq_len: int, device: str, batch_size: int = 1) -> Callable[[], float]:
     """The model, recipe and optimizer of one point; returns a step (forward, backward, optimizer
-    step) that returns the loss."""
+    step on ``batch_size`` sequences) that returns the loss."""
     import torch
 
     import ds_longseq
@@ -236,7 +236,7 @@ def build_step(suite: Suite, method: str, seq_len: int, device: str) -> Callable
     long_seq = long_seq_config(
         recipe, suite.shape, seq_len, chunk_size=suite.chunk_size, loss_chunk_size=suite.loss_chunk_size
     )
-    ids = random_tokens(suite.shape, seq_len, device)
+    ids = random_tokens(suite.shape, seq_len, device, batch_size=batch_size)
     loss_kwargs = dict(loss_chunk_size=suite.loss_chunk_size, pin_memory=cuda)
 
     if suite.engine == "torch":
@@ -264,7 +264,7 @@ def build_step(suite: Suite, method: str, seq_len: int, device: str) -> Callable
         os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
     ds_config = {
-        "train_micro_batch_size_per_gpu": 1,
+        "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": suite.dtype == "bfloat16"},
@@ -305,7 +305,8 @@ def measure(spec: dict) -> dict:
     suite = SUITES[spec["suite"]]
     device = resolve_device(suite)
     cuda = device == "cuda"
-    step = build_step(suite, spec["method"], spec["seq_len"], device)
+    batch_size = spec.get("batch_size", 1)
+    step = build_step(suite, spec["method"], spec["seq_len"], device, batch_size)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -325,7 +326,8 @@ def measure(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[spec["warmup"] :])
     host = harness.maxrss_mib() - base_rss
-    record = {"step_s": step_s, "tokens_per_s": spec["seq_len"] / step_s, "loss": losses[-1], "losses": losses}
+    record = {"step_s": step_s, "tokens_per_s": batch_size * spec["seq_len"] / step_s, "loss": losses[-1],
+              "losses": losses}
     if cuda:
         peak, reserved = harness.gpu_memory_above_baseline(
             base_allocated, base_reserved, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
