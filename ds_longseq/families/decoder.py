@@ -287,6 +287,20 @@ class DecoderLMAdapter:
             return None
         return module
 
+    def query_projection(self, layer: torch.nn.Module) -> torch.nn.Linear | None:
+        """The ``nn.Linear`` computing the layer's queries alone: the attention's ``q_proj`` beside separate
+        ``k_proj`` and ``v_proj`` (PEFT's base layer when it carries an adapter); None for fused or absent ones."""
+        attention = self.attention(layer)
+        if attention is None or not all(hasattr(attention, n) for n in ("q_proj", "k_proj", "v_proj")):
+            return None
+        return _plain_linear(attention.q_proj)
+
+    def mlp_output_projection(self, layer: torch.nn.Module) -> torch.nn.Linear | None:
+        """The ``nn.Linear`` computing the MLP's output (``down_proj``; PEFT's base layer under an adapter), or None
+        (no such module: a mixture of experts, another layout)."""
+        mlp = self.mlp(layer)
+        return None if mlp is None else _plain_linear(getattr(mlp, "down_proj", None))
+
     def mixer(self, layer: torch.nn.Module) -> torch.nn.Module | None:
         """The layer's recurrent token mixer carrying a state from chunk to chunk (``FamilySpec.mixer_attr``), or
         None for an attention layer."""
@@ -480,3 +494,11 @@ def norm_kind(norm: torch.nn.Module) -> str | None:
     if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
         return "rms"
     return None
+
+
+def _plain_linear(module) -> torch.nn.Linear | None:
+    """``module`` if it is an ``nn.Linear``, PEFT's wrapped base layer if that is one, else None."""
+    if isinstance(module, torch.nn.Linear):
+        return module
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, torch.nn.Linear) else None

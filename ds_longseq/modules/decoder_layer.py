@@ -11,10 +11,10 @@ Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -25,12 +25,14 @@ from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, chunk_spec
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import TOKEN_WISE_PROBE_TOKENS, check_no_active_dropout, check_token_wise
 from ds_longseq.modules.sharded_mixer import HeadShardedMixerForward
+from ds_longseq.modules.unread_outputs import PROBE_TOKENS, UnreadLinear, outputs_unread
 from ds_longseq.modules.zero3 import check_zero3_leaf
 from ds_longseq.ops.checkpoint import checkpoint_apply
+from ds_longseq.ops.chunk_grads import split_outputs
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
 from ds_longseq.ops.sharded_mixer import MixerStream, streambp_mixer_sp_apply
 from ds_longseq.ops.state_passing import StateRing
-from ds_longseq.ops.streambp import SharedKV, streambp_apply, streambp_sp_apply
+from ds_longseq.ops.streambp import KVStream, SharedKV, capture_kv, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
     from ds_longseq.modules.offload import LayerInputOffload
@@ -64,6 +66,8 @@ class StreamBPLayerForward:
         streams: int | None = None,
         mixer: str | None = None,
         mixer_module: torch.nn.Module | None = None,
+        query_proj: UnreadLinear | None = None,
+        output_proj: UnreadLinear | None = None,
     ):
         """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``;
         ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``); ``streams``: S when the
@@ -72,7 +76,9 @@ class StreamBPLayerForward:
         chunk's own, its states are carried from chunk to chunk), "both" for one with an attention beside it,
         "token_wise" for one with no token mixer (``DecoderLMAdapter.token_wise``: nothing carried, checked once
         to mix no tokens), None for an attention layer (``DecoderLMAdapter.mixer``); ``mixer_module``: the recurrent
-        mixer itself (under sequence parallelism it may be head-sharded: ``modules.sharded_mixer``)."""
+        mixer itself (under sequence parallelism it may be head-sharded: ``modules.sharded_mixer``). ``query_proj`` /
+        ``output_proj``: the layer's query projection and MLP output projection as installed ``UnreadLinear``s
+        (``modules.unread_outputs``), skipped where a pass does not read them once a probe found it exact."""
         self.layer = layer
         self.name = name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
@@ -95,6 +101,13 @@ class StreamBPLayerForward:
         self.state_checked = mixer not in ("recurrent", "both")
         # a layer with no token mixer is checked once to compute each token from its own input alone
         self.token_wise_checked = mixer != "token_wise"
+        # linears whose output a pass never reads: skipped there once its first training forward's probe found
+        # the result bitwise the same (None: not probed yet; only plain attention layers are)
+        probed = mixer is None and kv_sharing is None and router_tap is None
+        self.query_proj = query_proj if probed else None
+        self.output_proj = output_proj if probed else None
+        self.query_unread: bool | None = None if self.query_proj is not None else False
+        self.output_unread: bool | None = None if self.output_proj is not None else False
 
     def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
         """``kwargs`` with the positional arguments after the hidden states added by their parameter names
@@ -191,9 +204,59 @@ class StreamBPLayerForward:
         if not self.token_wise_checked and layer.training and torch.is_grad_enabled():
             self.token_wise_checked = True
             self._check_token_wise(tokens, attention_mask, position_ids, position_embeddings, mixer_masks, kwargs)
-        return _LayerCall(tokens, sp, doc_start, attention_mask, position_ids, position_embeddings, mixer_masks,
+        call = _LayerCall(tokens, sp, doc_start, attention_mask, position_ids, position_embeddings, mixer_masks,
                           shared_states, share, None if share is None else self.kv_sharing[0], with_router_logits,
                           kwargs)
+        if None in (self.query_unread, self.output_unread) and layer.training and torch.is_grad_enabled():
+            # probed as one process would run the layer (the same computation; no collective inside)
+            self._probe_unread(dataclasses.replace(call, sp=None))
+        return call
+
+    def _probe_unread(self, call: "_LayerCall") -> None:
+        """Decide once, on this forward's first tokens, whether the capture pass may leave the query projection
+        uncomputed (the same keys/values, bitwise) and the backward's chunk re-forward the MLP's output projection
+        (the same input and parameter gradients, bitwise, for a random output gradient)."""
+        n = min(call.tokens.batch_shape[1], PROBE_TOKENS)
+        x = call.tokens.packed[:, :n].detach()
+        run_chunk = functools.partial(self._run_chunk, call)
+        if self.query_unread is None:
+            def capture(skip: bool):
+                stream = KVStream(n)
+                stream.mode = "capture"
+                with torch.no_grad(), self.query_proj.skipping("zeros") if skip else nullcontext():
+                    capture_kv(run_chunk, x, [(0, n)], stream)
+                return stream.k[:, :, :n], stream.v[:, :, :n]
+
+            self.query_unread = outputs_unread(capture)
+        if self.output_unread is None:
+            params = [p for p in self.layer.parameters() if p.requires_grad]
+
+            def replay(skip: bool):
+                # one chunk from token 0: "append" computes what a replay would, and lets a layer that attends
+                # something else than it caches switch to whole-cache mode (KVStream.prefer_concat) as a forward
+                stream = KVStream(n)
+                stream.start, stream.end = 0, n
+                leaf = x.clone().requires_grad_(True)
+                # identity hooks: what the probe saves stays out of any enclosing saved-tensor hooks (as
+                # replay.check_token_wise)
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                        self.output_proj.skipping("graph") if skip else nullcontext():
+                    out = split_outputs(run_chunk(leaf, 0, n, stream))[0]
+                    weights = torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(0),
+                                          device=out.device, dtype=out.dtype)
+                    return torch.autograd.grad(out, [leaf, *params], weights, allow_unused=True)
+
+            self.output_unread = outputs_unread(replay)
+
+    def _skipping(self, stream):
+        """The unread linear to skip in this chunk's pass (a context), if any: the query projection in a capture
+        pass, the MLP's output projection where the layer's output is only autograd's root (``outputs_read``)."""
+        if self.query_unread and stream.mode in ("capture", "capture_grad") and \
+                getattr(stream, "capture_at", "cache") == "cache":
+            return self.query_proj.skipping("zeros")
+        if self.output_unread and not stream.outputs_read:
+            return self.output_proj.skipping("graph")
+        return nullcontext()
 
     def _documents(self, outer_spec, packed: dict, position_ids, attention_mask, B: int, T: int):
         """(B, T) start of each token's packed document, or None (one document per row; under sequence
@@ -253,7 +316,7 @@ class StreamBPLayerForward:
         def run():
             stream.begin_chunk()
             spec = AttnSpec(stream, self.kv_block_size, call.sp, call.doc_start)
-            with chunk_spec(spec):
+            with chunk_spec(spec), self._skipping(stream):
                 out = self.orig_forward(
                     h_c,
                     attention_mask=self._chunk_mask(call, s, e),
@@ -355,7 +418,7 @@ class StreamBPLayerForward:
         return registry[key]
 
 
-@dataclass
+@dataclasses.dataclass
 class _LayerCall:
     """One training forward of a StreamBP layer: what its chunks are cut from and what they share."""
 

@@ -46,6 +46,7 @@ from ds_longseq.ops.phases import phase
 from ds_longseq.ops.sparse_inputs import SparseInputs
 
 __all__ = [
+    "capture_kv",
     "KVStream",
     "SharedKV",
     "GlobalKVStream",
@@ -151,6 +152,9 @@ class KVStream:
         # through the cache and the chunk attention (``begin_chunk`` resets them)
         self.updates, self.attended, self.updated_shapes = 0, [], None
         self.state = CarriedState()
+        # False while the backward re-forwards chunks: the layer's output is then only autograd's root, its
+        # values unread (modules.unread_outputs may leave the MLP's output projection uncomputed)
+        self.outputs_read = True
 
     # transformers' linear-attention cache API: the recurrent mixers' states (CarriedState)
     def get_conv_state(self, *args, **kwargs):
@@ -354,6 +358,7 @@ class _StreamBPFunction(torch.autograd.Function):
                 _capture(run_chunk, hidden, bounds[:-1], stream)
             stream.alloc_grads()
         stream.mode = stream.state.mode = "replay"
+        stream.outputs_read = False
         # gradient of the states the chunk being replayed writes, sent back by the next chunk (the next rank's
         # first chunk, for the last chunk under sequence parallelism)
         state_grads = {} if ctx.ring is None else ctx.ring.grads_from_next(hidden.device)
@@ -481,6 +486,7 @@ class GlobalKVStream:
         self.reads: SharedKV | None = None
         self.capture_at: str | None = None  # "cache" | "attention" (class docstring); None until the first chunk
         self.taken = None  # the captured K/V's shapes without their token dim (_per_token)
+        self.outputs_read = True  # as in KVStream: False during the backward's full-layer pass over the chunks
 
     begin_chunk = KVStream.begin_chunk
 
@@ -603,6 +609,12 @@ def _per_token(key: torch.Tensor, value: torch.Tensor) -> tuple[tuple[int, ...],
     return tuple(key.shape[:2] + key.shape[3:]), tuple(value.shape[:2] + value.shape[3:])
 
 
+def capture_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
+    """Fill ``stream`` (in ``"capture"`` mode) with the keys/values of the chunks ``bounds`` of ``hidden``, each
+    chunk run up to its cache update (no attention, no MLP); call under no_grad."""
+    _capture(run_chunk, hidden, bounds, stream)
+
+
 def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
     """Run every chunk up to its cache update (no attention, no MLP) so ``stream`` holds its K/V (a recurrent
     mixer before the attention is served its boundary states, ``stream.state`` in capture mode)."""
@@ -654,6 +666,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
         stream.alloc_grads()
         grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
         # Pass 1: every chunk through the whole layer; keys are constants, their gradient goes to the sink.
+        stream.outputs_read = False
         with torch.enable_grad():
             for s, e in bounds:
                 stream.start, stream.end = s, e

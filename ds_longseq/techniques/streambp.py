@@ -17,6 +17,7 @@ from ds_longseq.config import StreamBPConfig
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.modules.auto_chunk import AutoChunkSize
 from ds_longseq.modules.decoder_layer import StreamBPLayerForward
+from ds_longseq.modules.unread_outputs import UnreadLinear
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["StreamBP", "replay_noise_problems"]
@@ -76,6 +77,8 @@ class StreamBP(Technique):
                 ctx.offload, router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
                 kv_sharing=None if role is None else (role, key, key in reused), streams=streams, mixer=mixer,
                 mixer_module=ctx.adapter.mixer(layer),
+                query_proj=_unread(ctx, ctx.adapter.query_projection(layer)),
+                output_proj=_unread(ctx, ctx.adapter.mlp_output_projection(layer)),
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
             forwards.append(forward)
@@ -92,3 +95,12 @@ class StreamBP(Technique):
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         return ctx.adapter.layers
+
+
+def _unread(ctx: EnableContext, linear: torch.nn.Linear | None) -> UnreadLinear | None:
+    """``linear``'s forward replaced (undoably) by an ``UnreadLinear``, which StreamBP skips where unread."""
+    if linear is None:
+        return None
+    unread = UnreadLinear(linear, linear.forward)
+    ctx.handle.set_instance_attr(linear, "forward", unread)
+    return unread

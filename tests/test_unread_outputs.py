@@ -1,0 +1,105 @@
+"""StreamBP leaves uncomputed the linears whose output a pass never reads (modules/unread_outputs.py): the query
+projection in the K/V capture pass, the MLP's output projection in the backward's chunk re-forward. Bitwise the
+same gradients as with them computed; a family where that would not hold (a norm after the MLP) is found by the
+per-layer probe and computes them; fewer FLOPs by exactly those products."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ds_longseq
+from benchmarks.profile import count_flops
+from tests.helpers import make_batch, make_model
+
+CFG = {"streambp": {"enabled": True, "chunk_size": 10}, "lm_head": {"enabled": True, "chunk_size": 16}}
+
+
+def _grads(model, batch, *, skip: bool | None = True, lora: bool = False, autocast: bool = False):
+    """Every parameter's gradient after one StreamBP step; ``skip=False`` computes every linear (the probe's
+    result overridden), ``None`` leaves the probe's decision."""
+    model = copy.deepcopy(model)
+    if lora:
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(0)  # the adapters' initialisation
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules=["q_proj", "down_proj", "k_proj"]))
+        inner = model.base_model.model
+    else:
+        inner = model
+    ds_longseq.enable(inner, CFG)
+    layers = [layer.forward for layer in inner.model.layers]
+    if skip is False:
+        for f in layers:
+            f.query_unread = f.output_unread = False
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**batch).loss
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None], layers
+
+
+@pytest.mark.parametrize("arch,dtype,lora,autocast", [
+    ("llama", torch.float64, False, False),
+    ("qwen3", torch.float32, False, False),
+    ("llama", torch.float32, True, False),
+    ("mistral", torch.float32, False, True),
+])
+def test_skipped_linears_give_bitwise_the_same_gradients(arch, dtype, lora, autocast):
+    model, batch = make_model(arch, dtype, num_layers=2), make_batch(seq_len=37)
+    skipped, layers = _grads(model, batch, lora=lora, autocast=autocast)
+    computed, _ = _grads(model, batch, skip=False, lora=lora, autocast=autocast)
+    assert len(skipped) == len(computed) > 0
+    assert all(torch.equal(a, b) for a, b in zip(skipped, computed, strict=True))
+    for f in layers:  # 37 tokens in chunks of 10: 3 captured chunks, 4 re-forwards (+1 probe each)
+        assert f.query_unread and f.output_unread
+        assert f.query_proj.skipped == 4 and f.output_proj.skipped == 5
+
+
+def test_a_norm_after_the_mlp_keeps_its_output_projection_computed():
+    """OLMo 2 normalises the MLP's output before the residual add: its re-forward reads the down projection's
+    values, so the probe keeps it (the query skip still holds); forcing the skip (the mutation) changes the
+    gradients."""
+    model, batch = make_model("olmo2", torch.float64, num_layers=2), make_batch(seq_len=37)
+    probed, layers = _grads(model, batch, skip=None)
+    computed, _ = _grads(model, batch, skip=False)
+    assert all(f.query_unread and f.output_unread is False for f in layers)
+    assert all(torch.equal(a, b) for a, b in zip(probed, computed, strict=True))
+    forced = copy.deepcopy(model)
+    ds_longseq.enable(forced, CFG)
+    forced(**batch).loss  # the first forward probes
+    for layer in forced.model.layers:
+        layer.forward.output_unread = True
+    forced.zero_grad()
+    forced(**batch).loss.backward()
+    assert not all(torch.equal(p.grad, g) for p, g in zip(forced.parameters(), computed, strict=True))
+
+
+def test_fewer_flops_by_exactly_the_skipped_products():
+    """One step's matmul FLOPs drop by the query projection over every captured token and the MLP's output
+    projection over every re-forwarded token (Llama, 2 layers, 37 tokens: chunks [0, 30) captured)."""
+    model, batch = make_model("llama", torch.float32, num_layers=2), make_batch(seq_len=37)
+    counts = {}
+    for skip in (True, False):
+        m = copy.deepcopy(model)
+        ds_longseq.enable(m, CFG)
+        m(**batch).loss.backward()  # the probes run on the first training forward
+        if not skip:
+            for layer in m.model.layers:
+                layer.forward.query_unread = layer.forward.output_unread = False
+        counts[skip] = sum(count_flops(lambda m=m: m(**batch).loss.backward()).values())
+    c = model.config
+    B, L, d = 2, c.num_hidden_layers, c.hidden_size
+    q_out = c.num_attention_heads * (c.head_dim or d // c.num_attention_heads)
+    saved = 2 * B * L * (30 * d * q_out + 37 * c.intermediate_size * d)
+    assert round((counts[False] - counts[True]) * 1e9) == saved
+
+
+def test_disable_restores_the_linears():
+    model = make_model("llama", torch.float32, num_layers=1)
+    q = model.model.layers[0].self_attn.q_proj
+    ds_longseq.enable(model, CFG)
+    assert "forward" in vars(q)
+    ds_longseq.disable(model)
+    assert "forward" not in vars(q)
