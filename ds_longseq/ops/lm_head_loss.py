@@ -317,13 +317,22 @@ def _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_fn):
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """(N,) log p(target) of each valid token under the temperature-scaled distribution, and when
     asked (N,) entropies, (N,) bool "target is a top logit", (N,) mean logits and (N,) log sum_v p_v^2;
-    one (C x V) chunk of logits at a time, recomputed in backward (the upstream gradient is per
-    token, so unlike the loss the chunk's dLogits cannot be formed in forward). The last three are
-    statistics without gradient; unrequested outputs are empty and cost nothing."""
+    one (C x V) chunk of logits at a time. The last three are statistics without gradient; unrequested
+    outputs are empty and cost nothing.
+
+    The upstream gradient is per token, so unlike the loss's the chunk's dLogits cannot be formed in forward,
+    and the backward recomputes each chunk's logits. Except with ``form_grads`` (set by the caller only for a
+    frozen head in float32 / float64, no entropy: DPO and GRPO with LoRA): the forward then forms each token's
+    d logp / dh, a (d,) row, while its logits exist, and the backward scales the rows by their upstream
+    gradients (two GEMMs of N x V x d per step instead of three). It holds (B*T, d) rows in place of the hidden
+    states. Not for a trainable head (d logp / dW sums per-token products: the upstream gradients are needed
+    first), not with the entropy (its gradient would need a second row per token, for the same GEMM count), and
+    not in half precision (the rows would be rounded to it before their scaling: one rounding more than stock's
+    head)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, index, targets, chunk_size, softcap, logit_scale, temperature, with_entropy,
-                with_top1, with_mean_logits, with_log_sum_sq):
+                with_top1, with_mean_logits, with_log_sum_sq, form_grads):
         mm_dtype = autocast_dtype(hidden)
         loss_dtype = _loss_dtype(hidden.dtype)
         h2 = hidden.reshape(-1, hidden.shape[-1])
@@ -335,40 +344,40 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
         entropy, top1 = optional(with_entropy), optional(with_top1, torch.bool)
         mean_logits, log_sum_sq = optional(with_mean_logits), optional(with_log_sum_sq)
-        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False), phase("lm_head.forward"):
-            w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
-            buf = _logits_buffer(hidden, weight, min(chunk_size, n), loss_dtype)
-            for s in range(0, n, chunk_size):
-                idx = index[s : s + chunk_size]
-                rows = slice(s, s + idx.numel())
-                z = _logits_into(buf, h2.index_select(0, idx).to(mm_dtype), w, b)
-                if logit_scale != 1.0:
-                    z.mul_(logit_scale)
-                if softcap is not None:
-                    softcap_logits(z, softcap, inplace=True)
-                if temperature != 1.0:  # after the softcap, as TRL's head and generation's warper scale
-                    z.div_(temperature)
-                lse = torch.logsumexp(z, dim=-1)
-                z_target = z.gather(1, targets[rows].unsqueeze(1)).squeeze(1)
-                logps[rows] = z_target - lse
-                if with_entropy:  # H = lse - sum_v p_v z_v
-                    entropy[rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-                if with_top1:  # ties count: the target is "a" most likely token
-                    top1[rows] = z_target >= z.amax(dim=-1)
-                if with_mean_logits:
-                    mean_logits[rows] = z.mean(dim=-1)
-                if with_log_sum_sq:  # log sum_v p_v^2 = logsumexp(2 z) - 2 lse, with no p_v^2 to underflow
-                    log_sum_sq[rows] = torch.logsumexp(z.mul_(2.0), dim=-1) - 2.0 * lse  # last use of z
-                del z
-        ctx.save_for_backward(hidden, weight, bias, index, targets)
+        outs = (logps, entropy, top1, mean_logits, log_sum_sq)
         ctx.chunk_size, ctx.mm_dtype, ctx.softcap, ctx.temperature = chunk_size, mm_dtype, softcap, temperature
         ctx.logit_scale = logit_scale
+        ctx.token_grads = None
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False), phase("lm_head.forward"):
+            if form_grads:
+                (rows_grad, _), _, _ = _head_grads(ctx, (True, False, False), hidden, weight, bias, index, targets,
+                                                   _dlogits_token_forward(outs, temperature))
+                ctx.token_grads = rows_grad
+                ctx.save_for_backward(index)
+            else:
+                w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
+                buf = _logits_buffer(hidden, weight, min(chunk_size, n), loss_dtype)
+                for s in range(0, n, chunk_size):
+                    idx = index[s : s + chunk_size]
+                    rows = slice(s, s + idx.numel())
+                    z = _logits_into(buf, h2.index_select(0, idx).to(mm_dtype), w, b)
+                    if logit_scale != 1.0:
+                        z.mul_(logit_scale)
+                    if softcap is not None:
+                        softcap_logits(z, softcap, inplace=True)
+                    if temperature != 1.0:  # after the softcap, as TRL's head and generation's warper scale
+                        z.div_(temperature)
+                    _token_statistics(z, rows, targets[rows], outs, last_use=True)
+                    del z
+                ctx.save_for_backward(hidden, weight, bias, index, targets)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(top1, mean_logits, log_sum_sq)
         return logps, entropy, top1, mean_logits, log_sum_sq
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy, _grad_top1, _grad_mean_logits, _grad_log_sum_sq):
+        if ctx.token_grads is not None:
+            return (_scaled_rows(ctx, grad_logps), *(None,) * 13)
         hidden, weight, bias, index, targets = ctx.saved_tensors
         temperature = ctx.temperature
 
@@ -392,10 +401,63 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             return d.div_(temperature) if temperature != 1.0 else d
 
         if grad_logps is None and grad_entropy is None:
-            return (None,) * 13
+            return (None,) * 14
         with torch.autocast(hidden.device.type, enabled=False), phase("lm_head.backward"):
             grads = _head_backward(ctx, hidden, weight, bias, index, targets, dlogits_token)
-        return (*grads, *(None,) * 10)
+        return (*grads, *(None,) * 11)
+
+
+def _token_statistics(z: torch.Tensor, rows: slice, t: torch.Tensor, outs, last_use: bool) -> torch.Tensor:
+    """Write a chunk's log-probs (and the requested statistics) into ``outs`` = (logps, entropy, top1,
+    mean_logits, log_sum_sq) at ``rows``, from its (C, V) temperature-scaled logits ``z``; returns the (C,)
+    log-sum-exp. ``last_use``: ``z`` may be overwritten."""
+    logps, entropy, top1, mean_logits, log_sum_sq = outs
+    lse = torch.logsumexp(z, dim=-1)
+    z_target = z.gather(1, t.unsqueeze(1)).squeeze(1)
+    logps[rows] = z_target - lse
+    if entropy.numel():  # H = lse - sum_v p_v z_v
+        entropy[rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    if top1.numel():  # ties count: the target is "a" most likely token
+        top1[rows] = z_target >= z.amax(dim=-1)
+    if mean_logits.numel():
+        mean_logits[rows] = z.mean(dim=-1)
+    if log_sum_sq.numel():  # log sum_v p_v^2 = logsumexp(2 z) - 2 lse, with no p_v^2 to underflow
+        log_sum_sq[rows] = torch.logsumexp(z.mul_(2.0) if last_use else z * 2.0, dim=-1) - 2.0 * lse
+    return lse
+
+
+def _dlogits_token_forward(outs, temperature: float):
+    """For :func:`_head_grads` in a forward: the chunk's per-token outputs written into ``outs``, then d logp_t / dz
+    for a unit upstream gradient per token (onehot_t - softmax, through the temperature), in place on ``z``."""
+
+    def dlogits(z: torch.Tensor, rows: slice, t: torch.Tensor) -> torch.Tensor:
+        if temperature != 1.0:
+            z = z.div_(temperature)
+        lse = _token_statistics(z, rows, t, outs, last_use=False)
+        d = z.sub_(lse.unsqueeze(1)).exp_().neg_()  # -softmax
+        d[torch.arange(d.shape[0], device=d.device), t] += 1.0
+        return d.div_(temperature) if temperature != 1.0 else d
+
+    return dlogits
+
+
+def _scaled_rows(ctx, grad_logps: torch.Tensor | None) -> torch.Tensor | None:
+    """The input gradient from the per-token rows the forward formed (:class:`_ChunkedTokenLogprobs`): each valid
+    token's row times its upstream gradient, in place; handed out once."""
+    rows, ctx.token_grads = ctx.token_grads, "consumed"
+    if isinstance(rows, str):
+        raise RuntimeError(
+            "a second backward through ds_longseq's chunked per-token log-probs with a frozen head "
+            "(backward(retain_graph=True) twice): their gradient is formed in the forward and handed out once. "
+            "Run the forward again"
+        )
+    if grad_logps is None:
+        return None
+    (index,) = ctx.saved_tensors
+    flat = rows.view(-1, rows.shape[-1])
+    with phase("lm_head.backward"):
+        flat.index_copy_(0, index, flat.index_select(0, index).mul_(grad_logps.to(flat.dtype).unsqueeze(1)))
+    return rows
 
 
 TOKEN_HEAD_OUTPUTS = ("entropy", "top1", "mean_logits", "log_sum_sq_probs")
@@ -467,9 +529,16 @@ def chunked_token_outputs(
     mask = flat != ignore_index
     index = mask.nonzero().squeeze(-1)
     wanted = [name in outputs for name in TOKEN_HEAD_OUTPUTS]
+    # the input gradient formed in the forward: training through a frozen full-precision head, no entropy
+    # (see _ChunkedTokenLogprobs)
+    form_grads = (
+        torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+        and not (bias is not None and bias.requires_grad) and "entropy" not in outputs
+        and autocast_dtype(hidden) in (torch.float32, torch.float64)
+    )
     values = _ChunkedTokenLogprobs.apply(
         hidden, weight, bias, index, flat.index_select(0, index), int(chunk_size),
-        None if softcap is None else float(softcap), float(logit_scale), float(temperature), *wanted,
+        None if softcap is None else float(softcap), float(logit_scale), float(temperature), *wanted, form_grads,
     )
 
     def scatter(v: torch.Tensor) -> torch.Tensor:
