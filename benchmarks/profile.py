@@ -11,7 +11,8 @@ in one cell of (stage, component):
     stage      forward; "K/V capture", "chunk re-forward", "chunk backward" (StreamBP's backward passes, from
                ds_longseq's own ranges, ``ds_longseq.ops.phases``); "recompute" (a module's forward run inside
                the backward: activation checkpointing's); backward; optimizer; "offload wait"; "collectives".
-    component  "attention kernel" (the fused attention ops, ds_longseq's tiles and their merge), "attention"
+    component  "attention kernel" (the fused attention ops, ds_longseq's tiles), "attention merge" (the
+               log-sum-exp merge of a chunk's tiles: what one kernel call per chunk would save), "attention"
                (the attention module's other work: projections, norms of q/k, RoPE), "MLP", "norms",
                "LM head + loss", "embedding", "other" (glue outside any module: the loss, optimizer, copies).
 The component of a backward operator is its forward operator's (matched by autograd's sequence number), and
@@ -44,10 +45,12 @@ from benchmarks import harness
 MODULE = "benchmarks.profile"
 STAGES = ("forward", "K/V capture", "chunk re-forward", "chunk backward", "recompute", "backward", "optimizer",
           "offload wait", "collectives")
-COMPONENTS = ("attention kernel", "attention", "MLP", "norms", "LM head + loss", "embedding", "other")
+COMPONENTS = ("attention kernel", "attention merge", "attention", "MLP", "norms", "LM head + loss", "embedding",
+              "other")
 _PHASE_STAGE = {"streambp.capture": "K/V capture", "streambp.replay": "chunk re-forward",
                 "streambp.grad": "chunk backward", "offload.wait": "offload wait", "sp.exchange": "collectives"}
 _PHASE_COMPONENT = {"attention.forward": "attention kernel", "attention.backward": "attention kernel",
+                    "attention.merge": "attention merge",
                     "lm_head.forward": "LM head + loss", "lm_head.backward": "LM head + loss"}
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _MODULE_PREFIX = "module:"

@@ -24,6 +24,7 @@ PHASES = {
     "streambp.grad": "StreamBP's backward: one chunk's torch.autograd.grad",
     "attention.forward": "ds_longseq's chunk attention, forward (every tile and the merge)",
     "attention.backward": "ds_longseq's chunk attention, backward",
+    "attention.merge": "merging a chunk's attention tiles by log-sum-exp (what one kernel call per chunk would save)",
     "lm_head.forward": "the chunked LM head and loss, forward (and its gradient, when formed there)",
     "lm_head.backward": "the chunked LM head, backward",
     "offload.wait": "waiting for an offloaded layer input to come back from the host or disk",
