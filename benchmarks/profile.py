@@ -207,67 +207,17 @@ def count_flops(step) -> dict[str, float]:
     return dict(counts)
 
 
-def build(suite_name: str, method: str, seq_len: int, device: str):
-    """(model, forward_loss, backward, optimizer_step) of one point: ``benchmarks.run.build_step`` split in the
-    phases a profile labels."""
-    import torch
-
-    import ds_longseq
-    from benchmarks.recipes import (
-        apply_lora,
-        build_model,
-        compute_loss,
-        get_recipe,
-        long_seq_config,
-        prepare,
-        random_tokens,
-        step_context,
-    )
-    from benchmarks.run import SUITES
-
-    suite = SUITES[suite_name]
-    recipe = get_recipe(method)
-    model = build_model(suite.shape, dtype=suite.dtype, device=device, seq_len=seq_len)
-    if suite.lora:
-        _, model = apply_lora(model)
-    prepare(model, recipe, frozen_inputs=suite.lora)
-    long_seq = long_seq_config(recipe, suite.shape, seq_len, chunk_size=suite.chunk_size,
-                               loss_chunk_size=suite.loss_chunk_size)
-    if long_seq:
-        ds_longseq.enable(model, long_seq)
-    ids = random_tokens(suite.shape, seq_len, device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=suite.lr)
-    cuda = device == "cuda"
-
-    def step(label=lambda name: _null()):
-        with step_context(recipe, pin_memory=cuda):
-            with label("forward"):
-                loss = compute_loss(recipe, model, ids, loss_chunk_size=suite.loss_chunk_size, pin_memory=cuda)
-            with label("backward"):
-                loss.backward()
-        with label("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return model, step
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def measure(spec: dict) -> dict:
     """One point in this fresh process: ``spec`` = suite, method, seq_len, warmup."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, step = build(spec["suite"], spec["method"], spec["seq_len"], device)
+    from benchmarks.run import SUITES, build_step, resolve_device
+
+    suite = SUITES[spec["suite"]]
+    device = resolve_device(suite)
+    step = build_step(suite, spec["method"], spec["seq_len"], device)
+    model = step.model
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(spec["warmup"]):
         step()

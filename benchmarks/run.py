@@ -48,6 +48,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -222,7 +223,8 @@ def resolve_device(suite: Suite) -> str:
 
 def build_step(suite: Suite, method: str, seq_len: int, device: str, batch_size: int = 1) -> Callable[[], float]:
     """The model, recipe and optimizer of one point; returns a step (forward, backward, optimizer
-    step on ``batch_size`` sequences) that returns the loss."""
+    step on ``batch_size`` sequences) that returns the loss. ``step(label)`` runs each phase inside
+    ``label("forward" | "backward" | "optimizer")`` (a context); ``step.model`` is the model."""
     import torch
 
     import ds_longseq
@@ -244,14 +246,18 @@ def build_step(suite: Suite, method: str, seq_len: int, device: str, batch_size:
             ds_longseq.enable(model, long_seq)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=suite.lr)
 
-        def step():
+        def step(label=_unlabelled):
             with step_context(recipe, pin_memory=cuda):
-                loss = compute_loss(recipe, model, ids, **loss_kwargs)
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                with label("forward"):
+                    loss = compute_loss(recipe, model, ids, **loss_kwargs)
+                with label("backward"):
+                    loss.backward()
+            with label("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             return float(loss.detach())
 
+        step.model = model
         return step
 
     import deepspeed
@@ -280,14 +286,23 @@ def build_step(suite: Suite, method: str, seq_len: int, device: str, batch_size:
     }
     engine, *_ = ds_longseq.engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
-    def step():
+    def step(label=_unlabelled):
         with step_context(recipe, pin_memory=cuda):
-            loss = compute_loss(recipe, engine.module, ids, call=engine, **loss_kwargs)
-            engine.backward(loss)
-        engine.step()
+            with label("forward"):
+                loss = compute_loss(recipe, engine.module, ids, call=engine, **loss_kwargs)
+            with label("backward"):
+                engine.backward(loss)
+        with label("optimizer"):
+            engine.step()
         return float(loss.detach())
 
+    step.model = engine.module
     return step
+
+
+def _unlabelled(name: str):
+    """No profiler range around a step's phase (``benchmarks.profile`` passes ``record_function``)."""
+    return contextlib.nullcontext()
 
 
 def measure(spec: dict) -> dict:
