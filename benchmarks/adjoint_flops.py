@@ -179,15 +179,16 @@ def step_flops(shape: SSMShape, num_tokens: int, method: str, batch: int = 1, ch
     elif kind == "adjoint" and (window is None or window >= t):
         # streamed exact backward: forward (1 F), boundary sweep (F_pre), per chunk pre + post with a
         # graph (1 F), the c-VJP (input gradient of post: F_out), the VJPs (2 F): 5 F_pre + 5 F_out;
-        # scans: forward, sweep, chunk recompute, adjoint. The head: forward, recompute, backward (2x).
-        matmul = k * t * (5 * mm["pre"] + 5 * mm["out"]) + (t - 1) * 4 * mm["head"]
+        # scans: forward, sweep, chunk recompute, adjoint. The chunked head: logits, and in its forward the input
+        # and weight gradients (2x), over the t - 1 valid targets.
+        matmul = k * t * (5 * mm["pre"] + 5 * mm["out"]) + (t - 1) * 3 * mm["head"]
         per_token = s_fwd + s_pre + s_fwd + (s_post + dn) + 2 * s_fwd  # fwd, sweep, chunk, c-VJP, VJPs
         scans = 3 * chunked_scan_flops(t, chunk_size) + chunked_adjoint_flops(t, chunk_size)
         state = k * (t * per_token + dn * (scans + t))
     elif kind == "adjoint":
         # truncated: whole-sequence a, h, mu: forward (1 F), a recompute of pre (F_pre), the VJP of
         # post for c (2 F_out: forward + input gradient), the chunked VJPs (3 F): 5 F_pre + 6 F_out
-        matmul = k * t * (5 * mm["pre"] + 6 * mm["out"]) + (t - 1) * 4 * mm["head"]
+        matmul = k * t * (5 * mm["pre"] + 6 * mm["out"]) + (t - 1) * 3 * mm["head"]
         per_token = s_fwd + s_pre + (s_post + dn) + 3 * s_fwd  # fwd, recompute, c-VJP, chunk VJPs
         scans = chunked_scan_flops(t, chunk_size) + scan_flops(t) + truncated_flops(t, window)  # fwd streamed
         state = k * (t * per_token + dn * (scans + t))

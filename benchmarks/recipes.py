@@ -41,7 +41,8 @@ Methods:
     mst:              hf_gc + ds_longseq mini-sequence MLP (as many chunks as ALST's tiles) + chunked LM head.
     streambp:         ds_longseq StreamBP layers + chunked LM head (no checkpointing).
     streambp_offload: streambp with ds_longseq's ``long_seq.offload.layer_inputs = "cpu"``.
-    streambp_2x:      streambp with a chunk twice the suite's ``chunk_size`` (exact): the bigger chunk's own effect.
+    streambp_2x:      streambp with a chunk twice the suite's ``chunk_size`` (exact): the bigger chunk's own effect;
+                      streambp_4x the same at four times.
     streambp_auto, streambp_offload_auto: streambp / streambp_offload with ``streambp.chunk_size = "auto"``: the
                       whole sequence as one chunk when its work fits 80% of free memory, else the largest power of two.
     streambp_keep<k>, streambp_offload_keep<k> (k = 2, 4): streambp / streambp_offload keeping every k-th layer
@@ -319,6 +320,7 @@ METHODS: dict[str, Recipe] = {r.name: r for r in _BASE}
 for _name in ("alst", "mst", "streambp"):
     METHODS[f"{_name}_sp"] = replace(METHODS[_name], name=f"{_name}_sp", sequence_parallel=True)
 METHODS["streambp_2x"] = replace(METHODS["streambp"], name="streambp_2x", chunk_scale=2)
+METHODS["streambp_4x"] = replace(METHODS["streambp"], name="streambp_4x", chunk_scale=4)
 METHODS["streambp_auto"] = replace(METHODS["streambp"], name="streambp_auto", auto_chunk=True)
 METHODS["streambp_offload_auto"] = replace(METHODS["streambp_offload"], name="streambp_offload_auto", auto_chunk=True)
 for _k in (2, 4):  # sparse layer-input storage, on the device and offloaded

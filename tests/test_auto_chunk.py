@@ -51,6 +51,11 @@ def test_choose_chunk_size():
     assert choose_chunk_size(300, 2, 10.0, 1.0) == MIN_CHUNK  # nothing fits: the floor
     assert choose_chunk_size(100, 1, 10.0, 1.0) == 100  # shorter than the floor: one chunk
     assert choose_chunk_size(256, 1, 10.0, 2559) == 128  # a power of two itself: the next one down
+    # the CPU's speed cap: a longer sequence streams in the largest power of two up to it, a shorter one is whole
+    assert choose_chunk_size(16384, 1, 10.0, 1e12, max_chunk=4096) == 4096
+    assert choose_chunk_size(6000, 1, 10.0, 1e12, max_chunk=5000) == 4096
+    assert choose_chunk_size(3000, 1, 10.0, 1e12, max_chunk=4096) == 3000
+    assert choose_chunk_size(16384, 1, 10.0, 1024 * 10.0, max_chunk=4096) == 1024  # memory still decides below
     chunks = [choose_chunk_size(1 << 17, 1, 1000.0, budget) for budget in (1e12, 1e8, 3e7, 1e6, 1e3)]
     assert chunks == sorted(chunks, reverse=True) and chunks[0] == 1 << 17 and chunks[-1] == MIN_CHUNK
     with pytest.raises(ValueError, match="seq_len must be positive"):

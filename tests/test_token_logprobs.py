@@ -133,7 +133,7 @@ def test_the_gradient_is_recomputed_where_it_cannot_be_formed_in_forward():
             weight = weight.to(torch.bfloat16)
         outputs = ("entropy",) if case == "entropy" else ()
 
-        def step():
+        def step(hidden=hidden, weight=weight, targets=targets, outputs=outputs):
             out = chunked_token_outputs(hidden, weight, targets, chunk_size=5, outputs=outputs)
             torch.autograd.grad(out.log_probs.sum(), [hidden])
 

@@ -1,8 +1,8 @@
 """StreamBP's automatic chunk size (``long_seq.streambp.chunk_size: "auto"``), chosen at every training forward.
 
 The largest chunk, up to the whole sequence, whose work fits a memory budget: a short sequence then runs as one chunk
-(as fast as plain checkpointing: one forward per layer in backward, no chunk loop), a long one streams. Chunk sizes
-below the whole sequence are powers of two, at least ``MIN_CHUNK`` tokens.
+(one forward per layer in backward, no chunk loop, no K/V capture), a long one streams. Chunk sizes below the whole
+sequence are powers of two, at least ``MIN_CHUNK`` tokens; on CPU at most ``CPU_MAX_CHUNK`` (speed, not memory).
 
 Memory model (per device, B sequences of T local tokens, d hidden, L layers, b bytes per activation element):
 
@@ -19,7 +19,7 @@ Memory model (per device, B sequences of T local tokens, d hidden, L layers, b b
             available host memory), less kept.
 
 Holds:
-    MIN_CHUNK: the smallest chunk chosen.
+    MIN_CHUNK: the smallest chunk chosen; CPU_MAX_CHUNK: the largest on CPU (a speed cap).
     choose_chunk_size: the largest chunk whose work fits a budget.
     largest_batch: the largest micro-batch whose memory fits (``AutoChunkSize`` reports it; the planner's too).
     AutoChunkSize: the forward pre-hook on the base model that sets every StreamBP layer's chunk size.
@@ -41,7 +41,7 @@ from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
 if TYPE_CHECKING:
     from ds_longseq.modules.decoder_layer import StreamBPLayerForward
 
-__all__ = ["MIN_CHUNK", "choose_chunk_size", "largest_batch", "AutoChunkSize"]
+__all__ = ["MIN_CHUNK", "CPU_MAX_CHUNK", "choose_chunk_size", "largest_batch", "AutoChunkSize"]
 
 logger = get_logger(__name__)
 
@@ -51,17 +51,28 @@ prefix keys read again) outweighs the memory it saves."""
 
 GIB = 1024**3
 
+CPU_MAX_CHUNK = 4096
+"""The largest chunk "auto" picks on CPU, whatever memory allows: there a chunk's activations stay in the caches,
+and one 16K-token chunk ran the cpu suite's step slower than 1024-token chunks (36.2 s against 33.4 s, one
+profiled step each, ``benchmarks/results/profile_cpu.md``: the norms, projections and MLP of the whole sequence
+at once), while at 4K one chunk was faster (4.4 s against 4.9 s); ``benchmarks/results/paired_cpu_auto.md``
+measures the cap. On CUDA none: there larger chunks only mean fewer kernel launches."""
 
-def choose_chunk_size(seq_len: int, batch_size: int, work_per_token: float, budget_bytes: float) -> int:
+
+def choose_chunk_size(seq_len: int, batch_size: int, work_per_token: float, budget_bytes: float,
+                      max_chunk: int | None = None) -> int:
     """The largest chunk of a ``seq_len``-token sequence whose work (``batch_size`` x chunk x ``work_per_token``
     bytes) fits ``budget_bytes``: ``seq_len`` itself (one chunk), else the largest power of two below it that fits,
-    never below ``MIN_CHUNK`` (or ``seq_len`` when shorter)."""
+    never below ``MIN_CHUNK`` (or ``seq_len`` when shorter). ``max_chunk``: never above it either (a speed cap:
+    the largest power of two up to it when the sequence is longer)."""
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    if batch_size * seq_len * work_per_token <= budget_bytes:
+    if batch_size * seq_len * work_per_token <= budget_bytes and (max_chunk is None or seq_len <= max_chunk):
         return seq_len
     floor = min(MIN_CHUNK, seq_len)
     chunk = 1 << (seq_len - 1).bit_length() - 1  # the largest power of two below seq_len
+    if max_chunk is not None:
+        chunk = min(chunk, 1 << max_chunk.bit_length() - 1)
     while chunk > floor and batch_size * chunk * work_per_token > budget_bytes:
         chunk //= 2
     return max(chunk, floor)
@@ -152,7 +163,8 @@ class AutoChunkSize:
             budget = self.budget_gib * GIB
         else:
             budget = self.free_fraction * _free_bytes(device) - kept
-        chunk = choose_chunk_size(seq_len, batch_size, work, budget)
+        chunk = choose_chunk_size(seq_len, batch_size, work, budget,
+                                  max_chunk=None if device.type == "cuda" else CPU_MAX_CHUNK)
         for layer in self.layers:
             layer.chunk_size = chunk
         max_batch = None

@@ -155,7 +155,13 @@ class StreamBPLayerForward:
             )
         call = self._prepare(hidden_states, attention_mask, position_ids, position_embeddings, outer_spec, packed,
                              kwargs)
+        probe = None
+        if None in (self.query_unread, self.output_unread) and self.layer.training and torch.is_grad_enabled():
+            probe = call.tokens.packed[:, :PROBE_TOKENS].detach().clone()  # probed once the forward ran its checks
         result = self._stream(call)
+        if probe is not None:
+            # as one process would run the layer (the same computation; no collective inside)
+            self._probe_unread(dataclasses.replace(call, sp=None), probe)
         if call.role == "store":
             if call.sp is None:  # what the stock layer stores: its keys/values of the whole sequence
                 call.shared_states[self.kv_sharing[1]] = (call.share.k, call.share.v)
@@ -207,17 +213,15 @@ class StreamBPLayerForward:
         call = _LayerCall(tokens, sp, doc_start, attention_mask, position_ids, position_embeddings, mixer_masks,
                           shared_states, share, None if share is None else self.kv_sharing[0], with_router_logits,
                           kwargs)
-        if None in (self.query_unread, self.output_unread) and layer.training and torch.is_grad_enabled():
-            # probed as one process would run the layer (the same computation; no collective inside)
-            self._probe_unread(dataclasses.replace(call, sp=None))
         return call
 
-    def _probe_unread(self, call: "_LayerCall") -> None:
-        """Decide once, on this forward's first tokens, whether the capture pass may leave the query projection
-        uncomputed (the same keys/values, bitwise) and the backward's chunk re-forward the MLP's output projection
-        (the same input and parameter gradients, bitwise, for a random output gradient)."""
-        n = min(call.tokens.batch_shape[1], PROBE_TOKENS)
-        x = call.tokens.packed[:, :n].detach()
+    def _probe_unread(self, call: "_LayerCall", x: torch.Tensor) -> None:
+        """Decide once, on this forward's first tokens ``x`` (its packed layer input), whether the capture pass may
+        leave the query projection uncomputed (the same keys/values, bitwise) and the backward's chunk re-forward
+        the MLP's output projection (the same input and parameter gradients, bitwise, for a random output
+        gradient). Run after the layer's first training forward, whose checks refuse a layer StreamBP cannot run
+        with their own message first."""
+        n = x.shape[1]
         run_chunk = functools.partial(self._run_chunk, call)
         if self.query_unread is None:
             def capture(skip: bool):
