@@ -55,8 +55,9 @@ CPU_MAX_CHUNK = 4096
 """The largest chunk "auto" picks on CPU, whatever memory allows: there a chunk's activations stay in the caches,
 and one 16K-token chunk ran the cpu suite's step slower than 1024-token chunks (36.2 s against 33.4 s, one
 profiled step each, ``benchmarks/results/profile_cpu.md``: the norms, projections and MLP of the whole sequence
-at once), while at 4K one chunk was faster (4.4 s against 4.9 s); ``benchmarks/results/paired_cpu_auto.md``
-measures the cap. On CUDA none: there larger chunks only mean fewer kernel launches."""
+at once), while at 4K one chunk was faster (4.4 s against 4.9 s). With the cap, 8K (two 4096-token chunks) ran at
+0.964x HF checkpointing's step, worst round 0.995x (``benchmarks/results/paired_cpu_auto.md``). On CUDA none: there
+larger chunks only mean fewer kernel launches."""
 
 
 def choose_chunk_size(seq_len: int, batch_size: int, work_per_token: float, budget_bytes: float,
