@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
 from ds_longseq.families.dims import ModelDims
-from ds_longseq.modules.auto_chunk import largest_batch
+from ds_longseq.modules.auto_chunk import largest_fitting
 
 __all__ = [
     "ModelDims",
@@ -313,21 +313,10 @@ def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: boo
 
 def longest_fit(dims: ModelDims, setup: Setup, device_bytes: float, host_bytes: float | None = None, *,
                 granularity: int = 1024, limit: int = 1 << 26) -> int:
-    """The longest multiple of ``granularity`` tokens whose estimate fits ``device_bytes`` per GPU (and
-    ``host_bytes`` per host); 0 when not even ``granularity`` does."""
-
-    def fits(t: int) -> bool:
-        return _fits(estimate(dims, setup, t), device_bytes, host_bytes)
-
-    if not fits(granularity):
-        return 0
-    lo, hi = 1, 2
-    while hi * granularity <= limit and fits(hi * granularity):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * granularity) else (lo, mid)
-    return lo * granularity
+    """The longest multiple of ``granularity`` tokens (at most ``limit``) whose estimate fits ``device_bytes`` per
+    GPU (and ``host_bytes`` per host); 0 when not even ``granularity`` does."""
+    return granularity * largest_fitting(
+        lambda k: _fits(estimate(dims, setup, k * granularity), device_bytes, host_bytes), limit // granularity)
 
 
 PRESETS = {
@@ -472,7 +461,7 @@ def plan(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_
     p.chunks = {"streambp.chunk_size": min(best, t_local), "lm_head.chunk_size": min(best, t_local)}
     p.preset = recommend_preset(setup)
     # the largest micro-batch of such sequences that fits: the memory StreamBP saves, spent on samples per step
-    p.max_batch = largest_batch(
+    p.max_batch = largest_fitting(
         lambda n: _fits(estimate(dims, replace(setup, batch_size=n), seq_len), device_bytes, host_bytes))
     return p
 

@@ -103,3 +103,20 @@ def test_disable_restores_the_linears():
     assert "forward" in vars(q)
     ds_longseq.disable(model)
     assert "forward" not in vars(q)
+
+
+def test_a_skipped_float64_linear_under_autocast_keeps_its_dtype():
+    """Autocast leaves float64 alone, and so does the skipped linear: zeros of its output's shape and dtype, with
+    F.linear's gradients (bitwise)."""
+    from ds_longseq.modules.unread_outputs import UnreadLinear
+
+    linear = torch.nn.Linear(6, 5, dtype=torch.float64)
+    unread = UnreadLinear(linear, linear.forward)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, 5, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), unread.skipping("graph"):
+        out = unread(x)
+    assert out.dtype == torch.float64 and out.shape == (2, 3, 5) and not out.any()
+    ref = torch.autograd.grad(linear(x), (x, linear.weight, linear.bias), g)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (x, linear.weight, linear.bias), g), ref,
+                                                 strict=True))

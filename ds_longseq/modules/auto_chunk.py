@@ -21,7 +21,8 @@ Memory model (per device, B sequences of T local tokens, d hidden, L layers, b b
 Holds:
     MIN_CHUNK: the smallest chunk chosen; CPU_MAX_CHUNK: the largest on CPU (a speed cap).
     choose_chunk_size: the largest chunk whose work fits a budget.
-    largest_batch: the largest micro-batch whose memory fits (``AutoChunkSize`` reports it; the planner's too).
+    largest_fitting: the largest n that fits, by doubling then bisection (the micro-batch ``AutoChunkSize`` reports,
+        the planner's micro-batch and longest length).
     AutoChunkSize: the forward pre-hook on the base model that sets every StreamBP layer's chunk size.
 """
 
@@ -41,7 +42,7 @@ from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
 if TYPE_CHECKING:
     from ds_longseq.modules.decoder_layer import StreamBPLayerForward
 
-__all__ = ["MIN_CHUNK", "CPU_MAX_CHUNK", "choose_chunk_size", "largest_batch", "AutoChunkSize"]
+__all__ = ["MIN_CHUNK", "CPU_MAX_CHUNK", "choose_chunk_size", "largest_fitting", "AutoChunkSize"]
 
 logger = get_logger(__name__)
 
@@ -79,8 +80,9 @@ def choose_chunk_size(seq_len: int, batch_size: int, work_per_token: float, budg
     return max(chunk, floor)
 
 
-def largest_batch(fits: "Callable[[int], bool]", limit: int = 1024) -> int:
-    """The largest micro-batch n <= ``limit`` for which ``fits(n)`` (false from some n on); 0 if not even one."""
+def largest_fitting(fits: "Callable[[int], bool]", limit: int = 1024) -> int:
+    """The largest n <= ``limit`` for which ``fits(n)`` (false from some n on: a micro-batch, a length in units),
+    by doubling then bisection; 0 if not even 1 fits."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -160,18 +162,17 @@ class AutoChunkSize:
         score_bytes = 4 if dtype in (torch.float16, torch.bfloat16) else b  # tiles are merged in float32 at least
         work = self.dims.chunk_work_per_token(b, tile, score_bytes)
         kept = self.kept_bytes(batch_size, seq_len, b, grads_to_come)
-        if self.budget_gib is not None:
-            budget = self.budget_gib * GIB
-        else:
-            budget = self.free_fraction * _free_bytes(device) - kept
+        # the memory the step may use, read once: the chunk's budget and how many sequences it could take
+        available = None if self.budget_gib is not None else self.free_fraction * _free_bytes(device)
+        budget = self.budget_gib * GIB if available is None else available - kept
         chunk = choose_chunk_size(seq_len, batch_size, work, budget,
                                   max_chunk=None if device.type == "cuda" else CPU_MAX_CHUNK)
         for layer in self.layers:
             layer.chunk_size = chunk
         max_batch = None
-        if self.budget_gib is None:  # the memory the step leaves: how many such sequences one step could take
-            free = self.free_fraction * _free_bytes(device) + self.kept_bytes(batch_size, seq_len, b, 0)
-            max_batch = largest_batch(
+        if available is not None:  # the memory the step leaves: how many such sequences one step could take
+            free = available + self.kept_bytes(batch_size, seq_len, b, 0)
+            max_batch = largest_fitting(
                 lambda n: self.kept_bytes(n, seq_len, b, grads_to_come) + n * chunk * work <= free)
         self.last = {"seq_len": seq_len, "batch_size": batch_size, "chunk_size": chunk,
                      "work_bytes": batch_size * chunk * work, "budget_bytes": budget, "kept_bytes": kept,

@@ -26,19 +26,12 @@ from typing import Callable
 
 import torch
 
+from ds_longseq.ops.chunk_grads import autocast_dtype
+
 __all__ = ["UnreadLinear", "outputs_unread", "PROBE_TOKENS"]
 
 PROBE_TOKENS = 16
 """Tokens the one-time check runs a layer on."""
-
-
-def _autocast(*tensors):
-    """The tensors as ``F.linear`` sees them under autocast (cast to the autocast dtype unless float64)."""
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(None if t is None or t.dtype == torch.float64 else t.to(dtype) for t in tensors)
 
 
 class _Unevaluated(torch.autograd.Function):
@@ -74,14 +67,15 @@ class UnreadLinear:
         self.module = module
         self.orig_forward = orig_forward
         self.mode: str | None = None  # None: the stock linear; "zeros" | "graph": see skipping()
-        self.skipped = 0  # calls answered without the product (for tests and the profile)
+        self.skipped = 0  # calls answered without the product (tests count them)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode is None:
             return self.orig_forward(x)
         self.skipped += 1
         w, b = self.module.weight, self.module.bias
-        x, w, b = _autocast(x, w, b)
+        # as F.linear sees them under autocast (ops.chunk_grads.autocast_dtype: float64 stays)
+        x, w, b = (None if t is None else t.to(autocast_dtype(t)) for t in (x, w, b))
         wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b))
         if self.mode == "zeros" or not wanted:
             return x.new_zeros((*x.shape[:-1], w.shape[0]))

@@ -701,7 +701,24 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
             m, acc, covered = lse_t, o_t, C
             continue
         with phase("attention.merge"):
-            m, acc, owned, covered = _merge_tile(m, acc, owned, covered, o_t, lse_t, t, (B, H, C, Dv), cdt, q.device)
+            if not owned:
+                acc = torch.zeros((B, H, C, Dv), dtype=cdt, device=q.device) if acc is None else acc.clone()
+                m = torch.full((B, H, C), _NEG_INF, dtype=cdt, device=q.device) if m is None else m.clone()
+                owned = True
+            r0, r1 = t.r0, t.r1
+            if r0 >= covered:  # the first contribution to these rows (a document's own diagonal tile)
+                acc[:, :, r0:r1] = o_t
+                m[:, :, r0:r1] = lse_t
+            else:
+                # acc is normalised over the tiles so far, whose total log-mass is m.
+                m_r = m[:, :, r0:r1]
+                m_new = torch.logaddexp(m_r, lse_t)
+                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows still empty: weights exp(-inf) = 0
+                acc[:, :, r0:r1] = acc[:, :, r0:r1] * torch.exp(m_r - m_safe).unsqueeze(-1) + o_t * torch.exp(
+                    lse_t - m_safe
+                ).unsqueeze(-1)
+                m[:, :, r0:r1] = m_new
+            covered = max(covered, r1)
     # acc is the normalised output; m the log-sum-exp. Rows with no valid key: 0 and -inf.
     # Without padding every row sees at least its own key. acc may be a kernel's output (a view
     # for some kernels), so it is masked out of place.
@@ -710,31 +727,6 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
         acc = acc.masked_fill(empty.unsqueeze(-1), 0.0)
         m = m.masked_fill(empty, float("inf"))  # +inf: exp(s - lse) = 0 in backward
     return acc.to(q.dtype), m
-
-
-def _merge_tile(m, acc, owned: bool, covered: int, o_t, lse_t, t: _Tile, shape, cdt, device):
-    """Fold one tile's (output, log-sum-exp) into the running (acc, m) of the chunk's rows [t.r0, t.r1): acc is
-    normalised over the tiles so far, whose total log-mass is m. Returns (m, acc, owned, covered): ``owned``,
-    whether acc / m are buffers of ours that later tiles update in place (not a kernel's output); rows
-    [covered, C) have no contribution yet."""
-    B, H, C, Dv = shape
-    if not owned:
-        acc = torch.zeros((B, H, C, Dv), dtype=cdt, device=device) if acc is None else acc.clone()
-        m = torch.full((B, H, C), _NEG_INF, dtype=cdt, device=device) if m is None else m.clone()
-        owned = True
-    r0, r1 = t.r0, t.r1
-    if r0 >= covered:  # the first contribution to these rows (a document's own diagonal tile)
-        acc[:, :, r0:r1] = o_t
-        m[:, :, r0:r1] = lse_t
-    else:
-        m_r = m[:, :, r0:r1]
-        m_new = torch.logaddexp(m_r, lse_t)
-        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows still empty: weights exp(-inf) = 0
-        acc[:, :, r0:r1] = acc[:, :, r0:r1] * torch.exp(m_r - m_safe).unsqueeze(-1) + o_t * torch.exp(
-            lse_t - m_safe
-        ).unsqueeze(-1)
-        m[:, :, r0:r1] = m_new
-    return m, acc, owned, max(covered, r1)
 
 
 def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, out, lse, scale, plan,

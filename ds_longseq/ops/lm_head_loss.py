@@ -148,15 +148,12 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 ctx.grads = _head_grads(ctx, ctx.needs_input_grad[:3], hidden, weight, bias, index, targets,
                                         _dlogits_ce(total))
                 return total
+            h2 = hidden.reshape(-1, hidden.shape[-1])
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
             buf = _logits_buffer(hidden, weight, min(chunk_size, index.numel()), total.dtype)
             for s in range(0, index.numel(), chunk_size):
                 idx = index[s : s + chunk_size]
-                logits = _logits_into(buf, _hidden_rows(hidden, idx).to(mm_dtype), w, b)
-                if logit_scale != 1.0:
-                    logits.mul_(logit_scale)
-                if softcap is not None:
-                    softcap_logits(logits, softcap, inplace=True)
+                logits, _ = _chunk_logits(buf, h2.index_select(0, idx).to(mm_dtype), w, b, logit_scale, softcap)
                 total += _cross_entropy_sum_(logits, targets[s : s + chunk_size])
                 del logits
         ctx.grads = None
@@ -171,34 +168,31 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 grads = _head_grads(ctx, ctx.needs_input_grad[:3], hidden, weight, bias, index, targets,
                                     _dlogits_ce(None, grad_total))
         else:
-            grads, ctx.grads = ctx.grads, "consumed"
-            if grads == "consumed":
-                raise RuntimeError(
-                    "a second backward through ds_longseq's chunked LM-head loss (backward(retain_graph=True) "
-                    "twice): its gradient is formed in the forward and handed out once. Run the forward again"
-                )
+            grads = _take_formed(ctx, "grads", "chunked LM-head loss")
             with phase("lm_head.backward"):
                 grads = _scaled(grads, grad_total)
         return (*grads, None, None, None, None, None, None)
 
 
-def _hidden_rows(hidden: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of the (B*T, d) flattened hidden states."""
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)
+_CONSUMED = object()
+
+
+def _take_formed(ctx, attr: str, what: str):
+    """``ctx.<attr>``, a gradient the forward formed, handed out once (the backward scales it in place)."""
+    formed = getattr(ctx, attr)
+    setattr(ctx, attr, _CONSUMED)
+    if formed is _CONSUMED:
+        raise RuntimeError(
+            f"a second backward through ds_longseq's {what} (backward(retain_graph=True) twice): the gradient is "
+            "formed in the forward and handed out once. Run the forward again"
+        )
+    return formed
 
 
 def _scaled(grads, scale: torch.Tensor):
     """Each gradient formed in forward times the upstream gradient, in place (they are handed out once), in the
     dtype it was accumulated in, then cast to its tensor's."""
-    out = []
-    for g, dtype in grads:
-        if g is None:
-            out.append(None)
-            continue
-        if not (scale.numel() == 1 and float(scale) == 1.0):
-            g.mul_(scale.to(g.dtype))
-        out.append(g.to(dtype))
-    return tuple(out)
+    return tuple(None if g is None else g.mul_(scale.to(g.dtype)).to(dtype) for g, dtype in grads)
 
 
 def _dlogits_ce(total: torch.Tensor | None, grad_total: torch.Tensor | None = None):
@@ -246,6 +240,24 @@ def _logits_into(buf: torch.Tensor, h_c: torch.Tensor, w: torch.Tensor, b: torch
     return torch.addmm(b, h_c, w.t(), out=z)
 
 
+def _chunk_logits(buf: torch.Tensor, h_c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, logit_scale: float,
+                  softcap: float | None, keep_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(z, tanh): a chunk's (C, V) logits in ``buf``'s dtype (:func:`_logits_into`) with the family's logit scale and
+    final softcap applied in place; with ``keep_tanh``, also tanh(z / cap) for the softcap's chain rule (z is then
+    a second buffer, ``tanh * cap``), else None."""
+    z = _logits_into(buf, h_c, w, b)
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
+    tanh = None
+    if softcap is not None:
+        if keep_tanh:
+            tanh = z.div_(softcap).tanh_()
+            z = tanh * softcap
+        else:
+            softcap_logits(z, softcap, inplace=True)
+    return z, tanh
+
+
 def _softmax_(z: torch.Tensor) -> torch.Tensor:
     """Row softmax of ``z`` (C, V) in place."""
     z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
@@ -277,13 +289,7 @@ def _head_grads(ctx, needs, hidden, weight, bias, index, targets, dlogits_fn):
     for s in range(0, index.numel(), chunk_size):
         idx = index[s : s + chunk_size]
         h_c = h2.index_select(0, idx).to(mm_dtype)
-        z = _logits_into(buf, h_c, w, b)
-        if ctx.logit_scale != 1.0:
-            z.mul_(ctx.logit_scale)
-        tanh = None
-        if ctx.softcap is not None:  # softcap_logits with its tanh kept for the chain rule
-            tanh = z.div_(ctx.softcap).tanh_()
-            z = tanh * ctx.softcap
+        z, tanh = _chunk_logits(buf, h_c, w, b, ctx.logit_scale, ctx.softcap, keep_tanh=True)
         rows = slice(s, s + idx.numel())
         dlogits = dlogits_fn(z, rows, targets[rows])
         if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
@@ -360,11 +366,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 for s in range(0, n, chunk_size):
                     idx = index[s : s + chunk_size]
                     rows = slice(s, s + idx.numel())
-                    z = _logits_into(buf, h2.index_select(0, idx).to(mm_dtype), w, b)
-                    if logit_scale != 1.0:
-                        z.mul_(logit_scale)
-                    if softcap is not None:
-                        softcap_logits(z, softcap, inplace=True)
+                    z, _ = _chunk_logits(buf, h2.index_select(0, idx).to(mm_dtype), w, b, logit_scale, softcap)
                     if temperature != 1.0:  # after the softcap, as TRL's head and generation's warper scale
                         z.div_(temperature)
                     _token_statistics(z, rows, targets[rows], outs, last_use=True)
@@ -444,13 +446,7 @@ def _dlogits_token_forward(outs, temperature: float):
 def _scaled_rows(ctx, grad_logps: torch.Tensor | None) -> torch.Tensor | None:
     """The input gradient from the per-token rows the forward formed (:class:`_ChunkedTokenLogprobs`): each valid
     token's row times its upstream gradient, in place; handed out once."""
-    rows, ctx.token_grads = ctx.token_grads, "consumed"
-    if isinstance(rows, str):
-        raise RuntimeError(
-            "a second backward through ds_longseq's chunked per-token log-probs with a frozen head "
-            "(backward(retain_graph=True) twice): their gradient is formed in the forward and handed out once. "
-            "Run the forward again"
-        )
+    rows = _take_formed(ctx, "token_grads", "chunked per-token log-probs with a frozen head")
     if grad_logps is None:
         return None
     (index,) = ctx.saved_tensors

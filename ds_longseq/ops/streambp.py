@@ -355,7 +355,7 @@ class _StreamBPFunction(torch.autograd.Function):
             # first) computes them with grad. A one-chunk sequence needs no capture pass at all.
             stream.mode = "capture"
             with torch.no_grad(), ctx.autocast.replay(), phase("streambp.capture"):
-                _capture(run_chunk, hidden, bounds[:-1], stream)
+                capture_kv(run_chunk, hidden, bounds[:-1], stream)
             stream.alloc_grads()
         stream.mode = stream.state.mode = "replay"
         stream.outputs_read = False
@@ -610,14 +610,9 @@ def _per_token(key: torch.Tensor, value: torch.Tensor) -> tuple[tuple[int, ...],
 
 
 def capture_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
-    """Fill ``stream`` (in ``"capture"`` mode) with the keys/values of the chunks ``bounds`` of ``hidden``, each
-    chunk run up to its cache update (no attention, no MLP); call under no_grad."""
-    _capture(run_chunk, hidden, bounds, stream)
-
-
-def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
-    """Run every chunk up to its cache update (no attention, no MLP) so ``stream`` holds its K/V (a recurrent
-    mixer before the attention is served its boundary states, ``stream.state`` in capture mode)."""
+    """Run every chunk of ``bounds`` up to its cache update (no attention, no MLP) so ``stream`` (in a capture
+    mode) holds its K/V (a recurrent mixer before the attention is served its boundary states, ``stream.state``
+    in capture mode); call under no_grad."""
     state = getattr(stream, "state", None)
     for i, (s, e) in enumerate(bounds):
         stream.start, stream.end = s, e
@@ -638,7 +633,7 @@ def _capture(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> None:
 def _global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> GlobalKVStream:
     stream = GlobalKVStream(hidden.shape[1], exchange)
     with torch.no_grad():
-        _capture(run_chunk, hidden, bounds, stream)
+        capture_kv(run_chunk, hidden, bounds, stream)
     stream.exchange_kv()
     stream.mode = "attend"
     return stream
