@@ -26,43 +26,20 @@ from benchmarks.run import SUITES
 MODULE = "benchmarks.run"
 
 
-def probe(suite: str, method: str, seq_len: int, batch: int, budget_mib, timeout_s: float, spawn) -> dict:
-    spec = {"suite": suite, "method": method, "seq_len": seq_len, "batch_size": batch, "warmup": 0, "steps": 1,
-            "budget_mib": budget_mib}
-    return spawn(MODULE, spec, timeout_s=timeout_s)[0]
-
-
 def largest_batch(suite: str, method: str, seq_len: int, max_batch: int, budget_mib, timeout_s: float, spawn,
-                  log=print) -> tuple[int, list[dict]]:
-    """(largest batch whose step fit, the probes); 0 when batch 1 does not fit. Only "oom" means too big: a crash
-    or timeout ends the search at the last batch that fit (recorded in its probe)."""
-    probes = []
+                  log=print) -> harness.SearchResult:
+    """The suite searches' doubling then bisection (``harness.search_max_len``) over batch sizes 1..``max_batch``:
+    ``best`` is the largest batch whose step fit (None: not even 1). Only "oom" means too big: a crash or timeout
+    ends the search at the last batch that fit (``stop`` says why)."""
 
-    def fits(b: int) -> bool | None:
-        r = probe(suite, method, seq_len, b, budget_mib, timeout_s, spawn)
-        probes.append({"method": method, "batch_size": b, "status": r.get("status"), "error": r.get("error", "")})
-        log(f"  {method} batch {b}: {r.get('status')}")
-        return True if r.get("status") == "ok" else False if r.get("status") == "oom" else None
+    def probe(batch: int) -> dict:
+        spec = {"suite": suite, "method": method, "seq_len": seq_len, "batch_size": batch, "warmup": 0, "steps": 1,
+                "budget_mib": budget_mib}
+        record = {**spawn(MODULE, spec, timeout_s=timeout_s)[0], "method": method, "batch_size": batch}
+        log(f"  {method} batch {batch}: {record.get('status')}")
+        return record
 
-    ok = fits(1)
-    if not ok:
-        return 0, probes
-    lo, hi = 1, 2
-    while hi <= max_batch:
-        ok = fits(hi)
-        if ok is None:
-            return lo, probes
-        if not ok:
-            break
-        lo, hi = hi, hi * 2
-    hi = min(hi, max_batch + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        ok = fits(mid)
-        if ok is None:
-            return lo, probes
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return lo, probes
+    return harness.search_max_len(probe, lo=1, hi=max_batch, granularity=1)
 
 
 def report_markdown(rows: list[dict], baseline: str, command: str, seq_len: int, budget) -> str:
@@ -101,9 +78,10 @@ def main(argv=None, spawn=harness.spawn) -> list[dict]:
     command = "python -m benchmarks.batch " + " ".join(argv)
     rows, probes = [], []
     for method in args.methods:
-        batch, found = largest_batch(args.suite, method, args.seq_len, args.max_batch, budget, args.timeout_s, spawn)
-        probes += found
-        row = {"method": method, "seq_len": args.seq_len, "batch_size": batch}
+        found = largest_batch(args.suite, method, args.seq_len, args.max_batch, budget, args.timeout_s, spawn)
+        probes += found.probes
+        batch = found.best or 0
+        row = {"method": method, "seq_len": args.seq_len, "batch_size": batch, "stop": found.stop}
         if batch:
             spec = {"suite": args.suite, "method": method, "seq_len": args.seq_len, "batch_size": batch,
                     "warmup": args.warmup, "steps": args.steps}
