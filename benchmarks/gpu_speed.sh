@@ -5,15 +5,17 @@
 #   32K        StreamBP + offload against the real ALST      (DeepSpeed's checkpoint offload, TiledMLP, tiled loss)
 #   128K       StreamBP + offload against the real ALST      (1 warm-up + 1 timed step: two would take ~7 minutes)
 # then, as a second command (STAGE=profile, ~4 minutes), the per-phase profile of one StreamBP + offload step
-# at 128K (benchmarks/profile.py; no unprofiled or FLOP-counting step at that length).
+# at 128K (benchmarks/profile.py; no unprofiled or FLOP-counting step at that length), and as a third
+# (STAGE=onecall, ~3 minutes) StreamBP + offload with one attention call per chunk (attention.single_call: true,
+# FlashAttention-2's bottom-right mask) against the default tiles (cuDNN on an H100 / H200) at 32K and 64K.
 #
-#   bash benchmarks/gpu_speed.sh OUT_DIR [speed|profile]
+#   bash benchmarks/gpu_speed.sh OUT_DIR [speed|profile|onecall]
 #
 # Run tests/gpu first (benchmarks/gpu_real_alst.sh's first stage, or the checklist's command). Set-up as
 # benchmarks/gpu_real_alst.sh: the wheelhouse in .whl (launch/build_wheelhouse.sh .whl 3.12). Every stage
 # writes its files as it goes, and each has a time budget, so a cut stage leaves the others' numbers.
 set -uo pipefail
-OUT=${1:?usage: gpu_speed.sh OUT_DIR [speed|profile]}
+OUT=${1:?usage: gpu_speed.sh OUT_DIR [speed|profile|onecall]}
 STAGE=${2:-speed}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -36,6 +38,9 @@ if [ "$STAGE" = speed ]; then
     --warmup 1 --steps 2 --no-search --time-budget-min 1.5 --out "$OUT/gpu_speed_alst"
   python3 -m benchmarks.run --suite gpu_lora --methods alst_offload streambp_offload --seq-lens 131072 \
     --warmup 1 --steps 1 --no-search --time-budget-min 4.5 --append --out "$OUT/gpu_speed_alst"
+elif [ "$STAGE" = onecall ]; then
+  python3 -m benchmarks.run --suite gpu_lora --methods streambp_offload streambp_offload_1call \
+    --seq-lens 32768 65536 --warmup 1 --steps 2 --no-search --time-budget-min 3 --out "$OUT/gpu_onecall"
 else
   python3 -m benchmarks.profile --suite gpu_lora --methods streambp_offload --seq-lens 131072 --no-plain \
     --no-flops --out "$OUT/gpu_profile_128k"

@@ -45,6 +45,8 @@ Methods:
                       streambp_4x the same at four times.
     streambp_auto, streambp_offload_auto: streambp / streambp_offload with ``streambp.chunk_size = "auto"``: the
                       whole sequence as one chunk when its work fits 80% of free memory, else the largest power of two.
+    streambp_offload_1call: streambp_offload with ``attention.single_call = true``: one attention kernel call per
+                      chunk and direction (FlashAttention-2's bottom-right causal mask) instead of cuDNN's tiles.
     streambp_keep<k>, streambp_offload_keep<k> (k = 2, 4): streambp / streambp_offload keeping every k-th layer
                       input only (``long_seq.offload.keep_every``), the others rebuilt in backward.
     <m>_approx:       stock, hf_gc, mst, streambp with ds_longseq's Approx-BP on top (``APPROX_BP``: ReSiLU2
@@ -304,6 +306,7 @@ class Recipe:
     chunk_scale: int = 1  # StreamBP chunk = chunk_scale x the suite's chunk_size
     keep_every: int = 1  # ds_longseq long_seq.offload.keep_every (StreamBP keeps every k-th layer input only)
     auto_chunk: bool = False  # ds_longseq long_seq.streambp.chunk_size = "auto" (the whole sequence when it fits)
+    single_call: bool | None = None  # ds_longseq long_seq.attention.single_call (None: left to the default)
 
 
 _BASE = (
@@ -323,6 +326,8 @@ METHODS["streambp_2x"] = replace(METHODS["streambp"], name="streambp_2x", chunk_
 METHODS["streambp_4x"] = replace(METHODS["streambp"], name="streambp_4x", chunk_scale=4)
 METHODS["streambp_auto"] = replace(METHODS["streambp"], name="streambp_auto", auto_chunk=True)
 METHODS["streambp_offload_auto"] = replace(METHODS["streambp_offload"], name="streambp_offload_auto", auto_chunk=True)
+METHODS["streambp_offload_1call"] = replace(METHODS["streambp_offload"], name="streambp_offload_1call",
+                                            single_call=True)
 for _k in (2, 4):  # sparse layer-input storage, on the device and offloaded
     METHODS[f"streambp_keep{_k}"] = replace(METHODS["streambp"], name=f"streambp_keep{_k}", keep_every=_k)
     METHODS[f"streambp_offload_keep{_k}"] = replace(METHODS["streambp_offload"], name=f"streambp_offload_keep{_k}",
@@ -377,6 +382,8 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
             cfg["offload"] = {"layer_inputs": "cpu"}
         if recipe.keep_every > 1:
             cfg.setdefault("offload", {})["keep_every"] = recipe.keep_every
+        if recipe.single_call is not None:
+            cfg["attention"] = {"single_call": recipe.single_call}
     else:
         cfg = {}
     if recipe.approx_bp:

@@ -87,6 +87,14 @@ class AttentionConfig:
     """Keys per tile inside the chunk attention kernel. None (default): the whole prefix in one
     tile on CUDA (the fused kernels hold no score tile, and one call per chunk is fastest), 1024
     keys on CPU, where a tile bounds the scores held at once to (B, H, chunk_size, kv_block_size)."""
+    single_call: Literal[True, False] | None = None
+    """One kernel call per chunk per direction (the prefix and the chunk's own keys together, with a bottom-right
+    causal mask) instead of a tile per key block plus the diagonal, merged by log-sum-exp. None (default): where
+    the kernel the prefix tile would run on takes that mask itself and the chunk needs no other mask:
+    FlashAttention-2 (CUDA, where cuDNN, top-left only and about twice as fast on an H100, is not chosen) and the
+    memory-efficient kernel without GQA; never on CPU (the fused CPU op's causal mask is top-left). True: wherever
+    the chunk needs no other mask (padding, packed documents, windows and softcaps keep the tiles), on the math
+    kernel when no fused one takes it, which holds a (chunk x keys) score matrix. False: always tiles."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """StreamBP leaves uncomputed the linears whose output a pass never reads (modules/unread_outputs.py): the query
-projection in the K/V capture pass, the MLP's output projection in the backward's chunk re-forward. Bitwise the
-same gradients as with them computed; a family where that would not hold (a norm after the MLP) is found by the
-per-layer probe and computes them; fewer FLOPs by exactly those products."""
+projection in the K/V capture pass, the MLP's output projection in the backward's chunk re-forward, and there the
+key and value projections of a chunk whose keys/values the capture pass computed (the attention reuses those).
+Bitwise the same gradients as with them computed; a family where that would not hold (a norm after the MLP, a norm
+on the keys) is found by the per-layer probe and computes them; fewer FLOPs by exactly those products."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _grads(model, batch, *, skip: bool | None = True, lora: bool = False, autoca
     layers = [layer.forward for layer in inner.model.layers]
     if skip is False:
         for f in layers:
-            f.query_unread = f.output_unread = False
+            f.query_unread = f.output_unread = f.kv_reused = False
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = model(**batch).loss
     loss.backward()
@@ -52,33 +53,56 @@ def test_skipped_linears_give_bitwise_the_same_gradients(arch, dtype, lora, auto
     computed, _ = _grads(model, batch, skip=False, lora=lora, autocast=autocast)
     assert len(skipped) == len(computed) > 0
     assert all(torch.equal(a, b) for a, b in zip(skipped, computed, strict=True))
-    for f in layers:  # 37 tokens in chunks of 10: 3 captured chunks, 4 re-forwards (+1 probe each)
+    for f in layers:
+        # 37 tokens in chunks of 10: 3 captured chunks (+1 skipping run of the query probe, +2 captures of the K/V
+        # reuse probe), 4 re-forwards (+1 skipping run of the output probe; the K/V reuse probe reads the output), 3
+        # of them reusing captured K/V (+1 reusing run of its probe)
         assert f.query_unread and f.output_unread
-        assert f.query_proj.skipped == 4 and f.output_proj.skipped == 5
+        assert f.query_proj.skipped == 3 + 1 + 2 and f.output_proj.skipped == 4 + 1
+        reused = arch != "qwen3"  # Qwen 3's key norm reads the key projection's values (see below)
+        assert f.kv_reused is reused
+        assert [p.skipped for p in f.kv_projs] == [3 + 1, 3 + 1] if reused else [1, 1]
 
 
-def test_a_norm_after_the_mlp_keeps_its_output_projection_computed():
+@pytest.mark.parametrize("arch,kept", [("olmo2", "output_unread"), ("qwen3", "kv_reused")])
+def test_a_linear_whose_values_a_norm_reads_stays_computed(arch, kept):
     """OLMo 2 normalises the MLP's output before the residual add: its re-forward reads the down projection's
-    values, so the probe keeps it (the query skip still holds); forcing the skip (the mutation) changes the
-    gradients."""
-    model, batch = make_model("olmo2", torch.float64, num_layers=2), make_batch(seq_len=37)
+    values, so the probe keeps it. Qwen 3 (and OLMo 2) normalise the keys after their projection: the norm's
+    backward reads the projection's values, so the probe keeps the key/value projections computed in the replay.
+    The other skips still hold, the gradients are bitwise those with every linear computed, and forcing the kept
+    skip (the mutation) changes them."""
+    model, batch = make_model(arch, torch.float64, num_layers=2), make_batch(seq_len=37)
     probed, layers = _grads(model, batch, skip=None)
     computed, _ = _grads(model, batch, skip=False)
-    assert all(f.query_unread and f.output_unread is False for f in layers)
+    expected = {"query_unread": True, "output_unread": arch != "olmo2", "kv_reused": False}
+    assert all({name: getattr(f, name) for name in expected} == expected for f in layers)
     assert all(torch.equal(a, b) for a, b in zip(probed, computed, strict=True))
     forced = copy.deepcopy(model)
     ds_longseq.enable(forced, CFG)
     forced(**batch)  # the first forward probes
     for layer in forced.model.layers:
-        layer.forward.output_unread = True
+        setattr(layer.forward, kept, True)
     forced.zero_grad()
     forced(**batch).loss.backward()
     assert not all(torch.equal(p.grad, g) for p, g in zip(forced.parameters(), computed, strict=True))
 
 
+def test_reused_keys_values_match_stock_float64():
+    """The reuse against the stock model (sdpa, loss from float64 logits) to 1e-10, with padding in rows."""
+    from tests.helpers import compare, loss_and_grads
+
+    model, batch = make_model("llama", torch.float64, num_layers=2), make_batch(seq_len=37)
+    ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
+    ds_longseq.enable(model, CFG)
+    errs = compare(loss_and_grads(model, batch), ref)
+    assert all(layer.forward.kv_reused for layer in model.model.layers)
+    assert max(errs.values()) < 1e-10, errs
+
+
 def test_fewer_flops_by_exactly_the_skipped_products():
-    """One step's matmul FLOPs drop by the query projection over every captured token and the MLP's output
-    projection over every re-forwarded token (Llama, 2 layers, 37 tokens: chunks [0, 30) captured)."""
+    """One step's matmul FLOPs drop by the query projection over every captured token, the MLP's output
+    projection over every re-forwarded token and the key and value projections over the re-forwarded tokens whose
+    K/V were captured (Llama, 2 layers, 37 tokens: chunks [0, 30) captured)."""
     model, batch = make_model("llama", torch.float32, num_layers=2), make_batch(seq_len=37)
     counts = {}
     for skip in (True, False):
@@ -87,12 +111,15 @@ def test_fewer_flops_by_exactly_the_skipped_products():
         m(**batch).loss.backward()  # the probes run on the first training forward
         if not skip:
             for layer in m.model.layers:
-                layer.forward.query_unread = layer.forward.output_unread = False
+                layer.forward.query_unread = layer.forward.output_unread = layer.forward.kv_reused = False
         counts[skip] = sum(count_flops(lambda m=m: m(**batch).loss.backward()).values())
     c = model.config
     B, L, d = 2, c.num_hidden_layers, c.hidden_size
-    q_out = c.num_attention_heads * (c.head_dim or d // c.num_attention_heads)
-    saved = 2 * B * L * (30 * d * q_out + 37 * c.intermediate_size * d)
+    head_dim = c.head_dim or d // c.num_attention_heads
+    q_out, kv_out = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    # query over the 30 captured tokens; down projection over all 37 re-forwarded; key and value over the 30
+    # re-forwarded tokens whose K/V were captured
+    saved = 2 * B * L * (30 * d * q_out + 37 * c.intermediate_size * d + 30 * 2 * d * kv_out)
     assert round((counts[False] - counts[True]) * 1e9) == saved
 
 

@@ -295,6 +295,15 @@ class DecoderLMAdapter:
             return None
         return _plain_linear(attention.q_proj)
 
+    def key_value_projections(self, layer: torch.nn.Module) -> tuple[torch.nn.Linear, torch.nn.Linear] | None:
+        """The ``nn.Linear``s computing the layer's keys and values apart (``k_proj``, ``v_proj``; PEFT's base
+        layers under adapters), or None (fused, shared between them, or absent)."""
+        attention = self.attention(layer)
+        if attention is None or self.query_projection(layer) is None:
+            return None
+        k, v = _plain_linear(attention.k_proj), _plain_linear(attention.v_proj)
+        return None if k is None or v is None or k is v else (k, v)
+
     def mlp_output_projection(self, layer: torch.nn.Module) -> torch.nn.Linear | None:
         """The ``nn.Linear`` computing the MLP's output (``down_proj``; PEFT's base layer under an adapter), or None
         (no such module: a mixture of experts, another layout)."""

@@ -104,6 +104,8 @@ def longseq_attention(
     else:
         k_prefix, v_prefix = stream.prefix() if stream is not None else (None, None)
         num_keys = key.shape[2] + (0 if k_prefix is None else k_prefix.shape[2])
+        if stream is not None:  # a replay reusing the captured keys/values (KVStream.own_kv)
+            key, value = stream.own_kv(key, value)
     if dropout:
         raise ValueError(
             f"attention dropout {dropout} in {type(module).__name__} is not supported with ds_longseq "
@@ -142,6 +144,7 @@ def longseq_attention(
     sinks = kwargs.get("s_aux")  # attention sinks (gpt-oss): (H,) logits
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kv_block_size = spec.kv_block_size if spec is not None else None
+    single_call = spec.single_call if spec is not None else None
     if sp is not None:  # the mask passed in is this rank's slice; sp.key_valid is the global one
         if stream is not None:
             out = ulysses_chunk_attention(
@@ -154,6 +157,7 @@ def longseq_attention(
                 scale=scale,
                 key_valid=sp.key_valid,
                 kv_block_size=kv_block_size,
+                single_call=single_call,
                 grad_sink=stream.grad_sink,
                 doc_start=sp.doc_start,
                 sliding_window=sliding_window,
@@ -165,6 +169,7 @@ def longseq_attention(
         else:
             out = ulysses_attention(
                 query, key, value, sp.exchange, scale=scale, key_valid=sp.key_valid, kv_block_size=kv_block_size,
+                single_call=single_call,
                 doc_start=sp.doc_start, sliding_window=sliding_window, softcap=softcap, sink_logits=sinks,
                 attention_chunk=attention_chunk, chunk_origin=chunk_origin,
             )
@@ -200,6 +205,8 @@ def longseq_attention(
         query_lo=query_lo,
         softcap=softcap,
         sink_logits=sinks,
+        joined_kv=stream.joined() if stream is not None else None,
+        single_call=single_call,
     )
     return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
 

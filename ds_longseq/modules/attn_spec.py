@@ -66,6 +66,9 @@ class AttnSpec:
     doc_start: torch.Tensor | None = None
     """(B, T) index of each token's document start in a packed row (``ops.packing.find_documents``);
     None: one document per row. Under sequence parallelism the global one is ``sp.doc_start``."""
+    single_call: bool | None = None
+    """``long_seq.attention.single_call``: one kernel call per chunk (prefix and diagonal together) where a
+    kernel takes the bottom-right mask (``ops.attention.chunk_causal_attention``)."""
 
 
 _CHUNK_SPEC: ContextVar["AttnSpec | None"] = ContextVar("ds_longseq_chunk_spec", default=None)

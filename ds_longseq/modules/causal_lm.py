@@ -319,7 +319,8 @@ class CausalLMForward:
             # The StreamBP layers take the documents from here (None: no row is packed) instead of
             # finding them again, with host syncs, in every layer. transformers' model forward
             # passes its **kwargs on to every decoder layer.
-            kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start)
+            kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start,
+                                          single_call=self.config.attention.single_call)
         if doc_start is None:
             return position_ids, labels, use_cache
         if self.recurrent_mixers:

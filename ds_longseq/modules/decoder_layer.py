@@ -11,6 +11,7 @@ Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -68,6 +69,8 @@ class StreamBPLayerForward:
         mixer_module: torch.nn.Module | None = None,
         query_proj: UnreadLinear | None = None,
         output_proj: UnreadLinear | None = None,
+        single_call: bool | None = None,
+        kv_projs: tuple[UnreadLinear, UnreadLinear] | None = None,
     ):
         """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``;
         ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``); ``streams``: S when the
@@ -78,7 +81,10 @@ class StreamBPLayerForward:
         to mix no tokens), None for an attention layer (``DecoderLMAdapter.mixer``); ``mixer_module``: the recurrent
         mixer itself (under sequence parallelism it may be head-sharded: ``modules.sharded_mixer``). ``query_proj`` /
         ``output_proj``: the layer's query projection and MLP output projection as installed ``UnreadLinear``s
-        (``modules.unread_outputs``), skipped where a pass does not read them once a probe found it exact."""
+        (``modules.unread_outputs``), skipped where a pass does not read them once a probe found it exact;
+        ``single_call``: ``long_seq.attention.single_call``; ``kv_projs``: the key and value projections as
+        ``UnreadLinear``s, run for their gradient only in the replay of a chunk whose K/V the capture pass computed
+        (the attention reuses those), once a probe found it exact."""
         self.layer = layer
         self.name = name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
@@ -89,6 +95,7 @@ class StreamBPLayerForward:
         self.orig_forward = orig_forward
         self.chunk_size = chunk_size
         self.kv_block_size = kv_block_size
+        self.single_call = single_call
         self.offload = offload
         self.router_tap = router_tap  # a mixture-of-experts layer: its router's logits (see modules/moe.py)
         # cross-layer K/V sharing (DecoderLMAdapter.kv_sharing): ("store" | "reuse", key, whether a later layer
@@ -106,8 +113,10 @@ class StreamBPLayerForward:
         probed = mixer is None and kv_sharing is None and router_tap is None
         self.query_proj = query_proj if probed else None
         self.output_proj = output_proj if probed else None
+        self.kv_projs = kv_projs if probed else None
         self.query_unread: bool | None = None if self.query_proj is not None else False
         self.output_unread: bool | None = None if self.output_proj is not None else False
+        self.kv_reused: bool | None = None if self.kv_projs is not None else False
 
     def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
         """``kwargs`` with the positional arguments after the hidden states added by their parameter names
@@ -150,13 +159,14 @@ class StreamBPLayerForward:
                 **{self.cache_kwarg: past_key_values},
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
-                **{SPEC_KWARG: AttnSpec(None, self.kv_block_size)},
+                **{SPEC_KWARG: AttnSpec(None, self.kv_block_size, single_call=self.single_call)},
                 **kwargs,
             )
         call = self._prepare(hidden_states, attention_mask, position_ids, position_embeddings, outer_spec, packed,
                              kwargs)
         probe = None
-        if None in (self.query_unread, self.output_unread) and self.layer.training and torch.is_grad_enabled():
+        if None in (self.query_unread, self.output_unread, self.kv_reused) and self.layer.training and \
+                torch.is_grad_enabled():
             probe = call.tokens.packed[:, :PROBE_TOKENS].detach().clone()  # probed once the forward ran its checks
         result = self._stream(call)
         if probe is not None:
@@ -251,16 +261,57 @@ class StreamBPLayerForward:
                     return torch.autograd.grad(out, [leaf, *params], weights, allow_unused=True)
 
             self.output_unread = outputs_unread(replay)
+        if self.kv_reused is None:
+            self.kv_reused = outputs_unread(functools.partial(self._probe_replay_reusing_kv, call, x))
 
-    def _skipping(self, stream):
-        """The unread linear to skip in this chunk's pass (a context), if any: the query projection in a capture
-        pass, the MLP's output projection where the layer's output is only autograd's root (``outputs_read``)."""
+    def _probe_replay_reusing_kv(self, call: "_LayerCall", x: torch.Tensor, reuse: bool):
+        """The output, and the input and parameter gradients for random output and key/value gradients, of one
+        chunk's replay after its capture, with the captured keys/values reused (the projections' values uncomputed)
+        or not. Equal bitwise, the projections' values reach nothing but the attention's own keys/values (which
+        sequence parallelism's chunk loops then need not compute at all: see _skipping)."""
+        n = x.shape[1]
+        run_chunk = functools.partial(self._run_chunk, call)
+        params = [p for p in self.layer.parameters() if p.requires_grad]
+        stream = KVStream(n)
+        stream.mode = "capture"
+        with torch.no_grad():
+            capture_kv(run_chunk, x, [(0, n)], stream)
+        stream.mode, stream.captured_end = "replay", n
+        stream.start, stream.end = 0, n
+        leaf = x.clone().requires_grad_(True)
+        gen = torch.Generator(x.device).manual_seed(0)
+        decided, self.kv_reused = self.kv_reused, reuse
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                out = split_outputs(run_chunk(leaf, 0, n, stream))[0]
+                outputs = [t for t in (out, stream.k_chunk, stream.v_chunk) if t is not None and t.requires_grad]
+                weights = [torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outputs]
+                return out.detach(), *torch.autograd.grad(outputs, [leaf, *params], weights, allow_unused=True)
+        finally:
+            self.kv_reused = decided
+
+    def _skipping(self, stream) -> contextlib.ExitStack:
+        """The unread linears to skip in this chunk's pass (a context): the query projection in a capture pass; the
+        MLP's output projection where the layer's output is only autograd's root (``outputs_read``); the key and
+        value projections in the replay of a chunk whose keys/values were captured (``stream.reuse_kv``, set
+        here), and under sequence parallelism in both chunk loops, where the attention reads the exchanged keys and
+        values instead and their gradient goes through the K/V pass (values neither read nor differentiated)."""
+        skips = contextlib.ExitStack()
         if self.query_unread and stream.mode in ("capture", "capture_grad") and \
                 getattr(stream, "capture_at", "cache") == "cache":
-            return self.query_proj.skipping("zeros")
+            skips.enter_context(self.query_proj.skipping("zeros"))
         if self.output_unread and not stream.outputs_read:
-            return self.output_proj.skipping("graph")
-        return nullcontext()
+            skips.enter_context(self.output_proj.skipping("graph"))
+        if isinstance(stream, KVStream):
+            stream.reuse_kv = (self.kv_reused is True and stream.mode == "replay" and not stream.concat
+                               and stream.end <= stream.captured_end)
+            if stream.reuse_kv:
+                for proj in self.kv_projs:
+                    skips.enter_context(proj.skipping("graph"))
+        elif self.kv_reused is True and stream.mode == "attend" and stream.capture_at == "cache":
+            for proj in self.kv_projs:
+                skips.enter_context(proj.skipping("zeros"))
+        return skips
 
     def _documents(self, outer_spec, packed: dict, position_ids, attention_mask, B: int, T: int):
         """(B, T) start of each token's packed document, or None (one document per row; under sequence
@@ -319,7 +370,7 @@ class StreamBPLayerForward:
 
         def run():
             stream.begin_chunk()
-            spec = AttnSpec(stream, self.kv_block_size, call.sp, call.doc_start)
+            spec = AttnSpec(stream, self.kv_block_size, call.sp, call.doc_start, self.single_call)
             with chunk_spec(spec), self._skipping(stream):
                 out = self.orig_forward(
                     h_c,

@@ -164,9 +164,10 @@ class SequenceParallelForwardHook:
     attention call as ``ds_longseq=AttnSpec(...)``.
     """
 
-    def __init__(self, sp: SequenceParallel, kv_block_size: int):
+    def __init__(self, sp: SequenceParallel, kv_block_size: int | None, single_call: bool | None = None):
         self.sp = sp
         self.kv_block_size = kv_block_size
+        self.single_call = single_call
 
     def __call__(self, module, args, kwargs):
         if self.sp.is_paused:
@@ -192,7 +193,7 @@ class SequenceParallelForwardHook:
         )
         kwargs["position_ids"] = position_ids
         kwargs["use_cache"] = False
-        kwargs[SPEC_KWARG] = AttnSpec(None, self.kv_block_size, ctx)
+        kwargs[SPEC_KWARG] = AttnSpec(None, self.kv_block_size, ctx, single_call=self.single_call)
         return (), kwargs
 
 

@@ -13,10 +13,15 @@ Two passes of StreamBP compute values nobody reads:
   values are never read, so neither are those of the MLP's output projection, whose result reaches the layer's
   output through the residual add (no norm after it) in the families that have one. Its backward needs its
   input and weight, not its output, as torch's non-reentrant checkpoint knows (it stops recomputing once every
-  tensor the backward saved is back, which skips that same projection in HF gradient checkpointing).
-Which linear is which is the family's knowledge (``DecoderLMAdapter.query_projection`` /
-``mlp_output_projection``); that skipping it changes nothing is checked on each layer's first training forward
-(:func:`outputs_unread`: bitwise equal keys/values or gradients on its first tokens, else the layer computes it).
+  tensor the backward saved is back, which skips that same projection in HF gradient checkpointing);
+- the same re-forward of a chunk whose keys/values the capture pass computed: the attention takes those
+  (``KVStream.own_kv``), so the key and value projections run for their gradient only ("graph"); under sequence
+  parallelism the chunk loops read the exchanged K/V and send their gradient through a K/V pass, so there the
+  projections' outputs are neither read nor differentiated ("zeros").
+Which linear is which is the family's knowledge (``DecoderLMAdapter.query_projection`` / ``key_value_projections``
+/ ``mlp_output_projection``); that skipping it changes nothing is checked on each layer's first training forward
+(:func:`outputs_unread`: bitwise equal keys/values, or outputs and gradients, on its first tokens, else the layer
+computes it).
 """
 
 from __future__ import annotations

@@ -110,7 +110,9 @@ class TileMask:
     """
 
     causal: bool
-    """Square tile over the chunk's own keys: query row i sees keys [0, i]."""
+    """Causal tile, bottom-right aligned: query row i of r sees the tile's keys [0, n - r + i]. A square tile (the
+    chunk's own keys: row i sees [0, i]), or one call over the prefix and the chunk's keys together (only on a
+    kernel with :attr:`TileKernel.bottom_right`)."""
     valid: torch.Tensor | None = None
     """(B, n) bool, False for the tile's padding keys; None when every key is real."""
     key_lo: torch.Tensor | None = None
@@ -141,6 +143,10 @@ class TileKernel:
 
     name = ""
     native_gqa = False
+    bottom_right = False
+    """Whether the kernel takes a causal tile with more keys than rows in one call (bottom-right aligned: the
+    prefix and the chunk's own keys together). Top-left kernels (cuDNN's op, the fused CPU op's ``is_causal``)
+    take square causal tiles only."""
     same_head_dims = True
     """Whether queries, keys and values must share one head dim (the fused kernels); values of another head dim
     (multi-head latent attention) are then zero-padded to the larger one and the padding cut off again, which
@@ -162,8 +168,8 @@ def _keep(mask: TileMask, rows: int, n: int, device) -> torch.Tensor | None:
     Materialised only for the kernels that take a mask tensor (rows x n per sequence)."""
     keep = None
     cols = torch.arange(n, device=device)
-    if mask.causal:
-        keep = (cols.view(1, n) <= torch.arange(rows, device=device).view(rows, 1)).view(1, 1, rows, n)
+    if mask.causal:  # bottom-right: row i sees keys [0, n - rows + i]
+        keep = (cols.view(1, n) <= torch.arange(n - rows, n, device=device).view(rows, 1)).view(1, 1, rows, n)
     if mask.valid is not None:
         pad = mask.valid.view(mask.valid.shape[0], 1, 1, n)
         keep = pad if keep is None else keep & pad
@@ -180,14 +186,14 @@ def _empty_rows(mask: TileMask, rows: int, heads: int, n: int) -> torch.Tensor |
         return None  # a causal row sees at least its own key; a full tile every key
     if key_lo is None:
         B = valid.shape[0]
-        if mask.causal:  # row i of a square causal tile sees keys [0, i]
-            seen = valid.cumsum(-1) > 0
-            return (~seen).view(B, 1, rows).expand(B, heads, rows)
+        if mask.causal:  # row i of a causal tile sees keys [0, n - rows + i]
+            seen = valid.cumsum(-1)[:, n - rows :] > 0
+            return (~seen).reshape(B, 1, rows).expand(B, heads, rows)
         return (~valid.any(-1)).view(B, 1, 1).expand(B, heads, rows)
     # Keys [lo_i, hi_i) of row i: hi = n (full tile) or i + 1 (causal); count the valid ones among them.
     B = key_lo.shape[0]
     lo = key_lo.clamp(0, n)
-    hi = torch.arange(1, rows + 1, device=lo.device).view(1, rows) if mask.causal else torch.full_like(lo, n)
+    hi = torch.arange(n - rows + 1, n + 1, device=lo.device).view(1, rows) if mask.causal else torch.full_like(lo, n)
     if valid is None:
         empty = lo >= hi
     else:
@@ -278,10 +284,13 @@ def _unmasked_half_refuses(q, mask, what: str, max_head_dim: int, min_capability
 
 
 class _CudaFlash(TileKernel):
-    """FlashAttention-2 as built into torch; is_causal on a square tile."""
+    """FlashAttention-2 as built into torch. Its ``is_causal`` is bottom-right aligned when there are more keys
+    than queries (flash-attn 2.1+; torch's ``causal_lower_right`` bias calls this op with ``is_causal=True`` for
+    exactly that), so one call covers a chunk's prefix and diagonal."""
 
     name = "cuda_flash"
     native_gqa = True
+    bottom_right = True
 
     def refuses(self, q, mask):
         return _unmasked_half_refuses(q, mask, "flash attention", max_head_dim=256, min_capability=(8, 0))
@@ -355,9 +364,11 @@ def _efficient_bias(mask: TileMask, dtype: torch.dtype, heads: int, rows: int, n
 
 
 class _CudaEfficient(TileKernel):
-    """The memory-efficient (CUTLASS) kernel torch ships; takes an additive bias and float32."""
+    """The memory-efficient (CUTLASS) kernel torch ships; takes an additive bias and float32. Its causal mask
+    type 2 is bottom-right aligned (torch's ``causal_lower_right``)."""
 
     name = "cuda_efficient"
+    bottom_right = True
 
     def refuses(self, q, mask):
         why = _cuda_refuses(q, (*_HALF, torch.float32), "the memory-efficient kernel")
@@ -373,7 +384,7 @@ class _CudaEfficient(TileKernel):
         B, h, r, _ = q.shape
         res = torch.ops.aten._efficient_attention_forward(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _efficient_bias(mask, q.dtype, h, r, k.shape[2]),
-            None, None, None, None, 0.0, 1 if mask.causal else 0, True, scale=scale,
+            None, None, None, None, 0.0, _efficient_mask_type(mask, r), True, scale=scale,
         )
         _RNG_STATE[("efficient", q.device)] = (res[2], res[3])
         # logsumexp comes padded to a multiple of 32 rows
@@ -388,9 +399,16 @@ class _CudaEfficient(TileKernel):
             do.transpose(1, 2).contiguous(), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             _efficient_bias(mask, q.dtype, h, r, k.shape[2]), out.transpose(1, 2).contiguous(), None, None, r,
             k.shape[2],
-            lse_padded, 0.0, seed, offset, 1 if mask.causal else 0, False, scale=scale,
+            lse_padded, 0.0, seed, offset, _efficient_mask_type(mask, r), False, scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _efficient_mask_type(mask: TileMask, rows: int) -> int:
+    # custom_mask_type: 0 none, 1 causal from the top left, 2 causal from the bottom right (equal on square tiles)
+    if not mask.causal:
+        return 0
+    return 1 if rows == mask.n else 2
 
 
 def _math_scores(q, k, mask, scale):
@@ -408,6 +426,7 @@ def _math_scores(q, k, mask, scale):
 class _Math(TileKernel):
     name = "math"
     same_head_dims = False
+    bottom_right = True
 
     def refuses(self, q, mask):
         return None
@@ -469,10 +488,17 @@ def kernel_chain(device: torch.device | str) -> tuple[str, ...]:
     return _CHAINS.get(torch.device(device).type, ("math",))
 
 
+def _refusal(kernel: TileKernel, q: torch.Tensor, mask: TileMask) -> str | None:
+    """Why ``kernel`` cannot take the tile (its own reasons, or a rectangular causal tile on a top-left kernel)."""
+    if mask.causal and mask.n != q.shape[2] and not kernel.bottom_right:
+        return f"a causal tile of {q.shape[2]} queries on {mask.n} keys (the {kernel.name} kernel's mask is top-left)"
+    return kernel.refuses(q, mask)
+
+
 def _pick(requested: str, q: torch.Tensor, mask: TileMask) -> TileKernel:
     if requested != "auto":
         kernel = KERNELS[requested]
-        why = kernel.refuses(q, mask)
+        why = _refusal(kernel, q, mask)
         if why:
             raise ValueError(
                 f"attention kernel {requested!r} cannot take this tile: {why}. Use kernel='auto' to fall back "
@@ -481,7 +507,7 @@ def _pick(requested: str, q: torch.Tensor, mask: TileMask) -> TileKernel:
         return kernel
     for name in kernel_chain(q.device):
         kernel = KERNELS[name]
-        if kernel.refuses(q, mask) is None:
+        if _refusal(kernel, q, mask) is None:
             return kernel
     return KERNELS["math"]
 
@@ -491,7 +517,7 @@ def attention_kernel_for(
 ) -> str:
     """The kernel a tile of queries like ``q`` runs on (``padded``: the tile has padding keys)."""
     valid = torch.zeros(1, 1, dtype=torch.bool, device=q.device) if padded else None
-    return _pick(requested, q, TileMask(causal, valid)).name
+    return _pick(requested, q, TileMask(causal, valid, n=q.shape[2])).name
 
 
 # --- the op -------------------------------------------------------------------------------------
@@ -507,11 +533,12 @@ _MAX_DIAG_TILES = 32
 
 @dataclass(frozen=True)
 class _Tile:
-    """Keys [a, b) of ``src`` (0 = prefix, 1 = own keys), at global key indices offset + [a, b),
-    serving query rows [r0, r1) of the chunk. ``causal``: a square tile on the diagonal (its keys
-    are its rows' own keys); full tiles serve leading rows (r0 = 0). ``lo_shift``: subtract from
-    ``query_lo`` for the tile's key_lo mask (None: no row is cut by it). ``padded``: some key of the
-    tile is padding (found on the host when the plan is made, so running it needs no host sync)."""
+    """Keys [a, b) of ``src`` (0 = prefix, 1 = own keys, 2 = both joined: the one-call tile), at global key
+    indices offset + [a, b), serving query rows [r0, r1) of the chunk. ``causal``: a square tile on the diagonal
+    (its keys are its rows' own keys), or the one-call tile (bottom-right); full tiles serve leading rows
+    (r0 = 0). ``lo_shift``: subtract from ``query_lo`` for the tile's key_lo mask (None: no row is cut by it).
+    ``padded``: some key of the tile is padding (found on the host when the plan is made, so running it needs no
+    host sync)."""
 
     src: int
     a: int
@@ -542,11 +569,12 @@ def _diagonal_cuts(lo: torch.Tensor | None, first_q: int, C: int) -> list[int]:
     return cuts + [C]
 
 
-def _plan(S: int, K: int, C: int, block: int, lo: torch.Tensor | None, valid: torch.Tensor | None = None
-          ) -> list[_Tile]:
+def _plan(S: int, K: int, C: int, block: int, lo: torch.Tensor | None, valid: torch.Tensor | None = None,
+          single: bool = False) -> list[_Tile]:
     """The tiles of one chunk, the causal diagonal last. ``lo``: (B, C) query lower bounds on the
     CPU (non-decreasing along each row), or None; ``valid``: (B, S + K) key padding mask on the CPU,
-    or None.
+    or None. ``single``: one bottom-right causal tile over the joined prefix and own keys (no mask but the
+    causal one: the caller checked).
 
     With lower bounds, keys before the smallest bound are never visited, a full tile serves only the
     leading rows whose bound is below its end (bounds are non-decreasing, so those rows are a prefix
@@ -555,6 +583,8 @@ def _plan(S: int, K: int, C: int, block: int, lo: torch.Tensor | None, valid: to
     C x (window + C) per chunk.
     """
     first_q = S + K - C  # global key index of query 0 (= the diagonal tile's first key)
+    if single:
+        return [_Tile(2, 0, S + K, 0, True, 0, C, None)]
 
     def tile(src, a, b, offset, causal, r0, r1, lo_shift):
         padded = valid is not None and not bool(valid[:, offset + a : offset + b].all())
@@ -589,10 +619,10 @@ def _plan(S: int, K: int, C: int, block: int, lo: torch.Tensor | None, valid: to
     return tiles
 
 
-def _tile_keys(k, v, k_prefix, v_prefix, key_valid, t: _Tile):
+def _tile_keys(k, v, k_prefix, v_prefix, key_valid, t: _Tile, joined=None):
     """The (B, Hkv, b - a, D) keys/values of one tile and its (B, b - a) padding mask (None when the
     plan found no padding in it: an unpadded tile can take the faster unmasked kernels)."""
-    kt, vt = (k_prefix, v_prefix) if t.src == 0 else (k, v)
+    kt, vt = ((k_prefix, v_prefix), (k, v), joined)[t.src]
     valid = key_valid[:, t.offset + t.a : t.offset + t.b] if t.padded else None
     return kt[:, :, t.a : t.b], vt[:, :, t.a : t.b], valid
 
@@ -627,13 +657,14 @@ def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int) -> TileMask:
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, sink_k, sink_v,
-                sink_own, sink_logits):
+                sink_own, sink_logits, joined_k, joined_v):
+        joined = (joined_k, joined_v)
         with torch.autocast(q.device.type, enabled=False), phase("attention.forward"):
             out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan,
-                                          kernel)
+                                          kernel, joined)
             if sink_logits is not None:
                 out, lse = _with_sink_logits(out, lse, sink_logits)
-        ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits)
+        ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits, *joined)
         # the plan was made on the host in forward: backward reuses it (no host sync)
         ctx.softcap, ctx.scale, ctx.plan, ctx.kernel = softcap, scale, plan, kernel
         ctx.sinks, ctx.sink_own = (sink_k, sink_v), sink_own
@@ -641,11 +672,11 @@ class _ChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits = ctx.saved_tensors
+        q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits, *joined = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False), phase("attention.backward"):
             dq, dk, dv = _attention_backward(
                 grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, ctx.softcap, out, lse, ctx.scale,
-                ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own,
+                ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own, joined,
             )
             d_sink = None
             if sink_logits is not None and ctx.needs_input_grad[14]:
@@ -654,7 +685,7 @@ class _ChunkAttention(torch.autograd.Function):
                 p_sink = torch.exp(sink_logits.to(cdt).view(1, -1, 1) - lse)
                 delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
                 d_sink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
-        return dq, dk, dv, *([None] * 11), d_sink
+        return dq, dk, dv, *([None] * 11), d_sink, None, None
 
 
 def _with_sink_logits(out: torch.Tensor, lse: torch.Tensor, sink_logits: torch.Tensor):
@@ -675,7 +706,7 @@ def _rows(t: torch.Tensor, tile: _Tile, C: int) -> torch.Tensor:
     return t if tile.r0 == 0 and tile.r1 == C else t[:, :, tile.r0 : tile.r1].contiguous()
 
 
-def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel):
+def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, joined):
     B, H, C, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     R = H // Hkv
@@ -684,7 +715,7 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
     owned = False  # acc/m are buffers of ours (not a kernel's output) that partial tiles update in place
     covered = 0  # rows [covered, C) have no contribution yet
     for t in plan:
-        kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t)
+        kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t, joined)
         mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R)
         if t.causal:
             q_t = _rows(q, t, C)
@@ -730,7 +761,7 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
 
 
 def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, out, lse, scale, plan,
-                        kernel, sinks, sink_own):
+                        kernel, sinks, sink_own, joined):
     sink_k, sink_v = sinks
     B, H, C, D = q.shape
     Hkv, K = k.shape[1], k.shape[2]
@@ -740,6 +771,8 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
     grad_out = grad_out.contiguous()
     # The first tile's gradients become the accumulators (kernel outputs are fresh tensors) when it
     # covers every row; dK/dV need zeroed buffers only when several tiles cover the chunk's own keys.
+    if plan[0].src == 2:
+        return _single_call_backward(grad_out, q, k, v, out, lse, scale, plan[0], kernel, sinks, sink_own, joined, S)
     dq = None
     dk = dv = None
     if not sink_own and (K > C or sum(t.causal for t in plan) > 1):
@@ -788,6 +821,32 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _single_call_backward(grad_out, q, k, v, out, lse, scale, t: _Tile, kernel, sinks, sink_own, joined, S: int):
+    """The one-call tile's backward: one kernel call for dQ and the joined keys' dK/dV, which are then split: the
+    prefix's [0, S) added into the sink (when wanted), the chunk's own keys returned (or added into the sink at
+    [S, S + K) when it owns them)."""
+    sink_k, sink_v = sinks
+    Hkv = k.shape[1]
+    R = q.shape[1] // Hkv
+    kt, vt = joined
+    mask = TileMask(True, n=kt.shape[2])
+    tile = _pick(kernel, q, mask)
+    if tile.native_gqa:
+        dq, dk, dv = _tile_backward(tile, grad_out, q, kt, vt, out, lse, mask, scale)
+    else:
+        dq, dk, dv = _tile_backward(tile, grad_out, q, _repeat_heads(kt, R), _repeat_heads(vt, R), out, lse, mask,
+                                    scale)
+        dk, dv = _sum_heads(dk, R), _sum_heads(dv, R)
+    if sink_own:
+        sink_k[:, :, : t.b] += dk.to(sink_k.dtype)
+        sink_v[:, :, : t.b] += dv.to(sink_v.dtype)
+        return dq.to(q.dtype), None, None
+    if sink_k is not None and S:
+        sink_k[:, :, :S] += dk[:, :, :S].to(sink_k.dtype)
+        sink_v[:, :, :S] += dv[:, :, :S].to(sink_v.dtype)
+    return dq.to(q.dtype), dk[:, :, S:].to(k.dtype), dv[:, :, S:].to(v.dtype)
+
+
 def _autocast_inputs(tensors, device_type: str):
     """Cast floating inputs to the autocast dtype, as autocast does for ``scaled_dot_product_attention``
     (float32 and other non-float64 floats; float64 and None pass through)."""
@@ -815,6 +874,8 @@ def chunk_causal_attention(
     softcap: float | None = None,
     kernel: str = "auto",
     sink_logits: torch.Tensor | None = None,
+    joined_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    single_call: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last C positions against all S + K keys, bottom-right aligned.
 
@@ -841,6 +902,16 @@ def chunk_causal_attention(
             :data:`KERNELS` for every tile.
         sink_logits: (H,) attention sinks (gpt-oss's ``s_aux``): one extra logit per head in every query's
             softmax, with a zero value; differentiable. None: no sink.
+        joined_kv: (B, Hkv, S + K, D) keys and (B, Hkv, S + K, Dv) values holding ``k_prefix`` then ``k`` (the same
+            values; typically the caller's key buffer, the chunk's keys written into it), constants. They let a
+            kernel whose causal mask is bottom-right aligned take the prefix and the diagonal in one call. Not
+            needed when S == 0.
+        single_call: whether a chunk that needs no mask but the causal one (no padding, documents, window or
+            softcap) and comes with ``joined_kv`` runs as one kernel call per direction; other chunks are tiled.
+            None (default): when the kernel the tiled path would give the prefix takes the bottom-right mask itself
+            (FlashAttention-2 where cuDNN, twice as fast on Hopper, is not chosen; the memory-efficient kernel
+            without GQA). True: always, on the first kernel that takes it (the math kernel, holding a (C x S + K)
+            score matrix, where no fused one does); a named ``kernel`` that cannot is an error. False: never.
 
     Returns:
         (B, H, C, Dv) attention output in q's dtype (the autocast dtype under autocast). Queries with
@@ -879,11 +950,47 @@ def chunk_causal_attention(
             "cast them to one dtype, or run the model under torch.autocast"
         )
     sink_k, sink_v = prefix_grad_sink if prefix_grad_sink is not None else (None, None)
-    plan = _plan(num_prefix, k.shape[2], q.shape[2], int(kv_block_size), lo_cpu, valid_cpu)
+    if num_prefix == 0:
+        joined_kv = (k, v)
+    elif joined_kv is not None:
+        joined_kv = _autocast_inputs(joined_kv, q.device.type)
+        want = (num_prefix + k.shape[2], num_prefix + v.shape[2])
+        if (joined_kv[0].shape[2], joined_kv[1].shape[2]) != want or joined_kv[0].dtype != k.dtype:
+            raise ValueError(f"joined_kv must hold the {want[0]} prefix and chunk keys in {k.dtype}, got "
+                             f"{tuple(joined_kv[0].shape)} {joined_kv[0].dtype}")
+    plain = key_valid is None and query_lo is None and softcap is None
+    one_call = _one_call_kernel(single_call, kernel, q, k.shape[1], num_prefix + k.shape[2], plain,
+                                joined_kv is not None)
+    plan = _plan(num_prefix, k.shape[2], q.shape[2], int(kv_block_size), lo_cpu, valid_cpu, single=one_call is not None)
+    joined_k, joined_v = joined_kv if one_call is not None else (None, None)
     return _ChunkAttention.apply(
         q, k, v, k_prefix, v_prefix, key_valid, query_lo, None if softcap is None else float(softcap), float(scale),
-        plan, kernel, sink_k, sink_v, sink_own_keys, sink_logits,
+        plan, one_call or kernel, sink_k, sink_v, sink_own_keys, sink_logits, joined_k, joined_v,
     )
+
+
+def _one_call_kernel(single_call: bool | None, requested: str, q: torch.Tensor, num_kv_heads: int, n: int,
+                     plain: bool, joined: bool) -> str | None:
+    """The kernel that runs the chunk as one bottom-right causal tile over its ``n`` keys, or None for tiles."""
+    if single_call is False or n == q.shape[2] or not plain or not joined:
+        return None  # (a chunk without a prefix is one square tile already)
+    mask = TileMask(True, n=n)
+    if single_call is None:
+        # Only where the tiled path's prefix tile would run on this very kernel: then one call is the same work
+        # in fewer launches with no merge. cuDNN (top-left only) stays tiled: on an H100 it runs about twice as
+        # fast as FlashAttention-2 (benchmarks/results/attention_h100.md), more than the merge costs.
+        full = _pick(requested, q, TileMask(False, n=n))
+        no_repeat = full.native_gqa or q.shape[1] == num_kv_heads  # K/V repeated over S + K keys: too big
+        if full.bottom_right and full.name != "math" and no_repeat and _refusal(full, q, mask) is None:
+            return full.name
+        return None
+    if requested != "auto":
+        why = _refusal(KERNELS[requested], q, mask)
+        if why:
+            raise ValueError(f"single_call=True with kernel {requested!r}, which cannot take the chunk in one call: "
+                             f"{why}. Use kernel='auto' or single_call=None")
+        return requested
+    return next(name for name in (*kernel_chain(q.device), "math") if _refusal(KERNELS[name], q, mask) is None)
 
 
 def _check_query_lo(query_lo: torch.Tensor, B: int, C: int, first_q: int) -> tuple[torch.Tensor, torch.Tensor]:

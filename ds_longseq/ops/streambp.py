@@ -155,6 +155,12 @@ class KVStream:
         # False while the backward re-forwards chunks: the layer's output is then only autograd's root, its
         # values unread (modules.unread_outputs may leave the MLP's output projection uncomputed)
         self.outputs_read = True
+        # tokens [0, captured_end) had their K/V captured in the backward's capture pass. A replay of such a chunk
+        # may reuse them (``reuse_kv``, set by the layer per chunk): its key/value projections then run for their
+        # gradient only (values unread), update() leaves the captured K/V in the buffers, and the attention takes
+        # the chunk's own keys/values from there (:meth:`own_kv`).
+        self.captured_end = 0
+        self.reuse_kv = False
 
     # transformers' linear-attention cache API: the recurrent mixers' states (CarriedState)
     def get_conv_state(self, *args, **kwargs):
@@ -192,6 +198,10 @@ class KVStream:
             )
         if self.mode == "replay":
             self.k_chunk, self.v_chunk = key_states, value_states
+            if not self.concat and not self.reuse_kv:
+                with torch.no_grad():  # the chunk's keys after its prefix, as in forward: see joined()
+                    self.k[:, :, self.start : self.end] = key_states
+                    self.v[:, :, self.start : self.end] = value_states
             if not self.concat or self.start == 0:
                 return key_states, value_states
             # leaves standing for the prefix: autograd brings their gradient back through the layer's own code
@@ -259,6 +269,23 @@ class KVStream:
             return None, None
         return self.k[:, :, : self.start], self.v[:, :, : self.start]
 
+    def own_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (key, value) the attention should use for the current chunk's own tokens: the layer's, or in a replay
+        that reuses the captured K/V (:attr:`reuse_kv`) the captured values standing in for them, their gradient
+        going to the layer's (whose values were left uncomputed)."""
+        if not self.reuse_kv:
+            return key, value
+        s, e = self.start, self.end
+        return _Captured.apply(key, self.k[:, :, s:e]), _Captured.apply(value, self.v[:, :, s:e])
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(B, Hkv, end, D) keys and values of the prefix and then the current chunk (views of the buffers, which
+        ``update`` wrote the chunk's into in every mode), for an attention kernel that takes both in one call; None
+        in whole-cache mode or before the chunk's update."""
+        if self.k is None or self.concat or self.updates == 0:
+            return None
+        return self.k[:, :, : self.end], self.v[:, :, : self.end]
+
     @property
     def prefix_grad_sink(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.mode != "replay" or self.start == 0 or self.concat:
@@ -278,6 +305,21 @@ class KVStream:
                 self.dk += self.produces.dk
                 self.dv += self.produces.dv
             self.produces.release()
+
+
+class _Captured(torch.autograd.Function):
+    """``captured``'s values in place of ``x`` (the same values, computed earlier by the capture pass), the gradient
+    passed to ``x`` in its dtype: exactly what autograd gives ``x`` when ``x`` is cast to the captured values'
+    dtype (the autocast dtype the buffers hold) and used."""
+
+    @staticmethod
+    def forward(ctx, x, captured):
+        ctx.dtype = x.dtype
+        return captured.clone()  # not a view of the buffer: autograd outputs must own their values
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
 
 
 # run_chunk(hidden_chunk (B, C, d), start, end, stream) -> out_chunk (B, C, d), or a tuple
@@ -356,6 +398,7 @@ class _StreamBPFunction(torch.autograd.Function):
             stream.mode = "capture"
             with torch.no_grad(), ctx.autocast.replay(), phase("streambp.capture"):
                 capture_kv(run_chunk, hidden, bounds[:-1], stream)
+            stream.captured_end = bounds[-2][1]
             stream.alloc_grads()
         stream.mode = stream.state.mode = "replay"
         stream.outputs_read = False

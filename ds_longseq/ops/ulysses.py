@@ -134,6 +134,7 @@ def ulysses_attention(
     scale: float,
     key_valid: torch.Tensor | None = None,
     kv_block_size: int | None = None,
+    single_call: bool | None = None,
     doc_start: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
@@ -149,6 +150,7 @@ def ulysses_attention(
         scale: softmax scale.
         key_valid: (B, P*T_l) bool padding mask of the GLOBAL sequence, or None.
         kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
+        single_call: one kernel call per chunk where a kernel takes the bottom-right mask (``chunk_causal_attention``).
         doc_start: (B, P*T_l) GLOBAL index of each token's document start (packed rows), or None.
         sliding_window: keys each query attends at most, itself included, or None.
         softcap: logit softcapping, or None.
@@ -167,6 +169,7 @@ def ulysses_attention(
         lo = query_lower_bounds(torch.arange(N, device=q.device), doc_start, sliding_window, attention_chunk,
                                 chunk_origin)
     out = chunk_causal_attention(qh, kh, vh, scale=scale, key_valid=key_valid, kv_block_size=kv_block_size,
+                                 single_call=single_call,
                                  query_lo=lo, softcap=softcap, sink_logits=exchange.local_heads(sink_logits))
     return exchange.output_to_tokens(out)
 
@@ -182,6 +185,7 @@ def ulysses_chunk_attention(
     scale: float,
     key_valid: torch.Tensor | None = None,
     kv_block_size: int | None = None,
+    single_call: bool | None = None,
     grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
     doc_start: torch.Tensor | None = None,
     sliding_window: int | None = None,
@@ -204,6 +208,7 @@ def ulysses_chunk_attention(
         scale: softmax scale.
         key_valid: (B, P*T_l) bool global padding mask, or None.
         kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
+        single_call: one kernel call per chunk where a kernel takes the bottom-right mask (``chunk_causal_attention``).
         grad_sink: (dK, dV) of ``k_heads`` / ``v_heads``'s shape (backward adds into them), or None.
         doc_start: (B, P*T_l) GLOBAL index of each token's document start (packed rows), or None:
             a document may span ranks.
@@ -244,6 +249,8 @@ def ulysses_chunk_attention(
                 query_lo=lo,
                 softcap=softcap,
                 sink_logits=sinks,
+                joined_kv=(k_heads[:, :, :b], v_heads[:, :, :b]),
+                single_call=single_call,
             )
         )
     return exchange.output_to_tokens(torch.cat(outs, dim=2))

@@ -108,7 +108,8 @@ class SequenceParallelism(Technique):
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         )
         ctx.use_longseq_attention()
-        hook = SequenceParallelForwardHook(sp, ctx.config.attention.kv_block_size)
+        hook = SequenceParallelForwardHook(sp, ctx.config.attention.kv_block_size,
+                                           ctx.config.attention.single_call)
         ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
         # queries positioned by the cache's length get the shard's global offset from a stand-in cache
         for attn in ctx.adapter.cache_positioned_attention():

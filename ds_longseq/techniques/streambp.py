@@ -79,6 +79,8 @@ class StreamBP(Technique):
                 mixer_module=ctx.adapter.mixer(layer),
                 query_proj=_unread(ctx, ctx.adapter.query_projection(layer)),
                 output_proj=_unread(ctx, ctx.adapter.mlp_output_projection(layer)),
+                single_call=ctx.config.attention.single_call,
+                kv_projs=_unread_pair(ctx, ctx.adapter.key_value_projections(layer)),
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
             forwards.append(forward)
@@ -95,6 +97,11 @@ class StreamBP(Technique):
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         return ctx.adapter.layers
+
+
+def _unread_pair(ctx: EnableContext, linears: tuple[torch.nn.Linear, torch.nn.Linear] | None
+                 ) -> tuple[UnreadLinear, UnreadLinear] | None:
+    return None if linears is None else (_unread(ctx, linears[0]), _unread(ctx, linears[1]))
 
 
 def _unread(ctx: EnableContext, linear: torch.nn.Linear | None) -> UnreadLinear | None:

@@ -280,3 +280,80 @@ def test_value_head_dims_and_sinks_match_reference(dtype, D, Dv, sinks):
                 err_math=err_m)
         bound = 2e-5 if dtype == torch.float32 else 1.5 * err_m + 1e-3
         assert err_o <= bound, (name, err_o, err_m)
+
+
+# --- one kernel call per chunk (prefix and diagonal together, bottom-right causal mask) -------------------------
+
+
+def _run_one_call(q, k, v, go, S, dtype, kernel, single_call):
+    """The op on CUDA with the keys joined (as StreamBP's and Ulysses' buffers give them): same outputs as ``_run``."""
+    to = lambda t: t.to(CUDA, dtype)  # noqa: E731
+    joined = (to(k), to(v))
+    qc = to(q).requires_grad_()
+    kc, vc = joined[0][:, :, S:].clone().requires_grad_(), joined[1][:, :, S:].clone().requires_grad_()
+    sink = tuple(torch.zeros(t[:, :, :S].shape, device=CUDA) for t in (k, v))
+    out = chunk_causal_attention(
+        qc, kc, vc, scale=q.shape[-1] ** -0.5, k_prefix=joined[0][:, :, :S], v_prefix=joined[1][:, :, :S],
+        prefix_grad_sink=sink, kernel=kernel, joined_kv=joined, single_call=single_call,
+    )
+    dq, dk, dv = torch.autograd.grad(out, (qc, kc, vc), to(go))
+    return [t.double().cpu() for t in (out, dq, dk, dv, *sink)]
+
+
+@pytest.mark.parametrize("kernel,dtype,H,Hkv", [
+    ("cuda_flash", torch.bfloat16, 8, 2),
+    ("cuda_flash", torch.float16, 4, 4),
+    ("cuda_efficient", torch.float32, 4, 4),
+    ("cuda_efficient", torch.bfloat16, 4, 4),
+])
+def test_one_call_kernels_match_reference_and_tiles(kernel, dtype, H, Hkv):
+    """FlashAttention-2's is_causal and the memory-efficient kernel's mask type 2 on a chunk with more keys than
+    queries: bottom-right aligned, so one call per direction gives what the tiles give (errors judged as above)."""
+    S = 200
+    q, k, v, go, _ = _inputs(2, H, Hkv, 48, S, 128, "none", seed=7)
+    ref = _reference(q, k, v, go, None, S)
+    math_ = _run(q, k, v, go, None, S, dtype, "math", None)
+    base = _sdpa_baseline(q, k, v, go, None, S, dtype)
+    ours = _run_one_call(q, k, v, go, S, dtype, kernel, True)
+    for name, o, m, b, r in zip(NAMES, ours, math_, base, ref, strict=True):
+        err_o, err_m, err_b = _rel(o, r), _rel(m, r), _rel(b, r)
+        _report(test=f"one_call_{kernel}", dtype=str(dtype), H=H, Hkv=Hkv, tensor=name, err=err_o, err_math=err_m,
+                err_sdpa=err_b)
+        bound = max(2e-5, 1.5 * err_b) if dtype == torch.float32 else 1.5 * max(err_m, err_b) + 1e-3
+        assert err_o <= bound, (name, err_o, err_m, err_b)
+
+
+def test_one_call_counted_by_the_profiler_and_a_top_left_mask_fails(monkeypatch):
+    """One flash call forward and one backward per chunk with the one call, two each with tiles (the prefix tile
+    and the diagonal), counted by torch.profiler. The mutation: cuDNN's top-left causal mask let onto the one-call
+    tile must miss the reference by far."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, go, _ = _inputs(2, 8, 2, 48, 200, 128, "none", seed=8)
+    for single, calls in ((True, 1), (False, 2)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _run_one_call(q, k, v, go, 200, torch.bfloat16, "cuda_flash", single)
+        counts = {e.key: e.count for e in prof.key_averages()}
+        assert counts.get("aten::_scaled_dot_product_flash_attention", 0) == calls, counts
+        assert counts.get("aten::_scaled_dot_product_flash_attention_backward", 0) == calls, counts
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention is used on sm90+ only")
+    ref = _reference(q, k, v, go, None, 200)
+    monkeypatch.setattr(KERNELS["cuda_cudnn"], "bottom_right", True)
+    wrong = _run_one_call(q, k, v, go, 200, torch.bfloat16, "cuda_cudnn", True)
+    assert _rel(wrong[0], ref[0]) > 0.1
+
+
+def test_auto_one_call_only_where_the_prefix_tile_kernel_takes_it():
+    """cuDNN (Hopper, head dim <= 128) keeps the tiles; where flash would take the prefix tile (head dim 160, or
+    before sm90) or the memory-efficient kernel without GQA (float32), one call."""
+    from ds_longseq.ops.attention import _one_call_kernel
+
+    q = torch.zeros(1, 8, 64, 128, device=CUDA, dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert _one_call_kernel(None, "auto", q, 2, 512, True, True) == (None if hopper else "cuda_flash")
+    wide = torch.zeros(1, 8, 64, 160, device=CUDA, dtype=torch.bfloat16)
+    assert _one_call_kernel(None, "auto", wide, 2, 512, True, True) == "cuda_flash"
+    assert _one_call_kernel(None, "auto", q.float(), 8, 512, True, True) == "cuda_efficient"
+    assert _one_call_kernel(None, "auto", q.float(), 2, 512, True, True) is None  # GQA: K/V would be repeated
+    assert _one_call_kernel(None, "auto", q, 2, 512, False, True) is None  # padding / documents / window / softcap
