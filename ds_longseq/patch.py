@@ -42,16 +42,9 @@ __all__ = [
     "mark_zero3_leaves",
     "sequence_parallel_of",
     "configure_fused_lm_head",
-    "fix_zero3_sequence_parallel_average",
-    "deepspeed_initialize_replaced",
 ]
 
 _HANDLE_ATTR = "_ds_longseq_handle"
-
-# Moved to ds_longseq.compat (the one module touching third-party private names); kept importable here.
-fix_zero3_sequence_parallel_average = compat.fix_zero3_sequence_parallel_average
-deepspeed_initialize_replaced = compat.deepspeed_initialize_replaced
-
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The ``*ForCausalLM`` inside a PEFT ``PeftModel`` (``get_base_model()``), or ``model`` itself.

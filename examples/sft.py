@@ -44,6 +44,7 @@ from ds_longseq.training import (
     DOC_TOKENS,
     JsonlData,
     MetricsLog,
+    add_common_args,
     check_lora_args,
     check_run_args,
     copy_example,
@@ -65,45 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/zero2_streambp.json",
-                   help="DeepSpeed JSON config with an optional long_seq section")
-    p.add_argument(
-        "--model", default=None,
-        help="local HF causal-LM directory or .gguf file (from_pretrained); default: tiny built-in Llama"
-    )
+    # the flags dpo.py and grpo.py share (what training.setup_run reads: --lr's default for the built-in model too)
+    add_common_args(p, save_dir="outputs/sft", max_steps=400, seq_len=2048, lr=DEFAULT_LR)
     p.add_argument("--data", default=None, help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' (trained "
                    "on the assistant turns) per line (needs --model)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--pack", action="store_true",
                    help="pack several --data documents into each row of --seq-len tokens (position_ids restart "
                         "per document, no attention_mask); default: one document per row, padded")
-    p.add_argument("--max-steps", type=int, default=400, help="optimizer steps")
-    p.add_argument("--save-dir", default="outputs/sft", help="checkpoints, metrics, plot and HF export")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--save-total-limit", type=int, default=None,
-                   help="keep only the newest N >= 1 checkpoints, removing older ones once a new one is complete "
-                        "(default: keep all)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"peak learning rate (default: the config's; {DEFAULT_LR} for the built-in model)")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="auto: bf16 on GPU, fp32 on CPU (overrides the config's bf16 section)")
-    p.add_argument("--pad-for-sp", action="store_true",
-                   help="pad sequences on the right to a multiple of the sequence_parallel size (else: an error)")
-    p.add_argument("--lora-rank", type=int, default=0,
-                   help="freeze the model and train a LoRA adapter of this rank (needs peft); 0: train every weight")
-    p.add_argument("--lora-alpha", type=float, default=None,
-                   help="LoRA scale numerator: the update is (alpha / rank) B A; default: 2 x --lora-rank")
-    p.add_argument("--lora-targets", default=None,
-                   help="comma-separated names of the modules LoRA adapts, e.g. q_proj,v_proj; default: every "
-                        "linear projection of the decoder layers")
-    p.add_argument("--merge-lora", action="store_true",
-                   help="with --lora-rank: also write the base model with the adapter merged in to hf_model/")
-    p.add_argument("--no-preflight", action="store_true",
-                   help="run even when the memory planner says the step cannot fit (python -m ds_longseq.plan)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
-    p.set_defaults(default_lr=DEFAULT_LR)  # what training.setup_run reads for the built-in model
     return p.parse_args(argv)
 
 

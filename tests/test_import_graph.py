@@ -156,30 +156,3 @@ def test_a_circle_is_found_also_under_type_checking(guarded):
     assert find_cycle(graph) == ["pkg.attention", "pkg.sp", "pkg.attention"]
     del sources["pkg.attention"]
     assert find_cycle(import_graph({**sources, "pkg.attention": ("import torch\n", False)})) is None
-
-
-MOVED = [
-    ("ds_longseq.models.adapters", ["FAMILIES", "UnsupportedModelError", "get_adapter"], "ds_longseq.families"),
-    ("ds_longseq.models", ["SUPPORTED_MODEL_TYPES", "get_adapter"], "ds_longseq.families"),
-    ("ds_longseq.adjoint.stacks", ["ssm_stack", "HFAdjointForward"], "ds_longseq.families.ssm"),
-    ("ds_longseq.adjoint.model", ["ResidualSSMForCausalLM", "causal_lm_loss"], "ds_longseq.families.residual_ssm"),
-]
-
-
-def test_moved_modules_still_import_with_a_deprecation_warning():
-    """Public modules moved by the technique/family layout keep working for one release and say where to go;
-    importing the package itself warns about nothing (a fresh interpreter: nothing imported yet)."""
-    import subprocess
-    import sys
-
-    code = "import warnings; warnings.simplefilter('error', DeprecationWarning); import ds_longseq\n"
-    for old, _, _ in MOVED:
-        code += f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print(w)\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    for new in ["ds_longseq.families", "ds_longseq.families.ssm", "ds_longseq.families.residual_ssm"]:
-        assert any(f"is deprecated: import from {new}" in line for line in lines), (new, lines)
-    for old, names, _ in MOVED:
-        module = __import__(old, fromlist=["_"])
-        assert all(hasattr(module, name) for name in names), old

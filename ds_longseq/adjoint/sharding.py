@@ -96,7 +96,7 @@ def adjoint_layer_backward(
 
     Args:
         layer: a layer's maps: ``pre(x, num_halo)``, ``post(h, ctx)``, ``halo`` (see ``stacks``;
-            ``ds_longseq.adjoint.model.SelectiveSSMLayer`` has them).
+            ``ds_longseq.families.residual_ssm.SelectiveSSMLayer`` has them).
         x: (B, T, P) the layer's input, as in forward.
         grad_out: (B, T, P) dL/dy, the gradient of the layer's output (residual stream).
         params: the layer's parameters to differentiate.

@@ -4,7 +4,7 @@ Every check runs before DeepSpeed starts and names the flag to change (an error 
 blamed on the config).
 
 Holds:
-    add_common_args: the flags of examples/dpo.py and grpo.py that mean what they mean in sft.py.
+    add_common_args: the flags examples/sft.py, dpo.py and grpo.py share (same names, same meaning).
     check_run_args: lengths, steps, --save-every, --save-total-limit, --data needs --model, the paths exist.
     check_model_and_data: --data needs --model; the --model directory and the --data file exist.
     check_lora_args: --lora-rank / --lora-alpha / --lora-targets / --merge-lora, and peft installed.
@@ -23,7 +23,7 @@ __all__ = ["add_common_args", "check_run_args", "check_model_and_data", "check_l
 
 
 def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int, seq_len: int, lr: float) -> None:
-    """Add the flags dpo.py and grpo.py share with sft.py (same names, same meaning) to ``p``.
+    """Add the flags sft.py, dpo.py and grpo.py share (same names, same meaning) to ``p``.
 
     Args:
         p: the script's parser.
@@ -34,7 +34,7 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                    help="DeepSpeed JSON config with an optional long_seq section")
     p.add_argument("--model", default=None,
                    help="local HF causal-LM directory or .gguf file (from_pretrained); default: tiny built-in Llama")
-    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row (prompt + completion), padded")
+    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row (padded, or packed with sft.py --pack)")
     p.add_argument("--max-steps", type=int, default=max_steps, help="training steps")
     p.add_argument("--save-dir", default=save_dir, help="checkpoints, metrics, plot and HF export")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -51,8 +51,8 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
     p.add_argument("--pad-for-sp", action="store_true",
                    help="pad rows on the right to a multiple of the sequence_parallel size (else: an error)")
     p.add_argument("--lora-rank", type=int, default=0,
-                   help="train a LoRA adapter of this rank (needs peft); the reference is then the policy with its "
-                        "adapters disabled; 0: train every weight")
+                   help="freeze the model and train a LoRA adapter of this rank (needs peft); dpo.py's and grpo.py's "
+                        "reference is then the policy with its adapters disabled; 0: train every weight")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator; default: 2 x --lora-rank")
     p.add_argument("--lora-targets", default=None,
                    help="comma-separated module names LoRA adapts; default: every linear projection of the decoder")
