@@ -10,8 +10,6 @@ the same way, with a top-left mask as the mutation that must fail.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -20,17 +18,9 @@ import ds_longseq
 from ds_longseq.ops import attention as attention_ops
 from ds_longseq.ops.attention import chunk_causal_attention
 from tests.helpers import compare, loss_and_grads, make_batch, make_model
+from tests.test_ops import reference_attention
 
 DT = torch.float64
-
-
-def _dense(q, k_all, v_all):
-    """float64 bottom-right causal attention, GQA by repeating K/V."""
-    H, Hkv, C, N = q.shape[1], k_all.shape[1], q.shape[2], k_all.shape[2]
-    k, v = k_all.repeat_interleave(H // Hkv, 1), v_all.repeat_interleave(H // Hkv, 1)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    keep = torch.ones(C, N, dtype=torch.bool).tril(N - C)
-    return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v
 
 
 def _inputs(B=2, H=4, Hkv=2, C=9, S=23, D=8, seed=0):
@@ -65,7 +55,7 @@ def _run(q, k_all, v_all, go, S, *, single_call, sink_own=False, kernel="math", 
 
 def _reference(q, k_all, v_all, go, S):
     q, k_all, v_all = (t.clone().requires_grad_() for t in (q, k_all, v_all))
-    out = _dense(q, k_all, v_all)
+    out = reference_attention(q, k_all, v_all, None)
     dq, dk, dv = torch.autograd.grad(out, (q, k_all, v_all), go)
     return [out.detach(), dq, dk[:, :, S:], dv[:, :, S:], dk[:, :, :S], dv[:, :, :S]]
 

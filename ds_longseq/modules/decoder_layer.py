@@ -248,17 +248,8 @@ class StreamBPLayerForward:
             def replay(skip: bool):
                 # one chunk from token 0: "append" computes what a replay would, and lets a layer that attends
                 # something else than it caches switch to whole-cache mode (KVStream.prefer_concat) as a forward
-                stream = KVStream(n)
-                stream.start, stream.end = 0, n
-                leaf = x.clone().requires_grad_(True)
-                # identity hooks: what the probe saves stays out of any enclosing saved-tensor hooks (as
-                # replay.check_token_wise)
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
-                        self.output_proj.skipping("graph") if skip else nullcontext():
-                    out = split_outputs(run_chunk(leaf, 0, n, stream))[0]
-                    weights = torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(0),
-                                          device=out.device, dtype=out.dtype)
-                    return torch.autograd.grad(out, [leaf, *params], weights, allow_unused=True)
+                with self.output_proj.skipping("graph") if skip else nullcontext():
+                    return _chunk_grads(run_chunk, x, KVStream(n), params)[1]
 
             self.output_unread = outputs_unread(replay)
         if self.kv_reused is None:
@@ -277,16 +268,10 @@ class StreamBPLayerForward:
         with torch.no_grad():
             capture_kv(run_chunk, x, [(0, n)], stream)
         stream.mode, stream.captured_end = "replay", n
-        stream.start, stream.end = 0, n
-        leaf = x.clone().requires_grad_(True)
-        gen = torch.Generator(x.device).manual_seed(0)
         decided, self.kv_reused = self.kv_reused, reuse
         try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                out = split_outputs(run_chunk(leaf, 0, n, stream))[0]
-                outputs = [t for t in (out, stream.k_chunk, stream.v_chunk) if t is not None and t.requires_grad]
-                weights = [torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outputs]
-                return out.detach(), *torch.autograd.grad(outputs, [leaf, *params], weights, allow_unused=True)
+            out, grads = _chunk_grads(run_chunk, x, stream, params, with_kv=True)
+            return out, *grads
         finally:
             self.kv_reused = decided
 
@@ -471,6 +456,22 @@ class StreamBPLayerForward:
                 "cannot run under long_seq.streambp; use mini_seq"
             )
         return registry[key]
+
+
+def _chunk_grads(run_chunk, x: torch.Tensor, stream, params: list, with_kv: bool = False):
+    """(output, gradients of [x, *params]) of the probes' one chunk, tokens [0, n) of ``x`` through ``run_chunk`` on
+    ``stream``, for seeded random gradients of the output (and, ``with_kv``, of the chunk's keys/values). Identity
+    saved-tensor hooks: what the probe saves stays out of any enclosing ones (as replay.check_token_wise)."""
+    n = x.shape[1]
+    stream.start, stream.end = 0, n
+    leaf = x.clone().requires_grad_(True)
+    gen = torch.Generator(x.device).manual_seed(0)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = split_outputs(run_chunk(leaf, 0, n, stream))[0]
+        kv = (stream.k_chunk, stream.v_chunk) if with_kv else ()
+        outputs = [out, *(t for t in kv if t is not None and t.requires_grad)]
+        weights = [torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outputs]
+        return out.detach(), torch.autograd.grad(outputs, [leaf, *params], weights, allow_unused=True)
 
 
 @dataclasses.dataclass

@@ -785,14 +785,7 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
         mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R)
         if t.causal:
             q_t, do_t, out_t, lse_t = (_rows(x, t, C) for x in (q, grad_out, out, lse))
-            tile = _pick(kernel, q_t, mask)
-            if tile.native_gqa:
-                dq_t, dk_t, dv_t = _tile_backward(tile, do_t, q_t, kt, vt, out_t, lse_t, mask, scale)
-            else:
-                dq_t, dk_t, dv_t = _tile_backward(
-                    tile, do_t, q_t, _repeat_heads(kt, R), _repeat_heads(vt, R), out_t, lse_t, mask, scale
-                )
-                dk_t, dv_t = _sum_heads(dk_t, R), _sum_heads(dv_t, R)
+            dq_t, dk_t, dv_t = _causal_tile_backward(kernel, do_t, q_t, kt, vt, out_t, lse_t, mask, scale, R)
         else:
             q_t = _stack(q, Hkv, t.rows)
             tile = _pick(kernel, q_t, mask)
@@ -821,22 +814,24 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _causal_tile_backward(kernel, do, q, kt, vt, out, lse, mask: TileMask, scale: float, R: int):
+    """A causal tile's (dq, dk, dv) with k's heads: K/V repeated over the R query heads of each (and dK/dV summed
+    back) unless the kernel takes GQA itself."""
+    tile = _pick(kernel, q, mask)
+    if tile.native_gqa:
+        return _tile_backward(tile, do, q, kt, vt, out, lse, mask, scale)
+    dq, dk, dv = _tile_backward(tile, do, q, _repeat_heads(kt, R), _repeat_heads(vt, R), out, lse, mask, scale)
+    return dq, _sum_heads(dk, R), _sum_heads(dv, R)
+
+
 def _single_call_backward(grad_out, q, k, v, out, lse, scale, t: _Tile, kernel, sinks, sink_own, joined, S: int):
     """The one-call tile's backward: one kernel call for dQ and the joined keys' dK/dV, which are then split: the
     prefix's [0, S) added into the sink (when wanted), the chunk's own keys returned (or added into the sink at
     [S, S + K) when it owns them)."""
     sink_k, sink_v = sinks
-    Hkv = k.shape[1]
-    R = q.shape[1] // Hkv
     kt, vt = joined
-    mask = TileMask(True, n=kt.shape[2])
-    tile = _pick(kernel, q, mask)
-    if tile.native_gqa:
-        dq, dk, dv = _tile_backward(tile, grad_out, q, kt, vt, out, lse, mask, scale)
-    else:
-        dq, dk, dv = _tile_backward(tile, grad_out, q, _repeat_heads(kt, R), _repeat_heads(vt, R), out, lse, mask,
-                                    scale)
-        dk, dv = _sum_heads(dk, R), _sum_heads(dv, R)
+    R = q.shape[1] // k.shape[1]
+    dq, dk, dv = _causal_tile_backward(kernel, grad_out, q, kt, vt, out, lse, TileMask(True, n=kt.shape[2]), scale, R)
     if sink_own:
         sink_k[:, :, : t.b] += dk.to(sink_k.dtype)
         sink_v[:, :, : t.b] += dv.to(sink_v.dtype)
