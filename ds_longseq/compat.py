@@ -20,15 +20,24 @@ Holds:
     ZERO3_SP_AVERAGE_VERSIONS, check_zero3_sequence_parallel, fix_zero3_sequence_parallel_average: DeepSpeed
         ZeRO-3's gradient average under sequence parallelism, corrected on the versions where it is known
         wrong and refused on versions nobody checked.
+    tensor_version: a tensor's in-place version counter.
+    keys_ignored_on_save: the state-dict keys a transformers model leaves out of ``save_pretrained``.
+    The Hugging Face Trainer's internals (the Trainer integration's only way in):
+        trainer_checkpointing_turned_off, trainer_counts_batch_tokens, trainer_micro_batch_size,
+        trainer_num_items_in_batch, trainer_loss_scale; TRL's trainers: trl_metrics, trl_entropy_bonus_enabled;
+        accelerate's: accelerator_gather_replaced, accelerate_parallelism_hidden, dataloader_resharded.
+    TOUCHES_ELSEWHERE: the few touches of third-party internals or objects that must sit in another module, each
+        with its reason (tests/test_compat.py fails on any other).
 
 Every name here is private to its library and may move in any release; ``setup.py``'s ranges are the
 versions the test suite ran with. Where a workaround depends on a third-party bug being present, it is
 keyed on the exact versions checked (``ZERO3_SP_AVERAGE_VERSIONS``), never on a version range or the
 library's source text, so a release that fixes the bug is refused until checked instead of corrected twice.
 
-Not here: ``torch.ops.aten._*`` attention kernels, called from ``ops/attention.py``'s kernel table. They
-are torch's operator registry (schema-versioned entry points, the same ones ``scaled_dot_product_attention``
-dispatches to), and each is tested against the math path on every device that runs it.
+Not here, each listed in ``TOUCHES_ELSEWHERE`` with its reason (tests/test_compat.py reads the package's code
+and fails on any other touch of a third party's internals or objects): ``torch.ops.aten._*`` attention kernels in
+``ops/attention.py``'s kernel table (torch's operator registry, each kernel tested against the math path on every
+device that runs it), the per-instance patch of ``techniques/base.py``, and a few documented hooks.
 """
 
 from __future__ import annotations
@@ -61,7 +70,52 @@ __all__ = [
     "ZERO3_SP_AVERAGE_VERSIONS",
     "zero3_sequence_parallel_problem",
     "fix_zero3_sequence_parallel_average",
+    "tensor_version",
+    "keys_ignored_on_save",
+    "trainer_checkpointing_turned_off",
+    "trainer_counts_batch_tokens",
+    "trainer_micro_batch_size",
+    "trainer_num_items_in_batch",
+    "trainer_loss_scale",
+    "trl_metrics",
+    "trl_entropy_bonus_enabled",
+    "accelerator_gather_replaced",
+    "accelerate_parallelism_hidden",
+    "dataloader_resharded",
+    "TOUCHES_ELSEWHERE",
 ]
+
+TOUCHES_ELSEWHERE: dict[str, str] = {
+    # "<file under ds_longseq/>:<Class.method or function>:<name>": why it is not behind a function here
+    **{f"ops/attention.py:{kernel}.{direction}:{op}": "torch's operator registry (the schema-versioned entry points "
+       "scaled_dot_product_attention dispatches to), one kernel table, each kernel tested against the math path"
+       for kernel, ops in {
+           "_CpuFlash": ("_scaled_dot_product_flash_attention_for_cpu",
+                         "_scaled_dot_product_flash_attention_for_cpu_backward"),
+           "_CudaFlash": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+           "_CudaCudnn": ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"),
+           "_CudaEfficient": ("_efficient_attention_forward", "_efficient_attention_backward"),
+       }.items() for direction, op in zip(("forward", "backward"), ops, strict=True)},
+    **{f"techniques/base.py:PatchHandle.set_instance_attr{where}:object.{method}":
+       "THE per-instance patch: every technique's change to a model goes through it, recorded and undone by "
+       "disable() (object.__setattr__: an nn.Module's own __setattr__ would register a submodule)"
+       for where, method in (("", "__setattr__"), (".restore", "__setattr__"), (".restore", "__delattr__"))},
+    "modules/sharded_mixer.py:_attributes:setattr":
+        "a recurrent mixer's head counts narrowed to this rank's heads for one call, restored on exit (the mixer "
+        "reads them inside its forward; which attributes: families/mixer_heads.py)",
+    **{f"engine/watchdog.py:PeerWatch.{method}:sys.excepthook":
+       "the watchdog names the rank that died: Python's documented hook, chained to and restored on stop"
+       for method in ("start", "stop")},
+    "engine/mpi_env.py:main:sys.argv": "python -m ds_longseq.engine.mpi_env runs the user's script as __main__",
+    "engine/initialize.py:initialize_with:args.deepspeed_config":
+        "DeepSpeed reads the config path from the user's argparse namespace: emptied after the long_seq "
+        "section was taken out (deepspeed.initialize's documented args= protocol)",
+    "trainer/mixin.py:LongSeqTrainerMixin._prepare_inputs:_prepare_inputs":
+        "TRL's GRPO generates inside this Trainer hook: under sequence parallelism generation runs paused (each "
+        "rank its own prompts, whole); no public hook runs there",
+}
+"""Touches of third-party internals, or assignments to third-party objects, outside this module, keyed
+``file:function:name``; tests/test_compat.py fails on any touch not here, and on any entry no longer found."""
 
 
 # ---- transformers -------------------------------------------------------------------------------
@@ -280,6 +334,14 @@ def fix_zero3_sequence_parallel_average(optimizer, sp_size: int, version: str | 
     return True
 
 
+# ---- torch -------------------------------------------------------------------------------------------
+
+
+def tensor_version(tensor: Any) -> int:
+    """``tensor``'s version counter (bumped by every in-place write): tells a stale saved copy from a fresh one."""
+    return tensor._version
+
+
 # ---- torch.distributed --------------------------------------------------------------------------------
 
 
@@ -295,3 +357,128 @@ def default_store():
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+# ---- transformers' Trainer, TRL's trainers, accelerate --------------------------------------------------------
+# The Trainer integration (ds_longseq/trainer/) goes through these: each is a private name, or a change to an
+# object the Trainer, TRL or accelerate owns, written against transformers 5.24, TRL 1.16 and accelerate 1.x.
+
+
+def keys_ignored_on_save(model: Any) -> set[str]:
+    """The state-dict keys a transformers model leaves out of ``save_pretrained`` (its ``_keys_to_ignore_on_save``)."""
+    return set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+
+
+def trainer_checkpointing_turned_off(trainer: Any) -> bool:
+    """Turn the Trainer's activation checkpointing off (the model's, and ``TrainingArguments``' flags, which the
+    Trainer applies in ``train()``); whether any was on."""
+    model_on = getattr(trainer.model, "is_activation_checkpointing", False)
+    names = [name for name in ("activation_checkpointing", "gradient_checkpointing")
+             if getattr(trainer.args, name, False)]
+    if model_on:
+        trainer.model.activation_checkpointing_disable()
+    for name in names:
+        setattr(trainer.args, name, False)
+    return bool(model_on or names)
+
+
+def trainer_counts_batch_tokens(trainer: Any) -> None:
+    """Give the model the batch's token count again (``num_items_in_batch``), which the Trainer withholds under
+    ``parallelism_config``'s sequence parallelism (its ALST loss counts each shard's tokens itself): the Trainer's own
+    test of whether the model takes loss kwargs, without parallelism_config."""
+    from transformers.trainer_utils import unwrap_peft_model
+
+    base = unwrap_peft_model(trainer.accelerator.unwrap_model(trainer.model))
+    if hasattr(base, "accepts_loss_kwargs"):
+        accepts = bool(base.accepts_loss_kwargs)
+    else:
+        params = inspect.signature(base.forward).parameters.values()
+        accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+    trainer.model_accepts_loss_kwargs = accepts
+
+
+def trainer_micro_batch_size(trainer: Any) -> int:
+    """Sequences per rank per micro-step, as the Trainer sized its dataloader (its ``_train_batch_size``)."""
+    return trainer._train_batch_size
+
+
+def trainer_num_items_in_batch(trainer: Any, batches: list, device: Any) -> Any:
+    """The token count the Trainer's own step gives the loss for ``batches`` (its ``_get_num_items_in_batch``)."""
+    return trainer._get_num_items_in_batch(batches, device)
+
+
+def trainer_loss_scale(trainer: Any, num_items_in_batch: Any) -> float:
+    """The factor ``Trainer.training_step`` puts on the loss ``compute_loss`` returns before its backward
+    (transformers 5.24's four lines: 1 / the accumulation steps unless the loss is already scaled for them)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+            trainer.compute_loss_func is not None)
+    return 1.0 if scaled else 1.0 / trainer.current_gradient_accumulation_steps
+
+
+def trl_metrics(trainer: Any, mode: str) -> dict[str, list[float]]:
+    """A TRL trainer's metric values logged so far in this logging window (``"train"`` or ``"eval"``), by key."""
+    return trainer._metrics[mode]
+
+
+def trl_entropy_bonus_enabled(trainer: Any) -> bool:
+    """Whether TRL's GRPO trainer adds an entropy bonus (``entropy_coef`` / ``use_adaptive_entropy``)."""
+    return bool(getattr(trainer, "_entropy_bonus_enabled", False))
+
+
+@contextlib.contextmanager
+def accelerator_gather_replaced(accelerator: Any, gather: Callable[[Callable, Any], Any]) -> Iterator[None]:
+    """Inside: ``accelerator.gather(t)`` is ``gather(original_gather, t)`` on this accelerator only; restored on
+    exit."""
+    original = accelerator.gather
+    accelerator.gather = functools.partial(gather, original)
+    try:
+        yield
+    finally:
+        del accelerator.gather  # the instance attribute: the class's method shows through again
+
+
+@contextlib.contextmanager
+def accelerate_parallelism_hidden(accelerator: Any, hidden: bool = True) -> Iterator[None]:
+    """Inside: accelerate's state has no ``parallelism_config`` (so neither accelerate nor the Trainer does its part
+    of ALST); restored on exit. A no-op with ``hidden=False``."""
+    if not hidden:
+        yield
+        return
+    state = accelerator.state
+    config = state.parallelism_config
+    state.parallelism_config = None
+    try:
+        yield
+    finally:
+        state.parallelism_config = config
+
+
+def dataloader_resharded(dataloader: Any, replica: int, replicas: int, what: str) -> Any:
+    """``dataloader`` (accelerate's, sharded over every rank) sharded over ``replicas`` instead, this process being
+    ``replica``: its batch sampler's (or its iterable dataset shard's) process count and index are set.
+
+    Raises:
+        ValueError: accelerate dispatches batches from rank 0, or the dataloader is not one of accelerate's.
+    """
+    import torch.distributed as dist
+
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    dataset = getattr(dataloader, "dataset", None)
+    if type(dataloader).__name__ == "DataLoaderDispatcher":
+        raise ValueError(
+            "accelerate dispatches batches from rank 0 (an iterable dataset, or dispatch_batches=True): under "
+            "ds_longseq sequence parallelism every rank reads its group's batches itself. Pass "
+            "TrainingArguments(accelerator_config={'dispatch_batches': False})"
+        )
+    if hasattr(batch_sampler, "num_processes") and hasattr(batch_sampler, "process_index"):
+        batch_sampler.num_processes, batch_sampler.process_index = replicas, replica
+    elif hasattr(dataset, "num_processes") and hasattr(dataset, "process_index"):  # IterableDatasetShard
+        dataset.num_processes, dataset.process_index = replicas, replica
+    elif dist.get_world_size() > 1:
+        raise ValueError(
+            f"cannot share the {what} batches within sequence-parallel groups: unknown dataloader "
+            f"{type(dataloader).__name__} (expected accelerate's DataLoaderShard)"
+        )
+    return dataloader

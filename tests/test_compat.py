@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import tokenize
 from pathlib import Path
@@ -58,6 +59,190 @@ def test_the_scan_sees_code_and_skips_docstrings():
     source = '"""docstring naming _z3_leaf"""\nx = 1  # comment: _z3_leaf\ny = getattr(m, "_z3_leaf")\n'
     assert "_z3_leaf" in _code_names(source)
     assert "_z3_leaf" not in _code_names(source.replace('getattr(m, "_z3_leaf")', "2"))
+
+
+# ---- the detector: every touch of another library's internals or objects is in compat.py, or listed there -------
+
+_IDIOM_OBJECTS = {"self", "cls", "ctx"}
+"""Objects a method may assign to: its own instance or class, and an autograd Function's ``ctx`` (torch's documented
+place for what forward leaves to backward)."""
+_ATTR_CALLS = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def _package_trees(root: Path = PACKAGE_DIR) -> dict[str, ast.Module]:
+    return {str(p.relative_to(root)): ast.parse(p.read_text()) for p in sorted(root.rglob("*.py"))
+            if "__pycache__" not in p.parts and str(p.relative_to(root)) != "compat.py"}
+
+
+def _defined_names(trees) -> tuple[set[str], set[str]]:
+    """(every name ds_longseq defines: functions, classes, arguments, variables, imports, attributes it sets on its
+    own objects; the attributes of ds_longseq's own classes: class-body names and ``self.<name> =``)."""
+    names, attrs = set(), set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+                args = node.args
+                names.update(a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
+                                             args.kwarg] if a is not None)
+            elif isinstance(node, ast.ClassDef):
+                names.add(node.name)
+                for item in node.body:
+                    targets = item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                    attrs.update(t.id for t in targets if isinstance(t, ast.Name))
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        attrs.add(item.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                names.add(node.attr)
+                attrs.add(node.attr)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[0])
+    return names, attrs
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _third_party_private_hooks() -> set[str]:
+    """The private methods of the third-party classes ds_longseq subclasses or mixes into (a ``def`` of one of these
+    names in ds_longseq overrides their internals)."""
+    import transformers
+    import trl
+
+    classes = [transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer, trl.GRPOTrainer]
+    return {name for cls in classes for name in dir(cls) if _is_private(name)}
+
+
+class _Touches(ast.NodeVisitor):
+    """The touches in one file, as ``file:function:name`` keys (the function: ``Class.method``, or ``*`` at the top)."""
+
+    def __init__(self, file: str, defined: set[str], own_attrs: set[str], hooks: set[str], local_defs: set[str]):
+        self.file, self.defined, self.own_attrs = file, defined, own_attrs
+        self.hooks, self.local_defs = hooks, local_defs
+        self.scope: list[str] = []
+        self.found: list[str] = []
+
+    def _add(self, name: str) -> None:
+        self.found.append(f"{self.file}:{'.'.join(self.scope) or '*'}:{name}")
+
+    def _scoped(self, node) -> None:
+        overrides = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and bool(self.scope) and \
+            _is_private(node.name) and node.name in self.hooks
+        self.scope.append(node.name)
+        if overrides:
+            self._add(node.name)  # a method overriding a third-party class's private hook
+        self.generic_visit(node)
+        self.scope.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if _is_private(node.attr) and node.attr not in self.defined:
+            self._add(node.attr)  # another library's private attribute
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in _ATTR_CALLS and len(node.args) > 1:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and _is_private(name.value) \
+                    and name.value not in self.defined:
+                self._add(name.value)
+            if func.id in ("setattr", "delattr") and not (
+                    isinstance(node.args[0], ast.Name) and node.args[0].id in _IDIOM_OBJECTS):
+                self._add(func.id)  # a dynamic assignment to some other object
+        if isinstance(func, ast.Attribute) and func.attr in ("__setattr__", "__delattr__") and \
+                isinstance(func.value, ast.Name) and func.value.id == "object" and node.args and not (
+                    isinstance(node.args[0], ast.Name) and node.args[0].id in _IDIOM_OBJECTS):
+            self._add(f"object.{func.attr}")  # past the object's own __setattr__ (a frozen dataclass's own is fine)
+        self.generic_visit(node)
+
+    def _targets(self, targets) -> None:
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if not isinstance(t, ast.Attribute) or t.attr in self.own_attrs:
+                    continue
+                base = t.value
+                if isinstance(base, ast.Name) and (base.id in _IDIOM_OBJECTS or (
+                        base.id in self.local_defs and t.attr.startswith("__"))):
+                    continue  # its own object, or the metadata of a function defined here (__signature__)
+                self._add(ast.unparse(t))  # an assignment to another library's object
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self._targets(node.targets)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node) -> None:
+        self._targets([node.target])
+        self.generic_visit(node)
+
+    visit_AnnAssign = visit_AugAssign
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        self._targets(node.targets)
+        self.generic_visit(node)
+
+
+def third_party_touches(trees: dict[str, ast.Module]) -> list[str]:
+    """Every touch of another library's internals or objects in ``trees`` ({file: module}), as ``file:function:name``:
+    a private attribute ds_longseq does not define (read, written, or named to getattr and kin); an assignment or
+    ``del`` on an object other than the method's own (``self``, ``cls``, autograd's ``ctx``) of an attribute none of
+    ds_longseq's classes has; ``setattr`` / ``delattr`` / ``object.__setattr__`` on such an object; a method that
+    overrides a private method of the Trainer or TRL's trainers. Read from the code as text, so an alias can hide a
+    touch: the list is a net for the usual ways, not a proof."""
+    defined, own_attrs = _defined_names(trees)
+    hooks = _third_party_private_hooks()
+    found = []
+    for file, tree in trees.items():
+        local_defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        visitor = _Touches(file, defined, own_attrs, hooks, local_defs)
+        visitor.visit(tree)
+        found.extend(visitor.found)
+    return found
+
+
+def test_every_third_party_touch_outside_compat_is_listed_there_with_its_reason():
+    found = set(third_party_touches(_package_trees()))
+    unlisted = sorted(found - set(compat.TOUCHES_ELSEWHERE))
+    assert not unlisted, (
+        "touches of third-party internals or objects outside ds_longseq/compat.py: move each behind a named "
+        f"function in compat.py, or list it in compat.TOUCHES_ELSEWHERE with its reason: {unlisted}"
+    )
+    stale = sorted(set(compat.TOUCHES_ELSEWHERE) - found)
+    assert not stale, f"compat.TOUCHES_ELSEWHERE lists touches no longer in the code (drop them): {stale}"
+    assert all(reason.strip() for reason in compat.TOUCHES_ELSEWHERE.values())
+
+
+@pytest.mark.parametrize("added, key", [
+    ("self.accelerator.gather = None", "trainer/mixin.py:LongSeqTrainerMixin.compute_loss:self.accelerator.gather"),
+    ("del model.config.use_cache", "trainer/mixin.py:LongSeqTrainerMixin.compute_loss:model.config.use_cache"),
+    ("print(self._metrics)", "trainer/mixin.py:LongSeqTrainerMixin.compute_loss:_metrics"),
+    ("getattr(self, '_train_batch_size')", "trainer/mixin.py:LongSeqTrainerMixin.compute_loss:_train_batch_size"),
+    ("setattr(self.args, 'gradient_checkpointing', False)",
+     "trainer/mixin.py:LongSeqTrainerMixin.compute_loss:setattr"),
+])
+def test_the_detector_finds_a_touch_added_to_the_trainer(added, key):
+    trees = _package_trees()
+    source = (PACKAGE_DIR / "trainer" / "mixin.py").read_text()
+    anchor = "    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):\n"
+    assert anchor in source
+    trees["trainer/mixin.py"] = ast.parse(source.replace(anchor, anchor + f"        {added}\n"))
+    found = set(third_party_touches(trees))
+    assert key in found and key not in compat.TOUCHES_ELSEWHERE
+
+
+def test_the_detector_finds_an_overridden_private_hook():
+    trees = _package_trees()
+    source = (PACKAGE_DIR / "trainer" / "mixin.py").read_text()
+    anchor = "    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):\n"
+    hook = "    def _maybe_log_save_evaluate(self, *args, **kwargs):\n        return None\n\n"
+    trees["trainer/mixin.py"] = ast.parse(source.replace(anchor, hook + anchor))
+    assert ("trainer/mixin.py:LongSeqTrainerMixin._maybe_log_save_evaluate:_maybe_log_save_evaluate"
+            in third_party_touches(trees))
 
 
 @pytest.mark.parametrize("version", ["0.19.8", "0.19.8+cu124", "0.19.8rc1"])

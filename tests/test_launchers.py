@@ -190,14 +190,14 @@ def test_accelerate_seeing_fewer_ranks_than_the_group_is_refused(monkeypatch):
     naming launch/mpirun.sh instead of training every rank on the same batches."""
     from types import SimpleNamespace
 
-    import ds_longseq.trainer as trainer_module
+    import ds_longseq.trainer.mixin as trainer_module
 
     monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda group=None: 2)
     fake = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1))
     with pytest.raises(RuntimeError, match=r"one of 2 ranks but accelerate set up 1 process.*launch/mpirun.sh"):
-        trainer_module.LongSeqTrainerMixin._check_world_matches_accelerate(fake)
+        trainer_module.check_world_matches_accelerate(fake)
     fake.accelerator.num_processes = 2
-    trainer_module.LongSeqTrainerMixin._check_world_matches_accelerate(fake)
+    trainer_module.check_world_matches_accelerate(fake)
 
 
 @pytest.mark.parametrize("trainer", ["trainer", pytest.param("sft", marks=pytest.mark.slow),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_longseq import LongSeqConfig, LongSeqConfigError
-from ds_longseq.engine import check_sequence_length, shard_batch, split_config
+from ds_longseq.engine import check_sequence_length, shard_batch, shard_sequence, split_config
 
 
 def _batch(T=10):
@@ -40,6 +40,20 @@ def test_indivisible_length_is_an_error_unless_padding_is_asked_for():
     assert glued["input_ids"].shape == (2, 12) and glued["input_ids"][:, 10:].eq(7).all()
     assert glued["attention_mask"][:, 10:].eq(0).all() and glued["shift_labels"][:, 9:].eq(-100).all()
     assert glued["position_ids"].tolist() == [list(range(12))]
+
+
+def test_shard_sequence_cuts_like_shard_batch():
+    """Per-position metadata (e.g. evaluation buckets) cut with shard_sequence lines up with shard_batch's shards:
+    the same padding to a multiple of P, the same contiguous 1/P."""
+    ids = torch.arange(14).reshape(2, 7)
+    meta = torch.arange(100, 114).reshape(2, 7)
+    for rank in range(3):
+        shard = shard_batch({"input_ids": ids}, rank, 3, pad=True, pad_token_id=-5)["input_ids"]
+        cut = shard_sequence(meta, rank, 3, fill=-1)
+        assert cut.shape == shard.shape == (2, 3)
+        real = shard != -5
+        assert torch.equal(cut[real] - 100, shard[real]) and (cut[~real] == -1).all()
+    assert torch.equal(torch.cat([shard_sequence(meta, r, 3, fill=-1) for r in range(3)], 1)[:, :7], meta)
 
 
 def test_bad_batches_are_refused():

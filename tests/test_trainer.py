@@ -619,7 +619,7 @@ def test_parallelism_config_and_long_seq_disagreeing_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"parallelism_config sp_size=2 and long_seq.sequence_parallel.size=4 "
                                          r"disagree"):
-        LongSeqTrainerMixin._take_parallelism_config(object.__new__(LongSeqTrainerMixin), Fake(),
+        LongSeqTrainerMixin._long_seq_take_parallelism_config(object.__new__(LongSeqTrainerMixin), Fake(),
                                                      {"sequence_parallel": {"size": 4}})
 
 
@@ -695,7 +695,7 @@ def test_trainer_without_deepspeed_one_process(tmp_path):
 def test_target_buckets_by_place_in_the_document():
     """Each position gets the bucket of the token it predicts: its place in its row (left or right padding) or packed
     document over that document's length; -1 where the next token is padding or there is none."""
-    from ds_longseq.trainer import _target_buckets
+    from ds_longseq.trainer.positions import target_buckets as _target_buckets
 
     ids = torch.zeros(2, 8, dtype=torch.long)
     mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1]])  # right and left padding, 4 tokens each

@@ -16,6 +16,7 @@ from ds_longseq.engine.sequence_parallel import (
     sequence_parallel_groups,
     sequence_parallel_rank_and_size,
     shard_batch,
+    shard_sequence,
 )
 from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, active_watch, start_watchdog
 
@@ -30,6 +31,7 @@ __all__ = [
     "MIN_DEEPSPEED_VERSION",
     "DEFAULT_DISTRIBUTED_PORT",
     "shard_batch",
+    "shard_sequence",
     "WholeSequenceCalls",
     "data_parallel_rank_and_size",
     "sequence_parallel_groups",

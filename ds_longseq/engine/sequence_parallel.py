@@ -27,7 +27,7 @@ from ds_longseq.ops.objectives import gather_sequence
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
 
 __all__ = [
-    "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "sequence_parallel_groups",
+    "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_parallel_groups",
     "sequence_parallel_rank_and_size",
 ]
 
@@ -162,22 +162,27 @@ def shard_batch(
                 f"{T + sp_size - remainder} tokens, or call shard_batch(..., pad=True)"
             )
         extra = sp_size - remainder
-        fill = {"input_ids": pad_token_id, "attention_mask": 0, "shift_labels": ignore_index}
         if "attention_mask" not in out and doc_start is None:
             out["attention_mask"] = torch.ones_like(ids)
-        for key, value in fill.items():
-            if key in out:
-                t = out[key]
-                out[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
         pos = out["position_ids"]
         if doc_start is None:
             tail = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)
         else:  # packed: the padding is one more document (a mask would hide the documents from transformers)
             tail = torch.arange(extra, device=pos.device).expand(pos.shape[0], extra)
         out["position_ids"] = torch.cat([pos, tail], dim=1)
-        T += extra
-    local = T // sp_size
-    return {k: v[:, sp_rank * local : (sp_rank + 1) * local].contiguous() for k, v in out.items()}
+    fill = {"input_ids": pad_token_id, "attention_mask": 0, "shift_labels": ignore_index}
+    return {k: shard_sequence(v, sp_rank, sp_size, fill.get(k, 0)) for k, v in out.items()}
+
+
+def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int, fill: int | float = 0) -> torch.Tensor:
+    """Rank ``sp_rank``'s contiguous 1/P of ``tensor`` (B, T, ...) along the sequence, T first padded on the right
+    to a multiple of P with ``fill``: the cut :func:`shard_batch` makes, for any per-position tensor that must line
+    up with its shards (e.g. per-target metadata)."""
+    extra = -tensor.shape[1] % sp_size
+    if extra:
+        tensor = torch.cat([tensor, tensor.new_full((tensor.shape[0], extra, *tensor.shape[2:]), fill)], dim=1)
+    local = tensor.shape[1] // sp_size
+    return tensor[:, sp_rank * local:(sp_rank + 1) * local].contiguous()
 
 
 # the per-token fields of a fused-LM-head output (TRL's FusedCausalLMOutput, ds_longseq's FusedLMHeadOutput)
@@ -234,7 +239,7 @@ class WholeSequenceCalls:
                 "paused (trainer.sequence_parallel_paused())"
             )
         seq = {k: kwargs.pop(k) for k in list(kwargs) if k in SHARDED_KEYS and kwargs[k] is not None}
-        kwargs.pop("seq_idx", None)  # see trainer._shard_inputs: documents come from the restarting positions
+        kwargs.pop("seq_idx", None)  # see trainer.batches.shard_inputs: documents come from the restarting positions
         self._lengths.append(int(seq["input_ids"].shape[1]))
         kwargs.update(shard_batch(seq, self.rank, self.size, pad=True))
         return args, kwargs

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.compat import is_zero3_partitioned
+from ds_longseq.compat import is_zero3_partitioned, tensor_version
 from ds_longseq.families.decoder import ACTIVATION_KINDS  # re-exported: it was defined here
 from ds_longseq.ops.approx_bp import StepDerivative, approx_activation, ms_layer_norm, ms_rms_norm
 
@@ -73,7 +73,7 @@ class MSNormForward:
         return out
 
     def _current_versions(self) -> tuple[int, ...]:
-        return tuple(t._version for _, t, _ in self._affine())
+        return tuple(tensor_version(t) for _, t, _ in self._affine())
 
     def _check_unchanged(self) -> None:
         if any(is_zero3_partitioned(t) for _, t, _ in self._affine()):

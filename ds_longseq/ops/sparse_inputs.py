@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ds_longseq.compat import is_zero3_partitioned
+from ds_longseq.compat import is_zero3_partitioned, tensor_version
 from ds_longseq.ops.chunk_grads import AutocastState
 from ds_longseq.ops.offload import LayerInputOffloader
 
@@ -136,7 +136,7 @@ def _same_values(output: torch.Tensor, x: torch.Tensor) -> bool:
     if x is output:
         return True
     return (x.data_ptr() == output.data_ptr() and x.shape == output.shape and x.stride() == output.stride()
-            and x.dtype == output.dtype and x.device == output.device and x._version == output._version)
+            and x.dtype == output.dtype and x.device == output.device and tensor_version(x) == tensor_version(output))
 
 
 class SparseInputs:

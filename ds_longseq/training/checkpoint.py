@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.compat import is_zero3_partitioned
+from ds_longseq.compat import is_zero3_partitioned, keys_ignored_on_save
 from ds_longseq.logging import get_logger
 from ds_longseq.training import faults
 from ds_longseq.training.lora import merge_lora
@@ -210,7 +210,7 @@ def save_streamed(model: torch.nn.Module, out_dir: str, rank: int) -> list[str]:
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
-    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    ignored = keys_ignored_on_save(model)
     state_keys = set(model.state_dict().keys())  # persistent buffers are saved too, non-persistent ones are not
     groups = _parameter_groups(model)
     buffers = [(n, b) for n, b in model.named_buffers() if n in state_keys and n not in ignored]
