@@ -451,8 +451,20 @@ class LongSeqConfig:
         raise KeyError(f"no long_seq section {name!r}: sections are {sorted(_SECTIONS)}")
 
     @classmethod
+    def of(cls, config: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
+        """``config`` typed and checked, parsed only if nobody parsed it yet: a ``LongSeqConfig`` (the section an
+        entry point parsed and passes down, or one built in code) is validated and returned as it is; a dict or
+        None is parsed by :meth:`from_dict`. What a function that takes either calls (``enable``,
+        ``engine.split_config``, the planner), so each entry point parses its section once."""
+        if isinstance(config, LongSeqConfig):
+            config.validate()
+            return config
+        return cls.from_dict(config)
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
-        """Parse and validate a ``long_seq`` dict (or pass a ``LongSeqConfig`` through, validated)."""
+        """Parse and validate a ``long_seq`` dict (a ``LongSeqConfig`` is passed through, validated: see :meth:`of`,
+        which callers inside the package use so that a parsed config never comes here again)."""
         if data is None:
             return cls()
         if isinstance(data, LongSeqConfig):
