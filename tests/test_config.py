@@ -110,3 +110,44 @@ def test_options_of_a_disabled_section_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         LongSeqConfig.from_dict({"streambp": {"enabled": False}})
+
+
+def test_a_registered_section_brings_its_own_rules():
+    """A technique's own section is checked like the built-in ones: its fields by their annotations (a ``Rule``
+    wording the good values), its ``problems()`` between fields; every problem at once."""
+    from dataclasses import dataclass
+    from typing import Annotated
+
+    from ds_longseq.config import Rule
+    from ds_longseq.techniques import Technique, register, unregister
+
+    @dataclass
+    class WindowConfig:
+        enabled: bool = False
+        """Switch it on."""
+        share: Annotated[float, Rule("a share in (0, 1)", lambda v: v < 1)] = 0.5
+        """A share."""
+        low: int = 1
+        """The lower bound."""
+        high: int = 2
+        """The upper bound."""
+
+        def problems(self) -> list[str]:
+            return [] if self.low < self.high else [f"long_seq.window.low={self.low} must be below high={self.high}"]
+
+    class Window(Technique):
+        name = "window"
+        Config = WindowConfig
+
+    register(Window)
+    try:
+        assert LongSeqConfig.from_dict({"window": {"enabled": True, "share": 0.25}}).window.share == 0.25
+        with pytest.raises(LongSeqConfigError) as info:
+            LongSeqConfig.from_dict({"window": {"enabled": True, "share": 1.5, "low": 3, "high": 0}})
+        assert info.value.problems == [
+            "long_seq.window.share must be a share in (0, 1), got 1.5",
+            "long_seq.window.high must be a positive integer, got 0",
+            "long_seq.window.low=3 must be below high=0",
+        ]
+    finally:
+        unregister(Window)
