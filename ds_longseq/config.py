@@ -6,7 +6,8 @@ Holds:
         field's in its annotation (its type, ``Literal`` choices, a :class:`Rule`), those between its fields in
         its ``problems()`` method.
     Rule: what a good value of one field is beyond its type, and how the message words it.
-    LongSeqConfig: the whole section, with ``from_dict`` that parses it once and reports every problem at once.
+    LongSeqConfig: the whole section, with ``from_dict`` that parses it (every problem reported at once) and
+        ``of``, which takes a dict or an already-parsed config, so each entry point parses its section once.
     LongSeqConfigError: the single error raised for a bad section.
     register_technique / unregister_technique: how ``ds_longseq.techniques`` declares a technique's section,
         activity, conflicts and needs, which ``from_dict`` then checks (this module imports no technique).
