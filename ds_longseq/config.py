@@ -2,11 +2,22 @@
 
 Holds:
     StreamBPConfig, MiniSeqConfig, LMHeadConfig, SequenceParallelConfig, OffloadConfig, ApproxBPConfig,
-        AdjointConfig, AttentionConfig, WatchdogConfig: one dataclass per section.
-    LongSeqConfig: the whole section, with ``from_dict`` that reports every problem at once.
+        AdjointConfig, AttentionConfig, WatchdogConfig: one dataclass per section, each with its own rules: a
+        field's in its annotation (its type, ``Literal`` choices, a :class:`Rule`), those between its fields in
+        its ``problems()`` method.
+    Rule: what a good value of one field is beyond its type, and how the message words it.
+    LongSeqConfig: the whole section, with ``from_dict`` that parses it (every problem reported at once) and
+        ``of``, which takes a dict or an already-parsed config, so each entry point parses its section once.
     LongSeqConfigError: the single error raised for a bad section.
     register_technique / unregister_technique: how ``ds_longseq.techniques`` declares a technique's section,
         activity, conflicts and needs, which ``from_dict`` then checks (this module imports no technique).
+
+Where the rules are: generic checks (unknown keys, types, choices) here, once for every section; a section's
+own rules on its dataclass below; rules between techniques (``conflicts_with``, ``needs_one_of``) on the
+technique, in ``ds_longseq/techniques/<name>.py``. The section dataclasses stay in this module rather than
+beside their techniques because this is the bottom layer: ``LongSeqConfig`` holds them as typed fields, and
+``modules``, ``engine`` and the planner read them without importing the techniques (which pull in torch and
+transformers); ``attention`` and ``watchdog`` belong to no technique.
 
 Vocabulary (see the README glossary): a *chunk* is a slice of the sequence processed at once
 (``chunk_size`` tokens, or ``num_chunks`` slices); a *block* is a tile of keys inside the
@@ -20,7 +31,8 @@ import os
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from types import UnionType as _UnionType
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 __all__ = [
     "LongSeqConfig",
@@ -34,6 +46,7 @@ __all__ = [
     "AdjointConfig",
     "AttentionConfig",
     "WatchdogConfig",
+    "Rule",
     "register_technique",
     "unregister_technique",
     "registered_techniques",
@@ -52,6 +65,28 @@ class LongSeqConfigError(ValueError):
         )
 
 
+def _positive_number(value: Any) -> bool:
+    """An int or float (not a bool) above 0: what a float field such as a number of seconds accepts."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a good value of one field is, beyond its type: declared in the field's annotation, next to its
+    docstring (``x: Annotated[float, Rule("a fraction in (0, 1]", lambda v: v <= 1)] = 0.8``).
+
+    Every field is checked against its annotation by ``LongSeqConfig.from_dict`` (types, ``Literal`` choices,
+    None where the type allows it); a Rule narrows that and words the message
+    (``long_seq.<section>.<field> must be <must_be>, got <value>``). Rules between fields are the section's
+    ``problems()`` method.
+    """
+
+    must_be: str
+    """The good values, as the message names them ("a positive number of GiB")."""
+    holds: Callable[[Any], bool] | None = None
+    """The test, given a value of the field's type (None: every such value is good)."""
+
+
 @dataclass
 class StreamBPConfig:
     """StreamBP over whole decoder layers (StreamBP paper, Sec. 3.2.2)."""
@@ -65,17 +100,20 @@ class StreamBPConfig:
     forward, the largest chunk (the whole sequence, else a power of two of at least 128 tokens; on CPU
     at most 4096) whose work fits the memory budget (``auto_budget_gib`` / ``auto_free_fraction``): a
     short sequence runs as one chunk, a long one streams (``modules.auto_chunk`` has the model)."""
-    auto_budget_gib: float | None = None
+    auto_budget_gib: Annotated[float | None, Rule("a positive number of GiB")] = None
     """With ``chunk_size: "auto"`` only: GiB one chunk's work may take (the activations of one layer
     over one chunk, forward and backward). None: ``auto_free_fraction`` of the memory free when the
     forward starts, less what the forward keeps whatever the chunk."""
-    auto_free_fraction: float = 0.8
+    auto_free_fraction: Annotated[float, Rule("a fraction in (0, 1]", lambda v: v <= 1)] = 0.8
     """With ``chunk_size: "auto"`` and no ``auto_budget_gib``: the fraction of free memory the step may
     use (the rest is headroom for what the model does not count: allocator fragmentation, buffers)."""
-    kv_block_size: int | None = None
-    """Deprecated: set ``long_seq.attention.kv_block_size`` (the tile is the attention kernel's, used by
-    sequence parallelism and mini-sequence too). Still read for one release, with a warning, when
-    ``attention.kv_block_size`` is not set."""
+
+    def problems(self) -> list[str]:
+        """The auto-chunk budget is set only with ``chunk_size: "auto"``, which alone reads it."""
+        if self.chunk_size != "auto" and (self.auto_budget_gib is not None or self.auto_free_fraction != 0.8):
+            return ["long_seq.streambp.auto_budget_gib and auto_free_fraction are only used with "
+                    f"chunk_size='auto' (got chunk_size={self.chunk_size!r}): set chunk_size to 'auto', or remove them"]
+        return []
 
 
 @dataclass
@@ -157,7 +195,7 @@ class OffloadConfig:
     num_layers x d x dtype bytes x batch per token (256 KiB per token at the Llama-3-8B shape in bf16:
     32 x 4096 x 2). Needs ``streambp`` or ``mini_seq``."""
 
-    disk_path: str | None = None
+    disk_path: Annotated[str | None, Rule("a directory path")] = None
     """With ``layer_inputs: "disk"`` (and only then): an existing, writable directory on a local disk
     (NVMe ideally; not tmpfs, which is memory). Each rank writes into a directory of its own in it
     (``ds_longseq-rank<r>-*``), whose files are removed as they are read back, and which is removed
@@ -172,6 +210,18 @@ class OffloadConfig:
     L, least near k = sqrt(L) (e.g. 11 instead of 32 at k = 4 or 8 for 32 layers). 1 (default): keep every
     input. Needs ``streambp`` or ``mini_seq`` (whose
     layers then become one checkpoint each, as with ``layer_inputs``)."""
+
+    def problems(self) -> list[str]:
+        """``disk_path`` goes with ``layer_inputs: "disk"``, both ways. (That offload needs streambp or mini_seq is
+        the technique's ``needs_one_of``, checked with the other techniques' needs.)"""
+        where_to, path = self.layer_inputs, self.disk_path
+        if where_to == "disk" and path is None:
+            return ["long_seq.offload.layer_inputs='disk' needs long_seq.offload.disk_path: a directory on a "
+                    "local disk (each rank writes a directory of its own there)"]
+        if path is not None and where_to != "disk":
+            return [f"long_seq.offload.disk_path={path!r} is only used with layer_inputs='disk' (got "
+                    f"layer_inputs={where_to!r}): set layer_inputs to 'disk', or remove disk_path"]
+        return []
 
 
 @dataclass
@@ -210,11 +260,11 @@ class AdjointConfig:
     chunk_size: int = 1024
     """Tokens per batched vector-Jacobian product and per chunk of LM-head logits: memory holds one
     chunk's graph (and C x V logits) at a time."""
-    truncation: int | None = None
+    truncation: Annotated[int | None, Rule("a positive integer (T-bar >= 1; null for exact gradients)")] = None
     """T-bar of truncated adjoint sharding (Sec. 4.3): each token's loss reaches back through its last
     T-bar state transitions only. NOT the exact gradient unless T-bar >= the sequence length
     (docs/ADJOINT.md measures the error). None: exact."""
-    layer_split: list[int] | None = None
+    layer_split: Annotated[list[int] | None, Rule("a list of positive layer counts (one per rank)")] = None
     """Layers per rank, one entry per process of the job (summing to the model's layers). None: as
     even as possible. A single process owns every layer."""
 
@@ -227,13 +277,21 @@ class WatchdogConfig:
 
     enabled: bool = True
     """Start the watchdog (a heartbeat thread per rank over the job's rendezvous store; rank 0 monitors)."""
-    heartbeat_s: float = 1.0
+    heartbeat_s: Annotated[float, Rule("a positive number of seconds")] = 1.0
     """Seconds between a rank's heartbeats. A rank that is failing anyway (an uncaught exception, or
     SIGTERM from its launcher) watches the heartbeats for max(3 x heartbeat_s, 3 s) to name the dead."""
-    peer_timeout_s: float = 120.0
+    peer_timeout_s: Annotated[float, Rule("a positive number of seconds")] = 120.0
     """Rank 0 stops the job when a rank's heartbeat stood still this long: the bound on a hang in a
     collective that waits for a dead rank (NCCL waits for the process-group timeout, 30 min, otherwise;
     gloo fails at once). Must exceed 3 x heartbeat_s."""
+
+    def problems(self) -> list[str]:
+        """The timeout leaves room for a few heartbeats: a live rank is never declared dead between two."""
+        hb, timeout = self.heartbeat_s, self.peer_timeout_s
+        if _positive_number(hb) and _positive_number(timeout) and timeout <= 3 * hb:  # (else a type problem)
+            return [f"long_seq.watchdog.peer_timeout_s={timeout:g} must exceed 3 x heartbeat_s={hb:g}: a live rank "
+                    "could be declared dead between two heartbeats; raise peer_timeout_s or lower heartbeat_s"]
+        return []
 
 
 _SECTIONS: dict[str, type] = {
@@ -284,28 +342,67 @@ def registered_techniques() -> dict[str, Any]:
     return dict(_TECHNIQUES)
 
 
-def _positive_number(value: Any) -> bool:
-    """An int or float (not a bool) above 0: what a float field such as a number of seconds accepts."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _choices(section_cls: type, name: str) -> tuple[Any, ...] | None:
-    """The allowed values of a ``Literal[...]`` (or ``Literal[...] | None``) field, else None.
+_TYPE_CHECKS: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    # every int and float of a section is a size, a count or a duration: positive
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (_positive_int, "a positive integer"),
+    float: (_positive_number, "a positive number"),
+    str: (lambda v: isinstance(v, (str, os.PathLike)) and bool(str(v)), "a non-empty string"),
+    list[int]: (lambda v: isinstance(v, (list, tuple)) and bool(v) and all(map(_positive_int, v)),
+                "a non-empty list of positive integers"),
+}
+"""A field's type (the part of its annotation that is not None or a Literal) -> (test, what the message calls a
+good value). The generic half of validation: a section adds only what its types cannot say (a ``Rule`` in the
+annotation, rules between fields in its ``problems()``)."""
 
-    Read from the annotation, so a field's choices are written once, in its type.
+
+def _field_problem(section_cls: type, name: str, value: Any, where: str) -> str | None:
+    """What is wrong with ``value`` for field ``name`` by its annotation (None when nothing is), e.g.
+    ``long_seq.streambp.chunk_size must be a positive integer, got 0``.
+
+    The annotation says it all: ``X | None`` admits None, ``Literal[...]`` its values, a plain type passes
+    ``_TYPE_CHECKS``, ``Annotated[..., Rule(...)]`` narrows that and words the message.
     """
-    hint = typing.get_type_hints(section_cls)[name]
+    hint = typing.get_type_hints(section_cls, include_extras=True)[name]
+    rules: list[Rule] = []
+    if typing.get_origin(hint) is Annotated:
+        hint, *meta = typing.get_args(hint)
+        rules = [m for m in meta if isinstance(m, Rule)]
     if typing.get_origin(hint) is Literal:  # Literal[...] alone (get_args would give its values)
-        return typing.get_args(hint)
-    values: list[Any] = []
-    for arg in typing.get_args(hint) or (hint,):
-        if arg is type(None):
-            values.append(None)
-        elif typing.get_origin(arg) is Literal:
-            values.extend(typing.get_args(arg))
+        parts: tuple[Any, ...] = (hint,)
+    else:
+        parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, _UnionType) else (hint,)
+    choices: list[Any] = []
+    types = []
+    for part in parts:
+        if part is type(None):
+            choices.append(None)
+        elif typing.get_origin(part) is Literal:
+            choices.extend(typing.get_args(part))
         else:
-            return None
-    return tuple(values)
+            types.append(part)
+    if value in choices:
+        return None
+    if not types:
+        allowed = " or ".join("null (None)" if c is None else repr(c) for c in choices)
+        return f"{where} must be {allowed}, got {value!r}"
+    kind = types[0]
+    test, must_be = _TYPE_CHECKS.get(kind, (lambda v: isinstance(v, typing.get_origin(kind) or kind),
+                                            f"a {getattr(kind, '__name__', kind)}"))
+    if test(value) and all(r.holds is None or r.holds(value) for r in rules):
+        return None
+    return f"{where} must be {rules[0].must_be if rules else must_be}, got {value!r}"
+
+
+def _elsewhere(key: str, *, besides: str | None = None) -> str:
+    """A hint for an unknown key that is a field of other sections: where it belongs ("" when nowhere)."""
+    homes = [f"long_seq.{name}.{key}" for name, cls in _SECTIONS.items()
+             if name != besides and key in {f.name for f in dataclasses.fields(cls)}]
+    return f"; {key!r} is {' or '.join(homes)}: move it there" if homes else ""
 
 
 @dataclass
@@ -338,28 +435,6 @@ class LongSeqConfig:
     """Sections of techniques registered beyond the built-in ones, by name (``long_seq.<name>``); also
     readable as attributes (``config.<name>``)."""
 
-    def __post_init__(self) -> None:
-        self._move_deprecated_kv_block_size()
-
-    def _move_deprecated_kv_block_size(self) -> None:
-        # streambp.kv_block_size (before 2026-11) -> attention.kv_block_size; both set and different is
-        # reported by _problems instead of picking one
-        old = self.streambp.kv_block_size
-        valid = isinstance(old, int) and not isinstance(old, bool) and old > 0
-        if not valid or not isinstance(self.attention, AttentionConfig):
-            return  # unset, or bad: then _problems names the key the user wrote
-        new = self.attention.kv_block_size
-        if new is not None and new != old:
-            return
-        warnings.warn(
-            "long_seq.streambp.kv_block_size is deprecated: set long_seq.attention.kv_block_size "
-            "(the same tile, used by every attention path); read from streambp for now",
-            FutureWarning,  # shown by default: the people who set it write JSON, not imports
-            stacklevel=4,
-        )
-        self.attention.kv_block_size = old
-        self.streambp.kv_block_size = None
-
     def __getattr__(self, name: str) -> Any:
         # only called when normal lookup fails: a registered technique's section
         if name != "extra" and name in _SECTIONS and name not in _BUILTIN_SECTIONS:
@@ -377,8 +452,20 @@ class LongSeqConfig:
         raise KeyError(f"no long_seq section {name!r}: sections are {sorted(_SECTIONS)}")
 
     @classmethod
+    def of(cls, config: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
+        """``config`` typed and checked, parsed only if nobody parsed it yet: a ``LongSeqConfig`` (the section an
+        entry point parsed and passes down, or one built in code) is validated and returned as it is; a dict or
+        None is parsed by :meth:`from_dict`. What a function that takes either calls (``enable``,
+        ``engine.split_config``, the planner), so each entry point parses its section once."""
+        if isinstance(config, LongSeqConfig):
+            config.validate()
+            return config
+        return cls.from_dict(config)
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "LongSeqConfig" | None) -> "LongSeqConfig":
-        """Parse and validate a ``long_seq`` dict (or pass a ``LongSeqConfig`` through, validated)."""
+        """Parse and validate a ``long_seq`` dict (a ``LongSeqConfig`` is passed through, validated: see :meth:`of`,
+        which callers inside the package use so that a parsed config never comes here again)."""
         if data is None:
             return cls()
         if isinstance(data, LongSeqConfig):
@@ -390,7 +477,7 @@ class LongSeqConfig:
         sections: dict[str, Any] = {}
         for key, value in data.items():
             if key not in _SECTIONS:
-                problems.append(f"unknown key long_seq.{key!r}: valid keys are {sorted(_SECTIONS)}")
+                problems.append(f"unknown key long_seq.{key!r}: valid keys are {sorted(_SECTIONS)}{_elsewhere(key)}")
                 continue
             section_cls = _SECTIONS[key]
             if not isinstance(value, Mapping):
@@ -400,7 +487,8 @@ class LongSeqConfig:
             kwargs = {}
             for sub_key, sub_value in value.items():
                 if sub_key not in names:
-                    problems.append(f"unknown key long_seq.{key}.{sub_key!r}: valid keys are {sorted(names)}")
+                    problems.append(f"unknown key long_seq.{key}.{sub_key!r}: valid keys are {sorted(names)}"
+                                    + _elsewhere(sub_key, besides=key))
                 else:
                     kwargs[sub_key] = sub_value
             sections[key] = section_cls(**kwargs)
@@ -413,8 +501,11 @@ class LongSeqConfig:
         return config
 
     def validate(self) -> None:
-        """Raise :class:`LongSeqConfigError` listing every problem, if there is any."""
-        self._move_deprecated_kv_block_size()  # set on the object after it was built
+        """Raise :class:`LongSeqConfigError` listing every problem, if there is any.
+
+        What a caller that is handed an already-parsed config runs (``enable``, ``engine.split_config``): it may
+        have been built or changed in code, and checking it is cheap; parsing happens once, in :meth:`from_dict`.
+        """
         problems = self._problems()
         if problems:
             raise LongSeqConfigError(problems)
@@ -431,81 +522,19 @@ class LongSeqConfig:
         return any(technique.active(self) for technique in _TECHNIQUES.values())
 
     def _problems(self) -> list[str]:
+        """Every problem: each section's fields against their annotations, then the section's own rules
+        (its ``problems()``, next to its fields), then the registered techniques' conflicts and needs."""
         problems: list[str] = []
         for name in _SECTIONS:
             section = self.section(name)
             for f in dataclasses.fields(section):
-                value = getattr(section, f.name)
-                where = f"long_seq.{name}.{f.name}"
-                choices = _choices(type(section), f.name)
-                if f.name == "enabled":
-                    if not isinstance(value, bool):
-                        problems.append(f"{where} must be true or false, got {value!r}")
-                elif choices is not None:
-                    if value not in choices:
-                        allowed = " or ".join("null (None)" if c is None else repr(c) for c in choices)
-                        problems.append(f"{where} must be {allowed}, got {value!r}")
-                elif value is None and f.default is None:
-                    continue  # an optional size left to its device default
-                elif f.name == "chunk_size" and value == "auto" and name == "streambp":
-                    continue
-                elif f.name == "auto_budget_gib":
-                    if not _positive_number(value):
-                        problems.append(f"{where} must be a positive number of GiB, got {value!r}")
-                elif f.name == "auto_free_fraction":
-                    if not _positive_number(value) or value > 1:
-                        problems.append(f"{where} must be a fraction in (0, 1], got {value!r}")
-                elif f.name == "disk_path":
-                    if not isinstance(value, (str, os.PathLike)) or not str(value):
-                        problems.append(f"{where} must be a directory path, got {value!r}")
-                elif f.name == "layer_split":
-                    if not isinstance(value, (list, tuple)) or not value or any(
-                        isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value
-                    ):
-                        problems.append(
-                            f"{where} must be a list of positive layer counts (one per rank), got {value!r}"
-                        )
-                elif isinstance(f.default, float):
-                    if not _positive_number(value):
-                        problems.append(f"{where} must be a positive number of seconds, got {value!r}")
-                elif not isinstance(value, int) or isinstance(value, bool):
-                    problems.append(f"{where} must be a positive integer, got {value!r}")
-                elif value <= 0:
-                    hint = " (T-bar >= 1; null for exact gradients)" if f.name == "truncation" else ""
-                    problems.append(f"{where} must be a positive integer{hint}, got {value}")
-        problems.extend(self._rule_problems())
-        k = self.offload.keep_every
-        if isinstance(k, int) and not isinstance(k, bool) and k > 1:
-            where = f"long_seq.offload.keep_every={k}"
-            if not (self.streambp.enabled or self.mini_seq.enabled):
-                problems.append(f"{where} needs long_seq.streambp or long_seq.mini_seq (it rebuilds dropped layer "
-                                "inputs by re-running their layers): enable one, or set keep_every to 1")
-        sbp = self.streambp
-        if sbp.chunk_size != "auto" and (sbp.auto_budget_gib is not None or sbp.auto_free_fraction != 0.8):
-            problems.append("long_seq.streambp.auto_budget_gib and auto_free_fraction are only used with "
-                            f"chunk_size='auto' (got chunk_size={sbp.chunk_size!r}): set chunk_size to 'auto', or "
-                            "remove them")
-        where_to, path = self.offload.layer_inputs, self.offload.disk_path
-        if where_to == "disk" and path is None:
-            problems.append("long_seq.offload.layer_inputs='disk' needs long_seq.offload.disk_path: a directory on a "
-                            "local disk (each rank writes a directory of its own there)")
-        elif path is not None and where_to != "disk":
-            problems.append(f"long_seq.offload.disk_path={path!r} is only used with layer_inputs='disk' (got "
-                            f"layer_inputs={where_to!r}): set layer_inputs to 'disk', or remove disk_path")
-        old, new = self.streambp.kv_block_size, self.attention.kv_block_size
-        if old is not None and new is not None and old != new:
-            problems.append(
-                f"long_seq.streambp.kv_block_size={old!r} and long_seq.attention.kv_block_size={new!r} disagree: "
-                "streambp.kv_block_size is the deprecated name of attention.kv_block_size; set only the latter"
-            )
-        hb, timeout = self.watchdog.heartbeat_s, self.watchdog.peer_timeout_s
-        if _positive_number(hb) and _positive_number(timeout):  # (else reported above)
-            if timeout <= 3 * hb:
-                problems.append(
-                    f"long_seq.watchdog.peer_timeout_s={timeout:g} must exceed 3 x heartbeat_s={hb:g}: a live rank "
-                    "could be declared dead between two heartbeats; raise peer_timeout_s or lower heartbeat_s"
-                )
-        return problems
+                problem = _field_problem(type(section), f.name, getattr(section, f.name), f"long_seq.{name}.{f.name}")
+                if problem is not None:
+                    problems.append(problem)
+            own_rules = getattr(section, "problems", None)
+            if callable(own_rules):
+                problems.extend(own_rules())
+        return problems + self._rule_problems()
 
     def _rule_problems(self) -> list[str]:
         """The registered techniques' declared conflicts and needs, among the active ones."""

@@ -82,7 +82,7 @@ def enable(
         UnsupportedModelError: the model or one of its settings is not supported (every reason listed).
         RuntimeError: the model is already enabled.
     """
-    cfg = LongSeqConfig.from_dict(config)
+    cfg = LongSeqConfig.of(config)  # a parsed config is checked, not parsed again
     wrapper, model = model, _causal_lm(model)  # a PEFT model: its inner *ForCausalLM is patched
     if is_enabled(model):
         raise RuntimeError("ds_longseq is already enabled on this model: call ds_longseq.disable(model) first")
@@ -171,7 +171,7 @@ def _checked_context(model, cfg: LongSeqConfig, techniques, handle: PatchHandle,
 def check_model(model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | None):
     """Raise :class:`UnsupportedModelError` (every reason at once) if ``enable(model, config)`` would refuse
     the model; else return its family adapter (None for an SSM model). Changes nothing."""
-    cfg = LongSeqConfig.from_dict(config)
+    cfg = LongSeqConfig.of(config)  # a parsed config is checked, not parsed again
     model = _causal_lm(model)
     return _checked_context(model, cfg, active_techniques(cfg), PatchHandle(model, cfg)).adapter
 

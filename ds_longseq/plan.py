@@ -5,8 +5,11 @@
 
 Holds:
     ModelDims: a decoder's sizes, read from a Hugging Face config (``from_config``) and its parameter counts.
+    Method / METHOD_OF_TECHNIQUE: the training methods the planner knows, and which of them a ``long_seq``
+        technique means (the one place a method's name is written).
     Setup: how it trains (method from the ``long_seq`` section, offload, SP degree, ZeRO stage, LoRA, dtype,
-        GPUs and nodes); ``Setup.from_configs`` reads a DeepSpeed config with its ``long_seq`` section.
+        GPUs and nodes); ``Setup.from_configs`` reads a DeepSpeed config and the typed ``LongSeqConfig`` of its
+        ``long_seq`` section (parsed there only when the caller has not parsed it).
     Coefficient / COEFFICIENTS: the fitted part of the model, per method and regime (see below).
     estimate: per-GPU and per-host bytes of one step at a length, broken down by component.
     longest_fit, plan (a Plan with the estimate, the longest fitting length, chunk suggestions and the preset
@@ -46,14 +49,18 @@ import json
 import math
 import os
 import sys
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
+from ds_longseq.config import LongSeqConfig
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.modules.auto_chunk import largest_fitting
 
 __all__ = [
     "ModelDims",
+    "Method",
+    "METHOD_OF_TECHNIQUE",
     "Setup",
     "Coefficient",
     "COEFFICIENTS",
@@ -73,6 +80,11 @@ MIB = 1024**2
 BUFFERS_BYTES = GIB  # CUDA context + NCCL / DeepSpeed buffers per GPU (not part of any fitted measurement)
 DISK_STAGING_BYTES = 2 * 16 * MIB  # the disk tier's two staging buffers per rank (ops.disk_offload.PIECE_BYTES each)
 Method = Literal["stock", "hf_gc", "alst", "alst_offload", "alst_offload_sync", "mst", "streambp"]
+"""How the model trains: ds_longseq's techniques (``METHOD_OF_TECHNIQUE``), Hugging Face checkpointing (``hf_gc``,
+what the examples turn on when no technique is), nothing (``stock``), or a competitor's recipe (``alst*``)."""
+METHOD_OF_TECHNIQUE: dict[str, Method] = {"streambp": "streambp", "mini_seq": "mst"}
+"""The planner's method for each ``long_seq`` technique it has measurements of, the first enabled one winning
+(the two conflict anyway); these methods keep each layer's input only, so offload and keep_every apply to them."""
 
 
 @dataclass(frozen=True)
@@ -127,26 +139,30 @@ class Setup:
         return self.method != "stock"
 
     @classmethod
-    def from_configs(cls, ds_config: Mapping | None = None, *, device: str = "cuda", gpus: int = 1, nodes: int = 1,
-                     lora_rank: int | None = None, batch_size: int | None = None,
-                     trainable_params: int | None = None) -> "Setup":
-        """From a DeepSpeed config dict (with its ``long_seq`` section) and the launch."""
+    def from_configs(cls, ds_config: Mapping | None = None, *, long_seq: LongSeqConfig | None = None,
+                     device: str = "cuda", gpus: int = 1, nodes: int = 1, lora_rank: int | None = None,
+                     batch_size: int | None = None, trainable_params: int | None = None) -> "Setup":
+        """From a DeepSpeed config dict and its ``long_seq`` section, and the launch.
+
+        Args:
+            ds_config: the DeepSpeed config (ZeRO stage, precision, micro-batch, optimizer offload).
+            long_seq: its ``long_seq`` section, parsed; default: ``ds_config["long_seq"]``, used as it is when it
+                is a :class:`LongSeqConfig` already, else parsed here (``LongSeqConfig.of``).
+            device, gpus, nodes, lora_rank, batch_size, trainable_params: the launch (see the fields).
+        """
         ds_config = dict(ds_config or {})
-        ls = ds_config.get("long_seq") or {}
+        ls = long_seq if long_seq is not None else LongSeqConfig.of(ds_config.get("long_seq"))
         zero = ds_config.get("zero_optimization") or {}
-        if (ls.get("streambp") or {}).get("enabled"):
-            method = "streambp"
-        elif (ls.get("mini_seq") or {}).get("enabled"):
-            method = "mst"
-        else:
-            method = "hf_gc"  # the examples turn HF checkpointing on when no ds_longseq technique is
+        enabled = [t for t in METHOD_OF_TECHNIQUE if getattr(ls.section(t), "enabled", False)]
+        # with no ds_longseq technique the examples turn Hugging Face checkpointing on
+        method: Method = METHOD_OF_TECHNIQUE[enabled[0]] if enabled else "hf_gc"
         bf16 = (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled")
         return cls(
             method=method,
-            offload_layer_inputs=(ls.get("offload") or {}).get("layer_inputs") in ("cpu", "disk"),
-            disk_layer_inputs=(ls.get("offload") or {}).get("layer_inputs") == "disk",
-            keep_every=int((ls.get("offload") or {}).get("keep_every", 1) or 1),
-            sequence_parallel=int((ls.get("sequence_parallel") or {}).get("size", 1)),
+            offload_layer_inputs=ls.offload.layer_inputs in ("cpu", "disk"),
+            disk_layer_inputs=ls.offload.layer_inputs == "disk",
+            keep_every=ls.offload.keep_every,
+            sequence_parallel=ls.sequence_parallel.size,
             zero_stage=int(zero.get("stage", 0)),
             gpus=gpus,
             nodes=nodes,
@@ -156,8 +172,8 @@ class Setup:
             offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
             batch_size=batch_size or int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1),
             device="cpu" if device == "cpu" else "cuda",
-            chunk_size=_chunk((ls.get("streambp") or {}).get("chunk_size", 1024)),
-            lm_head_chunk_size=int((ls.get("lm_head") or {}).get("chunk_size", 1024)),
+            chunk_size=_chunk(ls.streambp.chunk_size),
+            lm_head_chunk_size=ls.lm_head.chunk_size,
         )
 
 
@@ -406,13 +422,14 @@ def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, h
     """What would make ``seq_len`` fit: more SP, layer-input offload, optimizer offload, LoRA."""
     tries = []
     cuda = setup.device == "cuda"  # on CPU the device is the host: offloading moves nothing out of it
-    if cuda and setup.method in ("streambp", "mst") and not setup.offload_layer_inputs:
+    layer_methods = set(METHOD_OF_TECHNIQUE.values())  # those that keep each layer's input only
+    if cuda and setup.method in layer_methods and not setup.offload_layer_inputs:
         tries.append(("offload the layer inputs (long_seq.offload.layer_inputs='cpu')",
                       replace(setup, offload_layer_inputs=True)))
-    if setup.method in ("streambp", "mst") and not setup.disk_layer_inputs:
+    if setup.method in layer_methods and not setup.disk_layer_inputs:
         tries.append(("the layer inputs on disk (long_seq.offload.layer_inputs='disk' with disk_path on a local disk)",
                       replace(setup, offload_layer_inputs=True, disk_layer_inputs=True)))
-    if setup.method in ("streambp", "mst") and setup.keep_every == 1:
+    if setup.method in layer_methods and setup.keep_every == 1:
         # sparse layer-input storage: the smallest k that fits (the fewest re-forwards; a block of k is rebuilt on
         # the device, so larger k is not always better: on one device ceil(L/k) + k - 1 inputs, least near sqrt(L))
         offloads = (False, True) if cuda and not setup.offload_layer_inputs else (setup.offload_layer_inputs,)
@@ -514,8 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-mem-gib", type=float, default=None, help="memory per host (default: unchecked)")
     p.add_argument("--lora-rank", type=int, default=None)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--method", choices=("stock", "hf_gc", "alst", "alst_offload", "alst_offload_sync", "mst",
-                                        "streambp"), help="override the method the config implies")
+    p.add_argument("--method", choices=typing.get_args(Method), help="override the method the config implies")
     args = p.parse_args(argv)
     ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "long_seq": {"streambp": {"enabled": True}}}
     if args.ds_config:

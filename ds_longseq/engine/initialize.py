@@ -80,7 +80,8 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
     """Load a DeepSpeed config and split off its ``long_seq`` section.
 
     Args:
-        config: path to a JSON file, or a dict (not modified).
+        config: path to a JSON file, or a dict (not modified) whose ``long_seq`` is a dict, or the
+            :class:`LongSeqConfig` a caller parsed already (validated, not parsed again).
 
     Returns:
         (DeepSpeed config without ``long_seq``, validated :class:`LongSeqConfig`).
@@ -97,8 +98,8 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
         raise TypeError(f"config must be a path or a dict, got {type(config).__name__}")
     problems = []
     long_seq = None
-    try:
-        long_seq = LongSeqConfig.from_dict(ds_config.pop("long_seq", None))
+    try:  # parsed here, unless the caller (an example, the Trainer) passes its parsed section down
+        long_seq = LongSeqConfig.of(ds_config.pop("long_seq", None))
     except LongSeqConfigError as err:
         problems.extend(err.problems)
     stage = zero_stage(ds_config)
@@ -231,7 +232,7 @@ def initialize_with(
         from ds_longseq.engine.preflight import memory_preflight
 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        memory_preflight(getattr(model, "config", None), {**ds_config, "long_seq": long_seq.to_dict()},
+        memory_preflight(getattr(model, "config", None), {**ds_config, "long_seq": long_seq},  # parsed: read as is
                          seq_len, trainable_params=trainable, override=skip_preflight)
     stage = zero_stage(ds_config)
     sp_group = None

@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 
 from ds_longseq import plan as planner
+from ds_longseq.config import LongSeqConfig
 from ds_longseq.ops.offload import host_available_bytes, ranks_on_this_host
 
 __all__ = ["memory_preflight", "available_memory", "PreflightError"]
@@ -38,7 +39,8 @@ def available_memory(device: str) -> tuple[float, float]:
 def memory_preflight(model_config, ds_config: Mapping, seq_len: int, *, trainable_params: int | None = None,
                      lora_rank: int | None = None, override: bool = False, device: str | None = None,
                      memory: tuple[float, float] | None = None) -> planner.Plan | None:
-    """Check one step of ``seq_len`` tokens of the model (its HF config) under ``ds_config`` (with ``long_seq``).
+    """Check one step of ``seq_len`` tokens of the model (its HF config) under ``ds_config`` (with ``long_seq``: the
+    parsed :class:`~ds_longseq.config.LongSeqConfig`, as ``engine.initialize`` and the examples pass it, or a dict).
 
     ``trainable_params``: the parameters the optimizer trains (default: all, or LoRA's on the seven projections at
     ``lora_rank``);
@@ -50,15 +52,16 @@ def memory_preflight(model_config, ds_config: Mapping, seq_len: int, *, trainabl
     except ValueError as err:
         logger.info("preflight skipped: %s", err)
         return None
-    ls = (ds_config or {}).get("long_seq") or {}
-    if (ls.get("adjoint") or {}).get("enabled"):
+    long_seq = LongSeqConfig.of((ds_config or {}).get("long_seq"))  # the caller's parsed section, or its dict parsed
+    if long_seq.adjoint.enabled:
         logger.info("preflight skipped: the planner has no model of adjoint sharding's memory")
         return None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     local = min(ranks_on_this_host(), world)
-    setup = planner.Setup.from_configs(ds_config, device=device, gpus=world, nodes=max(world // local, 1),
-                                       trainable_params=trainable_params, lora_rank=lora_rank)
+    setup = planner.Setup.from_configs(ds_config, long_seq=long_seq, device=device, gpus=world,
+                                       nodes=max(world // local, 1), trainable_params=trainable_params,
+                                       lora_rank=lora_rank)
     if device == "cpu":  # the device is the host: offloading moves nothing out of it
         setup = replace(setup, offload_layer_inputs=False)
     per_device, per_host = memory if memory is not None else available_memory(device)

@@ -35,9 +35,11 @@ class Offload(Technique):
     # after the sequence-parallel hook (registration order of the hooks), so it sees the local shard's shape
     run_after = ("sequence_parallel",)
     needs_one_of = ("streambp", "mini_seq")
+    # one rule for both settings (keep_every > 1 alone makes the technique active too): one mistake, one message
     needs_reason = (
-        "only those keep just each layer's input for backward (the stock model keeps every activation); enable "
-        "one of them, or remove long_seq.offload.layer_inputs"
+        "only those keep just each layer's input for backward (the stock model keeps every activation), and "
+        "rebuild a dropped one by re-running its layers; enable one of them, or turn the offload off "
+        "(long_seq.offload.layer_inputs null, keep_every 1)"
     )
     uses_model_forward = True  # a training call defaults to use_cache=False, or layers run their stock forward
 
@@ -48,6 +50,8 @@ class Offload(Technique):
     @classmethod
     def describe(cls, config: LongSeqConfig) -> str:
         o = config.offload
+        if o.layer_inputs is None:
+            return f"long_seq.offload.keep_every={o.keep_every}"
         return f"long_seq.offload.layer_inputs={o.layer_inputs!r}" + (
             f" with keep_every={o.keep_every}" if o.keep_every != 1 else "")
 

@@ -83,7 +83,7 @@ def check_memory(args: argparse.Namespace, ds_config: dict) -> None:
     """The memory preflight (:func:`ds_longseq.engine.memory_preflight`) for this run, before any weight is
     allocated or file written: an impossible --seq-len stops here with the planner's numbers and what would fit,
     unless --no-preflight."""
-    try:  # ds_config: start_distributed's, with the run's bf16 and long_seq sections
+    try:  # ds_config: start_distributed's, with the run's bf16 section and the parsed long_seq
         ds_longseq.engine.memory_preflight(model_config(args.model, args.seq_len), ds_config, args.seq_len,
                                            lora_rank=args.lora_rank or None,
                                            override=getattr(args, "no_preflight", False))
@@ -102,6 +102,8 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     rank, world, ds_config, long_seq, use_bf16 = start_distributed(
         args.ds_config, seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, dtype=args.dtype
     )
+    # the section parsed once, by start_distributed: the preflight and engine.initialize read this object
+    ds_config["long_seq"] = long_seq
     set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
     check_memory(args, ds_config)
     if before_model is not None:
