@@ -18,8 +18,58 @@ type annotations and the output class's name do not matter, and a transformers r
 code makes a family refused, never wrong.
 
 The attention inside each layer is checked the same way (its ``forward`` must select transformers'
-attention interface and write K/V through ``past_key_values.update``), and at run time by the StreamBP
+attention interface and write K/V through the KV cache's ``update``), and at run time by the StreamBP
 layer forward (every chunk must reach ds_longseq's attention with its own keys and the prefix).
+
+What it relies on in transformers' code, and what a release changing it does. Everything is read from the
+installed transformers, so a change made to every family alike (Llama's code and the copies of it) is
+followed; a change to some families only, or to one of these names, is not:
+
+- the class: one in the model's MRO named ``*ForCausalLM`` or listed in
+  ``transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (that module moved, discovery
+  raises ``ImportError`` on every family it is asked about);
+- the decoder stack at ``model.<base_model_prefix>`` (else ``model.model``) or its one child holding the layers
+  (OPT's ``model.decoder``), with exactly one ``nn.ModuleList`` of ``config.get_text_config().num_hidden_layers``
+  layers as a direct child: layers split over several lists or nested deeper, or the count under another
+  config name, refuse the family ("has no ModuleList of config.num_hidden_layers=...");
+- the LM head: ``get_output_embeddings()``, a direct child that is a plain ``nn.Linear``;
+- the ``*ForCausalLM.forward`` source (``inspect.getsource``: the installed ``.py`` files), statement for
+  statement equal after :class:`_Normalise` to the forward of a :data:`HEAD_TEMPLATES` class (looked up by
+  name on ``transformers``): the decoder called as ``self.<prefix>(...)``, its output read as
+  ``outputs.last_hidden_state`` or ``outputs[0]``, ``slice_logits_to_keep``, the loss from
+  ``self.loss_function(...)``, a ``*OutputWithPast(...)`` returned. A new statement in one family's forward (a
+  keyword handled, another loss or logit transform), another spelling of these, or a template class renamed
+  or removed (``tests/test_discovery.py`` checks each is still found) refuses the family ("forward does
+  something after its decoder stack ...");
+- each layer's attention: the one child whose class name holds "Attention", its ``forward`` source containing
+  the text ``ALL_ATTENTION_FUNCTIONS`` and ``.update(`` (the attention-interface registry and the KV cache's
+  ``update``, whatever the cache argument is called: ``past_key_values`` before transformers 5.24, ``cache``
+  since). A renamed registry, or the cache write or interface call moved out of the attention's own
+  ``forward`` (into the layer, a helper, a base class), refuses every family written so ("does not compute
+  through transformers' attention interface"); an attention one module further down (BERT's layout) is
+  refused as such;
+- recurrent token mixers: a layer child whose ``forward`` source contains ``.update_recurrent_state(`` or
+  ``.update_conv_state(`` (the linear-attention cache API). Renamed, a layer whose only token mixer it is
+  looks mixer-free: refused at ``enable`` unless exactly one other child has parameters, else taken for a
+  token-wise block and refused by the first forward's token-wise probe (``modules.replay.check_token_wise``);
+  one beside an attention (Falcon-H1's layout) is not refused here;
+- module kinds by class or attribute name: norms (``nn.LayerNorm`` or a class name holding "Norm"), the MLP
+  (the one other child with parameters, else the child named ``mlp``; none found, mini_seq refuses), a
+  mixture of experts (a child with an ``experts`` attribute, its router the ``gate`` or ``router`` module), a
+  learned key indexer (a class name holding "Indexer": ``attention_problem``). A mixture of experts no longer
+  found is not refused here; only the sweep's exactness check on the MoE families would catch a wrong result;
+- config fields by name: dropouts (holding "dropout" or "pdrop", kept where the layers' class sources name
+  them; refused when nonzero under StreamBP) and router noise ("jitter", "noise"; refused when nonzero under
+  StreamBP and mini_seq). A dropout under another word is not listed, leaving only the run-time checks (an
+  active ``nn.Dropout`` in a StreamBP layer, a nonzero ``dropout=`` reaching ds_longseq's attention);
+- :func:`masks_see_packed_rows`: the decoder calling transformers' ``create_*mask`` builders with
+  ``position_ids``; not recognised, packed rows are refused without StreamBP (the safe side).
+
+So a transformers release that breaks the parsing makes families refused with the reason, not trained wrong
+(except where noted above). The sweep (``tests/test_model_sweep.py``) counts a refusal as a pass, so
+``tests/discovery_records/`` records which families discovery recognised per transformers version, and
+``tests/test_discovery.py`` fails naming each recorded family it no longer recognises, with this module's
+reason (after upgrading transformers: ``python -m tests.discovery_record``, then ``--write``).
 """
 
 from __future__ import annotations
