@@ -5,6 +5,7 @@ Holds:
     tiny_config: a family's default config shrunk to a width of 64 with every layer kind it mixes present once,
         its features (sliding windows, chunked attention, KV sharing, RoPE scaling) biting at 40 tokens.
     tiny_model: the stock causal LM built from :func:`tiny_config`, re-initialised so attention is peaked.
+    untrained_model: the same as transformers initialises it, never run: for reading structure (discovery).
     tiny_batch: input_ids, attention_mask and labels for a family, with padding and masked prompt tokens.
     OVERRIDES: the per-family config kwargs the field-name driven shrinking cannot work out, each with why.
     UNBUILDABLE: the families whose tiny model cannot be built or run in float64 on CPU, each with why.
@@ -35,6 +36,7 @@ __all__ = [
     "tiny_batch",
     "tiny_config",
     "tiny_model",
+    "untrained_model",
 ]
 
 VOCAB = 101
@@ -687,6 +689,15 @@ def tiny_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 
                     p.copy_(stock[name])
     return model
 
+
+
+def untrained_model(model_type: str) -> torch.nn.Module:
+    """The stock causal LM of :func:`tiny_config` (default variant) as transformers initialises it, in float32.
+
+    For reading its structure and code (``tests/discovery_record.py``): unlike :func:`tiny_model` it is not
+    re-initialised and runs no forward, which is most of the cost of building every family.
+    """
+    return _model_class(model_type)._from_config(tiny_config(model_type))
 
 # candidates for a structural stock value: state-space decays (A_log, A), skip terms (D), time-step biases,
 # recurrent gates' decays (RG-LRU's a_param, RWKV's time_*), short causal convolutions

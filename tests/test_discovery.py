@@ -13,6 +13,7 @@ import ds_longseq
 from ds_longseq import UnsupportedModelError
 from ds_longseq.compat import pop_cache
 from ds_longseq.families.discovery import HEAD_TEMPLATES, head_kind
+from tests import discovery_record, model_zoo
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
 STREAMBP = {"streambp": {"enabled": True, "chunk_size": 8}, "lm_head": {"enabled": True, "chunk_size": 16}}
@@ -123,8 +124,6 @@ def test_layer_positional_arguments_that_cannot_be_named_are_refused():
 def test_per_layer_input_streambp_cannot_cut_is_refused(bad):
     """Gemma 4's per-layer input is cut into chunks with the hidden states: one not (B, T, ...) in their dtype
     is refused at the layer, naming it."""
-    from tests import model_zoo
-
     model = model_zoo.tiny_model("gemma4_text", torch.float64)
     batch = model_zoo.tiny_batch("gemma4_text")
 
@@ -240,8 +239,6 @@ def test_window_kept_in_the_mask_only_is_refused_after_the_forward():
 def test_hidden_scaling_head_with_a_bias_is_refused():
     """MiniCPM3 divides the hidden states by logits_scaling before its LM head; the chunked head divides the logits
     instead, the same only without a head bias: with one, refused naming why."""
-    from tests import model_zoo
-
     model = model_zoo.tiny_model("minicpm3", torch.float64)
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features, dtype=torch.float64))
     with pytest.raises(UnsupportedModelError, match=r"MiniCPM3ForCausalLM scales the hidden states before an LM "
@@ -289,8 +286,6 @@ def test_decoder_one_level_down_and_a_head_of_another_name_are_found():
     """OPT keeps its decoder stack at model.model.decoder and calls it so; BioGPT names its LM head
     output_projection. Both are read from structure and their forwards recognised as the plain head (the sweep
     checks them exact); a forward calling some other submodule of the base model is not."""
-    from tests import model_zoo
-
     opt = model_zoo.tiny_model("opt", torch.float32)
     adapter = ds_longseq.patch.check_model(opt, STREAMBP)
     assert adapter.spec.decoder_attr == "model.decoder" and adapter.base_model is opt.model.decoder
@@ -336,3 +331,61 @@ def test_stock_masks_that_ignore_position_ids_are_told_apart():
             return mask
 
     assert not masks_see_packed_rows(OwnMask)
+
+
+# --- the families discovery recognised in earlier transformers releases (tests/discovery_record.py) ---------
+
+
+def test_recorded_families_are_still_recognised():
+    """Every family the record for this transformers (its own, else the newest older one) lists is still
+    recognised: a transformers release that rewrites code discovery reads fails here, naming each family and
+    the reason, instead of only turning the family's sweep result into a refusal. Newly recognised families
+    are reported as a warning (write this version's record: python -m tests.discovery_record --write)."""
+    import warnings
+
+    record = discovery_record.record_for(transformers.__version__)
+    if record is None:
+        pytest.skip(f"no record at or below transformers {transformers.__version__} in tests/discovery_records: "
+                    f"write one with {discovery_record.COMMAND}")
+    key, recorded = record
+    outcomes = discovery_record.discover(discovery_record.families(recorded))
+    gone = discovery_record.lost(recorded, outcomes)
+    assert not gone, discovery_record.describe_lost(gone, key)
+    new = discovery_record.recognised_beyond(recorded, outcomes)
+    if new:
+        warnings.warn(f"discovery recognises families the transformers {key} record does not list: "
+                      f"{', '.join(new)} (record them: {discovery_record.COMMAND})", stacklevel=1)
+
+
+def test_mutation_family_discovery_stops_recognising_is_reported(monkeypatch):
+    """Discovery made to miss Llama's attention interface (as a transformers release renaming it would): the
+    comparison names llama with the reason discovery now gives, and leaves Mistral (its own attention) alone;
+    a recorded model_type transformers no longer has is reported too."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from ds_longseq.families import discovery
+
+    record = discovery_record.record_for(transformers.__version__)
+    assert record is None or {"llama", "mistral"} <= set(record[1]), "the mutation must hit recorded families"
+    routes = discovery._routes_through_interface
+    monkeypatch.setattr(discovery, "_routes_through_interface", lambda cls: cls is not LlamaAttention and routes(cls))
+    families = ["llama", "mistral", "no_such_family"]
+    gone = discovery_record.lost(families, discovery_record.discover(families))
+    assert list(gone) == ["llama", "no_such_family"], gone
+    assert "(LlamaAttention) does not compute through transformers' attention interface" in gone["llama"][0]
+    assert "no longer has it as a causal-LM model_type" in gone["no_such_family"][0]
+    message = discovery_record.describe_lost(gone, "5.24")
+    assert "  llama:\n    - LlamaForCausalLM.model.layers[i].self_attn (LlamaAttention)" in message, message
+
+
+def test_record_for_takes_the_newest_record_at_or_below(tmp_path):
+    """A transformers without its own record is compared with the newest older one (5.25.1 -> 5.24, not 5.26;
+    minor versions compared as numbers: 5.9 < 5.10); one older than every record has none."""
+    import json
+
+    for key in ("5.9", "5.10", "5.24", "5.26"):
+        (tmp_path / f"{key}.json").write_text(json.dumps({"recognised": [f"family_{key}"]}))
+    assert discovery_record.record_for("5.25.1", tmp_path) == ("5.24", ["family_5.24"])
+    assert discovery_record.record_for("5.24.0", tmp_path) == ("5.24", ["family_5.24"])
+    assert discovery_record.record_for("5.11.0.dev0", tmp_path) == ("5.10", ["family_5.10"])
+    assert discovery_record.record_for("5.8.2", tmp_path) is None

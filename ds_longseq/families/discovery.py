@@ -18,8 +18,58 @@ type annotations and the output class's name do not matter, and a transformers r
 code makes a family refused, never wrong.
 
 The attention inside each layer is checked the same way (its ``forward`` must select transformers'
-attention interface and write K/V through ``past_key_values.update``), and at run time by the StreamBP
+attention interface and write K/V through the KV cache's ``update``), and at run time by the StreamBP
 layer forward (every chunk must reach ds_longseq's attention with its own keys and the prefix).
+
+What it relies on in transformers' code, and what a release changing it does. Everything is read from the
+installed transformers, so a change made to every family alike (Llama's code and the copies of it) is
+followed; a change to some families only, or to one of these names, is not:
+
+- the class: one in the model's MRO named ``*ForCausalLM`` or listed in
+  ``transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (that module moved, discovery
+  raises ``ImportError`` on every family it is asked about);
+- the decoder stack at ``model.<base_model_prefix>`` (else ``model.model``) or its one child holding the layers
+  (OPT's ``model.decoder``), with exactly one ``nn.ModuleList`` of ``config.get_text_config().num_hidden_layers``
+  layers as a direct child: layers split over several lists or nested deeper, or the count under another
+  config name, refuse the family ("has no ModuleList of config.num_hidden_layers=...");
+- the LM head: ``get_output_embeddings()``, a direct child that is a plain ``nn.Linear``;
+- the ``*ForCausalLM.forward`` source (``inspect.getsource``: the installed ``.py`` files), statement for
+  statement equal after :class:`_Normalise` to the forward of a :data:`HEAD_TEMPLATES` class (looked up by
+  name on ``transformers``): the decoder called as ``self.<prefix>(...)``, its output read as
+  ``outputs.last_hidden_state`` or ``outputs[0]``, ``slice_logits_to_keep``, the loss from
+  ``self.loss_function(...)``, a ``*OutputWithPast(...)`` returned. A new statement in one family's forward (a
+  keyword handled, another loss or logit transform), another spelling of these, or a template class renamed
+  or removed (``tests/test_discovery.py`` checks each is still found) refuses the family ("forward does
+  something after its decoder stack ...");
+- each layer's attention: the one child whose class name holds "Attention", its ``forward`` source containing
+  the text ``ALL_ATTENTION_FUNCTIONS`` and ``.update(`` (the attention-interface registry and the KV cache's
+  ``update``, whatever the cache argument is called: ``past_key_values`` before transformers 5.24, ``cache``
+  since). A renamed registry, or the cache write or interface call moved out of the attention's own
+  ``forward`` (into the layer, a helper, a base class), refuses every family written so ("does not compute
+  through transformers' attention interface"); an attention one module further down (BERT's layout) is
+  refused as such;
+- recurrent token mixers: a layer child whose ``forward`` source contains ``.update_recurrent_state(`` or
+  ``.update_conv_state(`` (the linear-attention cache API). Renamed, a layer whose only token mixer it is
+  looks mixer-free: refused at ``enable`` unless exactly one other child has parameters, else taken for a
+  token-wise block and refused by the first forward's token-wise probe (``modules.replay.check_token_wise``);
+  one beside an attention (Falcon-H1's layout) is not refused here;
+- module kinds by class or attribute name: norms (``nn.LayerNorm`` or a class name holding "Norm"), the MLP
+  (the one other child with parameters, else the child named ``mlp``; none found, mini_seq refuses), a
+  mixture of experts (a child with an ``experts`` attribute, its router the ``gate`` or ``router`` module), a
+  learned key indexer (a class name holding "Indexer": ``attention_problem``). A mixture of experts no longer
+  found is not refused here; only the sweep's exactness check on the MoE families would catch a wrong result;
+- config fields by name: dropouts (holding "dropout" or "pdrop", kept where the layers' class sources name
+  them; refused when nonzero under StreamBP) and router noise ("jitter", "noise"; refused when nonzero under
+  StreamBP and mini_seq). A dropout under another word is not listed, leaving only the run-time checks (an
+  active ``nn.Dropout`` in a StreamBP layer, a nonzero ``dropout=`` reaching ds_longseq's attention);
+- :func:`masks_see_packed_rows`: the decoder calling transformers' ``create_*mask`` builders with
+  ``position_ids``; not recognised, packed rows are refused without StreamBP (the safe side).
+
+So a transformers release that breaks the parsing makes families refused with the reason, not trained wrong
+(except where noted above). The sweep (``tests/test_model_sweep.py``) counts a refusal as a pass, so
+``tests/discovery_records/`` records which families discovery recognised per transformers version, and
+``tests/test_discovery.py`` fails naming each recorded family it no longer recognises, with this module's
+reason (after upgrading transformers: ``python -m tests.discovery_record``, then ``--write``).
 """
 
 from __future__ import annotations
@@ -410,26 +460,25 @@ def _read_by_modules(modules: list[torch.nn.Module], fields: tuple[str, ...]) ->
     return tuple(f for f in fields if f in names)
 
 
-def discover_spec(model: torch.nn.Module, family_spec_cls: type):
-    """``(spec, [])`` for a model whose parts can all be located, else ``(None, problems)``.
-
-    Args:
-        model: a ``*ForCausalLM`` instance.
-        family_spec_cls: ``decoder.FamilySpec`` (passed in: this module sits below the registry that uses it).
-    """
-    cls = type(model).__name__
-    problems: list[str] = []
+def _is_causal_lm(cls: type) -> bool:
+    """A ``*ForCausalLM`` class, or one ``AutoModelForCausalLM`` builds (some older ones are ``*LMHeadModel``)."""
     names = _causal_lm_class_names()
-    if not any(c.__name__.endswith("ForCausalLM") or c.__name__ in names for c in type(model).__mro__):
-        return None, [f"{cls} is not a causal-LM class (*ForCausalLM): ds_longseq trains decoder-only causal LMs"]
+    return any(c.__name__.endswith("ForCausalLM") or c.__name__ in names for c in cls.__mro__)
+
+
+def _find_decoder(model: torch.nn.Module, cls: str) -> tuple[str, torch.nn.Module, list[str], int | None] | str:
+    """``(path, decoder stack, its layer-list attributes, config.num_hidden_layers)``, or the problem.
+
+    The stack is ``model.<base_model_prefix>`` (``model`` where that is no module: Llama 4's text model names
+    "language_model" but keeps its decoder at ``.model``), or its one child holding a layer list (OPT's
+    ``model.decoder``); a layer list is a ``ModuleList`` of ``config.num_hidden_layers`` modules.
+    """
     prefix = getattr(model, "base_model_prefix", "model") or "model"
     if not isinstance(getattr(model, prefix, None), torch.nn.Module):
-        prefix = "model"  # e.g. Llama 4's text model: prefix "language_model", decoder at .model
+        prefix = "model"
     decoder = getattr(model, prefix, None)
-    head = model.get_output_embeddings()
-    head_attrs = [name for name, child in model.named_children() if child is head]
     if not isinstance(decoder, torch.nn.Module):
-        return None, problems + [f"{cls}.{prefix} (its base_model_prefix) is not the decoder stack"]
+        return f"{cls}.{prefix} (its base_model_prefix) is not the decoder stack"
     num_layers = getattr(text_config(model), "num_hidden_layers", None)
 
     def layer_lists(module: torch.nn.Module) -> list[str]:
@@ -437,62 +486,73 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
 
     lists = layer_lists(decoder)
     inner = [] if lists else [name for name, child in decoder.named_children() if layer_lists(child)]
-    if len(inner) == 1:  # a decoder stack one level down (OPT: model.model.decoder.layers)
+    if len(inner) == 1:
         prefix, decoder = f"{prefix}.{inner[0]}", getattr(decoder, inner[0])
         lists = layer_lists(decoder)
-    kind = head_kind(model, prefix if "." in prefix else None, head_attrs[0] if head_attrs else "lm_head")
-    if kind is None:
-        problems.append(
-            f"{cls}.forward does something after its decoder stack that ds_longseq does not re-implement (its code "
-            "is none of " + ", ".join(n for names in HEAD_TEMPLATES.values() for n in names) + "'s, e.g. a logit "
-            "scale or another loss), and ds_longseq replaces that forward"
-        )
-    if len(lists) != 1:
-        found = "no" if not lists else f"{len(lists)} ({lists})"
-        return None, problems + [
-            f"{cls}.{prefix} has {found} ModuleList of config.num_hidden_layers={num_layers} decoder layers"
-        ]
-    layers_attr = lists[0]
-    layers = list(getattr(decoder, layers_attr))
-    where = f"{cls}.{prefix}.{layers_attr}"
-    # token mixers: attention modules, and recurrent ones carrying a state through the cache (hybrid stacks)
-    mixer_names = [_child_names(layer, lambda c: is_state_mixer(type(c))) for layer in layers]
-    attn_names = [
-        _child_names(layer, lambda c: "Attention" in type(c).__name__ and not is_state_mixer(type(c)))
-        for layer in layers
-    ]
-    def parameterised(layer: torch.nn.Module, exclude: list[str]) -> tuple[str, ...]:
-        return tuple(name for name, child in layer.named_children()
-                     if name not in exclude and not _is_norm(child) and any(True for _ in child.parameters()))
+    return prefix, decoder, lists, num_layers
 
-    # what is left beside each layer's token mixer: its MLP (or MoE block, or parts of one)
-    others = [parameterised(layer, attn_names[i] + mixer_names[i]) for i, layer in enumerate(layers)]
-    # layers with no token mixer at all (NemotronH's MLP and MoE blocks): one parameterised child, checked to be
-    # token-wise on the first forward (modules.replay.check_token_wise)
-    token_wise = [i for i, names in enumerate(attn_names) if not names and not mixer_names[i]]
-    missing = [i for i in token_wise if len(others[i]) != 1]
-    if missing:
-        kinds = sorted({type(layers[i]).__name__ for i in missing})
-        return None, problems + [
-            f"{where}{missing} ({', '.join(kinds)}) have no attention module, no token mixer carrying its state "
-            "through transformers' linear-attention cache API (update_recurrent_state / update_conv_state) and not "
-            "one MLP-like child either: ds_longseq cannot tell how they mix tokens"
+
+def _unknown_head_problem(cls: str) -> str:
+    return (
+        f"{cls}.forward does something after its decoder stack that ds_longseq does not re-implement (its code "
+        "is none of " + ", ".join(n for names in HEAD_TEMPLATES.values() for n in names) + "'s, e.g. a logit "
+        "scale or another loss), and ds_longseq replaces that forward"
+    )
+
+
+def _parameterised(layer: torch.nn.Module, exclude: list[str]) -> tuple[str, ...]:
+    """The children of ``layer`` with parameters, outside ``exclude`` and norms."""
+    return tuple(name for name, child in layer.named_children()
+                 if name not in exclude and not _is_norm(child) and any(True for _ in child.parameters()))
+
+
+class _Mixers:
+    """Each layer's token mixers (attention modules and recurrent state carriers) and what is left beside them."""
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        self.recurrent = [_child_names(layer, lambda c: is_state_mixer(type(c))) for layer in layers]
+        self.attention = [
+            _child_names(layer, lambda c: "Attention" in type(c).__name__ and not is_state_mixer(type(c)))
+            for layer in layers
         ]
-    several = [i for i, names in enumerate(attn_names) if len(names) > 1] + [
-        i for i, names in enumerate(mixer_names) if len(names) > 1]
-    attn_attrs = {names[0] for names in attn_names if names}
-    mixer_attrs = {names[0] for names in mixer_names if names}
-    if several or len(attn_attrs) > 1 or len(mixer_attrs) > 1:
-        return None, problems + [
-            f"{where}: the layers' token mixers are not one attribute per kind (attention "
-            f"{sorted(map(tuple, attn_names))}, recurrent {sorted(map(tuple, mixer_names))})"
-        ]
-    attn_attr = next(iter(attn_attrs), None)
-    mixer_attr = next(iter(mixer_attrs), None)
-    attentions = [getattr(layer, attn_attr) for layer, names in zip(layers, attn_names, strict=True) if names]
+        # what is left beside each layer's token mixer: its MLP (or MoE block, or parts of one)
+        self.others = [_parameterised(layer, self.attention[i] + self.recurrent[i]) for i, layer in enumerate(layers)]
+        # layers with no token mixer at all (NemotronH's MLP and MoE blocks): one parameterised child, checked to
+        # be token-wise on the first forward (modules.replay.check_token_wise)
+        self.token_wise = [i for i, names in enumerate(self.attention) if not names and not self.recurrent[i]]
+        self.attn_attrs = {names[0] for names in self.attention if names}
+        self.mixer_attrs = {names[0] for names in self.recurrent if names}
+        self.attn_attr = next(iter(self.attn_attrs), None)
+        self.mixer_attr = next(iter(self.mixer_attrs), None)
+
+    def problem(self, layers: list[torch.nn.Module], where: str) -> str | None:
+        """Why the layers' token mixers cannot be told apart, or None."""
+        missing = [i for i in self.token_wise if len(self.others[i]) != 1]
+        if missing:
+            kinds = sorted({type(layers[i]).__name__ for i in missing})
+            return (
+                f"{where}{missing} ({', '.join(kinds)}) have no attention module, no token mixer carrying its state "
+                "through transformers' linear-attention cache API (update_recurrent_state / update_conv_state) and "
+                "not one MLP-like child either: ds_longseq cannot tell how they mix tokens"
+            )
+        several = [i for i, names in enumerate(self.attention) if len(names) > 1] + [
+            i for i, names in enumerate(self.recurrent) if len(names) > 1]
+        if several or len(self.attn_attrs) > 1 or len(self.mixer_attrs) > 1:
+            return (
+                f"{where}: the layers' token mixers are not one attribute per kind (attention "
+                f"{sorted(map(tuple, self.attention))}, recurrent {sorted(map(tuple, self.recurrent))})"
+            )
+        return None
+
+
+def _attention_problems(layers: list[torch.nn.Module], mixers: _Mixers, where: str) -> tuple[str | None, list[str]]:
+    """``(attention_problem, problems)``: what keeps ds_longseq's own attention (StreamBP, SP) off the family (a
+    learned key indexer), and what refuses it (attention computed outside transformers' interface or nested)."""
+    attn_attr = mixers.attn_attr
+    attentions = [getattr(layer, attn_attr) for layer, names in zip(layers, mixers.attention, strict=True) if names]
     inline = sorted({type(a).__name__ for a in attentions if not _routes_through_interface(type(a))})
     indexed = sorted({type(m).__name__ for a in attentions for m in a.modules() if "Indexer" in type(m).__name__})
-    attention_problem = None  # what keeps ds_longseq's own attention (StreamBP, SP) off this family
+    attention_problem = None
     if indexed:
         attention_problem = (
             f"{where}[i].{attn_attr} selects its keys with a learned indexer ({', '.join(indexed)}: sparse "
@@ -504,38 +564,54 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
                for m in a.modules() if m is not a and "Attention" in type(m).__name__}
     if wrapped:
         shared = len({id(a) for a in attentions}) < len(attentions)
-        problems.append(
+        return attention_problem, [
             f"{where}[i].{attn_attr} ({', '.join(sorted(wrapped))}) holds its attention a level further down "
             f"({', '.join(sorted(set(wrapped.values())))}){', one instance shared by several layers' if shared else ''}"
             ", which ds_longseq does not look into: it runs attention modules found directly in each layer"
-        )
-    elif inline:
-        problems.append(
+        ]
+    if inline:
+        return attention_problem, [
             f"{where}[i].{attn_attr} ({', '.join(inline)}) does not compute through transformers' attention interface "
             "with its K/V through the KV cache's update(), which ds_longseq's chunked attention replaces"
-        )
+        ]
+    return attention_problem, []
+
+
+def _mlp(others: list[tuple[str, ...]]) -> tuple[str | None, tuple[int, ...]]:
+    """``(mlp_attr, mlp_free_layers)``: the layers' MLP attribute (None where they have none in common), and the
+    layers that are a token mixer only (NemotronH's attention and Mamba blocks: nothing for mini_seq to chunk)."""
     mlp_names = {names for names in others if names}
     mlp_attr = next(iter(mlp_names))[0] if len(mlp_names) == 1 and len(next(iter(mlp_names))) == 1 else None
     if mlp_attr is None and mlp_names and all("mlp" in names for names in mlp_names):
         # Other parameterised children beside it (Gemma 4's per-layer-input gate and projection, its MoE block
         # next to the dense MLP): the one transformers names mlp is the MLP; the others run stock
         mlp_attr = "mlp"
-    # layers that are a token mixer only (NemotronH's attention and Mamba blocks): nothing for mini_seq to chunk
     mlp_free = tuple(i for i, names in enumerate(others) if not names) if mlp_attr is not None else ()
+    return mlp_attr, mlp_free
+
+
+def _head_problems(model: torch.nn.Module, cls: str, head, head_attrs: list[str], kind: str | None) -> list[str]:
+    """Why the chunked LM head would not compute what this head does (empty where it would)."""
     if not is_plain_linear(head) or not head_attrs:
-        problems.append(f"{cls}'s output embeddings are {type(head).__name__}, not a plain torch.nn.Linear child "
-                        "(ds_longseq's chunked head computes hidden @ weight.T + bias and nothing else)")
-    elif kind == "z_loss" and getattr(model, "z_loss_coefficient", 0.0):
-        problems.append(f"{cls} adds a z-loss (z_loss_coefficient={model.z_loss_coefficient}: the squared logsumexp "
-                        "of every position's logits), which ds_longseq's chunked head does not compute; set "
-                        "config.z_loss_coefficient=0.0")
-    elif kind == "hidden_scaling" and head.bias is not None:
-        problems.append(f"{cls} scales the hidden states before an LM head with a bias, which ds_longseq's chunked "
-                        "head (scaling the logits instead) would not reproduce")
-    norms = _child_names(decoder, _is_norm)
+        return [f"{cls}'s output embeddings are {type(head).__name__}, not a plain torch.nn.Linear child "
+                "(ds_longseq's chunked head computes hidden @ weight.T + bias and nothing else)"]
+    if kind == "z_loss" and getattr(model, "z_loss_coefficient", 0.0):
+        return [f"{cls} adds a z-loss (z_loss_coefficient={model.z_loss_coefficient}: the squared logsumexp "
+                "of every position's logits), which ds_longseq's chunked head does not compute; set "
+                "config.z_loss_coefficient=0.0"]
+    if kind == "hidden_scaling" and head.bias is not None:
+        return [f"{cls} scales the hidden states before an LM head with a bias, which ds_longseq's chunked "
+                "head (scaling the logits instead) would not reproduce"]
+    return []
+
+
+def _moe(layers: list[torch.nn.Module], others: list[tuple[str, ...]], mlp_attr: str | None, kind: str | None,
+         where: str) -> tuple[str | None, str | None, str | None, list[str]]:
+    """``(moe_attr, moe_class, router_attr, problems)`` of the layers' mixture-of-experts block: the MLP itself,
+    else the one child with ``experts`` beside other MLP parts (Granite-MoE-hybrid's block_sparse_moe beside its
+    shared_mlp); its router is its ``gate`` or ``router`` module."""
+    problems: list[str] = []
     moe_class = router_attr = moe_attr = None
-    # the mixture-of-experts block: the MLP itself, else the one child with experts beside other MLP parts
-    # (Granite-MoE-hybrid's block_sparse_moe beside its shared_mlp)
     moe_attrs = {name for i, layer in enumerate(layers) for name, child in layer.named_children()
                  if name in others[i] and hasattr(child, "experts")}
     if mlp_attr is not None and mlp_attr in moe_attrs:
@@ -556,6 +632,55 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
             f"{where}[i].{moe_attr} ({moe_class}) has no router (.gate or .router) whose logits the load-balancing "
             "loss reads"
         )
+    return moe_attr, moe_class, router_attr, problems
+
+
+def _final_norm(decoder: torch.nn.Module) -> str:
+    """The decoder stack's final norm: its one norm child (``norm`` where it has none or several)."""
+    norms = _child_names(decoder, _is_norm)
+    return norms[0] if len(norms) == 1 else "norm"
+
+
+def discover_spec(model: torch.nn.Module, family_spec_cls: type):
+    """``(spec, [])`` for a model whose parts can all be located, else ``(None, problems)``.
+
+    Problems that stop the search (no decoder stack, no single layer list, token mixers that cannot be told
+    apart) end it with what was found so far; the others (head, attention, LM head, mixture of experts) are all
+    collected, so one refusal lists them together.
+
+    Args:
+        model: a ``*ForCausalLM`` instance.
+        family_spec_cls: ``decoder.FamilySpec`` (passed in: this module sits below the registry that uses it).
+    """
+    cls = type(model).__name__
+    if not _is_causal_lm(type(model)):
+        return None, [f"{cls} is not a causal-LM class (*ForCausalLM): ds_longseq trains decoder-only causal LMs"]
+    head = model.get_output_embeddings()
+    head_attrs = [name for name, child in model.named_children() if child is head]
+    found = _find_decoder(model, cls)
+    if isinstance(found, str):
+        return None, [found]
+    prefix, decoder, lists, num_layers = found
+    kind = head_kind(model, prefix if "." in prefix else None, head_attrs[0] if head_attrs else "lm_head")
+    problems = [] if kind is not None else [_unknown_head_problem(cls)]
+    if len(lists) != 1:
+        count = "no" if not lists else f"{len(lists)} ({lists})"
+        return None, problems + [
+            f"{cls}.{prefix} has {count} ModuleList of config.num_hidden_layers={num_layers} decoder layers"
+        ]
+    layers_attr = lists[0]
+    layers = list(getattr(decoder, layers_attr))
+    where = f"{cls}.{prefix}.{layers_attr}"
+    mixers = _Mixers(layers)
+    problem = mixers.problem(layers, where)
+    if problem is not None:
+        return None, problems + [problem]
+    attention_problem, attention_refusals = _attention_problems(layers, mixers, where)
+    problems += attention_refusals
+    mlp_attr, mlp_free = _mlp(mixers.others)
+    problems += _head_problems(model, cls, head, head_attrs, kind)
+    moe_attr, moe_class, router_attr, moe_problems = _moe(layers, mixers.others, mlp_attr, kind, where)
+    problems += moe_problems
     if problems:
         return None, problems
     config = text_config(model)
@@ -563,8 +688,8 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         causal_lm_class=cls,
         decoder_attr=prefix,
         layers_attr=layers_attr,
-        attn_attr=attn_attr or "self_attn",
-        mixer_attr=mixer_attr,
+        attn_attr=mixers.attn_attr or "self_attn",
+        mixer_attr=mixers.mixer_attr,
         mlp_attr=mlp_attr,
         lm_head_attr=head_attrs[0],
         dropout_fields=_read_by_modules(layers, _fields(config, _DROPOUT_WORDS)),
@@ -575,12 +700,12 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         mlp_noise_fields=_fields(config, _NOISE_WORDS),
         norm_folds=(),
         norm_folds_known=False,
-        final_norm_attr=norms[0] if len(norms) == 1 else "norm",
+        final_norm_attr=_final_norm(decoder),
         head_kind=kind,
         discovered=True,
         attention_problem=attention_problem,
         sequence_parallel_verified=False,
-        token_wise_layers=tuple(token_wise),
+        token_wise_layers=tuple(mixers.token_wise),
         mlp_free_layers=mlp_free,
     )
     fields.update(OVERRIDES.get(getattr(model.config, "model_type", None), {}))
