@@ -114,7 +114,10 @@ def main(argv=None) -> int:
     if args.trl:
         SFTConfig, SFTTrainer = import_trl()
     # gloo on CPU, nccl on GPU; checks the config's long_seq section against --seq-len and the world size
-    _, world, ds_config, _, use_bf16 = start_distributed(args.ds_config, seq_len=args.seq_len)
+    _, world, ds_config, long_seq, use_bf16 = start_distributed(args.ds_config, seq_len=args.seq_len)
+    # the section start_distributed parsed, handed to the Trainer as it is (not parsed again): a script of your own
+    # can leave it in the DeepSpeed JSON instead, where the Trainer takes it out itself
+    ds_config.pop("long_seq", None)
 
     model = build_model(args.model, torch.bfloat16 if use_bf16 else torch.float32, seq_len=args.seq_len,
                         seed=args.seed)
@@ -130,9 +133,10 @@ def main(argv=None) -> int:
         save_strategy="no", report_to="none", seed=args.seed,
     )
 
-    # A stock script would say Trainer / SFTTrainer: the Trainer class is the only code change.
+    # A stock script would say Trainer / SFTTrainer: the Trainer class is the only code change (and long_seq=).
     if not args.trl:
-        trainer = LongSeqTrainer(model=model, args=TrainingArguments(**training), train_dataset=rows)
+        trainer = LongSeqTrainer(model=model, args=TrainingArguments(**training), train_dataset=rows,
+                                 long_seq=long_seq)
     else:
         import datasets
 
@@ -143,7 +147,7 @@ def main(argv=None) -> int:
         ])
         config = SFTConfig(**training, max_length=args.seq_len, activation_checkpointing=False)
         trainer = with_long_seq(SFTTrainer)(model=model, args=config, train_dataset=data,
-                                            processing_class=tokenizer or copy_task_tokenizer())
+                                            processing_class=tokenizer or copy_task_tokenizer(), long_seq=long_seq)
     result = trainer.train()
     trainer.save_model(os.path.join(args.output_dir, "hf_model"))  # every rank: ZeRO-3 gathers the weights
     trainer.save_state()  # trainer_state.json, with the log history

@@ -134,6 +134,47 @@ def test_example_setup_parses_once(parses, monkeypatch, tmp_path):
     assert ds_longseq.is_enabled(run.model) and run.long_seq.streambp.chunk_size == 32 and len(seen) == 1
 
 
-# The Trainer entry point (ds_longseq.trainer.LongSeqTrainer / with_long_seq, examples/trainer_sft.py) belongs in
-# this file too, once its section flows the same way: a test_trainer_parses_once that builds a LongSeqTrainer on
-# a one-process CPU run (see tests/test_trainer.py) and asserts len(parses) == 1.
+def _trainer_body(rank: int, workdir: str, model_dir: str, given: str):
+    """A LongSeqTrainer built and trained one step on this rank, its section in the DeepSpeed config (``given``
+    "ds") or passed as ``long_seq=`` (a dict, or an already parsed LongSeqConfig: "object"); returns how many
+    times the section was parsed."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from ds_longseq.trainer import LongSeqTrainer
+    from tests.test_trainer import _samples, collate, ds_config
+
+    calls = []
+    parse = LongSeqConfig.from_dict.__func__
+    LongSeqConfig.from_dict = classmethod(lambda cls, data: calls.append(data) or parse(cls, data))
+    try:
+        config = ds_config(2, 1)
+        section = config.pop("long_seq")
+        if given == "ds":
+            config["long_seq"] = section
+        args = TrainingArguments(
+            output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, max_steps=1, report_to=[],
+            use_cpu=True, disable_tqdm=True, save_strategy="no", remove_unused_columns=False, optim="sgd",
+            deepspeed=config if given != "no_ds" else None,
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        long_seq = {"ds": None, "no_ds": section, "object": LongSeqConfig.from_dict(section)}[given]
+        before = len(calls)  # "object": the caller's own parse, before the entry point
+        trainer = LongSeqTrainer(model=model, args=args, train_dataset=_samples(4), data_collator=collate,
+                                 long_seq=long_seq)
+        trainer.train()
+        return len(calls) - before
+    finally:
+        LongSeqConfig.from_dict = classmethod(parse)
+
+
+@pytest.mark.parametrize("given, parsed", [("ds", 1), ("object", 0), ("no_ds", 1)])
+def test_trainer_parses_once(tmp_path, given, parsed):
+    """The Trainer entry point: the section taken out of the DeepSpeed config is parsed once, in ``__init__``, and
+    the engine accelerate builds in ``train`` gets the parsed object (``engine.initialize_with``), as does
+    ``enable``; a section passed already parsed is not parsed again; without DeepSpeed, ``long_seq=`` once."""
+    from tests.dist_utils import run_distributed
+    from tests.test_trainer import save_tiny_llama
+
+    save_tiny_llama(str(tmp_path / "init"))
+    counts = run_distributed(_trainer_body, 1, (str(tmp_path), str(tmp_path / "init"), given), timeout=300)
+    assert counts == [parsed]

@@ -42,8 +42,9 @@ class LongSeqTrainerMixin:
     list it first among the bases.
 
     Args:
-        long_seq: the ``long_seq`` section (dict or :class:`LongSeqConfig`) for a run WITHOUT a
-            DeepSpeed config (one process). With DeepSpeed, put it in the DeepSpeed JSON instead.
+        long_seq: the ``long_seq`` section (dict or :class:`LongSeqConfig`, which is not parsed again): for a
+            run without a DeepSpeed config (one process), or beside a DeepSpeed config that has none (usually it
+            is in the DeepSpeed JSON, where the Trainer finds it).
         *args, **kwargs: the Trainer's own.
 
     Raises (from ``__init__``, before any training):
@@ -93,9 +94,9 @@ class LongSeqTrainerMixin:
 
     # ---- set-up ---------------------------------------------------------------------------------
 
-    def _long_seq_take_section(self, long_seq) -> tuple[dict[str, Any] | None, LongSeqConfig]:
-        """(the raw section for engine.initialize_with, validated config); removes it from the
-        DeepSpeed config, which DeepSpeed itself must not see."""
+    def _long_seq_take_section(self, long_seq) -> tuple[Any, LongSeqConfig]:
+        """(the section as given, None without DeepSpeed; the config, parsed once here); removes the section from
+        the DeepSpeed config, which DeepSpeed itself must not see."""
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is None:
             if dist.is_initialized() and dist.get_world_size() > 1 and long_seq is not None:
@@ -103,7 +104,7 @@ class LongSeqTrainerMixin:
                     "ds_longseq's Trainer integration runs several processes through DeepSpeed: pass "
                     "TrainingArguments(deepspeed=<config with a 'long_seq' section>) instead of long_seq="
                 )
-            cfg = LongSeqConfig.from_dict(long_seq)
+            cfg = LongSeqConfig.of(long_seq)
             if cfg.sequence_parallel.enabled:
                 raise LongSeqConfigError(
                     ["sequence_parallel needs DeepSpeed: pass TrainingArguments(deepspeed=<config>) with the section"]
@@ -117,7 +118,7 @@ class LongSeqTrainerMixin:
         if long_seq is not None:
             if section is not None:
                 raise ValueError("long_seq is in the DeepSpeed config and passed as long_seq=: keep only one")
-            section = long_seq.to_dict() if isinstance(long_seq, LongSeqConfig) else dict(long_seq)
+            section = long_seq  # a dict, or a LongSeqConfig someone parsed: split_config parses a dict only
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and getattr(pc, "sp_enabled", False):
             section = self._long_seq_take_parallelism_config(pc, section)
@@ -129,7 +130,7 @@ class LongSeqTrainerMixin:
         ask for it: ``ParallelismConfig(sp_backend="deepspeed", sp_size=P, sp_handler=...)``). accelerate's
         own Ulysses (its attention, its dataloader adapter, the Trainer's loss) is then kept out of the run and
         ds_longseq's does the work, with ALST's data semantics (``cases.ShardedSequences(alst=True)``)."""
-        section = dict(section or {})
+        section = section.to_dict() if isinstance(section, LongSeqConfig) else dict(section or {})
         ours = dict(section.get("sequence_parallel") or {})
         if ours.get("size", 1) not in (1, pc.sp_size):
             raise ValueError(
