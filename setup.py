@@ -20,7 +20,7 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        # peft: ds_longseq.training.add_lora (the examples' --lora-rank), the LoRA benchmark suites
+        # peft: ds_longseq.toolkit.add_lora (the examples' --lora-rank), the LoRA benchmark suites
         # (benchmarks.run --suite gpu_lora / smoke_lora) and their tests; tested with 0.21.2
         # accelerate: the Hugging Face Trainer (ds_longseq.trainer, examples/trainer_sft.py); trl: TRL's
         # SFTTrainer (examples/trainer_sft.py --trl), which requires accelerate and datasets; tested with

@@ -1,7 +1,7 @@
 """How far Approx-BP's gradients are from exact ones on ``examples/sft.py``'s embedded model and task.
 
-For one copy-task batch (``ds_longseq.training.copy_example``) and a model (the embedded model,
-``ds_longseq.training.tiny_llama``, at its initialisation, and optionally a trained one, e.g. an exact
+For one copy-task batch (``ds_longseq.toolkit.copy_example``) and a model (the embedded model,
+``ds_longseq.toolkit.tiny_llama``, at its initialisation, and optionally a trained one, e.g. an exact
 run's ``hf_model/`` export), computes the
 exact gradient and the gradient with each ``long_seq.approx_bp`` setting (activation only, norm only,
 both), on the stock forward (Approx-BP acts the same on every path), and reports their cosine
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import LlamaForCausalLM
 
-    from ds_longseq.training import copy_example, tiny_llama
+    from ds_longseq.toolkit import copy_example, tiny_llama
 
     models = {f"embedded model at init (seed {args.seed})": tiny_llama(args.seq_len, args.seed, torch.float32)}
     if args.trained:

@@ -30,7 +30,7 @@ import sys
 
 from ds_longseq.logging import get_logger, log_rank0
 from ds_longseq.ops import dpo_loss
-from ds_longseq.training import (
+from ds_longseq.toolkit import (
     MetricsLog,
     PreferenceData,
     Reference,
@@ -44,7 +44,7 @@ from ds_longseq.training import (
     synthetic_pair,
     token_logprobs,
 )
-from ds_longseq.training import check_args as check_common_args
+from ds_longseq.toolkit import check_args as check_common_args
 
 logger = get_logger("ds_longseq.examples.dpo")
 DEFAULT_LR = 5e-4  # the embedded tiny model starts from scratch; ds_configs/ hold fine-tuning rates

@@ -38,7 +38,7 @@ import torch
 
 from ds_longseq.logging import get_logger, log_rank0
 from ds_longseq.ops import GRPO_LOSS_TYPES, group_advantages, grpo_loss
-from ds_longseq.training import (
+from ds_longseq.toolkit import (
     DEFAULT_GROUP_SIZE,
     MetricsLog,
     Reference,
@@ -54,7 +54,7 @@ from ds_longseq.training import (
     synthetic_group,
     token_logprobs,
 )
-from ds_longseq.training import check_args as check_common_args
+from ds_longseq.toolkit import check_args as check_common_args
 
 logger = get_logger("ds_longseq.examples.grpo")
 DEFAULT_LR = 5e-4  # the embedded tiny model starts from scratch; ds_configs/ hold fine-tuning rates

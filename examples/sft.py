@@ -15,7 +15,7 @@ is trained on. No token of the copy can be guessed better than chance (ln 224) w
 
 ``--pack`` (with ``--data``) puts several documents in each row of exactly --seq-len tokens, in
 the padding-free form of transformers' ``DataCollatorWithFlattening``: position_ids restart at
-every document, no attention_mask (see :class:`ds_longseq.training.PackedData`).
+every document, no attention_mask (see :class:`ds_longseq.toolkit.PackedData`).
 
 ``--lora-rank N`` (needs peft) freezes the model and trains a LoRA adapter of rank N on every
 linear projection of the decoder layers (or on ``--lora-targets``), scaled by ``--lora-alpha / N``.
@@ -40,7 +40,7 @@ import sys
 
 import torch
 
-from ds_longseq.training import (
+from ds_longseq.toolkit import (
     DOC_TOKENS,
     JsonlData,
     MetricsLog,
@@ -57,7 +57,7 @@ from ds_longseq.training import (
     plot_losses,
     setup_run,
 )
-from ds_longseq.training.faults import before_backward
+from ds_longseq.toolkit.faults import before_backward
 
 DEFAULT_LR = 3e-3  # the embedded tiny model trains from scratch; ds_configs/ hold fine-tuning rates
 
@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    # the flags dpo.py and grpo.py share (what training.setup_run reads: --lr's default for the built-in model too)
+    # the flags dpo.py and grpo.py share (what toolkit.setup_run reads: --lr's default for the built-in model too)
     add_common_args(p, save_dir="outputs/sft", max_steps=400, seq_len=2048, lr=DEFAULT_LR)
     p.add_argument("--data", default=None, help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' (trained "
                    "on the assistant turns) per line (needs --model)")

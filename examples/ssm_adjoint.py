@@ -55,7 +55,7 @@ import torch
 import ds_longseq.engine
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
 from ds_longseq.engine import split_config
-from ds_longseq.training import TopicRecallTask, init_process_group, peak_memory_gib, save_if_due, start_or_resume
+from ds_longseq.toolkit import TopicRecallTask, init_process_group, peak_memory_gib, save_if_due, start_or_resume
 
 TASK_DEFAULTS = TopicRecallTask()  # the task's defaults are written once, in its dataclass
 

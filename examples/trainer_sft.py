@@ -39,8 +39,7 @@ import sys
 import torch
 from transformers import TrainingArguments
 
-from ds_longseq.trainer import LongSeqTrainer, with_long_seq
-from ds_longseq.training import (
+from ds_longseq.toolkit import (
     DOC_TOKENS,
     VOCAB,
     JsonlData,
@@ -51,6 +50,7 @@ from ds_longseq.training import (
     plot_losses,
     start_distributed,
 )
+from ds_longseq.trainer import LongSeqTrainer, with_long_seq
 
 DEFAULT_DS_CONFIG = "ds_configs/trainer_zero2_streambp.json"
 BATCH = 8  # rows per rank and step: 8 x 256 tokens, the 2048 tokens per rank of sft.py's default step

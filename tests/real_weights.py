@@ -51,7 +51,7 @@ def gguf_path() -> str:
 
 def hf_checkpoint(directory: str) -> str:
     """SmolLM2-135M-Instruct as an HF directory (weights rounded to bfloat16, stored float32, tokenizer with it)."""
-    from ds_longseq.training import load_model, load_tokenizer
+    from ds_longseq.toolkit import load_model, load_tokenizer
 
     path = gguf_path()
     model = load_model(path, torch.float32)

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from ds_longseq.training.data import JsonlData, chat_tokens
+from ds_longseq.toolkit.data import JsonlData, chat_tokens
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -67,7 +67,7 @@ def test_jsonl_chats_mixed_with_other_records_and_skipped_ones(tmp_path, caplog)
         {"text": "the lazy dog"},
         {"prompt": "the quick", "completion": " brown fox"},
     ])
-    with caplog.at_level(logging.WARNING, logger="ds_longseq.training.data"):
+    with caplog.at_level(logging.WARNING, logger="ds_longseq.toolkit.data"):
         data = JsonlData(path, tok, seq_len=64)
     assert len(data) == 3 and data.skipped == [2]
     assert "skipped 1 chat record(s) without an assistant turn" in caplog.text and "lines [2]" in caplog.text

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ds_longseq.training import PreferenceData, preference_micro_batch
+from ds_longseq.toolkit import PreferenceData, preference_micro_batch
 from tests.test_sft import ROOT, _config, _port, _tiny_hf_model_with_tokenizer
 
 

@@ -50,7 +50,7 @@ def test_every_config_file_loads_and_validates(path, tmp_path):
 def test_gpu_presets_carry_the_gpu_tiles_and_cpu_presets_get_a_hint_on_cuda():
     """The GPU presets use what the GPU measurements found best (4096-token chunks, the whole-prefix tile) and draw
     no hint on CUDA; every CPU preset with StreamBP draws one there, and nothing is said on CPU."""
-    from ds_longseq.training.distributed import cpu_tuned_config_hint
+    from ds_longseq.toolkit.distributed import cpu_tuned_config_hint
 
     gpu = [p for p in CONFIGS if os.path.basename(p).startswith(("gpu", "multinode"))]
     assert len(gpu) == 3

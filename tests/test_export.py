@@ -1,4 +1,4 @@
-"""The end-of-run Hugging Face export under ZeRO-3 (``training.checkpoint.save_streamed``): one decoder layer gathered
+"""The end-of-run Hugging Face export under ZeRO-3 (``toolkit.checkpoint.save_streamed``): one decoder layer gathered
 and written at a time, so rank 0's host memory grows by about one layer, where gathering the whole state dict (the
 export before) grows it by the whole model. 2 CPU ranks, real DeepSpeed; the export loads with ``from_pretrained``
 into the same weights."""
@@ -31,7 +31,7 @@ def export_body(rank: int, workdir: str) -> dict:
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ds_longseq.training.checkpoint import gathered_state_dict, save_streamed
+    from ds_longseq.toolkit.checkpoint import gathered_state_dict, save_streamed
 
     config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=8,
                          num_key_value_heads=8, vocab_size=512, tie_word_embeddings=False)

@@ -1,7 +1,7 @@
 """A rank killed mid-step, mid-save or hung, on 2-3 CPU ranks through the DeepSpeed launcher.
 
 Each fault is injected through the test-only ``DS_LONGSEQ_FAULT_INJECT=sigkill:RANK:STEP:WHERE``
-(ds_longseq.training.faults: a real SIGKILL or SIGSTOP of one rank at a chosen point), and the test
+(ds_longseq.toolkit.faults: a real SIGKILL or SIGSTOP of one rank at a chosen point), and the test
 checks what issue 16 asks: the job ends within a bounded time, the watchdog
 (``ds_longseq.engine.watchdog``) names the rank, ``latest`` still names a complete checkpoint, and
 ``--resume`` reproduces the uninterrupted run's losses.
@@ -19,7 +19,7 @@ import pytest
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, RankInfo
-from ds_longseq.training import faults
+from ds_longseq.toolkit import faults
 from tests.dist_utils import run_distributed
 from tests.test_sft import _config, losses, run_sft
 

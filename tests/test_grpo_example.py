@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ds_longseq.training import RolloutData, completion_tokens, rollout_micro_batch, synthetic_group
+from ds_longseq.toolkit import RolloutData, completion_tokens, rollout_micro_batch, synthetic_group
 from tests.test_dpo_example import (
     CharTokenizer,
     _write,

@@ -3,7 +3,7 @@
 Layers, each importing only from the ones below it: config, logging and compat (the one module touching
 third-party private names) -> ops -> families (model knowledge) -> modules and adjoint -> techniques
 (one module each) -> patch (the enable driver; the deprecated ``models`` re-export sits beside it) ->
-engine -> trainer (the Hugging Face Trainer integration), training (the examples' library) and the
+engine -> trainer (the Hugging Face Trainer integration), toolkit (the examples' library) and the
 top-level package.
 The graph is read from the source with ``ast`` and counts EVERY import of a ds_longseq module: at
 the top, inside functions and under ``if TYPE_CHECKING:`` (a TYPE_CHECKING import of a sibling that
@@ -23,7 +23,7 @@ import ds_longseq
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
     "config": 0, "logging": 0, "compat": 0, "ops": 1, "families": 2, "modules": 3, "adjoint": 3, "techniques": 4,
-    "patch": 5, "models": 5, "plan": 5, "engine": 6, "trainer": 7, "training": 7,
+    "patch": 5, "models": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
 TOP_RANK = 7  # ds_longseq/__init__.py: the public surface (it leaves the heavy ``trainer`` to be imported alone)
@@ -127,15 +127,15 @@ def test_imports_go_down_the_layers():
 
 
 def test_training_library_stays_off_the_trainer_and_the_top_level():
-    """``training`` and ``trainer`` share a rank but are two ways to train: neither builds on the other, and
+    """``toolkit`` and ``trainer`` share a rank but are two ways to train: neither builds on the other, and
     ``import ds_longseq`` stays light (it imports neither)."""
     graph = import_graph(package_sources())
-    training = {m: deps for m, deps in graph.items() if m.startswith("ds_longseq.training")}
-    assert len(training) >= 8, sorted(training)  # the files were found
-    bad = sorted(f"{m} -> {d}" for m, deps in training.items() for d in deps
+    toolkit = {m: deps for m, deps in graph.items() if m.startswith("ds_longseq.toolkit")}
+    assert len(toolkit) >= 8, sorted(toolkit)  # the files were found
+    bad = sorted(f"{m} -> {d}" for m, deps in toolkit.items() for d in deps
                  if d == "ds_longseq" or d.startswith("ds_longseq.trainer"))
     assert not bad, bad
-    assert not any(d.startswith(("ds_longseq.training", "ds_longseq.trainer")) for d in graph["ds_longseq"])
+    assert not any(d.startswith(("ds_longseq.toolkit", "ds_longseq.trainer")) for d in graph["ds_longseq"])
 
 
 @pytest.mark.parametrize("guarded", [False, True])

@@ -1,4 +1,4 @@
-"""What a run reports each optimizer step (``training.MetricsLog``): examples/sft.py on 2 CPU ranks writes the loss,
+"""What a run reports each optimizer step (``toolkit.MetricsLog``): examples/sft.py on 2 CPU ranks writes the loss,
 learning rate, gradient norm, tokens/s, MFU and memory to metrics.jsonl and, with the DeepSpeed config's
 ``tensorboard`` and ``csv_monitor`` sections, to TensorBoard event files and CSV files."""
 
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from ds_longseq.training import tiny_llama
-from ds_longseq.training.metrics import PEAK_FLOPS_ENV, BackwardProgress, training_flops_per_token
+from ds_longseq.toolkit import tiny_llama
+from ds_longseq.toolkit.metrics import PEAK_FLOPS_ENV, BackwardProgress, training_flops_per_token
 from tests.test_sft import _config, run_sft
 
 STEPS = 4
@@ -77,7 +77,7 @@ def test_flops_per_token_counts_lora_and_tied_heads():
     attention = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * 256
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     assert training_flops_per_token(model, 256) == 6 * weights + attention
-    from ds_longseq.training import add_lora
+    from ds_longseq.toolkit import add_lora
 
     lora = add_lora(tiny_llama(256, seed=0), 4)
     adapter = sum(p.numel() for p in lora.parameters() if p.requires_grad)
@@ -106,7 +106,7 @@ def test_backward_progress_names_each_layer_as_the_backward_reaches_it():
 
 def test_a_monitor_section_deepspeed_would_reject_is_named_before_the_model(tmp_path, monkeypatch):
     """Bad monitor sections stop in start_distributed's check (before the weights), naming the field."""
-    from ds_longseq.training.distributed import check_monitor_config
+    from ds_longseq.toolkit.distributed import check_monitor_config
 
     check_monitor_config({"train_micro_batch_size_per_gpu": 1})  # no monitor: nothing to check
     check_monitor_config({"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "new" / "csv")}})

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_longseq.training.faults import FAULT_INJECT_ENV
+from ds_longseq.toolkit.faults import FAULT_INJECT_ENV
 from tests.dist_utils import free_port
 from tests.test_sft import ROOT, _config, losses
 

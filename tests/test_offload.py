@@ -454,7 +454,7 @@ def test_host_allocation_is_logged_once_with_its_size(caplog):
     """The first training step's host slabs are named with their size; later steps reuse them and say nothing."""
     import logging
 
-    from ds_longseq.training import tiny_llama
+    from ds_longseq.toolkit import tiny_llama
 
     model = tiny_llama(64, seed=0)
     ds_longseq.enable(model, {"streambp": {"enabled": True, "chunk_size": 32}, "offload": {"layer_inputs": "cpu"}})

@@ -3,7 +3,7 @@ is used (the preflight, the planner, ``enable``, DeepSpeed's engine) instead of 
 
 A spy on ``LongSeqConfig.from_dict`` (the one parser) counts its calls, whatever they are given, through each
 entry point: ``engine.initialize``, the planner's command line, the memory preflight, and the examples' setup
-(``training.setup_run``, what examples/sft.py, dpo.py and grpo.py call before training).
+(``toolkit.setup_run``, what examples/sft.py, dpo.py and grpo.py call before training).
 """
 
 from __future__ import annotations
@@ -108,12 +108,12 @@ def test_memory_preflight_parses_once(parses):
 
 
 def test_example_setup_parses_once(parses, monkeypatch, tmp_path):
-    """examples/sft.py's setup (``training.setup_run``): start_distributed parses the DeepSpeed JSON's section;
+    """examples/sft.py's setup (``toolkit.setup_run``): start_distributed parses the DeepSpeed JSON's section;
     the preflight, engine.initialize and enable get the object. One process, DeepSpeed's engine stood in for."""
     import deepspeed
 
     import ds_longseq
-    from ds_longseq.training import distributed, setup_run
+    from ds_longseq.toolkit import distributed, setup_run
 
     config = json.load(open(os.path.join(ROOT, "ds_configs", "zero2_streambp.json")))
     config["long_seq"] = LONG_SEQ

@@ -1,5 +1,5 @@
 """examples/sft.py end to end on 2 CPU ranks through the DeepSpeed launcher: resume and crash safety; the JSONL
-reader of ds_longseq.training it uses."""
+reader of ds_longseq.toolkit it uses."""
 
 import json
 import os
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ds_longseq.training import JsonlData
-from ds_longseq.training.faults import FAULT_INJECT_ENV
+from ds_longseq.toolkit import JsonlData
+from ds_longseq.toolkit.faults import FAULT_INJECT_ENV
 from tests.dist_utils import run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +117,7 @@ def test_bad_input_fails_before_training(tmp_path):
 def test_missing_model_and_data_paths_are_named(tmp_path):
     """--model / --data that are not there are named before anything loads (not transformers' "Repo id must be in
     the form ..." for a path it took for a hub id)."""
-    from ds_longseq.training import check_model_and_data
+    from ds_longseq.toolkit import check_model_and_data
 
     data = tmp_path / "data.jsonl"
     data.write_text("{}\n")

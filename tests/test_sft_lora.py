@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from ds_longseq.training import add_lora, check_args, copy_example, tiny_llama, write_latest
+from ds_longseq.toolkit import add_lora, check_args, copy_example, tiny_llama, write_latest
 from tests.test_sft import ROOT, _config, losses, run_sft
 
 peft = pytest.importorskip("peft")

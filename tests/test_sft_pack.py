@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_longseq.engine import shard_batch
-from ds_longseq.training import (
+from ds_longseq.toolkit import (
     JsonlData,
     PackedData,
     check_parallel_args,

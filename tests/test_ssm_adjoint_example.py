@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ds_longseq.training import TopicRecallTask
+from ds_longseq.toolkit import TopicRecallTask
 from tests.test_sft import ROOT, _port
 
 TINY = ["--seq-len", "96", "--query-every", "8", "--num-clues", "4", "--hidden-size", "16", "--state-size", "4",

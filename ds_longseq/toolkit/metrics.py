@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_longseq.logging import get_logger
-from ds_longseq.training.checkpoint import start_or_resume
+from ds_longseq.toolkit.checkpoint import start_or_resume
 
 if TYPE_CHECKING:
-    from ds_longseq.training.run import Run
+    from ds_longseq.toolkit.run import Run
 
 logger = get_logger(__name__)
 
@@ -208,7 +208,7 @@ class MetricsLog:
     """metrics.jsonl (rank 0 writes), DeepSpeed's monitor, the rank-0 tqdm bar, and the plot at the end.
 
     With ``--resume`` it first loads the checkpoint ``latest`` points at into the engine
-    (:func:`~ds_longseq.training.checkpoint.start_or_resume`): ``start_step`` is the first step to
+    (:func:`~ds_longseq.toolkit.checkpoint.start_or_resume`): ``start_step`` is the first step to
     train, ``rows`` the metrics before it. The loop adds the step's real tokens (every replica's, padding left out)
     to ``tokens`` and calls :meth:`log` once per optimizer step, which adds to the row:
 

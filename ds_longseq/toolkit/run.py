@@ -16,10 +16,10 @@ import torch
 import ds_longseq.engine
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
-from ds_longseq.training.checkpoint import export_hf, save_if_due
-from ds_longseq.training.distributed import set_learning_rate, start_distributed, to_rank_batch
-from ds_longseq.training.lora import add_lora
-from ds_longseq.training.tasks import build_model, model_config
+from ds_longseq.toolkit.checkpoint import export_hf, save_if_due
+from ds_longseq.toolkit.distributed import set_learning_rate, start_distributed, to_rank_batch
+from ds_longseq.toolkit.lora import add_lora
+from ds_longseq.toolkit.tasks import build_model, model_config
 
 __all__ = ["Run", "setup_run", "finish"]
 
@@ -28,7 +28,7 @@ __all__ = ["Run", "setup_run", "finish"]
 class Run:
     """A started run: the engine around the model and where this rank stands.
 
-    ``args`` is the namespace of :func:`~ds_longseq.training.args.add_common_args`'s flags.
+    ``args`` is the namespace of :func:`~ds_longseq.toolkit.args.add_common_args`'s flags.
     """
 
     args: argparse.Namespace
@@ -95,7 +95,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     """Start DeepSpeed, check the config against the arguments, build the model and its engine.
 
     Args:
-        args: the namespace of :func:`~ds_longseq.training.args.add_common_args`'s flags.
+        args: the namespace of :func:`~ds_longseq.toolkit.args.add_common_args`'s flags.
         before_model: runs after the config checks and before the model is built: the place to
             read and validate data, so that bad input fails before any weight is allocated.
     """

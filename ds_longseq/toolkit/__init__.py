@@ -1,10 +1,13 @@
-"""What the example training scripts share, as a library for your own scripts. PROVISIONAL API.
+"""The toolkit of a training script of your own (what the example scripts are built from). PROVISIONAL API.
+
+Not to be confused with :mod:`ds_longseq.trainer`, the Hugging Face ``Trainer`` integration: the two are separate
+ways to train and neither imports the other.
 
 PROVISIONAL: names and signatures here may change without a deprecation period; the next issues
 extend this package with more metrics, checkpoint and data formats. The stable surface of
 ds_longseq is still the top level (``initialize`` / ``enable`` / ``LongSeqConfig``) and
 :mod:`ds_longseq.engine`. Not imported by ``import ds_longseq`` (it pulls in tqdm, matplotlib and
-transformers' model classes on use); import it as ``ds_longseq.training``.
+transformers' model classes on use); import it as ``ds_longseq.toolkit``.
 
 Modules, one concern each (see each one's "Holds:"):
     data: JSONL records, rows padded to a fixed length, the deterministic micro-batch order.
@@ -21,14 +24,14 @@ Modules, one concern each (see each one's "Holds:"):
     faults: fault injection for the package's crash-safety tests (DS_LONGSEQ_FAULT_INJECT; tests only).
 """
 
-from ds_longseq.training.args import (
+from ds_longseq.toolkit.args import (
     add_common_args,
     check_args,
     check_lora_args,
     check_model_and_data,
     check_run_args,
 )
-from ds_longseq.training.checkpoint import (
+from ds_longseq.toolkit.checkpoint import (
     export_hf,
     gathered_state_dict,
     resume,
@@ -37,7 +40,7 @@ from ds_longseq.training.checkpoint import (
     start_or_resume,
     write_latest,
 )
-from ds_longseq.training.data import (
+from ds_longseq.toolkit.data import (
     JsonlData,
     chat_tokens,
     micro_batch,
@@ -47,7 +50,7 @@ from ds_longseq.training.data import (
     read_jsonl,
     require_keys,
 )
-from ds_longseq.training.distributed import (
+from ds_longseq.toolkit.distributed import (
     check_parallel_args,
     configure_logging,
     init_process_group,
@@ -56,10 +59,10 @@ from ds_longseq.training.distributed import (
     start_distributed,
     to_rank_batch,
 )
-from ds_longseq.training.lora import add_lora, decoder_linear_names, import_peft, merge_lora, parse_lora_targets
-from ds_longseq.training.metrics import MetricsLog, peak_memory_gib, plot_losses, plot_panels
-from ds_longseq.training.packing import PackedData, PackStats, first_fit_decreasing, log_packing, pack_jsonl
-from ds_longseq.training.policy import (
+from ds_longseq.toolkit.lora import add_lora, decoder_linear_names, import_peft, merge_lora, parse_lora_targets
+from ds_longseq.toolkit.metrics import MetricsLog, peak_memory_gib, plot_losses, plot_panels
+from ds_longseq.toolkit.packing import PackedData, PackStats, first_fit_decreasing, log_packing, pack_jsonl
+from ds_longseq.toolkit.policy import (
     PreferenceData,
     Reference,
     RolloutData,
@@ -69,9 +72,9 @@ from ds_longseq.training.policy import (
     rollout_micro_batch,
     token_logprobs,
 )
-from ds_longseq.training.pretrained import gguf_parts, load_config, load_model, load_tokenizer
-from ds_longseq.training.run import Run, finish, setup_run
-from ds_longseq.training.tasks import (
+from ds_longseq.toolkit.pretrained import gguf_parts, load_config, load_model, load_tokenizer
+from ds_longseq.toolkit.run import Run, finish, setup_run
+from ds_longseq.toolkit.tasks import (
     BOS,
     DEFAULT_GROUP_SIZE,
     DOC_TOKENS,

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ds_longseq.training.lora import import_peft, parse_lora_targets
-from ds_longseq.training.pretrained import gguf_parts
+from ds_longseq.toolkit.lora import import_peft, parse_lora_targets
+from ds_longseq.toolkit.pretrained import gguf_parts
 
 __all__ = ["add_common_args", "check_run_args", "check_model_and_data", "check_lora_args", "check_args"]
 

@@ -23,7 +23,7 @@ Holds:
     parse_fault: text -> Fault, with an error naming the variable and the expected forms.
     active_fault: the fault the environment asks for, or None.
     before_backward: the hook a training loop calls before a step's first backward.
-    arm_before_save / after_save: the hooks around writing a checkpoint (used by training.checkpoint).
+    arm_before_save / after_save: the hooks around writing a checkpoint (used by toolkit.checkpoint).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from ds_longseq.training.data import pad_row
-from ds_longseq.training.pretrained import load_config, load_model
+from ds_longseq.toolkit.data import pad_row
+from ds_longseq.toolkit.pretrained import load_config, load_model
 
 __all__ = ["BOS", "DOC_TOKENS", "VOCAB", "DEFAULT_GROUP_SIZE", "copy_example", "rule_continuation", "synthetic_pair",
            "synthetic_group", "TopicRecallTask", "tiny_llama", "build_model"]
@@ -76,7 +76,7 @@ def synthetic_pair(index: int, seq_len: int, seed: int) -> dict:
     """[BOS] prompt | completion: chosen follows the +1 rule, rejected has half its tokens randomised.
 
     Returns:
-        ``{"chosen": row, "rejected": row}``, each row as :func:`~ds_longseq.training.data.pad_row`
+        ``{"chosen": row, "rejected": row}``, each row as :func:`~ds_longseq.toolkit.data.pad_row`
         makes it (T,) with labels on the completion only.
     """
     prompt_len = seq_len // 2

@@ -27,8 +27,8 @@ import torch
 
 from ds_longseq.compat import is_zero3_partitioned, keys_ignored_on_save
 from ds_longseq.logging import get_logger
-from ds_longseq.training import faults
-from ds_longseq.training.lora import merge_lora
+from ds_longseq.toolkit import faults
+from ds_longseq.toolkit.lora import merge_lora
 
 __all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "prune_checkpoints",
            "gathered_state_dict", "save_streamed", "export_hf"]

@@ -23,10 +23,10 @@ import torch
 
 from ds_longseq.ops import TokenLogprobs
 from ds_longseq.patch import enable
-from ds_longseq.training.data import pad_id_of, pad_row, read_jsonl, require_keys
+from ds_longseq.toolkit.data import pad_id_of, pad_row, read_jsonl, require_keys
 
 if TYPE_CHECKING:
-    from ds_longseq.training.run import Run
+    from ds_longseq.toolkit.run import Run
 
 __all__ = ["Reference", "token_logprobs", "PreferenceData", "preference_micro_batch", "RolloutData",
            "rollout_micro_batch", "check_group_size", "completion_tokens"]

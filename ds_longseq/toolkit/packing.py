@@ -6,7 +6,7 @@ Holds:
     first_fit_decreasing: greedy bin packing of document lengths into rows (O(n log n), deterministic).
     PackStats: what packing did (documents, rows, real tokens, truncated, empty), for the start-of-run report.
     PackedData: the packed rows, in the form of transformers' ``DataCollatorWithFlattening``.
-    pack_jsonl: every record of a :class:`~ds_longseq.training.data.JsonlData` packed.
+    pack_jsonl: every record of a :class:`~ds_longseq.toolkit.data.JsonlData` packed.
     log_packing: the rank-0 packing report (efficiency, truncated and empty documents).
 """
 
@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from ds_longseq.logging import get_logger, log_rank0
-from ds_longseq.training.data import JsonlData
+from ds_longseq.toolkit.data import JsonlData
 
 __all__ = ["first_fit_decreasing", "PackStats", "PackedData", "pack_jsonl", "log_packing"]
 

@@ -22,7 +22,7 @@ import torch
 from ds_longseq.engine import check_sequence_length, shard_batch, split_config
 from ds_longseq.engine.process_group import start_process_group
 from ds_longseq.logging import get_logger
-from ds_longseq.training import faults
+from ds_longseq.toolkit import faults
 
 __all__ = [
     "configure_logging",
