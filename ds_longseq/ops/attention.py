@@ -919,13 +919,7 @@ def chunk_causal_attention(
     if kernel != "auto" and kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}: use one of {sorted(KERNELS)} or 'auto'")
     num_prefix = 0 if k_prefix is None else k_prefix.shape[2]
-    valid_cpu = None
-    if key_valid is not None:
-        if key_valid.shape[-1] != num_prefix + k.shape[2]:
-            raise ValueError(f"key_valid covers {key_valid.shape[-1]} keys, expected {num_prefix + k.shape[2]}")
-        valid_cpu = key_valid.cpu()  # one host copy; the plan marks the padded tiles from it
-        if bool(valid_cpu.all()):
-            key_valid = valid_cpu = None
+    key_valid, valid_cpu = _padding_keys(key_valid, num_prefix + k.shape[2])
     if num_prefix == 0:
         k_prefix = v_prefix = None
     if sink_own_keys and prefix_grad_sink is None:
@@ -945,14 +939,7 @@ def chunk_causal_attention(
             "cast them to one dtype, or run the model under torch.autocast"
         )
     sink_k, sink_v = prefix_grad_sink if prefix_grad_sink is not None else (None, None)
-    if num_prefix == 0:
-        joined_kv = (k, v)
-    elif joined_kv is not None:
-        joined_kv = _autocast_inputs(joined_kv, q.device.type)
-        want = (num_prefix + k.shape[2], num_prefix + v.shape[2])
-        if (joined_kv[0].shape[2], joined_kv[1].shape[2]) != want or joined_kv[0].dtype != k.dtype:
-            raise ValueError(f"joined_kv must hold the {want[0]} prefix and chunk keys in {k.dtype}, got "
-                             f"{tuple(joined_kv[0].shape)} {joined_kv[0].dtype}")
+    joined_kv = _joined_keys(joined_kv, k, v, num_prefix, q.device.type)
     plain = key_valid is None and query_lo is None and softcap is None
     one_call = _one_call_kernel(single_call, kernel, q, k.shape[1], num_prefix + k.shape[2], plain,
                                 joined_kv is not None)
@@ -962,6 +949,32 @@ def chunk_causal_attention(
         q, k, v, k_prefix, v_prefix, key_valid, query_lo, None if softcap is None else float(softcap), float(scale),
         plan, one_call or kernel, sink_k, sink_v, sink_own_keys, sink_logits, joined_k, joined_v,
     )
+
+
+def _padding_keys(key_valid: torch.Tensor | None, num_keys: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(key_valid, its host copy), both None when every one of the ``num_keys`` keys is valid: the plan marks the
+    padded tiles from the host copy (one copy per call)."""
+    if key_valid is None:
+        return None, None
+    if key_valid.shape[-1] != num_keys:
+        raise ValueError(f"key_valid covers {key_valid.shape[-1]} keys, expected {num_keys}")
+    valid_cpu = key_valid.cpu()
+    return (None, None) if bool(valid_cpu.all()) else (key_valid, valid_cpu)
+
+
+def _joined_keys(joined_kv, k: torch.Tensor, v: torch.Tensor, num_prefix: int, device_type: str):
+    """The prefix and chunk keys / values in one buffer each, checked (the chunk's own without a prefix), in the
+    autocast dtype; None when the caller gave none."""
+    if num_prefix == 0:
+        return k, v
+    if joined_kv is None:
+        return None
+    joined_kv = _autocast_inputs(joined_kv, device_type)
+    want = (num_prefix + k.shape[2], num_prefix + v.shape[2])
+    if (joined_kv[0].shape[2], joined_kv[1].shape[2]) != want or joined_kv[0].dtype != k.dtype:
+        raise ValueError(f"joined_kv must hold the {want[0]} prefix and chunk keys in {k.dtype}, got "
+                         f"{tuple(joined_kv[0].shape)} {joined_kv[0].dtype}")
+    return joined_kv
 
 
 def _one_call_kernel(single_call: bool | None, requested: str, q: torch.Tensor, num_kv_heads: int, n: int,
