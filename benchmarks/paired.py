@@ -11,6 +11,13 @@ ran seconds apart, so their ratio sees the same machine; per method it reports t
 of the per-round ratios to ``--baseline`` and the WORST round's ratio (a target counts as met only if the worst
 round meets it). Only one process computes at a time; the others wait on their pipe.
 
+Two versions of the code side by side (a refactor's "no slower than before"): ``--tree before=DIR`` names a
+checkout (e.g. ``git worktree add DIR <commit>``) and ``method@before`` runs that method from it (its own
+``ds_longseq`` and ``benchmarks.run``), interleaved with the current tree's methods::
+
+    python -m benchmarks.paired --tree before=/tmp/before --methods streambp_auto@before streambp_auto \
+        --baseline streambp_auto@before --seq-lens 4096 8192 --steps 7
+
 Outputs ``<out>.md`` and ``<out>.jsonl`` (one row per method and length, with every round's time).
 """
 
@@ -25,7 +32,12 @@ import sys
 import time
 
 
-def _child(conn, suite_name: str, method: str, seq_len: int) -> None:
+def _child(conn, suite_name: str, method: str, seq_len: int, tree: str | None = None) -> None:
+    if tree is not None:  # this method runs from another checkout: its ds_longseq, its benchmarks.run
+        import benchmarks
+
+        sys.path.insert(0, tree)
+        benchmarks.__path__.insert(0, os.path.join(tree, "benchmarks"))
     import torch
 
     from benchmarks.run import SUITES, build_step, resolve_device
@@ -35,7 +47,9 @@ def _child(conn, suite_name: str, method: str, seq_len: int) -> None:
     device = resolve_device(suite)
     step = build_step(suite, method, seq_len, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    conn.send("ready")
+    import ds_longseq
+
+    conn.send(("ready", os.path.dirname(os.path.dirname(ds_longseq.__file__))))  # which checkout it runs
     while conn.recv() == "step":
         start = time.perf_counter()
         step()
@@ -43,19 +57,28 @@ def _child(conn, suite_name: str, method: str, seq_len: int) -> None:
         conn.send(time.perf_counter() - start)
 
 
-def paired(suite: str, methods: list[str], seq_len: int, warmup: int, steps: int, log=print) -> dict[str, list[float]]:
-    """{method: [seconds of each timed round]} with the methods' steps interleaved."""
+def paired(suite: str, methods: list[str], seq_len: int, warmup: int, steps: int, log=print,
+           trees: dict[str, str] | None = None) -> dict[str, list[float]]:
+    """{method: [seconds of each timed round]} with the methods' steps interleaved; ``method@name`` runs from the
+    checkout ``trees[name]``."""
     ctx = mp.get_context("spawn")
     procs, conns = {}, {}
     try:
         for m in methods:
             parent, child = ctx.Pipe()
-            procs[m] = ctx.Process(target=_child, args=(child, suite, m, seq_len), daemon=True)
+            method, _, tree = m.partition("@")
+            if tree and tree not in (trees or {}):
+                raise ValueError(f"{m}: no --tree {tree}=DIR given")
+            args = (child, suite, method, seq_len, (trees or {}).get(tree))
+            procs[m] = ctx.Process(target=_child, args=args, daemon=True)
             procs[m].start()
             conns[m] = parent
         for m in methods:
-            if conns[m].recv() != "ready":
+            ready = conns[m].recv()
+            if not (isinstance(ready, tuple) and ready[0] == "ready"):
                 raise RuntimeError(f"{m} did not start")
+            if trees:
+                log(f"  {m}: ds_longseq from {ready[1]}")
         times = {m: [] for m in methods}
         for r in range(warmup + steps):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
@@ -112,11 +135,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default=None, help="output prefix (.md, .jsonl)")
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                   help="another checkout, for methods written method@NAME")
     args = p.parse_args(argv)
+    trees = dict(t.split("=", 1) for t in args.tree)
     command = "python -m benchmarks.paired " + " ".join(argv)
     rows = []
     for seq_len in args.seq_lens:
-        rows += summarize(paired(args.suite, args.methods, seq_len, args.warmup, args.steps), args.baseline, seq_len)
+        times = paired(args.suite, args.methods, seq_len, args.warmup, args.steps, trees=trees)
+        rows += summarize(times, args.baseline, seq_len)
         if args.out:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out + ".md", "w") as f:

@@ -4,6 +4,7 @@ The harness logic itself (search, failures, time budget, files) is tested fast i
 """
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,22 @@ def test_objectives_benchmark_smoke(tmp_path):
     # Measured 229 vs 99 MiB; RSS noise is tens of MiB, so only this point's gap is large enough to assert.
     assert float(by["grpo:chunked_head"]["peak_mib"]) < float(by["grpo:naive"]["peak_mib"]), rows
     assert Path(f"{out}.png").stat().st_size > 0 and "GRPO: peak memory" in Path(f"{out}.md").read_text()
+
+
+def test_paired_runs_a_method_from_another_checkout(tmp_path):
+    """``benchmarks.paired --tree before=DIR``: ``method@before`` imports ds_longseq and benchmarks.run from DIR,
+    interleaved with the current tree's method (how a refactor's step time is compared with the code before it)."""
+    import shutil
+
+    from benchmarks import paired
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = tmp_path / "before"
+    for part in ("ds_longseq", "benchmarks"):
+        shutil.copytree(os.path.join(root, part), tree / part, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    lines = []
+    times = paired.paired("smoke", ["streambp@before", "streambp"], 256, 0, 1, log=lines.append,
+                          trees={"before": str(tree)})
+    assert set(times) == {"streambp@before", "streambp"} and all(len(t) == 1 for t in times.values())
+    assert f"  streambp@before: ds_longseq from {tree}" in lines
+    assert f"  streambp: ds_longseq from {root}" in lines
