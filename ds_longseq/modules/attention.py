@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ds_longseq.compat import CACHE_KWARGS
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, spec_of
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, spec_of
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
@@ -243,9 +243,10 @@ def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpe
     Returns:
         (B, H, C, D) output.
     """
-    sp, stream = spec.sp, spec.stream
+    sp, stream, settings = spec.sp, spec.stream, spec.attention
     common = dict(
-        scale=masking.scale, key_valid=sp.key_valid, kv_block_size=spec.kv_block_size, single_call=spec.single_call,
+        scale=masking.scale, key_valid=sp.key_valid, kv_block_size=settings.kv_block_size,
+        single_call=settings.single_call,
         doc_start=sp.doc_start, sliding_window=masking.sliding_window, softcap=masking.softcap,
         sink_logits=masking.sink_logits, attention_chunk=masking.attention_chunk, chunk_origin=masking.chunk_origin,
     )
@@ -290,6 +291,7 @@ def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Ten
         query_lo = query_lower_bounds(torch.arange(num_keys - C, num_keys, device=query.device), doc_start,
                                       masking.sliding_window, masking.attention_chunk, chunk_origin)
     stream = spec.stream if spec is not None else None
+    settings = spec.attention if spec is not None else AttentionSettings()
     return chunk_causal_attention(
         query,
         keys.key,
@@ -298,13 +300,13 @@ def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Ten
         k_prefix=keys.k_prefix,
         v_prefix=keys.v_prefix,
         key_valid=key_valid,
-        kv_block_size=spec.kv_block_size if spec is not None else None,
+        kv_block_size=settings.kv_block_size,
         prefix_grad_sink=stream.prefix_grad_sink if stream is not None else None,
         query_lo=query_lo,
         softcap=masking.softcap,
         sink_logits=masking.sink_logits,
         joined_kv=stream.joined() if stream is not None else None,
-        single_call=spec.single_call if spec is not None else None,
+        single_call=settings.single_call,
     )
 
 

@@ -37,7 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.modules.attention import mask_audit
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec
 from ds_longseq.modules.token_outputs import (  # re-exported: they were defined here
     FUSED_HEAD_OUTPUTS,
     FusedHeadSettings,
@@ -148,6 +148,7 @@ class CausalLMForward:
         self.model = model
         self.orig_forward = orig_forward
         self.config = config
+        self.attention = AttentionSettings.from_config(config.attention)  # passed to every attention call
         self.sp = sp
         self.final_logit_softcap = final_logit_softcap
         # where the family keeps them (families/decoder.py); the stock layout by default
@@ -319,8 +320,7 @@ class CausalLMForward:
             # The StreamBP layers take the documents from here (None: no row is packed) instead of
             # finding them again, with host syncs, in every layer. transformers' model forward
             # passes its **kwargs on to every decoder layer.
-            kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start,
-                                          single_call=self.config.attention.single_call)
+            kwargs[SPEC_KWARG] = AttnSpec(None, self.attention, doc_start=doc_start)
         if doc_start is None:
             return position_ids, labels, use_cache
         if self.recurrent_mixers:
