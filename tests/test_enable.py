@@ -93,6 +93,17 @@ def test_layers_and_model_forward_carry_the_attention_settings_of_the_config():
     assert model.forward.attention == expected
 
 
+@pytest.mark.parametrize("config", [{"streambp": {"enabled": True, "chunk_size": 8}},
+                                    {"mini_seq": {"enabled": True}, "offload": {"keep_every": 2}}],
+                         ids=["streambp", "mini_seq_offload"])
+def test_training_call_makes_no_cache_under_streambp_or_offload(config):
+    """The model forward defaults a training call to use_cache=False where the layers stream or keep their inputs
+    themselves (the stock default would keep every layer's K/V, and layers given a cache run their stock forward)."""
+    model = ds_longseq.enable(make_model("llama", torch.float32), config)
+    assert model.config.use_cache
+    assert model(**make_batch()).past_key_values is None
+
+
 def test_bad_config_is_rejected_before_anything_changes():
     model = make_model("llama", torch.float32)
     with pytest.raises(LongSeqConfigError, match="chunk_size must be a positive integer"):
