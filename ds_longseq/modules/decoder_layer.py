@@ -23,6 +23,7 @@ import torch
 from ds_longseq.compat import CACHE_KWARGS, cache_kwarg, pop_cache
 from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS, RECURRENT_MASK_KWARGS
 from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, chunk_spec
+from ds_longseq.modules.layer_cache import layer_cache
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import TOKEN_WISE_PROBE_TOKENS, check_no_active_dropout, check_token_wise
 from ds_longseq.modules.sharded_mixer import HeadShardedMixerForward
@@ -359,7 +360,7 @@ class StreamBPLayerForward:
                     h_c,
                     attention_mask=self._chunk_mask(call, s, e),
                     position_ids=None if call.position_ids is None else call.position_ids[..., s:e],
-                    **{self.cache_kwarg: stream},
+                    **{self.cache_kwarg: layer_cache(stream)},
                     use_cache=False,
                     position_embeddings=_chunk_of(call.position_embeddings, s, e),
                     **{SPEC_KWARG: spec},
