@@ -25,6 +25,7 @@ from ds_longseq import compat
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.families import UnsupportedModelError, decoder_adapter
 from ds_longseq.families.discovery import MOE_AUX_KINDS
+from ds_longseq.modules.attn_spec import AttentionSettings
 from ds_longseq.modules.causal_lm import CausalLMForward
 from ds_longseq.modules.sequence_parallel import SequenceParallel
 from ds_longseq.modules.token_outputs import FusedHeadSettings
@@ -97,7 +98,9 @@ def enable(
         if any(t.uses_model_forward for t in techniques):
             # Every such path: the model forward also masks packed documents' boundary targets.
             forward = CausalLMForward(
-                model, model.forward, cfg, ctx.sp, adapter.final_logit_softcap,
+                model, model.forward, ctx.sp, adapter.final_logit_softcap, streambp=cfg.streambp.enabled,
+                offload=ctx.offload is not None, chunked_head=cfg.lm_head.enabled,
+                attention=AttentionSettings.from_config(cfg.attention),
                 decoder=adapter.base_model, head=adapter.lm_head, moe_aux=adapter.spec.head_kind in MOE_AUX_KINDS,
                 logit_scale=adapter.logit_scale, stock_masks_see_packed_rows=adapter.stock_masks_see_packed_rows(),
                 recurrent_mixers=any(adapter.mixer(layer) is not None for layer in adapter.layers),

@@ -82,6 +82,28 @@ def test_model_forward_keeps_its_signature_for_the_trainer():
     assert {"input_ids", "attention_mask", "labels"} <= set(inspect.signature(model.forward).parameters)
 
 
+def test_layers_and_model_forward_carry_the_attention_settings_of_the_config():
+    """``long_seq.attention`` reaches every StreamBP layer and the model forward as one ``AttentionSettings``."""
+    from ds_longseq.modules.attn_spec import AttentionSettings
+
+    config = {**STREAMBP, "attention": {"kv_block_size": 4, "single_call": False}}
+    model = ds_longseq.enable(make_model("llama", torch.float32), config)
+    expected = AttentionSettings(kv_block_size=4, single_call=False)
+    assert [layer.forward.attention for layer in model.model.layers] == [expected] * len(model.model.layers)
+    assert model.forward.attention == expected
+
+
+@pytest.mark.parametrize("config", [{"streambp": {"enabled": True, "chunk_size": 8}},
+                                    {"mini_seq": {"enabled": True}, "offload": {"keep_every": 2}}],
+                         ids=["streambp", "mini_seq_offload"])
+def test_training_call_makes_no_cache_under_streambp_or_offload(config):
+    """The model forward defaults a training call to use_cache=False where the layers stream or keep their inputs
+    themselves (the stock default would keep every layer's K/V, and layers given a cache run their stock forward)."""
+    model = ds_longseq.enable(make_model("llama", torch.float32), config)
+    assert model.config.use_cache
+    assert model(**make_batch()).past_key_values is None
+
+
 def test_bad_config_is_rejected_before_anything_changes():
     model = make_model("llama", torch.float32)
     with pytest.raises(LongSeqConfigError, match="chunk_size must be a positive integer"):

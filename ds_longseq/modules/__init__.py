@@ -1,7 +1,7 @@
 """Modules: replacement forwards for Hugging Face layers, built on ``ds_longseq.ops``."""
 
 from ds_longseq.modules.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
-from ds_longseq.modules.attn_spec import AttnSpec
+from ds_longseq.modules.attn_spec import AttentionSettings, AttnSpec
 from ds_longseq.modules.causal_lm import CausalLMForward, LMHeadLossForward
 from ds_longseq.modules.decoder_layer import CheckpointLayerForward, StreamBPLayerForward
 from ds_longseq.modules.mlp import MiniSeqMLPForward
@@ -9,6 +9,7 @@ from ds_longseq.modules.offload import HostMemoryError, LayerInputOffload
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AttentionSettings",
     "AttnSpec",
     "longseq_attention",
     "longseq_mask",

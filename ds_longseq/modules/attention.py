@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 
 from ds_longseq.compat import CACHE_KWARGS
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, spec_of
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, spec_of
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
@@ -47,6 +48,38 @@ _KNOWN_KWARGS = frozenset(
 )
 """Keyword arguments :func:`longseq_attention` understands; any other one raises (an attention
 feature it would silently ignore, e.g. attention sinks)."""
+
+
+class _Keys(NamedTuple):
+    """The keys and values one attention call attends, as :func:`_attended_keys` resolves them."""
+
+    key: torch.Tensor
+    """(B, Hkv, K, D): the chunk's own keys (under sequence parallelism this rank's shard's)."""
+    value: torch.Tensor
+    """(B, Hkv, K, Dv): their values."""
+    k_prefix: torch.Tensor | None
+    """(B, Hkv, S, D) keys before the chunk (a StreamBP stream's), or None (none, or under sequence parallelism)."""
+    v_prefix: torch.Tensor | None
+    """(B, Hkv, S, Dv) their values, or None."""
+    num_keys: int
+    """S + K, the keys the queries are the last C of; under sequence parallelism the global sequence length."""
+
+
+class _Masking(NamedTuple):
+    """Which keys each query sees and how its logits are shaped, beyond causality and padding."""
+
+    scale: float
+    """Softmax scale."""
+    sliding_window: int | None
+    """Keys each query attends at most (itself included), or None (no window, or one holding every key)."""
+    attention_chunk: int | None
+    """Chunked attention's chunk size (Llama 4's ``attention_chunk_size``), or None."""
+    chunk_origin: torch.Tensor | None
+    """(B, 1) or (B, num_keys) token the attention chunks are counted from, or None (from token 0)."""
+    softcap: float | None
+    """Logit softcapping (Gemma 2), or None."""
+    sink_logits: torch.Tensor | None
+    """(H,) attention-sink logits (gpt-oss's ``s_aux``), or None."""
 
 
 def longseq_attention(
@@ -81,6 +114,29 @@ def longseq_attention(
     Returns:
         ((B, C, H, D) output, None): the layout transformers' attention modules expect.
     """
+    _check_kwargs(module, kwargs)
+    spec: AttnSpec | None = spec_of(kwargs)
+    keys = _attended_keys(spec, query, key, value)
+    _check_call(module, dropout, spec, kwargs)
+    window = _sliding_window(module, sliding_window, keys.num_keys)
+    attention_chunk, chunk_origin = _attention_chunk(module, spec, attention_mask, keys.num_keys, query.device)
+    masking = _Masking(
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        sliding_window=window,
+        attention_chunk=attention_chunk,
+        chunk_origin=chunk_origin,
+        softcap=kwargs.get("softcap"),
+        sink_logits=kwargs.get("s_aux"),  # attention sinks (gpt-oss): (H,) logits
+    )
+    if spec is not None and spec.sp is not None:
+        out = _sequence_parallel_attention(query, keys, spec, masking)
+    else:
+        out = _local_attention(query, keys, attention_mask, spec, masking)
+    return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
+
+
+def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
+    """Raise ``NotImplementedError`` naming every keyword :func:`longseq_attention` does not implement."""
     unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
     if unknown:
         raise NotImplementedError(
@@ -88,7 +144,15 @@ def longseq_attention(
             "not implement (ignoring it could change the result): this model family is not supported with "
             "long_seq.streambp or sequence parallelism"
         )
-    spec: AttnSpec | None = spec_of(kwargs)
+
+
+def _attended_keys(spec: AttnSpec | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> _Keys:
+    """The keys a call attends (:class:`_Keys`), recording the call on a StreamBP chunk's stream.
+
+    Args:
+        spec: the call's spec, or None (a call outside ds_longseq's forwards).
+        query: (B, H, C, D). key, value: (B, Hkv, K, D) as the layer passed them.
+    """
     stream = spec.stream if spec is not None else None
     sp = spec.sp if spec is not None else None
     if stream is not None:  # the StreamBP layer checks that each chunk reached here once, with its own keys
@@ -99,23 +163,32 @@ def longseq_attention(
         same = stream.attends(key, value)
         stream.attended.append((query.shape[2], key.shape[2]) if same else ("not the cached keys/values",))
     if sp is not None:
-        k_prefix = v_prefix = None
-        num_keys = sp.local_len * sp.exchange.world_size
-    else:
-        k_prefix, v_prefix = stream.prefix() if stream is not None else (None, None)
-        num_keys = key.shape[2] + (0 if k_prefix is None else k_prefix.shape[2])
-        if stream is not None:  # a replay reusing the captured keys/values (KVStream.own_kv)
-            key, value = stream.own_kv(key, value)
+        return _Keys(key, value, None, None, sp.local_len * sp.exchange.world_size)
+    k_prefix, v_prefix = stream.prefix() if stream is not None else (None, None)
+    num_keys = key.shape[2] + (0 if k_prefix is None else k_prefix.shape[2])
+    if stream is not None:  # a replay reusing the captured keys/values (KVStream.own_kv)
+        key, value = stream.own_kv(key, value)
+    return _Keys(key, value, k_prefix, v_prefix, num_keys)
+
+
+def _check_call(module: torch.nn.Module, dropout: float, spec: AttnSpec | None, kwargs: dict) -> None:
+    """Raise ``ValueError`` for attention dropout, and for varlen packed rows under sequence parallelism."""
     if dropout:
         raise ValueError(
             f"attention dropout {dropout} in {type(module).__name__} is not supported with ds_longseq "
             "streambp (the backward re-forward cannot replay dropout masks): set config.attention_dropout=0.0"
         )
+    sp = spec.sp if spec is not None else None
     if sp is not None and any(kwargs.get(name) is not None for name in PACKED_KWARGS):
         raise ValueError(
             "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids instead "
             "(ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
         )
+
+
+def _sliding_window(module: torch.nn.Module, sliding_window: int | None, num_keys: int) -> int | None:
+    """The window the call applies: the call's, else the one the family keeps in the mask only
+    (:data:`WINDOW_ATTR`); recorded for :func:`mask_audit`; None where it holds all ``num_keys`` keys."""
     if sliding_window is None:
         # set per family (families.discovery): a module's own `sliding_window` attribute is no substitute
         # in general (EXAONE 4 holds the window on its full-attention layers too and passes None for them)
@@ -125,11 +198,24 @@ def longseq_attention(
         audit.received.add(sliding_window)
     if sliding_window is not None and num_keys <= sliding_window:
         sliding_window = None  # the window holds the whole sequence
+    return sliding_window
+
+
+def _attention_chunk(module: torch.nn.Module, spec: AttnSpec | None, attention_mask: torch.Tensor | None,
+                     num_keys: int, device: torch.device) -> tuple[int | None, torch.Tensor | None]:
+    """(chunk size, chunk origin) of a chunked-attention layer (:data:`CHUNK_ATTR`, recorded for
+    :func:`mask_audit`), else (None, None).
+
+    The origin is (B, num_keys) packed documents' starts, or (B, 1) each row's first real token (past its
+    left padding), or None (token 0), on ``device``.
+    """
     attention_chunk = getattr(module, CHUNK_ATTR, None)
+    audit = _AUDIT.get()
     if audit is not None and attention_chunk is not None:
         audit.received_chunks.add(attention_chunk)
     chunk_origin = None
     if attention_chunk is not None:
+        sp = spec.sp if spec is not None else None
         # transformers counts the chunks from the query's document's first token in packed rows (it compares
         # position ids), else from the row's first real token (its number of left-padding tokens); under
         # sequence parallelism from the global ones
@@ -137,43 +223,55 @@ def longseq_attention(
         key_valid = sp.key_valid if sp is not None else (
             None if attention_mask is None else attention_mask[:, -num_keys:].to(torch.bool))
         if doc_start is not None:
-            chunk_origin = doc_start.to(query.device)  # (B, keys): sliced to the queries below
+            chunk_origin = doc_start.to(device)  # (B, keys): sliced to the queries by the local path
         elif key_valid is not None:
-            chunk_origin = (key_valid.to(torch.int64).cumsum(-1) == 0).sum(-1, keepdim=True).to(query.device)
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux")  # attention sinks (gpt-oss): (H,) logits
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    kv_block_size = spec.kv_block_size if spec is not None else None
-    single_call = spec.single_call if spec is not None else None
-    if sp is not None:  # the mask passed in is this rank's slice; sp.key_valid is the global one
-        if stream is not None:
-            out = ulysses_chunk_attention(
-                query,
-                sp.exchange,
-                stream.k_heads,
-                stream.v_heads,
-                stream.start,
-                stream.end,
-                scale=scale,
-                key_valid=sp.key_valid,
-                kv_block_size=kv_block_size,
-                single_call=single_call,
-                grad_sink=stream.grad_sink,
-                doc_start=sp.doc_start,
-                sliding_window=sliding_window,
-                softcap=softcap,
-                sink_logits=sinks,
-                attention_chunk=attention_chunk,
-                chunk_origin=chunk_origin,
-            )
-        else:
-            out = ulysses_attention(
-                query, key, value, sp.exchange, scale=scale, key_valid=sp.key_valid, kv_block_size=kv_block_size,
-                single_call=single_call,
-                doc_start=sp.doc_start, sliding_window=sliding_window, softcap=softcap, sink_logits=sinks,
-                attention_chunk=attention_chunk, chunk_origin=chunk_origin,
-            )
-        return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
+            chunk_origin = (key_valid.to(torch.int64).cumsum(-1) == 0).sum(-1, keepdim=True).to(device)
+    return attention_chunk, chunk_origin
+
+
+def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpec, masking: _Masking
+                                 ) -> torch.Tensor:
+    """Ulysses attention: a whole shard, or inside a StreamBP chunk loop the chunk against the stream's
+    exchanged keys. The padding mask the call got is this rank's slice: ``spec.sp.key_valid`` is the global one.
+
+    Args:
+        query: (B, H, C, D) this rank's queries (C = T_l for a whole shard).
+        keys: this rank's (B, Hkv, C, D) keys and values (unused inside a chunk loop: the stream's are read).
+        spec: the call's spec, with its shard context ``sp``.
+        masking: the call's window, attention chunks, softcap and sinks.
+
+    Returns:
+        (B, H, C, D) output.
+    """
+    sp, stream, settings = spec.sp, spec.stream, spec.attention
+    common = dict(
+        scale=masking.scale, key_valid=sp.key_valid, kv_block_size=settings.kv_block_size,
+        single_call=settings.single_call,
+        doc_start=sp.doc_start, sliding_window=masking.sliding_window, softcap=masking.softcap,
+        sink_logits=masking.sink_logits, attention_chunk=masking.attention_chunk, chunk_origin=masking.chunk_origin,
+    )
+    if stream is not None:
+        return ulysses_chunk_attention(query, sp.exchange, stream.k_heads, stream.v_heads, stream.start, stream.end,
+                                       grad_sink=stream.grad_sink, **common)
+    return ulysses_attention(query, keys.key, keys.value, sp.exchange, **common)
+
+
+def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Tensor | None, spec: AttnSpec | None,
+                     masking: _Masking) -> torch.Tensor:
+    """One process's attention of the last C of ``keys.num_keys`` positions: a StreamBP chunk against its
+    stream's prefix and its own keys, or a whole sequence.
+
+    Args:
+        query: (B, H, C, D).
+        keys: the call's keys: its own (B, Hkv, K, D) and a stream's (B, Hkv, S, D) prefix.
+        attention_mask: None or the (B, >= S + K) 2D padding mask (True/1 = real token); else ``ValueError``.
+        spec: the call's spec (its stream, packed documents' starts, attention settings), or None.
+        masking: the call's window, attention chunks, softcap and sinks.
+
+    Returns:
+        (B, H, C, D) output.
+    """
+    num_keys, C = keys.num_keys, query.shape[2]
     key_valid = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -182,33 +280,34 @@ def longseq_attention(
                 f"{tuple(attention_mask.shape)}: pass the tokenizer's 2D mask instead of a prepared 4D one"
             )
         key_valid = attention_mask[:, -num_keys:].to(device=query.device, dtype=torch.bool)
-    C = query.shape[2]
     doc_start = spec.doc_start if spec is not None else None
     if doc_start is not None:  # the queries are the last C of the num_keys tokens of the row
         doc_start = doc_start[:, num_keys - C : num_keys].to(query.device)
+    chunk_origin = masking.chunk_origin
     if chunk_origin is not None and chunk_origin.shape[-1] != 1:
         chunk_origin = chunk_origin[:, num_keys - C : num_keys]
     query_lo = None
-    if doc_start is not None or sliding_window is not None or attention_chunk is not None:
+    if doc_start is not None or masking.sliding_window is not None or masking.attention_chunk is not None:
         query_lo = query_lower_bounds(torch.arange(num_keys - C, num_keys, device=query.device), doc_start,
-                                      sliding_window, attention_chunk, chunk_origin)
-    out = chunk_causal_attention(
+                                      masking.sliding_window, masking.attention_chunk, chunk_origin)
+    stream = spec.stream if spec is not None else None
+    settings = spec.attention if spec is not None else AttentionSettings()
+    return chunk_causal_attention(
         query,
-        key,
-        value,
-        scale=scale,
-        k_prefix=k_prefix,
-        v_prefix=v_prefix,
+        keys.key,
+        keys.value,
+        scale=masking.scale,
+        k_prefix=keys.k_prefix,
+        v_prefix=keys.v_prefix,
         key_valid=key_valid,
-        kv_block_size=kv_block_size,
+        kv_block_size=settings.kv_block_size,
         prefix_grad_sink=stream.prefix_grad_sink if stream is not None else None,
         query_lo=query_lo,
-        softcap=softcap,
-        sink_logits=sinks,
+        softcap=masking.softcap,
+        sink_logits=masking.sink_logits,
         joined_kv=stream.joined() if stream is not None else None,
-        single_call=single_call,
+        single_call=settings.single_call,
     )
-    return out.transpose(1, 2).contiguous(), None  # contiguous like transformers' sdpa (callers .view() it)
 
 
 def _mask_parts(fn, depth: int = 0) -> set[str]:

@@ -2,8 +2,10 @@
 
 Holds:
     SPEC_KWARG: the keyword ("ds_longseq") under which an :class:`AttnSpec` is passed.
-    AttnSpec: the attention settings of one call (a StreamBP chunk's KVStream, tile size) and the
-        state of the whole forward (packed documents' starts, the sequence-parallel shard context).
+    AttentionSettings: the ``long_seq.attention`` section (key-tile size, one kernel call per chunk), built once
+        from the config and handed as one value to the forwards that make specs.
+    AttnSpec: what one attention call gets: a StreamBP chunk's KVStream, the :class:`AttentionSettings`, and
+        the state of the whole forward (packed documents' starts, the sequence-parallel shard context).
     ShardContext: one forward's sequence-parallel state (Ulysses exchange, global padding mask).
     chunk_spec / spec_of: the spec of the StreamBP chunk being run, for attention modules that do not
         pass their ``**kwargs`` on to the attention function (StableLM's).
@@ -23,12 +25,34 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_longseq.config import AttentionConfig
 from ds_longseq.ops.streambp import GlobalKVStream, KVStream
 from ds_longseq.ops.ulysses import UlyssesExchange
 
-__all__ = ["SPEC_KWARG", "AttnSpec", "ShardContext", "chunk_spec", "spec_of"]
+__all__ = ["SPEC_KWARG", "AttentionSettings", "AttnSpec", "ShardContext", "chunk_spec", "spec_of"]
 
 SPEC_KWARG = "ds_longseq"
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """The ``long_seq.attention`` section as the attention function reads it (``config.AttentionConfig``).
+
+    One frozen value, built once per forward that makes specs (:meth:`from_config`) and carried in every
+    :class:`AttnSpec`: the StreamBP layers, the sequence-parallel forward hook and ``CausalLMForward`` pass it
+    on whole instead of each field. The defaults are the config's (a call with no spec runs with them).
+    """
+
+    kv_block_size: int | None = None
+    """Keys per attention tile; None: the device default (the whole prefix on CUDA, 1024 on CPU)."""
+    single_call: bool | None = None
+    """One kernel call per chunk (prefix and diagonal together) where a kernel takes the bottom-right mask
+    (``ops.attention.chunk_causal_attention``); None: where that kernel takes it itself, never on CPU."""
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig) -> "AttentionSettings":
+        """The settings of a parsed ``long_seq.attention`` section."""
+        return cls(kv_block_size=config.kv_block_size, single_call=config.single_call)
 
 
 @dataclass
@@ -59,16 +83,13 @@ class AttnSpec:
 
     stream: KVStream | GlobalKVStream | None
     """The chunk's stream (prefix keys and their gradient sink); None outside a StreamBP chunk loop."""
-    kv_block_size: int | None
-    """Keys per attention tile; None: the device default (the whole prefix on CUDA, 1024 on CPU)."""
+    attention: AttentionSettings
+    """``long_seq.attention``: the key-tile size and whether a chunk attends in one kernel call."""
     sp: ShardContext | None = None
     """Sequence-parallel state of this forward (Ulysses exchange, global padding mask), or None."""
     doc_start: torch.Tensor | None = None
     """(B, T) index of each token's document start in a packed row (``ops.packing.find_documents``);
     None: one document per row. Under sequence parallelism the global one is ``sp.doc_start``."""
-    single_call: bool | None = None
-    """``long_seq.attention.single_call``: one kernel call per chunk (prefix and diagonal together) where a
-    kernel takes the bottom-right mask (``ops.attention.chunk_causal_attention``)."""
 
 
 _CHUNK_SPEC: ContextVar["AttnSpec | None"] = ContextVar("ds_longseq_chunk_spec", default=None)

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_longseq.compat import cache_kwarg, pop_cache
-from ds_longseq.config import LongSeqConfig
 from ds_longseq.modules.attention import mask_audit
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec
 from ds_longseq.modules.token_outputs import (  # re-exported: they were defined here
     FUSED_HEAD_OUTPUTS,
     FusedHeadSettings,
@@ -128,15 +127,25 @@ class CausalLMForward:
     shift crosses shard boundaries: ``engine.shard_batch`` does it before cutting) and the loss is
     the token-weighted mean over the whole group (:meth:`SequenceParallel.token_mean`), with or
     without the chunked LM head.
+
+    What it needs of the ``long_seq`` config comes as four keyword arguments (``patch.enable`` reads them):
+    ``streambp`` (``streambp.enabled``: the layers stream, and take packed documents' starts from here),
+    ``offload`` (``long_seq.offload`` keeps the layer inputs), ``chunked_head`` (``lm_head.enabled``: the loss
+    goes through the chunked head) and ``attention`` (``long_seq.attention``, passed to the layers with the
+    documents).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         orig_forward: Callable,
-        config: LongSeqConfig,
         sp: "SequenceParallel | None" = None,
         final_logit_softcap: float | None = None,
+        *,
+        streambp: bool,
+        offload: bool,
+        chunked_head: bool,
+        attention: AttentionSettings,
         decoder: torch.nn.Module | None = None,
         head: torch.nn.Module | None = None,
         moe_aux: bool | None = None,
@@ -147,7 +156,10 @@ class CausalLMForward:
     ):
         self.model = model
         self.orig_forward = orig_forward
-        self.config = config
+        self.streambp = streambp
+        self.offload = offload
+        self.chunked_head = chunked_head
+        self.attention = attention
         self.sp = sp
         self.final_logit_softcap = final_logit_softcap
         # where the family keeps them (families/decoder.py); the stock layout by default
@@ -165,7 +177,7 @@ class CausalLMForward:
         # whether any layer reads the sliding-window masks the stock forward builds (DecoderLMAdapter
         # .sliding_masks_read): if none does, the mask audit lets those masks go unused, as stock does
         self.sliding_masks_read = sliding_masks_read
-        self.token_outputs = TokenOutputs(self.head, config.lm_head.enabled, final_logit_softcap, logit_scale)
+        self.token_outputs = TokenOutputs(self.head, chunked_head, final_logit_softcap, logit_scale)
         self.token_records: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """While not None (:meth:`recording_tokens`), every loss call appends its targets' (log-probs, valid mask)."""
 
@@ -244,16 +256,13 @@ class CausalLMForward:
         generating = past_key_values is not None or use_cache is True
         # The stock default (config.use_cache) would keep every layer's K/V, and with a cache the
         # layers run their stock forward: no streaming, nothing offloaded.
-        if not generating and (
-            self.config.streambp.enabled or sp is not None or self.config.offload.layer_inputs is not None
-            or self.config.offload.keep_every != 1
-        ):
+        if not generating and (self.streambp or sp is not None or self.offload):
             use_cache = False
         wants_loss = labels is not None or (sp is not None and kwargs.get("shift_labels") is not None)
         if per_token:
             check_token_outputs_call(generating, wants_loss)
         elif generating or not wants_loss or (
-            not self.config.lm_head.enabled and sp is None and self.token_records is None
+            not self.chunked_head and sp is None and self.token_records is None
         ):
             return self.orig_forward(
                 input_ids=input_ids,
@@ -315,12 +324,11 @@ class CausalLMForward:
         document's first label is masked, and no cache is made (with one, transformers attends across the
         documents). Refused where the model's stock path would attend across them. Unchanged for unpacked rows."""
         doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
-        if self.config.streambp.enabled:
+        if self.streambp:
             # The StreamBP layers take the documents from here (None: no row is packed) instead of
             # finding them again, with host syncs, in every layer. transformers' model forward
             # passes its **kwargs on to every decoder layer.
-            kwargs[SPEC_KWARG] = AttnSpec(None, self.config.attention.kv_block_size, doc_start=doc_start,
-                                          single_call=self.config.attention.single_call)
+            kwargs[SPEC_KWARG] = AttnSpec(None, self.attention, doc_start=doc_start)
         if doc_start is None:
             return position_ids, labels, use_cache
         if self.recurrent_mixers:
@@ -330,7 +338,7 @@ class CausalLMForward:
                 "there), so each document would start from the previous one's state. Send one document per "
                 "row"
             )
-        if not self.config.streambp.enabled and not self.stock_masks_see_packed_rows:
+        if not self.streambp and not self.stock_masks_see_packed_rows:
             raise NotImplementedError(
                 f"packed documents on {type(self.model).__name__} without long_seq.streambp: its decoder "
                 "builds its stock attention masks without the position ids, so transformers' attention would "
@@ -356,7 +364,7 @@ class CausalLMForward:
             out = self.token_outputs.per_token(hidden, targets, ignore_index, ())
             self.token_records.append((out.log_probs, out.mask))
             return -out.log_probs.sum(), out.mask.sum(), None
-        if self.config.lm_head.enabled:
+        if self.chunked_head:
             loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
             return loss_sum, num_valid, None
         # sequence parallel with the stock head: its logits, a summed loss, the group's mean in the caller

@@ -22,7 +22,8 @@ import torch
 
 from ds_longseq.compat import CACHE_KWARGS, cache_kwarg, pop_cache
 from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS, RECURRENT_MASK_KWARGS
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, chunk_spec
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, chunk_spec
+from ds_longseq.modules.layer_cache import layer_cache
 from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.modules.replay import TOKEN_WISE_PROBE_TOKENS, check_no_active_dropout, check_token_wise
 from ds_longseq.modules.sharded_mixer import HeadShardedMixerForward
@@ -59,7 +60,7 @@ class StreamBPLayerForward:
         layer: torch.nn.Module,
         orig_forward: Callable,
         chunk_size: int,
-        kv_block_size: int | None,
+        attention: AttentionSettings,
         offload: "LayerInputOffload | None" = None,
         router_tap: RouterTap | None = None,
         name: str | None = None,
@@ -69,20 +70,19 @@ class StreamBPLayerForward:
         mixer_module: torch.nn.Module | None = None,
         query_proj: UnreadLinear | None = None,
         output_proj: UnreadLinear | None = None,
-        single_call: bool | None = None,
         kv_projs: tuple[UnreadLinear, UnreadLinear] | None = None,
     ):
-        """``chunk_size``: ``long_seq.streambp.chunk_size``; ``kv_block_size``: ``long_seq.attention.kv_block_size``;
-        ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``); ``streams``: S when the
-        layer takes its hidden states stacked as (S, B, T, d) (``DecoderLMAdapter.stacked_streams``); ``mixer``:
-        "recurrent" for a layer whose token mixer carries a state instead of attending (its padding mask is its
-        chunk's own, its states are carried from chunk to chunk), "both" for one with an attention beside it,
-        "token_wise" for one with no token mixer (``DecoderLMAdapter.token_wise``: nothing carried, checked once
-        to mix no tokens), None for an attention layer (``DecoderLMAdapter.mixer``); ``mixer_module``: the recurrent
-        mixer itself (under sequence parallelism it may be head-sharded: ``modules.sharded_mixer``). ``query_proj`` /
-        ``output_proj``: the layer's query projection and MLP output projection as installed ``UnreadLinear``s
-        (``modules.unread_outputs``), skipped where a pass does not read them once a probe found it exact;
-        ``single_call``: ``long_seq.attention.single_call``; ``kv_projs``: the key and value projections as
+        """``chunk_size``: ``long_seq.streambp.chunk_size``; ``attention``: ``long_seq.attention`` (passed to every
+        attention call of the layer); ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``);
+        ``streams``: S when the layer takes its hidden states stacked as (S, B, T, d)
+        (``DecoderLMAdapter.stacked_streams``); ``mixer``: "recurrent" for a layer whose token mixer carries a state
+        instead of attending (its padding mask is its chunk's own, its states are carried from chunk to chunk),
+        "both" for one with an attention beside it, "token_wise" for one with no token mixer
+        (``DecoderLMAdapter.token_wise``: nothing carried, checked once to mix no tokens), None for an attention
+        layer (``DecoderLMAdapter.mixer``); ``mixer_module``: the recurrent mixer itself (under sequence parallelism
+        it may be head-sharded: ``modules.sharded_mixer``). ``query_proj`` / ``output_proj``: the layer's query
+        projection and MLP output projection as installed ``UnreadLinear``s (``modules.unread_outputs``), skipped
+        where a pass does not read them once a probe found it exact; ``kv_projs``: the key and value projections as
         ``UnreadLinear``s, run for their gradient only in the replay of a chunk whose K/V the capture pass computed
         (the attention reuses those), once a probe found it exact."""
         self.layer = layer
@@ -94,8 +94,7 @@ class StreamBPLayerForward:
         self.positional_names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.orig_forward = orig_forward
         self.chunk_size = chunk_size
-        self.kv_block_size = kv_block_size
-        self.single_call = single_call
+        self.attention = attention
         self.offload = offload
         self.router_tap = router_tap  # a mixture-of-experts layer: its router's logits (see modules/moe.py)
         # cross-layer K/V sharing (DecoderLMAdapter.kv_sharing): ("store" | "reuse", key, whether a later layer
@@ -159,7 +158,7 @@ class StreamBPLayerForward:
                 **{self.cache_kwarg: past_key_values},
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
-                **{SPEC_KWARG: AttnSpec(None, self.kv_block_size, single_call=self.single_call)},
+                **{SPEC_KWARG: AttnSpec(None, self.attention)},
                 **kwargs,
             )
         call = self._prepare(hidden_states, attention_mask, position_ids, position_embeddings, outer_spec, packed,
@@ -355,13 +354,13 @@ class StreamBPLayerForward:
 
         def run():
             stream.begin_chunk()
-            spec = AttnSpec(stream, self.kv_block_size, call.sp, call.doc_start, self.single_call)
+            spec = AttnSpec(stream, self.attention, call.sp, call.doc_start)
             with chunk_spec(spec), self._skipping(stream):
                 out = self.orig_forward(
                     h_c,
                     attention_mask=self._chunk_mask(call, s, e),
                     position_ids=None if call.position_ids is None else call.position_ids[..., s:e],
-                    **{self.cache_kwarg: stream},
+                    **{self.cache_kwarg: layer_cache(stream)},
                     use_cache=False,
                     position_embeddings=_chunk_of(call.position_embeddings, s, e),
                     **{SPEC_KWARG: spec},

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ds_longseq.compat import cache_kwarg, pop_cache
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttnSpec, ShardContext
+from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
 from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.ulysses import UlyssesExchange
 
@@ -164,10 +164,10 @@ class SequenceParallelForwardHook:
     attention call as ``ds_longseq=AttnSpec(...)``.
     """
 
-    def __init__(self, sp: SequenceParallel, kv_block_size: int | None, single_call: bool | None = None):
+    def __init__(self, sp: SequenceParallel, attention: AttentionSettings):
+        """``attention``: ``long_seq.attention``, passed to every attention call of the forward."""
         self.sp = sp
-        self.kv_block_size = kv_block_size
-        self.single_call = single_call
+        self.attention = attention
 
     def __call__(self, module, args, kwargs):
         if self.sp.is_paused:
@@ -193,7 +193,7 @@ class SequenceParallelForwardHook:
         )
         kwargs["position_ids"] = position_ids
         kwargs["use_cache"] = False
-        kwargs[SPEC_KWARG] = AttnSpec(None, self.kv_block_size, ctx, single_call=self.single_call)
+        kwargs[SPEC_KWARG] = AttnSpec(None, self.attention, ctx)
         return (), kwargs
 
 

@@ -1,13 +1,18 @@
 """StreamBP for one causal layer: exact chunked forward and backward with K/V computed once.
 
 Holds:
-    KVStream: the duck-typed cache a layer writes its post-RoPE K/V into, chunk by chunk.
+    KVStream: one layer's post-RoPE K/V over a pass of its chunks, written chunk by chunk (:meth:`KVStream.write_kv`)
+        and read by the attention (prefix, gradient sinks).
     SharedKV: one layer's K/V that later layers of the same forward attend too (cross-layer K/V sharing),
         with the gradient those layers send back to it.
     streambp_apply: run a layer through StreamBP (an autograd Function that saves only the input,
         on the device or through a ``LayerInputOffloader`` in host memory).
     GlobalKVStream, streambp_sp_apply: the same under Ulysses sequence parallelism (K/V exchanged
         once per pass, query chunks streamed, dK/dV exchanged back once; see the section below).
+
+This module is tensors and autograd only: a stream knows nothing of transformers. A stock layer reaches it
+through ``modules.layer_cache.StreamCache``, the KV cache the layer is called with, which turns transformers'
+cache calls (``update``, ``get_seq_length``, the linear-attention state API) into the stream's.
 
 Shape legend: B batch, T sequence, C chunk, d hidden, Hkv key/value heads, D head dim.
 
@@ -57,7 +62,7 @@ __all__ = [
 
 
 class _KVCaptured(Exception):
-    """Raised by ``KVStream.update`` in capture mode to stop the layer right after K/V exist."""
+    """Raised by ``KVStream.write_kv`` in capture mode to stop the layer right after K/V exist."""
 
 
 def chunk_bounds(total: int, chunk_size: int, min_chunk: int = 1) -> list[tuple[int, int]]:
@@ -110,7 +115,8 @@ class SharedKV:
 
 
 class KVStream:
-    """A stand-in for a transformers ``Cache`` that a decoder layer calls ``update(k, v, idx)`` on.
+    """One layer's keys and values over one pass of its chunks: each chunk writes its own (:meth:`write_kv`; a
+    stock layer through its KV cache's ``update``, ``modules.layer_cache``) and attends the prefix.
 
     Modes: ``"append"`` (forward: store the chunk's K/V at [start, end) and return them),
     ``"capture"`` (backward pass 1: store, then stop the layer), ``"replay"`` (backward pass 2:
@@ -119,7 +125,7 @@ class KVStream:
     The attention function reads :meth:`prefix` (keys before the chunk) and
     :attr:`prefix_grad_sink` (where to add their gradients) from the same object.
 
-    ``concat`` (whole-cache mode): ``update`` returns the cached tensors of every token so far, prefix and
+    ``concat`` (whole-cache mode): :meth:`write_kv` returns the cached tensors of every token so far, prefix and
     chunk, as a transformers ``DynamicCache`` does, and the layer attends them all. For layers that cache
     something other than the keys and values they attend (multi-head latent attention caches the compressed
     latent and expands it after the update: DeepSeek-V2/V3). The prefix then reaches the attention through
@@ -129,12 +135,11 @@ class KVStream:
 
     Cross-layer K/V sharing: ``produces`` (a :class:`SharedKV` this layer's K/V go to: its forward buffers
     are handed over, its backward adds the consumers' gradient) or ``reads`` (a layer that attends another
-    layer's K/V instead of computing its own: :meth:`read_shared` stands in for ``update``, in whole-cache
+    layer's K/V instead of computing its own: :meth:`read_shared` stands in for :meth:`write_kv`, in whole-cache
     mode). Both are set by the decoder layer before each chunk.
 
     Recurrent token mixers (linear attention, state-space, short convolutions: hybrid stacks) carry their
-    states from chunk to chunk through the linear-attention half of the cache API, which :attr:`state` (a
-    :class:`~ds_longseq.ops.carried_state.CarriedState`) implements.
+    states from chunk to chunk in :attr:`state` (a :class:`~ds_longseq.ops.carried_state.CarriedState`).
     """
 
     def __init__(self, total_len: int, concat: bool = False):
@@ -142,7 +147,7 @@ class KVStream:
         self.mode = "append"
         self.concat = concat
         self.start = self.end = 0
-        self.k = self.v = None  # (B, Hkv, T, D) buffers, allocated at the first update
+        self.k = self.v = None  # (B, Hkv, T, D) buffers, allocated at the first write_kv
         self.dk = self.dv = None  # gradient buffers, backward only
         self.k_chunk = self.v_chunk = None
         self.prefix_leaves: tuple[torch.Tensor, torch.Tensor] | None = None  # whole-cache replay only
@@ -157,26 +162,10 @@ class KVStream:
         self.outputs_read = True
         # tokens [0, captured_end) had their K/V captured in the backward's capture pass. A replay of such a chunk
         # may reuse them (``reuse_kv``, set by the layer per chunk): its key/value projections then run for their
-        # gradient only (values unread), update() leaves the captured K/V in the buffers, and the attention takes
+        # gradient only (values unread), write_kv() leaves the captured K/V in the buffers, and the attention takes
         # the chunk's own keys/values from there (:meth:`own_kv`).
         self.captured_end = 0
         self.reuse_kv = False
-
-    # transformers' linear-attention cache API: the recurrent mixers' states (CarriedState)
-    def get_conv_state(self, *args, **kwargs):
-        return self.state.get_conv_state(*args, **kwargs)
-
-    def get_recurrent_state(self, *args, **kwargs):
-        return self.state.get_recurrent_state(*args, **kwargs)
-
-    def update_conv_state(self, *args, **kwargs):
-        return self.state.update_conv_state(*args, **kwargs)
-
-    def update_recurrent_state(self, *args, **kwargs):
-        return self.state.update_recurrent_state(*args, **kwargs)
-
-    def is_recording_past(self, *args, **kwargs) -> bool:
-        return self.state.is_recording_past(*args, **kwargs)
 
     def begin_chunk(self) -> None:
         """Reset the current chunk's ``updates`` (cache updates, the last one's (key shape, value shape) in
@@ -184,7 +173,11 @@ class KVStream:
         attention function)."""
         self.updates, self.attended, self.updated_shapes = 0, [], None
 
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+    def write_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current chunk's (B, Hkv, C, D) post-RoPE keys and (B, Hkv, C, Dv) values, stored at [start, end) of
+        the buffers (in replay kept with their autograd history); returns what the layer attends: the chunk's
+        own, or in whole-cache mode every token's so far. Raises ``_KVCaptured`` in a capture pass (the rest of
+        the layer is not needed). Counted in :attr:`updates` for the runtime guard."""
         self.updates += 1
         self.updated_shapes = (tuple(key_states.shape), tuple(value_states.shape))
         if self.k is None:
@@ -257,9 +250,9 @@ class KVStream:
         chunk's own, or in whole-cache mode every token up to the chunk's end."""
         return self.end if self.concat else self.end - self.start
 
-    def get_seq_length(self, layer_idx: int | None = 0) -> int:
-        """Tokens before the current chunk, as a transformers ``Cache`` reports the tokens it holds before an
-        update (Llama 4's attention temperature tuning positions its queries by it)."""
+    def tokens_before(self) -> int:
+        """Tokens of the sequence before the current chunk (what a cache holds before the chunk's update: Llama 4's
+        attention temperature tuning positions its queries by it)."""
         return self.start
 
     def prefix(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
@@ -280,8 +273,8 @@ class KVStream:
 
     def joined(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(B, Hkv, end, D) keys and values of the prefix and then the current chunk (views of the buffers, which
-        ``update`` wrote the chunk's into in every mode), for an attention kernel that takes both in one call; None
-        in whole-cache mode or before the chunk's update."""
+        :meth:`write_kv` wrote the chunk's into in every mode), for an attention kernel that takes both in one call;
+        None in whole-cache mode or before the chunk's update."""
         if self.k is None or self.concat or self.updates == 0:
             return None
         return self.k[:, :, : self.end], self.v[:, :, : self.end]
@@ -457,8 +450,9 @@ def streambp_apply(
 
     Args:
         run_chunk: ``run_chunk(h_c, start, end, stream)`` runs the layer on ``h_c = hidden[:, start:end]``
-            and must call ``stream.update(k, v, ...)`` once with the chunk's post-RoPE keys/values
-            (shape (B, Hkv, end - start, D)) and attend ``stream.prefix()`` + those keys.
+            and must call ``stream.write_kv(k, v)`` once with the chunk's post-RoPE keys/values
+            (shape (B, Hkv, end - start, D)) and attend ``stream.prefix()`` + those keys (a stock layer
+            does both through ``modules.layer_cache.StreamCache`` and ds_longseq's attention function).
         hidden: (B, T, d_in) layer input: the hidden states, with any other per-token input of the layer
             concatenated on the last dim (``run_chunk`` splits its chunk again).
         params: every parameter the layer uses; those with ``requires_grad`` get exact gradients.
@@ -471,8 +465,8 @@ def streambp_apply(
             attention): the first chunk starts from the previous rank's final states, which are received
             (and their gradient sent back) inside; every rank of the group must call this for the layer.
 
-    ``run_chunk`` may instead (or also) carry recurrent states through ``stream``'s linear-attention cache
-    API (``ops.carried_state``): each chunk then continues from the states the previous one wrote.
+    ``run_chunk`` may instead (or also) carry recurrent states through ``stream.state``
+    (``ops.carried_state``): each chunk then continues from the states the previous one wrote.
 
     Returns:
         (B, T, d) layer output; when ``run_chunk`` returns ``(out_c, *aux_c)``, the tuple ``(out,
@@ -496,7 +490,7 @@ def streambp_apply(
 
 
 class GlobalKVStream:
-    """The duck-typed cache of a StreamBP layer under sequence parallelism.
+    """:class:`KVStream` under sequence parallelism: a layer's keys and values exchanged across the group.
 
     Modes: ``"capture"`` (store the chunk's K/V in the local (B, Hkv, T_l, D) buffers, then stop the
     layer), ``"attend"`` (return K/V unchanged: the attention reads :attr:`k_heads` /
@@ -544,7 +538,7 @@ class GlobalKVStream:
         (:attr:`capture_at` ``"attention"``, decided here on the first chunk): stored or kept, then the layer
         is stopped (raises ``_KVCaptured``)."""
         shapes = (tuple(key.shape), tuple(value.shape))
-        if self.capture_at is None:  # first chunk of the capture pass: update() stored the cached tensors
+        if self.capture_at is None:  # first chunk of the capture pass: write_kv() stored the cached tensors
             self.capture_at = "cache" if shapes == self.updated_shapes else "attention"
             if self.capture_at == "attention":
                 self.k = self.v = None  # the buffers are for the attended tensors
@@ -556,9 +550,9 @@ class GlobalKVStream:
             self._take(key, value)
         raise _KVCaptured
 
-    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+    def tokens_before(self) -> int:
         """Tokens of the whole sequence before the current chunk (the shard's global offset plus the chunk's
-        start), as :meth:`KVStream.get_seq_length` (Llama 4's temperature tuning positions its queries by it)."""
+        start), as :meth:`KVStream.tokens_before` (Llama 4's temperature tuning positions its queries by it)."""
         return self.exchange.rank * self.local_len + self.start
 
     def read_shared(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -575,7 +569,10 @@ class GlobalKVStream:
             raise _KVCaptured
         return k, v
 
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+    def write_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`KVStream.write_kv`: the chunk's keys and values returned unchanged where the attention call
+        takes them (``"attend"``, or ``capture_at`` ``"attention"``), else taken (:meth:`_take`) and the layer
+        stopped (``_KVCaptured``; on the first chunk it goes on to the attention call, which decides where)."""
         self.updates += 1
         self.updated_shapes = (tuple(key_states.shape), tuple(value_states.shape))
         if self.mode == "attend" or self.capture_at == "attention":  # the attention call takes them (attends)
@@ -592,7 +589,7 @@ class GlobalKVStream:
             self.k_chunk, self.v_chunk = key_states, value_states
             return
         self.taken = _per_token(key_states, value_states)
-        if self.k is None:  # in the dtype the attention reads (see KVStream.update)
+        if self.k is None:  # in the dtype the attention reads (see KVStream.write_kv)
             B, Hkv, _, D = key_states.shape
             self.k = key_states.new_empty((B, Hkv, self.local_len, D), dtype=autocast_dtype(key_states))
             self.v = value_states.new_empty(

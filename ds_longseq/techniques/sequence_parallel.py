@@ -14,6 +14,7 @@ import torch
 from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_problem
 from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
 from ds_longseq.families.mixer_heads import head_layout
+from ds_longseq.modules.attn_spec import AttentionSettings
 from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook, ShardOffsetHook
 from ds_longseq.modules.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.techniques.base import EnableContext, Technique, register
@@ -108,8 +109,7 @@ class SequenceParallelism(Technique):
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         )
         ctx.use_longseq_attention()
-        hook = SequenceParallelForwardHook(sp, ctx.config.attention.kv_block_size,
-                                           ctx.config.attention.single_call)
+        hook = SequenceParallelForwardHook(sp, AttentionSettings.from_config(ctx.config.attention))
         ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
         # queries positioned by the cache's length get the shard's global offset from a stand-in cache
         for attn in ctx.adapter.cache_positioned_attention():

@@ -15,6 +15,7 @@ import torch
 
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.families.dims import ModelDims
+from ds_longseq.modules.attn_spec import AttentionSettings
 from ds_longseq.modules.auto_chunk import AutoChunkSize
 from ds_longseq.modules.decoder_layer import StreamBPLayerForward
 from ds_longseq.modules.unread_outputs import UnreadLinear
@@ -65,6 +66,7 @@ class StreamBP(Technique):
         sharing = ctx.adapter.kv_sharing()
         reused = {key for role, key in sharing.values() if role == "reuse"}
         streams = ctx.adapter.stacked_streams()
+        attention = AttentionSettings.from_config(ctx.config.attention)
         forwards = []
         for i, layer in enumerate(ctx.adapter.layers):
             role, key = sharing.get(i, (None, None))
@@ -73,13 +75,12 @@ class StreamBP(Technique):
             if ctx.adapter.token_wise(layer):
                 mixer = "token_wise"
             forward = StreamBPLayerForward(
-                layer, layer.forward, ctx.config.streambp.chunk_size, ctx.config.attention.kv_block_size,
-                ctx.offload, router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
+                layer, layer.forward, ctx.config.streambp.chunk_size, attention, ctx.offload,
+                router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
                 kv_sharing=None if role is None else (role, key, key in reused), streams=streams, mixer=mixer,
                 mixer_module=ctx.adapter.mixer(layer),
                 query_proj=_unread(ctx, ctx.adapter.query_projection(layer)),
                 output_proj=_unread(ctx, ctx.adapter.mlp_output_projection(layer)),
-                single_call=ctx.config.attention.single_call,
                 kv_projs=_unread_pair(ctx, ctx.adapter.key_value_projections(layer)),
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
@@ -88,7 +89,7 @@ class StreamBP(Technique):
         if cfg.streambp.chunk_size == "auto":
             auto = AutoChunkSize(
                 ModelDims.from_config(ctx.model.config), forwards, budget_gib=cfg.streambp.auto_budget_gib,
-                free_fraction=cfg.streambp.auto_free_fraction, kv_block_size=cfg.attention.kv_block_size,
+                free_fraction=cfg.streambp.auto_free_fraction, kv_block_size=attention.kv_block_size,
                 offloaded=cfg.offload.layer_inputs is not None, keep_every=cfg.offload.keep_every,
                 lm_head_chunk_size=cfg.lm_head.chunk_size if cfg.lm_head.enabled else None, model=ctx.model,
             )

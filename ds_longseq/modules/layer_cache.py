@@ -1,0 +1,68 @@
+"""The KV cache a stock decoder layer is called with inside a StreamBP chunk.
+
+Holds:
+    StreamCache: transformers' ``Cache`` as far as a decoder layer uses one, over a StreamBP stream: each call
+        the layer makes on its cache (``update``, ``get_seq_length``, the linear-attention state API) turned
+        into the stream's own (``ops.streambp``, ``ops.carried_state``).
+    layer_cache: the cache a chunk's layer is called with for a stream.
+
+The streams in ``ops`` are tensors and autograd only; this module is the one place that speaks transformers'
+cache API to them. Shape legend: B batch, Hkv key/value heads, C chunk, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_longseq.ops.sharded_mixer import MixerStream
+from ds_longseq.ops.streambp import GlobalKVStream, KVStream
+
+__all__ = ["StreamCache", "layer_cache"]
+
+
+class StreamCache:
+    """What a StreamBP chunk's stock layer gets as its KV cache (``past_key_values`` / ``cache``).
+
+    transformers' layers write their post-RoPE keys and values through ``update`` and attend what it
+    returns; Llama 4 positions its queries by ``get_seq_length()``; recurrent mixers (linear attention,
+    state-space, short convolutions) read and write their states through the linear-attention half of the
+    API. Each goes to the stream: :meth:`KVStream.write_kv`, :meth:`KVStream.tokens_before` and the stream's
+    :class:`~ds_longseq.ops.carried_state.CarriedState` (``stream.state``; a :class:`GlobalKVStream` carries
+    none: sequence parallelism runs a recurrent layer on a :class:`KVStream`).
+    """
+
+    def __init__(self, stream: KVStream | GlobalKVStream):
+        self.stream = stream
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Cache.update``: the chunk's (B, Hkv, C, D) keys and values written to the stream; returns what the
+        layer attends (the layer index and cache kwargs are the stream's own business: one stream per layer)."""
+        return self.stream.write_kv(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """``Cache.get_seq_length``: the tokens before the current chunk (the whole sequence's, under sequence
+        parallelism)."""
+        return self.stream.tokens_before()
+
+    # transformers' linear-attention cache API (>= 5.24): the recurrent mixers' states
+    def get_conv_state(self, *args, **kwargs):
+        return self.stream.state.get_conv_state(*args, **kwargs)
+
+    def get_recurrent_state(self, *args, **kwargs):
+        return self.stream.state.get_recurrent_state(*args, **kwargs)
+
+    def update_conv_state(self, *args, **kwargs):
+        return self.stream.state.update_conv_state(*args, **kwargs)
+
+    def update_recurrent_state(self, *args, **kwargs):
+        return self.stream.state.update_recurrent_state(*args, **kwargs)
+
+    def is_recording_past(self, *args, **kwargs) -> bool:
+        return self.stream.state.is_recording_past(*args, **kwargs)
+
+
+def layer_cache(stream: KVStream | GlobalKVStream | MixerStream) -> StreamCache | MixerStream:
+    """The cache a StreamBP chunk's layer is called with: a :class:`StreamCache` over a K/V stream; a head-sharded
+    mixer's :class:`MixerStream` as itself (ds_longseq's own mixer forward reads it, ``modules.sharded_mixer``)."""
+    return stream if isinstance(stream, MixerStream) else StreamCache(stream)
