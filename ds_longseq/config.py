@@ -99,7 +99,7 @@ class StreamBPConfig:
     shorter; a sequence shorter than ``chunk_size`` is one chunk. ``"auto"``: at every training
     forward, the largest chunk (the whole sequence, else a power of two of at least 128 tokens; on CPU
     at most 4096) whose work fits the memory budget (``auto_budget_gib`` / ``auto_free_fraction``): a
-    short sequence runs as one chunk, a long one streams (``modules.auto_chunk`` has the model)."""
+    short sequence runs as one chunk, a long one streams (``forwards.auto_chunk`` has the model)."""
     auto_budget_gib: Annotated[float | None, Rule("a positive number of GiB")] = None
     """With ``chunk_size: "auto"`` only: GiB one chunk's work may take (the activations of one layer
     over one chunk, forward and backward). None: ``auto_free_fraction`` of the memory free when the

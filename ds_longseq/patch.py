@@ -25,10 +25,10 @@ from ds_longseq import compat
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.families import UnsupportedModelError, decoder_adapter
 from ds_longseq.families.discovery import MOE_AUX_KINDS
-from ds_longseq.modules.attn_spec import AttentionSettings
-from ds_longseq.modules.causal_lm import CausalLMForward
-from ds_longseq.modules.sequence_parallel import SequenceParallel
-from ds_longseq.modules.token_outputs import FusedHeadSettings
+from ds_longseq.forwards.attn_spec import AttentionSettings
+from ds_longseq.forwards.causal_lm import CausalLMForward
+from ds_longseq.forwards.sequence_parallel import SequenceParallel
+from ds_longseq.forwards.token_outputs import FusedHeadSettings
 from ds_longseq.techniques import EnableContext, PatchHandle, active_techniques
 
 __all__ = [
@@ -209,7 +209,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def recording_tokens(model: torch.nn.Module):
     """Context in which an enabled model's loss calls also append their targets' per-token (log-probs, valid mask)
-    to the list it yields (``modules.causal_lm.CausalLMForward.recording_tokens``); a PEFT model's inner model."""
+    to the list it yields (``forwards.causal_lm.CausalLMForward.recording_tokens``); a PEFT model's inner model."""
     handle = _handle(_causal_lm(model))
     if handle is None or handle.forward is None:
         raise ValueError("recording_tokens needs a model enabled with ds_longseq (its loss forward)")
@@ -233,7 +233,7 @@ def configure_fused_lm_head(
     enabled model: the arguments TRL gave ``trl.trainer.utils.add_fused_lm_head`` for it.
 
     ds_longseq's forward answers those calls in place of TRL's head (see
-    ``modules.causal_lm.CausalLMForward.configure_fused_head``), so the temperature (GRPO), the
+    ``forwards.causal_lm.CausalLMForward.configure_fused_head``), so the temperature (GRPO), the
     per-token fields the trainer reads (DPO's ``mean_logits``, ``log_sum_sq_probs``) and
     ``cast_lm_head_to_fp32`` must be given again here. ``LongSeqTrainerMixin`` does it from the TRL
     trainer; call it yourself when you enable a model after TRL added its head, without the mixin.

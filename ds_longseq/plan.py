@@ -55,7 +55,7 @@ from typing import Literal, Mapping
 
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.families.dims import ModelDims
-from ds_longseq.modules.auto_chunk import largest_fitting
+from ds_longseq.forwards.auto_chunk import largest_fitting
 
 __all__ = [
     "ModelDims",

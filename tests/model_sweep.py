@@ -29,8 +29,8 @@ import torch
 
 import ds_longseq
 from ds_longseq import UnsupportedModelError
-from ds_longseq.modules import decoder_layer
-from ds_longseq.modules import mlp as mlp_module
+from ds_longseq.forwards import mlp as mlp_module
+from ds_longseq.forwards import streambp_layer
 from tests import model_zoo
 from tests.helpers import grads_of
 
@@ -161,7 +161,7 @@ def _loss_and_grads(model, batch):
 class _ChunkedCalls:
     """Which layers / MLPs ran chunk by chunk (a family that quietly fell back to the stock forward would
     otherwise pass as exact): a StreamBP layer is counted when one of its chunks passed the runtime guard
-    (``decoder_layer._check_chunk_attended``), an MLP when ``mini_sequence_apply`` ran on its parameters."""
+    (``streambp_layer._check_chunk_attended``), an MLP when ``mini_sequence_apply`` ran on its parameters."""
 
     def __init__(self):
         self.layers: set[int] = set()
@@ -169,7 +169,7 @@ class _ChunkedCalls:
         self._saved = []
 
     def __enter__(self):
-        guard, apply = decoder_layer._check_chunk_attended, mlp_module.mini_sequence_apply
+        guard, apply = streambp_layer._check_chunk_attended, mlp_module.mini_sequence_apply
 
         def checked(name, layer, *args, **kwargs):
             self.layers.add(id(layer))
@@ -180,8 +180,8 @@ class _ChunkedCalls:
                 self.mlps.add(id(params[0]))
             return apply(fn, x, params, *args, **kwargs)
 
-        self._saved = [(decoder_layer, "_check_chunk_attended", guard), (mlp_module, "mini_sequence_apply", apply)]
-        decoder_layer._check_chunk_attended, mlp_module.mini_sequence_apply = checked, chunked
+        self._saved = [(streambp_layer, "_check_chunk_attended", guard), (mlp_module, "mini_sequence_apply", apply)]
+        streambp_layer._check_chunk_attended, mlp_module.mini_sequence_apply = checked, chunked
         return self
 
     def __exit__(self, *exc):

@@ -15,8 +15,8 @@ import torch
 import ds_longseq
 from ds_longseq import LongSeqConfigError
 from ds_longseq.families.dims import ModelDims
-from ds_longseq.modules import auto_chunk
-from ds_longseq.modules.auto_chunk import MIN_CHUNK, AutoChunkSize, choose_chunk_size
+from ds_longseq.forwards import auto_chunk
+from ds_longseq.forwards.auto_chunk import MIN_CHUNK, AutoChunkSize, choose_chunk_size
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
 SEQ = 300  # above MIN_CHUNK: "auto" can stream (128 or 256) or take the whole sequence
@@ -114,7 +114,7 @@ def test_auto_reports_the_largest_micro_batch_the_free_memory_fits(monkeypatch, 
     auto = _hook(model)
     available = 2 << 30
     monkeypatch.setattr(auto_chunk.offload_ops, "host_available_bytes", lambda: available)
-    with caplog.at_level("INFO", logger="ds_longseq.modules.auto_chunk"):
+    with caplog.at_level("INFO", logger="ds_longseq.forwards.auto_chunk"):
         model(**make_batch(seq_len=SEQ)).loss.backward()
         model(**make_batch(seq_len=SEQ)).loss.backward()
     last = auto.last

@@ -78,7 +78,7 @@ def _bitwise(a, b):
 
 
 def _offload(model):
-    """The model's ``modules.offload.LayerInputOffload`` (the base model's forward pre-hook's object)."""
+    """The model's ``forwards.offload.LayerInputOffload`` (the base model's forward pre-hook's object)."""
     (hook,) = model.model._forward_pre_hooks.values()
     return hook.__self__
 
@@ -349,7 +349,7 @@ def test_bad_disk_settings_are_refused_before_anything_is_written(disk_dir, monk
 
 
 def test_too_little_free_space_is_refused_before_compute(disk_dir, monkeypatch):
-    from ds_longseq.modules import offload as offload_module
+    from ds_longseq.forwards import offload as offload_module
 
     model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=4), _disk(disk_dir, 2)).train()
     batch = make_batch()

@@ -84,7 +84,7 @@ def test_model_forward_keeps_its_signature_for_the_trainer():
 
 def test_layers_and_model_forward_carry_the_attention_settings_of_the_config():
     """``long_seq.attention`` reaches every StreamBP layer and the model forward as one ``AttentionSettings``."""
-    from ds_longseq.modules.attn_spec import AttentionSettings
+    from ds_longseq.forwards.attn_spec import AttentionSettings
 
     config = {**STREAMBP, "attention": {"kv_block_size": 4, "single_call": False}}
     model = ds_longseq.enable(make_model("llama", torch.float32), config)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import ds_longseq
-from ds_longseq.modules.token_outputs import FUSED_HEAD_OUTPUTS, FusedHeadSettings, FusedLMHeadOutput
+from ds_longseq.forwards.token_outputs import FUSED_HEAD_OUTPUTS, FusedHeadSettings, FusedLMHeadOutput
 from ds_longseq.ops import chunked_token_logprobs, chunked_token_outputs
 from ds_longseq.patch import configure_fused_lm_head
 from tests.helpers import clone, grads_of, make_batch, make_model, rel_err

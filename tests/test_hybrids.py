@@ -189,7 +189,7 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type):
     shares (parameters cut by families.mixer_heads, the mixer's own forward) add up to the whole mixer's output
     (float64, 1e-12 relative), also with padding. A layout with the key and query rows swapped is refused by it."""
     from ds_longseq.families import mixer_heads
-    from ds_longseq.modules import sharded_mixer
+    from ds_longseq.forwards import sharded_mixer
 
     model = model_zoo.tiny_model(model_type, torch.float64)
     mixer = model.model.layers[0].linear_attn

@@ -1,7 +1,7 @@
 """The package's import graph: no circles, and every import goes down the layers.
 
 Layers, each importing only from the ones below it: config, logging and compat (the one module touching
-third-party private names) -> ops -> families (model knowledge) -> modules and adjoint -> techniques
+third-party private names) -> ops -> families (model knowledge) -> forwards and adjoint -> techniques
 (one module each) -> patch (the enable driver; the deprecated ``models`` re-export sits beside it) ->
 engine -> trainer (the Hugging Face Trainer integration), toolkit (the examples' library) and the
 top-level package.
@@ -22,7 +22,7 @@ import ds_longseq
 
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
-    "config": 0, "logging": 0, "compat": 0, "ops": 1, "families": 2, "modules": 3, "adjoint": 3, "techniques": 4,
+    "config": 0, "logging": 0, "compat": 0, "ops": 1, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4,
     "patch": 5, "models": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
@@ -104,10 +104,10 @@ def _rank(module: str) -> int:
 
 
 def test_modules_import_graph_is_acyclic():
-    """ds_longseq.modules on its own (the reason for ``modules.attn_spec`` and ``modules.zero3``)."""
+    """ds_longseq.forwards on its own (the reason for ``forwards.attn_spec`` and ``forwards.zero3``)."""
     graph = import_graph(package_sources())
-    modules = {m: {d for d in deps if d.startswith("ds_longseq.modules")}
-               for m, deps in graph.items() if m.startswith("ds_longseq.modules")}
+    modules = {m: {d for d in deps if d.startswith("ds_longseq.forwards")}
+               for m, deps in graph.items() if m.startswith("ds_longseq.forwards")}
     assert len(modules) >= 8, sorted(modules)  # the files were found
     assert find_cycle(modules) is None, " -> ".join(find_cycle(modules))
 

@@ -63,7 +63,7 @@ class _TupleMLP(torch.nn.Module):
 def test_tuple_outputs_are_assembled_per_token(flat):
     """Every part of a tuple an MLP returns comes back whole, in its own layout, with exact gradients through
     each of them (uneven chunks of a batch of 2)."""
-    from ds_longseq.modules.mlp import MiniSeqMLPForward
+    from ds_longseq.forwards.mlp import MiniSeqMLPForward
 
     mlp = _TupleMLP(flat)
     x = torch.randn(2, 11, 8, dtype=torch.float64, requires_grad=True)
@@ -83,7 +83,7 @@ def test_tuple_outputs_are_assembled_per_token(flat):
 
 
 def test_an_output_part_that_is_not_per_token_is_refused():
-    from ds_longseq.modules.mlp import MiniSeqMLPForward
+    from ds_longseq.forwards.mlp import MiniSeqMLPForward
 
     mlp = _TupleMLP(flat=False, extra=True)
     with pytest.raises(NotImplementedError, match=r"_TupleMLP returns a tensor of shape \(\) \(element 2 of its tup"):

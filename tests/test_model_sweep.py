@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.modules.causal_lm import CausalLMForward
+from ds_longseq.forwards.causal_lm import CausalLMForward
 from ds_longseq.ops.streambp import KVStream
 from tests import model_sweep, model_zoo
 
@@ -84,7 +84,7 @@ def test_llama4_chunked_attention_with_left_padding_and_packing(packed):
 def test_mutation_chunks_counted_from_key_0_are_caught(monkeypatch, packed):
     """Attention chunks counted from the row's key 0 (not its first real token, not each document's first)
     must be a difference."""
-    import ds_longseq.modules.attention as attention
+    import ds_longseq.forwards.attention as attention
 
     bounds = attention.query_lower_bounds
     monkeypatch.setattr(attention, "query_lower_bounds", lambda *a: bounds(*a[:4], None))
@@ -209,7 +209,7 @@ def test_mutation_dropped_attention_sinks_is_caught(monkeypatch):
 
 def test_mutation_stock_fallback_is_caught(monkeypatch):
     """A layer that quietly runs its stock forward instead of the chunked one is not exact."""
-    from ds_longseq.modules.decoder_layer import StreamBPLayerForward
+    from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
 
     monkeypatch.setattr(StreamBPLayerForward, "__call__", lambda self, *a, **k: self.orig_forward(*a, **k))
     result = model_sweep.check_family("llama", "streambp")
@@ -227,7 +227,7 @@ def test_float64_context_restores_torch():
 def test_mutation_detached_per_layer_inputs_are_caught(monkeypatch):
     """Gemma 4's per-layer inputs ride through StreamBP with the hidden states; cut off from their gradient (the
     per-layer embedding and projection then learn nothing) it must be reported as a difference."""
-    from ds_longseq.modules.decoder_layer import _TokenInputs
+    from ds_longseq.forwards.streambp_layer import _TokenInputs
 
     split = _TokenInputs.split
 
@@ -273,7 +273,7 @@ def test_gemma3n_stacked_streams_are_cut_on_their_token_dim():
 def test_mutation_streams_swapped_between_chunks_are_caught(monkeypatch):
     """Stacked streams packed side by side per token must come back in their own order; a chunk output packed
     with two streams swapped must be reported as a difference."""
-    from ds_longseq.modules.decoder_layer import _TokenInputs
+    from ds_longseq.forwards.streambp_layer import _TokenInputs
 
     pack = _TokenInputs.pack_output
 

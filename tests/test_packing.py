@@ -229,7 +229,7 @@ def _count_document_finds(monkeypatch) -> list[int]:
         if name.startswith("ds_longseq") and getattr(module, "find_documents", None) is original:
             monkeypatch.setattr(module, "find_documents", counting)
             patched.append(name)
-    assert {"ds_longseq.modules.causal_lm", "ds_longseq.modules.decoder_layer"} <= set(patched), patched
+    assert {"ds_longseq.forwards.causal_lm", "ds_longseq.forwards.streambp_layer"} <= set(patched), patched
     return calls
 
 

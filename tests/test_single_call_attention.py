@@ -174,7 +174,7 @@ def test_streambp_model_with_one_call_chunks_matches_stock(monkeypatch):
 
 def _sp_worker(rank, world):
     import tests.test_sequence_parallel as sp_tests
-    from ds_longseq.modules.unread_outputs import UnreadLinear
+    from ds_longseq.forwards.unread_outputs import UnreadLinear
 
     used, zeros = [], {}
     attention_ops._one_call_kernel = _counting_one_call(used)

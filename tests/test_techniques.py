@@ -177,3 +177,25 @@ def test_the_built_in_techniques_are_registered_and_the_section_goes_with_unregi
     assert "stamp" not in ds_longseq.config.registered_techniques()
     with pytest.raises(LongSeqConfigError, match="unknown key long_seq.'stamp'"):
         ds_longseq.LongSeqConfig.from_dict({"stamp": {"enabled": True}})
+
+
+def test_forward_only_config_keeps_what_a_reference_model_needs():
+    """A model that only runs forwards beside the trained one (TRL DPO's reference) gets the sections of the
+    techniques that declare forward_only (sequence parallelism, the chunked head) and those no technique owns
+    (attention, watchdog); StreamBP, offload and the rest stay off."""
+    from ds_longseq.config import LongSeqConfig
+    from ds_longseq.techniques import forward_only_config
+
+    cfg = LongSeqConfig.from_dict({
+        "streambp": {"enabled": True, "chunk_size": 64}, "offload": {"layer_inputs": "cpu"},
+        "sequence_parallel": {"size": 2}, "lm_head": {"enabled": True, "chunk_size": 32},
+        "attention": {"kv_block_size": 16}, "watchdog": {"heartbeat_s": 2.0, "peer_timeout_s": 30.0},
+    })
+    ref = forward_only_config(cfg)
+    default = LongSeqConfig()
+    assert (ref.sequence_parallel, ref.lm_head, ref.attention, ref.watchdog) == (
+        cfg.sequence_parallel, cfg.lm_head, cfg.attention, cfg.watchdog)
+    assert ref.sequence_parallel is not cfg.sequence_parallel  # copies: the policy's sections are its own
+    assert (ref.streambp, ref.offload, ref.mini_seq, ref.approx_bp) == (
+        default.streambp, default.offload, default.mini_seq, default.approx_bp)
+    assert sorted(t.name for t in active_techniques(ref)) == ["lm_head", "sequence_parallel"]

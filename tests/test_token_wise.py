@@ -1,4 +1,4 @@
-"""``modules.replay.check_token_wise``: the first-forward probe that a module cut into token chunks (an MLP under
+"""``forwards.replay.check_token_wise``: the first-forward probe that a module cut into token chunks (an MLP under
 mini_seq, a layer with no token mixer under StreamBP) computes each token from its own input alone."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_longseq.modules.replay import TOKEN_WISE_PROBE_TOKENS, check_token_wise
+from ds_longseq.forwards.replay import TOKEN_WISE_PROBE_TOKENS, check_token_wise
 
 
 def _routed(x: torch.Tensor) -> torch.Tensor:

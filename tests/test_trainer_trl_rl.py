@@ -348,7 +348,7 @@ def test_trl_trainers_at_construction(tmp_path):
     refused; otherwise what each asked of its own
     fused head (GRPO's temperature and cast_lm_head_to_fp32, DPO's fields with and without WPO) is what ds_longseq's
     forward computes."""
-    from ds_longseq.modules.token_outputs import FusedHeadSettings
+    from ds_longseq.forwards.token_outputs import FusedHeadSettings
 
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)

@@ -1,4 +1,4 @@
-"""StreamBP leaves uncomputed the linears whose output a pass never reads (modules/unread_outputs.py): the query
+"""StreamBP leaves uncomputed the linears whose output a pass never reads (forwards/unread_outputs.py): the query
 projection in the K/V capture pass, the MLP's output projection in the backward's chunk re-forward, and there the
 key and value projections of a chunk whose keys/values the capture pass computed (the attention reuses those).
 Bitwise the same gradients as with them computed; a family where that would not hold (a norm after the MLP, a norm
@@ -135,7 +135,7 @@ def test_disable_restores_the_linears():
 def test_a_skipped_float64_linear_under_autocast_keeps_its_dtype():
     """Autocast leaves float64 alone, and so does the skipped linear: zeros of its output's shape and dtype, with
     F.linear's gradients (bitwise)."""
-    from ds_longseq.modules.unread_outputs import UnreadLinear
+    from ds_longseq.forwards.unread_outputs import UnreadLinear
 
     linear = torch.nn.Linear(6, 5, dtype=torch.float64)
     unread = UnreadLinear(linear, linear.forward)

@@ -119,7 +119,7 @@ class FamilySpec:
     """Layers with no token mixer at all (NemotronH's MLP and MoE blocks): their one parameterised child under
     ``mlp_attr`` is their MLP, StreamBP runs them chunk by chunk with nothing carried, and both StreamBP and
     mini_seq check on the first forward that its outputs do not depend on other tokens
-    (``modules.replay.check_token_wise``)."""
+    (``forwards.replay.check_token_wise``)."""
     mlp_free_layers: tuple[int, ...] = ()
     """Layers that are a token mixer (and norms) only, with no MLP (NemotronH's attention and Mamba blocks):
     mini_seq leaves them stock."""
@@ -384,7 +384,7 @@ class DecoderLMAdapter:
         """Attention modules that position their queries by the cache's length (``cache.get_seq_length()`` plus
         the query's index): Llama 4's attention temperature tuning on its no-RoPE layers
         (``attn_temperature_tuning`` and not ``use_rope``). Under sequence parallelism they need the shard's
-        global offset there (``modules.sequence_parallel.ShardOffsetCache``)."""
+        global offset there (``forwards.sequence_parallel.ShardOffsetCache``)."""
         attns = [self.attention(layer) for layer in self.layers]
         return [
             a for a in attns if getattr(a, "attn_temperature_tuning", False) and not getattr(a, "use_rope", True)

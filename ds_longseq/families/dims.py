@@ -4,7 +4,7 @@ Holds:
     ModelDims: hidden, MLP and expert widths, layers, heads, vocabulary; parameter counts (whole model, one layer,
         LoRA); ``chunk_work_per_token``: the bytes one decoder layer's forward and backward hold per token of a chunk.
 
-Used by the planner (``ds_longseq.plan``) and by StreamBP's automatic chunk size (``modules.auto_chunk``).
+Used by the planner (``ds_longseq.plan``) and by StreamBP's automatic chunk size (``forwards.auto_chunk``).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ followed; a change to some families only, or to one of these names, is not:
 - recurrent token mixers: a layer child whose ``forward`` source contains ``.update_recurrent_state(`` or
   ``.update_conv_state(`` (the linear-attention cache API). Renamed, a layer whose only token mixer it is
   looks mixer-free: refused at ``enable`` unless exactly one other child has parameters, else taken for a
-  token-wise block and refused by the first forward's token-wise probe (``modules.replay.check_token_wise``);
+  token-wise block and refused by the first forward's token-wise probe (``forwards.replay.check_token_wise``);
   one beside an attention (Falcon-H1's layout) is not refused here;
 - module kinds by class or attribute name: norms (``nn.LayerNorm`` or a class name holding "Norm"), the MLP
   (the one other child with parameters, else the child named ``mlp``; none found, mini_seq refuses), a
@@ -518,7 +518,7 @@ class _Mixers:
         # what is left beside each layer's token mixer: its MLP (or MoE block, or parts of one)
         self.others = [_parameterised(layer, self.attention[i] + self.recurrent[i]) for i, layer in enumerate(layers)]
         # layers with no token mixer at all (NemotronH's MLP and MoE blocks): one parameterised child, checked to
-        # be token-wise on the first forward (modules.replay.check_token_wise)
+        # be token-wise on the first forward (forwards.replay.check_token_wise)
         self.token_wise = [i for i, names in enumerate(self.attention) if not names and not self.recurrent[i]]
         self.attn_attrs = {names[0] for names in self.attention if names}
         self.mixer_attrs = {names[0] for names in self.recurrent if names}

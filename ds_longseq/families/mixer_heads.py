@@ -5,10 +5,10 @@ Holds:
     head_layout: that share for rank ``rank`` of ``size``, or the reason the mixer cannot be sharded so.
 
 Why: under sequence parallelism a linear-attention layer's recurrence runs over the whole sequence, one
-group of heads per rank (``modules.sharded_mixer``), as Ulysses runs attention. The mixer's own code is
+group of heads per rank (``forwards.sharded_mixer``), as Ulysses runs attention. The mixer's own code is
 run unchanged on the full sequence with its parameters cut to the rank's heads, so what must be known is
 only the layout: which rows of each projection feed which head. That is model knowledge, kept here.
-``modules.sharded_mixer`` checks it numerically on the first forward (the ranks' partial outputs must sum
+``forwards.sharded_mixer`` checks it numerically on the first forward (the ranks' partial outputs must sum
 to the whole mixer's), so a transformers release that changes a layout is refused, never wrong.
 
 Shape legend: nk / nv key / value heads, dk / dv their head dims, P ranks, r this rank.

@@ -31,7 +31,7 @@ for the compute stream's work at save time, host-to-device ones for the allocati
 
 Failure: a file whose graph is freed without a backward (an exception in forward or loss) is removed when the
 handle dies; ``DiskStore.close`` (``disable``, and at interpreter exit) removes the rank's directory and everything
-in it. Free space is checked before a forward (``modules.offload``), because the op does not report short writes;
+in it. Free space is checked before a forward (``forwards.offload``), because the op does not report short writes;
 every write is checked against the file's size once it completes.
 """
 

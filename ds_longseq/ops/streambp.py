@@ -11,7 +11,7 @@ Holds:
         once per pass, query chunks streamed, dK/dV exchanged back once; see the section below).
 
 This module is tensors and autograd only: a stream knows nothing of transformers. A stock layer reaches it
-through ``modules.layer_cache.StreamCache``, the KV cache the layer is called with, which turns transformers'
+through ``forwards.layer_cache.StreamCache``, the KV cache the layer is called with, which turns transformers'
 cache calls (``update``, ``get_seq_length``, the linear-attention state API) into the stream's.
 
 Shape legend: B batch, T sequence, C chunk, d hidden, Hkv key/value heads, D head dim.
@@ -116,7 +116,7 @@ class SharedKV:
 
 class KVStream:
     """One layer's keys and values over one pass of its chunks: each chunk writes its own (:meth:`write_kv`; a
-    stock layer through its KV cache's ``update``, ``modules.layer_cache``) and attends the prefix.
+    stock layer through its KV cache's ``update``, ``forwards.layer_cache``) and attends the prefix.
 
     Modes: ``"append"`` (forward: store the chunk's K/V at [start, end) and return them),
     ``"capture"`` (backward pass 1: store, then stop the layer), ``"replay"`` (backward pass 2:
@@ -158,7 +158,7 @@ class KVStream:
         self.updates, self.attended, self.updated_shapes = 0, [], None
         self.state = CarriedState()
         # False while the backward re-forwards chunks: the layer's output is then only autograd's root, its
-        # values unread (modules.unread_outputs may leave the MLP's output projection uncomputed)
+        # values unread (forwards.unread_outputs may leave the MLP's output projection uncomputed)
         self.outputs_read = True
         # tokens [0, captured_end) had their K/V captured in the backward's capture pass. A replay of such a chunk
         # may reuse them (``reuse_kv``, set by the layer per chunk): its key/value projections then run for their
@@ -373,7 +373,7 @@ class _StreamBPFunction(torch.autograd.Function):
         if isinstance(offloader, SparseInputs) and ring is None:  # the next layer's input may be rebuilt from ours
             offloader.produced(outs[0], sparse_inputs.recompute(
                 lambda x: _forward_passing_states(run_chunk, x, bounds, None)[0][0], ctx.autocast, params))
-        ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (modules/decoder_layer.py)
+        ctx.out_shape = outs[0].shape  # not hidden's when per-token inputs ride along (forwards/streambp_layer.py)
         ctx.set_materialize_grads(False)  # an auxiliary output no loss used gets no backward work
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -452,7 +452,7 @@ def streambp_apply(
         run_chunk: ``run_chunk(h_c, start, end, stream)`` runs the layer on ``h_c = hidden[:, start:end]``
             and must call ``stream.write_kv(k, v)`` once with the chunk's post-RoPE keys/values
             (shape (B, Hkv, end - start, D)) and attend ``stream.prefix()`` + those keys (a stock layer
-            does both through ``modules.layer_cache.StreamCache`` and ds_longseq's attention function).
+            does both through ``forwards.layer_cache.StreamCache`` and ds_longseq's attention function).
         hidden: (B, T, d_in) layer input: the hidden states, with any other per-token input of the layer
             concatenated on the last dim (``run_chunk`` splits its chunk again).
         params: every parameter the layer uses; those with ``requires_grad`` get exact gradients.

@@ -24,6 +24,7 @@ from ds_longseq.techniques.base import (
     PatchHandle,
     Technique,
     active_techniques,
+    forward_only_config,
     register,
     unregister,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "register",
     "unregister",
     "active_techniques",
+    "forward_only_config",
     "EnableContext",
     "PatchHandle",
     "ApproxBP",

@@ -8,6 +8,7 @@ Holds:
         leaves (``zero3_leaves``).
     register / unregister: add a technique class to the registry (its section joins ``LongSeqConfig``).
     active_techniques: the active techniques of a config, in their declared order.
+    forward_only_config: a config's techniques that also serve a forward-only model beside the trained one.
     EnableContext: what one ``enable()`` call shares between the techniques it installs.
     PatchHandle: the record of what was changed on one model, in order, with its undo.
 
@@ -19,6 +20,7 @@ model is touched; ``run_after`` orders installation, ties in registration order.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import torch
@@ -33,21 +35,23 @@ from ds_longseq.compat import (
 )
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.families import DecoderLMAdapter
-from ds_longseq.modules.attention import (
+from ds_longseq.forwards.attention import (
     ATTN_IMPLEMENTATION,
     CHUNK_ATTR,
     WINDOW_ATTR,
     longseq_attention,
     longseq_mask,
 )
-from ds_longseq.modules.moe import RouterTap
+from ds_longseq.forwards.moe import RouterTap
 
 if TYPE_CHECKING:
-    from ds_longseq.modules.causal_lm import CausalLMForward
-    from ds_longseq.modules.offload import LayerInputOffload
-    from ds_longseq.modules.sequence_parallel import SequenceParallel
+    from ds_longseq.forwards.causal_lm import CausalLMForward
+    from ds_longseq.forwards.offload import LayerInputOffload
+    from ds_longseq.forwards.sequence_parallel import SequenceParallel
 
-__all__ = ["Technique", "register", "unregister", "active_techniques", "EnableContext", "PatchHandle"]
+__all__ = [
+    "Technique", "register", "unregister", "active_techniques", "forward_only_config", "EnableContext", "PatchHandle",
+]
 
 _MISSING = object()
 
@@ -186,10 +190,14 @@ class Technique:
     """The models it runs on: "decoder" (a known decoder family, ``ds_longseq.families``) or "ssm" (a
     residual state-space stack, ``families.ssm``)."""
     uses_model_forward: ClassVar[bool] = False
-    """Whether it needs ds_longseq's causal-LM forward on the model (``modules.causal_lm``); the driver
+    """Whether it needs ds_longseq's causal-LM forward on the model (``forwards.causal_lm``); the driver
     installs that forward once, after every technique, when any active one says so."""
     needs_process_group: ClassVar[bool] = False
     """Whether ``engine.initialize`` must start torch.distributed before ``enable`` (it reads the world)."""
+    forward_only: ClassVar[bool] = False
+    """Whether it is also installed on a model that only runs forwards without gradient beside the trained one
+    (TRL DPO's reference model: :func:`forward_only_config`), which must cut and score sequences as the trained
+    model does; the training techniques (StreamBP, offload, ...) would have nothing to do there."""
 
     @classmethod
     def section(cls, config: LongSeqConfig) -> Any:
@@ -237,6 +245,16 @@ def register(technique: type[Technique]) -> type[Technique]:
 def unregister(technique: type[Technique] | str) -> None:
     """Remove a registered technique (and a section it added)."""
     _config.unregister_technique(technique if isinstance(technique, str) else technique.name)
+
+
+def forward_only_config(config: LongSeqConfig) -> LongSeqConfig:
+    """``config`` for a model that only runs forwards without gradient beside the trained one (TRL DPO's reference):
+    the sections of the techniques that declare ``forward_only`` (sequence parallelism, the chunked head) and the
+    sections no technique owns (``attention``, ``watchdog``), copied; every other technique off."""
+    registered = _config.registered_techniques()
+    kept = {f.name: dataclasses.replace(getattr(config, f.name)) for f in dataclasses.fields(config)
+            if f.name != "extra" and (f.name not in registered or registered[f.name].forward_only)}
+    return dataclasses.replace(LongSeqConfig(), **kept)
 
 
 def active_techniques(config: LongSeqConfig) -> list[Technique]:

@@ -1,7 +1,7 @@
 """The chunked LM head and causal-LM loss (StreamBP Sec. 3.2.1, MsT Alg. 2) as a technique: ``long_seq.lm_head``.
 
 Holds:
-    LMHead: installs ``modules.causal_lm.LMHeadLossForward`` as the LM head's forward, so the loss is
+    LMHead: installs ``forwards.causal_lm.LMHeadLossForward`` as the LM head's forward, so the loss is
         computed inside the head module's call (ZeRO-3 gathers its weight once per forward and backward)
         without (B x T x V) logits.
 """
@@ -9,7 +9,7 @@ Holds:
 from __future__ import annotations
 
 from ds_longseq.config import LMHeadConfig
-from ds_longseq.modules.causal_lm import LMHeadLossForward
+from ds_longseq.forwards.causal_lm import LMHeadLossForward
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["LMHead"]
@@ -23,6 +23,7 @@ class LMHead(Technique):
     Config = LMHeadConfig
     run_after = ("approx_bp",)  # after the final norm is folded into the head's weight
     uses_model_forward = True
+    forward_only = True  # a DPO reference model's calls are cut and scored as the policy's
 
     def check(self, ctx: EnableContext) -> list[str]:
         loss_type = getattr(ctx.model, "loss_type", None)

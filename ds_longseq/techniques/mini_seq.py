@@ -1,8 +1,8 @@
 """The MsT mini-sequence MLP (MsT paper, Alg. 1 and App. B) as a technique: ``long_seq.mini_seq``.
 
 Holds:
-    MiniSeq: installs ``modules.mlp.MiniSeqMLPForward`` as every decoder layer's MLP forward; with
-        layer-input offload, also a per-layer checkpoint (``modules.decoder_layer.CheckpointLayerForward``)
+    MiniSeq: installs ``forwards.mlp.MiniSeqMLPForward`` as every decoder layer's MLP forward; with
+        layer-input offload, also a per-layer checkpoint (``forwards.checkpoint_layer.CheckpointLayerForward``)
         whose saved input is the offloaded one.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ds_longseq.config import MiniSeqConfig
-from ds_longseq.modules.decoder_layer import CheckpointLayerForward
-from ds_longseq.modules.mlp import MiniSeqMLPForward
+from ds_longseq.forwards.checkpoint_layer import CheckpointLayerForward
+from ds_longseq.forwards.mlp import MiniSeqMLPForward
 from ds_longseq.techniques.base import EnableContext, Technique, register
 from ds_longseq.techniques.streambp import replay_noise_problems
 

@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses sequence parallelism (MsT paper Sec. 3.3 / App. E) as a technique: ``long_seq.sequence_parallel``.
 
 Holds:
-    SequenceParallelism: builds the model's ``modules.sequence_parallel.SequenceParallel`` over the
+    SequenceParallelism: builds the model's ``forwards.sequence_parallel.SequenceParallel`` over the
         process group, routes attention through ds_longseq's function (heads exchanged for tokens) and
         installs the decoder stack's forward pre-hook that passes each forward's shard context.
     sequence_parallel_group: the group ``enable`` uses: the one given, else DeepSpeed's.
@@ -14,9 +14,9 @@ import torch
 from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_problem
 from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
 from ds_longseq.families.mixer_heads import head_layout
-from ds_longseq.modules.attn_spec import AttentionSettings
-from ds_longseq.modules.sequence_parallel import SequenceParallel, SequenceParallelForwardHook, ShardOffsetHook
-from ds_longseq.modules.sharded_mixer import HeadShardedMixerForward
+from ds_longseq.forwards.attn_spec import AttentionSettings
+from ds_longseq.forwards.sequence_parallel import SequenceParallel, SequenceParallelForwardHook, ShardOffsetHook
+from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["SequenceParallelism", "sequence_parallel_group"]
@@ -52,6 +52,7 @@ class SequenceParallelism(Technique):
     run_after = ("approx_bp",)
     uses_model_forward = True  # shift_labels checks and the group's token-weighted loss
     needs_process_group = True
+    forward_only = True  # a DPO reference model's calls are cut and scored as the policy's
 
     @classmethod
     def active(cls, config: LongSeqConfig) -> bool:

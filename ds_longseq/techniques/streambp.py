@@ -2,10 +2,10 @@
 
 Holds:
     StreamBP: checks that every layer can be replayed chunk by chunk (no dropout, no MLP noise) and
-        installs ``modules.decoder_layer.StreamBPLayerForward`` as each decoder layer's forward, with
+        installs ``forwards.streambp_layer.StreamBPLayerForward`` as each decoder layer's forward, with
         attention routed through ds_longseq's chunked attention function; with ``chunk_size: "auto"``, the
         base model's forward pre-hook that picks the chunk size for each training forward
-        (``modules.auto_chunk``).
+        (``forwards.auto_chunk``).
     replay_noise_problems: the MLP-noise check StreamBP and mini_seq share (both recompute the MLP).
 """
 
@@ -15,10 +15,10 @@ import torch
 
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.families.dims import ModelDims
-from ds_longseq.modules.attn_spec import AttentionSettings
-from ds_longseq.modules.auto_chunk import AutoChunkSize
-from ds_longseq.modules.decoder_layer import StreamBPLayerForward
-from ds_longseq.modules.unread_outputs import UnreadLinear
+from ds_longseq.forwards.attn_spec import AttentionSettings
+from ds_longseq.forwards.auto_chunk import AutoChunkSize
+from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
+from ds_longseq.forwards.unread_outputs import UnreadLinear
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["StreamBP", "replay_noise_problems"]

@@ -24,7 +24,6 @@ Holds those four and :func:`choose_case`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ from ds_longseq.compat import (
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import WholeSequenceCalls, data_parallel_rank_and_size
 from ds_longseq.patch import configure_fused_lm_head, disable, enable, is_enabled, sequence_parallel_of
+from ds_longseq.techniques import forward_only_config
 from ds_longseq.trainer.batches import GroupTurnsLoader, broadcast_batch, shard_inputs
 from ds_longseq.trainer.positions import PositionLosses
 from ds_longseq.trainer.trl import (
@@ -50,12 +50,6 @@ from ds_longseq.trainer.trl import (
 )
 
 __all__ = ["TrainerCase", "ShardedSequences", "WholeSequences", "GroupTurns", "choose_case"]
-
-# The sections a DPO reference model is enabled with: it only runs forwards without gradient, cut like the policy's
-# (sequence parallelism), through the same head and attention; the training techniques (StreamBP, offload, ...) would
-# have nothing to do.
-_REFERENCE_SECTIONS = ("sequence_parallel", "lm_head", "attention", "watchdog")
-
 
 class TrainerCase:
     """Without sequence parallelism: the Trainer's own steps, the evaluation loss recorded by position.
@@ -219,8 +213,7 @@ class WholeSequences(ShardedSequences):
         ref = getattr(trainer, "ref_model", None)
         if ref is not None:
             ref = trainer.accelerator.unwrap_model(ref)
-            ref_config = dataclasses.replace(LongSeqConfig(), **{
-                name: dataclasses.replace(getattr(config, name)) for name in _REFERENCE_SECTIONS})
+            ref_config = forward_only_config(config)  # its calls cut and scored as the policy's, nothing trained
             if is_enabled(ref):
                 disable(ref)
             enable(ref, ref_config, sp_group=sp_group)

@@ -1,7 +1,7 @@
 """The speed issue's paths on CUDA (issue 40): linears left uncomputed where a StreamBP pass never reads them,
 and the per-token head's gradient formed in forward. Written on a CPU-only machine, first to run on a GPU.
 
-- The unread linears (modules/unread_outputs.py): the per-layer probe must find the skip bitwise exact on CUDA
+- The unread linears (forwards/unread_outputs.py): the per-layer probe must find the skip bitwise exact on CUDA
   too (bf16 under autocast, LoRA adapters on the skipped projections) and the gradients must then equal those
   with every linear computed, bitwise (cuBLAS is deterministic here: conftest sets CUBLAS_WORKSPACE_CONFIG).
   If the probe declines on CUDA the step is still exact, only slower: the first assertion says so.

@@ -64,5 +64,5 @@ class StreamCache:
 
 def layer_cache(stream: KVStream | GlobalKVStream | MixerStream) -> StreamCache | MixerStream:
     """The cache a StreamBP chunk's layer is called with: a :class:`StreamCache` over a K/V stream; a head-sharded
-    mixer's :class:`MixerStream` as itself (ds_longseq's own mixer forward reads it, ``modules.sharded_mixer``)."""
+    mixer's :class:`MixerStream` as itself (ds_longseq's own mixer forward reads it, ``forwards.sharded_mixer``)."""
     return stream if isinstance(stream, MixerStream) else StreamCache(stream)

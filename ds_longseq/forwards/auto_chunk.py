@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ds_longseq.families.dims import ModelDims
+from ds_longseq.forwards.offload import forward_tokens
 from ds_longseq.logging import get_logger
-from ds_longseq.modules.offload import forward_tokens
 from ds_longseq.ops import offload as offload_ops
 from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
 
 if TYPE_CHECKING:
-    from ds_longseq.modules.decoder_layer import StreamBPLayerForward
+    from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
 
 __all__ = ["MIN_CHUNK", "CPU_MAX_CHUNK", "choose_chunk_size", "largest_fitting", "AutoChunkSize"]
 

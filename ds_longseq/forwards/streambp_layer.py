@@ -1,10 +1,8 @@
 """StreamBP forward for a stock Hugging Face decoder layer (any architecture that routes its K/V
-through ``past_key_values.update``).
+through its KV cache's ``update``).
 
 Holds:
     StreamBPLayerForward: the callable installed as a decoder layer's ``forward`` (streambp).
-    CheckpointLayerForward: the same for mini_seq with offloaded layer inputs: the layer as one
-        activation checkpoint whose input lives in host memory until backward.
 
 Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 """
@@ -20,16 +18,15 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ds_longseq.compat import CACHE_KWARGS, cache_kwarg, pop_cache
+from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS, RECURRENT_MASK_KWARGS
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, chunk_spec
-from ds_longseq.modules.layer_cache import layer_cache
-from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
-from ds_longseq.modules.replay import TOKEN_WISE_PROBE_TOKENS, check_no_active_dropout, check_token_wise
-from ds_longseq.modules.sharded_mixer import HeadShardedMixerForward
-from ds_longseq.modules.unread_outputs import PROBE_TOKENS, UnreadLinear, outputs_unread
-from ds_longseq.modules.zero3 import check_zero3_leaf
-from ds_longseq.ops.checkpoint import checkpoint_apply
+from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, chunk_spec
+from ds_longseq.forwards.layer_cache import layer_cache
+from ds_longseq.forwards.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
+from ds_longseq.forwards.replay import TOKEN_WISE_PROBE_TOKENS, check_no_active_dropout, check_token_wise
+from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
+from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, outputs_unread
+from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.chunk_grads import split_outputs
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
 from ds_longseq.ops.sharded_mixer import MixerStream, streambp_mixer_sp_apply
@@ -37,9 +34,9 @@ from ds_longseq.ops.state_passing import StateRing
 from ds_longseq.ops.streambp import KVStream, SharedKV, capture_kv, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
-    from ds_longseq.modules.offload import LayerInputOffload
+    from ds_longseq.forwards.offload import LayerInputOffload
 
-__all__ = ["StreamBPLayerForward", "CheckpointLayerForward"]
+__all__ = ["StreamBPLayerForward"]
 
 
 class StreamBPLayerForward:
@@ -80,8 +77,8 @@ class StreamBPLayerForward:
         "both" for one with an attention beside it, "token_wise" for one with no token mixer
         (``DecoderLMAdapter.token_wise``: nothing carried, checked once to mix no tokens), None for an attention
         layer (``DecoderLMAdapter.mixer``); ``mixer_module``: the recurrent mixer itself (under sequence parallelism
-        it may be head-sharded: ``modules.sharded_mixer``). ``query_proj`` / ``output_proj``: the layer's query
-        projection and MLP output projection as installed ``UnreadLinear``s (``modules.unread_outputs``), skipped
+        it may be head-sharded: ``forwards.sharded_mixer``). ``query_proj`` / ``output_proj``: the layer's query
+        projection and MLP output projection as installed ``UnreadLinear``s (``forwards.unread_outputs``), skipped
         where a pass does not read them once a probe found it exact; ``kv_projs``: the key and value projections as
         ``UnreadLinear``s, run for their gradient only in the replay of a chunk whose K/V the capture pass computed
         (the attention reuses those), once a probe found it exact."""
@@ -96,7 +93,7 @@ class StreamBPLayerForward:
         self.chunk_size = chunk_size
         self.attention = attention
         self.offload = offload
-        self.router_tap = router_tap  # a mixture-of-experts layer: its router's logits (see modules/moe.py)
+        self.router_tap = router_tap  # a mixture-of-experts layer: its router's logits (see forwards/moe.py)
         # cross-layer K/V sharing (DecoderLMAdapter.kv_sharing): ("store" | "reuse", key, whether a later layer
         # reuses this key), or None
         self.kv_sharing = kv_sharing
@@ -736,64 +733,3 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
         f"StreamBP: {name} ({type(layer).__name__}) {what} on tokens [{s}, {e}): run in chunks it would see only its "
         "own chunk, so long_seq.streambp cannot run this model exactly; use mini_seq"
     )
-
-
-def _check_no_grad_kwargs(layer: torch.nn.Module, kwargs: dict) -> None:
-    """Raise if a layer argument other than the hidden states requires grad (its gradient would be lost)."""
-    for name, value in kwargs.items():
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
-            raise ValueError(
-                f"{type(layer).__name__} got {name} that requires grad: long_seq.offload with mini_seq "
-                "differentiates each layer with respect to its hidden states and weights only. Detach it, or "
-                "remove long_seq.offload.layer_inputs"
-            )
-
-
-class CheckpointLayerForward:
-    """Replacement ``forward`` of one decoder layer under mini_seq with ``offload.layer_inputs``.
-
-    Runs the stock layer (whose MLP is the MsT mini-sequence MLP) as one activation checkpoint
-    (:func:`checkpoint_apply`): forward under no_grad, the (B, T, d) input saved in host memory
-    through the current forward's offloader, the layer re-run with grad in backward. This replaces
-    Hugging Face gradient checkpointing, which would keep the input on the device (and, on top of
-    this, recompute twice), so that must be off. With a KV cache (generation) the stock forward runs.
-    """
-
-    def __init__(
-        self, layer: torch.nn.Module, orig_forward: Callable, offload: "LayerInputOffload", moe: bool = False
-    ):
-        self.layer = layer
-        self.orig_forward = orig_forward
-        self.offload = offload
-        self.moe = moe  # a mixture-of-experts layer (router logits cannot leave the checkpoint yet)
-
-    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if any(kwargs.get(name) is not None for name in CACHE_KWARGS) or args:
-            # A cache (generation), or the stock positional signature nobody in transformers uses.
-            return self.orig_forward(hidden_states, *args, **kwargs)
-        layer = self.layer
-        if getattr(layer, "gradient_checkpointing", False) and layer.training:
-            raise RuntimeError(
-                "gradient (activation) checkpointing is on for a model with long_seq.mini_seq and "
-                "long_seq.offload.layer_inputs: offload with mini_seq checkpoints each layer itself (keeping its "
-                "input in host memory), so checkpointing would recompute every layer twice. Call "
-                "model.activation_checkpointing_disable() (gradient_checkpointing_disable() is its deprecated name)."
-            )
-        check_zero3_leaf(layer)
-        if self.moe and torch.is_grad_enabled() and router_logits_requested():
-            raise NotImplementedError(
-                "output_router_logits (the mixture-of-experts load-balancing loss) with mini_seq and "
-                "long_seq.offload.layer_inputs: the layer checkpoint would record router logits without their "
-                "gradient. Use streambp (with or without offload), drop offload.layer_inputs, or pass "
-                "output_router_logits=False"
-            )
-        if torch.is_grad_enabled():
-            _check_no_grad_kwargs(layer, kwargs)
-        orig = self.orig_forward
-
-        def run(h: torch.Tensor) -> torch.Tensor:
-            out = orig(h, **kwargs)
-            return out[0] if isinstance(out, tuple) else out
-
-        return checkpoint_apply(run, hidden_states, list(layer.parameters()), self.offload.offloader())

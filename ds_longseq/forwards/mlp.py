@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.modules.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
-from ds_longseq.modules.replay import check_no_active_dropout, check_token_wise
-from ds_longseq.modules.zero3 import check_zero3_leaf
+from ds_longseq.forwards.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
+from ds_longseq.forwards.replay import check_no_active_dropout, check_token_wise
+from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 
 __all__ = ["MiniSeqMLPForward"]
@@ -23,7 +23,7 @@ class MiniSeqMLPForward:
     """Replacement ``forward`` of one MLP instance: (B, T, d) -> (B, T, d) in ``num_chunks`` chunks.
 
     A mixture-of-experts block (``router_tap`` given) routes each chunk's tokens itself; its router
-    logits are returned whole by the chunked Function and recorded once (see modules/moe.py).
+    logits are returned whole by the chunked Function and recorded once (see forwards/moe.py).
     """
 
     def __init__(

@@ -12,7 +12,7 @@ Each rank holds tokens [p*T_l, (p+1)*T_l) of every sequence in its batch (``engi
 cuts them). Once per forward the hook gathers the shards' padding masks and position ids (a
 (2, B, T_l) int64 tensor per rank) to check them and to give attention the GLOBAL padding mask;
 positions default to the global ones, p*T_l + arange(T_l), as the stock model uses arange(T).
-The resulting per-forward state, ``ShardContext``, is defined in ``modules.attn_spec``.
+The resulting per-forward state, ``ShardContext``, is defined in ``forwards.attn_spec``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ds_longseq.compat import cache_kwarg, pop_cache
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
+from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
 from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.ulysses import UlyssesExchange
 

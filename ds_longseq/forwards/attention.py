@@ -8,7 +8,7 @@ Holds:
         for reached the attention function as ``sliding_window=`` (a window kept in the mask only would
         be lost, since the mask stays 2D).
 
-What the callers pass down (``ds_longseq=AttnSpec(...)``) is defined in ``modules.attn_spec``.
+What the callers pass down (``ds_longseq=AttnSpec(...)``) is defined in ``forwards.attn_spec``.
 
 Shape legend: B batch, H heads, Hkv kv-heads, C query length, K key length, D head dim.
 """
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ds_longseq.compat import CACHE_KWARGS
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, spec_of
+from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, spec_of
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention

@@ -4,7 +4,7 @@ Holds:
     CausalLMForward: the callable installed as the model instance's ``forward``: finds packed documents
         once per forward (``ops.packing.find_documents``), computes the loss (chunked head, or the stock
         head's logits under sequence parallelism, with the mixture-of-experts auxiliary loss), and hands
-        per-token and TRL fused-head calls to ``modules.token_outputs``.
+        per-token and TRL fused-head calls to ``forwards.token_outputs``.
     LMHeadLossForward: the callable installed as the LM head's ``forward``: logits, or with
         ``targets=`` the chunked (loss_sum, num_valid) or per-token log-probs. Going through the
         head module's own call lets DeepSpeed ZeRO-3's module hooks gather its weight once per
@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ds_longseq.compat import cache_kwarg, pop_cache
-from ds_longseq.modules.attention import mask_audit
-from ds_longseq.modules.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec
-from ds_longseq.modules.token_outputs import (  # re-exported: they were defined here
+from ds_longseq.forwards.attention import mask_audit
+from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec
+from ds_longseq.forwards.token_outputs import (  # re-exported: they were defined here
     FUSED_HEAD_OUTPUTS,
     FusedHeadSettings,
     FusedLMHeadOutput,
@@ -49,7 +49,7 @@ from ds_longseq.ops.objectives import TokenLogprobs
 from ds_longseq.ops.packing import find_documents, mask_document_starts
 
 if TYPE_CHECKING:
-    from ds_longseq.modules.sequence_parallel import SequenceParallel
+    from ds_longseq.forwards.sequence_parallel import SequenceParallel
 
 __all__ = ["CausalLMForward", "LMHeadLossForward", "FusedLMHeadOutput", "FusedHeadSettings", "FUSED_HEAD_OUTPUTS"]
 

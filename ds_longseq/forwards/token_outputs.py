@@ -6,7 +6,7 @@ Holds:
     FusedHeadSettings, FusedLMHeadOutput, FUSED_HEAD_OUTPUTS: what a TRL fused-head call computes and returns.
     check_token_outputs_call: the refusal of a per-token call that cannot be answered.
 
-``modules.causal_lm.CausalLMForward`` dispatches here for ``return_token_logprobs`` /
+``forwards.causal_lm.CausalLMForward`` dispatches here for ``return_token_logprobs`` /
 ``return_token_entropy`` and TRL's ``fused_lm_head=True`` calls; its loss path stays there.
 
 Shape legend: B batch, T tokens, V vocab.

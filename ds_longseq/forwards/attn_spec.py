@@ -10,7 +10,7 @@ Holds:
     chunk_spec / spec_of: the spec of the StreamBP chunk being run, for attention modules that do not
         pass their ``**kwargs`` on to the attention function (StableLM's).
 
-The types live here, apart from the code that makes them (``sequence_parallel``, ``decoder_layer``,
+The types live here, apart from the code that makes them (``sequence_parallel``, ``streambp_layer``,
 ``causal_lm``) and the code that reads them (``attention``), so that those import this module and
 never each other.
 

@@ -21,7 +21,7 @@ import torch
 
 from ds_longseq.compat import parameters_replaced
 from ds_longseq.families.mixer_heads import HeadLayout, head_layout
-from ds_longseq.modules.attn_spec import SPEC_KWARG, spec_of
+from ds_longseq.forwards.attn_spec import SPEC_KWARG, spec_of
 from ds_longseq.ops.sharded_mixer import MixerStream, gather_tokens, reduce_scatter_tokens
 from ds_longseq.ops.ulysses import UlyssesExchange
 
