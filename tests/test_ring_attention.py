@@ -1,0 +1,171 @@
+"""Ring attention (ops/ring.py) on 2 and 4 CPU ranks against dense causal attention of the whole sequence, float64.
+
+Each rank holds its zigzag shard (different tokens on every rank); the output, dQ, dK and dV of every rank, glued
+back into the whole sequence, must equal plain autograd through a dense causal softmax attention to 1e-10 (float64:
+the only differences are summation orders). Mutation controls, each of which must break that agreement: a ring step
+skipped, the merge without its log-sum-exp or in bf16, the ranks disagreeing on the zigzag order, dK/dV not sent
+home after the last step. The call-order test checks that each step's K/V transfer is posted before its tiles run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+B, T_PER_RANK, D, DV = 2, 8, 8, 6  # DV != D: values of another head dim (multi-head latent attention)
+
+
+def _data(size: int, heads: int, kv_heads: int):
+    g = torch.Generator().manual_seed(1234 + size)
+    T = T_PER_RANK * size
+    q = torch.randn(B, heads, T, D, dtype=torch.float64, generator=g)
+    k = torch.randn(B, kv_heads, T, D, dtype=torch.float64, generator=g)
+    v = torch.randn(B, kv_heads, T, DV, dtype=torch.float64, generator=g)
+    do = torch.randn(B, heads, T, DV, dtype=torch.float64, generator=g)
+    return q, k, v, do
+
+
+def _dense(q, k, v, do):
+    """(out, dq, dk, dv) of dense causal attention, plain autograd."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    R = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(R, 1), v.repeat_interleave(R, 1)
+    scores = q @ kr.transpose(-1, -2) * D ** -0.5
+    T = q.shape[2]
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    out = scores.softmax(-1) @ vr
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _ring(rank: int, size: int, heads: int, kv_heads: int, kernel: str, blocks=None):
+    """This rank's (out, dq, dk, dv) from ring_attention on its zigzag shards (``blocks``: the layout the test
+    shards with, default the op's own)."""
+    import torch.distributed as dist
+
+    from ds_longseq.ops import ring
+
+    q, k, v, do = _data(size, heads, kv_heads)
+    blocks = blocks or ring.zigzag_blocks
+
+    def shard(t):
+        parts = t.chunk(2 * size, dim=2)
+        return torch.cat([parts[i] for i in blocks(rank, size)], dim=2).clone().requires_grad_()
+
+    ql, kl, vl = shard(q), shard(k), shard(v)
+    out = ring.ring_attention(ql, kl, vl, dist.group.WORLD, kernel=kernel)
+    out.backward(shard(do).detach())
+    return out.detach(), ql.grad, kl.grad, vl.grad
+
+
+def _glue(per_rank: list):
+    from ds_longseq.ops.ring import zigzag_unshard
+
+    return [zigzag_unshard([r[i] for r in per_rank], dim=2) for i in range(4)]
+
+
+def _errors(size: int, heads: int, kv_heads: int, per_rank: list) -> list[float]:
+    want = _dense(*_data(size, heads, kv_heads))
+    return [(a - b).abs().max().item() for a, b in zip(_glue(per_rank), want, strict=True)]
+
+
+def exact_body(rank: int, size: int, heads: int, kv_heads: int, kernel: str):
+    from ds_longseq.ops import ring
+
+    events = []
+    post, block = ring._post_exchange, ring._block_forward
+
+    def logged_post(tensors, *args):
+        events.append(("post", len(events)))
+        return post(tensors, *args)
+
+    def logged_block(*args):
+        events.append(("tile", len(events)))
+        return block(*args)
+
+    ring._post_exchange, ring._block_forward = logged_post, logged_block
+    try:
+        result = _ring(rank, size, heads, kv_heads, kernel)
+    finally:
+        ring._post_exchange, ring._block_forward = post, block
+    return result, [e[0] for e in events]
+
+
+@pytest.mark.parametrize("size, heads, kv_heads, kernel", [(2, 4, 2, "auto"), (4, 4, 4, "math"), (4, 6, 2, "auto")])
+def test_ring_attention_equals_dense_attention(size, heads, kv_heads, kernel):
+    results = run_distributed(exact_body, size, (size, heads, kv_heads, kernel), timeout=300)
+    errors = _errors(size, heads, kv_heads, [r[0] for r in results])
+    assert max(errors) < 1e-10, errors  # float64: only summation orders differ
+    # the forward's K/V transfer for step s + 1 is posted before step s's tiles run ("P"), then the tiles ("T"):
+    # three at step 0 (two causal diagonals, one full tile), two full tiles at every later step (the zigzag balance)
+    expected = "P" + "TTT" + "PTT" * (size - 2) + "TT"
+    for _, events in results:
+        trace = "".join("P" if e == "post" else "T" for e in events)
+        assert trace[: trace.rindex("T") + 1] == expected, trace
+
+
+def mutation_body(rank: int, size: int):
+    from ds_longseq.ops import ring
+
+    original = {name: getattr(ring, name) for name in ("_ring_steps", "_merge", "zigzag_blocks", "_pass_gradients")}
+    true_blocks = ring.zigzag_blocks
+
+    def merge_without_lse(acc, m, o, lse):
+        return (o, lse) if acc is None else ((acc + o) / 2, torch.logaddexp(m, lse))
+
+    def merge_in_bf16(acc, m, o, lse):
+        cast = [None if t is None else t.to(torch.bfloat16) for t in (acc, m, o, lse)]
+        acc, m = original["_merge"](*cast)
+        return acc.to(o.dtype), m.to(o.dtype)
+
+    def home_skipped(dkv, group, r, s, step):
+        return dkv if step == s - 1 else original["_pass_gradients"](dkv, group, r, s, step)
+
+    mutations = {
+        "step skipped": ("_ring_steps", lambda s: range(s - 1)),
+        "merge without log-sum-exp": ("_merge", merge_without_lse),
+        "merge in bf16": ("_merge", merge_in_bf16),
+        "zigzag order swapped in the op": ("zigzag_blocks", lambda r, s: true_blocks(r, s)[::-1]),
+        "dK/dV not sent home": ("_pass_gradients", home_skipped),
+    }
+    results = {"none": _ring(rank, size, 4, 2, "auto")}
+    for what, (name, fn) in mutations.items():
+        setattr(ring, name, fn)
+        try:
+            results[what] = _ring(rank, size, 4, 2, "auto", blocks=true_blocks)
+        finally:
+            setattr(ring, name, original[name])
+    return results
+
+
+def test_each_mutation_breaks_exactness():
+    size = 4
+    per_rank = run_distributed(mutation_body, size, (size,), timeout=300)
+    assert max(_errors(size, 4, 2, [r["none"] for r in per_rank])) < 1e-10
+    for what in per_rank[0]:
+        if what != "none":
+            errors = _errors(size, 4, 2, [r[what] for r in per_rank])
+            assert max(errors) > 1e-3, (what, errors)
+
+
+def test_zigzag_shards_glue_back_and_balance_the_causal_work():
+    from ds_longseq.ops.ring import _tile_kind, zigzag_blocks, zigzag_shard, zigzag_unshard
+
+    x = torch.arange(2 * 16).reshape(2, 16)
+    shards = [zigzag_shard(x, r, 4) for r in range(4)]
+    assert shards[0].tolist()[0] == [0, 1, 14, 15] and shards[3].tolist()[0] == [6, 7, 8, 9]
+    assert torch.equal(zigzag_unshard(shards), x)
+    with pytest.raises(ValueError, match="not a multiple of 2 x 3 ring ranks"):
+        zigzag_shard(x, 0, 3)
+    size = 4
+    for rank in range(size):  # every rank runs the same number of tiles over the ring (causal ones count half)
+        work = 0.0
+        for step in range(size):
+            theirs = zigzag_blocks((rank - step) % size, size)
+            for a in zigzag_blocks(rank, size):
+                for b in theirs:
+                    kind = _tile_kind(a, b)
+                    work += {"full": 1.0, "causal": 0.5, None: 0.0}[kind]
+        assert work == 2 * size, (rank, work)
