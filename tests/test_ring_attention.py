@@ -1,5 +1,8 @@
 """Ring attention (ops/ring.py) on 2 and 4 CPU ranks against dense causal attention of the whole sequence, float64.
 
+Masks too (padding keys, packed documents and a sliding window through the queries' lower bounds, a softcap,
+attention sinks), each against dense attention with the same mask.
+
 Each rank holds its zigzag shard (different tokens on every rank); the output, dQ, dK and dV of every rank, glued
 back into the whole sequence, must equal plain autograd through a dense causal softmax attention to 1e-10 (float64:
 the only differences are summation orders). Mutation controls, each of which must break that agreement: a ring step
@@ -104,6 +107,93 @@ def test_ring_attention_equals_dense_attention(size, heads, kv_heads, kernel):
     for _, events in results:
         trace = "".join("P" if e == "post" else "T" for e in events)
         assert trace[: trace.rindex("T") + 1] == expected, trace
+
+
+def _masked_case(size: int, heads: int, case: str):
+    """(key_valid (B, T), query_lo (B, T), softcap, sinks (H,)) of one masked case, the whole sequence's."""
+    from ds_longseq.ops.attention import query_lower_bounds
+
+    T = T_PER_RANK * size
+    g = torch.Generator().manual_seed(99)
+    key_valid = query_lo = softcap = sinks = None
+    if case in ("padding", "everything"):
+        key_valid = torch.ones(B, T, dtype=torch.bool)
+        key_valid[0, :5] = False  # row 0 left-padded: its first queries see no valid key at all
+        key_valid[1, T - 3:] = False  # row 1 right-padded
+    if case in ("documents", "everything"):
+        doc_start = torch.zeros(B, T, dtype=torch.int64)
+        for row, starts in enumerate(([0, 3, T // 2 + 1], [0, T - 2])):
+            for a in starts:
+                doc_start[row, a:] = a
+        window = 5 if case == "everything" else None
+        query_lo = query_lower_bounds(torch.arange(T), doc_start, window)
+    if case in ("softcap", "everything"):
+        softcap = 2.5
+    if case in ("sinks", "everything"):
+        sinks = torch.randn(heads, dtype=torch.float64, generator=g)
+    return key_valid, query_lo, softcap, sinks
+
+
+def _dense_masked(q, k, v, do, key_valid, query_lo, softcap, sinks):
+    """Dense causal attention with the same masks, plain autograd; a row that sees no key gives 0."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    sinks = None if sinks is None else sinks.clone().requires_grad_()
+    R = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(R, 1), v.repeat_interleave(R, 1)
+    T = q.shape[2]
+    scores = q @ kr.transpose(-1, -2) * D ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    keep = ~torch.ones(T, T, dtype=torch.bool).triu(1).view(1, 1, T, T)
+    if key_valid is not None:
+        keep = keep & key_valid.view(B, 1, 1, T)
+    if query_lo is not None:
+        keep = keep & (torch.arange(T).view(1, 1, 1, T) >= query_lo.view(query_lo.shape[0], 1, T, 1))
+    empty = ~keep.any(-1, keepdim=True)
+    scores = scores.masked_fill(~keep, float("-inf")).masked_fill(empty, 0.0)
+    if sinks is not None:  # one more logit per head with a zero value; a row with no key puts all its mass there
+        scores = torch.cat([scores.masked_fill(empty, float("-inf")), sinks.view(1, -1, 1, 1).expand(B, -1, T, 1)], -1)
+        p = scores.softmax(-1)[..., :-1]
+    else:
+        p = scores.softmax(-1).masked_fill(empty, 0.0)
+    out = p @ vr
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
+
+
+def masked_body(rank: int, size: int, heads: int, kv_heads: int, case: str):
+    import torch.distributed as dist
+
+    from ds_longseq.ops import ring
+
+    q, k, v, do = _data(size, heads, kv_heads)
+    key_valid, query_lo, softcap, sinks = _masked_case(size, heads, case)
+
+    def shard(t):
+        return ring.zigzag_shard(t, rank, size, dim=2).clone().requires_grad_()
+
+    ql, kl, vl = shard(q), shard(k), shard(v)
+    lo = None if query_lo is None else ring.zigzag_shard(query_lo, rank, size, dim=1)
+    sinks = None if sinks is None else sinks.clone().requires_grad_()
+    out = ring.ring_attention(ql, kl, vl, dist.group.WORLD, key_valid=key_valid, query_lo=lo, softcap=softcap,
+                              sink_logits=sinks)
+    out.backward(shard(do).detach())
+    return out.detach(), ql.grad, kl.grad, vl.grad, None if sinks is None else sinks.grad
+
+
+@pytest.mark.parametrize("size, case", [(2, "padding"), (2, "documents"), (2, "softcap"), (2, "sinks"),
+                                        (4, "everything")])
+def test_ring_attention_with_masks_equals_dense_attention(size, case):
+    """Padding keys (a row whose first queries see none), packed documents and a sliding window (key blocks no
+    query sees are skipped), a softcap and attention sinks, each against dense attention with the same masks."""
+    heads, kv_heads = 4, 2
+    per_rank = run_distributed(masked_body, size, (size, heads, kv_heads, case), timeout=300)
+    want = _dense_masked(*_data(size, heads, kv_heads), *_masked_case(size, heads, case))
+    got = _glue([r[:4] for r in per_rank])
+    errors = [(a - b).abs().max().item() for a, b in zip(got, want[:4], strict=True)]
+    if want[4] is not None:  # each rank's sink gradient is its queries' share: summed over the ring
+        errors.append((sum(r[4] for r in per_rank) - want[4]).abs().max().item())
+    assert max(errors) < 1e-10, errors
 
 
 def mutation_body(rank: int, size: int):

@@ -3,7 +3,9 @@
 Holds:
     zigzag_blocks: the two global blocks a rank holds in the zigzag layout.
     zigzag_shard / zigzag_unshard: a (B, T, ...) tensor cut into / glued from the ranks' zigzag shards.
-    ring_attention: the op (autograd): each rank's queries against every rank's keys, merged by log-sum-exp.
+    ring_attention: the op (autograd): each rank's queries against every rank's keys, merged by log-sum-exp, with
+        padding keys, packed documents and sliding windows (a key block no query sees is skipped), softcaps and
+        attention sinks.
 
 Shape legend: B batch, H query heads, Hkv key/value heads (H = Hkv * R, GQA), r ranks in the ring, T the whole
 sequence, b = T / (2 r) tokens per block, T_l = 2 b tokens per rank, D head dim (Dv for values).
@@ -39,6 +41,7 @@ from ds_longseq.ops.attention import (
     _sum_heads,
     _tile_backward,
     _tile_forward,
+    _with_sink_logits,
 )
 
 __all__ = ["zigzag_blocks", "zigzag_shard", "zigzag_unshard", "ring_attention"]
@@ -120,23 +123,54 @@ def _merge(acc: torch.Tensor | None, m: torch.Tensor | None, o: torch.Tensor, ls
     return acc, m_new
 
 
-def _block_forward(kernel: str, q, k, v, kind: str, scale: float, R: int):
-    """(o (B, H, b, Dv), lse (B, H, b)) of query block ``q`` against one key block (``kind``: "full" or "causal")."""
-    mask = TileMask(kind == "causal", n=k.shape[2])
+def _block_forward(kernel: str, q, k, v, mask: TileMask, scale: float, R: int):
+    """(o (B, H, b, Dv), lse (B, H, b)) of query block ``q`` against one key block."""
     tile = _pick(kernel, q, mask)
-    if not tile.native_gqa or kind != "causal":
+    if not (tile.native_gqa and mask.causal):
         k, v = _repeat_heads(k, R), _repeat_heads(v, R)
     return _tile_forward(tile, q, k, v, mask, scale)
 
 
-def _block_backward(kernel: str, do, q, k, v, out, lse, kind: str, scale: float, R: int):
+def _block_backward(kernel: str, do, q, k, v, out, lse, mask: TileMask, scale: float, R: int):
     """(dq, dk, dv) of one tile, dk/dv with k's heads."""
-    mask = TileMask(kind == "causal", n=k.shape[2])
     tile = _pick(kernel, q, mask)
-    if tile.native_gqa and kind == "causal":
+    if tile.native_gqa and mask.causal:
         return _tile_backward(tile, do, q, k, v, out, lse, mask, scale)
     dq, dk, dv = _tile_backward(tile, do, q, _repeat_heads(k, R), _repeat_heads(v, R), out, lse, mask, scale)
     return dq, _sum_heads(dk, R), _sum_heads(dv, R)
+
+
+class _Masks:
+    """The mask of each (query block, key block) tile of one call: the causal kind, the padding keys of the key
+    block (from the whole sequence's ``key_valid``), each query's first visible key (``query_lo``: its document's
+    start, its sliding window) relative to the key block, the softcap; None for a tile no query sees any key of
+    (wholly after the queries, or before every query's document or window), which is then skipped. Decided on the
+    host once per call (one copy of each mask) and reused by backward."""
+
+    def __init__(self, key_valid, query_lo, softcap, block: int):
+        self.key_valid, self.query_lo, self.softcap, self.block = key_valid, query_lo, softcap, block
+        self.valid_cpu = None if key_valid is None else key_valid.cpu()
+        self.lo_cpu = None if query_lo is None else query_lo.cpu()
+
+    def tile(self, qi: int, query_block: int, key_block: int) -> TileMask | None:
+        kind = _tile_kind(query_block, key_block)
+        if kind is None:
+            return None
+        b = self.block
+        first, end = key_block * b, (key_block + 1) * b
+        valid = None
+        if self.valid_cpu is not None and not bool(self.valid_cpu[:, first:end].all()):
+            if not bool(self.valid_cpu[:, first:end].any()):
+                return None  # every key of the block is padding
+            valid = self.key_valid[:, first:end]
+        key_lo = None
+        if self.lo_cpu is not None:
+            lo = self.lo_cpu[:, qi * b:(qi + 1) * b]
+            if bool((lo >= end).all()):
+                return None  # before every query's document / window
+            if bool((lo > first).any()):
+                key_lo = self.query_lo[:, qi * b:(qi + 1) * b] - first
+        return TileMask(kind == "causal", valid, key_lo, self.softcap, b)
 
 
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,11 +179,12 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, group, kernel: str):
+    def forward(ctx, q, k, v, key_valid, query_lo, softcap, sink_logits, scale: float, group, kernel: str):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         R = q.shape[1] // k.shape[1]
         cdt = _compute_dtype(q.dtype)
         mine = zigzag_blocks(rank, size)
+        masks = _Masks(key_valid, query_lo, softcap, q.shape[2] // 2)
         acc, m = [None, None], [None, None]
         kv = [k, v]
         for step in _ring_steps(size):
@@ -159,28 +194,30 @@ class _RingAttention(torch.autograd.Function):
             theirs = zigzag_blocks((rank - step) % size, size)
             for qi, q_half in enumerate(_halves(q)):
                 for ki, (k_half, v_half) in enumerate(zip(_halves(kv[0]), _halves(kv[1]), strict=True)):
-                    kind = _tile_kind(mine[qi], theirs[ki])
-                    if kind is None:
+                    mask = masks.tile(qi, mine[qi], theirs[ki])
+                    if mask is None:
                         continue
-                    o, lse = _block_forward(kernel, q_half, k_half, v_half, kind, scale, R)
+                    o, lse = _block_forward(kernel, q_half, k_half, v_half, mask, scale, R)
                     acc[qi], m[qi] = _merge(acc[qi], m[qi], o.to(cdt), lse.to(cdt))
             if pending is not None:
                 kv, requests = pending
                 _wait(requests)
-        out = torch.cat(acc, dim=2)
-        lse = torch.cat(m, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group, ctx.kernel = scale, group, kernel
+        out, lse = _finished(acc, m, q, v)
+        if sink_logits is not None:
+            out, lse = _with_sink_logits(out, lse, sink_logits)
+        ctx.save_for_backward(q, k, v, key_valid, query_lo, out, lse, sink_logits)
+        ctx.softcap, ctx.scale, ctx.group, ctx.kernel = softcap, scale, group, kernel
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, key_valid, query_lo, out, lse, sink_logits = ctx.saved_tensors
         group, scale, kernel = ctx.group, ctx.scale, ctx.kernel
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         R = q.shape[1] // k.shape[1]
         cdt = _compute_dtype(q.dtype)
         mine = zigzag_blocks(rank, size)
+        masks = _Masks(key_valid, query_lo, ctx.softcap, q.shape[2] // 2)
         do = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         kv = [k, v]
@@ -190,22 +227,41 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 pending = _post_exchange(kv, group, (rank + 1) % size, (rank - 1) % size)
             theirs = zigzag_blocks((rank - step) % size, size)
-            _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, scale, R, dq, dkv)
+            _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, masks, scale, R, dq, dkv)
             dkv = _pass_gradients(dkv, group, rank, size, step)
             if pending is not None:
                 kv, requests = pending
                 _wait(requests)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        d_sink = None
+        if sink_logits is not None and ctx.needs_input_grad[6]:
+            # the sink is a key with value 0: dLoss/ds_h = -sum_{b,q} p_sink * rowsum(dO * O)
+            p_sink = torch.exp(sink_logits.to(cdt).view(1, -1, 1) - lse)
+            d_sink = -(p_sink * (do.to(cdt) * out.to(cdt)).sum(-1)).sum((0, 2)).to(sink_logits.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, d_sink, None, None, None
 
 
-def _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, scale, R, dq, dkv) -> None:
+def _finished(acc, m, q, v):
+    """The merged (out (B, H, T_l, Dv), lse (B, H, T_l)); rows that saw no valid key at all (only padding, or
+    nothing in their window) get 0 and lse = +inf (their p is 0 in backward)."""
+    B, H, T_l = q.shape[:3]
+    cdt = _compute_dtype(q.dtype)
+    for i, a in enumerate(acc):
+        if a is None:  # no tile of this query block ran
+            acc[i] = torch.zeros((B, H, T_l // 2, v.shape[-1]), dtype=cdt, device=q.device)
+            m[i] = torch.full((B, H, T_l // 2), _NEG_INF, dtype=cdt, device=q.device)
+    out, lse = torch.cat(acc, dim=2), torch.cat(m, dim=2)
+    empty = lse == _NEG_INF
+    return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("inf"))
+
+
+def _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, masks: _Masks, scale, R, dq, dkv) -> None:
     """Add one ring step's tiles' shares into ``dq`` (this rank's queries) and ``dkv`` (the held block's)."""
     for qi, (q_h, do_h, out_h, lse_h) in enumerate(zip(*(_halves(t) for t in (q, do, out, lse)), strict=True)):
         for ki, (k_h, v_h) in enumerate(zip(_halves(kv[0]), _halves(kv[1]), strict=True)):
-            kind = _tile_kind(mine[qi], theirs[ki])
-            if kind is None:
+            mask = masks.tile(qi, mine[qi], theirs[ki])
+            if mask is None:
                 continue
-            dq_t, dk_t, dv_t = _block_backward(kernel, do_h, q_h, k_h, v_h, out_h.to(q.dtype), lse_h, kind, scale, R)
+            dq_t, dk_t, dv_t = _block_backward(kernel, do_h, q_h, k_h, v_h, out_h.to(q.dtype), lse_h, mask, scale, R)
             b = q_h.shape[2]
             dq[:, :, qi * b:(qi + 1) * b] += dq_t
             dkv[0][:, :, ki * b:(ki + 1) * b] += dk_t
@@ -213,6 +269,8 @@ def _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, scale, R, dq, d
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, scale: float | None = None,
+                   key_valid: torch.Tensor | None = None, query_lo: torch.Tensor | None = None,
+                   softcap: float | None = None, sink_logits: torch.Tensor | None = None,
                    kernel: str = "auto") -> torch.Tensor:
     """Causal attention of this rank's zigzag shard of the queries against the whole sequence's keys, the keys and
     values passed around the ring ``group`` (every rank of it calls this with its own shards).
@@ -222,12 +280,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
         k, v: (B, Hkv, T_l, D) and (B, Hkv, T_l, Dv) this rank's keys and values, the same layout.
         group: the ring's process group (r ranks; every rank's shards the same shape).
         scale: softmax scale; default D ** -0.5.
+        key_valid: (B, T) bool over the WHOLE sequence in its own order (T = r T_l), False for padding keys; the
+            same on every rank. None: every key is real.
+        query_lo: (B, T_l) int64, this rank's queries in the zigzag layout: the global index of the first key each
+            may attend (its document's start, its sliding window's first key: ``ops.attention.query_lower_bounds``
+            of its global positions). None: every earlier key. A key block wholly before every query's bound is
+            skipped (no tile runs).
+        softcap: logit softcapping (Gemma 2).
+        sink_logits: (H,) attention sinks (gpt-oss): one more logit per head with a zero value; differentiable.
         kernel: "auto" (each tile on the first kernel of the device's chain that takes it) or one of
             ops/attention.py's kernels for every tile.
 
     Returns:
-        (B, H, T_l, Dv) this rank's outputs, the zigzag layout; differentiable in q, k and v (dK/dV of this
-        rank's keys, gathered back from the ranks whose queries read them).
+        (B, H, T_l, Dv) this rank's outputs, the zigzag layout (0 for a query that sees no valid key); differentiable
+        in q, k, v (dK/dV of this rank's keys, gathered back from the ranks whose queries read them) and the sinks.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
@@ -238,5 +304,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
         raise ValueError(f"unknown attention kernel {kernel!r}: use one of {sorted(KERNELS)} or 'auto'")
     if len({q.dtype, k.dtype, v.dtype}) > 1:
         raise ValueError(f"queries, keys and values have different dtypes ({q.dtype}, {k.dtype}, {v.dtype})")
+    size = dist.get_world_size(group)
+    if key_valid is not None and tuple(key_valid.shape) != (q.shape[0], q.shape[2] * size):
+        raise ValueError(f"key_valid must cover the whole sequence, shape {(q.shape[0], q.shape[2] * size)}, "
+                         f"got {tuple(key_valid.shape)}")
+    if query_lo is not None and tuple(query_lo.shape[-1:]) != (q.shape[2],):
+        raise ValueError(f"query_lo must give one bound per local query ({q.shape[2]}), got {tuple(query_lo.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number, got {softcap}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, scale, group, kernel)
+    return _RingAttention.apply(q, k, v, key_valid, query_lo, None if softcap is None else float(softcap),
+                                sink_logits, scale, group, kernel)
