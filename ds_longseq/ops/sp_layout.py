@@ -1,0 +1,72 @@
+"""Which tokens each sequence-parallel rank holds, and how an SP size splits into Ulysses x ring degrees.
+
+Holds:
+    sp_degrees: (u, r) for an SP size and a model's query heads: Ulysses over the largest degree the heads allow,
+        ring attention over the rest.
+    sp_positions: (P, T / P) global positions of every rank's tokens in the u x r layout.
+
+Shape legend: P = u r sequence-parallel ranks, T tokens, T_l = T / P per rank.
+
+Layout: rank p = j u + i is Ulysses rank i of Ulysses group j and ring rank j of ring group i: the u ranks of a
+Ulysses group are consecutive (its all-to-all, the heavier exchange, stays on one node when u divides the GPUs per
+node), a ring group takes every u-th rank. The sequence is cut into the ring's zigzag shards (2 r blocks, ring rank j
+holding blocks j and 2 r - 1 - j: ops/ring.py), and each shard into u contiguous parts, part i on Ulysses rank i. So
+the Ulysses all-to-all of a group gathers exactly its ring shard, in the zigzag order ring attention takes. With
+r = 1 this is Ulysses' own contiguous layout (rank p holds tokens [p T_l, (p + 1) T_l)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_longseq.ops.ring import zigzag_blocks
+
+__all__ = ["sp_degrees", "sp_positions"]
+
+
+def sp_degrees(size: int, num_heads: int, ring: int | None = None) -> tuple[int, int]:
+    """(u, r) with u r = ``size``: u the largest divisor of ``size`` that divides ``num_heads`` (Ulysses needs whole
+    heads per rank), r the rest (ring attention, which any degree takes); ``ring`` forces r.
+
+    Raises:
+        ValueError: a forced ``ring`` that does not divide ``size``, or leaves a Ulysses degree the heads do not
+            divide into.
+    """
+    if size < 1 or num_heads < 1:
+        raise ValueError(f"sequence-parallel size {size} and {num_heads} heads must be positive")
+    if ring is not None:
+        if ring < 1 or size % ring:
+            raise ValueError(f"sequence_parallel.ring={ring} does not divide sequence_parallel.size={size}: choose a "
+                             f"divisor of {size}")
+        ulysses = size // ring
+        if num_heads % ulysses:
+            raise ValueError(
+                f"sequence_parallel.ring={ring} leaves a Ulysses degree of {ulysses}, which does not divide the "
+                f"model's {num_heads} attention heads: raise ring to {size // sp_degrees(size, num_heads)[0]} "
+                "or leave it unset (chosen from the heads)"
+            )
+        return ulysses, ring
+    ulysses = max(d for d in range(1, size + 1) if size % d == 0 and num_heads % d == 0)
+    return ulysses, size // ulysses
+
+
+def sp_positions(seq_len: int, ulysses: int, ring: int) -> torch.Tensor:
+    """(u r, T / (u r)) int64: row p the global positions of rank p's tokens, in the order it holds them.
+
+    Raises:
+        ValueError: ``seq_len`` not a multiple of u (r = 1) or of 2 u r (the zigzag blocks, each cut u ways).
+    """
+    size = ulysses * ring
+    unit = size if ring == 1 else 2 * size
+    if seq_len % unit:
+        raise ValueError(
+            f"sequence length {seq_len} is not a multiple of {unit} (sequence parallelism {ulysses} x {ring}"
+            + ("" if ring == 1 else f": 2 x {ring} zigzag blocks, each cut {ulysses} ways") + f"): pad to "
+            f"{seq_len + unit - seq_len % unit} tokens"
+        )
+    positions = torch.arange(seq_len, dtype=torch.int64)
+    if ring > 1:
+        blocks = positions.chunk(2 * ring)
+        positions = torch.cat([torch.cat([blocks[b] for b in zigzag_blocks(j, ring)]) for j in range(ring)])
+    # positions now lists ring shard 0, then 1, ...; each shard's u contiguous parts are ranks j u .. j u + u - 1
+    return positions.view(size, seq_len // size)

@@ -1,0 +1,52 @@
+"""The Ulysses x ring degrees and token layout of sequence parallelism (ops/sp_layout.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_longseq.ops.ring import zigzag_shard
+from ds_longseq.ops.sp_layout import sp_degrees, sp_positions
+
+
+@pytest.mark.parametrize("size, heads, want", [
+    (8, 32, (8, 1)),   # Llama-3-8B on a node: Ulysses alone, as today
+    (8, 28, (4, 2)),   # Qwen2.5-7B: 28 heads, SP 8
+    (8, 14, (2, 4)),   # Qwen2.5-0.5B
+    (2, 9, (1, 2)),    # SmolLM2-135M: 9 heads, SP 2 and 4: ring alone
+    (4, 9, (1, 4)),
+    (64, 32, (32, 2)),  # beyond the head count: ring over the rest
+    (4, 2, (2, 2)),
+    (1, 7, (1, 1)),
+])
+def test_degrees_take_the_largest_ulysses_the_heads_allow(size, heads, want):
+    assert sp_degrees(size, heads) == want
+
+
+def test_a_forced_ring_degree_is_checked():
+    assert sp_degrees(8, 32, ring=2) == (4, 2)
+    with pytest.raises(ValueError, match="ring=3 does not divide sequence_parallel.size=8"):
+        sp_degrees(8, 32, ring=3)
+    with pytest.raises(ValueError, match="Ulysses degree of 4, which does not divide the model's 14 attention heads: "
+                                         "raise ring to 4"):
+        sp_degrees(8, 14, ring=2)
+
+
+@pytest.mark.parametrize("ulysses, ring", [(1, 1), (4, 1), (1, 4), (2, 2), (3, 2), (2, 3)])
+def test_every_token_is_on_one_rank_and_a_ulysses_group_holds_its_ring_shard(ulysses, ring):
+    T = 2 * ulysses * ring * 5
+    pos = sp_positions(T, ulysses, ring)
+    assert pos.shape == (ulysses * ring, T // (ulysses * ring))
+    assert torch.equal(pos.flatten().sort().values, torch.arange(T))  # a permutation
+    whole = torch.arange(T).view(1, T)
+    for j in range(ring):  # Ulysses group j (ranks j u .. j u + u - 1) gathers ring shard j in zigzag order
+        gathered = pos[j * ulysses:(j + 1) * ulysses].flatten()
+        assert torch.equal(gathered, zigzag_shard(whole, j, ring)[0] if ring > 1 else whole[0, j * T // ring:])
+    if ring == 1:  # Ulysses' own contiguous layout
+        assert torch.equal(pos, torch.arange(T).view(ulysses, -1))
+
+
+def test_a_length_the_layout_cannot_cut_names_the_padding():
+    with pytest.raises(ValueError, match=r"sequence length 30 is not a multiple of 8 \(sequence parallelism 2 x 2: "
+                                         r"2 x 2 zigzag blocks, each cut 2 ways\): pad to 32 tokens"):
+        sp_positions(30, 2, 2)
