@@ -259,3 +259,63 @@ def test_zigzag_shards_glue_back_and_balance_the_causal_work():
                     kind = _tile_kind(a, b)
                     work += {"full": 1.0, "causal": 0.5, None: 0.0}[kind]
         assert work == 2 * size, (rank, work)
+
+
+def two_d_body(rank: int, ulysses: int, ring_size: int):
+    """This rank's (positions, out, dq, dk, dv, d_sinks) under Ulysses x ring (u x r) with every mask at once."""
+    import torch.distributed as dist
+
+    from ds_longseq.ops.sp_layout import sp_positions
+    from ds_longseq.ops.ulysses import UlyssesExchange, ulysses_ring_attention
+
+    size, heads, kv_heads = ulysses * ring_size, 4, 2
+    # every rank creates every group, in one order: Ulysses groups of consecutive ranks, ring groups every u-th
+    u_groups = [dist.new_group(list(range(j * ulysses, (j + 1) * ulysses))) for j in range(ring_size)]
+    r_groups = [dist.new_group(list(range(i, size, ulysses))) for i in range(ulysses)]
+    j, i = divmod(rank, ulysses)
+    exchange = UlyssesExchange(u_groups[j], ulysses, heads, kv_heads) if ulysses > 1 else None
+    q, k, v, do = _data(size, heads, kv_heads)
+    key_valid, doc_start, window, softcap, sinks = _two_d_case(size, heads)
+    pos = sp_positions(q.shape[2], ulysses, ring_size)[rank]
+    ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+    sinks = sinks.clone().requires_grad_()
+    out = ulysses_ring_attention(ql, kl, vl, exchange, r_groups[i], scale=D ** -0.5, key_valid=key_valid,
+                                 doc_start=doc_start, sliding_window=window, softcap=softcap, sink_logits=sinks)
+    out.backward(do[:, :, pos])
+    return pos, out.detach(), ql.grad, kl.grad, vl.grad, sinks.grad
+
+
+def _two_d_case(size: int, heads: int):
+    """(key_valid, doc_start, window, softcap, sinks) of the whole sequence: every mask at once."""
+    T = T_PER_RANK * size
+    key_valid = torch.ones(B, T, dtype=torch.bool)
+    key_valid[0, :5] = False
+    key_valid[1, T - 3:] = False
+    doc_start = torch.zeros(B, T, dtype=torch.int64)
+    for row, starts in enumerate(([0, 3, T // 2 + 1], [0, T - 2])):
+        for a in starts:
+            doc_start[row, a:] = a
+    sinks = torch.randn(heads, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    return key_valid, doc_start, 5, 2.5, sinks
+
+
+@pytest.mark.parametrize("ulysses, ring_size", [(2, 2), (1, 4), (4, 1)])
+def test_ulysses_x_ring_equals_dense_attention(ulysses, ring_size):
+    """4 CPU ranks as 2 x 2, 1 x 4 (ring alone) and 4 x 1 (Ulysses alone, 2 key/value heads repeated): each rank's
+    tokens from ops.sp_layout, padding, packed documents, a sliding window, a softcap and sinks; the whole
+    sequence's output and every gradient against dense attention in float64."""
+    from ds_longseq.ops.attention import query_lower_bounds
+
+    size, heads, kv_heads = ulysses * ring_size, 4, 2
+    per_rank = run_distributed(two_d_body, size, (ulysses, ring_size), timeout=300)
+    q, k, v, do = _data(size, heads, kv_heads)
+    key_valid, doc_start, window, softcap, sinks = _two_d_case(size, heads)
+    query_lo = query_lower_bounds(torch.arange(q.shape[2]), doc_start, window)
+    want = _dense_masked(q, k, v, do, key_valid, query_lo, softcap, sinks)
+    got = [torch.zeros_like(w) for w in want[:4]]
+    for pos, *tensors in per_rank:
+        for g, t in zip(got, tensors[:4], strict=True):
+            g[:, :, pos] = t
+    errors = [(a - b).abs().max().item() for a, b in zip(got, want[:4], strict=True)]
+    errors.append((sum(r[5] for r in per_rank) - want[4]).abs().max().item())
+    assert max(errors) < 1e-10, errors

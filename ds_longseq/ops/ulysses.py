@@ -4,6 +4,8 @@ Holds:
     UlyssesExchange: the four exchanges a sequence-parallel attention needs, for one process group.
     ulysses_attention: causal attention of a whole local shard (exchange, attend, exchange back).
     ulysses_chunk_attention: one query chunk of every rank against exchanged K/V (StreamBP under SP).
+    ulysses_ring_attention: a whole local shard under Ulysses x ring (heads exchanged within the Ulysses group,
+        ring attention over the ring group): any SP degree on any head count.
 
 Shape legend: B batch, P sequence-parallel ranks, p this rank, H query heads, Hkv kv-heads,
 H_l = H / P and Hkv_l = max(Hkv / P, 1) heads per rank, C tokens per rank (a whole local shard
@@ -27,8 +29,9 @@ import torch
 from ds_longseq.compat import dim_zero_all_to_all
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.phases import phase
+from ds_longseq.ops.ring import ring_attention, zigzag_shard
 
-__all__ = ["UlyssesExchange", "ulysses_attention", "ulysses_chunk_attention"]
+__all__ = ["UlyssesExchange", "ulysses_attention", "ulysses_chunk_attention", "ulysses_ring_attention"]
 
 
 def _all_to_all():
@@ -254,3 +257,57 @@ def ulysses_chunk_attention(
             )
         )
     return exchange.output_to_tokens(torch.cat(outs, dim=2))
+
+
+def ulysses_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    exchange: UlyssesExchange | None,
+    ring_group,
+    *,
+    scale: float,
+    key_valid: torch.Tensor | None = None,
+    doc_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
+    chunk_origin: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Causal attention of a whole local shard under sequence parallelism u x r (``ops.sp_layout``): the Ulysses
+    exchange within this rank's Ulysses group gathers its ring rank's zigzag shard for H / u heads, ring attention
+    over the ring group attends the whole sequence, and the exchange back returns this rank's tokens. Differentiable.
+
+    Args:
+        q: (B, H, T_l, D); k, v: (B, Hkv, T_l, D) / (B, Hkv, T_l, Dv): this rank's tokens (``sp_positions``' row),
+            post-RoPE.
+        exchange: the Ulysses group's :class:`UlyssesExchange`, or None when u = 1 (ring alone).
+        ring_group: the ring's process group (r ranks: this rank's Ulysses index in every Ulysses group).
+        scale: softmax scale.
+        key_valid: (B, T) bool padding mask of the GLOBAL sequence, or None.
+        doc_start: (B, T) GLOBAL index of each token's document start (packed rows), or None.
+        sliding_window, softcap, attention_chunk: as :func:`ulysses_attention`.
+        sink_logits: (H,) attention sinks of every head, or None.
+        chunk_origin: (B, 1) or (B, T) GLOBAL key index the attention chunks are counted from, or None.
+        kernel: the tiles' kernel ("auto": the device's chain).
+
+    Returns:
+        (B, H, T_l, Dv) attention output for this rank's tokens.
+    """
+    if exchange is not None:
+        q = exchange.query_to_heads(q)
+        k, v = exchange.kv_to_heads(k), exchange.kv_to_heads(v)
+        sink_logits = exchange.local_heads(sink_logits)
+    ring_rank, ring_size = torch.distributed.get_rank(ring_group), torch.distributed.get_world_size(ring_group)
+    T = q.shape[2] * ring_size
+    positions = zigzag_shard(torch.arange(T, device=q.device).view(1, T), ring_rank, ring_size)[0]
+    lo = None
+    if doc_start is not None or sliding_window is not None or attention_chunk is not None:
+        docs = None if doc_start is None else doc_start[:, positions]
+        origin = chunk_origin if chunk_origin is None or chunk_origin.shape[-1] == 1 else chunk_origin[:, positions]
+        lo = query_lower_bounds(positions, docs, sliding_window, attention_chunk, origin)
+    out = ring_attention(q, k, v, ring_group, scale=scale, key_valid=key_valid, query_lo=lo, softcap=softcap,
+                         sink_logits=sink_logits, kernel=kernel)
+    return out if exchange is None else exchange.output_to_tokens(out)
