@@ -56,6 +56,37 @@ def test_shard_sequence_cuts_like_shard_batch():
     assert torch.equal(torch.cat([shard_sequence(meta, r, 3, fill=-1) for r in range(3)], 1)[:, :7], meta)
 
 
+@pytest.mark.parametrize("ulysses, ring", [(2, 2), (1, 4), (3, 2)])
+def test_a_ring_layout_gives_each_rank_its_sp_positions(ulysses, ring):
+    """With a ring degree each rank's shard is the tokens ops.sp_layout gives it (part of its ring rank's zigzag
+    shard): glued back by those positions the shards are the whole (padded) batch, labels shifted over the whole
+    sequence before cutting, position ids the tokens' global positions."""
+    from ds_longseq.ops.sp_layout import sp_positions
+
+    size = ulysses * ring
+    batch = _batch(T=2 * size * 3 - 1)  # one short of a multiple of 2 P: padded by one
+    T = batch["input_ids"].shape[1] + 1
+    with pytest.raises(ValueError, match=rf"not divisible by 2 x sequence_parallel size {size} \(ring\): pad to {T}"):
+        shard_batch(batch, 0, size, ring=ring)
+    whole = shard_batch(batch, 0, 1, pad=True, pad_token_id=7)  # the reference cut: one rank, no padding needed
+    shards = [shard_batch(batch, r, size, pad=True, pad_token_id=7, ring=ring) for r in range(size)]
+    positions = sp_positions(T, ulysses, ring)
+    for key in shards[0]:
+        glued = torch.zeros((2, T), dtype=shards[0][key].dtype)
+        for r in range(size):
+            glued[:, positions[r]] = shards[r][key].expand(2, -1)
+        if key == "input_ids":
+            assert torch.equal(glued[:, :-1], whole["input_ids"]) and glued[:, -1].eq(7).all()
+        elif key == "shift_labels":
+            assert torch.equal(glued[:, :-1], whole["shift_labels"]) and glued[:, -1].eq(-100).all()
+        elif key == "position_ids":
+            assert torch.equal(glued, torch.arange(T).expand(2, T))
+    assert torch.equal(shards[1]["position_ids"][0], positions[1])
+    meta = torch.arange(T - 1).view(1, -1)
+    assert torch.equal(shard_sequence(meta, 1, size, fill=-1, ring=ring)[0],
+                       torch.where(positions[1] < T - 1, positions[1], torch.tensor(-1)))
+
+
 def test_bad_batches_are_refused():
     batch = _batch()
     with pytest.raises(ValueError, match="not know how to cut"):

@@ -25,6 +25,7 @@ from ds_longseq.compat import deepspeed_sp_group
 from ds_longseq.engine.process_group import ensure_process_group
 from ds_longseq.ops.objectives import gather_sequence
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
+from ds_longseq.ops.sp_layout import sp_positions
 
 __all__ = [
     "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_parallel_groups",
@@ -93,6 +94,7 @@ def shard_batch(
     pad: bool = False,
     pad_token_id: int = 0,
     ignore_index: int = -100,
+    ring: int = 1,
 ) -> dict[str, torch.Tensor]:
     """This rank's 1/P of every sequence in ``batch``, ready for the model under sequence parallelism.
 
@@ -111,11 +113,14 @@ def shard_batch(
             ``shift_labels``), ``position_ids`` ((B or 1, T)) and the varlen kwargs
             ``cu_seq_lens_q/k``, ``max_length_q/k``. Other keys are refused.
         sp_rank, sp_size: this rank's place in its group; default: DeepSpeed's groups.
-        pad: when T is not a multiple of P, pad on the right to the next multiple (``pad_token_id``,
-            mask 0, label ``ignore_index``); causal attention makes right padding exact. Without it,
-            such a T is an error.
+        pad: when T is not a multiple of P (of 2 P with a ring), pad on the right to the next multiple
+            (``pad_token_id``, mask 0, label ``ignore_index``); causal attention makes right padding exact. Without
+            it, such a T is an error.
         pad_token_id: token id used for that padding.
         ignore_index: the label value that is not trained on.
+        ring: the ring degree r of a Ulysses x ring group (P = u r): rank p then holds the tokens
+            ``ops.sp_layout.sp_positions`` gives it (part of its ring rank's zigzag shard, not a contiguous slice),
+            its position ids those tokens' global positions. 1: Ulysses alone, contiguous slices.
 
     Returns:
         ``input_ids``, ``position_ids``, and ``attention_mask`` / ``shift_labels`` when given, each (B, T/P).
@@ -154,14 +159,18 @@ def shard_batch(
     elif "shift_labels" in batch:
         out["shift_labels"] = torch.as_tensor(batch["shift_labels"])
     out["position_ids"] = pos if pos is not None else torch.arange(T, device=ids.device).unsqueeze(0)
-    remainder = T % sp_size
+    if ring < 1 or sp_size % ring:
+        raise ValueError(f"ring degree {ring} does not divide sequence_parallel size {sp_size}")
+    unit = sp_size if ring == 1 else 2 * sp_size  # a ring cuts the sequence into 2 r zigzag blocks, each u ways
+    remainder = T % unit
     if remainder:
         if not pad:
+            what = f"sequence_parallel size {sp_size}" if ring == 1 else f"2 x sequence_parallel size {sp_size} (ring)"
             raise ValueError(
-                f"sequence length {T} is not divisible by sequence_parallel size {sp_size}: pad to "
-                f"{T + sp_size - remainder} tokens, or call shard_batch(..., pad=True)"
+                f"sequence length {T} is not divisible by {what}: pad to "
+                f"{T + unit - remainder} tokens, or call shard_batch(..., pad=True)"
             )
-        extra = sp_size - remainder
+        extra = unit - remainder
         if "attention_mask" not in out and doc_start is None:
             out["attention_mask"] = torch.ones_like(ids)
         pos = out["position_ids"]
@@ -171,18 +180,24 @@ def shard_batch(
             tail = torch.arange(extra, device=pos.device).expand(pos.shape[0], extra)
         out["position_ids"] = torch.cat([pos, tail], dim=1)
     fill = {"input_ids": pad_token_id, "attention_mask": 0, "shift_labels": ignore_index}
-    return {k: shard_sequence(v, sp_rank, sp_size, fill.get(k, 0)) for k, v in out.items()}
+    return {k: shard_sequence(v, sp_rank, sp_size, fill.get(k, 0), ring=ring) for k, v in out.items()}
 
 
-def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int, fill: int | float = 0) -> torch.Tensor:
-    """Rank ``sp_rank``'s contiguous 1/P of ``tensor`` (B, T, ...) along the sequence, T first padded on the right
-    to a multiple of P with ``fill``: the cut :func:`shard_batch` makes, for any per-position tensor that must line
-    up with its shards (e.g. per-target metadata)."""
-    extra = -tensor.shape[1] % sp_size
+def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int, fill: int | float = 0,
+                   ring: int = 1) -> torch.Tensor:
+    """Rank ``sp_rank``'s 1/P of ``tensor`` (B, T, ...) along the sequence, T first padded on the right to a multiple
+    of P (2 P with a ``ring`` degree above 1) with ``fill``: the cut :func:`shard_batch` makes, for any per-position
+    tensor that must line up with its shards (e.g. per-target metadata). A contiguous slice, or with a ring the
+    tokens ``ops.sp_layout.sp_positions`` gives the rank."""
+    unit = sp_size if ring == 1 else 2 * sp_size
+    extra = -tensor.shape[1] % unit
     if extra:
         tensor = torch.cat([tensor, tensor.new_full((tensor.shape[0], extra, *tensor.shape[2:]), fill)], dim=1)
     local = tensor.shape[1] // sp_size
-    return tensor[:, sp_rank * local:(sp_rank + 1) * local].contiguous()
+    if ring == 1:
+        return tensor[:, sp_rank * local:(sp_rank + 1) * local].contiguous()
+    positions = sp_positions(tensor.shape[1], sp_size // ring, ring)[sp_rank].to(tensor.device)
+    return tensor[:, positions].contiguous()
 
 
 # the per-token fields of a fused-LM-head output (TRL's FusedCausalLMOutput, ds_longseq's FusedLMHeadOutput)
