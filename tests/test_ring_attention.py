@@ -262,24 +262,26 @@ def test_zigzag_shards_glue_back_and_balance_the_causal_work():
 
 
 def two_d_body(rank: int, ulysses: int, ring_size: int):
-    """This rank's (positions, out, dq, dk, dv, d_sinks) under Ulysses x ring (u x r) with every mask at once."""
+    """This rank's (positions, out, dq, dk, dv, d_sinks) under Ulysses x ring (u x r) with every mask at once, on the
+    groups engine.ulysses_ring_groups builds."""
     import torch.distributed as dist
 
+    from ds_longseq.engine import ulysses_ring_groups
     from ds_longseq.ops.sp_layout import sp_positions
     from ds_longseq.ops.ulysses import UlyssesExchange, ulysses_ring_attention
 
     size, heads, kv_heads = ulysses * ring_size, 4, 2
-    # every rank creates every group, in one order: Ulysses groups of consecutive ranks, ring groups every u-th
-    u_groups = [dist.new_group(list(range(j * ulysses, (j + 1) * ulysses))) for j in range(ring_size)]
-    r_groups = [dist.new_group(list(range(i, size, ulysses))) for i in range(ulysses)]
+    u_group, r_group = ulysses_ring_groups(size, ulysses)
     j, i = divmod(rank, ulysses)
-    exchange = UlyssesExchange(u_groups[j], ulysses, heads, kv_heads) if ulysses > 1 else None
+    assert dist.get_process_group_ranks(u_group) == list(range(j * ulysses, (j + 1) * ulysses))
+    assert dist.get_process_group_ranks(r_group) == list(range(i, size, ulysses))
+    exchange = UlyssesExchange(u_group, ulysses, heads, kv_heads) if ulysses > 1 else None
     q, k, v, do = _data(size, heads, kv_heads)
     key_valid, doc_start, window, softcap, sinks = _two_d_case(size, heads)
     pos = sp_positions(q.shape[2], ulysses, ring_size)[rank]
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
     sinks = sinks.clone().requires_grad_()
-    out = ulysses_ring_attention(ql, kl, vl, exchange, r_groups[i], scale=D ** -0.5, key_valid=key_valid,
+    out = ulysses_ring_attention(ql, kl, vl, exchange, r_group, scale=D ** -0.5, key_valid=key_valid,
                                  doc_start=doc_start, sliding_window=window, softcap=softcap, sink_logits=sinks)
     out.backward(do[:, :, pos])
     return pos, out.detach(), ql.grad, kl.grad, vl.grad, sinks.grad
@@ -319,3 +321,30 @@ def test_ulysses_x_ring_equals_dense_attention(ulysses, ring_size):
     errors = [(a - b).abs().max().item() for a, b in zip(got, want[:4], strict=True)]
     errors.append((sum(r[5] for r in per_rank) - want[4]).abs().max().item())
     assert max(errors) < 1e-10, errors
+
+
+def groups_body(rank: int):
+    import torch.distributed as dist
+
+    from ds_longseq.engine import ulysses_ring_groups
+
+    out = {}
+    for size, ulysses in ((4, 2), (2, 1), (2, 2), (4, 4)):
+        u_group, r_group = ulysses_ring_groups(size, ulysses)
+        out[(size, ulysses)] = (dist.get_process_group_ranks(u_group), dist.get_process_group_ranks(r_group))
+    assert ulysses_ring_groups(4, 2)[0] is ulysses_ring_groups(4, 2)[0]  # built once
+    return out
+
+
+def test_ulysses_ring_groups_split_each_sequence_parallel_group():
+    """On 4 ranks: one SP group of 4 as 2 x 2 (Ulysses {0,1} {2,3}, rings {0,2} {1,3}) or 4 x 1; two SP groups of 2
+    (ranks 0-1 and 2-3, DeepSpeed's) as ring alone or Ulysses alone."""
+    per_rank = run_distributed(groups_body, 4, (), timeout=300)
+    want = {
+        (4, 2): [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])],
+        (2, 1): [([0], [0, 1]), ([1], [0, 1]), ([2], [2, 3]), ([3], [2, 3])],
+        (2, 2): [([0, 1], [0]), ([0, 1], [1]), ([2, 3], [2]), ([2, 3], [3])],
+        (4, 4): [([0, 1, 2, 3], [r]) for r in range(4)],
+    }
+    for key, groups in want.items():
+        assert [r[key] for r in per_rank] == groups, key

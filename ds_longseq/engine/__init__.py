@@ -17,6 +17,7 @@ from ds_longseq.engine.sequence_parallel import (
     sequence_parallel_rank_and_size,
     shard_batch,
     shard_sequence,
+    ulysses_ring_groups,
 )
 from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, active_watch, start_watchdog
 
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_DISTRIBUTED_PORT",
     "shard_batch",
     "shard_sequence",
+    "ulysses_ring_groups",
     "WholeSequenceCalls",
     "data_parallel_rank_and_size",
     "sequence_parallel_groups",
