@@ -161,12 +161,17 @@ class LMHeadConfig:
 
 @dataclass
 class SequenceParallelConfig:
-    """DeepSpeed-Ulysses sequence parallelism (MsT paper Sec. 3.3 / App. E): ``size`` ranks share one
-    sequence, each holding ``T / size`` consecutive tokens; attention exchanges heads for tokens."""
+    """Sequence parallelism: ``size`` ranks share one sequence, each holding ``T / size`` of its tokens. DeepSpeed-
+    Ulysses (MsT paper Sec. 3.3 / App. E: attention exchanges heads for tokens, consecutive tokens per rank) over
+    as many ranks as the heads allow, times ring attention (K/V blocks passed around, zigzag shards) over the rest."""
 
     size: int = 1
     """Ranks per sequence (1 = off). The world size must be a multiple; the remaining factor is data
     parallel. Must equal DeepSpeed's top-level ``sequence_parallel_size`` when that is set too."""
+    ring: int | None = None
+    """Ring degree r of ``size`` = u x r (u: the Ulysses degree). None: chosen from the model, u the largest
+    divisor of ``size`` that divides the query heads and r the rest (``ops.sp_layout.sp_degrees``), so any size
+    works on any model; 1: Ulysses alone (``size`` must divide the heads). A ring runs without StreamBP for now."""
     recurrent: Literal["heads", "pass_state"] = "heads"
     """How a hybrid's recurrent layers (linear attention: Qwen3.5's Gated DeltaNet) run across the group.
     ``"heads"``: each rank runs the whole sequence's recurrence for 1/size of the heads, at the same time as
@@ -179,6 +184,14 @@ class SequenceParallelConfig:
     def enabled(self) -> bool:
         """Whether sequences are split over more than one rank."""
         return self.size > 1 if isinstance(self.size, int) else False
+
+    def problems(self) -> list[str]:
+        """The ring degree divides the size."""
+        size, ring = self.size, self.ring
+        if isinstance(size, int) and isinstance(ring, int) and ring > 0 and size > 0 and size % ring:
+            return [f"long_seq.sequence_parallel.ring={ring} does not divide size={size}: choose a divisor of {size}, "
+                    "or leave ring unset (chosen from the model's heads)"]
+        return []
 
 
 @dataclass

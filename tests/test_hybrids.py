@@ -222,7 +222,8 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type):
 
 def test_head_sharding_refused_where_heads_do_not_divide():
     """A sequence-parallel size that does not divide the mixer's heads, or a mixer whose layout ds_longseq does not
-    know (LFM2's short convolution), is refused at enable with recurrent="heads", naming the way out."""
+    know (LFM2's short convolution), has no head layout (naming the way out); a size the attention heads do not
+    take either needs a ring, refused at enable for a hybrid until the ring passes recurrent states."""
     from ds_longseq.families import mixer_heads
 
     mixer = model_zoo.tiny_model("qwen3_5_text", torch.float64).model.layers[0].linear_attn
@@ -230,8 +231,9 @@ def test_head_sharding_refused_where_heads_do_not_divide():
     adapter = decoder_adapter(model_zoo.tiny_model("lfm2", torch.float64))
     conv = next(m for m in map(adapter.mixer, adapter.layers) if m is not None)
     assert "knows which parameters of" in mixer_heads.head_layout(conv, 0, 2)
-    with pytest.raises(ds_longseq.UnsupportedModelError, match=r"recurrent='heads' on Qwen3_5ForCausalLM: .* not both "
-                                                                r"divisible by sequence_parallel size 3.*'pass_state'"):
+    # SP 3 on 4 attention heads needs a ring (1 x 3), which does not carry recurrent states yet: refused as such
+    with pytest.raises(ds_longseq.UnsupportedModelError, match=r"size=3 on 4 attention heads runs Ulysses x ring 1 x 3"
+                                                                r".*layers \[0\] carry a recurrent state"):
         ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_5_text", torch.float64),
                                      {"sequence_parallel": {"size": 3}, "streambp": {"enabled": True}})
 

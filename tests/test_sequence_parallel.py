@@ -258,3 +258,72 @@ def test_enable_without_a_group_says_how():
 
     with pytest.raises(RuntimeError, match="engine.initialize"):
         ds_longseq.enable(make_model(), {"sequence_parallel": {"size": 2}})
+
+
+def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | None, cases: list[str]):
+    """exactness_worker under Ulysses x ring: the batch cut by shard_batch(..., ring=r) (each rank's tokens from
+    ops.sp_layout), the config's ring degree given or chosen from the heads."""
+    import torch.distributed as dist
+
+    import ds_longseq
+    from ds_longseq.engine import shard_batch
+    from ds_longseq.ops.sp_layout import sp_degrees, sp_positions
+
+    heads = overrides.get("num_attention_heads", 4)
+    u, r = sp_degrees(world, heads, ring)
+    local = shard_batch(global_batch(), rank, world, ring=r)
+    out = {"positions": sp_positions(SEQ, u, r)[rank], "degrees": (u, r)}
+    for name in cases:
+        section = {"size": world} if ring is None else {"size": world, "ring": ring}
+        model = full_precision_norms(make_model(arch, torch.float64, **overrides))
+        ds_longseq.enable(model, {**SP_CASES[name], "sequence_parallel": section}, sp_group=dist.group.WORLD)
+        loss, grads, embed_grad = loss_and_grads(model, local)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[name] = {"loss": loss, "grads": grads, "embed_grad": embed_grad}
+    return out
+
+
+@pytest.mark.parametrize("world, overrides, ring, degrees", [
+    (2, {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}, None, (1, 2)),  # 3 heads at SP 2
+    (4, {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}, None, (1, 4)),  # and at SP 4
+    (4, {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 32}, None, (2, 2)),  # SP 4 > 2 heads
+    (4, {}, 2, (2, 2)),  # 4 heads as 2 x 2 (ring forced)
+])
+def test_ulysses_x_ring_matches_stock_float64(world, overrides, ring, degrees):
+    """Any SP size on any head count: the loss on every rank and the parameter gradients summed over the group equal
+    the stock model on the whole batch (left and right padding, a masked prompt: uneven valid tokens per rank)."""
+    cases = ["ulysses_only", "mini_seq"]
+    results = run_distributed(ring_worker, world_size=world, args=(world, "llama", overrides, ring, cases))
+    ref_loss, ref_grads, ref_embed = _reference("llama", overrides)
+    for per_rank in results:
+        assert per_rank["degrees"] == degrees
+        for name in cases:
+            r = per_rank[name]
+            errs = {"loss": rel_err(r["loss"], ref_loss),
+                    "embed_grad": rel_err(r["embed_grad"], ref_embed[:, per_rank["positions"]])}
+            errs.update({f"grad:{n}": rel_err(g, ref_grads[n]) for n, g in r["grads"].items()})
+            worst = max(errs, key=errs.get)
+            assert errs[worst] < 1e-10, (name, worst, errs[worst])
+
+
+def contiguous_under_ring_worker(rank: int):
+    import torch.distributed as dist
+
+    import ds_longseq
+    from ds_longseq.engine import shard_batch
+
+    model = make_model("llama", torch.float64, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    ds_longseq.enable(model, {"sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+    try:
+        model(**shard_batch(global_batch(), rank, 2))  # cut for Ulysses alone
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_batch_cut_for_ulysses_alone_is_refused_under_a_ring():
+    """3 heads at SP 2 run a ring: a batch cut into contiguous shards (shard_batch without ring=) would train on a
+    shuffled sequence, so the forward stops before any compute, naming the call that cuts it right."""
+    for message in run_distributed(contiguous_under_ring_worker, world_size=2, args=()):
+        assert message is not None and "shard_batch(batch, rank, 2, ring=2)" in message

@@ -17,9 +17,9 @@ from ds_longseq.engine.sequence_parallel import (
     sequence_parallel_rank_and_size,
     shard_batch,
     shard_sequence,
-    ulysses_ring_groups,
 )
 from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, active_watch, start_watchdog
+from ds_longseq.forwards.sequence_parallel import ulysses_ring_groups
 
 __all__ = [
     "initialize",

@@ -29,7 +29,7 @@ from ds_longseq.ops.sp_layout import sp_positions
 
 __all__ = [
     "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_parallel_groups",
-    "sequence_parallel_rank_and_size", "ulysses_ring_groups",
+    "sequence_parallel_rank_and_size",
 ]
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
@@ -62,44 +62,6 @@ def sequence_parallel_groups(size: int):
             f"not {size}: one process can train with one sequence_parallel size"
         )
     return mpu
-
-
-_SUBGROUPS: dict[tuple[int, int, int], tuple] = {}
-
-
-def ulysses_ring_groups(size: int, ulysses: int):
-    """(Ulysses group, ring group) of this rank when every ``size`` consecutive ranks share a sequence (DeepSpeed's
-    sequence-parallel groups) and each such group runs Ulysses over ``ulysses`` ranks times a ring over the rest
-    (``ops.sp_layout``: group rank p = j u + i is Ulysses rank i of Ulysses group j, of consecutive ranks, and ring
-    rank j of ring group i, every u-th rank).
-
-    Every rank must call it, in the same order (``torch.distributed.new_group`` is collective over the world); the
-    groups are built once per (world, size, u) and reused.
-
-    Raises:
-        ValueError: ``size`` does not divide the world, or ``ulysses`` does not divide ``size``.
-    """
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % size or ulysses < 1 or size % ulysses:
-        raise ValueError(f"sequence_parallel size {size} must divide the world size {world} and be a multiple of "
-                         f"the Ulysses degree {ulysses}")
-    key = (world, size, ulysses)
-    if key not in _SUBGROUPS:
-        ring = size // ulysses
-        mine = [None, None]
-        for first in range(0, world, size):  # each sequence-parallel group, all built on every rank
-            for j in range(ring):
-                ranks = list(range(first + j * ulysses, first + (j + 1) * ulysses))
-                group = dist.new_group(ranks)
-                mine[0] = group if rank in ranks else mine[0]
-            for i in range(ulysses):
-                ranks = list(range(first + i, first + size, ulysses))
-                group = dist.new_group(ranks)
-                mine[1] = group if rank in ranks else mine[1]
-        _SUBGROUPS[key] = tuple(mine)
-    return _SUBGROUPS[key]
 
 
 def data_parallel_rank_and_size(sp_size: int, rank: int | None = None, world: int | None = None) -> tuple[int, int]:

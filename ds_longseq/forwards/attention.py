@@ -25,7 +25,7 @@ from ds_longseq.compat import CACHE_KWARGS
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, spec_of
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.packing import PACKED_KWARGS
-from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention
+from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention, ulysses_ring_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "WINDOW_ATTR", "CHUNK_ATTR", "longseq_attention", "longseq_mask", "mask_audit"]
 
@@ -163,7 +163,7 @@ def _attended_keys(spec: AttnSpec | None, query: torch.Tensor, key: torch.Tensor
         same = stream.attends(key, value)
         stream.attended.append((query.shape[2], key.shape[2]) if same else ("not the cached keys/values",))
     if sp is not None:
-        return _Keys(key, value, None, None, sp.local_len * sp.exchange.world_size)
+        return _Keys(key, value, None, None, sp.seq_len)
     k_prefix, v_prefix = stream.prefix() if stream is not None else (None, None)
     num_keys = key.shape[2] + (0 if k_prefix is None else k_prefix.shape[2])
     if stream is not None:  # a replay reusing the captured keys/values (KVStream.own_kv)
@@ -244,6 +244,15 @@ def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpe
         (B, H, C, D) output.
     """
     sp, stream, settings = spec.sp, spec.stream, spec.attention
+    if sp.ring_group is not None:  # Ulysses x ring: the whole shard (StreamBP under a ring is refused at enable)
+        if stream is not None:
+            raise NotImplementedError("StreamBP under ring attention is not built yet: set sequence_parallel.ring=1")
+        return ulysses_ring_attention(
+            query, keys.key, keys.value, sp.exchange, sp.ring_group, scale=masking.scale, key_valid=sp.key_valid,
+            doc_start=sp.doc_start, sliding_window=masking.sliding_window, softcap=masking.softcap,
+            sink_logits=masking.sink_logits, attention_chunk=masking.attention_chunk,
+            chunk_origin=masking.chunk_origin,
+        )
     common = dict(
         scale=masking.scale, key_valid=sp.key_valid, kv_block_size=settings.kv_block_size,
         single_call=settings.single_call,

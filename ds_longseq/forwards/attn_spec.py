@@ -59,8 +59,8 @@ class AttentionSettings:
 class ShardContext:
     """One forward's sequence-parallel state, handed to every attention call (``AttnSpec.sp``)."""
 
-    exchange: UlyssesExchange
-    """The group's all-to-all exchanges."""
+    exchange: UlyssesExchange | None
+    """The (Ulysses) group's all-to-all exchanges; None under a ring alone (u = 1)."""
     local_len: int
     """T_l, tokens per rank."""
     key_valid: torch.Tensor | None
@@ -68,6 +68,11 @@ class ShardContext:
     doc_start: torch.Tensor | None = None
     """(B, T) global index of each token's document start (packed rows; a document may span ranks),
     or None when no row is packed."""
+    ring_group: object | None = None
+    """Under Ulysses x ring (``ops.sp_layout``): the ring's process group (``exchange`` is then the Ulysses
+    group's, or None when u = 1); None: Ulysses alone."""
+    seq_len: int | None = None
+    """T, the whole sequence's tokens (P x T_l)."""
 
 
 @dataclass

@@ -5,13 +5,16 @@ Holds:
         per-forward checks and gathers, and the token-weighted loss over the group.
     SequenceParallelForwardHook: the forward pre-hook installed on the base model (``model.model``).
     ShardOffsetCache, ShardOffsetHook: the shard's global offset for attention positioned by its cache's length.
+    ulysses_ring_groups: a sequence-parallel group split into Ulysses and ring groups (``ops.sp_layout``).
 
 Shape legend: B batch, P ranks per sequence, T = P * T_l global length, T_l local shard.
 
 Each rank holds tokens [p*T_l, (p+1)*T_l) of every sequence in its batch (``engine.shard_batch``
-cuts them). Once per forward the hook gathers the shards' padding masks and position ids (a
-(2, B, T_l) int64 tensor per rank) to check them and to give attention the GLOBAL padding mask;
-positions default to the global ones, p*T_l + arange(T_l), as the stock model uses arange(T).
+cuts them); under Ulysses x ring (``ring`` > 1) the tokens ``ops.sp_layout.sp_positions`` gives it instead
+(``shard_batch(..., ring=r)``), and attention runs ``ops.ulysses.ulysses_ring_attention``. Once per forward the
+hook gathers the shards' padding masks and position ids (a (2, B, T_l) int64 tensor per rank) to check them and to
+give attention the GLOBAL padding mask; positions default to the global ones of the rank's tokens (p*T_l +
+arange(T_l) without a ring), as the stock model uses arange(T).
 The resulting per-forward state, ``ShardContext``, is defined in ``forwards.attn_spec``.
 """
 
@@ -25,9 +28,11 @@ import torch.distributed as dist
 from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
 from ds_longseq.ops.packing import find_documents
+from ds_longseq.ops.sp_layout import sp_positions
 from ds_longseq.ops.ulysses import UlyssesExchange
 
-__all__ = ["SequenceParallel", "SequenceParallelForwardHook", "ShardOffsetCache", "ShardOffsetHook"]
+__all__ = ["SequenceParallel", "SequenceParallelForwardHook", "ShardOffsetCache", "ShardOffsetHook",
+           "ulysses_ring_groups"]
 
 
 class SequenceParallel:
@@ -35,16 +40,39 @@ class SequenceParallel:
 
     Args:
         group: process group of the P ranks that share each sequence.
-        num_heads, num_kv_heads: the model's attention head counts (checked against P).
+        num_heads, num_kv_heads: the model's attention head counts (checked against the Ulysses degree).
+        ring: the ring degree r (P = u x r, ``ops.sp_layout``); 1: Ulysses alone over the group. With r > 1 the
+            group must be DeepSpeed's (consecutive ranks), split by :func:`ulysses_ring_groups`.
     """
 
-    def __init__(self, group, num_heads: int, num_kv_heads: int):
+    def __init__(self, group, num_heads: int, num_kv_heads: int, ring: int = 1):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.exchange = UlyssesExchange(group, self.size, num_heads, num_kv_heads)
+        self.ring = ring
+        self.ring_group = None
+        if ring == 1:
+            self.exchange = UlyssesExchange(group, self.size, num_heads, num_kv_heads)
+        else:
+            ulysses = self.size // ring
+            first = dist.get_rank() - self.rank
+            if dist.get_process_group_ranks(group) != list(range(first, first + self.size)):
+                raise ValueError(
+                    "Ulysses x ring sequence parallelism needs DeepSpeed's sequence-parallel groups (consecutive "
+                    f"ranks), got ranks {dist.get_process_group_ranks(group)}: build the engine with "
+                    "ds_longseq.engine.initialize, or pass enable(..., sp_group=<a group of consecutive ranks>)"
+                )
+            ulysses_group, self.ring_group = ulysses_ring_groups(self.size, ulysses)
+            self.exchange = UlyssesExchange(ulysses_group, ulysses, num_heads, num_kv_heads) if ulysses > 1 else None
         self.is_paused = False
         self.local_loss_values = False
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        """(T_l,) the global positions of this rank's tokens (``ops.sp_layout``), for shards of ``local_len``."""
+        if self.ring == 1:
+            return torch.arange(self.rank * local_len, (self.rank + 1) * local_len, device=device)
+        ulysses = self.size // self.ring
+        return sp_positions(local_len * self.size, ulysses, self.ring)[self.rank].to(device)
 
     @contextlib.contextmanager
     def _flag_set(self, name: str):
@@ -98,13 +126,16 @@ class SequenceParallel:
                 f"{(batch_size, local_len)} slice of the 2D padding mask, got shape {tuple(attention_mask.shape)}"
             )
         if position_ids is None:
-            start = self.rank * local_len
-            position_ids = torch.arange(start, start + local_len, device=device).unsqueeze(0)
+            position_ids = self.positions(local_len, device).unsqueeze(0)
         mask = torch.ones(batch_size, local_len, dtype=torch.int64, device=device)
         if attention_mask is not None:
             mask = attention_mask.to(device=device, dtype=torch.int64)
         both = torch.stack([mask, position_ids.to(device=device, dtype=torch.int64).expand(batch_size, local_len)])
-        gathered = torch.cat(self._all_gather(both), dim=-1)  # (2, B, T), rank-major = global order
+        gathered = torch.cat(self._all_gather(both), dim=-1)  # (2, B, T), rank-major
+        if self.ring > 1:  # rank-major is not the global order under a ring: put each rank's tokens in place
+            order = sp_positions(gathered.shape[-1], self.size // self.ring, self.ring).flatten().to(device)
+            gathered = torch.empty_like(gathered).index_copy_(-1, order, gathered)
+            self._check_ring_layout(gathered[1])
         key_valid = gathered[0].bool()
         # As in one process: positions that restart with no attention_mask mark packed documents,
         # found on the GLOBAL positions, so a document may span ranks.
@@ -113,9 +144,21 @@ class SequenceParallel:
         )
         if bool(key_valid.all()):
             key_valid = None
-        ctx = ShardContext(self.exchange, local_len, key_valid, doc_start)
+        ctx = ShardContext(self.exchange, local_len, key_valid, doc_start, self.ring_group, local_len * self.size)
         self.last_context = ctx  # the loss masks packed documents' boundary targets with it
         return ctx, position_ids
+
+    def _check_ring_layout(self, positions: torch.Tensor) -> None:
+        """Raise unless the (B, T) position ids, put in place by the ring layout, count up from 0 (restarting at 0
+        where a packed document starts): a batch cut for Ulysses alone (contiguous shards) would otherwise train on
+        a shuffled sequence."""
+        steps = (positions[:, 1:] == positions[:, :-1] + 1) | (positions[:, 1:] == 0)
+        if bool((positions[:, 0] != 0).any()) or not bool(steps.all()):
+            raise ValueError(
+                f"sequence parallelism {self.size // self.ring} x {self.ring} (Ulysses x ring) holds each rank's "
+                "tokens in the ring's zigzag layout, but this batch's position ids are not in that order: cut "
+                f"batches with ds_longseq.engine.shard_batch(batch, rank, {self.size}, ring={self.ring})"
+            )
 
     def mask_boundary_targets(self, shift_labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """This rank's (B, T_l) ``shift_labels`` with ``ignore_index`` where the next token starts a new
@@ -126,7 +169,7 @@ class SequenceParallel:
             return shift_labels
         doc_start = ctx.doc_start.to(shift_labels.device)
         N = doc_start.shape[-1]
-        nxt = torch.arange(self.rank * ctx.local_len + 1, (self.rank + 1) * ctx.local_len + 1, device=doc_start.device)
+        nxt = self.positions(ctx.local_len, doc_start.device) + 1
         inside = nxt < N
         starts = torch.zeros(doc_start.shape[0], ctx.local_len, dtype=torch.bool, device=doc_start.device)
         starts[:, inside] = doc_start[:, nxt[inside]] == nxt[inside]
@@ -228,3 +271,41 @@ class ShardOffsetHook:
         hidden = args[0] if args else kwargs["hidden_states"]
         offset = self.sp.exchange.rank * hidden.shape[1]
         return args, {**kwargs, cache_kwarg(module.forward): ShardOffsetCache(offset)}
+
+
+_SUBGROUPS: dict[tuple[int, int, int], tuple] = {}
+
+
+def ulysses_ring_groups(size: int, ulysses: int):
+    """(Ulysses group, ring group) of this rank when every ``size`` consecutive ranks share a sequence (DeepSpeed's
+    sequence-parallel groups) and each such group runs Ulysses over ``ulysses`` ranks times a ring over the rest
+    (``ops.sp_layout``: group rank p = j u + i is Ulysses rank i of Ulysses group j, of consecutive ranks, and ring
+    rank j of ring group i, every u-th rank).
+
+    Every rank must call it, in the same order (``torch.distributed.new_group`` is collective over the world); the
+    groups are built once per (world, size, u) and reused.
+
+    Raises:
+        ValueError: ``size`` does not divide the world, or ``ulysses`` does not divide ``size``.
+    """
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size or ulysses < 1 or size % ulysses:
+        raise ValueError(f"sequence_parallel size {size} must divide the world size {world} and be a multiple of "
+                         f"the Ulysses degree {ulysses}")
+    key = (world, size, ulysses)
+    if key not in _SUBGROUPS:
+        ring = size // ulysses
+        mine = [None, None]
+        for first in range(0, world, size):  # each sequence-parallel group, all built on every rank
+            for j in range(ring):
+                ranks = list(range(first + j * ulysses, first + (j + 1) * ulysses))
+                group = dist.new_group(ranks)
+                mine[0] = group if rank in ranks else mine[0]
+            for i in range(ulysses):
+                ranks = list(range(first + i, first + size, ulysses))
+                group = dist.new_group(ranks)
+                mine[1] = group if rank in ranks else mine[1]
+        _SUBGROUPS[key] = tuple(mine)
+    return _SUBGROUPS[key]

@@ -17,6 +17,7 @@ from ds_longseq.families.mixer_heads import head_layout
 from ds_longseq.forwards.attn_spec import AttentionSettings
 from ds_longseq.forwards.sequence_parallel import SequenceParallel, SequenceParallelForwardHook, ShardOffsetHook
 from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
+from ds_longseq.ops.sp_layout import sp_degrees
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["SequenceParallelism", "sequence_parallel_group"]
@@ -73,6 +74,9 @@ class SequenceParallelism(Technique):
         problems = []
         recurrent = [i for i, layer in enumerate(ctx.adapter.layers) if ctx.adapter.mixer(layer) is not None]
         size = ctx.config.sequence_parallel.size
+        ring_problems = self._ring_problems(ctx, recurrent)
+        if ring_problems:  # None: no ring; []: a ring this model can run
+            return ring_problems
         if recurrent and ctx.config.sequence_parallel.recurrent == "heads":
             reasons = {layout for i in recurrent
                        if isinstance(layout := head_layout(ctx.adapter.mixer(ctx.adapter.layers[i]), 0, size), str)}
@@ -98,6 +102,36 @@ class SequenceParallelism(Technique):
             for kind in ctx.adapter.length_dependent_rope()
         ]
 
+    @staticmethod
+    def degrees(ctx: EnableContext) -> tuple[int, int]:
+        """(Ulysses degree, ring degree) of this model under the config (``ops.sp_layout.sp_degrees``)."""
+        text = ctx.model.config.get_text_config()
+        section = ctx.config.sequence_parallel
+        return sp_degrees(section.size, text.num_attention_heads, section.ring)
+
+    def _ring_problems(self, ctx: EnableContext, recurrent: list[int]) -> list[str] | None:
+        """Why this model cannot run its ring yet (a list, maybe empty, when it needs one); None without a ring."""
+        try:
+            ulysses, ring = self.degrees(ctx)
+        except ValueError as err:
+            return [str(err)]
+        if ring == 1:
+            return None
+        heads = ctx.model.config.get_text_config().num_attention_heads
+        why = (f"long_seq.sequence_parallel.size={ulysses * ring} on {heads} attention heads runs Ulysses x ring "
+               f"{ulysses} x {ring}")
+        problems = []
+        if ctx.config.streambp.enabled:
+            problems.append(f"{why}, and ring attention does not run under long_seq.streambp yet: use a size that "
+                            f"divides {heads} (Ulysses alone), or drop streambp (mini_seq and the chunked head work)")
+        if recurrent:
+            problems.append(f"{why}, and layers {recurrent} carry a recurrent state, which the ring does not pass yet:"
+                            f" use a size that divides {heads}")
+        if ctx.adapter.cache_positioned_attention():
+            problems.append(f"{why}, and this family positions its queries by the cache's length (a contiguous "
+                            f"shard's offset): use a size that divides {heads}")
+        return problems
+
     def engine_problems(self, config: LongSeqConfig, zero_stage: int) -> list[str]:
         problem = zero3_sequence_parallel_problem() if zero_stage == 3 else None
         return [] if problem is None else [problem]
@@ -108,6 +142,7 @@ class SequenceParallelism(Technique):
             sequence_parallel_group(ctx.config, ctx.sp_group),
             text.num_attention_heads,
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            ring=self.degrees(ctx)[1],
         )
         ctx.use_longseq_attention()
         hook = SequenceParallelForwardHook(sp, AttentionSettings.from_config(ctx.config.attention))
