@@ -311,19 +311,34 @@ def contiguous_under_ring_worker(rank: int):
     import torch.distributed as dist
 
     import ds_longseq
-    from ds_longseq.engine import shard_batch
+    from ds_longseq.engine import WholeSequenceCalls, shard_batch
+    from ds_longseq.engine.sequence_parallel import shard_sequence
 
     model = make_model("llama", torch.float64, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
     ds_longseq.enable(model, {"sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
+    default = shard_batch(global_batch(), rank, 2)  # no ring given: the enabled model's layout (a ring of 2)
+    assert torch.equal(default["input_ids"], shard_batch(global_batch(), rank, 2, ring=2)["input_ids"])
+    assert torch.equal(shard_sequence(global_batch()["labels"], rank, 2), default["input_ids"] * 0
+                       + global_batch()["labels"][:, default["position_ids"][0]])
+    model(**default)
+    messages = []
     try:
-        model(**shard_batch(global_batch(), rank, 2))  # cut for Ulysses alone
+        model(**shard_batch(global_batch(), rank, 2, ring=1))  # cut for Ulysses alone
     except ValueError as err:
-        return str(err)
-    return None
+        messages.append(str(err))
+    try:
+        WholeSequenceCalls([model], rank, 2, dist.group.WORLD)
+    except NotImplementedError as err:
+        messages.append(str(err))
+    ds_longseq.disable(model)
+    assert ds_longseq.engine.sequence_parallel.ring_degree(2) == 1  # the layout left with the model
+    return messages
 
 
 def test_a_batch_cut_for_ulysses_alone_is_refused_under_a_ring():
-    """3 heads at SP 2 run a ring: a batch cut into contiguous shards (shard_batch without ring=) would train on a
-    shuffled sequence, so the forward stops before any compute, naming the call that cuts it right."""
-    for message in run_distributed(contiguous_under_ring_worker, world_size=2, args=()):
-        assert message is not None and "shard_batch(batch, rank, 2, ring=2)" in message
+    """3 heads at SP 2 run a ring: shard_batch without ring= cuts by the enabled model's layout; a batch cut into
+    contiguous shards anyway would train on a shuffled sequence, so the forward stops before any compute, naming the
+    call that cuts it right; whole-sequence calls (TRL's DPO / GRPO) are refused under a ring until built."""
+    for messages in run_distributed(contiguous_under_ring_worker, world_size=2, args=()):
+        assert len(messages) == 2 and "shard_batch(batch, rank, 2, ring=2)" in messages[0]
+        assert "with a ring (degree 2)" in messages[1]

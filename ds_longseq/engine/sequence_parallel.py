@@ -23,6 +23,7 @@ import torch
 
 from ds_longseq.compat import deepspeed_sp_group
 from ds_longseq.engine.process_group import ensure_process_group
+from ds_longseq.forwards.sequence_parallel import ring_degree
 from ds_longseq.ops.objectives import gather_sequence
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
 from ds_longseq.ops.sp_layout import sp_positions
@@ -94,7 +95,7 @@ def shard_batch(
     pad: bool = False,
     pad_token_id: int = 0,
     ignore_index: int = -100,
-    ring: int = 1,
+    ring: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's 1/P of every sequence in ``batch``, ready for the model under sequence parallelism.
 
@@ -120,7 +121,8 @@ def shard_batch(
         ignore_index: the label value that is not trained on.
         ring: the ring degree r of a Ulysses x ring group (P = u r): rank p then holds the tokens
             ``ops.sp_layout.sp_positions`` gives it (part of its ring rank's zigzag shard, not a contiguous slice),
-            its position ids those tokens' global positions. 1: Ulysses alone, contiguous slices.
+            its position ids those tokens' global positions. 1: Ulysses alone, contiguous slices. None: the ring
+            degree of the models enabled with sequence parallelism P in this process (1 when none is).
 
     Returns:
         ``input_ids``, ``position_ids``, and ``attention_mask`` / ``shift_labels`` when given, each (B, T/P).
@@ -159,6 +161,7 @@ def shard_batch(
     elif "shift_labels" in batch:
         out["shift_labels"] = torch.as_tensor(batch["shift_labels"])
     out["position_ids"] = pos if pos is not None else torch.arange(T, device=ids.device).unsqueeze(0)
+    ring = ring_degree(sp_size) if ring is None else ring
     if ring < 1 or sp_size % ring:
         raise ValueError(f"ring degree {ring} does not divide sequence_parallel size {sp_size}")
     unit = sp_size if ring == 1 else 2 * sp_size  # a ring cuts the sequence into 2 r zigzag blocks, each u ways
@@ -184,11 +187,12 @@ def shard_batch(
 
 
 def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int, fill: int | float = 0,
-                   ring: int = 1) -> torch.Tensor:
+                   ring: int | None = None) -> torch.Tensor:
     """Rank ``sp_rank``'s 1/P of ``tensor`` (B, T, ...) along the sequence, T first padded on the right to a multiple
     of P (2 P with a ``ring`` degree above 1) with ``fill``: the cut :func:`shard_batch` makes, for any per-position
     tensor that must line up with its shards (e.g. per-target metadata). A contiguous slice, or with a ring the
-    tokens ``ops.sp_layout.sp_positions`` gives the rank."""
+    tokens ``ops.sp_layout.sp_positions`` gives the rank (None: as :func:`shard_batch`)."""
+    ring = ring_degree(sp_size) if ring is None else ring
     unit = sp_size if ring == 1 else 2 * sp_size
     extra = -tensor.shape[1] % unit
     if extra:
@@ -226,6 +230,12 @@ class WholeSequenceCalls:
     """
 
     def __init__(self, modules: Iterable[torch.nn.Module], rank: int, size: int, group):
+        if ring_degree(size) > 1:
+            raise NotImplementedError(
+                f"whole-sequence calls (TRL's DPO / GRPO trainers) under sequence parallelism {size} with a ring "
+                f"(degree {ring_degree(size)}): gathering their per-token outputs in the ring's layout is not built "
+                "yet. Use a sequence_parallel.size that divides the model's attention heads (Ulysses alone)"
+            )
         self.modules = list({id(m): m for m in modules}.values())
         self.rank, self.size, self.group = rank, size, group
         self._handles: list = []

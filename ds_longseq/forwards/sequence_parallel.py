@@ -6,6 +6,8 @@ Holds:
     SequenceParallelForwardHook: the forward pre-hook installed on the base model (``model.model``).
     ShardOffsetCache, ShardOffsetHook: the shard's global offset for attention positioned by its cache's length.
     ulysses_ring_groups: a sequence-parallel group split into Ulysses and ring groups (``ops.sp_layout``).
+    register_layout / ring_degree: the ring degree of the models enabled with a sequence-parallel size in this
+        process, which ``engine.shard_batch`` cuts batches by when not told.
 
 Shape legend: B batch, P ranks per sequence, T = P * T_l global length, T_l local shard.
 
@@ -32,7 +34,34 @@ from ds_longseq.ops.sp_layout import sp_positions
 from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["SequenceParallel", "SequenceParallelForwardHook", "ShardOffsetCache", "ShardOffsetHook",
-           "ulysses_ring_groups"]
+           "ulysses_ring_groups", "register_layout", "ring_degree"]
+
+_LAYOUTS: dict[int, list[int]] = {}  # SP size -> [ring degree, models enabled with it]
+
+
+def register_layout(size: int, ring: int):
+    """Record that a model runs sequence parallelism ``size`` with ring degree ``ring`` in this process (so batches
+    cut without a ring argument follow it); returns the undo. Two enabled models with one size and different
+    layouts are refused: a batch could not be cut right for both."""
+    entry = _LAYOUTS.setdefault(size, [ring, 0])
+    if entry[0] != ring:
+        raise ValueError(
+            f"a model with sequence parallelism {size} and ring degree {entry[0]} is enabled in this process, and this "
+            f"one needs ring degree {ring} (its heads): set long_seq.sequence_parallel.ring to the same value for both"
+        )
+    entry[1] += 1
+
+    def undo():
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _LAYOUTS[size]
+
+    return undo
+
+
+def ring_degree(size: int) -> int:
+    """The ring degree of the models enabled with sequence-parallel ``size`` in this process (1 when none is)."""
+    return _LAYOUTS.get(size, [1])[0]
 
 
 class SequenceParallel:

@@ -15,7 +15,12 @@ from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_proble
 from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
 from ds_longseq.families.mixer_heads import head_layout
 from ds_longseq.forwards.attn_spec import AttentionSettings
-from ds_longseq.forwards.sequence_parallel import SequenceParallel, SequenceParallelForwardHook, ShardOffsetHook
+from ds_longseq.forwards.sequence_parallel import (
+    SequenceParallel,
+    SequenceParallelForwardHook,
+    ShardOffsetHook,
+    register_layout,
+)
 from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.ops.sp_layout import sp_degrees
 from ds_longseq.techniques.base import EnableContext, Technique, register
@@ -144,6 +149,7 @@ class SequenceParallelism(Technique):
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
             ring=self.degrees(ctx)[1],
         )
+        ctx.handle.add_undo(register_layout(sp.size, sp.ring))  # shard_batch cuts by it when not told
         ctx.use_longseq_attention()
         hook = SequenceParallelForwardHook(sp, AttentionSettings.from_config(ctx.config.attention))
         ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
