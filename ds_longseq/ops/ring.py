@@ -206,7 +206,8 @@ class _RingAttention(torch.autograd.Function):
         if sink_logits is not None:
             out, lse = _with_sink_logits(out, lse, sink_logits)
         ctx.save_for_backward(q, k, v, key_valid, query_lo, out, lse, sink_logits)
-        ctx.softcap, ctx.scale, ctx.group, ctx.kernel = softcap, scale, group, kernel
+        # the masks (decided on the host, one copy of each) serve backward too: no second host copy there
+        ctx.masks, ctx.scale, ctx.group, ctx.kernel = masks, scale, group, kernel
         return out.to(q.dtype)
 
     @staticmethod
@@ -217,7 +218,7 @@ class _RingAttention(torch.autograd.Function):
         R = q.shape[1] // k.shape[1]
         cdt = _compute_dtype(q.dtype)
         mine = zigzag_blocks(rank, size)
-        masks = _Masks(key_valid, query_lo, ctx.softcap, q.shape[2] // 2)
+        masks = ctx.masks
         do = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         kv = [k, v]
