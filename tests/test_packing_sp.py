@@ -34,15 +34,17 @@ def _batch(collator_labels: bool):
     return batch, documents
 
 
-def sp_worker(rank: int, world: int, cases: list[str], source: str, collator_labels: bool):
+def sp_worker(rank: int, world: int, cases: list[str], source: str, collator_labels: bool, heads: int = 4):
+    """heads=3: a ring of ``world`` (Ulysses x ring 1 x world), the batch cut by its zigzag layout."""
     import torch.distributed as dist
 
     import ds_longseq
     from ds_longseq.engine import shard_batch
 
     batch, _ = _batch(collator_labels)
+    ring = 1 if heads % world == 0 else world
     if source == "shard_batch":
-        local = shard_batch(batch, rank, world)
+        local = shard_batch(batch, rank, world, ring=ring)
     elif source == "shard_batch_varlen":
         varlen, _ = packed_batch(SP_DOCS, "cu_seq_lens", collator_labels)
         varlen["labels"] = batch["labels"]
@@ -56,7 +58,7 @@ def sp_worker(rank: int, world: int, cases: list[str], source: str, collator_lab
         assert set(local) == {"input_ids", "position_ids", "shift_labels"}, sorted(local)
     out = {}
     for name in cases:
-        model = full_precision_norms(make_model("llama", torch.float64))
+        model = full_precision_norms(make_model("llama", torch.float64, **_heads(heads)))
         ds_longseq.enable(model, {**SP_CONFIGS[name], "sequence_parallel": {"size": world}}, sp_group=dist.group.WORLD)
         loss, grads, embed_grad = loss_and_grads(model, local)
         for g in grads.values():
@@ -65,20 +67,25 @@ def sp_worker(rank: int, world: int, cases: list[str], source: str, collator_lab
     return out
 
 
-def _check(results, world, cases):
+def _heads(heads: int) -> dict:
+    return {} if heads == 4 else {"hidden_size": 16 * heads, "num_attention_heads": heads, "num_key_value_heads": 1}
+
+
+def _check(results, world, cases, heads: int = 4):
+    from ds_longseq.ops.sp_layout import sp_positions
+
     batch, documents = _batch(collator_labels=True)
     flat = batch["labels"].flatten()
     bounds = torch.tensor([0] + [len(d) for d in documents]).cumsum(0).tolist()
     labels = [flat[a:b] for a, b in itertools.pairwise(bounds)]
-    ref_loss, ref_grads, ref_embed = documents_alone(full_precision_norms(make_model("llama", torch.float64)),
-                                                     documents, labels)
+    model = full_precision_norms(make_model("llama", torch.float64, **_heads(heads)))
+    ref_loss, ref_grads, ref_embed = documents_alone(model, documents, labels)
     ref_embed = ref_embed.reshape(batch["input_ids"].shape[0], SEQ, -1)
-    local = SEQ // world
+    positions = sp_positions(SEQ, 1, world) if heads % world else torch.arange(SEQ).view(world, -1)
     for rank, per_rank in enumerate(results):
         for name in cases:
             loss, grads, embed_grad = per_rank[name]
-            errs = {"loss": rel_err(loss, ref_loss),
-                    "embed_grad": rel_err(embed_grad, ref_embed[:, rank * local : (rank + 1) * local])}
+            errs = {"loss": rel_err(loss, ref_loss), "embed_grad": rel_err(embed_grad, ref_embed[:, positions[rank]])}
             assert set(grads) == set(ref_grads)
             errs.update({n: rel_err(g, ref_grads[n]) for n, g in grads.items()})
             worst = max(errs, key=errs.get)
@@ -88,6 +95,14 @@ def _check(results, world, cases):
 @pytest.mark.parametrize("source, cases", [("shard_batch", list(SP_CONFIGS)), ("shard_batch_varlen", ["streambp"])])
 def test_packed_sp2_matches_documents_alone_float64(source, cases):
     _check(run_distributed(sp_worker, 2, (2, cases, source, True)), 2, cases)
+
+
+def test_packed_rows_under_a_ring_match_documents_alone_float64():
+    """3 heads at SP 2 run a ring of 2: each rank holds zigzag blocks [0, 10) + [30, 40), [10, 30), so documents
+    cross both the blocks' and the ranks' boundaries; a ring tile wholly before a query's document is skipped.
+    Whole shards and StreamBP (chunks of 3, the documents found on the global positions), exact at 1e-10."""
+    cases = ["streambp", "ulysses_only"]
+    _check(run_distributed(sp_worker, 2, (2, cases, "shard_batch", True, 3)), 2, cases, heads=3)
 
 
 def test_packed_sp4_deepspeed_adapter_labels_without_boundary_masks():

@@ -260,7 +260,8 @@ def test_enable_without_a_group_says_how():
         ds_longseq.enable(make_model(), {"sequence_parallel": {"size": 2}})
 
 
-def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | None, cases: list[str]):
+def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | None, cases: list[str],
+                left_pad: bool = True):
     """exactness_worker under Ulysses x ring: the batch cut by shard_batch(..., ring=r) (each rank's tokens from
     ops.sp_layout), the config's ring degree given or chosen from the heads."""
     import torch.distributed as dist
@@ -271,7 +272,7 @@ def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | N
 
     heads = overrides.get("num_attention_heads", 4)
     u, r = sp_degrees(world, heads, ring)
-    local = shard_batch(global_batch(), rank, world, ring=r)
+    local = shard_batch(global_batch(left_pad=left_pad), rank, world, ring=r)
     out = {"positions": sp_positions(SEQ, u, r)[rank], "degrees": (u, r)}
     for name in cases:
         section = {"size": world} if ring is None else {"size": world, "ring": ring}
@@ -292,10 +293,29 @@ def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | N
 ])
 def test_ulysses_x_ring_matches_stock_float64(world, overrides, ring, degrees):
     """Any SP size on any head count: the loss on every rank and the parameter gradients summed over the group equal
-    the stock model on the whole batch (left and right padding, a masked prompt: uneven valid tokens per rank)."""
-    cases = ["ulysses_only", "mini_seq"]
+    the stock model on the whole batch (left and right padding, a masked prompt: uneven valid tokens per rank).
+    Whole shards (ring attention), mini_seq, and StreamBP (chunks of 3, some spanning a rank's two zigzag blocks,
+    against the whole sequence's K/V gathered over the ring: ops.ulysses.UlyssesRingExchange)."""
+    cases = ["ulysses_only", "mini_seq", "streambp"]
     results = run_distributed(ring_worker, world_size=world, args=(world, "llama", overrides, ring, cases))
-    ref_loss, ref_grads, ref_embed = _reference("llama", overrides)
+    _check_ring(results, _reference("llama", overrides), cases, degrees)
+
+
+def test_ring_gemma2_window_and_softcaps_float64():
+    """Gemma 2 (3 heads at SP 2: a ring of 2) with its sliding window (6, shorter than a zigzag block of 10) and
+    attention / final-logit softcaps, whole shards and StreamBP, against the stock model in float64 (its eager
+    attention in float64 as in test_sp2_gemma2_stock_head_float64; no left padding, see global_batch). The window
+    skips every ring tile it cannot reach."""
+    overrides = {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
+    cases = ["streambp_stock_head", "ulysses_only"]
+    results = run_distributed(ring_worker, world_size=2, args=(2, "gemma2", overrides, None, cases, False))
+    model = float64_eager_attention(full_precision_norms(make_model("gemma2", torch.float64, **overrides)))
+    reference = loss_and_grads(model, global_batch(left_pad=False), use_reference=True, ref_dtype=torch.float64)
+    _check_ring(results, reference, cases, (1, 2))
+
+
+def _check_ring(results, reference, cases, degrees):
+    ref_loss, ref_grads, ref_embed = reference
     for per_rank in results:
         assert per_rank["degrees"] == degrees
         for name in cases:

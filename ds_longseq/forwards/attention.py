@@ -244,9 +244,7 @@ def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpe
         (B, H, C, D) output.
     """
     sp, stream, settings = spec.sp, spec.stream, spec.attention
-    if sp.ring_group is not None:  # Ulysses x ring: the whole shard (StreamBP under a ring is refused at enable)
-        if stream is not None:
-            raise NotImplementedError("StreamBP under ring attention is not built yet: set sequence_parallel.ring=1")
+    if sp.ring_group is not None and stream is None:  # Ulysses x ring, a whole shard
         return ulysses_ring_attention(
             query, keys.key, keys.value, sp.exchange, sp.ring_group, scale=masking.scale, key_valid=sp.key_valid,
             doc_start=sp.doc_start, sliding_window=masking.sliding_window, softcap=masking.softcap,
@@ -260,7 +258,7 @@ def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpe
         sink_logits=masking.sink_logits, attention_chunk=masking.attention_chunk, chunk_origin=masking.chunk_origin,
     )
     if stream is not None:
-        return ulysses_chunk_attention(query, sp.exchange, stream.k_heads, stream.v_heads, stream.start, stream.end,
+        return ulysses_chunk_attention(query, stream.exchange, stream.k_heads, stream.v_heads, stream.start, stream.end,
                                        grad_sink=stream.grad_sink, **common)
     return ulysses_attention(query, keys.key, keys.value, sp.exchange, **common)
 

@@ -73,6 +73,9 @@ class ShardContext:
     group's, or None when u = 1); None: Ulysses alone."""
     seq_len: int | None = None
     """T, the whole sequence's tokens (P x T_l)."""
+    kv_exchange: object | None = None
+    """What a StreamBP layer's K/V go through (``ops.streambp.GlobalKVStream``): ``exchange`` under Ulysses alone,
+    an ``ops.ulysses.UlyssesRingExchange`` under a ring."""
 
 
 @dataclass

@@ -31,7 +31,7 @@ from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
 from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.sp_layout import sp_positions
-from ds_longseq.ops.ulysses import UlyssesExchange
+from ds_longseq.ops.ulysses import UlyssesExchange, UlyssesRingExchange
 
 __all__ = ["SequenceParallel", "SequenceParallelForwardHook", "ShardOffsetCache", "ShardOffsetHook",
            "ulysses_ring_groups", "register_layout", "ring_degree"]
@@ -93,6 +93,8 @@ class SequenceParallel:
                 )
             ulysses_group, self.ring_group = ulysses_ring_groups(self.size, ulysses)
             self.exchange = UlyssesExchange(ulysses_group, ulysses, num_heads, num_kv_heads) if ulysses > 1 else None
+        self.kv_exchange = self.exchange if ring == 1 else UlyssesRingExchange(self.exchange, self.ring_group,
+                                                                               self.size // ring, ring)
         self.is_paused = False
         self.local_loss_values = False
 
@@ -173,7 +175,8 @@ class SequenceParallel:
         )
         if bool(key_valid.all()):
             key_valid = None
-        ctx = ShardContext(self.exchange, local_len, key_valid, doc_start, self.ring_group, local_len * self.size)
+        ctx = ShardContext(self.exchange, local_len, key_valid, doc_start, self.ring_group, local_len * self.size,
+                           self.kv_exchange)
         self.last_context = ctx  # the loss masks packed documents' boundary targets with it
         return ctx, position_ids
 

@@ -395,7 +395,8 @@ class StreamBPLayerForward:
         with collection_paused() if self.router_tap is not None else nullcontext():
             sharded = getattr(self.mixer_module, "forward", None)
             if sp is not None and self.mixer is None:
-                return streambp_sp_apply(run_chunk, layer_input, params, self.chunk_size, sp.exchange, offloader)
+                return streambp_sp_apply(run_chunk, layer_input, params, self.chunk_size, sp.kv_exchange,
+                                         offloader)
             if sp is not None and self.mixer == "recurrent" and isinstance(sharded, HeadShardedMixerForward):
                 # the mixer runs once per layer over the whole sequence, sharded by heads across the group
                 return streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,

@@ -553,6 +553,9 @@ class GlobalKVStream:
     def tokens_before(self) -> int:
         """Tokens of the whole sequence before the current chunk (the shard's global offset plus the chunk's
         start), as :meth:`KVStream.tokens_before` (Llama 4's temperature tuning positions its queries by it)."""
+        if getattr(self.exchange, "ring", 1) > 1:  # zigzag shards: no single offset (such families are refused)
+            raise NotImplementedError("StreamBP under ring attention: this layer positions its queries by the tokens "
+                                      "before its chunk, which a zigzag shard does not have as one offset")
         return self.exchange.rank * self.local_len + self.start
 
     def read_shared(self) -> tuple[torch.Tensor, torch.Tensor]:

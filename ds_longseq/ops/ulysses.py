@@ -3,6 +3,8 @@
 Holds:
     UlyssesExchange: the four exchanges a sequence-parallel attention needs, for one process group.
     ulysses_attention: causal attention of a whole local shard (exchange, attend, exchange back).
+    UlyssesRingExchange: the same exchanges for StreamBP under Ulysses x ring: K/V of the whole sequence,
+        heads-sharded within the Ulysses group and gathered over the ring, in global order.
     ulysses_chunk_attention: one query chunk of every rank against exchanged K/V (StreamBP under SP).
     ulysses_ring_attention: a whole local shard under Ulysses x ring (heads exchanged within the Ulysses group,
         ring attention over the ring group): any SP degree on any head count.
@@ -24,14 +26,20 @@ around it live here; ``tests/test_sequence_parallel.py`` checks them against Dee
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+import torch.distributed as dist
 
 from ds_longseq.compat import dim_zero_all_to_all
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.phases import phase
 from ds_longseq.ops.ring import ring_attention, zigzag_shard
+from ds_longseq.ops.sp_layout import sp_positions
 
-__all__ = ["UlyssesExchange", "ulysses_attention", "ulysses_chunk_attention", "ulysses_ring_attention"]
+__all__ = [
+    "UlyssesExchange", "UlyssesRingExchange", "ulysses_attention", "ulysses_chunk_attention", "ulysses_ring_attention",
+]
 
 
 def _all_to_all():
@@ -127,6 +135,85 @@ class UlyssesExchange:
             back = back.reshape(B, self.num_kv_heads, self.kv_repeat, C, D).sum(2)
         return back
 
+    def token_positions(self, seq_len: int) -> torch.Tensor:
+        """(P, T_l) CPU int64: row r the global positions of rank r's tokens for a sequence of ``seq_len`` (rank r
+        holds [r T_l, (r + 1) T_l)); the rows of a heads-sharded tensor of ``seq_len`` tokens, in that order."""
+        return torch.arange(seq_len).view(self.world_size, seq_len // self.world_size)
+
+
+class UlyssesRingExchange:
+    """The exchanges of StreamBP's chunk attention (:func:`ulysses_chunk_attention`) under Ulysses x ring.
+
+    StreamBP attends each chunk against the whole sequence's keys, so under a ring it needs them all at once: a
+    layer's K/V go through the Ulysses all-to-all (this ring rank's zigzag shard for Hkv_l heads), are gathered over
+    the ring group (the other shards) and put in global order. Per layer that holds the whole sequence's K/V for
+    Hkv / u heads (r times Ulysses alone's Hkv / P) and moves each rank's K/V to every ring rank once, as ring
+    attention passes them round; dK/dV go home by one reduce-scatter over the ring. (Fetching the prefix chunk by
+    chunk instead would hold less and send it again per chunk; docs/SEQUENCE_PARALLEL.md compares them.)
+    Queries and outputs use the Ulysses group's exchange alone: each rank's queries stay with its own heads.
+
+    Args:
+        exchange: the Ulysses group's :class:`UlyssesExchange`, or None when u = 1.
+        ring_group: the ring's process group (r ranks).
+        ulysses, ring: the degrees u and r (``ops.sp_layout``).
+
+    Attributes ``rank`` / ``world_size`` are the Ulysses group's (0 / 1 when u = 1): the query rows of a chunk are
+    the Ulysses group's, as under Ulysses alone.
+    """
+
+    def __init__(self, exchange: UlyssesExchange | None, ring_group, ulysses: int, ring: int):
+        self.exchange, self.ring_group = exchange, ring_group
+        self.ulysses, self.ring = ulysses, ring
+        self.ring_rank = dist.get_rank(ring_group)
+        self.rank = 0 if exchange is None else exchange.rank
+        self.world_size = ulysses
+        self.group = None if exchange is None else exchange.group
+        self._orders: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _order(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """(T,) the global position of each row of the ring-gathered (rank-major) K/V."""
+        key = (seq_len, device)
+        if key not in self._orders:
+            self._orders[key] = sp_positions(seq_len, self.ulysses, self.ring).flatten().to(device)
+        return self._orders[key]
+
+    def token_positions(self, seq_len: int) -> torch.Tensor:
+        """(u, T_l) CPU int64: row i the global positions of Ulysses rank i's tokens (of this ring rank's group)."""
+        u = self.ulysses
+        return sp_positions(seq_len, u, self.ring)[self.ring_rank * u : (self.ring_rank + 1) * u]
+
+    def query_to_heads(self, q: torch.Tensor) -> torch.Tensor:
+        return q if self.exchange is None else self.exchange.query_to_heads(q)
+
+    def output_to_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.exchange is None else self.exchange.output_to_tokens(out)
+
+    def local_heads(self, per_head: torch.Tensor | None) -> torch.Tensor | None:
+        return per_head if self.exchange is None else self.exchange.local_heads(per_head)
+
+    def kv_to_heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, T_l, D) this rank's K/V -> (B, Hkv_l, T, D) the whole sequence's for its Ulysses heads, in global
+        order. Not differentiable (StreamBP returns the gradient with :meth:`kv_grad_to_tokens`)."""
+        shard = (kv if self.exchange is None else self.exchange.kv_to_heads(kv)).contiguous()
+        B, h, C, D = shard.shape
+        gathered = shard.new_empty((self.ring * B, h, C, D))  # ring rank j's shard in rows [j B, (j + 1) B)
+        with phase("sp.exchange"):
+            dist.all_gather_single(gathered, shard, group=self.ring_group)
+        rank_major = gathered.view(self.ring, B, h, C, D).permute(1, 2, 0, 3, 4).reshape(B, h, self.ring * C, D)
+        order = self._order(self.ring * C, kv.device)
+        return torch.empty_like(rank_major).index_copy_(2, order, rank_major)
+
+    def kv_grad_to_tokens(self, grad: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv_l, T, D) gradient of :meth:`kv_to_heads`'s output (every ring rank's part) -> (B, Hkv, T_l, D) this
+        rank's, summed over the ring."""
+        B, h, T, D = grad.shape
+        rank_major = grad.index_select(2, self._order(T, grad.device))
+        blocks = rank_major.view(B, h, self.ring, T // self.ring, D).permute(2, 0, 1, 3, 4).reshape(-1, h, T // self.ring, D)
+        mine = blocks.new_empty((B, h, T // self.ring, D))  # the sum over the ring of rows [j B, (j + 1) B)
+        with phase("sp.exchange"):
+            dist.reduce_scatter_single(mine, blocks, group=self.ring_group)
+        return mine if self.exchange is None else self.exchange.kv_grad_to_tokens(mine)
+
 
 def ulysses_attention(
     q: torch.Tensor,
@@ -179,7 +266,7 @@ def ulysses_attention(
 
 def ulysses_chunk_attention(
     q: torch.Tensor,
-    exchange: UlyssesExchange,
+    exchange: UlyssesExchange | UlyssesRingExchange,
     k_heads: torch.Tensor,
     v_heads: torch.Tensor,
     start: int,
@@ -200,13 +287,15 @@ def ulysses_chunk_attention(
     """Causal attention of one query chunk of every rank against exchanged, heads-sharded K/V.
 
     Every rank calls this with the same ``[start, end)`` of its local shard (it runs collectives).
-    The queries of rank r sit at global positions r*T_l + [start, end) and attend keys
-    [0, r*T_l + end); all keys are constants whose gradients are ADDED into ``grad_sink``.
+    The queries of Ulysses rank r sit at the global positions ``exchange.token_positions(T)[r, start:end]``:
+    r*T_l + [start, end) under Ulysses alone, attending keys [0, r*T_l + end); under a ring (zigzag shards) up to two
+    runs of consecutive positions, each attending the keys before its end. All keys are constants whose gradients
+    are ADDED into ``grad_sink``.
 
     Args:
         q: (B, H, C, D) this rank's chunk queries, C = end - start. Differentiable.
-        exchange: the group's :class:`UlyssesExchange`.
-        k_heads, v_heads: (B, Hkv_l, P*T_l, D) the layer's K/V of the whole sequence, heads-sharded.
+        exchange: the group's :class:`UlyssesExchange`, or :class:`UlyssesRingExchange` under a ring.
+        k_heads, v_heads: (B, Hkv_l, T, D) the layer's K/V of the whole sequence in global order, heads-sharded.
         start, end: the chunk's span inside the local shard.
         scale: softmax scale.
         key_valid: (B, P*T_l) bool global padding mask, or None.
@@ -224,39 +313,47 @@ def ulysses_chunk_attention(
         (B, H, C, D) attention output of this rank's chunk.
     """
     C = end - start
-    local_len = k_heads.shape[2] // exchange.world_size
-    qh = exchange.query_to_heads(q)  # (B, H_l, P*C, D): rank r's chunk is rows [r*C, (r+1)*C)
+    T = k_heads.shape[2]
+    qh = exchange.query_to_heads(q)  # (B, H_l, P*C, D): Ulysses rank r's chunk is rows [r*C, (r+1)*C)
     sinks = exchange.local_heads(sink_logits)
     outs = []
-    for r in range(exchange.world_size):
-        a, b = r * local_len + start, r * local_len + end  # the chunk's own keys, global positions
-        lo = None
-        if doc_start is not None or sliding_window is not None or attention_chunk is not None:
-            origin = chunk_origin if chunk_origin is None or chunk_origin.shape[-1] == 1 else chunk_origin[:, a:b]
-            lo = query_lower_bounds(
-                torch.arange(a, b, device=q.device), None if doc_start is None else doc_start[:, a:b], sliding_window,
-                attention_chunk, origin,
+    for r, row in enumerate(exchange.token_positions(T)[:, start:end]):
+        for lo_row, hi_row, a in _runs(row):  # rows [lo_row, hi_row) of the chunk sit at positions [a, b)
+            b = a + hi_row - lo_row
+            lo = None
+            if doc_start is not None or sliding_window is not None or attention_chunk is not None:
+                origin = chunk_origin if chunk_origin is None or chunk_origin.shape[-1] == 1 else chunk_origin[:, a:b]
+                lo = query_lower_bounds(
+                    torch.arange(a, b, device=q.device), None if doc_start is None else doc_start[:, a:b],
+                    sliding_window, attention_chunk, origin,
+                )
+            outs.append(
+                chunk_causal_attention(
+                    qh[:, :, r * C + lo_row : r * C + hi_row],
+                    k_heads[:, :, a:b],
+                    v_heads[:, :, a:b],
+                    scale=scale,
+                    k_prefix=k_heads[:, :, :a],
+                    v_prefix=v_heads[:, :, :a],
+                    key_valid=None if key_valid is None else key_valid[:, :b],
+                    kv_block_size=kv_block_size,
+                    prefix_grad_sink=grad_sink,
+                    sink_own_keys=grad_sink is not None,
+                    query_lo=lo,
+                    softcap=softcap,
+                    sink_logits=sinks,
+                    joined_kv=(k_heads[:, :, :b], v_heads[:, :, :b]),
+                    single_call=single_call,
+                )
             )
-        outs.append(
-            chunk_causal_attention(
-                qh[:, :, r * C : (r + 1) * C],
-                k_heads[:, :, a:b],
-                v_heads[:, :, a:b],
-                scale=scale,
-                k_prefix=k_heads[:, :, :a],
-                v_prefix=v_heads[:, :, :a],
-                key_valid=None if key_valid is None else key_valid[:, :b],
-                kv_block_size=kv_block_size,
-                prefix_grad_sink=grad_sink,
-                sink_own_keys=grad_sink is not None,
-                query_lo=lo,
-                softcap=softcap,
-                sink_logits=sinks,
-                joined_kv=(k_heads[:, :, :b], v_heads[:, :, :b]),
-                single_call=single_call,
-            )
-        )
     return exchange.output_to_tokens(torch.cat(outs, dim=2))
+
+
+def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """[(first row, end row, first position)] of the runs of consecutive values in the 1-D CPU ``positions``."""
+    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    edges = [0, *breaks, len(positions)]
+    return [(lo, hi, int(positions[lo])) for lo, hi in itertools.pairwise(edges)]
 
 
 def ulysses_ring_attention(

@@ -126,9 +126,6 @@ class SequenceParallelism(Technique):
         why = (f"long_seq.sequence_parallel.size={ulysses * ring} on {heads} attention heads runs Ulysses x ring "
                f"{ulysses} x {ring}")
         problems = []
-        if ctx.config.streambp.enabled:
-            problems.append(f"{why}, and ring attention does not run under long_seq.streambp yet: use a size that "
-                            f"divides {heads} (Ulysses alone), or drop streambp (mini_seq and the chunked head work)")
         if recurrent:
             problems.append(f"{why}, and layers {recurrent} carry a recurrent state, which the ring does not pass yet:"
                             f" use a size that divides {heads}")
