@@ -208,8 +208,9 @@ class UlyssesRingExchange:
         rank's, summed over the ring."""
         B, h, T, D = grad.shape
         rank_major = grad.index_select(2, self._order(T, grad.device))
-        blocks = rank_major.view(B, h, self.ring, T // self.ring, D).permute(2, 0, 1, 3, 4).reshape(-1, h, T // self.ring, D)
-        mine = blocks.new_empty((B, h, T // self.ring, D))  # the sum over the ring of rows [j B, (j + 1) B)
+        C = T // self.ring
+        blocks = rank_major.view(B, h, self.ring, C, D).permute(2, 0, 1, 3, 4).reshape(self.ring * B, h, C, D)
+        mine = blocks.new_empty((B, h, C, D))  # the sum over the ring of rows [j B, (j + 1) B)
         with phase("sp.exchange"):
             dist.reduce_scatter_single(mine, blocks, group=self.ring_group)
         return mine if self.exchange is None else self.exchange.kv_grad_to_tokens(mine)
