@@ -475,7 +475,7 @@ def _alst_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
+def alst_body(rank: int, workdir: str, model_dir: str, ours: bool, ring: bool = False) -> dict:
     """A Trainer script written the ALST way (TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=
     "deepspeed", sp_size=2)), ZeRO-2): stock (``ours`` False: transformers' Trainer, accelerate's Ulysses) or with
     ds_longseq (LongSeqTrainer, a long_seq section without sequence_parallel; accelerate's Ulysses made to raise
@@ -489,7 +489,7 @@ def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
 
     from ds_longseq.trainer import LongSeqTrainer
 
-    config = ds_config(2, 1)
+    config = ds_config(2, 1, ring=ring)  # ring: a long_seq section the ring runs (save_tiny_llama(ring=True))
     if ours:
         def refuse(*args, **kwargs):
             raise AssertionError("accelerate's Ulysses ran under ds_longseq")
@@ -520,6 +520,8 @@ def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
     capture.emit = records.append
     logging.getLogger("ds_longseq.trainer").addHandler(capture)
     trainer = Recording(model=model, args=args, train_dataset=_samples(), data_collator=_alst_collate)
+    if ring:  # 3 heads at sp_size 2: a ring of 2
+        assert ds_longseq.patch.sequence_parallel_of(trainer.model).ring == 2
     trainer.train()
     return {"seen": seen, "log": [h for h in trainer.state.log_history if "loss" in h],
             "warnings": [r.getMessage() for r in records]}
@@ -561,6 +563,21 @@ def test_parallelism_config_runs_ds_longseq_with_alst_semantics(tmp_path):
     expected = plain_sgd_losses(model_dir, ours[0]["seen"])
     assert [h["loss"] for h in ours[0]["log"]] == pytest.approx(expected, rel=1e-5)
     assert [h["loss"] for h in ours[1]["log"]] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_parallelism_config_under_a_ring(tmp_path):
+    """The ALST-way script with a model whose 3 heads sp_size 2 cannot split (stock ALST refuses it): ds_longseq runs
+    a ring of 2 with ALST's data semantics, and its losses equal plain PyTorch on the batches in that order (float32,
+    1e-5)."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir, ring=True)
+    ours = run_distributed(alst_body, 2, (str(tmp_path / "ours"), model_dir, True, True), timeout=300)
+    assert [torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(ours[0]["seen"], ours[1]["seen"],
+                                                                        strict=True)] == [True] * STEPS
+    expected = plain_sgd_losses(model_dir, ours[0]["seen"])
+    for rank in (0, 1):
+        assert [h["loss"] for h in ours[rank]["log"]] == pytest.approx(expected, rel=1e-5)
 
 
 def trl_alst_body(rank: int, workdir: str, model_dir: str, gas: int, packing: bool = False) -> dict:
