@@ -375,6 +375,10 @@ def whole_sequence_calls_under_ring(rank: int) -> dict:
                 out["unordered"] = model(**batch, fused_lm_head=True).log_probs
         finally:
             engine_sp.sequence_from_shards = identity
+    try:  # calls cut for Ulysses alone would be attended as the ring's layout
+        WholeSequenceCalls([model], rank, 2, dist.group.WORLD, ring=1)
+    except ValueError as err:
+        out["wrong_ring"] = str(err)
     ds_longseq.disable(model)
     return out
 
@@ -402,3 +406,4 @@ def check_whole_sequence_calls(whole: dict) -> None:
     assert errs[worst] < 1e-10, (worst, errs[worst])
     # mutation control: the rank-after-rank gather, not put back by the layout, scores other tokens
     assert (whole["unordered"] - log_probs.detach()).abs().max() > 1e-2
+    assert "the models enabled with that size run ring degree 2: pass ring=2" in whole["wrong_ring"]

@@ -238,15 +238,22 @@ class WholeSequenceCalls:
         modules: the modules the caller calls (a PEFT wrapper, the causal LM), each hooked once.
         rank, size, group: this rank's place in its sequence-parallel group, and the group.
 
+    Raises:
+        ValueError: a ``ring`` other than the enabled models' ring degree.
+
     Raises (from a call inside the context):
         ValueError: a call that is not a fused-LM-head call with ``labels=`` and keyword inputs (its outputs
             could not be made whole), or a batch key :func:`shard_batch` cannot cut.
     """
 
     def __init__(self, modules: Iterable[torch.nn.Module], rank: int, size: int, group, ring: int | None = None):
-        ring = ring_degree(size) if ring is None else ring
-        if ring < 1 or size % ring:
-            raise ValueError(f"ring degree {ring} does not divide sequence_parallel size {size}")
+        enabled = ring_degree(size)
+        ring = enabled if ring is None else ring
+        if ring != enabled:  # the calls would be cut in one layout and attended in another
+            raise ValueError(
+                f"WholeSequenceCalls(ring={ring}) under sequence parallelism {size}, but the models enabled with that "
+                f"size run ring degree {enabled}: pass ring={enabled} (SequenceParallel.ring), or leave ring unset"
+            )
         self.modules = list({id(m): m for m in modules}.values())
         self.rank, self.size, self.group, self.ring = rank, size, group, ring
         self._handles: list = []
