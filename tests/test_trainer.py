@@ -174,7 +174,8 @@ def trl_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas: 
     args = SFTConfig(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
-        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=opts.get("long_seq", True)), report_to=[], logging_steps=1,
+        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=opts.get("long_seq", True), ring=opts.get("ring", False)),
+        report_to=[], logging_steps=1,
         use_cpu=True, disable_tqdm=True, seed=7, save_strategy="no", packing=opts["packing"], max_length=40,
         bf16=False,  # SFTConfig's default is bf16 training
     )
@@ -189,6 +190,8 @@ def trl_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas: 
             return super().training_step(model, inputs, num_items_in_batch=num_items_in_batch)
 
     trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer())
+    if opts.get("ring"):  # 3 heads at sequence parallelism 2: a ring of 2
+        assert ds_longseq.patch.sequence_parallel_of(trainer.model).ring == 2
     trainer.train()
     if opts.get("eval"):  # TRL's fused-head evaluation (packed like training), by position
         evaluation = datasets.Dataset.from_list([{"input_ids": s["input_ids"]} for s in _samples(EVAL_SAMPLES, seed=1)])
@@ -386,14 +389,17 @@ def test_trainer_under_a_ring_matches_plain_pytorch(tmp_path):
         assert seen_lengths == [-(-n // 4) * 2 for n in batch_lengths], (rank, seen_lengths)
 
 
-@pytest.mark.parametrize("packing", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_trl_sft_trainer_matches_plain_pytorch(tmp_path, packing):
+@pytest.mark.parametrize("packing, ring", [
+    (True, False), pytest.param(False, False, marks=pytest.mark.slow), pytest.param(True, True, marks=pytest.mark.slow),
+], ids=["True", "False", "packed-ring"])
+def test_trl_sft_trainer_matches_plain_pytorch(tmp_path, packing, ring):
     """TRL's SFTTrainer, its fused-LM-head calls served by ds_longseq's chunked head, ZeRO-3, SP=2;
-    with packing the rows are TRL's padding-free ones (restarting position_ids, cu_seq_lens)."""
+    with packing the rows are TRL's padding-free ones (restarting position_ids, cu_seq_lens). ``ring``: the 3-head
+    model (a ring of 2): packed documents cut by the ring's layout, and their position buckets with them."""
     model_dir = str(tmp_path / "init")
-    save_tiny_llama(model_dir)
-    results = run_distributed(trl_body, 2, (str(tmp_path), model_dir, 3, 2, 2, {"packing": packing, "eval": True}),
-                              timeout=600)
+    save_tiny_llama(model_dir, ring=ring)
+    results = run_distributed(trl_body, 2, (str(tmp_path), model_dir, 3, 2, 2,
+                                            {"packing": packing, "eval": True, "ring": ring}), timeout=600)
     if packing:  # the records are TRL's packed rows
         assert "position_ids" in results[0][0][0] and "attention_mask" not in results[0][0][0]
     ref_model = assert_matches_reference(tmp_path, results, model_dir, 2, 2)
