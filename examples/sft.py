@@ -151,7 +151,9 @@ def main(argv=None) -> int:
         first, last = metrics[0]["loss"], metrics[-1]["loss"]
         print(
             f"\nsummary: {args.max_steps - start_step} steps on {world} rank(s)"
-            + (f" (sequence parallel {run.sp_size} x data parallel {num_replicas})" if run.sp_size > 1 else "")
+            + (f" (sequence parallel {run.sp_size} x data parallel {num_replicas}"
+               + (f", Ulysses {run.sp_size // run.ring} x ring {run.ring})" if run.ring > 1 else ")")
+               if run.sp_size > 1 else "")
             + f", seq_len {args.seq_len}, "
             f"loss {first:.4f} -> {last:.4f}"
             + (f" (chance without looking back {chance:.4f})" if chance is not None else "")

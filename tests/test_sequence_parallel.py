@@ -331,7 +331,7 @@ def contiguous_under_ring_worker(rank: int):
     import torch.distributed as dist
 
     import ds_longseq
-    from ds_longseq.engine import WholeSequenceCalls, shard_batch
+    from ds_longseq.engine import shard_batch
     from ds_longseq.engine.sequence_parallel import shard_sequence
 
     model = make_model("llama", torch.float64, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
@@ -346,19 +346,84 @@ def contiguous_under_ring_worker(rank: int):
         model(**shard_batch(global_batch(), rank, 2, ring=1))  # cut for Ulysses alone
     except ValueError as err:
         messages.append(str(err))
-    try:
-        WholeSequenceCalls([model], rank, 2, dist.group.WORLD)
-    except NotImplementedError as err:
-        messages.append(str(err))
     ds_longseq.disable(model)
     assert ds_longseq.engine.sequence_parallel.ring_degree(2) == 1  # the layout left with the model
-    return messages
+    return messages, whole_sequence_calls_under_ring(rank)
 
 
 def test_a_batch_cut_for_ulysses_alone_is_refused_under_a_ring():
     """3 heads at SP 2 run a ring: shard_batch without ring= cuts by the enabled model's layout; a batch cut into
     contiguous shards anyway would train on a shuffled sequence, so the forward stops before any compute, naming the
-    call that cuts it right; whole-sequence calls (TRL's DPO / GRPO) are refused under a ring until built."""
-    for messages in run_distributed(contiguous_under_ring_worker, world_size=2, args=()):
-        assert len(messages) == 2 and "shard_batch(batch, rank, 2, ring=2)" in messages[0]
-        assert "with a ring (degree 2)" in messages[1]
+    call that cuts it right. Whole-sequence calls (TRL's DPO / GRPO) under the ring: see
+    whole_sequence_calls_under_ring."""
+    for messages, whole in run_distributed(contiguous_under_ring_worker, world_size=2, args=()):
+        assert len(messages) == 1 and "shard_batch(batch, rank, 2, ring=2)" in messages[0]
+        check_whole_sequence_calls(whole)
+
+
+def whole_sequence_calls_under_ring(rank: int) -> dict:
+    """engine.WholeSequenceCalls (TRL's DPO / GRPO model calls) under a ring: 3 heads at SP 2, whole (B, 37) rows
+    on both ranks (padded to 40 = 2 x 2 x 10 for the zigzag blocks), a fused-LM-head call cut by the layout and its
+    per-token outputs gathered back in the sequence's order; then the same call with the gather NOT put back in
+    order (sequence_from_shards replaced by the identity), which the test must see fail."""
+    import torch.distributed as dist
+
+    import ds_longseq
+    import ds_longseq.engine.sequence_parallel as engine_sp
+    from ds_longseq.engine import WholeSequenceCalls
+
+    batch = global_batch(seq_len=37, left_pad=False)
+    model = full_precision_norms(make_model("llama", torch.float64, hidden_size=48, num_attention_heads=3,
+                                            num_key_value_heads=1))
+    config = {"lm_head": {"enabled": True, "chunk_size": 7}, "sequence_parallel": {"size": 2}}
+    ds_longseq.enable(model, config, sp_group=dist.group.WORLD)
+    weights = torch.randn(2, 36, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out = {}
+    with WholeSequenceCalls([model], rank, 2, dist.group.WORLD) as calls:
+        assert calls.ring == 2
+        fused = model(**batch, fused_lm_head=True)
+        objective = (fused.log_probs * weights).sum() + (fused.entropy * weights.flip(0)).sum()
+        objective.backward()  # a whole-sequence function on every rank: each rank's gradient is its tokens' share
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g)
+        out.update(log_probs=fused.log_probs.detach(), entropy=fused.entropy.detach(), mask=fused.label_mask,
+                   objective=objective.detach(), grads=grads)
+        identity, engine_sp.sequence_from_shards = engine_sp.sequence_from_shards, lambda whole, size, ring: whole
+        try:
+            with torch.no_grad():
+                out["unordered"] = model(**batch, fused_lm_head=True).log_probs
+        finally:
+            engine_sp.sequence_from_shards = identity
+    try:  # calls cut for Ulysses alone would be attended as the ring's layout
+        WholeSequenceCalls([model], rank, 2, dist.group.WORLD, ring=1)
+    except ValueError as err:
+        out["wrong_ring"] = str(err)
+    ds_longseq.disable(model)
+    return out
+
+
+def check_whole_sequence_calls(whole: dict) -> None:
+    """whole_sequence_calls_under_ring's outputs against the stock model on the whole batch, float64: per-token
+    values to 1e-10 absolute (log-probs of ~-5 over 101 tokens: rounding ~1e-14), the objective's parameter
+    gradients summed over the ranks to 1e-10 relative; and the unordered gather visibly wrong."""
+    batch = global_batch(seq_len=37, left_pad=False)
+    model = full_precision_norms(make_model("llama", torch.float64, hidden_size=48, num_attention_heads=3,
+                                            num_key_value_heads=1))
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
+    targets = batch["labels"][:, 1:]
+    mask = targets != -100
+    log_p = torch.log_softmax(logits, dim=-1)
+    log_probs = log_p.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1) * mask
+    entropy = -(log_p.exp() * log_p).sum(-1) * mask
+    weights = torch.randn(2, 36, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ((log_probs * weights).sum() + (entropy * weights.flip(0)).sum()).backward()
+    assert torch.equal(whole["mask"], mask)
+    torch.testing.assert_close(whole["log_probs"], log_probs.detach(), rtol=0, atol=1e-10)
+    torch.testing.assert_close(whole["entropy"], entropy.detach(), rtol=0, atol=1e-10)
+    errs = {n: rel_err(g, p.grad) for n, p in model.named_parameters() for g in [whole["grads"][n]]}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < 1e-10, (worst, errs[worst])
+    # mutation control: the rank-after-rank gather, not put back by the layout, scores other tokens
+    assert (whole["unordered"] - log_probs.detach()).abs().max() > 1e-2
+    assert "the models enabled with that size run ring degree 2: pass ring=2" in whole["wrong_ring"]

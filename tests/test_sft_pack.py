@@ -198,6 +198,12 @@ def test_pack_argument_checks():
         check_parallel_args(255, sp=2, world=2)
     # packed rows pad like any other (shard_batch pads them with one more, ignored, document)
     check_parallel_args(255, sp=2, world=2, pad_for_sp=True)
+    # under a ring (Ulysses x ring) the sequence is cut into 2 x ring zigzag blocks: 2 P must divide it
+    check_parallel_args(256, sp=2, world=2, ring=2)
+    with pytest.raises(SystemExit, match=r"--seq-len 258 is not divisible by 2 x sequence_parallel size 2 \(a ring of "
+                                         r"2: its zigzag blocks\): use --seq-len 260, or pass --pad-for-sp"):
+        check_parallel_args(258, sp=2, world=2, ring=2)
+    check_parallel_args(258, sp=2, world=2, ring=2, pad_for_sp=True)
 
 
 # ---------------------------------------------------------------------------------------------

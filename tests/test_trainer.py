@@ -53,18 +53,26 @@ def collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def save_tiny_llama(path: str) -> None:
+def save_tiny_llama(path: str, ring: bool = False) -> None:
+    """The tiny Llama the Trainer tests train: 4 heads on 2 kv heads; ``ring``: 3 heads on 1 kv head, which
+    sequence parallelism 2 cannot split by heads, so it runs a ring of 2 (``ops.sp_layout.sp_degrees``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    heads = {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 1} if ring else {
+        "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False, attn_implementation="sdpa",
+        vocab_size=VOCAB, intermediate_size=64, num_hidden_layers=2, tie_word_embeddings=False,
+        attn_implementation="sdpa", **heads,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def ds_config(stage: int, sp: int, long_seq: bool = True) -> dict:
+# StreamBP is refused under a ring (until built: techniques/sequence_parallel.py): ring runs stream the MLP and head
+RING_TECHNIQUES = {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 8}}
+
+
+def ds_config(stage: int, sp: int, long_seq: bool = True, ring: bool = False) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -77,7 +85,7 @@ def ds_config(stage: int, sp: int, long_seq: bool = True) -> dict:
             "streambp": {"enabled": True, "chunk_size": 4}, "attention": {"kv_block_size": 4},
             "lm_head": {"enabled": True, "chunk_size": 8},
             "sequence_parallel": {"size": sp},
-        }
+        } if not ring else {**RING_TECHNIQUES, "sequence_parallel": {"size": sp}}
     return config
 
 
@@ -90,7 +98,8 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
     args = TrainingArguments(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
         max_steps=opts.get("max_steps", STEPS), learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-        weight_decay=0.0, optim="sgd", deepspeed=ds_config(stage, sp), report_to=[], logging_steps=1, use_cpu=True,
+        weight_decay=0.0, optim="sgd", deepspeed=ds_config(stage, sp, ring=opts.get("ring", False)), report_to=[],
+        logging_steps=1, use_cpu=True,
         disable_tqdm=True, seed=opts.get("seed", 7), save_strategy=opts.get("save_strategy", "no"),
         save_steps=opts.get("save_steps", 1), remove_unused_columns=False, per_device_eval_batch_size=2,
     )
@@ -106,6 +115,8 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
             return super().training_step(model, inputs, num_items_in_batch=num_items_in_batch)
 
     trainer = Recording(model=model, args=args, train_dataset=_samples(), data_collator=collate)
+    if opts.get("ring"):  # 3 heads at sequence parallelism 2: a ring of 2, each rank's tokens the zigzag layout's
+        assert ds_longseq.patch.sequence_parallel_of(trainer.model).ring == 2
     trainer.train(resume_from_checkpoint=opts.get("resume"))
     # under sequence parallelism each rank's eval batch runs sharded across the group, the group's batches in
     # turn: the decoder sees (batch, length / P) inputs, recorded here for the test
@@ -163,7 +174,8 @@ def trl_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas: 
     args = SFTConfig(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
-        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=opts.get("long_seq", True)), report_to=[], logging_steps=1,
+        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=opts.get("long_seq", True), ring=opts.get("ring", False)),
+        report_to=[], logging_steps=1,
         use_cpu=True, disable_tqdm=True, seed=7, save_strategy="no", packing=opts["packing"], max_length=40,
         bf16=False,  # SFTConfig's default is bf16 training
     )
@@ -178,6 +190,8 @@ def trl_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas: 
             return super().training_step(model, inputs, num_items_in_batch=num_items_in_batch)
 
     trainer = Recording(model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer())
+    if opts.get("ring"):  # 3 heads at sequence parallelism 2: a ring of 2
+        assert ds_longseq.patch.sequence_parallel_of(trainer.model).ring == 2
     trainer.train()
     if opts.get("eval"):  # TRL's fused-head evaluation (packed like training), by position
         evaluation = datasets.Dataset.from_list([{"input_ids": s["input_ids"]} for s in _samples(EVAL_SAMPLES, seed=1)])
@@ -358,14 +372,34 @@ def test_trainer_matches_plain_pytorch(tmp_path, case):
         assert seen_lengths == (expected_lengths if sp > 1 else expected_lengths[rank]), (rank, seen_lengths)
 
 
-@pytest.mark.parametrize("packing", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_trl_sft_trainer_matches_plain_pytorch(tmp_path, packing):
-    """TRL's SFTTrainer, its fused-LM-head calls served by ds_longseq's chunked head, ZeRO-3, SP=2;
-    with packing the rows are TRL's padding-free ones (restarting position_ids, cu_seq_lens)."""
+def test_trainer_under_a_ring_matches_plain_pytorch(tmp_path):
+    """A model whose 3 heads sequence parallelism 2 cannot split runs a ring of 2 (ZeRO-2, 2 accumulation steps):
+    each batch cut by the ring's layout (a rank's tokens two zigzag blocks, not a contiguous half), the losses, the
+    parameters after 3 steps, the evaluation loss and the loss by position bucket (each shard's recorded log-probs
+    matched to its own tokens' buckets) equal plain PyTorch (float32, 1e-5 as the Ulysses cases)."""
     model_dir = str(tmp_path / "init")
-    save_tiny_llama(model_dir)
-    results = run_distributed(trl_body, 2, (str(tmp_path), model_dir, 3, 2, 2, {"packing": packing, "eval": True}),
-                              timeout=600)
+    save_tiny_llama(model_dir, ring=True)
+    results = run_distributed(train_body, 2, (str(tmp_path), model_dir, 2, 2, 2, {"ring": True}), timeout=600)
+    assert_matches_reference(tmp_path, results, model_dir, 2, 2)
+    # evaluation cut across the group: each batch padded to a multiple of 2 x 2 (the zigzag blocks), half per rank
+    samples = _samples(EVAL_SAMPLES, seed=1)
+    batch_lengths = [max(len(s["input_ids"]) for s in samples[i:i + 2]) for i in range(0, EVAL_SAMPLES, 2)]
+    for rank in (0, 1):
+        seen_lengths = json.loads((tmp_path / f"eval_lengths{rank}.json").read_text())
+        assert seen_lengths == [-(-n // 4) * 2 for n in batch_lengths], (rank, seen_lengths)
+
+
+@pytest.mark.parametrize("packing, ring", [
+    (True, False), pytest.param(False, False, marks=pytest.mark.slow), pytest.param(True, True, marks=pytest.mark.slow),
+], ids=["True", "False", "packed-ring"])
+def test_trl_sft_trainer_matches_plain_pytorch(tmp_path, packing, ring):
+    """TRL's SFTTrainer, its fused-LM-head calls served by ds_longseq's chunked head, ZeRO-3, SP=2;
+    with packing the rows are TRL's padding-free ones (restarting position_ids, cu_seq_lens). ``ring``: the 3-head
+    model (a ring of 2): packed documents cut by the ring's layout, and their position buckets with them."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir, ring=ring)
+    results = run_distributed(trl_body, 2, (str(tmp_path), model_dir, 3, 2, 2,
+                                            {"packing": packing, "eval": True, "ring": ring}), timeout=600)
     if packing:  # the records are TRL's packed rows
         assert "position_ids" in results[0][0][0] and "attention_mask" not in results[0][0][0]
     ref_model = assert_matches_reference(tmp_path, results, model_dir, 2, 2)
@@ -447,7 +481,7 @@ def _alst_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
+def alst_body(rank: int, workdir: str, model_dir: str, ours: bool, ring: bool = False) -> dict:
     """A Trainer script written the ALST way (TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=
     "deepspeed", sp_size=2)), ZeRO-2): stock (``ours`` False: transformers' Trainer, accelerate's Ulysses) or with
     ds_longseq (LongSeqTrainer, a long_seq section without sequence_parallel; accelerate's Ulysses made to raise
@@ -461,7 +495,7 @@ def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
 
     from ds_longseq.trainer import LongSeqTrainer
 
-    config = ds_config(2, 1)
+    config = ds_config(2, 1, ring=ring)  # ring: a long_seq section the ring runs (save_tiny_llama(ring=True))
     if ours:
         def refuse(*args, **kwargs):
             raise AssertionError("accelerate's Ulysses ran under ds_longseq")
@@ -492,6 +526,8 @@ def alst_body(rank: int, workdir: str, model_dir: str, ours: bool) -> dict:
     capture.emit = records.append
     logging.getLogger("ds_longseq.trainer").addHandler(capture)
     trainer = Recording(model=model, args=args, train_dataset=_samples(), data_collator=_alst_collate)
+    if ring:  # 3 heads at sp_size 2: a ring of 2
+        assert ds_longseq.patch.sequence_parallel_of(trainer.model).ring == 2
     trainer.train()
     return {"seen": seen, "log": [h for h in trainer.state.log_history if "loss" in h],
             "warnings": [r.getMessage() for r in records]}
@@ -533,6 +569,21 @@ def test_parallelism_config_runs_ds_longseq_with_alst_semantics(tmp_path):
     expected = plain_sgd_losses(model_dir, ours[0]["seen"])
     assert [h["loss"] for h in ours[0]["log"]] == pytest.approx(expected, rel=1e-5)
     assert [h["loss"] for h in ours[1]["log"]] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_parallelism_config_under_a_ring(tmp_path):
+    """The ALST-way script with a model whose 3 heads sp_size 2 cannot split (stock ALST refuses it): ds_longseq runs
+    a ring of 2 with ALST's data semantics, and its losses equal plain PyTorch on the batches in that order (float32,
+    1e-5)."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir, ring=True)
+    ours = run_distributed(alst_body, 2, (str(tmp_path / "ours"), model_dir, True, True), timeout=300)
+    assert [torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(ours[0]["seen"], ours[1]["seen"],
+                                                                        strict=True)] == [True] * STEPS
+    expected = plain_sgd_losses(model_dir, ours[0]["seen"])
+    for rank in (0, 1):
+        assert [h["loss"] for h in ours[rank]["log"]] == pytest.approx(expected, rel=1e-5)
 
 
 def trl_alst_body(rank: int, workdir: str, model_dir: str, gas: int, packing: bool = False) -> dict:

@@ -67,12 +67,13 @@ def even_token_reward(completions, **kwargs) -> list[float]:
     return [sum(int(w[1:]) % 2 == 0 for w in c.split()) / max(len(c.split()), 1) for c in completions]
 
 
-def common_args(workdir: str, stage: int, sp: int, long_seq: bool) -> dict:
+def common_args(workdir: str, stage: int, sp: int, long_seq: bool, ring: bool = False) -> dict:
+    """``ring``: the model of save_tiny_llama(ring=True), whose 3 heads run a ring at sequence parallelism 2."""
     return dict(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
-        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=long_seq), report_to=[], logging_steps=1, use_cpu=True,
-        disable_tqdm=True, seed=7, save_strategy="no", bf16=False,  # TRL configs default to bf16
+        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=long_seq, ring=ring), report_to=[], logging_steps=1,
+        use_cpu=True, disable_tqdm=True, seed=7, save_strategy="no", bf16=False,  # TRL configs default to bf16
         per_device_eval_batch_size=2,
     )
 
@@ -86,7 +87,8 @@ def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts:
     from ds_longseq.trainer import with_long_seq
 
     long_seq = opts.get("long_seq", True)
-    args = DPOConfig(**common_args(workdir, stage, sp, long_seq), beta=0.5, use_weighting=opts.get("weighting", False))
+    args = DPOConfig(**common_args(workdir, stage, sp, long_seq, opts.get("ring", False)), beta=0.5,
+                     use_weighting=opts.get("weighting", False))
     # after the config: under ZeRO-3 the model is created partitioned (zero.Init), as users do
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if opts.get("lora"):  # no reference model: TRL's reference is the policy with its adapter off
@@ -96,6 +98,10 @@ def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts:
         model=model, args=args, train_dataset=datasets.Dataset.from_list(preference_pairs()),
         processing_class=word_tokenizer(),
     )
+    if opts.get("ring") and long_seq and sp > 1:  # 3 heads at sequence parallelism 2: a ring of 2
+        from ds_longseq.patch import sequence_parallel_of
+
+        assert sequence_parallel_of(trainer.model).ring == 2
     lengths = []  # the decoder's input lengths (cut in P under sequence parallelism), reference model's included
     decoders = [trainer.accelerator.unwrap_model(m) for m in (trainer.model, trainer.ref_model) if m is not None]
     for decoder in decoders:
@@ -119,7 +125,8 @@ def grpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts
     from ds_longseq.trainer import with_long_seq
 
     long_seq = opts.get("long_seq", True)
-    common = {**common_args(workdir, stage, sp, long_seq), "gradient_accumulation_steps": opts.get("gas", 1)}
+    common = {**common_args(workdir, stage, sp, long_seq, opts.get("ring", False)),
+              "gradient_accumulation_steps": opts.get("gas", 1)}
     args = GRPOConfig(
         **common, num_generations=2, max_completion_length=4, temperature=0.7, beta=opts.get("beta", 0.0),
         use_vllm=False, loss_type=opts.get("loss_type", "dapo"),
@@ -138,6 +145,10 @@ def grpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts
         model=model, args=args, train_dataset=datasets.Dataset.from_list(prompts()), reward_funcs=even_token_reward,
         processing_class=word_tokenizer(),
     )
+    if opts.get("ring") and long_seq and sp > 1:  # 3 heads at sequence parallelism 2: a ring of 2
+        from ds_longseq.patch import sequence_parallel_of
+
+        assert sequence_parallel_of(trainer.model).ring == 2
     trainer.train()
     trainer.save_model(os.path.join(workdir, "hf_model"))
     return [h for h in trainer.state.log_history if "loss" in h], seen
@@ -211,7 +222,7 @@ def run_dpo_sequence_parallel(tmp_path, stage: int, opts: dict):
     """TRL's DPOTrainer with ds_longseq at sequence parallelism 2 on 2 ranks against plain TRL on one rank (the same
     batches: one data-parallel replica either way), then evaluation on 4 pairs (the same 2 batches of 2)."""
     model_dir = str(tmp_path / "init")
-    save_tiny_llama(model_dir)
+    save_tiny_llama(model_dir, ring=opts.get("ring", False))
     opts = {**opts, "eval": True}
     ours = run_distributed(dpo_body, 2, (str(tmp_path / "ours"), model_dir, stage, 2, opts), timeout=600)
     theirs = run_distributed(dpo_body, 1, (str(tmp_path / "theirs"), model_dir, stage, 1, {**opts, "long_seq": False}),
@@ -226,19 +237,22 @@ def run_dpo_sequence_parallel(tmp_path, stage: int, opts: dict):
         # every forward (policy and reference; training, then evaluation) ran on half of each batch
         whole = theirs[0][2]
         assert len(whole) == 2 * STEPS + 2 * 2  # 2 evaluation steps of 2 pairs
-        assert lengths == [-(-n // 2) for n in whole], (lengths, whole)
+        unit = 4 if opts.get("ring") else 2  # under a ring padded to 2 x 2 zigzag blocks
+        assert lengths == [-(-n // unit) * unit // 2 for n in whole], (lengths, whole)
 
 
 @pytest.mark.parametrize(
     "stage,opts",
-    [(3, {"weighting": True}), pytest.param(2, {}, marks=pytest.mark.slow), (2, {"lora": True})],
-    ids=["zero3-wpo-ref-model", "zero2-ref-model", "zero2-lora"],
+    [(3, {"weighting": True}), pytest.param(2, {}, marks=pytest.mark.slow), (2, {"lora": True}),
+     (2, {"weighting": True, "ring": True})],
+    ids=["zero3-wpo-ref-model", "zero2-ref-model", "zero2-lora", "zero2-wpo-ref-model-ring"],
 )
 def test_dpo_trainer_sequence_parallel_matches_one_rank(tmp_path, stage, opts):
     """Each sequence cut in two across the ranks (the reference model's forward too: a model of its own, or the
     LoRA policy with its adapter off), TRL's loss and metrics computed from the whole sequences' per-token outputs:
     losses, every DPO metric and the trained parameters equal plain TRL's on one rank (float32, 1e-5); evaluation,
-    cut across the group the same way, too."""
+    cut across the group the same way, too. ``ring``: a model with 3 heads, so the two ranks run a ring of 2 (policy
+    and reference): each call cut by the ring's layout and its per-token outputs put back in the sequence's order."""
     run_dpo_sequence_parallel(tmp_path, stage, opts)
 
 
@@ -249,7 +263,7 @@ def run_grpo(tmp_path, stage: int, beta: float, sp: int = 1, **options):
     """Ours (sequence parallelism ``sp``) against plain TRL, both on 2 ranks. Under sequence parallelism each rank
     still generates for its own prompts as plain TRL does, and the group trains on the ranks' batches in turn."""
     model_dir = str(tmp_path / "init")
-    save_tiny_llama(model_dir)
+    save_tiny_llama(model_dir, ring=options.get("ring", False))
     opts = {"beta": beta, **options}
     ours = run_distributed(grpo_body, 2, (str(tmp_path / "ours"), model_dir, stage, sp, opts), timeout=600)
     theirs = run_distributed(
@@ -278,12 +292,13 @@ def test_grpo_trainer_matches_plain_trl(tmp_path, stage, beta):
 
 @pytest.mark.parametrize(
     "stage,beta,options",
-    [(3, 0.2, {}), (2, 0.0, {"gas": 2, "loss_type": "bnpo"})],
-    ids=["zero3-ref-model", "zero2-gas2-bnpo"],
+    [(3, 0.2, {}), (2, 0.0, {"gas": 2, "loss_type": "bnpo"}), (2, 0.2, {"ring": True})],
+    ids=["zero3-ref-model", "zero2-gas2-bnpo", "zero2-ref-model-ring"],
 )
 def test_grpo_trainer_sequence_parallel_matches_plain_trl(tmp_path, stage, beta, options):
     """Losses, GRPO's metrics (entropy and kl token-weighted over the world's batch, as plain TRL computes them),
-    the sampled completions and the trained parameters equal plain TRL's on the same 2 ranks (float32, 1e-5)."""
+    the sampled completions and the trained parameters equal plain TRL's on the same 2 ranks (float32, 1e-5).
+    ``ring``: a model with 3 heads, so the group trains each rank's batch in turn over a ring of 2."""
     run_grpo(tmp_path, stage, beta, sp=2, **options)
 
 

@@ -13,6 +13,7 @@ from ds_longseq.engine.preflight import PreflightError, available_memory, memory
 from ds_longseq.engine.sequence_parallel import (
     WholeSequenceCalls,
     data_parallel_rank_and_size,
+    sequence_from_shards,
     sequence_parallel_groups,
     sequence_parallel_rank_and_size,
     shard_batch,
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_DISTRIBUTED_PORT",
     "shard_batch",
     "shard_sequence",
+    "sequence_from_shards",
     "ulysses_ring_groups",
     "WholeSequenceCalls",
     "data_parallel_rank_and_size",

@@ -5,8 +5,10 @@ Holds:
         labels shifted once over the whole sequence first.
     sequence_parallel_groups: DeepSpeed's ``parallel_state_sp`` (its ``mpu``), initialised for P ranks.
     sequence_parallel_rank_and_size: this rank's place in its group (DeepSpeed's groups).
+    shard_sequence / sequence_from_shards: cut one per-position tensor like shard_batch; put the group's shards of one
+        (an all-gather's concatenation) back in the sequence's order.
     WholeSequenceCalls: while active, fused-LM-head calls with whole sequences (the same on every rank of a group)
-        run sharded across the group and return whole-sequence per-token outputs (TRL's DPO trainer).
+        run sharded across the group and return whole-sequence per-token outputs (TRL's DPO and GRPO trainers).
 
 Shape legend: B batch, T global length, P ranks per sequence, T_l = T / P.
 
@@ -29,8 +31,8 @@ from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_
 from ds_longseq.ops.sp_layout import sp_positions
 
 __all__ = [
-    "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_parallel_groups",
-    "sequence_parallel_rank_and_size",
+    "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_from_shards",
+    "sequence_parallel_groups", "sequence_parallel_rank_and_size",
 ]
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
@@ -204,6 +206,18 @@ def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int, fill: int |
     return tensor[:, positions].contiguous()
 
 
+def sequence_from_shards(gathered: torch.Tensor, sp_size: int, ring: int) -> torch.Tensor:
+    """(B, T, ...) in the sequence's order, from ``gathered``: the P ranks' (B, T / P, ...) shards side by side in
+    rank order (an all-gather's concatenation), each cut by :func:`shard_sequence` with ``ring``; its inverse (T
+    the padded length). The identity without a ring (contiguous shards); under a ring each rank's tokens go back to
+    the global positions ``ops.sp_layout.sp_positions`` gave it. Differentiable (an index: the gradient goes back
+    to the shard each value came from)."""
+    if ring == 1:
+        return gathered
+    positions = sp_positions(gathered.shape[1], sp_size // ring, ring).flatten().to(gathered.device)
+    return gathered[:, torch.argsort(positions)]  # position k sits at index argsort(positions)[k] of the gather
+
+
 # the per-token fields of a fused-LM-head output (TRL's FusedCausalLMOutput, ds_longseq's FusedLMHeadOutput)
 _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 
@@ -224,20 +238,24 @@ class WholeSequenceCalls:
         modules: the modules the caller calls (a PEFT wrapper, the causal LM), each hooked once.
         rank, size, group: this rank's place in its sequence-parallel group, and the group.
 
+    Raises:
+        ValueError: a ``ring`` other than the enabled models' ring degree.
+
     Raises (from a call inside the context):
         ValueError: a call that is not a fused-LM-head call with ``labels=`` and keyword inputs (its outputs
             could not be made whole), or a batch key :func:`shard_batch` cannot cut.
     """
 
-    def __init__(self, modules: Iterable[torch.nn.Module], rank: int, size: int, group):
-        if ring_degree(size) > 1:
-            raise NotImplementedError(
-                f"whole-sequence calls (TRL's DPO / GRPO trainers) under sequence parallelism {size} with a ring "
-                f"(degree {ring_degree(size)}): gathering their per-token outputs in the ring's layout is not built "
-                "yet. Use a sequence_parallel.size that divides the model's attention heads (Ulysses alone)"
+    def __init__(self, modules: Iterable[torch.nn.Module], rank: int, size: int, group, ring: int | None = None):
+        enabled = ring_degree(size)
+        ring = enabled if ring is None else ring
+        if ring != enabled:  # the calls would be cut in one layout and attended in another
+            raise ValueError(
+                f"WholeSequenceCalls(ring={ring}) under sequence parallelism {size}, but the models enabled with that "
+                f"size run ring degree {enabled}: pass ring={enabled} (SequenceParallel.ring), or leave ring unset"
             )
         self.modules = list({id(m): m for m in modules}.values())
-        self.rank, self.size, self.group = rank, size, group
+        self.rank, self.size, self.group, self.ring = rank, size, group, ring
         self._handles: list = []
         self._lengths: list[int] = []  # the whole T of the calls under way (innermost last)
 
@@ -266,7 +284,7 @@ class WholeSequenceCalls:
         seq = {k: kwargs.pop(k) for k in list(kwargs) if k in SHARDED_KEYS and kwargs[k] is not None}
         kwargs.pop("seq_idx", None)  # see trainer.batches.shard_inputs: documents come from the restarting positions
         self._lengths.append(int(seq["input_ids"].shape[1]))
-        kwargs.update(shard_batch(seq, self.rank, self.size, pad=True))
+        kwargs.update(shard_batch(seq, self.rank, self.size, pad=True, ring=self.ring))
         return args, kwargs
 
     def _join(self, module, args, kwargs, output):
@@ -274,5 +292,6 @@ class WholeSequenceCalls:
         for name in _PER_TOKEN_FIELDS:
             value = getattr(output, name, None)
             if isinstance(value, torch.Tensor):
-                output[name] = gather_sequence(value, self.group, self.rank, self.size)[:, :length]
+                whole = gather_sequence(value, self.group, self.rank, self.size)  # (B, T padded), rank after rank
+                output[name] = sequence_from_shards(whole, self.size, self.ring)[:, :length]
         return output

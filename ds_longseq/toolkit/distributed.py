@@ -51,7 +51,7 @@ def configure_logging(rank: int) -> None:
     package_logger.setLevel(logging.INFO)
 
 
-def check_parallel_args(seq_len: int, sp: int, world: int, *, pad_for_sp: bool = False) -> None:
+def check_parallel_args(seq_len: int, sp: int, world: int, *, pad_for_sp: bool = False, ring: int = 1) -> None:
     """Refuse a --seq-len that does not fit ``sp`` (the sequence_parallel size), or ``world`` ranks that do not.
 
     Args:
@@ -59,17 +59,19 @@ def check_parallel_args(seq_len: int, sp: int, world: int, *, pad_for_sp: bool =
         sp: the sequence_parallel size P.
         world: the launched ranks.
         pad_for_sp: --pad-for-sp: sequences will be padded to a multiple of P, so any length fits.
+        ring: the ring degree of the sequence parallelism (Ulysses x ring): above 1 the sequence is cut into 2 x
+            ring zigzag blocks, each cut P / ring ways, so --seq-len must be a multiple of 2 P.
     """
     if world % sp:
         raise SystemExit(
             f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}"
         )
-    up = seq_len + sp - seq_len % sp
-    if seq_len % sp and not pad_for_sp:
-        raise SystemExit(
-            f"--seq-len {seq_len} is not divisible by sequence_parallel size {sp}: use --seq-len {up}, "
-            "or pass --pad-for-sp"
-        )
+    unit = sp if ring == 1 else 2 * sp
+    up = seq_len + unit - seq_len % unit
+    if seq_len % unit and not pad_for_sp:
+        what = f"sequence_parallel size {sp}" if ring == 1 else (
+            f"2 x sequence_parallel size {sp} (a ring of {ring}: its zigzag blocks)")
+        raise SystemExit(f"--seq-len {seq_len} is not divisible by {what}: use --seq-len {up}, or pass --pad-for-sp")
 
 
 def init_process_group() -> tuple[int, int]:
@@ -144,7 +146,9 @@ def start_distributed(
     config, long_seq = split_config(ds_config)
     check_monitor_config(config)
     check_sequence_length(long_seq, seq_len)
-    check_parallel_args(seq_len, long_seq.sequence_parallel.size, world, pad_for_sp=pad_for_sp)
+    # a ring forced in the config is checked here; one chosen from the model's heads once it is built (setup_run)
+    check_parallel_args(seq_len, long_seq.sequence_parallel.size, world, pad_for_sp=pad_for_sp,
+                        ring=long_seq.sequence_parallel.ring or 1)
     use_bf16 = dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())
     config["bf16"] = {"enabled": use_bf16}
     config.pop("fp16", None)

@@ -16,8 +16,9 @@ import torch
 import ds_longseq.engine
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
+from ds_longseq.forwards.sequence_parallel import ring_degree
 from ds_longseq.toolkit.checkpoint import export_hf, save_if_due
-from ds_longseq.toolkit.distributed import set_learning_rate, start_distributed, to_rank_batch
+from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.tasks import build_model, model_config
 
@@ -48,6 +49,12 @@ class Run:
     """Items per micro-batch (``train_micro_batch_size_per_gpu``)."""
     gas: int
     """Gradient accumulation steps."""
+
+    @property
+    def ring(self) -> int:
+        """The ring degree of the model's sequence parallelism (Ulysses x ring; 1: Ulysses alone or none), which
+        :meth:`prepare` cuts batches by."""
+        return ring_degree(self.sp_size) if self.sp_size > 1 else 1
 
     @property
     def replica(self) -> int:
@@ -117,6 +124,8 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=trainable, config=ds_config)
     sp_rank, sp_size = sequence_parallel_rank_and_size()
+    if sp_size > 1:  # the ring degree chosen from the model's heads (Ulysses x ring): a ring needs 2 P | --seq-len
+        check_parallel_args(args.seq_len, sp_size, world, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))
     return Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size,
                ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1))
 

@@ -20,9 +20,12 @@ from ds_longseq.engine.sequence_parallel import SHARDED_KEYS
 __all__ = ["shard_inputs", "broadcast_batch", "GroupTurnsLoader"]
 
 
-def shard_inputs(inputs: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
+def shard_inputs(
+    inputs: Mapping[str, Any], sp_rank: int, sp_size: int, ring: int | None = None
+) -> dict[str, Any]:
     """This rank's part of a Trainer batch: the sequence tensors cut by ``shard_batch`` (labels become
-    ``shift_labels``), flags and other non-sequence values passed on unchanged.
+    ``shift_labels``; under a ring, ``ring`` > 1, the layout's tokens, not a contiguous slice), flags and other
+    non-sequence values passed on unchanged.
 
     Raises:
         ValueError: no (B, T) ``input_ids``, or a per-token tensor ``shard_batch`` cannot cut.
@@ -41,7 +44,7 @@ def shard_inputs(inputs: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[
                 f"batch key {key!r} is a per-token tensor that ds_longseq cannot cut by sequence: drop it from the "
                 f"collator's output (keys it cuts: {sorted(SHARDED_KEYS)})"
             )
-    return {**rest, **shard_batch(seq, sp_rank, sp_size, pad=True)}
+    return {**rest, **shard_batch(seq, sp_rank, sp_size, pad=True, ring=ring)}
 
 
 def broadcast_batch(inputs: Mapping[str, Any], num_items, member: int, group) -> tuple[dict[str, Any], Any]:

@@ -155,7 +155,7 @@ class ShardedSequences(TrainerCase):
     def training_loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
         """This rank's share of the batch's loss, with the group's total as its value."""
         sp = self.sp
-        inputs = shard_inputs(inputs, sp.rank, sp.size)
+        inputs = shard_inputs(inputs, sp.rank, sp.size, sp.ring)
         with sp.local_losses():
             result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss = result[0] if return_outputs else result
@@ -178,7 +178,7 @@ class ShardedSequences(TrainerCase):
         loss = None
         for member in range(sp.size):  # the group's batches in turn, each sharded across the group
             batch, count = broadcast_batch(inputs, num_items, member, sp.group)
-            shard = shard_inputs(batch, sp.rank, sp.size)
+            shard = shard_inputs(batch, sp.rank, sp.size, sp.ring)
             recording = positions.recording(batch, sp) if positions is not None else contextlib.nullcontext()
             with torch.no_grad(), trainer.compute_loss_context_manager(), sp.local_losses(), recording:
                 share = self.stock.compute_loss(model, shard, num_items_in_batch=count)
@@ -220,7 +220,7 @@ class WholeSequences(ShardedSequences):
             configure_fused_lm_head(ref)  # what TRL's DPO asked of the reference's head: add_fused_lm_head(ref_model)
             self.sps.append(sequence_parallel_of(ref))
             modules.append(ref)
-        return WholeSequenceCalls(modules, self.sp.rank, self.sp.size, self.sp.group)
+        return WholeSequenceCalls(modules, self.sp.rank, self.sp.size, self.sp.group, ring=self.sp.ring)
 
     def eval_dataloader(self, dataloader):
         return self.shared_within_groups(dataloader, "evaluation") if self.whole_eval else dataloader
@@ -273,7 +273,7 @@ class GroupTurns(WholeSequences):
 
     def _calls(self, config: LongSeqConfig, sp_group) -> WholeSequenceCalls:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        return WholeSequenceCalls([model], self.sp.rank, self.sp.size, self.sp.group)
+        return WholeSequenceCalls([model], self.sp.rank, self.sp.size, self.sp.group, ring=self.sp.ring)
 
     def train_dataloader(self, dataloader):
         return dataloader  # every rank generates for its own prompts, as TRL does

@@ -55,7 +55,8 @@ class PositionLosses:
     @contextlib.contextmanager
     def recording(self, batch: Mapping[str, Any] | None, sp=None):
         """Around one evaluation forward of ``batch`` (whole; None: nothing recorded): the loss of its targets added
-        by where each target sits in its document (this rank's shard under ``sp``, cut as ``shard_batch`` cuts)."""
+        by where each target sits in its document (this rank's shard under ``sp``, cut as ``shard_batch`` cuts: under
+        a ring the layout's tokens, so each recorded log-prob meets its own target's bucket)."""
         if batch is None:
             yield
             return
@@ -63,7 +64,7 @@ class PositionLosses:
             yield
         targets = target_buckets(batch, self.buckets)  # (B, T): the bucket of the token each position predicts
         if sp is not None:
-            targets = shard_sequence(targets, sp.rank, sp.size, fill=-1)
+            targets = shard_sequence(targets, sp.rank, sp.size, fill=-1, ring=sp.ring)
         for logprobs, mask in records:
             width = logprobs.shape[1]  # T - 1 from a fused call given unshifted labels
             buckets = targets[:, :width].to(logprobs.device)
