@@ -30,13 +30,11 @@ def _config(tmp_path, stage=2, name=None, sp=None):
 
 
 def _ring_config(tmp_path):
-    """zero3_ulysses_streambp.json (SP 2) with the ring forced (``sequence_parallel.ring`` 2) and the MLPs and head
-    chunked (mini_seq) in place of StreamBP, which a ring refuses for now."""
+    """zero3_ulysses_streambp.json (ZeRO-3, StreamBP, SP 2) with the ring forced (``sequence_parallel.ring`` 2)."""
     path = tmp_path / "zero3_ring.json"
     with open(_config(tmp_path, name="zero3_ulysses_streambp.json")) as f:
         config = json.load(f)
-    config["long_seq"] = {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": config["long_seq"]["lm_head"],
-                          "sequence_parallel": {"size": 2, "ring": 2}}
+    config["long_seq"]["sequence_parallel"] = {"size": 2, "ring": 2}
     path.write_text(json.dumps(config))
     return str(path)
 

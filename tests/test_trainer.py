@@ -68,11 +68,7 @@ def save_tiny_llama(path: str, ring: bool = False) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-# StreamBP is refused under a ring (until built: techniques/sequence_parallel.py): ring runs stream the MLP and head
-RING_TECHNIQUES = {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 8}}
-
-
-def ds_config(stage: int, sp: int, long_seq: bool = True, ring: bool = False) -> dict:
+def ds_config(stage: int, sp: int, long_seq: bool = True) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -81,11 +77,11 @@ def ds_config(stage: int, sp: int, long_seq: bool = True, ring: bool = False) ->
         "steps_per_print": 10**6,
     }
     if long_seq:
-        config["long_seq"] = {
+        config["long_seq"] = {  # under a ring (3 heads at SP 2) StreamBP's K/V are gathered over the ring
             "streambp": {"enabled": True, "chunk_size": 4}, "attention": {"kv_block_size": 4},
             "lm_head": {"enabled": True, "chunk_size": 8},
             "sequence_parallel": {"size": sp},
-        } if not ring else {**RING_TECHNIQUES, "sequence_parallel": {"size": sp}}
+        }
     return config
 
 
@@ -98,7 +94,7 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
     args = TrainingArguments(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
         max_steps=opts.get("max_steps", STEPS), learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-        weight_decay=0.0, optim="sgd", deepspeed=ds_config(stage, sp, ring=opts.get("ring", False)), report_to=[],
+        weight_decay=0.0, optim="sgd", deepspeed=ds_config(stage, sp), report_to=[],
         logging_steps=1, use_cpu=True,
         disable_tqdm=True, seed=opts.get("seed", 7), save_strategy=opts.get("save_strategy", "no"),
         save_steps=opts.get("save_steps", 1), remove_unused_columns=False, per_device_eval_batch_size=2,
@@ -174,7 +170,7 @@ def trl_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas: 
     args = SFTConfig(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
-        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=opts.get("long_seq", True), ring=opts.get("ring", False)),
+        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=opts.get("long_seq", True)),
         report_to=[], logging_steps=1,
         use_cpu=True, disable_tqdm=True, seed=7, save_strategy="no", packing=opts["packing"], max_length=40,
         bf16=False,  # SFTConfig's default is bf16 training
@@ -495,7 +491,7 @@ def alst_body(rank: int, workdir: str, model_dir: str, ours: bool, ring: bool = 
 
     from ds_longseq.trainer import LongSeqTrainer
 
-    config = ds_config(2, 1, ring=ring)  # ring: a long_seq section the ring runs (save_tiny_llama(ring=True))
+    config = ds_config(2, 1)  # ring: save_tiny_llama(ring=True)
     if ours:
         def refuse(*args, **kwargs):
             raise AssertionError("accelerate's Ulysses ran under ds_longseq")

@@ -67,12 +67,11 @@ def even_token_reward(completions, **kwargs) -> list[float]:
     return [sum(int(w[1:]) % 2 == 0 for w in c.split()) / max(len(c.split()), 1) for c in completions]
 
 
-def common_args(workdir: str, stage: int, sp: int, long_seq: bool, ring: bool = False) -> dict:
-    """``ring``: the model of save_tiny_llama(ring=True), whose 3 heads run a ring at sequence parallelism 2."""
+def common_args(workdir: str, stage: int, sp: int, long_seq: bool) -> dict:
     return dict(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
-        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=long_seq, ring=ring), report_to=[], logging_steps=1,
+        optim="sgd", deepspeed=ds_config(stage, sp, long_seq=long_seq), report_to=[], logging_steps=1,
         use_cpu=True, disable_tqdm=True, seed=7, save_strategy="no", bf16=False,  # TRL configs default to bf16
         per_device_eval_batch_size=2,
     )
@@ -87,7 +86,7 @@ def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts:
     from ds_longseq.trainer import with_long_seq
 
     long_seq = opts.get("long_seq", True)
-    args = DPOConfig(**common_args(workdir, stage, sp, long_seq, opts.get("ring", False)), beta=0.5,
+    args = DPOConfig(**common_args(workdir, stage, sp, long_seq), beta=0.5,
                      use_weighting=opts.get("weighting", False))
     # after the config: under ZeRO-3 the model is created partitioned (zero.Init), as users do
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -125,7 +124,7 @@ def grpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts
     from ds_longseq.trainer import with_long_seq
 
     long_seq = opts.get("long_seq", True)
-    common = {**common_args(workdir, stage, sp, long_seq, opts.get("ring", False)),
+    common = {**common_args(workdir, stage, sp, long_seq),
               "gradient_accumulation_steps": opts.get("gas", 1)}
     args = GRPOConfig(
         **common, num_generations=2, max_completion_length=4, temperature=0.7, beta=opts.get("beta", 0.0),
