@@ -11,6 +11,8 @@ tests against the unmodified stock model are in ``test_sequence_parallel_engine.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -277,8 +279,10 @@ def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | N
     for name in cases:
         section = {"size": world} if ring is None else {"size": world, "ring": ring}
         model = full_precision_norms(make_model(arch, torch.float64, **overrides))
-        ds_longseq.enable(model, {**SP_CASES[name], "sequence_parallel": section}, sp_group=dist.group.WORLD)
-        loss, grads, embed_grad = loss_and_grads(model, local)
+        technique, _, mutation = name.partition(":")
+        ds_longseq.enable(model, {**SP_CASES[technique], "sequence_parallel": section}, sp_group=dist.group.WORLD)
+        with RING_MUTATIONS[mutation]() if mutation else contextlib.nullcontext():
+            loss, grads, embed_grad = loss_and_grads(model, local)
         for g in grads.values():
             dist.all_reduce(g)
         out[name] = {"loss": loss, "grads": grads, "embed_grad": embed_grad}
@@ -297,8 +301,44 @@ def test_ulysses_x_ring_matches_stock_float64(world, overrides, ring, degrees):
     Whole shards (ring attention), mini_seq, and StreamBP (chunks of 3, some spanning a rank's two zigzag blocks,
     against the whole sequence's K/V gathered over the ring: ops.ulysses.UlyssesRingExchange)."""
     cases = ["ulysses_only", "mini_seq", "streambp"]
-    results = run_distributed(ring_worker, world_size=world, args=(world, "llama", overrides, ring, cases))
+    mutations = [f"streambp:{m}" for m in RING_MUTATIONS] if world == 2 else []  # one launch carries the controls
+    results = run_distributed(ring_worker, world_size=world, args=(world, "llama", overrides, ring, cases + mutations))
     _check_ring(results, _reference("llama", overrides), cases, degrees)
+    for name in mutations:  # each mutation of StreamBP's ring exchange must fail the same check
+        assert _check_ring(results, _reference("llama", overrides), [name], degrees, tol=float("inf")) > 1e-3, name
+
+
+@contextlib.contextmanager
+def _kv_left_rank_major():
+    """Mutation: the ring-gathered K/V left in rank-major order instead of put in global order."""
+    from ds_longseq.ops.ulysses import UlyssesRingExchange
+
+    original = UlyssesRingExchange._order
+    UlyssesRingExchange._order = lambda self, seq_len, device: torch.arange(seq_len, device=device)
+    try:
+        yield
+    finally:
+        UlyssesRingExchange._order = original
+
+
+@contextlib.contextmanager
+def _dkv_kept_where_computed():
+    """Mutation: dK/dV not sent home over the ring (each rank keeps its own block of what it computed)."""
+    import torch.distributed as dist
+
+    original = dist.reduce_scatter_single
+
+    def own_block(output, blocks, group=None, **kwargs):
+        output.copy_(blocks.view(-1, *output.shape)[dist.get_rank(group)])
+
+    dist.reduce_scatter_single = own_block
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = original
+
+
+RING_MUTATIONS = {"kv_order": _kv_left_rank_major, "dkv_not_returned": _dkv_kept_where_computed}
 
 
 def test_ring_gemma2_window_and_softcaps_float64():
@@ -314,8 +354,10 @@ def test_ring_gemma2_window_and_softcaps_float64():
     _check_ring(results, reference, cases, (1, 2))
 
 
-def _check_ring(results, reference, cases, degrees):
+def _check_ring(results, reference, cases, degrees, tol: float = 1e-10) -> float:
+    """The worst relative error over ranks, cases, the loss, the input and every parameter gradient (< ``tol``)."""
     ref_loss, ref_grads, ref_embed = reference
+    worst_error = 0.0
     for per_rank in results:
         assert per_rank["degrees"] == degrees
         for name in cases:
@@ -324,7 +366,9 @@ def _check_ring(results, reference, cases, degrees):
                     "embed_grad": rel_err(r["embed_grad"], ref_embed[:, per_rank["positions"]])}
             errs.update({f"grad:{n}": rel_err(g, ref_grads[n]) for n, g in r["grads"].items()})
             worst = max(errs, key=errs.get)
-            assert errs[worst] < 1e-10, (name, worst, errs[worst])
+            assert errs[worst] < tol, (name, worst, errs[worst])
+            worst_error = max(worst_error, errs[worst])
+    return worst_error
 
 
 def contiguous_under_ring_worker(rank: int):

@@ -36,16 +36,20 @@ def replica_batch(replica: int, step: int, batch: int = 2, seq_len: int = SEQ):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def sp_train_worker(rank: int, sp: int, stage: int, long_seq: dict, steps: int = 3):
+def sp_train_worker(rank: int, sp: int, stage: int, long_seq: dict, steps: int = 3, ring: int | None = None):
+    """``ring``: sequence_parallel.ring (Ulysses x ring); shard_batch then cuts by the enabled model's layout."""
     import ds_longseq.engine
+    import ds_longseq.patch
     from ds_longseq.engine import sequence_parallel_rank_and_size, shard_batch
 
     model = make_model("llama", torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    config = ds_config(stage, 1, {**long_seq, "sequence_parallel": {"size": sp}})
+    section = {"size": sp} if ring is None else {"size": sp, "ring": ring}
+    config = ds_config(stage, 1, {**long_seq, "sequence_parallel": section})
     engine, *_ = ds_longseq.engine.initialize(model=model, optimizer=optimizer, config=config)
     sp_rank, sp_size = sequence_parallel_rank_and_size()
     assert sp_size == sp and engine.sequence_parallel_size == sp
+    assert ds_longseq.patch.sequence_parallel_of(engine.module).ring == (ring or 1)
     replica = rank // sp  # DeepSpeed's groups: ranks [g*sp, (g+1)*sp) share a sequence
     losses = []
     for step in range(steps):
@@ -75,12 +79,23 @@ def reference_run(num_replicas: int, steps: int = 3):
     ids=["sp2-z2", "sp2-z3", "sp2xdp2-z2", "sp2xdp2-z3", "sp2xdp2-z3-mst"],
 )
 def test_sp_engine_matches_single_process_after_3_steps(world, stage, long_seq):
-    results = run_distributed(sp_train_worker, world, (2, stage, long_seq))
-    ref_params, ref_losses = reference_run(world // 2)
+    _check_training(run_distributed(sp_train_worker, world, (2, stage, long_seq)), world // 2)
+
+
+def test_streambp_zero3_under_ulysses_x_ring_2x2():
+    """ZeRO-3 + StreamBP at SP 4 run as Ulysses x ring 2 x 2 (ring forced on 4 heads): each StreamBP layer's K/V
+    gathered over the ring (ops.ulysses.UlyssesRingExchange) while ZeRO-3 gathers the layer's parameters; 3 steps
+    equal the single-process run (float32, 1e-5)."""
+    _check_training(run_distributed(sp_train_worker, 4, (4, 3, STREAMBP, 3, 2)), 1, sp=4)
+
+
+def _check_training(results, replicas: int, sp: int = 2):
+    ref_params, ref_losses = reference_run(replicas)
     for rank, result in enumerate(results):
-        # the loss each rank reports is its replica's whole-sequence mean (same on both SP ranks)
+        # the loss each rank reports is its replica's whole-sequence mean (same on every SP rank)
         for step, loss in enumerate(result["losses"]):
-            assert abs(loss - ref_losses[step][rank // 2]) < 1e-5 * abs(ref_losses[step][rank // 2]), (rank, step)
+            ref = ref_losses[step][rank // sp]
+            assert abs(loss - ref) < 1e-5 * abs(ref), (rank, step)
         for name, ref in ref_params.items():
             # parameters move by LR * grad each step; 1e-5 relative is float32 round-off over 3 steps
             err = ((result["params"][name] - ref).norm() / ref.norm()).item()
