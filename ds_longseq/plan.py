@@ -27,6 +27,11 @@ The model. Per GPU, for a sequence of T tokens (T_local = T / SP degree per rank
                 ``disk_staging``); ceil(L / k) of them with ``long_seq.offload.keep_every = k``
     rebuilt_block with keep_every = k > 1: the block's inputs rebuilt in backward, waiting on the device (k - 1
                 inputs, k when the kept ones are offloaded): structural, not yet checked against a measurement
+    ring_kv     under Ulysses x ring (SP = u x r, r > 1, ``ops.sp_layout``): what ring attention holds beyond
+                Ulysses alone. StreamBP: each layer's K/V of the whole sequence for Hkv_u = max(Hkv, u) / u heads
+                with their float32 gradient accumulators (r - 1 local shards' worth more than Ulysses, plus one
+                transient copy of the gathered keys); whole-shard methods: the K/V block in flight and its
+                gradients'. Structural, from the buffers' sizes; not yet checked against a measurement
     activations the rest of the step's peak that grows with T_local: FITTED, ``per_token`` units of a
                 method-specific size per token (hidden-size vectors, or vocab-size fp32 vectors for methods
                 whose un-chunked LM head dominates)
@@ -56,6 +61,7 @@ from typing import Literal, Mapping
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards.auto_chunk import largest_fitting
+from ds_longseq.ops.sp_layout import sp_degrees
 
 __all__ = [
     "ModelDims",
@@ -70,6 +76,7 @@ __all__ = [
     "PreflightError",
     "estimate",
     "longest_fit",
+    "sp_split",
     "plan",
     "preflight",
     "main",
@@ -98,6 +105,7 @@ class Setup:
     disk_layer_inputs: bool = False  # long_seq.offload.layer_inputs='disk': the offloaded inputs go to files
     keep_every: int = 1  # long_seq.offload.keep_every: only every k-th layer input is kept (StreamBP)
     sequence_parallel: int = 1
+    ring: int | None = None  # long_seq.sequence_parallel.ring: None chooses it from the heads (ops.sp_layout)
     zero_stage: int = 2
     gpus: int = 1
     nodes: int = 1
@@ -118,6 +126,8 @@ class Setup:
             problems.append(f"gpus={self.gpus} over nodes={self.nodes}: the GPU count must be a multiple of nodes")
         if self.sequence_parallel < 1 or self.gpus % self.sequence_parallel:
             problems.append(f"sequence_parallel={self.sequence_parallel} must divide gpus={self.gpus}")
+        if self.ring is not None and (self.ring < 1 or self.sequence_parallel % self.ring):
+            problems.append(f"ring={self.ring} must divide sequence_parallel={self.sequence_parallel}")
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage={self.zero_stage}: DeepSpeed's stages are 0-3")
         if self.disk_layer_inputs and not self.offload_layer_inputs:
@@ -163,6 +173,7 @@ class Setup:
             disk_layer_inputs=ls.offload.layer_inputs == "disk",
             keep_every=ls.offload.keep_every,
             sequence_parallel=ls.sequence_parallel.size,
+            ring=ls.sequence_parallel.ring,
             zero_stage=int(zero.get("stage", 0)),
             gpus=gpus,
             nodes=nodes,
@@ -310,6 +321,7 @@ def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: boo
         "layer_inputs": 0.0 if setup.offload_layer_inputs else inputs,
         # keep_every > 1: in backward one block's inputs are rebuilt and wait on the device (not yet measured)
         "rebuilt_block": (k - (0 if setup.offload_layer_inputs else 1)) * one_input if k > 1 else 0.0,
+        "ring_kv": _ring_kv_bytes(dims, setup, t_local),
         "activations": coef.per_token * unit * t_local,
         "fixed": coef.fixed_mib * MIB,
         "buffers": BUFFERS_BYTES if setup.device == "cuda" else 0.0,
@@ -325,6 +337,24 @@ def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: boo
         host["disk_staging"] = DISK_STAGING_BYTES * ranks
     disk = {"layer_inputs": inputs * ranks} if on_disk else {}
     return Estimate(seq_len, device, host, note, disk)
+
+
+def sp_split(dims: ModelDims, setup: Setup) -> tuple[int, int]:
+    """(u, r): the Ulysses and ring degrees ``setup``'s SP size runs on this model (``ops.sp_layout.sp_degrees``)."""
+    return sp_degrees(setup.sequence_parallel, dims.num_heads, setup.ring)
+
+
+def _ring_kv_bytes(dims: ModelDims, setup: Setup, t_local: int) -> float:
+    """The ``ring_kv`` component (module docstring) for ``t_local`` tokens per rank (batch included)."""
+    u, r = sp_split(dims, setup)
+    if r == 1:
+        return 0.0
+    b = setup.dtype_bytes
+    acc = max(b, 4)  # gradients accumulate in float32 (or the model's wider dtype)
+    shard = t_local * max(dims.num_kv_heads, u) * dims.head_dim  # one rank's K (or V) after the Ulysses exchange
+    if setup.method == "streambp":  # (B, Hkv_u, T, D) K and V + their accumulators: r shards each, Ulysses held 1
+        return 2 * (r - 1) * shard * (b + acc) + r * shard * b
+    return 2 * shard * (b + 2 * acc)  # the received K/V block, and the dK/dV passed on and received
 
 
 def longest_fit(dims: ModelDims, setup: Setup, device_bytes: float, host_bytes: float | None = None, *,
@@ -389,8 +419,9 @@ class Plan:
         s = self.setup
         lines = [
             f"ds_longseq plan: {e.seq_len:,} tokens, method {_key(s)}, {s.gpus} GPU(s) on {s.nodes} node(s), "
-            f"SP {s.sequence_parallel}, ZeRO-{s.zero_stage}, {'LoRA r=' + str(s.lora_rank) if s.lora_rank else 'full'}"
-            f", {'bf16' if s.dtype_bytes == 2 else 'fp32'}, device {s.device}",
+            f"SP {s.sequence_parallel}{_split_text(self.dims, s)}, ZeRO-{s.zero_stage}, "
+            f"{'LoRA r=' + str(s.lora_rank) if s.lora_rank else 'full'}, "
+            f"{'bf16' if s.dtype_bytes == 2 else 'fp32'}, device {s.device}",
             f"per {'GPU' if s.device == 'cuda' else 'process (device = host memory)'}:",
             *(f"  {k:<13}{gib(v)}" for k, v in e.device.items()),
             f"  {'total':<13}{gib(e.device_total)}   of {gib(self.device_bytes).strip()}",
@@ -412,6 +443,12 @@ class Plan:
         if self.options:
             lines += ["options that fit this length:", *(f"  - {o}" for o in self.options)]
         return "\n".join(lines)
+
+
+def _split_text(dims: ModelDims, setup: Setup) -> str:
+    """' (Ulysses u x ring r)' when the SP size runs a ring on this model, else ''."""
+    u, r = sp_split(dims, setup)
+    return f" (Ulysses {u} x ring {r})" if r > 1 else ""
 
 
 def _fits(e: Estimate, device_bytes: float, host_bytes: float | None) -> bool:

@@ -123,6 +123,27 @@ def test_components_follow_the_setup():
         P.estimate(dims, base, 0)
 
 
+def test_ring_kv_counts_what_the_ring_holds():
+    """Llama-3-8B (32 heads, 8 kv heads, head dim 128) at SP 64 runs Ulysses 32 x ring 2; at SP 8 Ulysses alone.
+    StreamBP under the ring holds each layer's K/V of the whole sequence for max(8, 32) / 32 heads (one kv head
+    replicated per Ulysses rank) with float32 accumulators: one more local shard's worth of K and V than Ulysses,
+    plus the gathered keys' transient copy; whole-shard methods the K/V block in flight and its gradients."""
+    dims, t = _dims(), 1 << 20
+    base = P.Setup(method="streambp", gpus=64, nodes=8, zero_stage=3, sequence_parallel=64)
+    assert P.sp_split(dims, base) == (32, 2) and P.sp_split(dims, replace(base, sequence_parallel=8)) == (8, 1)
+    shard = t // 64 * 32 * 128  # one rank's K after the Ulysses exchange: T_l tokens x max(8, 32) heads x 128
+    assert P.estimate(dims, base, t).device["ring_kv"] == 2 * shard * (2 + 4) + 2 * shard * 2
+    assert P.estimate(dims, replace(base, method="mst"), t).device["ring_kv"] == 2 * shard * (2 + 2 * 4)
+    assert P.estimate(dims, replace(base, sequence_parallel=8, gpus=8, nodes=1), t).device["ring_kv"] == 0
+    forced = replace(base, sequence_parallel=8, gpus=8, nodes=1, ring=4)  # 2 x 4
+    assert P.sp_split(dims, forced) == (2, 4)
+    report = P.plan(dims, forced, t, 80 * GIB).report()
+    assert "SP 8 (Ulysses 2 x ring 4)" in report and "ring_kv" in report
+    assert P.Setup.from_configs({"long_seq": {"sequence_parallel": {"size": 4, "ring": 2}}}, gpus=4).ring == 2
+    with pytest.raises(ValueError, match="ring=3 must divide sequence_parallel=4"):
+        P.Setup(gpus=4, sequence_parallel=4, ring=3)
+
+
 def test_plan_suggests_what_fits_and_a_preset():
     dims = _dims()
     setup = P.Setup(method="streambp", lora_rank=16, zero_stage=3)
