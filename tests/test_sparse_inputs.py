@@ -181,6 +181,7 @@ def test_under_deepspeed_matches_the_single_process_reference(stage, host):
 
 
 def sp_sparse_worker(rank: int, world: int):
+    """Per head count: 4 heads (Ulysses alone), 3 heads (a ring of ``world``, the batch cut by its layout)."""
     import torch.distributed as dist
 
     from ds_longseq.engine import shard_batch
@@ -188,28 +189,34 @@ def sp_sparse_worker(rank: int, world: int):
     from tests.test_sequence_parallel import SP_CASES, global_batch
 
     reforwards = count_reforwards()
-    local = shard_batch(global_batch(), rank, world)
-    results = []
-    for extra in ({}, {"offload": {"keep_every": 2}}, {"offload": {"keep_every": 3, "layer_inputs": "cpu"}}):
-        model = full_precision_norms(make_model("llama", torch.float64, num_layers=4))
-        cfg = {**SP_CASES["streambp"], **extra, "sequence_parallel": {"size": world}}
-        ds_longseq.enable(model, cfg, sp_group=dist.group.WORLD).train()
-        results.append(loss_and_grads(model, local))
-    plain = results[0]
-    same = []
-    for r in results[1:]:
-        same.append(torch.equal(r[0], plain[0]) and torch.equal(r[2], plain[2])
-                    and all(torch.equal(r[1][n], plain[1][n]) for n in plain[1]))
-    return {"bitwise": same, "reforwards": len(reforwards)}
+    out = {}
+    for heads in (4, 3):
+        shape = {} if heads == 4 else {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
+        local = shard_batch(global_batch(), rank, world, ring=1 if heads == 4 else world)
+        before, results = len(reforwards), []
+        for extra in ({}, {"offload": {"keep_every": 2}}, {"offload": {"keep_every": 3, "layer_inputs": "cpu"}}):
+            model = full_precision_norms(make_model("llama", torch.float64, num_layers=4, **shape))
+            cfg = {**SP_CASES["streambp"], **extra, "sequence_parallel": {"size": world}}
+            ds_longseq.enable(model, cfg, sp_group=dist.group.WORLD).train()
+            results.append(loss_and_grads(model, local))
+            ds_longseq.disable(model)  # the next head count's layout is another one (a ring)
+        plain = results[0]
+        same = []
+        for r in results[1:]:
+            same.append(torch.equal(r[0], plain[0]) and torch.equal(r[2], plain[2])
+                        and all(torch.equal(r[1][n], plain[1][n]) for n in plain[1]))
+        out[heads] = {"bitwise": same, "reforwards": len(reforwards) - before}
+    return out
 
 
 def test_under_sequence_parallelism_is_bitwise_streambp():
-    """SP 2 (the ranks exchange keys/values again when a dropped input is rebuilt): bitwise StreamBP under SP keeping
-    every input, k = 2 on the device and k = 3 offloaded, 4 layers (2 inputs rebuilt per run, counted)."""
+    """SP 2 (the ranks exchange keys/values again when a dropped input is rebuilt), Ulysses alone (4 heads) and a ring
+    of 2 (3 heads: the K/V gathered over the ring again): bitwise StreamBP under SP keeping every input, k = 2 on the
+    device and k = 3 offloaded, 4 layers (2 inputs rebuilt per run, counted)."""
     from tests.dist_utils import run_distributed
 
     for r in run_distributed(sp_sparse_worker, world_size=2, args=(2,)):
-        assert r["bitwise"] == [True, True] and r["reforwards"] == 4, r
+        assert all(v["bitwise"] == [True, True] and v["reforwards"] == 4 for v in r.values()), r
 
 
 def test_a_hybrid_stack_rebuilds_through_its_recurrent_layers(monkeypatch):
