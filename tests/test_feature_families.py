@@ -174,8 +174,8 @@ def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MOD
     if mutation == "state_not_passed":  # recurrent layers start every rank from zeros
         from ds_longseq.ops.state_passing import StateRing
 
-        StateRing.from_previous = lambda self, device: ({} if self.prev is None else (self._recv(self.prev, device),
-                                                                                     {})[1])
+        StateRing.from_previous = lambda self, device, segment=0: (
+            {} if self.prev[segment] is None else (self._recv(self.prev[segment], device), {})[1])
     if mutation == "mixer_input_grad_dropped":
         from ds_longseq.ops.chunk_grads import ChunkGrads
 

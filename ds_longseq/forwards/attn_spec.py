@@ -76,6 +76,9 @@ class ShardContext:
     kv_exchange: object | None = None
     """What a StreamBP layer's K/V go through (``ops.streambp.GlobalKVStream``): ``exchange`` under Ulysses alone,
     an ``ops.ulysses.UlyssesRingExchange`` under a ring."""
+    state_ring: object | None = None
+    """The ``ops.state_passing.StateRing`` a recurrent layer passes its states along (rank to rank under Ulysses,
+    run to run under a ring)."""
 
 
 @dataclass

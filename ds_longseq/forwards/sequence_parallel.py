@@ -31,6 +31,7 @@ from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
 from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.sp_layout import sp_positions
+from ds_longseq.ops.state_passing import StateRing
 from ds_longseq.ops.ulysses import UlyssesExchange, UlyssesRingExchange
 
 __all__ = ["SequenceParallel", "SequenceParallelForwardHook", "ShardOffsetCache", "ShardOffsetHook",
@@ -97,6 +98,7 @@ class SequenceParallel:
                                                                                self.size // ring, ring)
         self.is_paused = False
         self.local_loss_values = False
+        self._state_rings: dict[int, StateRing] = {}
 
     def positions(self, local_len: int, device) -> torch.Tensor:
         """(T_l,) the global positions of this rank's tokens (``ops.sp_layout``), for shards of ``local_len``."""
@@ -104,6 +106,13 @@ class SequenceParallel:
             return torch.arange(self.rank * local_len, (self.rank + 1) * local_len, device=device)
         ulysses = self.size // self.ring
         return sp_positions(local_len * self.size, ulysses, self.ring)[self.rank].to(device)
+
+    def _state_ring(self, local_len: int) -> StateRing:
+        """The group's chain for recurrent states with shards of ``local_len`` (built once per length)."""
+        if local_len not in self._state_rings:
+            layout = None if self.ring == 1 else sp_positions(local_len * self.size, self.size // self.ring, self.ring)
+            self._state_rings[local_len] = StateRing(self.group, layout)
+        return self._state_rings[local_len]
 
     @contextlib.contextmanager
     def _flag_set(self, name: str):
@@ -176,7 +185,7 @@ class SequenceParallel:
         if bool(key_valid.all()):
             key_valid = None
         ctx = ShardContext(self.exchange, local_len, key_valid, doc_start, self.ring_group, local_len * self.size,
-                           self.kv_exchange)
+                           self.kv_exchange, self._state_ring(local_len))
         self.last_context = ctx  # the loss masks packed documents' boundary targets with it
         return ctx, position_ids
 

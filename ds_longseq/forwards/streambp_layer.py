@@ -30,7 +30,6 @@ from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.chunk_grads import split_outputs
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
 from ds_longseq.ops.sharded_mixer import MixerStream, streambp_mixer_sp_apply
-from ds_longseq.ops.state_passing import StateRing
 from ds_longseq.ops.streambp import KVStream, SharedKV, capture_kv, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
@@ -404,7 +403,7 @@ class StreamBPLayerForward:
             # a recurrent layer under sequence parallelism continues from the previous rank's state
             return streambp_apply(run_chunk, layer_input, params, self.chunk_size, offloader,
                                   min_chunk=2 if recurrent else 1,
-                                  ring=StateRing(sp.exchange.group) if sp is not None and recurrent else None)
+                                  ring=sp.state_ring if sp is not None and recurrent else None)
 
     def _check_token_wise(self, tokens: "_TokenInputs", attention_mask, position_ids, position_embeddings,
                           mixer_masks: dict, kwargs: dict) -> None:

@@ -55,6 +55,9 @@ class CarriedState:
         rank's final ones, ``ops.state_passing``), none for the sequence's start."""
         self.mode = mode
         self.initial = initial or {}
+        # forward: chunk index -> the states it starts from instead of the previous chunk's (the first chunk of a run
+        # of the sequence that continues another rank's, under Ulysses x ring: ops.state_passing)
+        self.restarts: dict[int, dict[StateKey, torch.Tensor]] = {}
         self.boundaries: list[dict[StateKey, torch.Tensor]] = [] if boundaries is None else boundaries
         self.kernel: dict[int, int] = {}  # conv window width per state index (set by the first update)
         self.incoming: dict[StateKey, torch.Tensor] = {}  # the current chunk's starting states
@@ -74,7 +77,10 @@ class CarriedState:
         boundary (capture, replay: as leaves requiring grad)."""
         self.index = index
         if self.mode == "forward":
-            self.incoming = self.written if index > 0 else self.initial
+            if index in self.restarts:
+                self.incoming = self.restarts.pop(index)
+            else:
+                self.incoming = self.written if index > 0 else self.initial
             self.boundaries.append(self.incoming)
         else:
             states = self.boundaries[index] if index < len(self.boundaries) else {}

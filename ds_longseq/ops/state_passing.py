@@ -2,13 +2,16 @@
 
 Holds:
     StateRing: sends a recurrent mixer's states (a dict of tensors, ``ops.carried_state``) from rank p to
-        rank p+1 of the group in forward, and their gradients from p+1 back to p in backward.
+        rank p+1 of the group in forward, and their gradients from p+1 back to p in backward; under Ulysses x
+        ring from each run of a rank's tokens to the rank holding the next run.
 
 Why: under sequence parallelism rank p holds tokens [p*T_l, (p+1)*T_l). A linear-attention, state-space or
 short-convolution layer on those tokens must start from the state the tokens before leave (rank p-1's
 final state), exactly as StreamBP's chunk c starts from chunk c-1's: the group is one more level of the
-same chunk chain. The price: a recurrent layer runs on the ranks one after the other (rank p waits for
-p-1 in forward and for p+1 in backward), so it is not faster on P ranks, only P times smaller per rank.
+same chunk chain. Under a ring a rank's tokens are two runs of the sequence, each its own link of the chain
+(``StateRing.local_spans``; StreamBP's chunks never cross one's end). The price: a recurrent layer runs on the
+ranks one after the other (rank p waits for p-1 in forward and for p+1 in backward), so it is not faster on P
+ranks, only P times smaller per rank.
 
 Point-to-point through ``torch.distributed`` on the group (gloo or NCCL); the states' keys, shapes and
 dtypes go first as a small object, so the receiver needs no template. Both sides stage that object on the
@@ -25,18 +28,36 @@ __all__ = ["StateRing"]
 
 
 class StateRing:
-    """The sequence-parallel group as a chain p-1 -> p -> p+1 for recurrent states.
+    """The sequence-parallel group as a chain of segments for recurrent states.
+
+    Under Ulysses alone rank p holds one segment, tokens [p T_l, (p + 1) T_l): its states come from rank p - 1 and go
+    to rank p + 1. Under Ulysses x ring (``ops.sp_layout``) a rank's tokens are runs of consecutive positions (two
+    zigzag blocks' parts): each run is a segment, continuing from the rank that holds the position before it and
+    handing on to the rank that holds the position after it. Every rank walks its segments in sequence order
+    (forward) or in reverse (backward), sending before it receives, so the chain runs once through the group.
 
     Args:
         group: the sequence-parallel process group.
+        positions: (P, T_l) the global positions of every rank's tokens (``SequenceParallel.layout``), or None for
+            Ulysses' contiguous shards.
     """
 
-    def __init__(self, group):
+    def __init__(self, group, positions: torch.Tensor | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.prev = None if self.rank == 0 else dist.get_global_rank(group, self.rank - 1)
-        self.next = None if self.rank == self.size - 1 else dist.get_global_rank(group, self.rank + 1)
+        if positions is None:
+            self.starts = [0]
+            self.prev = [None if self.rank == 0 else self.rank - 1]
+            self.next = [None if self.rank == self.size - 1 else self.rank + 1]
+        else:
+            self.starts, self.prev, self.next = _segments(positions, self.rank)
+        self.prev = [None if r is None else dist.get_global_rank(group, r) for r in self.prev]
+        self.next = [None if r is None else dist.get_global_rank(group, r) for r in self.next]
+
+    def local_spans(self, local_len: int) -> list[tuple[int, int]]:
+        """[(start, end)] of this rank's segments in its local shard of ``local_len`` tokens, in sequence order."""
+        return list(zip(self.starts, [*self.starts[1:], local_len], strict=True))
 
     def _send(self, states: dict, dst: int | None, device: torch.device) -> None:
         if dst is None:
@@ -57,21 +78,35 @@ class StateRing:
             dist.recv(out[key], src=src, group=self.group)
         return out
 
-    def from_previous(self, device: torch.device) -> dict:
-        """The states rank p-1 ended with ({} on the first rank): this rank's first chunk starts from them."""
-        return self._recv(self.prev, device)
+    def from_previous(self, device: torch.device, segment: int = 0) -> dict:
+        """The states the segment before ``segment`` ended with ({} at the sequence's start)."""
+        return self._recv(self.prev[segment], device)
 
-    def to_next(self, states: dict, device: torch.device) -> None:
-        """Send the states this rank ended with to rank p+1 (nothing on the last rank)."""
-        self._send(states, self.next, device)
+    def to_next(self, states: dict, device: torch.device, segment: int = 0) -> None:
+        """Send the states ``segment`` ended with on (nothing at the sequence's end)."""
+        self._send(states, self.next[segment], device)
 
-    def grads_from_next(self, device: torch.device) -> dict:
-        """The gradient of the states this rank ended with, sent back by rank p+1 ({} on the last rank)."""
-        return self._recv(self.next, device)
+    def grads_from_next(self, device: torch.device, segment: int = 0) -> dict:
+        """The gradient of the states ``segment`` ended with, sent back by the next segment's rank ({} at the end)."""
+        return self._recv(self.next[segment], device)
 
-    def grads_to_previous(self, grads: dict, device: torch.device) -> None:
-        """Send the gradient of the states this rank started from to rank p-1 (nothing on the first rank)."""
-        self._send(grads, self.prev, device)
+    def grads_to_previous(self, grads: dict, device: torch.device, segment: int = 0) -> None:
+        """Send the gradient of the states ``segment`` started from back (nothing at the sequence's start)."""
+        self._send(grads, self.prev[segment], device)
+
+
+def _segments(positions: torch.Tensor, rank: int) -> tuple[list[int], list, list]:
+    """([local start], [previous owner], [next owner]) of ``rank``'s runs of consecutive positions (group ranks;
+    None at the sequence's start / end)."""
+    owner = torch.empty(positions.numel(), dtype=torch.int64)
+    owner[positions.flatten()] = torch.arange(positions.shape[0]).repeat_interleave(positions.shape[1])
+    mine = positions[rank].tolist()
+    starts = [0] + [i for i in range(1, len(mine)) if mine[i] != mine[i - 1] + 1]
+    ends = [*starts[1:], len(mine)]
+    total = positions.numel()
+    prev = [None if mine[s] == 0 else int(owner[mine[s] - 1]) for s in starts]
+    nxt = [None if mine[e - 1] + 1 == total else int(owner[mine[e - 1] + 1]) for e in ends]
+    return starts, prev, nxt
 
 
 def _object_device(device: torch.device) -> torch.device | None:

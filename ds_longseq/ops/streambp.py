@@ -320,15 +320,19 @@ class _Captured(torch.autograd.Function):
 RunChunk = Callable[[torch.Tensor, int, int, KVStream], "torch.Tensor | tuple[torch.Tensor, ...]"]
 
 
-def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=None) -> tuple[list[torch.Tensor], Any]:
+def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=None,
+                    before_chunk: Callable[[int], None] | None = None) -> tuple[list[torch.Tensor], Any]:
     """([out, *aux], the stream) of a forward over the chunks, K/V appended to ``stream`` (a new KVStream if
-    None), recurrent states carried from chunk to chunk (``stream.state``, where the stream has one)."""
+    None), recurrent states carried from chunk to chunk (``stream.state``, where the stream has one);
+    ``before_chunk(i)`` runs before chunk i enters its state."""
     stream = KVStream(hidden.shape[1]) if stream is None else stream
     state = getattr(stream, "state", None)
     index = {s: i for i, (s, _) in enumerate(bounds)}
 
     def fn(h_c, s, e):
         stream.start, stream.end = s, e
+        if before_chunk is not None:
+            before_chunk(index[s])
         if state is not None:
             state.enter(index[s])
         out = run_chunk(h_c, s, e, stream)
@@ -341,14 +345,41 @@ def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=No
 
 def _forward_passing_states(run_chunk: RunChunk, hidden: torch.Tensor, bounds, ring) -> tuple[list[torch.Tensor], Any]:
     """:func:`_forward_chunks` on a new :class:`KVStream`; with a ``ring`` (sequence parallelism, a recurrent
-    layer), the first chunk starts from the previous rank's final states and this rank's go to the next."""
+    layer), each segment of this rank's tokens (one under Ulysses, two runs under a ring) starts from the states
+    the segment before it ended with, on another rank, and its own go on to the rank that holds the next one."""
     stream = KVStream(hidden.shape[1])
-    if ring is not None:
-        stream.state = CarriedState(initial=ring.from_previous(hidden.device))
-    outs, stream = _forward_chunks(run_chunk, hidden, bounds, stream)
-    if ring is not None:
-        ring.to_next(stream.state.written, hidden.device)
+    if ring is None:
+        return _forward_chunks(run_chunk, hidden, bounds, stream)
+    device, firsts = hidden.device, segment_firsts(bounds, ring, hidden.shape[1])
+    stream.state = CarriedState(initial=ring.from_previous(device, 0))
+
+    def continue_segment(i: int) -> None:
+        segment = firsts.get(i, 0)
+        if segment > 0:  # send the last segment's states on before receiving this one's (the chain's order)
+            ring.to_next(stream.state.written, device, segment - 1)
+            stream.state.restarts[i] = ring.from_previous(device, segment)
+
+    outs, stream = _forward_chunks(run_chunk, hidden, bounds, stream, continue_segment)
+    ring.to_next(stream.state.written, device, len(ring.starts) - 1)
     return outs, stream
+
+
+def segment_firsts(bounds, ring, total: int) -> dict[int, int]:
+    """{index of the chunk that starts segment k: k} for ``ring``'s segments of a local shard of ``total`` tokens."""
+    starts = {s: k for k, (s, _) in enumerate(ring.local_spans(total))}
+    return {i: starts[s] for i, (s, _) in enumerate(bounds) if s in starts}
+
+
+def segment_bounds(spans: list[tuple[int, int]], chunk_size: int, min_chunk: int) -> list[tuple[int, int]]:
+    """:func:`chunk_bounds` within each span (a chunk never crosses a segment's end)."""
+    bounds = []
+    for a, b in spans:
+        if b - a < min_chunk:
+            raise ValueError(
+                f"under Ulysses x ring this rank holds a run of {b - a} token(s) of the sequence, and a recurrent "
+                f"layer needs chunks of at least {min_chunk}: use a longer sequence (or fewer ranks)")
+        bounds += [(a + s, a + e) for s, e in chunk_bounds(b - a, chunk_size, min_chunk)]
+    return bounds
 
 
 def _sp_forward(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> torch.Tensor:
@@ -396,11 +427,15 @@ class _StreamBPFunction(torch.autograd.Function):
         stream.mode = stream.state.mode = "replay"
         stream.outputs_read = False
         # gradient of the states the chunk being replayed writes, sent back by the next chunk (the next rank's
-        # first chunk, for the last chunk under sequence parallelism)
-        state_grads = {} if ctx.ring is None else ctx.ring.grads_from_next(hidden.device)
+        # first chunk, for the last chunk of a segment under sequence parallelism)
+        ring, device = ctx.ring, hidden.device
+        firsts = {} if ring is None else segment_firsts(bounds, ring, hidden.shape[1])
+        state_grads = {} if ring is None else ring.grads_from_next(device, len(ring.starts) - 1)
         grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
         with torch.enable_grad():
             for i, (s, e) in reversed(list(enumerate(bounds))):
+                if firsts.get(i + 1, 0) > 0:  # the last chunk of a segment: its states' gradient is another rank's
+                    state_grads = ring.grads_from_next(device, firsts[i + 1] - 1)
                 stream.start, stream.end = s, e
                 stream.state.enter(i)
                 h_c = grads.leaf(hidden[:, s:e])
@@ -431,8 +466,11 @@ class _StreamBPFunction(torch.autograd.Function):
                 state_grads = {k: g for k, g in zip(state_keys, incoming_grads, strict=True) if g is not None}
                 stream.state.leave()
                 stream.k_chunk = stream.v_chunk = stream.prefix_leaves = None
-        if ctx.ring is not None:  # the first chunk's starting states came from the previous rank
-            ctx.ring.grads_to_previous(state_grads, hidden.device)
+                if firsts.get(i, 0) > 0:  # a segment's first chunk: what it started from came from another rank
+                    ring.grads_to_previous(state_grads, device, firsts[i])
+                    state_grads = {}
+        if ring is not None:  # the first segment's starting states came from another rank
+            ring.grads_to_previous(state_grads, device, 0)
         grad_in, param_grads = grads.result()
         return (grad_in, None, None, None, None, *param_grads)
 
@@ -462,8 +500,9 @@ def streambp_apply(
             joins the one before): 2 for a layer with a recurrent mixer, whose 1-token steps take decode
             kernels that update a state in place.
         ring: under sequence parallelism, the group's ``ops.state_passing.StateRing`` for a recurrent layer (no
-            attention): the first chunk starts from the previous rank's final states, which are received
-            (and their gradient sent back) inside; every rank of the group must call this for the layer.
+            attention): each segment of the shard (one, or two runs under Ulysses x ring; chunks never cross a
+            segment's end) starts from the final states of the segment before it, received (and their gradient
+            sent back) inside; every rank of the group must call this for the layer.
 
     ``run_chunk`` may instead (or also) carry recurrent states through ``stream.state``
     (``ops.carried_state``): each chunk then continues from the states the previous one wrote.
@@ -474,7 +513,10 @@ def streambp_apply(
         joins the chunk's replay). Under grad mode the tensors saved for backward are ``hidden`` (in the
         offloader, if given) and a recurrent mixer's states at each chunk's start.
     """
-    bounds = chunk_bounds(hidden.shape[1], chunk_size, min_chunk)
+    if ring is None:
+        bounds = chunk_bounds(hidden.shape[1], chunk_size, min_chunk)
+    else:
+        bounds = segment_bounds(ring.local_spans(hidden.shape[1]), chunk_size, min_chunk)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
         return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, ring, *params)
     outs, _ = _forward_passing_states(run_chunk, hidden, bounds, ring)

@@ -126,9 +126,10 @@ class SequenceParallelism(Technique):
         why = (f"long_seq.sequence_parallel.size={ulysses * ring} on {heads} attention heads runs Ulysses x ring "
                f"{ulysses} x {ring}")
         problems = []
-        if recurrent:
-            problems.append(f"{why}, and layers {recurrent} carry a recurrent state, which the ring does not pass yet:"
-                            f" use a size that divides {heads}")
+        if recurrent and ctx.config.sequence_parallel.recurrent == "heads":
+            problems.append(f"{why}, and layers {recurrent} carry a recurrent state, which a ring does not shard by "
+                            f"heads yet: set long_seq.sequence_parallel.recurrent='pass_state' (with long_seq.streambp)"
+                            f", or use a size that divides {heads}")
         if ctx.adapter.cache_positioned_attention():
             problems.append(f"{why}, and this family positions its queries by the cache's length (a contiguous "
                             f"shard's offset): use a size that divides {heads}")
