@@ -183,36 +183,55 @@ def test_mutation_head_sharded_mixer_input_gradient_dropped_is_caught():
         assert error > 1e-3 and "input_layernorm" in worst, (rank, worst, error)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
-def test_head_layout_shares_add_up_to_the_mixer(model_type):
-    """The check every head-sharded mixer runs on its first call, run here for 2 ranks on one process: the ranks'
-    shares (parameters cut by families.mixer_heads, the mixer's own forward) add up to the whole mixer's output
-    (float64, 1e-12 relative), also with padding. A layout with the key and query rows swapped is refused by it."""
+HEAD_SHARDED = {
+    # model type -> a parameter whose slice the mutation control takes from the next rank's heads (one per layout
+    # kind: Qwen3.5's and OLMo-hybrid's split projections, Qwen3-Next's fused interleaved ones, Kimi's per-head
+    # decays beside shared low-rank factors, LFM2's channels)
+    "qwen3_5_text": "in_proj_z.weight",
+    "qwen3_5_moe_text": "in_proj_qkv.weight",
+    "qwen3_next": "in_proj_qkvz.weight",
+    "olmo_hybrid": "g_proj.weight",
+    "kimi_linear": "forget_gate.A_log",
+    "lfm2": "in_proj.weight",
+}
+
+
+def _first_mixer(model_type: str):
+    adapter = decoder_adapter(model_zoo.tiny_model(model_type, torch.float64))
+    return adapter, next(m for m in map(adapter.mixer, adapter.layers) if m is not None)
+
+
+@pytest.mark.parametrize(("model_type", "size"), [
+    (model_type, size) for model_type in sorted(HEAD_SHARDED) for size in (2, 4)
+    if size == 2 or not model_type.startswith("qwen3_5")])  # the tiny Qwen3.5s have 2 key heads
+def test_head_layout_shares_add_up_to_the_mixer(model_type, size):
+    """The check every head-sharded mixer runs on its first call, run here for 2 and 4 ranks on one process: the
+    ranks' shares (parameters cut by families.mixer_heads, the mixer's own forward) add up to the whole mixer's
+    output (float64, 1e-12 relative), also with padding. Mutation control: a layout that gives one parameter the
+    next rank's heads (wrong rows) is refused by the check."""
     from ds_longseq.families import mixer_heads
     from ds_longseq.forwards import sharded_mixer
 
-    model = model_zoo.tiny_model(model_type, torch.float64)
-    mixer = model.model.layers[0].linear_attn
+    adapter, mixer = _first_mixer(model_type)
     # the layout check runs on one rank: an exchange's rank and size, no collective
-    exchange = types.SimpleNamespace(rank=0, world_size=2)
-    forward = sharded_mixer.HeadShardedMixerForward(mixer, mixer.forward, exchange, "layers[0].linear_attn")
-    x = torch.randn(2, 20, model.config.get_text_config().hidden_size, dtype=torch.float64)
+    exchange = types.SimpleNamespace(rank=0, world_size=size)
+    forward = sharded_mixer.HeadShardedMixerForward(mixer, mixer.forward, exchange, "layers[0].mixer")
+    x = torch.randn(2, 20, adapter.model.config.get_text_config().hidden_size, dtype=torch.float64)
     valid = torch.ones(2, 20, dtype=torch.bool)
     valid[0, :3] = False
     for mask in (None, valid):
         whole = mixer(x, attention_mask=mask)
-        shares = sum(forward._share(x, mask, mixer_heads.head_layout(mixer, r, 2)) for r in range(2))
+        shares = sum(forward._share(x, mask, mixer_heads.head_layout(mixer, r, size)) for r in range(size))
         assert model_sweep._rel(shares, whole) < 1e-12
         forward._check_layout(x, mask)
 
-    def swapped(module, rank, size):
-        layout = mixer_heads.head_layout(module, rank, size)
-        qkv = layout.slices["in_proj_qkv.weight"][1]
-        third = len(qkv) // 4  # q and k rows of the rank's key heads come first, each a quarter here
-        qkv = torch.cat([qkv[third:2 * third], qkv[:third], qkv[2 * third:]])
-        return mixer_heads.HeadLayout({**layout.slices, "in_proj_qkv.weight": (0, qkv)}, layout.attrs)
+    mutated = HEAD_SHARDED[model_type]
 
-    sharded_mixer.head_layout, original = swapped, sharded_mixer.head_layout
+    def wrong_heads(module, rank, size):
+        layout, other = (mixer_heads.head_layout(module, r, size) for r in (rank, (rank + 1) % size))
+        return mixer_heads.HeadLayout({**layout.slices, mutated: other.slices[mutated]}, layout.attrs)
+
+    sharded_mixer.head_layout, original = wrong_heads, sharded_mixer.head_layout
     try:
         with pytest.raises(NotImplementedError, match=r"heads' shares add up to a different output"):
             forward._check_layout(x, None)
@@ -221,16 +240,16 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type):
 
 
 def test_head_sharding_refused_where_heads_do_not_divide():
-    """A sequence-parallel size that does not divide the mixer's heads, or a mixer whose layout ds_longseq does not
-    know (LFM2's short convolution), has no head layout (naming the way out); a size the attention heads do not
-    take either needs a ring, refused at enable for a hybrid until the ring passes recurrent states."""
+    """A sequence-parallel size that does not divide the mixer's heads (LFM2: its channels), or a mixer whose layout
+    ds_longseq does not know (Bamba's Mamba-2), has no head layout (naming the way out); a size the attention heads
+    do not take either needs a ring, refused at enable for a hybrid until the ring passes recurrent states."""
     from ds_longseq.families import mixer_heads
 
     mixer = model_zoo.tiny_model("qwen3_5_text", torch.float64).model.layers[0].linear_attn
     assert "not both divisible by sequence_parallel size 3" in mixer_heads.head_layout(mixer, 0, 3)
-    adapter = decoder_adapter(model_zoo.tiny_model("lfm2", torch.float64))
-    conv = next(m for m in map(adapter.mixer, adapter.layers) if m is not None)
-    assert "knows which parameters of" in mixer_heads.head_layout(conv, 0, 2)
+    assert "64 channels, not divisible by sequence_parallel size 3" in mixer_heads.head_layout(
+        _first_mixer("lfm2")[1], 0, 3)
+    assert "knows which parameters of" in mixer_heads.head_layout(_first_mixer("bamba")[1], 0, 2)
     # SP 3 on 4 attention heads needs a ring (1 x 3), which does not carry recurrent states yet: refused as such
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"size=3 on 4 attention heads runs Ulysses x ring 1 x 3"
                                                                 r".*layers \[0\] carry a recurrent state"):
