@@ -144,6 +144,46 @@ def _sp_results(recurrent: str, mutation: str | None = None, modes=("ulysses_onl
     ]
 
 
+ALL_SP_MODES = ("ulysses_only", "mini_seq", "streambp")
+Case = tuple[str, str, tuple[str, ...], "str | None"]
+"""(model type, recurrent, modes, mutation): one family's run in a multi-family sequence-parallel launch."""
+
+
+def _hybrids_sp_worker(rank: int, cases: list[Case]) -> dict:
+    """Every case on this rank, one process group for all: {case: ``_sp_worker``'s result}."""
+    from tests.test_feature_families import _sp_worker
+
+    return {case: _sp_worker(rank, case[0], case[2], case[3], {"recurrent": case[1]}) for case in cases}
+
+
+def _check_hybrids(size: int, cases: list[Case]) -> None:
+    """Each case under Ulysses SP ``size`` (one launch for all): loss, this rank's input gradient and every parameter
+    gradient as one process on the whole sequence at 1e-10 (float64; 40 tokens, the ranks hold different numbers of
+    valid tokens: row 0's padding falls on the last rank, row 1's masked prompt on the first). "pass_state" runs
+    under StreamBP only: without it refused at enable, naming why. A case with a mutation must differ (> 1e-3)."""
+    results = run_distributed(_hybrids_sp_worker, size, (cases,))
+    for model_type in dict.fromkeys(case[0] for case in cases):
+        batch = model_zoo.tiny_batch(model_type)
+        loss, grads, embeds = model_sweep._loss_and_grads(model_zoo.tiny_model(model_type, torch.float64).train(),
+                                                          batch)
+        width = batch["input_ids"].shape[1] // size
+        for case in (case for case in cases if case[0] == model_type):
+            _, recurrent, modes, mutation = case
+            for mode in modes:
+                errors = []
+                for rank, result in enumerate(results):
+                    outcome = result[case][mode]
+                    if recurrent == "pass_state" and mode != "streambp":
+                        assert isinstance(outcome, str) and "Enable long_seq.streambp" in outcome, outcome
+                        continue
+                    assert not isinstance(outcome, str), (case, mode, outcome)
+                    errors.append((*model_sweep.worst_error(outcome, (loss, grads, embeds[:, rank * width:(rank + 1)
+                                                                                          * width])), rank))
+                if errors:
+                    worst, error, rank = max(errors, key=lambda e: e[1])
+                    assert error > 1e-3 if mutation else error < 1e-10, (case, mode, rank, worst, error)
+
+
 def test_sequence_parallel_heads_matches_one_process():
     """Qwen3.5 text under Ulysses SP=2, its Gated DeltaNet layers sharded by heads (recurrent="heads", the
     default: each rank runs the whole sequence's recurrence for half the heads), with Ulysses alone, with mini_seq
@@ -259,7 +299,67 @@ def test_head_sharding_refused_where_heads_do_not_divide():
 
 def test_sequence_parallelism_is_refused_where_not_verified():
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"sequence_parallel on .*without such a test"):
-        ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_next", torch.float64),
+        ds_longseq.patch.check_model(model_zoo.tiny_model("lfm2_moe", torch.float64),
+                                     {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
+
+
+# --- hybrids under Ulysses SP 2 and 4, float64: one launch per world size covers several families ---------------
+
+HYBRIDS_SP2: list[Case] = [
+    # the fused, interleaved Gated DeltaNet layout sharded by heads, in every mode
+    ("qwen3_next", "heads", ALL_SP_MODES, None),
+    # per-channel decays and shared low-rank gate factors under StreamBP
+    ("kimi_linear", "heads", ("streambp",), None),
+    # a short convolution's window, then a Mamba-2 state passed rank to rank under StreamBP (without it: refused)
+    ("lfm2", "pass_state", ("ulysses_only", "streambp"), None),
+    ("bamba", "pass_state", ("streambp",), None),
+    # mutation control: the last rank's Mamba-2 layers starting from zeros must fail the parity check
+    ("bamba", "pass_state", ("streambp",), "state_not_passed"),
+]
+HYBRIDS_SP2_REST: list[Case] = [
+    ("olmo_hybrid", "heads", ALL_SP_MODES, None),
+    ("kimi_linear", "heads", ("ulysses_only", "mini_seq"), None),
+    ("lfm2", "heads", ALL_SP_MODES, None),
+    ("nemotron_h", "pass_state", ALL_SP_MODES, None),
+    ("granitemoehybrid", "pass_state", ("streambp",), None),
+]
+HYBRIDS_SP4: list[Case] = [
+    ("qwen3_next", "heads", ALL_SP_MODES, None),
+    *[(model_type, "heads", ("streambp",), None) for model_type in ("olmo_hybrid", "kimi_linear", "lfm2")],
+    *[(model_type, "pass_state", ("streambp",), None)
+      for model_type in ("lfm2", "bamba", "nemotron_h", "granitemoehybrid")],
+]
+
+
+def test_hybrids_under_sequence_parallelism():
+    """SP 2, one launch: Qwen3-Next's Gated DeltaNet sharded by heads (Ulysses alone, mini_seq, StreamBP), Kimi
+    Linear's KDA by heads under StreamBP, LFM2's short convolution and Bamba's Mamba-2 passing their states rank to
+    rank under StreamBP: exact at 1e-10 (``_check_hybrids``); Bamba with its state not passed differs."""
+    _check_hybrids(2, HYBRIDS_SP2)
+
+
+@pytest.mark.slow
+def test_hybrids_under_sequence_parallelism_rest():
+    """SP 2, the other families and modes: OLMo-hybrid's Gated DeltaNet and LFM2's short convolution (by channels)
+    sharded by heads in every mode, Kimi Linear's without StreamBP, NemotronH and Granite-hybrid passing state."""
+    _check_hybrids(2, HYBRIDS_SP2_REST)
+
+
+@pytest.mark.slow
+def test_hybrids_under_sequence_parallelism_4():
+    """SP 4 (Ulysses alone: 4 attention heads), one launch: every hybrid by heads where it has a layout, and the
+    state-passing ones under StreamBP (states through three rank boundaries)."""
+    _check_hybrids(4, HYBRIDS_SP4)
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "granitemoehybrid"])
+def test_mamba2_heads_refused_naming_pass_state(model_type):
+    """Mamba-2 mixers have no head layout: under recurrent="heads" (the default) refused before compute, in one
+    line naming the layers, the mixer and pass_state."""
+    refusal = (r"recurrent='heads' on \w+ForCausalLM: layers \[\d+\] carry a recurrent state and cannot be sharded "
+               r"by heads \(\w+: ds_longseq knows .*set recurrent='pass_state'")
+    with pytest.raises(ds_longseq.UnsupportedModelError, match=refusal):
+        ds_longseq.patch.check_model(model_zoo.tiny_model(model_type, torch.float64),
                                      {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
 
 
