@@ -322,12 +322,14 @@ HYBRIDS_SP2_REST: list[Case] = [
     ("lfm2", "heads", ALL_SP_MODES, None),
     ("nemotron_h", "pass_state", ALL_SP_MODES, None),
     ("granitemoehybrid", "pass_state", ("streambp",), None),
+    *[(model_type, "pass_state", ("streambp",), None) for model_type in ("qwen3_next", "olmo_hybrid", "kimi_linear")],
 ]
 HYBRIDS_SP4: list[Case] = [
     ("qwen3_next", "heads", ALL_SP_MODES, None),
     *[(model_type, "heads", ("streambp",), None) for model_type in ("olmo_hybrid", "kimi_linear", "lfm2")],
     *[(model_type, "pass_state", ("streambp",), None)
-      for model_type in ("lfm2", "bamba", "nemotron_h", "granitemoehybrid")],
+      for model_type in ("qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "bamba", "nemotron_h",
+                         "granitemoehybrid")],
 ]
 
 
@@ -341,7 +343,8 @@ def test_hybrids_under_sequence_parallelism():
 @pytest.mark.slow
 def test_hybrids_under_sequence_parallelism_rest():
     """SP 2, the other families and modes: OLMo-hybrid's Gated DeltaNet and LFM2's short convolution (by channels)
-    sharded by heads in every mode, Kimi Linear's without StreamBP, NemotronH and Granite-hybrid passing state."""
+    sharded by heads in every mode, Kimi Linear's without StreamBP; NemotronH, Granite-hybrid, and the families
+    sharded by heads above, passing state under StreamBP."""
     _check_hybrids(2, HYBRIDS_SP2_REST)
 
 
