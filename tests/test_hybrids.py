@@ -233,6 +233,8 @@ HEAD_SHARDED = {
     "olmo_hybrid": "g_proj.weight",
     "kimi_linear": "forget_gate.A_log",
     "lfm2": "in_proj.weight",
+    # Mamba-2 in 8 groups (NemotronH's tiny, as NemotronH-8B): B / C rows shared within a group, a norm per group
+    "nemotron_h": "conv1d.weight",
 }
 
 
@@ -281,7 +283,7 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type, size):
 
 def test_head_sharding_refused_where_heads_do_not_divide():
     """A sequence-parallel size that does not divide the mixer's heads (LFM2: its channels), or a mixer whose layout
-    ds_longseq does not know (Bamba's Mamba-2), has no head layout (naming the way out); a size the attention heads
+    ds_longseq does not know (Jamba's Mamba), has no head layout (naming the way out); a size the attention heads
     do not take either needs a ring, refused at enable for a hybrid until the ring passes recurrent states."""
     from ds_longseq.families import mixer_heads
 
@@ -289,7 +291,7 @@ def test_head_sharding_refused_where_heads_do_not_divide():
     assert "not both divisible by sequence_parallel size 3" in mixer_heads.head_layout(mixer, 0, 3)
     assert "64 channels, not divisible by sequence_parallel size 3" in mixer_heads.head_layout(
         _first_mixer("lfm2")[1], 0, 3)
-    assert "knows which parameters of" in mixer_heads.head_layout(_first_mixer("bamba")[1], 0, 2)
+    assert "knows which parameters of" in mixer_heads.head_layout(_first_mixer("jamba")[1], 0, 2)
     # SP 3 on 4 attention heads needs a ring (1 x 3), which does not carry recurrent states yet: refused as such
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"size=3 on 4 attention heads runs Ulysses x ring 1 x 3"
                                                                 r".*layers \[0\] carry a recurrent state"):
@@ -310,6 +312,8 @@ HYBRIDS_SP2: list[Case] = [
     ("qwen3_next", "heads", ALL_SP_MODES, None),
     # per-channel decays and shared low-rank gate factors under StreamBP
     ("kimi_linear", "heads", ("streambp",), None),
+    # Mamba-2 by heads, whole groups per rank (NemotronH's 8 groups)
+    ("nemotron_h", "heads", ("streambp",), None),
     # a short convolution's window, then a Mamba-2 state passed rank to rank under StreamBP (without it: refused)
     ("lfm2", "pass_state", ("ulysses_only", "streambp"), None),
     ("bamba", "pass_state", ("streambp",), None),
@@ -320,13 +324,15 @@ HYBRIDS_SP2_REST: list[Case] = [
     ("olmo_hybrid", "heads", ALL_SP_MODES, None),
     ("kimi_linear", "heads", ("ulysses_only", "mini_seq"), None),
     ("lfm2", "heads", ALL_SP_MODES, None),
+    ("nemotron_h", "heads", ("ulysses_only", "mini_seq"), None),
     ("nemotron_h", "pass_state", ALL_SP_MODES, None),
     ("granitemoehybrid", "pass_state", ("streambp",), None),
     *[(model_type, "pass_state", ("streambp",), None) for model_type in ("qwen3_next", "olmo_hybrid", "kimi_linear")],
 ]
 HYBRIDS_SP4: list[Case] = [
     ("qwen3_next", "heads", ALL_SP_MODES, None),
-    *[(model_type, "heads", ("streambp",), None) for model_type in ("olmo_hybrid", "kimi_linear", "lfm2")],
+    *[(model_type, "heads", ("streambp",), None)
+      for model_type in ("olmo_hybrid", "kimi_linear", "lfm2", "nemotron_h")],
     *[(model_type, "pass_state", ("streambp",), None)
       for model_type in ("qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "bamba", "nemotron_h",
                          "granitemoehybrid")],
@@ -335,16 +341,17 @@ HYBRIDS_SP4: list[Case] = [
 
 def test_hybrids_under_sequence_parallelism():
     """SP 2, one launch: Qwen3-Next's Gated DeltaNet sharded by heads (Ulysses alone, mini_seq, StreamBP), Kimi
-    Linear's KDA by heads under StreamBP, LFM2's short convolution and Bamba's Mamba-2 passing their states rank to
-    rank under StreamBP: exact at 1e-10 (``_check_hybrids``); Bamba with its state not passed differs."""
+    Linear's KDA and NemotronH's Mamba-2 by heads under StreamBP, LFM2's short convolution and Bamba's Mamba-2
+    passing their states rank to rank under StreamBP: exact at 1e-10 (``_check_hybrids``); Bamba with its state
+    not passed differs."""
     _check_hybrids(2, HYBRIDS_SP2)
 
 
 @pytest.mark.slow
 def test_hybrids_under_sequence_parallelism_rest():
     """SP 2, the other families and modes: OLMo-hybrid's Gated DeltaNet and LFM2's short convolution (by channels)
-    sharded by heads in every mode, Kimi Linear's without StreamBP; NemotronH, Granite-hybrid, and the families
-    sharded by heads above, passing state under StreamBP."""
+    sharded by heads in every mode, Kimi Linear's and NemotronH's without StreamBP; NemotronH, Granite-hybrid,
+    and the families sharded by heads above, passing state under StreamBP."""
     _check_hybrids(2, HYBRIDS_SP2_REST)
 
 
@@ -355,12 +362,14 @@ def test_hybrids_under_sequence_parallelism_4():
     _check_hybrids(4, HYBRIDS_SP4)
 
 
-@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "granitemoehybrid"])
-def test_mamba2_heads_refused_naming_pass_state(model_type):
-    """Mamba-2 mixers have no head layout: under recurrent="heads" (the default) refused before compute, in one
-    line naming the layers, the mixer and pass_state."""
+@pytest.mark.parametrize("model_type", ["bamba", "granitemoehybrid"])
+def test_mamba2_in_one_group_refused_naming_pass_state(model_type):
+    """A Mamba-2 mixer with n_groups=1 (Bamba-9B, Granite-4.0-H) normalises over all its heads at once: under
+    recurrent="heads" (the default) refused before compute, in one line naming the layers, the mixer, the norm and
+    pass_state."""
     refusal = (r"recurrent='heads' on \w+ForCausalLM: layers \[\d+\] carry a recurrent state and cannot be sharded "
-               r"by heads \(\w+: ds_longseq knows .*set recurrent='pass_state'")
+               r"by heads \(\w+ has n_groups=1, .* its gated RMSNorm normalises over each group's 8 heads together.*"
+               r"set recurrent='pass_state'")
     with pytest.raises(ds_longseq.UnsupportedModelError, match=refusal):
         ds_longseq.patch.check_model(model_zoo.tiny_model(model_type, torch.float64),
                                      {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})

@@ -28,6 +28,10 @@ d channels, P ranks, r this rank; a rank's heads are the r-th contiguous 1/P of 
         factors' rows per head; A_log (1, 1, H, 1).
     Short convolution (LFM2): depthwise over d channels, gated elementwise, so its "heads" are channel groups:
         ``in_proj`` rows [B (d) | C (d) | x (d)], the conv and ``out_proj``'s columns per channel.
+    Mamba-2 (Bamba, NemotronH, Granite-hybrid; nh heads of hd in ng groups, state N, inner = nh x hd):
+        ``in_proj`` rows [z (inner) | x (inner) | B (ng x N) | C (ng x N) | dt (nh)], the conv over x | B | C,
+        A_log / D / dt_bias per head, the gated norm's weight per channel but its statistics per group: a rank
+        takes whole groups (ng / P) and their heads (nh / P), so n_groups must divide by P.
 """
 
 from __future__ import annotations
@@ -160,12 +164,42 @@ def _short_conv(mixer: torch.nn.Module, rank: int, size: int) -> HeadLayout | st
     return HeadLayout(_with_biases(mixer, slices), {})
 
 
+def _mamba2(mixer: torch.nn.Module, rank: int, size: int) -> HeadLayout | str:
+    """Mamba-2 (Bamba, NemotronH, Granite-hybrid): heads in n_groups groups sharing their B / C rows, a gated
+    RMSNorm over each group's channels; exact when every rank holds whole groups."""
+    name = type(mixer).__name__
+    nh, hd, ng, N = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
+    inner = mixer.intermediate_size
+    if ng % size:
+        return (f"{name} has n_groups={ng}, not divisible by sequence_parallel size {size}: its gated RMSNorm "
+                f"normalises over each group's {nh // ng} heads together, which a rank's share cannot compute "
+                "(choose a size that divides n_groups)")
+    if (problem := _output_bias(mixer, "out_proj")) is not None:
+        return problem
+    device = mixer.out_proj.weight.device
+    heads, groups = _share(rank, nh, size, device), _share(rank, ng, size, device)
+    x = _rows(heads, hd)
+    # x | B | C: the conv's channels, and the in_proj rows after the gate z's `inner`
+    xbc = torch.cat([x, _rows(groups, N, inner), _rows(groups, N, inner + ng * N)])
+    conv_dim = inner + 2 * ng * N
+    slices = {
+        "in_proj.weight": (0, torch.cat([x, inner + xbc, inner + conv_dim + heads])),
+        "conv1d.weight": (0, xbc), "dt_bias": (0, heads), "A_log": (0, heads), "D": (0, heads),
+        "norm.weight": (0, x), "out_proj.weight": (1, x),
+    }
+    local_h, local_g = nh // size, ng // size
+    attrs = {"num_heads": local_h, "n_groups": local_g, "intermediate_size": local_h * hd,
+             "conv_dim": local_h * hd + 2 * local_g * N}
+    return HeadLayout(_with_biases(mixer, slices), attrs)
+
+
 LAYOUTS: dict[str, Callable[[torch.nn.Module, int, int], HeadLayout | str]] = {
     **dict.fromkeys(GATED_DELTANET_CLASSES, _gated_deltanet),
     "Qwen3NextGatedDeltaNet": _gated_deltanet,
     "OlmoHybridGatedDeltaNet": _gated_deltanet,
     "KimiLinearDeltaAttention": _kimi_delta_attention,
     "Lfm2ShortConv": _short_conv,
+    **dict.fromkeys(("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer"), _mamba2),
 }
 """Mixer class name -> its layout function (each class's layout checked by tests/test_hybrids.py)."""
 
