@@ -156,12 +156,14 @@ def _hybrids_sp_worker(rank: int, cases: list[Case]) -> dict:
     return {case: _sp_worker(rank, case[0], case[2], case[3], {"recurrent": case[1]}) for case in cases}
 
 
-def _check_hybrids(size: int, cases: list[Case]) -> None:
+def _check_hybrids(size: int, cases: list[Case]) -> dict:
     """Each case under Ulysses SP ``size`` (one launch for all): loss, this rank's input gradient and every parameter
     gradient as one process on the whole sequence at 1e-10 (float64; 40 tokens, the ranks hold different numbers of
     valid tokens: row 0's padding falls on the last rank, row 1's masked prompt on the first). "pass_state" runs
-    under StreamBP only: without it refused at enable, naming why. A case with a mutation must differ (> 1e-3)."""
+    under StreamBP only: without it refused at enable, naming why. A case with a mutation must differ (> 1e-3).
+    Returns {(case, mode): (worst, its relative error over the ranks)}."""
     results = run_distributed(_hybrids_sp_worker, size, (cases,))
+    found = {}
     for model_type in dict.fromkeys(case[0] for case in cases):
         batch = model_zoo.tiny_batch(model_type)
         loss, grads, embeds = model_sweep._loss_and_grads(model_zoo.tiny_model(model_type, torch.float64).train(),
@@ -182,6 +184,8 @@ def _check_hybrids(size: int, cases: list[Case]) -> None:
                 if errors:
                     worst, error, rank = max(errors, key=lambda e: e[1])
                     assert error > 1e-3 if mutation else error < 1e-10, (case, mode, rank, worst, error)
+                    found[case, mode] = (worst, error)
+    return found
 
 
 def test_sequence_parallel_heads_matches_one_process():
