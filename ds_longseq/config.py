@@ -173,7 +173,7 @@ class SequenceParallelConfig:
     divisor of ``size`` that divides the query heads and r the rest (``ops.sp_layout.sp_degrees``), so any size
     works on any model; 1: Ulysses alone (``size`` must divide the heads). A ring runs without StreamBP for now."""
     recurrent: Literal["heads", "pass_state"] = "heads"
-    """How a hybrid's recurrent layers (linear attention: Qwen3.5's Gated DeltaNet) run across the group.
+    """How a hybrid's recurrent layers (linear attention, Mamba-2, short convolutions) run across the group.
     ``"heads"``: each rank runs the whole sequence's recurrence for 1/size of the heads, at the same time as
     the others (the mixer's input gathered, its output reduce-scattered: 2 x T x d elements moved per layer;
     each rank holds the (B, T, d) gathered input and the mixer's activations for its heads over T while that

@@ -416,6 +416,10 @@ OVERRIDES: dict[str, dict] = {
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     # Mamba-2 calls its SSM heads num_heads: 8 heads of 16 = expand (2) x 64
     "mamba2": {"num_heads": 8},
+    # 4 key heads (2 value heads each) so sequence parallelism of 2 and 4 shards the Gated DeltaNet by heads
+    # (tests/test_hybrids.py); Qwen3-Next-80B: 16 key heads, 2 value heads each
+    "qwen3_next": {"linear_num_key_heads": 4, "linear_num_value_heads": 8},
+    "olmo_hybrid": {"linear_num_key_heads": 4, "linear_num_value_heads": 8},
     # the default makes every layer attention (full_attn_idxs None = all); LFM2 mixes short-conv layers in
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     # the default has layer_types None (unbuildable); LFM2-8B-A1B: dense conv layers first, MoE conv and

@@ -141,20 +141,26 @@ SP_MODES = {
 
 def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MODES), mutation: str | None = None,
                sequence_parallel: dict | None = None):
-    """Each rank its shard of the batch (20 of 40 tokens; different valid-token counts), every mode; the
-    ranks' gradients summed (each holds its tokens' share). ``out["capture_at"]``: where the sequence-parallel
-    StreamBP layers took their keys/values (``GlobalKVStream.capture_at``). ``mutation`` (a control):
-    "expanded_kv_grad_dropped", keys/values taken at the attention call are detached in the K/V pass, so their
-    gradient never reaches the layer's K/V projections; "state_not_passed", recurrent layers start every rank from
-    zeros (the previous rank's states are received and dropped); "mixer_input_grad_dropped", a head-sharded
-    mixer's input gradient is not pushed back through the layer before it. ``sequence_parallel``: more fields of
-    that config section (``recurrent``)."""
+    """Each rank its shard of the batch (40 tokens over the world's ranks, all of them one sequence-parallel group;
+    different valid-token counts), every mode; the ranks' gradients summed (each holds its tokens' share).
+    ``out["capture_at"]``: where the sequence-parallel StreamBP layers took their keys/values
+    (``GlobalKVStream.capture_at``). ``mutation`` (a control): "expanded_kv_grad_dropped", keys/values taken at
+    the attention call are detached in the K/V pass, so their gradient never reaches the layer's K/V projections;
+    "state_not_passed", recurrent layers start every rank from zeros (the previous rank's states are received and
+    dropped); "mixer_input_grad_dropped", a head-sharded mixer's input gradient is not pushed back through the
+    layer before it. ``sequence_parallel``: more fields of that config section (``recurrent``). The patches are
+    undone before it returns, so a rank may call it once per family."""
     import torch.distributed as dist
 
     from ds_longseq.engine import shard_batch
+    from ds_longseq.ops.chunk_grads import ChunkGrads
+    from ds_longseq.ops.state_passing import StateRing
     from ds_longseq.ops.streambp import GlobalKVStream
 
     places = set()
+    saved = [(GlobalKVStream, "attends"), (GlobalKVStream, "_take"), (StateRing, "from_previous"),
+             (ChunkGrads, "backward_to")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
     attends, take = GlobalKVStream.attends, GlobalKVStream._take
 
     def recorded(self, key, value):
@@ -172,30 +178,31 @@ def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MOD
     if mutation == "expanded_kv_grad_dropped":
         GlobalKVStream._take = dropped
     if mutation == "state_not_passed":  # recurrent layers start every rank from zeros
-        from ds_longseq.ops.state_passing import StateRing
-
         StateRing.from_previous = lambda self, device, segment=0: (
             {} if self.prev[segment] is None else (self._recv(self.prev[segment], device), {})[1])
     if mutation == "mixer_input_grad_dropped":
-        from ds_longseq.ops.chunk_grads import ChunkGrads
-
         backward_to = ChunkGrads.backward_to
         ChunkGrads.backward_to = lambda self, outs, grads, leaves: (backward_to(self, outs, grads, leaves), (None,))[1]
-    local = shard_batch(model_zoo.tiny_batch(model_type), rank, 2)
+    size = dist.get_world_size()
+    local = shard_batch(model_zoo.tiny_batch(model_type), rank, size)
     out = {}
-    for mode in modes:
-        config = SP_MODES[mode]
-        try:
-            model = ds_longseq.enable(model_zoo.tiny_model(model_type, torch.float64).train(),
-                                      {**config, "sequence_parallel": {"size": 2, **(sequence_parallel or {})}},
-                                      sp_group=dist.group.WORLD)
-        except ds_longseq.UnsupportedModelError as error:
-            out[mode] = str(error)
-            continue
-        loss, grads, embeds = model_sweep._loss_and_grads(model, local)
-        for g in grads.values():
-            dist.all_reduce(g)
-        out[mode] = (loss, grads, embeds)
+    try:
+        for mode in modes:
+            config = SP_MODES[mode]
+            try:
+                model = ds_longseq.enable(model_zoo.tiny_model(model_type, torch.float64).train(),
+                                          {**config, "sequence_parallel": {"size": size, **(sequence_parallel or {})}},
+                                          sp_group=dist.group.WORLD)
+            except ds_longseq.UnsupportedModelError as error:
+                out[mode] = str(error)
+                continue
+            loss, grads, embeds = model_sweep._loss_and_grads(model, local)
+            for g in grads.values():
+                dist.all_reduce(g)
+            out[mode] = (loss, grads, embeds)
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
     out["capture_at"] = places
     return out
 

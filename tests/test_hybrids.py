@@ -144,6 +144,50 @@ def _sp_results(recurrent: str, mutation: str | None = None, modes=("ulysses_onl
     ]
 
 
+ALL_SP_MODES = ("ulysses_only", "mini_seq", "streambp")
+Case = tuple[str, str, tuple[str, ...], "str | None"]
+"""(model type, recurrent, modes, mutation): one family's run in a multi-family sequence-parallel launch."""
+
+
+def _hybrids_sp_worker(rank: int, cases: list[Case]) -> dict:
+    """Every case on this rank, one process group for all: {case: ``_sp_worker``'s result}."""
+    from tests.test_feature_families import _sp_worker
+
+    return {case: _sp_worker(rank, case[0], case[2], case[3], {"recurrent": case[1]}) for case in cases}
+
+
+def _check_hybrids(size: int, cases: list[Case]) -> dict:
+    """Each case under Ulysses SP ``size`` (one launch for all): loss, this rank's input gradient and every parameter
+    gradient as one process on the whole sequence at 1e-10 (float64; 40 tokens, the ranks hold different numbers of
+    valid tokens: row 0's padding falls on the last rank, row 1's masked prompt on the first). "pass_state" runs
+    under StreamBP only: without it refused at enable, naming why. A case with a mutation must differ (> 1e-3).
+    Returns {(case, mode): (worst, its relative error over the ranks)}."""
+    results = run_distributed(_hybrids_sp_worker, size, (cases,))
+    found = {}
+    for model_type in dict.fromkeys(case[0] for case in cases):
+        batch = model_zoo.tiny_batch(model_type)
+        loss, grads, embeds = model_sweep._loss_and_grads(model_zoo.tiny_model(model_type, torch.float64).train(),
+                                                          batch)
+        width = batch["input_ids"].shape[1] // size
+        for case in (case for case in cases if case[0] == model_type):
+            _, recurrent, modes, mutation = case
+            for mode in modes:
+                errors = []
+                for rank, result in enumerate(results):
+                    outcome = result[case][mode]
+                    if recurrent == "pass_state" and mode != "streambp":
+                        assert isinstance(outcome, str) and "Enable long_seq.streambp" in outcome, outcome
+                        continue
+                    assert not isinstance(outcome, str), (case, mode, outcome)
+                    errors.append((*model_sweep.worst_error(outcome, (loss, grads, embeds[:, rank * width:(rank + 1)
+                                                                                          * width])), rank))
+                if errors:
+                    worst, error, rank = max(errors, key=lambda e: e[1])
+                    assert error > 1e-3 if mutation else error < 1e-10, (case, mode, rank, worst, error)
+                    found[case, mode] = (worst, error)
+    return found
+
+
 def test_sequence_parallel_heads_matches_one_process():
     """Qwen3.5 text under Ulysses SP=2, its Gated DeltaNet layers sharded by heads (recurrent="heads", the
     default: each rank runs the whole sequence's recurrence for half the heads), with Ulysses alone, with mini_seq
@@ -183,36 +227,57 @@ def test_mutation_head_sharded_mixer_input_gradient_dropped_is_caught():
         assert error > 1e-3 and "input_layernorm" in worst, (rank, worst, error)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
-def test_head_layout_shares_add_up_to_the_mixer(model_type):
-    """The check every head-sharded mixer runs on its first call, run here for 2 ranks on one process: the ranks'
-    shares (parameters cut by families.mixer_heads, the mixer's own forward) add up to the whole mixer's output
-    (float64, 1e-12 relative), also with padding. A layout with the key and query rows swapped is refused by it."""
+HEAD_SHARDED = {
+    # model type -> a parameter whose slice the mutation control takes from the next rank's heads (one per layout
+    # kind: Qwen3.5's and OLMo-hybrid's split projections, Qwen3-Next's fused interleaved ones, Kimi's per-head
+    # decays beside shared low-rank factors, LFM2's channels)
+    "qwen3_5_text": "in_proj_z.weight",
+    "qwen3_5_moe_text": "in_proj_qkv.weight",
+    "qwen3_next": "in_proj_qkvz.weight",
+    "olmo_hybrid": "g_proj.weight",
+    "kimi_linear": "forget_gate.A_log",
+    "lfm2": "in_proj.weight",
+    # Mamba-2 in 8 groups (NemotronH's tiny, as NemotronH-8B): B / C rows shared within a group, a norm per group
+    "nemotron_h": "conv1d.weight",
+}
+
+
+def _first_mixer(model_type: str):
+    adapter = decoder_adapter(model_zoo.tiny_model(model_type, torch.float64))
+    return adapter, next(m for m in map(adapter.mixer, adapter.layers) if m is not None)
+
+
+@pytest.mark.parametrize(("model_type", "size"), [
+    (model_type, size) for model_type in sorted(HEAD_SHARDED) for size in (2, 4)
+    if size == 2 or not model_type.startswith("qwen3_5")])  # the tiny Qwen3.5s have 2 key heads
+def test_head_layout_shares_add_up_to_the_mixer(model_type, size):
+    """The check every head-sharded mixer runs on its first call, run here for 2 and 4 ranks on one process: the
+    ranks' shares (parameters cut by families.mixer_heads, the mixer's own forward) add up to the whole mixer's
+    output (float64, 1e-12 relative), also with padding. Mutation control: a layout that gives one parameter the
+    next rank's heads (wrong rows) is refused by the check."""
     from ds_longseq.families import mixer_heads
     from ds_longseq.forwards import sharded_mixer
 
-    model = model_zoo.tiny_model(model_type, torch.float64)
-    mixer = model.model.layers[0].linear_attn
+    adapter, mixer = _first_mixer(model_type)
     # the layout check runs on one rank: an exchange's rank and size, no collective
-    exchange = types.SimpleNamespace(rank=0, world_size=2)
-    forward = sharded_mixer.HeadShardedMixerForward(mixer, mixer.forward, exchange, "layers[0].linear_attn")
-    x = torch.randn(2, 20, model.config.get_text_config().hidden_size, dtype=torch.float64)
+    exchange = types.SimpleNamespace(rank=0, world_size=size)
+    forward = sharded_mixer.HeadShardedMixerForward(mixer, mixer.forward, exchange, "layers[0].mixer")
+    x = torch.randn(2, 20, adapter.model.config.get_text_config().hidden_size, dtype=torch.float64)
     valid = torch.ones(2, 20, dtype=torch.bool)
     valid[0, :3] = False
     for mask in (None, valid):
         whole = mixer(x, attention_mask=mask)
-        shares = sum(forward._share(x, mask, mixer_heads.head_layout(mixer, r, 2)) for r in range(2))
+        shares = sum(forward._share(x, mask, mixer_heads.head_layout(mixer, r, size)) for r in range(size))
         assert model_sweep._rel(shares, whole) < 1e-12
         forward._check_layout(x, mask)
 
-    def swapped(module, rank, size):
-        layout = mixer_heads.head_layout(module, rank, size)
-        qkv = layout.slices["in_proj_qkv.weight"][1]
-        third = len(qkv) // 4  # q and k rows of the rank's key heads come first, each a quarter here
-        qkv = torch.cat([qkv[third:2 * third], qkv[:third], qkv[2 * third:]])
-        return mixer_heads.HeadLayout({**layout.slices, "in_proj_qkv.weight": (0, qkv)}, layout.attrs)
+    mutated = HEAD_SHARDED[model_type]
 
-    sharded_mixer.head_layout, original = swapped, sharded_mixer.head_layout
+    def wrong_heads(module, rank, size):
+        layout, other = (mixer_heads.head_layout(module, r, size) for r in (rank, (rank + 1) % size))
+        return mixer_heads.HeadLayout({**layout.slices, mutated: other.slices[mutated]}, layout.attrs)
+
+    sharded_mixer.head_layout, original = wrong_heads, sharded_mixer.head_layout
     try:
         with pytest.raises(NotImplementedError, match=r"heads' shares add up to a different output"):
             forward._check_layout(x, None)
@@ -221,16 +286,16 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type):
 
 
 def test_head_sharding_refused_where_heads_do_not_divide():
-    """A sequence-parallel size that does not divide the mixer's heads, or a mixer whose layout ds_longseq does not
-    know (LFM2's short convolution), has no head layout (naming the way out); a size the attention heads do not
-    take either needs a ring, refused at enable for a hybrid until the ring passes recurrent states."""
+    """A sequence-parallel size that does not divide the mixer's heads (LFM2: its channels), or a mixer whose layout
+    ds_longseq does not know (Jamba's Mamba), has no head layout (naming the way out); a size the attention heads
+    do not take either needs a ring, refused at enable for a hybrid until the ring passes recurrent states."""
     from ds_longseq.families import mixer_heads
 
     mixer = model_zoo.tiny_model("qwen3_5_text", torch.float64).model.layers[0].linear_attn
     assert "not both divisible by sequence_parallel size 3" in mixer_heads.head_layout(mixer, 0, 3)
-    adapter = decoder_adapter(model_zoo.tiny_model("lfm2", torch.float64))
-    conv = next(m for m in map(adapter.mixer, adapter.layers) if m is not None)
-    assert "knows which parameters of" in mixer_heads.head_layout(conv, 0, 2)
+    assert "64 channels, not divisible by sequence_parallel size 3" in mixer_heads.head_layout(
+        _first_mixer("lfm2")[1], 0, 3)
+    assert "knows which parameters of" in mixer_heads.head_layout(_first_mixer("jamba")[1], 0, 2)
     # SP 3 on 4 attention heads needs a ring (1 x 3), which does not carry recurrent states yet: refused as such
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"size=3 on 4 attention heads runs Ulysses x ring 1 x 3"
                                                                 r".*layers \[0\] carry a recurrent state"):
@@ -240,7 +305,77 @@ def test_head_sharding_refused_where_heads_do_not_divide():
 
 def test_sequence_parallelism_is_refused_where_not_verified():
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"sequence_parallel on .*without such a test"):
-        ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_next", torch.float64),
+        ds_longseq.patch.check_model(model_zoo.tiny_model("lfm2_moe", torch.float64),
+                                     {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
+
+
+# --- hybrids under Ulysses SP 2 and 4, float64: one launch per world size covers several families ---------------
+
+HYBRIDS_SP2: list[Case] = [
+    # the fused, interleaved Gated DeltaNet layout sharded by heads, in every mode
+    ("qwen3_next", "heads", ALL_SP_MODES, None),
+    # per-channel decays and shared low-rank gate factors under StreamBP
+    ("kimi_linear", "heads", ("streambp",), None),
+    # Mamba-2 by heads, whole groups per rank (NemotronH's 8 groups)
+    ("nemotron_h", "heads", ("streambp",), None),
+    # a short convolution's window, then a Mamba-2 state passed rank to rank under StreamBP (without it: refused)
+    ("lfm2", "pass_state", ("ulysses_only", "streambp"), None),
+    ("bamba", "pass_state", ("streambp",), None),
+    # mutation control: the last rank's Mamba-2 layers starting from zeros must fail the parity check
+    ("bamba", "pass_state", ("streambp",), "state_not_passed"),
+]
+HYBRIDS_SP2_REST: list[Case] = [
+    ("olmo_hybrid", "heads", ALL_SP_MODES, None),
+    ("kimi_linear", "heads", ("ulysses_only", "mini_seq"), None),
+    ("lfm2", "heads", ALL_SP_MODES, None),
+    ("nemotron_h", "heads", ("ulysses_only", "mini_seq"), None),
+    ("nemotron_h", "pass_state", ALL_SP_MODES, None),
+    ("granitemoehybrid", "pass_state", ("streambp",), None),
+    *[(model_type, "pass_state", ("streambp",), None) for model_type in ("qwen3_next", "olmo_hybrid", "kimi_linear")],
+]
+HYBRIDS_SP4: list[Case] = [
+    ("qwen3_next", "heads", ALL_SP_MODES, None),
+    *[(model_type, "heads", ("streambp",), None)
+      for model_type in ("olmo_hybrid", "kimi_linear", "lfm2", "nemotron_h")],
+    *[(model_type, "pass_state", ("streambp",), None)
+      for model_type in ("qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "bamba", "nemotron_h",
+                         "granitemoehybrid")],
+]
+
+
+def test_hybrids_under_sequence_parallelism():
+    """SP 2, one launch: Qwen3-Next's Gated DeltaNet sharded by heads (Ulysses alone, mini_seq, StreamBP), Kimi
+    Linear's KDA and NemotronH's Mamba-2 by heads under StreamBP, LFM2's short convolution and Bamba's Mamba-2
+    passing their states rank to rank under StreamBP: exact at 1e-10 (``_check_hybrids``); Bamba with its state
+    not passed differs."""
+    _check_hybrids(2, HYBRIDS_SP2)
+
+
+@pytest.mark.slow
+def test_hybrids_under_sequence_parallelism_rest():
+    """SP 2, the other families and modes: OLMo-hybrid's Gated DeltaNet and LFM2's short convolution (by channels)
+    sharded by heads in every mode, Kimi Linear's and NemotronH's without StreamBP; NemotronH, Granite-hybrid,
+    and the families sharded by heads above, passing state under StreamBP."""
+    _check_hybrids(2, HYBRIDS_SP2_REST)
+
+
+@pytest.mark.slow
+def test_hybrids_under_sequence_parallelism_4():
+    """SP 4 (Ulysses alone: 4 attention heads), one launch: every hybrid by heads where it has a layout, and the
+    state-passing ones under StreamBP (states through three rank boundaries)."""
+    _check_hybrids(4, HYBRIDS_SP4)
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "granitemoehybrid"])
+def test_mamba2_in_one_group_refused_naming_pass_state(model_type):
+    """A Mamba-2 mixer with n_groups=1 (Bamba-9B, Granite-4.0-H) normalises over all its heads at once: under
+    recurrent="heads" (the default) refused before compute, in one line naming the layers, the mixer, the norm and
+    pass_state."""
+    refusal = (r"recurrent='heads' on \w+ForCausalLM: layers \[\d+\] carry a recurrent state and cannot be sharded "
+               r"by heads \(\w+ has n_groups=1, .* its gated RMSNorm normalises over each group's 8 heads together.*"
+               r"set recurrent='pass_state'")
+    with pytest.raises(ds_longseq.UnsupportedModelError, match=refusal):
+        ds_longseq.patch.check_model(model_zoo.tiny_model(model_type, torch.float64),
                                      {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
 
 

@@ -1,4 +1,5 @@
-"""A recurrent token mixer (Gated DeltaNet) sharded by heads under sequence parallelism.
+"""A recurrent token mixer (Gated DeltaNet, Kimi delta attention, Mamba-2, a short convolution) sharded by heads
+under sequence parallelism.
 
 Holds:
     HeadShardedMixerForward: the callable installed as a mixer instance's ``forward`` under
