@@ -96,9 +96,23 @@ class SequenceParallel:
             self.exchange = UlyssesExchange(ulysses_group, ulysses, num_heads, num_kv_heads) if ulysses > 1 else None
         self.kv_exchange = self.exchange if ring == 1 else UlyssesRingExchange(self.exchange, self.ring_group,
                                                                                self.size // ring, ring)
+        self._token_exchange = self.exchange if ring == 1 else None
         self.is_paused = False
         self.local_loss_values = False
         self._state_rings: dict[int, StateRing] = {}
+
+    @property
+    def degrees(self) -> tuple[int, int]:
+        """(u, r): the Ulysses and ring degrees."""
+        return self.size // self.ring, self.ring
+
+    @property
+    def token_exchange(self) -> UlyssesExchange:
+        """An all-to-all over the whole group (a mixer sharded by heads across every rank): the Ulysses exchange,
+        or under a ring one built on first use."""
+        if self._token_exchange is None:
+            self._token_exchange = UlyssesExchange.of_tokens(self.group)
+        return self._token_exchange
 
     def positions(self, local_len: int, device) -> torch.Tensor:
         """(T_l,) the global positions of this rank's tokens (``ops.sp_layout``), for shards of ``local_len``."""

@@ -24,6 +24,7 @@ from ds_longseq.compat import parameters_replaced
 from ds_longseq.families.mixer_heads import HeadLayout, head_layout
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, spec_of
 from ds_longseq.ops.sharded_mixer import MixerStream, gather_tokens, reduce_scatter_tokens
+from ds_longseq.ops.sp_layout import sp_positions
 from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["HeadShardedMixerForward", "LAYOUT_CHECK_TOKENS"]
@@ -43,17 +44,21 @@ class HeadShardedMixerForward:
     Args:
         mixer: the mixer module.
         orig_forward: its forward before this one was installed.
-        exchange: the sequence-parallel group's ``UlyssesExchange`` (its rank and size, its all-to-all).
+        exchange: an exchange over the whole sequence-parallel group (its rank and size, its all-to-all).
         name: how errors name the layer (e.g. ``Qwen3_5ForCausalLM.model.layers[0].linear_attn``).
+        ring: (u, r), the group's Ulysses x ring degrees: the ranks' tokens, gathered in rank order, are put in the
+            sequence's order for the mixer (``ops.sp_layout``) and its output back; None: Ulysses' contiguous shards.
     """
 
-    def __init__(self, mixer: torch.nn.Module, orig_forward: Callable, exchange: UlyssesExchange, name: str):
+    def __init__(self, mixer: torch.nn.Module, orig_forward: Callable, exchange: UlyssesExchange, name: str,
+                 ring: tuple[int, int] | None = None):
         self.exchange, self.size = exchange, exchange.world_size
         layout = head_layout(mixer, exchange.rank, self.size)
         if isinstance(layout, str):
             raise ValueError(f"{name}: {layout}")
         self.mixer, self.orig_forward, self.name = mixer, orig_forward, name
         self.layout = layout
+        self.ring = ring
         self.checked = False
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -73,10 +78,15 @@ class HeadShardedMixerForward:
         ``key_valid``: (B, T) the global padding mask (None: nothing padded), which the mixer zeroes padded
         tokens with, as on one process."""
         full = gather_tokens(x, self.exchange)
+        order = None
+        if self.ring is not None:  # rank order -> sequence order (row k of the rank order is position order[k])
+            order = sp_positions(full.shape[1], *self.ring).flatten().to(full.device)
+            full = full.index_select(1, torch.argsort(order))
         if not self.checked:
             self.checked = True
             self._check_layout(full, key_valid)
-        return reduce_scatter_tokens(self._share(full, key_valid, self.layout), self.exchange)
+        out = self._share(full, key_valid, self.layout)
+        return reduce_scatter_tokens(out if order is None else out.index_select(1, order), self.exchange)
 
     def _share(self, full: torch.Tensor, key_valid: torch.Tensor | None, layout: HeadLayout) -> torch.Tensor:
         """The mixer's forward on ``full`` (B, T, d) with the parameters and head counts of ``layout``."""

@@ -80,6 +80,13 @@ class UlyssesExchange:
         # DeepSpeed's operator looks its group up by name; registration must precede the first call.
         register(group)
 
+    @classmethod
+    def of_tokens(cls, group) -> "UlyssesExchange":
+        """The group's exchange for token exchanges alone (:meth:`all_to_all`; no heads to split), e.g. a mixer
+        sharded by heads over the whole group under Ulysses x ring (``forwards.sharded_mixer``)."""
+        size = torch.distributed.get_world_size(group)
+        return cls(group, size, size, size)
+
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
         # (B, P*h, C, D) -> (P, B, h, C, D): block r goes to rank r -> receive (P, B, h, C, D) indexed by source.
         B, Hx, C, D = x.shape

@@ -126,10 +126,6 @@ class SequenceParallelism(Technique):
         why = (f"long_seq.sequence_parallel.size={ulysses * ring} on {heads} attention heads runs Ulysses x ring "
                f"{ulysses} x {ring}")
         problems = []
-        if recurrent and ctx.config.sequence_parallel.recurrent == "heads":
-            problems.append(f"{why}, and layers {recurrent} carry a recurrent state, which a ring does not shard by "
-                            f"heads yet: set long_seq.sequence_parallel.recurrent='pass_state' (with long_seq.streambp)"
-                            f", or use a size that divides {heads}")
         if ctx.adapter.cache_positioned_attention():
             problems.append(f"{why}, and this family positions its queries by the cache's length (a contiguous "
                             f"shard's offset): use a size that divides {heads}")
@@ -161,7 +157,7 @@ class SequenceParallelism(Technique):
                 if mixer is not None:
                     name = f"{ctx.adapter.where}[{i}].{ctx.adapter.spec.mixer_attr}"
                     ctx.handle.set_instance_attr(mixer, "forward", HeadShardedMixerForward(
-                        mixer, mixer.forward, sp.exchange, name))
+                        mixer, mixer.forward, sp.token_exchange, name, None if sp.ring == 1 else sp.degrees))
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         # a head-sharded mixer slices its parameters itself: ZeRO-3 must gather them whole first
