@@ -290,8 +290,8 @@ def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | N
 
 
 @pytest.mark.parametrize("world, overrides, ring, degrees", [
-    (2, {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}, None, (1, 2)),  # 3 heads at SP 2
-    (4, {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}, None, (1, 4)),  # and at SP 4
+    (2, {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3}, None, (1, 2)),  # 9 heads (SmolLM2's)
+    (4, {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3}, None, (1, 4)),  # at SP 2 and 4
     (4, {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 32}, None, (2, 2)),  # SP 4 > 2 heads
     (4, {}, 2, (2, 2)),  # 4 heads as 2 x 2 (ring forced)
 ])

@@ -50,3 +50,20 @@ def test_a_length_the_layout_cannot_cut_names_the_padding():
     with pytest.raises(ValueError, match=r"sequence length 30 is not a multiple of 8 \(sequence parallelism 2 x 2: "
                                          r"2 x 2 zigzag blocks, each cut 2 ways\): pad to 32 tokens"):
         sp_positions(30, 2, 2)
+
+
+def test_the_support_table_lists_the_families_sequence_parallelism_is_verified_on():
+    """docs/SUPPORT.md's "Sequence parallelism by family" table names exactly the families enable lets run it."""
+    import pathlib
+    import re
+
+    from ds_longseq.families import FAMILIES
+    from ds_longseq.families.discovery import OVERRIDES
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "SUPPORT.md").read_text()
+    section = text.split("## Sequence parallelism by family", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    verified = {k for k, v in FAMILIES.items() if v.sequence_parallel_verified}
+    verified |= {k for k, v in OVERRIDES.items() if v.get("sequence_parallel_verified")}
+    assert listed == verified, (sorted(listed - verified), sorted(verified - listed))
