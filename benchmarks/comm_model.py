@@ -25,7 +25,9 @@ all_to_all         the whole local tensor (g blocks)          (g - 1) / g x inpu
 =================  =========================================  ============================================
 
 g is the group size: the world W for ZeRO (DeepSpeed partitions over the whole world, also under
-sequence parallelism), the sequence-parallel size P for Ulysses. ``bytes`` is what is tested;
+sequence parallelism), the Ulysses degree u for the all-to-all, the ring degree r for the ring, P for the SP
+metadata. ``send_recv`` (ring attention's ``batch_isend_irecv``): input = the tensors this rank sends, which is
+its wire estimate too. ``bytes`` is what is tested;
 ``wire`` is an estimate for bandwidth reasoning (NCCL may choose trees, NVLS or hierarchical
 algorithms) and is not tested.
 
@@ -55,13 +57,22 @@ ZeRO-3, per micro-step: each parameter is all-gathered by the module that uses i
     not gathered in forward / backward; they are all-gathered once per optimizer step instead
     (steady state: in DeepSpeed's first two forward passes, which record its module trace, they
     are gathered like the others).
-Ulysses sequence parallelism (P > 1), per micro-step and decoder layer, one exchange "round" moves
-    (2 H + 2 H_kv_eff) x B x ceil(T / P) x D x act_bytes (q, attention output, k, v; H_kv_eff =
-    max(H_kv, P): kv heads are replicated when fewer than P). Rounds: ``stock`` 2 (forward,
+Sequence parallelism P = u x r (``ds_longseq.ops.sp_layout``): Ulysses over u ranks, ring attention over r; u the
+    largest divisor of P dividing H unless ``ring`` forces r. T_l = ceil(T / P) (2 ceil(T / 2P) when r > 1).
+Ulysses (u > 1), per micro-step and decoder layer, one exchange "round" moves
+    (2 H + 2 H_kv_eff) x B x T_l x D x act_bytes (q, attention output, k, v; H_kv_eff =
+    max(H_kv, u): kv heads are replicated when fewer than u). Rounds: ``stock`` 2 (forward,
     gradients); ``gc`` / ``mst_gc`` 3 (+ recompute); ``streambp`` 3 (K/V once per pass, queries and
     outputs per chunk, K/V gradients once). Calls per layer: ``stock`` 4 + 4, ``gc`` / ``mst_gc``
     4 + 8, ``streambp`` (2 + 2c) forward and (2 + 2c) + (2c + 2) backward, c = StreamBP chunks of
     the local shard.
+Ring (r > 1), per micro-step and decoder layer, with K = B x H_kv_eff x T_l x D elements (one rank's K or V after
+    the Ulysses exchange, (B, H_kv_eff / u, u T_l, D)):
+    ``stock`` / ``gc`` / ``mst_gc`` (whole-shard ring attention, ``batch_isend_irecv``): forward r - 1 calls of
+    2 K x act_bytes (K and V); backward the same again (twice for ``gc`` / ``mst_gc``: their recompute runs the
+    ring forward) plus r calls of 2 K x cb (dK, dV in the compute dtype: cb = 4 for act_bytes 2, else act_bytes).
+    ``streambp`` (``all_gather_single`` / ``reduce_scatter_single`` over the ring group): forward 2 gathers of
+    K x act_bytes; backward 2 more (the capture pass) and 2 reduce-scatters of r K x act_bytes.
     Plus ds_longseq's per-forward metadata over the SP group (``torch.distributed``): all_gather of
     the shard shape (16 bytes) and of the padding mask + positions (16 x B x ceil(T / P) bytes), and
     one all_reduce of the loss statistics (16 bytes).
@@ -102,6 +113,7 @@ __all__ = [
     "Flow",
     "CommVolume",
     "predict",
+    "sp_degrees",
     "wire_factor",
     "sweep",
     "main",
@@ -111,12 +123,34 @@ METHODS = ("streambp", "mst_gc", "gc", "stock")
 """``streambp``: StreamBP layers (+ chunked LM head), no checkpointing; ``mst_gc``: MsT MLP + HF
 gradient checkpointing; ``gc``: plain HF gradient checkpointing; ``stock``: neither."""
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 PHASES = ("forward", "backward", "step")
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _local_len(seq_len: int, sp: int, ring: int) -> int:
+    return _ceil_div(seq_len, sp) if ring == 1 else 2 * _ceil_div(seq_len, 2 * sp)
+
+
+def sp_degrees(size: int, num_heads: int, ring: int | None = None) -> tuple[int, int]:
+    """(u, r), u r = ``size``: ``ds_longseq.ops.sp_layout.sp_degrees`` without torch (a test checks they agree).
+    u is the largest divisor of ``size`` dividing ``num_heads``, r the rest; ``ring`` forces r.
+
+    Raises:
+        ValueError: a forced ``ring`` that does not divide ``size`` or leaves a u the heads do not divide into.
+    """
+    if ring is None:
+        u = max(d for d in range(1, size + 1) if size % d == 0 and num_heads % d == 0)
+        return u, size // u
+    if ring < 1 or size % ring:
+        raise ValueError(f"ring {ring} does not divide the sequence-parallel size {size}")
+    if num_heads % (size // ring):
+        raise ValueError(f"ring {ring} leaves a Ulysses degree of {size // ring}, which does not divide the "
+                         f"{num_heads} attention heads: raise ring or leave it unset (chosen from the heads)")
+    return size // ring, ring
 
 
 @dataclass(frozen=True)
@@ -239,12 +273,12 @@ PRESETS: dict[str, ModelShape] = {
 
 def wire_factor(kind: str, group_size: int) -> float:
     """Estimated bytes a rank puts on the wire per input byte (ring all_gather / reduce_scatter /
-    all_reduce, pairwise all_to_all) in a group of ``group_size`` ranks."""
+    all_reduce, pairwise all_to_all; a send_recv's input is what it sends) in a group of ``group_size`` ranks."""
     g = group_size
     if g <= 1:
         return 0.0
     return {"all_gather": g - 1, "reduce_scatter": (g - 1) / g, "all_reduce": 2 * (g - 1) / g,
-            "all_to_all": (g - 1) / g}[kind]
+            "all_to_all": (g - 1) / g, "send_recv": 1.0}[kind]
 
 
 @dataclass(frozen=True)
@@ -253,11 +287,14 @@ class Flow:
 
     Attributes:
         source: ``zero_params`` (ZeRO parameter gathers), ``zero_grads`` (gradient reduction),
-            ``ulysses`` (activation all-to-all), ``sp_metadata`` (ds_longseq's per-forward shape and
-            mask/position gather), ``sp_loss`` (the group's loss statistics).
-        kind: one of :data:`KINDS`.
+            ``ulysses`` (activation all-to-all), ``ring`` (ring attention's K/V traffic: point-to-point
+            exchanges of whole shards, or StreamBP's gathers / reduce-scatters over the ring group),
+            ``sp_metadata`` (ds_longseq's per-forward shape and mask/position gather), ``sp_loss`` (the
+            group's loss statistics).
+        kind: one of :data:`KINDS` (``send_recv``: one ``batch_isend_irecv`` call; bytes = what it sends).
         phase: ``forward``, ``backward`` (``engine.backward``) or ``step`` (``engine.step``).
-        group_size: ranks in the collective's group (W for ZeRO, P for SP).
+        group_size: ranks in the collective's group (W for ZeRO, P for the SP metadata, u for Ulysses, r for
+            the ring).
         bytes: input bytes per rank, summed over the step (see the module docstring).
         calls: number of calls per rank, or None where DeepSpeed's bucketing / coalescing decides.
     """
@@ -291,6 +328,8 @@ class CommVolume:
     grad_bytes: int
     act_bytes: int
     persistence_threshold: int
+    ulysses: int = 1
+    ring: int = 1
     flows: tuple[Flow, ...] = field(default=())
 
     @property
@@ -299,8 +338,9 @@ class CommVolume:
 
     @property
     def local_len(self) -> int:
-        """Tokens per rank of each sequence: ceil(T / P)."""
-        return _ceil_div(self.seq_len, self.sp)
+        """Tokens per rank of each sequence: ceil(T / P); under a ring 2 ceil(T / 2P) (``shard_batch(pad=True)``
+        pads to a multiple of 2P: the ring's 2r zigzag blocks, each cut u ways)."""
+        return _local_len(self.seq_len, self.sp, self.ring)
 
     @property
     def tokens_per_step(self) -> int:
@@ -380,6 +420,7 @@ def predict(
     grad_bytes: int | None = None,
     act_bytes: int | None = None,
     persistence_threshold: int = 0,
+    ring: int | None = None,
 ) -> CommVolume:
     """Predict the per-rank collective traffic of one optimizer step.
 
@@ -400,6 +441,8 @@ def predict(
         act_bytes: bytes per element of activations in the all-to-all (default ``param_bytes``).
         persistence_threshold: ZeRO-3 ``stage3_param_persistence_threshold`` (DeepSpeed's default
             is 100000; the counted tests use 0).
+        ring: the ring degree r of P = u x r (``long_seq.sequence_parallel.ring``); None: chosen from the heads as
+            ds_longseq does (:func:`sp_degrees`: u the largest divisor of P dividing H).
     """
     if isinstance(shape, str):
         if shape not in PRESETS:
@@ -421,17 +464,20 @@ def predict(
         raise ValueError("; ".join(problems))
     if world % sp:
         problems.append(f"world {world} is not a multiple of the sequence-parallel size {sp}")
-    if sp > 1 and shape.heads % sp:
-        problems.append(f"{shape.heads} attention heads are not divisible by sp {sp}")
-    if sp > 1 and shape.kv_heads % sp and sp % shape.kv_heads:
-        problems.append(f"{shape.kv_heads} kv heads and sp {sp}: one must divide the other")
+    u = r = 1
+    try:
+        u, r = sp_degrees(sp, shape.heads, ring)
+    except ValueError as err:
+        problems.append(str(err))
+    if u > 1 and shape.kv_heads % u and u % shape.kv_heads:
+        problems.append(f"{shape.kv_heads} kv heads and Ulysses degree {u}: one must divide the other")
     if chunk_size is not None and num_chunks is not None:
         problems.append("give chunk_size or num_chunks, not both")
     if problems:
         raise ValueError("; ".join(problems))
 
     W, P, B = world, sp, micro_batch
-    T_l = _ceil_div(seq_len, P)
+    T_l = _local_len(seq_len, P, r)
     if method != "streambp":
         c = 1
     elif num_chunks is not None:
@@ -480,10 +526,10 @@ def predict(
         padded = sum(shard(n) for _, n, _ in unique_outer) + shape.num_layers * sum(shard(n) for _, n, _ in layer)
         add("zero_grads", "reduce_scatter", "backward", W, gas * W * padded * grad_bytes, None)
 
-    # ---- Ulysses sequence parallelism -----------------------------------------------------------
-    if P > 1:
-        L = shape.num_layers
-        kv_eff = max(shape.kv_heads, P)
+    # ---- sequence parallelism: Ulysses over u ranks x ring over r ---------------------------------
+    L = shape.num_layers
+    kv_eff = max(shape.kv_heads, u)  # kv heads replicated up to u before the all-to-all (none when u = 1)
+    if u > 1:
         round_bytes = L * (2 * shape.heads + 2 * kv_eff) * B * T_l * shape.head_dim * act_bytes
         fwd_calls, bwd_calls = {
             "stock": (4, 4),
@@ -492,8 +538,25 @@ def predict(
             "streambp": (2 + 2 * c, (2 + 2 * c) + (2 * c + 2)),
         }[method]
         bwd_rounds = 1 if method == "stock" else 2
-        add("ulysses", "all_to_all", "forward", P, gas * round_bytes, gas * L * fwd_calls)
-        add("ulysses", "all_to_all", "backward", P, gas * bwd_rounds * round_bytes, gas * L * bwd_calls)
+        add("ulysses", "all_to_all", "forward", u, gas * round_bytes, gas * L * fwd_calls)
+        add("ulysses", "all_to_all", "backward", u, gas * bwd_rounds * round_bytes, gas * L * bwd_calls)
+    if r > 1:
+        # one rank's K (or V) after the Ulysses exchange: (B, H_kv_eff / u, u T_l, D)
+        block = B * kv_eff * T_l * shape.head_dim
+        if method == "streambp":  # ops.ulysses.UlyssesRingExchange: per layer and pass, K and V gathered
+            add("ring", "all_gather", "forward", r, gas * L * 2 * block * act_bytes, gas * L * 2)
+            add("ring", "all_gather", "backward", r, gas * L * 2 * block * act_bytes, gas * L * 2)
+            # dK / dV of the whole sequence (B, H_kv_eff / u, T, D), model dtype, summed home
+            add("ring", "reduce_scatter", "backward", r, gas * L * 2 * r * block * act_bytes, gas * L * 2)
+        else:  # ops.ring._RingAttention: K and V passed r - 1 times per forward, again in backward, dK / dV r times
+            grad_bytes_ring = 4 if act_bytes == 2 else act_bytes  # the compute dtype: float32 for half precision
+            forwards_in_backward = 0 if method == "stock" else 1  # gc / mst_gc recompute the attention forward
+            kv_pass = 2 * block * act_bytes
+            add("ring", "send_recv", "forward", r, gas * L * (r - 1) * kv_pass, gas * L * (r - 1))
+            add("ring", "send_recv", "backward", r,
+                gas * L * ((1 + forwards_in_backward) * (r - 1) * kv_pass + r * 2 * block * grad_bytes_ring),
+                gas * L * ((1 + forwards_in_backward) * (r - 1) + r))
+    if P > 1:
         add("sp_metadata", "all_gather", "forward", P, gas * (16 + 2 * 8 * B * T_l), 2 * gas)
         add("sp_loss", "all_reduce", "forward", P, gas * 16, gas)
 
@@ -511,6 +574,8 @@ def predict(
         grad_bytes=grad_bytes,
         act_bytes=act_bytes,
         persistence_threshold=persistence_threshold,
+        ulysses=u,
+        ring=r,
         flows=tuple(flows),
     )
 
@@ -545,11 +610,15 @@ def _header(v: CommVolume) -> str:
         f"{s.name}: {_fmt_count(s.num_params)} params ({tied}), {s.num_layers} layers, H {s.heads}, "
         f"H_kv {s.kv_heads}, D {s.head_dim}\n"
         f"T = {v.seq_len:,} tokens, micro-batch {v.micro_batch}, GAS {v.gas}; world {v.world} = "
-        f"{v.dp_replicas} data-parallel replicas x SP {v.sp} (local shard {v.local_len:,} tokens); "
+        f"{v.dp_replicas} data-parallel replicas x SP {v.sp}{_split(v)} (local shard {v.local_len:,} tokens); "
         f"ZeRO-{v.zero}; method {v.method}{chunks}\n"
         f"bytes/element: params {v.param_bytes}, grads {v.grad_bytes}, activations {v.act_bytes}; "
         f"persistence threshold {v.persistence_threshold}; tokens per optimizer step {v.tokens_per_step:,}"
     )
+
+
+def _split(v: CommVolume) -> str:
+    return f" = Ulysses {v.ulysses} x ring {v.ring}" if v.sp > 1 else ""
 
 
 def format_table(v: CommVolume) -> str:
@@ -575,7 +644,7 @@ def format_table(v: CommVolume) -> str:
 
 
 SWEEP_COLUMNS = (("zero_params", "ZeRO param gathers"), ("zero_grads", "ZeRO grad reduction"),
-                 ("ulysses", "Ulysses all-to-all"), ("sp", "SP metadata + loss"))
+                 ("ulysses", "Ulysses all-to-all"), ("ring", "ring K/V traffic"), ("sp", "SP metadata + loss"))
 
 
 def bytes_by_source(v: CommVolume) -> dict[str, tuple[int, float]]:
@@ -597,17 +666,18 @@ def format_sweep(volumes: list[CommVolume]) -> str:
     chunks = f" ({v0.num_chunks} chunks)" if v0.method == "streambp" else ""
     lines = [
         header[0],
-        f"T = {v0.seq_len:,}, micro-batch {v0.micro_batch}, GAS {v0.gas}, SP {v0.sp}, ZeRO-{v0.zero}, "
+        f"T = {v0.seq_len:,}, micro-batch {v0.micro_batch}, GAS {v0.gas}, SP {v0.sp}{_split(v0)}, ZeRO-{v0.zero}, "
         f"method {v0.method}{chunks}",
         header[2].split("; tokens per")[0],
         "per rank, per optimizer step: input bytes (counted unit) / estimated wire bytes (ring)",
     ]
-    row = "{:>6} {:>5} {:>14} " + " ".join("{:>25}" for _ in SWEEP_COLUMNS) + " {:>11} {:>11}"
-    lines.append(row.format("world", "DP", "tokens/step", *(title for _, title in SWEEP_COLUMNS),
+    columns = [(k, t) for k, t in SWEEP_COLUMNS if k != "ring" or v0.ring > 1]
+    row = "{:>6} {:>5} {:>14} " + " ".join("{:>25}" for _ in columns) + " {:>11} {:>11}"
+    lines.append(row.format("world", "DP", "tokens/step", *(title for _, title in columns),
                             "total wire", "wire/token"))
     for v in volumes:
         src = bytes_by_source(v)
-        cells = [f"{_fmt_bytes(src[k][0])} / {_fmt_bytes(src[k][1])}" for k, _ in SWEEP_COLUMNS]
+        cells = [f"{_fmt_bytes(src[k][0])} / {_fmt_bytes(src[k][1])}" for k, _ in columns]
         per_rank_tokens = v.micro_batch * v.local_len * v.gas
         lines.append(row.format(v.world, v.dp_replicas, f"{v.tokens_per_step:,}", *cells,
                                 _fmt_bytes(v.total_wire_bytes), _fmt_bytes(v.total_wire_bytes / per_rank_tokens)))
@@ -618,7 +688,7 @@ def format_sweep(volumes: list[CommVolume]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.comm_model",
-        description="Per-rank collective bytes of one optimizer step (ZeRO-2/3 + Ulysses SP + chunking).",
+        description="Per-rank collective bytes of one optimizer step (ZeRO-2/3 + Ulysses x ring SP + chunking).",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     parser.add_argument("--seq-len", type=int, default=1048576)
@@ -626,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gas", type=int, default=1)
     parser.add_argument("--world", type=int, default=64)
     parser.add_argument("--sp", type=int, default=1)
+    parser.add_argument("--ring", type=int, help="ring degree r of SP = u x r (default: chosen from the heads)")
     parser.add_argument("--zero", type=int, choices=(2, 3), default=3)
     parser.add_argument("--method", choices=METHODS, default="streambp")
     chunks = parser.add_mutually_exclusive_group()
@@ -643,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         shape=args.preset, seq_len=args.seq_len, sp=args.sp, zero=args.zero, method=args.method,
         micro_batch=args.micro_batch, gas=args.gas, chunk_size=args.chunk_size, num_chunks=args.num_chunks,
         param_bytes=args.dtype_bytes, grad_bytes=args.grad_bytes, act_bytes=args.act_bytes,
-        persistence_threshold=args.persistence_threshold,
+        persistence_threshold=args.persistence_threshold, ring=args.ring,
     )
     try:
         volumes = sweep(**kwargs) if args.sweep else [predict(world=args.world, **kwargs)]

@@ -11,8 +11,12 @@ from the formulas and the model's config only, must match every key exactly in b
 where the model claims a deterministic count) on every rank, and every counted call the model does
 not predict must be a scalar (<= 8 bytes: DeepSpeed's bookkeeping all_reduce in the optimizer step).
 
-Three spawns hold all configurations (2 ranks without SP; 2 ranks with SP 2; 4 ranks = SP 2 x DP 2),
-each building its engines one after the other in the same processes (about 2 minutes on 2 busy cores).
+Three spawns hold the default configurations (2 ranks without SP; 2 ranks with SP 2, Ulysses alone and, on a
+3-head model, ring 2 alone; 4 ranks = SP 2 x DP 2), each building its engines one after the other in the same
+processes (about 2 minutes on 2 busy cores); a fourth, slow, runs SP 4 as Ulysses 2 x ring 2. Ring traffic is
+counted through ``torch.distributed``: ``all_gather_single`` / ``reduce_scatter_single`` (StreamBP's K/V over
+the ring group) and ``batch_isend_irecv`` (ring attention's passes: bytes = the tensors of its isend ops), and a
+2-rank bfloat16 ``ring_attention`` call checks the dK/dV passes in float32.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ TORCH_INPUT = {
     "all_gather_into_tensor": (1, "input_tensor"),
     "reduce_scatter_tensor": (1, "input"),
     "all_to_all_single": (1, "input"),
+    "all_gather_single": (1, "input_tensor"),  # ops.ulysses.UlyssesRingExchange (StreamBP under a ring)
+    "reduce_scatter_single": (1, "input"),
 }
 KIND = {
     "all_reduce": "all_reduce",
@@ -75,6 +81,9 @@ KIND = {
     "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_fn": "reduce_scatter",
     "all_to_all_single": "all_to_all",
+    "all_gather_single": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "batch_isend_irecv": "send_recv",  # ops.ring: one call per K/V or dK/dV pass; bytes = its isends' tensors
 }
 SCALAR_BYTES = 8  # the largest call the model may leave out
 WARMUP_PASSES = 2
@@ -82,9 +91,13 @@ WARMUP_PASSES = 2
 # -------------------------------------------------------------------------------- configurations
 
 
-def case(name, stage, method, *, sp=1, arch="llama", tie=False, gas=1, chunk=7, persist=0, **overrides):
-    return dict(name=name, stage=stage, method=method, sp=sp, arch=arch, tie=tie, gas=gas, chunk=chunk,
+def case(name, stage, method, *, sp=1, ring=None, arch="llama", tie=False, gas=1, chunk=7, persist=0, **overrides):
+    return dict(name=name, stage=stage, method=method, sp=sp, ring=ring, arch=arch, tie=tie, gas=gas, chunk=chunk,
                 persist=persist, overrides=overrides)
+
+
+# 3 query heads, 1 kv head (head dim 16): SP 2 runs as Ulysses 1 x ring 2, the ring chosen from the heads
+THREE_HEADS = dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)
 
 
 # 40 tokens per sequence: StreamBP chunk 3 -> 14 chunks; under SP 2 (20 local tokens) chunk 7 -> 3, 6 -> 4.
@@ -109,10 +122,23 @@ SP_CASES = [
     case("sp2-z3-mst_gc", 3, "mst_gc", sp=2),
     case("sp2-z3-streambp-kv1", 3, "streambp", sp=2, chunk=7, num_key_value_heads=1),  # kv heads replicated
     case("sp2-z2-stock", 2, "stock", sp=2),  # plain Ulysses, no checkpointing: 2 rounds
+    # ring 2 alone (u = 1: no all-to-all): StreamBP's K/V gathers and dK/dV reduce-scatters over the ring;
+    # ring attention's point-to-point K/V and dK/dV passes (stock; mst_gc runs the ring forward again)
+    case("sp2-ring2-z3-streambp", 3, "streambp", sp=2, chunk=7, **THREE_HEADS),
+    case("sp2-ring2-z2-stock", 2, "stock", sp=2, **THREE_HEADS),
+    case("sp2-ring2-z3-mst_gc", 3, "mst_gc", sp=2, **THREE_HEADS),
 ]
 # 4 ranks = 2 data-parallel replicas x SP 2: ZeRO partitions over all 4, all-to-all within each pair
 SPDP_CASES = [
     case("sp2xdp2-z3-streambp", 3, "streambp", sp=2, chunk=7),
+]
+# 4 ranks = SP 4 run as Ulysses 2 x ring 2 (ring forced on 4 heads; 1 kv head, replicated to 2 by the Ulysses
+# exchange, so the ring passes the replicas): the all-to-all within each Ulysses pair (ranks 0-1, 2-3), ring
+# traffic within each ring pair (ranks 0-2, 1-3); 10 local tokens. Slow (its own 4-rank spawn, ~35 s on 2 busy
+# cores: DeepSpeed builds its sequence-parallel groups for one size per process, so it cannot join SPDP_CASES').
+RING4_CASES = [
+    case("sp4-u2xring2-z3-streambp-kv1", 3, "streambp", sp=4, ring=2, chunk=4, num_key_value_heads=1),
+    case("sp4-u2xring2-z2-stock-kv1", 2, "stock", sp=4, ring=2, num_key_value_heads=1),
 ]
 
 
@@ -124,7 +150,7 @@ def long_seq_section(c) -> dict | None:
     elif c["method"] == "mst_gc":
         section = {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "lm_head": {"enabled": True, "chunk_size": 9}}
     if c["sp"] > 1:
-        section["sequence_parallel"] = {"size": c["sp"]}
+        section["sequence_parallel"] = {"size": c["sp"]} if c["ring"] is None else {"size": c["sp"], "ring": c["ring"]}
     return section or None
 
 
@@ -141,7 +167,7 @@ def prediction(c, world: int):
     return predict(
         ModelShape.from_hf_config(config), SEQ, world=world, sp=c["sp"], zero=c["stage"], method=c["method"],
         micro_batch=BATCH, gas=c["gas"], chunk_size=c["chunk"], param_bytes=FP32,
-        persistence_threshold=c["persist"],
+        persistence_threshold=c["persist"], ring=c["ring"],
     )
 
 
@@ -161,13 +187,13 @@ class CollectiveCounter:
         self._depth = 0
         self._saved = []
 
-    def _wrap(self, module, fname, where, api):
+    def _wrap(self, module, fname, input_bytes, api):
+        """``input_bytes(args, kwargs)``: the bytes the call is counted with."""
         orig = getattr(module, fname)
-        pos, name = where
 
         def counted_call(*args, **kwargs):
             if self._depth == 0:
-                nbytes = _nbytes(args[pos] if len(args) > pos else kwargs.get(name))
+                nbytes = input_bytes(args, kwargs)
                 entry = self.counts[(api, self.phase, KIND[fname])]
                 entry[0] += 1
                 entry[1] += nbytes
@@ -185,11 +211,20 @@ class CollectiveCounter:
         import deepspeed.comm as dscomm
         import torch.distributed as tdist
 
+        def argument(pos, name):
+            return lambda args, kwargs: _nbytes(args[pos] if len(args) > pos else kwargs.get(name))
+
+        def isend_bytes(args, kwargs):  # the tensors this rank sends (its irecv buffers are outputs)
+            ops = args[0] if args else kwargs["p2p_op_list"]
+            return sum(_nbytes(op.tensor) for op in ops if op.op is isend)
+
+        isend = tdist.isend
         for fname, where in DS_INPUT.items():
             if hasattr(dscomm, fname):
-                self._wrap(dscomm, fname, where, "ds")
+                self._wrap(dscomm, fname, argument(*where), "ds")
         for fname, where in TORCH_INPUT.items():
-            self._wrap(tdist, fname, where, "torch")
+            self._wrap(tdist, fname, argument(*where), "torch")
+        self._wrap(tdist, "batch_isend_irecv", isend_bytes, "torch")
         return self
 
     def __exit__(self, *exc):
@@ -200,6 +235,7 @@ class CollectiveCounter:
 
 def count_worker(rank: int, cases: list[dict]):
     """Run every case (one counted optimizer step each); return {(api, phase, kind): (calls, bytes, largest)}."""
+    import ds_longseq
     import ds_longseq.engine
     from ds_longseq.engine import sequence_parallel_rank_and_size, shard_batch
 
@@ -212,7 +248,7 @@ def count_worker(rank: int, cases: list[dict]):
         engine, *_ = ds_longseq.engine.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config
         )
-        if c["sp"] > 1:
+        if c["sp"] > 1:  # shard_batch cuts by the enabled model's layout (Ulysses alone, or its ring's zigzag)
             sp_rank, sp_size = sequence_parallel_rank_and_size()
             batches = [shard_batch(replica_batch(rank // c["sp"], m), sp_rank, sp_size) for m in range(c["gas"])]
         else:
@@ -232,6 +268,7 @@ def count_worker(rank: int, cases: list[dict]):
                 counter.phase = "step"
                 engine.step()
         results.append({k: tuple(v) for k, v in counter.counts.items()})
+        ds_longseq.disable(engine.module)  # frees its SP layout (the next case may have another ring degree)
         del engine, model
     return results
 
@@ -242,7 +279,8 @@ _CACHE: dict[str, list] = {}
 def counted(group: str):
     """Counts per rank and case of DP_CASES / SP_CASES / SPDP_CASES, from one spawn each (cached)."""
     if group not in _CACHE:
-        cases, world = {"dp": (DP_CASES, 2), "sp": (SP_CASES, 2), "spdp": (SPDP_CASES, 4)}[group]
+        cases, world = {"dp": (DP_CASES, 2), "sp": (SP_CASES, 2), "spdp": (SPDP_CASES, 4),
+                        "ring4": (RING4_CASES, 4)}[group]
         _CACHE[group] = run_distributed(count_worker, world, (cases,))
     return _CACHE[group]
 
@@ -252,7 +290,7 @@ def compare(c, counts, world: int = 2):
     model = prediction(c, world)
     expected = collections.defaultdict(lambda: [0, 0])  # (api, phase, kind) -> [calls or None, bytes]
     for f in model.flows:
-        api = "torch" if f.source.startswith("sp_") else "ds"
+        api = "torch" if f.source.startswith("sp_") or f.source == "ring" else "ds"
         entry = expected[(api, f.phase, f.kind)]
         entry[0] = None if f.calls is None or entry[0] is None else entry[0] + f.calls
         entry[1] += f.bytes
@@ -290,6 +328,41 @@ def test_sp2_times_dp2_matches_counted_collectives(index):
     c = SPDP_CASES[index]
     for rank_counts in counted("spdp"):
         compare(c, rank_counts[index], world=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(RING4_CASES)), ids=[c["name"] for c in RING4_CASES])
+def test_ulysses_x_ring_2x2_matches_counted_collectives(index):
+    c = RING4_CASES[index]
+    for rank_counts in counted("ring4"):
+        compare(c, rank_counts[index], world=4)
+
+
+def half_precision_ring_worker(rank: int):
+    """One bfloat16 ring_attention forward + backward on 2 ranks (no DeepSpeed engine): the counts."""
+    import torch.distributed as dist
+
+    from ds_longseq.ops.ring import ring_attention
+
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, h, 8, 16, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2))
+    with CollectiveCounter() as counter:
+        out = ring_attention(q, k, v, dist.group.WORLD)
+        counter.phase = "backward"
+        out.float().sum().backward()
+    return {key: tuple(v) for key, v in counter.counts.items()}
+
+
+def test_ring_attention_sends_half_precision_gradients_in_float32():
+    """The model's ring send_recv flows of one layer (4 heads, 2 kv heads, D 16, 16 tokens on ring 2) in
+    bfloat16: K/V passed in bfloat16, dK/dV in float32 (ring attention's compute dtype), counted on the op."""
+    shape = ModelShape("one layer", 1, 64, 96, 4, 2, 16, 101)
+    model = predict(shape, 16, world=2, sp=2, ring=2, zero=2, method="stock", param_bytes=2)
+    expected = {("torch", f.phase, f.kind): (f.calls, f.bytes) for f in model.flows if f.source == "ring"}
+    for counts in run_distributed(half_precision_ring_worker, 2):
+        assert {key: v[:2] for key, v in counts.items()} == expected
+    # bfloat16 K and V, 512 bytes each, sent once forward and once backward; dK and dV in float32 sent twice
+    assert expected[("torch", "backward", "send_recv")] == (3, 1024 + 2 * 2 * 1024)
 
 
 def test_counted_traffic_confirms_the_readme_claims():
@@ -394,6 +467,52 @@ def test_model_needs_no_torch_and_the_cli_runs():
     swept = subprocess.run([sys.executable, "-m", "benchmarks.comm_model", *args, "--sweep"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout
     assert swept.count("\n") >= 10 and "  4096 " in swept
+    ring = subprocess.run([sys.executable, "-m", "benchmarks.comm_model", *args[:6], "--sp", "64", "--ring", "4"],
+                          cwd=REPO, check=True, capture_output=True, text=True).stdout
+    assert "SP 64 = Ulysses 16 x ring 4" in ring and "send_recv" not in ring and "ring         all_gather" in ring
+
+
+def test_sp_degrees_match_ds_longseq():
+    """The model's torch-free Ulysses x ring split is ds_longseq's (``ops.sp_layout.sp_degrees``), errors included."""
+    from benchmarks.comm_model import sp_degrees
+    from ds_longseq.ops.sp_layout import sp_degrees as built
+
+    for size in range(1, 17):
+        for heads in (1, 2, 3, 4, 6, 8, 12, 14, 32, 40, 64):
+            for ring in (None, *range(1, size + 1)):
+                try:
+                    want = built(size, heads, ring)
+                except ValueError:
+                    with pytest.raises(ValueError):
+                        sp_degrees(size, heads, ring)
+                    continue
+                assert sp_degrees(size, heads, ring) == want, (size, heads, ring)
+
+
+def test_ring_formulas_at_scale():
+    """Ring alone at P = 64 on Llama-3-8B (32 heads: ring forced), hand-computed; Ulysses x ring chosen from the
+    heads at P = 64; a forced ring the heads do not allow is refused; r = 1 is Ulysses alone, unchanged."""
+    T, L, D = 1 << 17, 32, 128
+    T_l = T // 64
+    block = 8 * T_l * D  # one rank's K: its 8 kv heads x T_l tokens (u = 1: no replication)
+    stock = predict("llama3-8b", T, world=64, sp=64, ring=64, method="stock", param_bytes=2)
+    flows = stock.by_source_phase_kind()
+    assert (stock.ulysses, stock.ring) == (1, 64) and stock.bytes_by_kind()["all_to_all"] == 0
+    assert flows[("ring", "forward", "send_recv")].bytes == L * 63 * 2 * block * 2
+    assert flows[("ring", "backward", "send_recv")].bytes == L * (63 * 2 * block * 2 + 64 * 2 * block * 4)
+    assert flows[("ring", "backward", "send_recv")].calls == L * (63 + 64)
+    sb = predict("llama3-8b", T, world=64, sp=64, ring=64, method="streambp", chunk_size=1024, param_bytes=2)
+    flows = sb.by_source_phase_kind()
+    assert flows[("ring", "forward", "all_gather")].bytes == flows[("ring", "backward", "all_gather")].bytes \
+        == L * 2 * block * 2
+    assert flows[("ring", "backward", "reduce_scatter")].bytes == L * 2 * 64 * block * 2
+    chosen = predict("llama3-8b", T, world=64, sp=64, method="streambp", param_bytes=2)
+    assert (chosen.ulysses, chosen.ring) == (32, 2)
+    with pytest.raises(ValueError, match="does not divide the 32 attention heads"):
+        predict("llama3-8b", T, world=64, sp=64, ring=1)
+    for method in METHODS:
+        assert predict("llama3-8b", T, world=64, sp=8, ring=1, method=method).flows == \
+            predict("llama3-8b", T, world=64, sp=8, method=method).flows
 
 
 def test_counted_names_cover_the_existing_test_list():
