@@ -291,7 +291,9 @@ def test_grpo_trainer_matches_plain_trl(tmp_path, stage, beta):
 
 @pytest.mark.parametrize(
     "stage,beta,options",
-    [(3, 0.2, {}), (2, 0.0, {"gas": 2, "loss_type": "bnpo"}), (2, 0.2, {"ring": True})],
+    [(3, 0.2, {}), (2, 0.0, {"gas": 2, "loss_type": "bnpo"}),
+     # DPO's ring case runs WholeSequenceCalls under a ring by default already
+     pytest.param(2, 0.2, {"ring": True}, marks=pytest.mark.slow)],
     ids=["zero3-ref-model", "zero2-gas2-bnpo", "zero2-ref-model-ring"],
 )
 def test_grpo_trainer_sequence_parallel_matches_plain_trl(tmp_path, stage, beta, options):
