@@ -1,4 +1,5 @@
-"""Hybrid models (recurrent layers) under Ulysses x ring, on CPU gloo ranks, against one process (float64, 1e-10).
+"""Families under Ulysses x ring, on CPU gloo ranks, against one process (float64, 1e-10): attention of other kinds
+(multi-head latent attention's value head dim, sinks) and hybrid models (recurrent layers).
 
 Under a ring each rank's tokens are two runs of the sequence (``ops.sp_layout``). With
 ``sequence_parallel.recurrent="pass_state"`` (inside StreamBP) a recurrent layer carries its states from each run
@@ -21,6 +22,8 @@ STREAMBP = {"streambp": {"enabled": True, "chunk_size": 3}, "attention": {"kv_bl
             "lm_head": {"enabled": True, "chunk_size": 9}}
 # case -> (long_seq sections besides sequence_parallel, sequence_parallel.recurrent, mutation)
 CASES = {
+    "whole": ({}, "heads", None),  # ring attention on whole shards (recurrent applies to hybrids only)
+    "streambp": (STREAMBP, "heads", None),
     "pass_state": (STREAMBP, "pass_state", None),
     "heads": ({}, "heads", None),
     "heads_streambp": (STREAMBP, "heads", None),
@@ -110,6 +113,14 @@ def test_hybrids_under_a_ring_match_one_process():
         "lfm2": ["pass_state"],
         "bamba": ["pass_state"],
     }
+    _check(run_distributed(ring_hybrid_worker, 2, (2, 2, families)), families)
+
+
+def test_attention_kinds_under_a_ring_match_one_process():
+    """At SP 2 with the ring forced (1 x 2), whole shards and StreamBP: DeepSeek-V3's multi-head latent attention
+    (values of another head dim than queries and keys, under StreamBP taken at the attention call), gpt-oss's
+    attention sinks (each query's extra logit merged once, not per ring step) and sliding windows."""
+    families = {"deepseek_v3": ["whole", "streambp"], "gpt_oss": ["whole", "streambp"]}
     _check(run_distributed(ring_hybrid_worker, 2, (2, 2, families)), families)
 
 
