@@ -19,6 +19,9 @@ Methods (``benchmarks.recipes``, all with ``sequence_parallel`` over the P ranks
     mst_sp:      ds_longseq mini-sequence MLP (as many chunks as ALST's TiledMLP tiles) and chunked
                  LM-head loss, HF gradient checkpointing.
     streambp_sp: ds_longseq StreamBP + chunked LM-head loss (no checkpointing).
+    mst_sp_ring, streambp_sp_ring: the same with the group run as a ring (``sequence_parallel.ring`` = P: Ulysses
+                 x ring 1 x P, zigzag shards, ring attention on whole shards / StreamBP's K/V gathered over the
+                 ring); not in the default set.
 
 After the measurement (outside the measured peak and time) every rank sums the parameter gradients
 over the group and reports their global norm, so methods can be checked to agree on gradients too.
@@ -57,7 +60,8 @@ from benchmarks.recipes import (
 )
 
 MODULE = "benchmarks.sp_memory"
-METHODS = ("alst_sp", "mst_sp", "streambp_sp")
+METHODS = ("alst_sp", "mst_sp", "streambp_sp", "mst_sp_ring", "streambp_sp_ring")
+DEFAULT_METHODS = ("alst_sp", "mst_sp", "streambp_sp")
 DEFAULT_SEQ_LENS = (8192, 16384, 32768)
 # --smoke: a tiny model and short sequences, so a test runs every method in seconds.
 SMOKE_SEQ_LENS = (256, 512)
@@ -134,7 +138,7 @@ def run_rank(spec):
     torch.set_num_threads(threads)
     shape, chunk = _shape(smoke), _chunk(smoke)
     check_sizes(seq_len, sp, shape)
-    recipe = get_recipe(method)
+    recipe = get_recipe(method.removesuffix("_ring"))
     if not recipe.sequence_parallel:
         raise ValueError(f"{method} is not a sequence-parallel method: choose from {METHODS}")
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -173,7 +177,10 @@ def run_rank(spec):
         mpu = sequence_parallel_groups(sp)
         group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
         cfg = long_seq_config(recipe, shape, seq_len, chunk_size=chunk, loss_chunk_size=chunk, sp=sp)
+        if method.endswith("_ring"):
+            cfg["sequence_parallel"]["ring"] = sp
         ds_longseq.enable(model, cfg, sp_group=group)
+        # cut by the enabled model's layout (zigzag under a ring)
         local = shard_batch({"input_ids": input_ids, "labels": input_ids}, sp_rank, sp)
 
         def step():
@@ -432,7 +439,7 @@ def main(argv=None, spawn=harness.spawn):
     p.add_argument("--sp", type=int, default=2, help="ranks per sequence (P)")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None,
                    help=f"GLOBAL sequence lengths (default {' '.join(map(str, DEFAULT_SEQ_LENS))})")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/sp_memory_cpu",
                    help="output prefix; writes <out>.csv, <out>.png, <out>.md")
