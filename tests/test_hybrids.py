@@ -287,8 +287,9 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type, size):
 
 def test_head_sharding_refused_where_heads_do_not_divide():
     """A sequence-parallel size that does not divide the mixer's heads (LFM2: its channels), or a mixer whose layout
-    ds_longseq does not know (Jamba's Mamba), has no head layout (naming the way out); a size the attention heads
-    do not take either needs a ring, refused at enable for a hybrid until the ring passes recurrent states."""
+    ds_longseq does not know (Jamba's Mamba), has no head layout (naming the way out). A size the attention heads
+    do not take either runs a ring: the mixer's heads are checked against the whole size as without one, and
+    recurrent="pass_state" passes the states along the ring's runs instead (tests/test_ring_families.py)."""
     from ds_longseq.families import mixer_heads
 
     mixer = model_zoo.tiny_model("qwen3_5_text", torch.float64).model.layers[0].linear_attn
@@ -296,11 +297,13 @@ def test_head_sharding_refused_where_heads_do_not_divide():
     assert "64 channels, not divisible by sequence_parallel size 3" in mixer_heads.head_layout(
         _first_mixer("lfm2")[1], 0, 3)
     assert "knows which parameters of" in mixer_heads.head_layout(_first_mixer("jamba")[1], 0, 2)
-    # SP 3 on 4 attention heads needs a ring (1 x 3), which does not carry recurrent states yet: refused as such
-    with pytest.raises(ds_longseq.UnsupportedModelError, match=r"size=3 on 4 attention heads runs Ulysses x ring 1 x 3"
-                                                                r".*layers \[0\] carry a recurrent state"):
+    # SP 3 on 4 attention heads runs a ring (1 x 3): by heads the mixer's 2 key heads refuse 3; passing state runs
+    refusal = r"recurrent='heads'.*layers \[0\] carry a recurrent state.*not both divisible by sequence_parallel size 3"
+    with pytest.raises(ds_longseq.UnsupportedModelError, match=refusal):
         ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_5_text", torch.float64),
                                      {"sequence_parallel": {"size": 3}, "streambp": {"enabled": True}})
+    ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_5_text", torch.float64), {
+        "sequence_parallel": {"size": 3, "recurrent": "pass_state"}, "streambp": {"enabled": True}})
 
 
 def test_sequence_parallelism_is_refused_where_not_verified():

@@ -197,30 +197,8 @@ def test_sequence_parallel_3_equals_one_process(smollm2):
         assert errs[worst] < 1e-10, (rank, worst, errs[worst])
 
 
-def refused_worker(rank: int, directory: str):
-    import torch.distributed as dist
-
-    import ds_longseq
-
-    model = load(directory)
-    try:
-        ds_longseq.enable(model, {**STREAMBP, "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-def test_streambp_under_a_ring_is_refused_naming_the_head_count(smollm2):
-    """SP 2 on 9 heads needs a ring (1 x 2), which StreamBP does not run under yet: refused before compute, naming
-    the heads and the ways out."""
-    directory = smollm2[0]
-    for message in run_distributed(refused_worker, 2, (directory,), timeout=300):
-        assert message is not None and ("size=2 on 9 attention heads runs Ulysses x ring 1 x 2, and ring attention "
-                                        "does not run under long_seq.streambp yet") in message
-
-
 def ring_worker(rank: int, directory: str, batch: dict):
-    """The chunked head under sequence parallelism 2 on 9 heads (ring attention alone, 1 x 2) in float64; returns
+    """StreamBP and the chunked head under sequence parallelism 2 on 9 heads (ring alone, 1 x 2) in float64; returns
     (loss, summed parameter gradients on rank 0, this rank's input-gradient rows, their positions)."""
     import torch.distributed as dist
 
@@ -229,8 +207,9 @@ def ring_worker(rank: int, directory: str, batch: dict):
     from ds_longseq.ops.sp_layout import sp_positions
 
     model = full_precision_norms(load(directory).double())
-    ds_longseq.enable(model, {"lm_head": STREAMBP["lm_head"], "sequence_parallel": {"size": 2}},
-                      sp_group=dist.group.WORLD)
+    # chunks of 192: some span the two zigzag blocks a rank holds
+    ds_longseq.enable(model, {**STREAMBP, "streambp": {"enabled": True, "chunk_size": 192},
+                              "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
     local = shard_batch(batch, rank, 2, ring=2)
     loss, grads, embed_grad = grads_of(model, lambda: model(**local).loss)
     for g in grads.values():
@@ -239,8 +218,9 @@ def ring_worker(rank: int, directory: str, batch: dict):
 
 
 def test_sequence_parallel_2_on_9_heads_runs_a_ring_equal_to_one_process(smollm2):
-    """SmolLM2's 9 heads at SP 2 (Ulysses cannot split them: ring attention over zigzag shards instead) with the
-    chunked head: loss, every parameter gradient and the input gradient equal one process in float64, 1e-10."""
+    """SmolLM2's 9 heads at SP 2 (Ulysses cannot split them: ring attention over zigzag shards instead) with StreamBP
+    (each layer's K/V gathered over the ring) and the chunked head: loss, every parameter gradient and the input
+    gradient equal one process in float64, 1e-10."""
     directory, _, _, batches, reference = smollm2
     exact = reference(0)
     release_memory()
