@@ -28,7 +28,7 @@ from ds_longseq.engine.process_group import ensure_process_group
 from ds_longseq.forwards.sequence_parallel import ring_degree
 from ds_longseq.ops.objectives import gather_sequence
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
-from ds_longseq.ops.sp_layout import sp_positions
+from ds_longseq.ops.sp_layout import length_unit, sp_positions
 
 __all__ = [
     "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_from_shards",
@@ -166,7 +166,7 @@ def shard_batch(
     ring = ring_degree(sp_size) if ring is None else ring
     if ring < 1 or sp_size % ring:
         raise ValueError(f"ring degree {ring} does not divide sequence_parallel size {sp_size}")
-    unit = sp_size if ring == 1 else 2 * sp_size  # a ring cuts the sequence into 2 r zigzag blocks, each u ways
+    unit = length_unit(sp_size, ring)
     remainder = T % unit
     if remainder:
         if not pad:
@@ -195,8 +195,7 @@ def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int, fill: int |
     tensor that must line up with its shards (e.g. per-target metadata). A contiguous slice, or with a ring the
     tokens ``ops.sp_layout.sp_positions`` gives the rank (None: as :func:`shard_batch`)."""
     ring = ring_degree(sp_size) if ring is None else ring
-    unit = sp_size if ring == 1 else 2 * sp_size
-    extra = -tensor.shape[1] % unit
+    extra = -tensor.shape[1] % length_unit(sp_size, ring)
     if extra:
         tensor = torch.cat([tensor, tensor.new_full((tensor.shape[0], extra, *tensor.shape[2:]), fill)], dim=1)
     local = tensor.shape[1] // sp_size

@@ -4,6 +4,8 @@ Holds:
     sp_degrees: (u, r) for an SP size and a model's query heads: Ulysses over the largest degree the heads allow,
         ring attention over the rest.
     sp_positions: (P, T / P) global positions of every rank's tokens in the u x r layout.
+    length_unit: what a sequence length must be a multiple of for that layout.
+    position_runs: the runs of consecutive positions in one rank's tokens (two zigzag parts under a ring).
 
 Shape legend: P = u r sequence-parallel ranks, T tokens, T_l = T / P per rank.
 
@@ -17,11 +19,13 @@ r = 1 this is Ulysses' own contiguous layout (rank p holds tokens [p T_l, (p + 1
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ds_longseq.ops.ring import zigzag_blocks
 
-__all__ = ["sp_degrees", "sp_positions"]
+__all__ = ["sp_degrees", "sp_positions", "length_unit", "position_runs"]
 
 
 def sp_degrees(size: int, num_heads: int, ring: int | None = None) -> tuple[int, int]:
@@ -57,7 +61,7 @@ def sp_positions(seq_len: int, ulysses: int, ring: int) -> torch.Tensor:
         ValueError: ``seq_len`` not a multiple of u (r = 1) or of 2 u r (the zigzag blocks, each cut u ways).
     """
     size = ulysses * ring
-    unit = size if ring == 1 else 2 * size
+    unit = length_unit(size, ring)
     if seq_len % unit:
         raise ValueError(
             f"sequence length {seq_len} is not a multiple of {unit} (sequence parallelism {ulysses} x {ring}"
@@ -70,3 +74,16 @@ def sp_positions(seq_len: int, ulysses: int, ring: int) -> torch.Tensor:
         positions = torch.cat([torch.cat([blocks[b] for b in zigzag_blocks(j, ring)]) for j in range(ring)])
     # positions now lists ring shard 0, then 1, ...; each shard's u contiguous parts are ranks j u .. j u + u - 1
     return positions.view(size, seq_len // size)
+
+
+def length_unit(size: int, ring: int) -> int:
+    """What a sequence length must be a multiple of to be cut over ``size`` ranks with ring degree ``ring``: P, or
+    2 P under a ring (2 r zigzag blocks, each cut u ways)."""
+    return size if ring == 1 else 2 * size
+
+
+def position_runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """[(first index, end index, first position)] of the runs of consecutive values in the 1-D CPU ``positions``."""
+    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    edges = [0, *breaks, len(positions)]
+    return [(lo, hi, int(positions[lo])) for lo, hi in itertools.pairwise(edges)]

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ds_longseq.ops.sp_layout import position_runs
+
 __all__ = ["StateRing"]
 
 
@@ -38,8 +40,8 @@ class StateRing:
 
     Args:
         group: the sequence-parallel process group.
-        positions: (P, T_l) the global positions of every rank's tokens (``SequenceParallel.layout``), or None for
-            Ulysses' contiguous shards.
+        positions: (P, T_l) the global positions of every rank's tokens (``ops.sp_layout.sp_positions``), or None
+            for Ulysses' contiguous shards.
     """
 
     def __init__(self, group, positions: torch.Tensor | None = None):
@@ -100,13 +102,11 @@ def _segments(positions: torch.Tensor, rank: int) -> tuple[list[int], list, list
     None at the sequence's start / end)."""
     owner = torch.empty(positions.numel(), dtype=torch.int64)
     owner[positions.flatten()] = torch.arange(positions.shape[0]).repeat_interleave(positions.shape[1])
-    mine = positions[rank].tolist()
-    starts = [0] + [i for i in range(1, len(mine)) if mine[i] != mine[i - 1] + 1]
-    ends = [*starts[1:], len(mine)]
+    runs = position_runs(positions[rank])
     total = positions.numel()
-    prev = [None if mine[s] == 0 else int(owner[mine[s] - 1]) for s in starts]
-    nxt = [None if mine[e - 1] + 1 == total else int(owner[mine[e - 1] + 1]) for e in ends]
-    return starts, prev, nxt
+    prev = [None if first == 0 else int(owner[first - 1]) for _, _, first in runs]
+    nxt = [None if first + hi - lo == total else int(owner[first + hi - lo]) for lo, hi, first in runs]
+    return [lo for lo, _, _ in runs], prev, nxt
 
 
 def _object_device(device: torch.device) -> torch.device | None:

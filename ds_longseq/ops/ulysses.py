@@ -26,8 +26,6 @@ around it live here; ``tests/test_sequence_parallel.py`` checks them against Dee
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
@@ -35,7 +33,7 @@ from ds_longseq.compat import dim_zero_all_to_all
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.phases import phase
 from ds_longseq.ops.ring import ring_attention, zigzag_shard
-from ds_longseq.ops.sp_layout import sp_positions
+from ds_longseq.ops.sp_layout import position_runs, sp_positions
 
 __all__ = [
     "UlyssesExchange", "UlyssesRingExchange", "ulysses_attention", "ulysses_chunk_attention", "ulysses_ring_attention",
@@ -326,7 +324,7 @@ def ulysses_chunk_attention(
     sinks = exchange.local_heads(sink_logits)
     outs = []
     for r, row in enumerate(exchange.token_positions(T)[:, start:end]):
-        for lo_row, hi_row, a in _runs(row):  # rows [lo_row, hi_row) of the chunk sit at positions [a, b)
+        for lo_row, hi_row, a in position_runs(row):  # rows [lo_row, hi_row) of the chunk sit at positions [a, b)
             b = a + hi_row - lo_row
             lo = None
             if doc_start is not None or sliding_window is not None or attention_chunk is not None:
@@ -355,13 +353,6 @@ def ulysses_chunk_attention(
                 )
             )
     return exchange.output_to_tokens(torch.cat(outs, dim=2))
-
-
-def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
-    """[(first row, end row, first position)] of the runs of consecutive values in the 1-D CPU ``positions``."""
-    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
-    edges = [0, *breaks, len(positions)]
-    return [(lo, hi, int(positions[lo])) for lo, hi in itertools.pairwise(edges)]
 
 
 def ulysses_ring_attention(

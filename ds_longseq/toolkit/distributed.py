@@ -22,6 +22,7 @@ import torch
 from ds_longseq.engine import check_sequence_length, shard_batch, split_config
 from ds_longseq.engine.process_group import start_process_group
 from ds_longseq.logging import get_logger
+from ds_longseq.ops.sp_layout import length_unit
 from ds_longseq.toolkit import faults
 
 __all__ = [
@@ -66,7 +67,7 @@ def check_parallel_args(seq_len: int, sp: int, world: int, *, pad_for_sp: bool =
         raise SystemExit(
             f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}"
         )
-    unit = sp if ring == 1 else 2 * sp
+    unit = length_unit(sp, ring)
     up = seq_len + unit - seq_len % unit
     if seq_len % unit and not pad_for_sp:
         what = f"sequence_parallel size {sp}" if ring == 1 else (
