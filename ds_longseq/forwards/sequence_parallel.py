@@ -118,13 +118,12 @@ class SequenceParallel:
         """(T_l,) the global positions of this rank's tokens (``ops.sp_layout``), for shards of ``local_len``."""
         if self.ring == 1:
             return torch.arange(self.rank * local_len, (self.rank + 1) * local_len, device=device)
-        ulysses = self.size // self.ring
-        return sp_positions(local_len * self.size, ulysses, self.ring)[self.rank].to(device)
+        return sp_positions(local_len * self.size, *self.degrees)[self.rank].to(device)
 
     def _state_ring(self, local_len: int) -> StateRing:
         """The group's chain for recurrent states with shards of ``local_len`` (built once per length)."""
         if local_len not in self._state_rings:
-            layout = None if self.ring == 1 else sp_positions(local_len * self.size, self.size // self.ring, self.ring)
+            layout = None if self.ring == 1 else sp_positions(local_len * self.size, *self.degrees)
             self._state_rings[local_len] = StateRing(self.group, layout)
         return self._state_rings[local_len]
 
@@ -187,7 +186,7 @@ class SequenceParallel:
         both = torch.stack([mask, position_ids.to(device=device, dtype=torch.int64).expand(batch_size, local_len)])
         gathered = torch.cat(self._all_gather(both), dim=-1)  # (2, B, T), rank-major
         if self.ring > 1:  # rank-major is not the global order under a ring: put each rank's tokens in place
-            order = sp_positions(gathered.shape[-1], self.size // self.ring, self.ring).flatten().to(device)
+            order = sp_positions(gathered.shape[-1], *self.degrees).flatten().to(device)
             gathered = torch.empty_like(gathered).index_copy_(-1, order, gathered)
             self._check_ring_layout(gathered[1])
         key_valid = gathered[0].bool()

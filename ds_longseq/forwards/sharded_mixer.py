@@ -59,6 +59,7 @@ class HeadShardedMixerForward:
         self.mixer, self.orig_forward, self.name = mixer, orig_forward, name
         self.layout = layout
         self.ring = ring
+        self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.checked = False
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -80,13 +81,22 @@ class HeadShardedMixerForward:
         full = gather_tokens(x, self.exchange)
         order = None
         if self.ring is not None:  # rank order -> sequence order (row k of the rank order is position order[k])
-            order = sp_positions(full.shape[1], *self.ring).flatten().to(full.device)
-            full = full.index_select(1, torch.argsort(order))
+            order, to_sequence = self._order(full.shape[1], full.device)
+            full = full.index_select(1, to_sequence)
         if not self.checked:
             self.checked = True
             self._check_layout(full, key_valid)
         out = self._share(full, key_valid, self.layout)
         return reduce_scatter_tokens(out if order is None else out.index_select(1, order), self.exchange)
+
+    def _order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, its inverse) for ``seq_len`` tokens under the ring, built once per length (every forward of every
+        head-sharded layer uses them)."""
+        key = (seq_len, device)
+        if key not in self._orders:
+            order = sp_positions(seq_len, *self.ring).flatten().to(device)
+            self._orders[key] = order, torch.argsort(order)
+        return self._orders[key]
 
     def _share(self, full: torch.Tensor, key_valid: torch.Tensor | None, layout: HeadLayout) -> torch.Tensor:
         """The mixer's forward on ``full`` (B, T, d) with the parameters and head counts of ``layout``."""

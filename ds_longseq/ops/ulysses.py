@@ -77,6 +77,7 @@ class UlyssesExchange:
         self._a2a, register = _all_to_all()
         # DeepSpeed's operator looks its group up by name; registration must precede the first call.
         register(group)
+        self._positions: dict[int, torch.Tensor] = {}
 
     @classmethod
     def of_tokens(cls, group) -> "UlyssesExchange":
@@ -142,8 +143,11 @@ class UlyssesExchange:
 
     def token_positions(self, seq_len: int) -> torch.Tensor:
         """(P, T_l) CPU int64: row r the global positions of rank r's tokens for a sequence of ``seq_len`` (rank r
-        holds [r T_l, (r + 1) T_l)); the rows of a heads-sharded tensor of ``seq_len`` tokens, in that order."""
-        return torch.arange(seq_len).view(self.world_size, seq_len // self.world_size)
+        holds [r T_l, (r + 1) T_l)); the rows of a heads-sharded tensor of ``seq_len`` tokens, in that order. Built
+        once per length: StreamBP's chunk attention reads it for every chunk of every layer."""
+        if seq_len not in self._positions:
+            self._positions[seq_len] = torch.arange(seq_len).view(self.world_size, seq_len // self.world_size)
+        return self._positions[seq_len]
 
 
 class UlyssesRingExchange:
@@ -172,20 +176,27 @@ class UlyssesRingExchange:
         self.ring_rank = dist.get_rank(ring_group)
         self.rank = 0 if exchange is None else exchange.rank
         self.world_size = ulysses
-        self.group = None if exchange is None else exchange.group
+        # per sequence length, built once (the chunk attention reads them for every chunk of every layer)
+        self._layouts: dict[int, torch.Tensor] = {}
         self._orders: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _layout(self, seq_len: int) -> torch.Tensor:
+        """(P, T_l) CPU: ``sp_positions`` of the whole group for ``seq_len`` tokens."""
+        if seq_len not in self._layouts:
+            self._layouts[seq_len] = sp_positions(seq_len, self.ulysses, self.ring)
+        return self._layouts[seq_len]
 
     def _order(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """(T,) the global position of each row of the ring-gathered (rank-major) K/V."""
         key = (seq_len, device)
         if key not in self._orders:
-            self._orders[key] = sp_positions(seq_len, self.ulysses, self.ring).flatten().to(device)
+            self._orders[key] = self._layout(seq_len).flatten().to(device)
         return self._orders[key]
 
     def token_positions(self, seq_len: int) -> torch.Tensor:
         """(u, T_l) CPU int64: row i the global positions of Ulysses rank i's tokens (of this ring rank's group)."""
         u = self.ulysses
-        return sp_positions(seq_len, u, self.ring)[self.ring_rank * u : (self.ring_rank + 1) * u]
+        return self._layout(seq_len)[self.ring_rank * u : (self.ring_rank + 1) * u]
 
     def query_to_heads(self, q: torch.Tensor) -> torch.Tensor:
         return q if self.exchange is None else self.exchange.query_to_heads(q)
