@@ -21,6 +21,8 @@ Holds:
         ZeRO-3's gradient average under sequence parallelism, corrected on the versions where it is known
         wrong and refused on versions nobody checked.
     tensor_version: a tensor's in-place version counter.
+    products_uncomputed: torch's dispatch below autograd, answering matrix products with zeros of their shape while
+        autograd records its own nodes for them (their backward is autograd's own, call for call).
     keys_ignored_on_save: the state-dict keys a transformers model leaves out of ``save_pretrained``.
     The Hugging Face Trainer's internals (the Trainer integration's only way in):
         trainer_checkpointing_turned_off, trainer_counts_batch_tokens, trainer_micro_batch_size,
@@ -71,6 +73,7 @@ __all__ = [
     "zero3_sequence_parallel_problem",
     "fix_zero3_sequence_parallel_average",
     "tensor_version",
+    "products_uncomputed",
     "keys_ignored_on_save",
     "trainer_checkpointing_turned_off",
     "trainer_counts_batch_tokens",
@@ -340,6 +343,37 @@ def fix_zero3_sequence_parallel_average(optimizer, sp_size: int, version: str | 
 def tensor_version(tensor: Any) -> int:
     """``tensor``'s version counter (bumped by every in-place write): tells a stale saved copy from a fresh one."""
     return tensor._version
+
+
+@functools.cache
+def _uncomputed_products_mode() -> type:
+    """The dispatch mode class behind :func:`products_uncomputed` (built once, on first use: torch's python
+    dispatch is private, ``torch.utils._python_dispatch``)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    # product op -> index of its two factors in the op's arguments (out = [bias +] a @ b, or batched)
+    factors = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0, aten.baddbmm.default: 1}
+
+    class UncomputedProducts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            first = factors.get(func)
+            if first is None:
+                return func(*args, **(kwargs or {}))
+            a, b = args[first], args[first + 1]
+            return a.new_zeros((*a.shape[:-1], b.shape[-1]))
+
+    return UncomputedProducts
+
+
+def products_uncomputed() -> contextlib.AbstractContextManager:
+    """Within: every matrix product (``mm``, ``addmm``, ``bmm``, ``baddbmm``) returns zeros of its output's shape
+    and dtype instead of computing. The mode sits below autograd, so autograd still records each product's own
+    node with its own saved inputs, and the gradients it gives later (outside the block) come from exactly the
+    calls the computed product would have made: same ops, same operands, same layouts, so bitwise the same on
+    any BLAS or device. Other ops run as usual (on the zeros)."""
+    return _uncomputed_products_mode()()
 
 
 # ---- torch.distributed --------------------------------------------------------------------------------

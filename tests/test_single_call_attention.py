@@ -191,6 +191,7 @@ def _sp_worker(rank, world):
     return {**out, "one_calls": used.count("math"), "tiled": used.count(None), "zeros": zeros}
 
 
+@pytest.mark.kernel_paths  # the skips' counts hold on every BLAS (tests/test_kernel_paths.py runs it under 2 more)
 def test_sequence_parallel_streambp_with_one_call_chunks_matches_stock():
     """Under Ulysses (2 CPU ranks, float64) every chunk attends the exchanged, heads-sharded keys of the whole
     sequence: the one call takes them joined up to the chunk, its dK/dV go to the exchange's sink. Row 1's right

@@ -1,11 +1,15 @@
 """StreamBP leaves uncomputed the linears whose output a pass never reads (forwards/unread_outputs.py): the query
 projection in the K/V capture pass, the MLP's output projection in the backward's chunk re-forward, and there the
 key and value projections of a chunk whose keys/values the capture pass computed (the attention reuses those).
-Bitwise the same gradients as with them computed; a family where that would not hold (a norm after the MLP, a norm
-on the keys) is found by the per-layer probe and computes them; fewer FLOPs by exactly those products."""
+Bitwise the same gradients as with them computed, on every BLAS: a skipped linear's backward is autograd's own, call
+for call (tested below by the ops it dispatches), so the per-layer probe's bitwise comparison finds only whether
+something reads the skipped values. A family where something does (a norm after the MLP, a norm on the keys) is
+found by the probe and computes them; fewer FLOPs by exactly those products. The bitwise tests are marked
+``kernel_paths``: tests/test_kernel_paths.py runs them again under two other MKL code paths."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -41,6 +45,7 @@ def _grads(model, batch, *, skip: bool | None = True, lora: bool = False, autoca
     return [p.grad.clone() for p in model.parameters() if p.grad is not None], layers
 
 
+@pytest.mark.kernel_paths
 @pytest.mark.parametrize("arch,dtype,lora,autocast", [
     ("llama", torch.float64, False, False),
     ("qwen3", torch.float32, False, False),
@@ -64,6 +69,7 @@ def test_skipped_linears_give_bitwise_the_same_gradients(arch, dtype, lora, auto
         assert [p.skipped for p in f.kv_projs] == [3 + 1, 3 + 1] if reused else [1, 1]
 
 
+@pytest.mark.kernel_paths
 @pytest.mark.parametrize("arch,kept", [("olmo2", "output_unread"), ("qwen3", "kv_reused")])
 def test_a_linear_whose_values_a_norm_reads_stays_computed(arch, kept):
     """OLMo 2 normalises the MLP's output before the residual add: its re-forward reads the down projection's
@@ -87,6 +93,7 @@ def test_a_linear_whose_values_a_norm_reads_stays_computed(arch, kept):
     assert not all(torch.equal(p.grad, g) for p, g in zip(forced.parameters(), computed, strict=True))
 
 
+@pytest.mark.kernel_paths
 def test_reused_keys_values_match_stock_float64():
     """The reuse against the stock model (sdpa, loss from float64 logits) to 1e-10, with padding in rows."""
     from tests.helpers import compare, loss_and_grads
@@ -99,6 +106,7 @@ def test_reused_keys_values_match_stock_float64():
     assert max(errs.values()) < 1e-10, errs
 
 
+@pytest.mark.kernel_paths
 def test_fewer_flops_by_exactly_the_skipped_products():
     """One step's matmul FLOPs drop by the query projection over every captured token, the MLP's output
     projection over every re-forwarded token and the key and value projections over the re-forwarded tokens whose
@@ -132,6 +140,7 @@ def test_disable_restores_the_linears():
     assert "forward" not in vars(q)
 
 
+@pytest.mark.kernel_paths
 def test_a_skipped_float64_linear_under_autocast_keeps_its_dtype():
     """Autocast leaves float64 alone, and so does the skipped linear: zeros of its output's shape and dtype, with
     F.linear's gradients (bitwise)."""
@@ -147,3 +156,53 @@ def test_a_skipped_float64_linear_under_autocast_keeps_its_dtype():
     ref = torch.autograd.grad(linear(x), (x, linear.weight, linear.bias), g)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (x, linear.weight, linear.bias), g), ref,
                                                  strict=True))
+
+
+def _backward_calls(out: torch.Tensor, inputs: tuple, grad: torch.Tensor) -> tuple[list[tuple], tuple]:
+    """Each op the backward of ``out`` dispatches (its name and every tensor argument's shape, strides and dtype),
+    and the gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tensors = [(tuple(a.shape), a.stride(), a.dtype) for a in args if isinstance(a, torch.Tensor)]
+            calls.append((str(func), tensors))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        grads = torch.autograd.grad(out, inputs, grad)
+    return calls, grads
+
+
+@pytest.mark.kernel_paths
+@pytest.mark.parametrize("layout", ["3d", "3d_strided", "2d", "2d_transposed", "autocast", "float64_autocast"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_skipped_linear_backward_makes_autograd_s_own_calls(layout, bias):
+    """What makes the skips exact on every BLAS: the skipped linear's backward dispatches exactly the ops autograd's
+    F.linear backward does, on operands of the same shapes, strides and dtypes (so the same kernels, whatever the
+    library picks by shape and layout), and gives bitwise its gradients. Layouts: a contiguous and a strided 3-D
+    input (F.linear folds one into addmm, runs matmul + add on the other), 2-D row- and column-major inputs
+    (autograd's mm backward branches on the operand's layout), bfloat16 autocast over float32 and over float64."""
+    from ds_longseq.forwards.unread_outputs import UnreadLinear
+
+    dtype = torch.float64 if layout == "float64_autocast" else torch.float32
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(12, 10, bias=bias, dtype=dtype)
+    unread = UnreadLinear(linear, linear.forward)
+    x = {"3d_strided": torch.randn(7, 3, 12, dtype=dtype).transpose(0, 1), "2d": torch.randn(21, 12, dtype=dtype),
+         "2d_transposed": torch.randn(12, 21, dtype=dtype).t()}.get(layout, torch.randn(3, 7, 12, dtype=dtype))
+    x.requires_grad_()
+    inputs = (x, linear.weight, *([linear.bias] if bias else []))
+    results = {}
+    for skip in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled="autocast" in layout), \
+                unread.skipping("graph") if skip else contextlib.nullcontext():
+            out = unread(x)
+        g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+        results[skip] = _backward_calls(out, inputs, g)
+    (stock_calls, stock_grads), (skipped_calls, skipped_grads) = results[False], results[True]
+    assert unread.skipped == 1 and any("mm" in name for name, _ in stock_calls)
+    assert skipped_calls == stock_calls
+    assert all(torch.equal(a, b) for a, b in zip(skipped_grads, stock_grads, strict=True))

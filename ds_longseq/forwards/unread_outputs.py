@@ -3,7 +3,8 @@
 Holds:
     UnreadLinear: the forward installed on such an ``nn.Linear`` instance: the stock linear, except inside
         :meth:`UnreadLinear.skipping`, where it returns zeros (``"zeros"``: nothing reads or differentiates the
-        output) or zeros carrying the linear's exact backward (``"graph"``: only its gradient is needed).
+        output) or the stock linear run with its product left uncomputed (``"graph"``: only its gradient is
+        needed; autograd's own backward, see :func:`ds_longseq.compat.products_uncomputed`).
     outputs_unread: whether a layer gives the same gradients (or keys/values) with a linear skipped, run once.
 
 Two passes of StreamBP compute values nobody reads:
@@ -22,6 +23,15 @@ Which linear is which is the family's knowledge (``DecoderLMAdapter.query_projec
 / ``mlp_output_projection``); that skipping it changes nothing is checked on each layer's first training forward
 (:func:`outputs_unread`: bitwise equal keys/values, or outputs and gradients, on its first tokens, else the layer
 computes it).
+
+Why the probe's bitwise comparison decides structure, not rounding luck: the skipped run differs from the computed
+one only in the values of the skipped products. Their gradients are autograd's own in both runs (``"graph"`` runs
+the stock ``F.linear`` with its products answered by zeros below autograd, so the backward makes the very same
+calls on the very same operands), and everything else runs the same ops on the same inputs. So the two results
+are bitwise equal exactly when nothing reads the skipped values, on every BLAS and device; a norm reading them
+(OLMo 2's output norm, Qwen 3's key norm) changes the result by far more than rounding, and the layer keeps the
+linear computed. (A backward written out by hand, as this module had before, rounded differently from autograd's
+on some MKL code paths, so the probe turned the skips off there.)
 """
 
 from __future__ import annotations
@@ -31,38 +41,13 @@ from typing import Callable
 
 import torch
 
+from ds_longseq.compat import products_uncomputed
 from ds_longseq.ops.chunk_grads import autocast_dtype
 
 __all__ = ["UnreadLinear", "outputs_unread", "PROBE_TOKENS"]
 
 PROBE_TOKENS = 16
 """Tokens the one-time check runs a layer on."""
-
-
-class _Unevaluated(torch.autograd.Function):
-    """``F.linear(x, w, b)`` with its backward, but zeros for its value (which the caller never reads). The
-    backward's products are autograd's own for ``F.linear`` (input gradient ``g @ w``, weight gradient
-    ``(x^T @ g)^T``, bias gradient ``g.sum(0)``, on the flattened tokens), so the gradients are bitwise the
-    stock ones."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return x.new_zeros((*x.shape[:-1], weight.shape[0]))
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        g2 = g.reshape(-1, g.shape[-1])
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = g2.mm(weight).view(*x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = x.reshape(-1, x.shape[-1]).t().mm(g2).t()
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g2.sum(0)
-        return dx, dw, db
 
 
 class UnreadLinear:
@@ -79,12 +64,15 @@ class UnreadLinear:
             return self.orig_forward(x)
         self.skipped += 1
         w, b = self.module.weight, self.module.bias
-        # as F.linear sees them under autocast (ops.chunk_grads.autocast_dtype: float64 stays)
-        x, w, b = (None if t is None else t.to(autocast_dtype(t)) for t in (x, w, b))
         wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b))
         if self.mode == "zeros" or not wanted:
-            return x.new_zeros((*x.shape[:-1], w.shape[0]))
-        return _Unevaluated.apply(x, w, b)
+            # the dtype F.linear gives under autocast (ops.chunk_grads.autocast_dtype: float64 stays)
+            return x.new_zeros((*x.shape[:-1], w.shape[0]), dtype=autocast_dtype(x))
+        # The stock linear itself, its product left uncomputed: autograd records the linear's own nodes on its own
+        # operands, so the gradients are autograd's, call for call, on any BLAS (a backward written out by hand
+        # here, (x^T g)^T for the weight where autograd computes g^T x, rounded differently on some MKL paths).
+        with products_uncomputed():
+            return self.orig_forward(x)
 
     @contextlib.contextmanager
     def skipping(self, mode: str):
