@@ -107,7 +107,24 @@ def test_an_applied_dropout_is_refused_saying_how_to_turn_it_off():
     with pytest.raises(UnsupportedModelError) as info:
         ds_longseq.enable(model, STREAMBP)
     message = str(info.value)
-    for field in ("attn_pdrop", "resid_pdrop"):
-        assert f"config.{field}=0.1" in message and f"from_pretrained(path, {field}=0.0)" in message
-    assert "embd_pdrop" not in message and "summary_first_dropout" not in message
+    assert "config.attn_pdrop=0.1" in message and "from_pretrained(path, attn_pdrop=0.0)" in message
+    # the residual and embedding dropouts are replayed (below); a classifier's is not the causal LM's
+    assert "resid_pdrop" not in message and "embd_pdrop" not in message and "summary_first_dropout" not in message
     assert not ds_longseq.is_enabled(model)
+
+
+def test_gpt2_published_dropouts_but_the_attention_s_exact_by_mask_replay():
+    """GPT-2's published 0.1 on its embeddings and residual branches (its attention's at 0): StreamBP draws each
+    chunk's masks again, the same, in the recompute, against the stock model run whole with the masks its forward
+    drew (tests/mask_replay.py), float64, 1e-10."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.mask_replay import against_mask_replay
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**TINY, n_layer=2, n_embd=32, n_head=2, attn_pdrop=0.0)).double().train()
+    ours = ds_longseq.enable(copy.deepcopy(model), STREAMBP)
+    batch = _batch()
+    ours(**batch).loss.backward()  # the first training forward's one-time checks
+    errs, recorder = against_mask_replay(ours, model, batch)
+    assert len(recorder.masks) == 1 + 2 * 2 and max(errs.values()) < 1e-10, errs  # embeddings + 2 per layer

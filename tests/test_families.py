@@ -120,11 +120,26 @@ def test_gemma2_packed_documents_float64():
     assert max(errs.values()) < 1e-10, errs
 
 
-@pytest.mark.parametrize("arch,field", [("gemma2", "attention_dropout"), ("phi3", "resid_pdrop")])
-def test_dropout_under_streambp_is_refused(arch, field):
-    model = make_model(arch, torch.float32, **{field: 0.1})
-    with pytest.raises(UnsupportedModelError, match=rf"config.{field}=0.1"):
+def test_attention_dropout_under_streambp_is_refused():
+    """Attention-probability dropout lives in the attention function ds_longseq's chunked attention replaces."""
+    model = make_model("gemma2", torch.float32, attention_dropout=0.1)
+    with pytest.raises(UnsupportedModelError, match=r"config.attention_dropout=0.1: dropout on attention probab"):
         ds_longseq.enable(model, CONFIGS["streambp"])
+
+
+@pytest.mark.parametrize("config", ["streambp", "mini_seq"])
+def test_residual_dropout_exact_by_mask_replay(config):
+    """Phi-3's residual dropouts (config.resid_pdrop, nn.Dropout modules after its attention and its MLP) are drawn
+    again, the same, in each chunk's recompute: against the stock model run whole with the masks ds_longseq's
+    forward drew (tests/mask_replay.py), float64, 1e-10."""
+    from tests.mask_replay import against_mask_replay
+
+    model = exact(make_model("phi3", torch.float64, resid_pdrop=0.1))
+    ours = ds_longseq.enable(clone(model), CONFIGS[config])
+    batch = right_padded_batch()
+    ours(**batch).loss.backward()  # the first training forward's one-time checks
+    errs, recorder = against_mask_replay(ours, model, batch)
+    assert len(recorder.masks) == 4 and max(errs.values()) < 1e-10, errs  # 2 layers x (attention, MLP)
 
 
 def test_bidirectional_attention_is_refused():

@@ -78,10 +78,22 @@ def test_moe_float32_with_stock_grouped_mm_experts(arch):
 
 
 @pytest.mark.parametrize("config", ["streambp", "mini_seq"])
-def test_router_jitter_is_refused(config):
-    model = make_model("mixtral", torch.float32, router_jitter_noise=0.1)
-    with pytest.raises(UnsupportedModelError, match=r"router_jitter_noise=0.1.*set config.router_jitter_noise=0"):
-        ds_longseq.enable(model, CONFIGS[config])
+def test_router_jitter_exact_by_noise_replay(config):
+    """Mixtral's router jitter (its MoE input scaled by uniform noise in training) is drawn again, the same, in each
+    chunk's recompute: against the stock model run whole with the noise ds_longseq's forward drew
+    (tests/mask_replay.py), float64, 1e-10; each chunk drew its own noise."""
+    from tests.mask_replay import against_mask_replay
+
+    model = exact(make_model("mixtral", torch.float64, router_jitter_noise=0.1))
+    ours = ds_longseq.enable(clone(model), CONFIGS[config])
+    batch = right_padded_batch()
+    ours(**batch).loss.backward()  # the first training forward's one-time checks
+    errs, recorder = against_mask_replay(ours, model, batch)
+    assert max(errs.values()) < 1e-10, errs
+    noise = [chunks for (module, _), chunks in recorder.masks.items() if module.endswith("mlp")]
+    chunks = 8 if config == "streambp" else 3  # 37 tokens in chunks of 5, or 3 MLP chunks
+    assert len(noise) == 2 and all(len(n) == chunks for n in noise)
+    assert not torch.equal(noise[0][0], noise[0][1][:, : noise[0][0].shape[1]])
 
 
 def test_router_logits_with_mini_seq_offload_are_refused():

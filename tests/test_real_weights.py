@@ -261,3 +261,95 @@ def test_lora_fine_tune_of_the_gguf_checkpoint_lowers_held_out_loss(smollm2, tmp
     tuned = load(str(tmp_path / "run" / "hf_model"))
     after = _held_out_loss(tuned, tokenizer)
     assert after < before - 0.02, (before, after)
+
+
+DROPOUT_STEPS, DROPOUT_SEEDS, DROPOUT_LENGTH = 20, (0, 1, 2), 256
+
+
+def _lora_dropout_model(directory: str):
+    """SmolLM2 with the common LoRA recipe: rank 8, alpha 16, lora_dropout 0.05 on every linear of its layers (the
+    adapters initialised from seed 0: the runs differ only in their dropout masks)."""
+    import peft
+
+    torch.manual_seed(0)
+    return peft.get_peft_model(load(directory), peft.LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.05,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+
+
+def _train_losses(model, batches: list[dict], seed: int, step_loss, after_backward=None) -> list[float]:
+    """``DROPOUT_STEPS`` AdamW steps (lr 1e-3) of the LoRA weights over ``batches`` in turn; the global generator
+    seeded with ``seed`` first (the masks)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    torch.manual_seed(seed)
+    losses = []
+    for step in range(DROPOUT_STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        loss = step_loss(batches[step % len(batches)])
+        loss.backward()
+        if after_backward is not None:
+            after_backward(params)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def lora_dropout_sp_worker(rank: int, directory: str, batches: list[dict]) -> list[list[float]]:
+    """StreamBP + SP 2 (SmolLM2's 9 heads: a ring of 2) training of :func:`_lora_dropout_model`, each seed; the
+    gradients summed over the group before each step (each rank holds its shard's share)."""
+    import torch.distributed as dist
+
+    import ds_longseq
+    from ds_longseq.engine import shard_batch
+
+    def summed(params):
+        for p in params:
+            dist.all_reduce(p.grad)
+
+    runs = []
+    for seed in DROPOUT_SEEDS:
+        model = _lora_dropout_model(directory)
+        ds_longseq.enable(model.base_model.model, {**STREAMBP, "sequence_parallel": {"size": 2}},
+                          sp_group=dist.group.WORLD)
+        shards = [shard_batch(b, rank, 2, ring=2) for b in batches]
+        runs.append(_train_losses(model, shards, seed, lambda b, m=model: m(**b).loss, summed))
+    return runs
+
+
+@pytest.mark.slow
+def test_lora_dropout_trains_like_hf_checkpointing(smollm2):
+    """The common LoRA recipe with lora_dropout=0.05 on the real weights, 20 steps of 256-token windows of real
+    text, 3 seeds: the mean loss of the last 10 steps under StreamBP and under StreamBP + SP 2 is within 3 standard
+    errors of HF gradient checkpointing's (other masks than checkpointing's, so a statistical bound: the standard
+    error of the difference of the two seed means)."""
+    from transformers import AutoTokenizer
+
+    import ds_longseq
+
+    directory = smollm2[0]
+    batches = windows(AutoTokenizer.from_pretrained(directory), DROPOUT_STEPS, DROPOUT_LENGTH)[1:]
+
+    def run(method: str) -> list[list[float]]:
+        runs = []
+        for seed in DROPOUT_SEEDS:
+            model = _lora_dropout_model(directory)
+            if method == "hf_checkpointing":
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.enable_input_require_grads()
+            else:
+                ds_longseq.enable(model.base_model.model, {**STREAMBP, "streambp": {"enabled": True, "chunk_size": 64}})
+            runs.append(_train_losses(model, batches, seed, lambda b, m=model: m(**b).loss))
+        return runs
+
+    results = {"hf_checkpointing": run("hf_checkpointing"), "streambp": run("streambp")}
+    results["streambp_sp2"] = run_distributed(lora_dropout_sp_worker, 2, (directory, batches), timeout=1800)[0]
+    tails = {method: torch.tensor([sum(r[-10:]) / 10 for r in runs], dtype=torch.float64)
+             for method, runs in results.items()}
+    base = tails["hf_checkpointing"]
+    for method in ("streambp", "streambp_sp2"):
+        ours = tails[method]
+        se = (base.var() / len(base) + ours.var() / len(ours)).sqrt().item()
+        print(f"{method}: last-10 mean {ours.mean():.4f} (seeds {ours.tolist()}), HF checkpointing "
+              f"{base.mean():.4f} (seeds {base.tolist()}), standard error of the difference {se:.4f}")
+        assert abs(ours.mean() - base.mean()).item() <= 3 * se, (method, tails)

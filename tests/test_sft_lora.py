@@ -21,12 +21,13 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # 1e-2 rather than the built-in 3e-3: WarmupLR starts at 0, and the adapter must move far enough in
 # 3 effective steps for a wrong export or a resume that drops it to change logits and losses visibly.
 LORA = ("--lora-rank", "4", "--lr", "1e-2")
+DROPOUT = ("--lora-dropout", "0.1")  # PEFT's lora_dropout, replayed in StreamBP's chunk re-forwards
 
 
 def _args(**lora):
     """The namespace of the shared flags, at sft.py's defaults, with the LoRA flags ``lora`` (lora_rank=...)."""
     defaults = dict(seq_len=256, max_steps=400, save_every=0, data=None, model=None, lora_rank=0, lora_alpha=None,
-                    lora_targets=None, merge_lora=False)
+                    lora_dropout=None, lora_targets=None, merge_lora=False)
     return argparse.Namespace(**{**defaults, **lora})
 
 
@@ -97,6 +98,8 @@ def test_lora_run_trains_only_the_adapter_and_its_export_reproduces_the_model(tm
 
 
 def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp_path):
+    """With --lora-dropout 0.1: the checkpoint carries each rank's generator state, so the resumed steps draw the
+    uninterrupted run's masks (and without that state they do not)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with open(_config(tmp_path, stage=3)) as f:
@@ -109,7 +112,7 @@ def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp
     with open(config, "w") as f:
         json.dump(ds_config, f)
     straight = tmp_path / "straight"
-    run_sft(config, straight, "--max-steps", "5", "--save-every", "3", *LORA)
+    run_sft(config, straight, "--max-steps", "5", "--save-every", "3", *LORA, *DROPOUT)
     assert not (straight / "hf_model").exists()  # no --merge-lora: the base is unchanged, only the adapter
     # DeepSpeed's own consolidation of the 2 ranks' partitions of the last checkpoint.
     gathered = get_fp32_state_dict_from_zero_checkpoint(str(straight), tag="step5", exclude_frozen_parameters=True)
@@ -125,7 +128,7 @@ def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step5", "hf_adapter"))
     write_latest(str(resumed), "step3")
-    proc = run_sft(config, resumed, "--max-steps", "5", *LORA, "--resume")
+    proc = run_sft(config, resumed, "--max-steps", "5", *LORA, *DROPOUT, "--resume")
     assert "summary: 2 steps on 2 rank(s)" in proc.stdout
     assert (resumed / "latest").read_text() == "step5"
     a, b = losses(straight), losses(resumed)
@@ -136,6 +139,13 @@ def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp
     again = _adapter_file(resumed)
     for key, value in saved.items():
         assert (again[key] - value).norm() <= 1e-6 * value.norm(), key
+    # The control: the same resume without the generator states draws other masks from step 4 on.
+    forgetful = tmp_path / "forgetful"
+    shutil.copytree(straight, forgetful, ignore=shutil.ignore_patterns("step5", "hf_adapter", "rng_state_rank*"))
+    write_latest(str(forgetful), "step3")
+    run_sft(config, forgetful, "--max-steps", "5", *LORA, *DROPOUT, "--resume")
+    c = losses(forgetful)
+    assert c[:3] == a[:3] and abs(c[3] - a[3]) > 1e-5 * abs(a[3]), (a, c)
 
 
 def test_bad_lora_arguments_are_refused(monkeypatch):

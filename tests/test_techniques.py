@@ -115,7 +115,7 @@ def test_enable_applies_them_in_the_declared_order_and_disable_undoes(techniques
     ds_longseq.disable(model)
     assert "ledger" not in model.__dict__
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, stock, rtol=0, atol=0)
+        torch.testing.assert_close(model(ids).logits, stock, rtol=0, atol=0)  # the stock forward again: bitwise
 
 
 def test_the_declared_conflict_is_refused_when_the_config_is_parsed(techniques):
@@ -133,7 +133,8 @@ def test_model_checks_are_reported_with_the_built_in_ones_before_anything_change
     with pytest.raises(ds_longseq.UnsupportedModelError) as info:
         ds_longseq.enable(model, cfg)
     text = str(info.value)
-    assert "config.attention_dropout=0.1: the model applies this dropout and streambp re-forwards chunks" in text
+    assert "config.attention_dropout=0.1: dropout on attention probabilities, inside the attention function that " \
+           "long_seq.streambp replaces" in text
     assert "long_seq.ledger.max_layers=2 but the model has 3 layers" in text
     assert INSTALLED == [] and not ds_longseq.is_enabled(model) and "forward" not in model.model.norm.__dict__
 

@@ -126,8 +126,9 @@ class FamilySpec:
     lm_head_attr: str = "lm_head"
     """Attribute of the ``*ForCausalLM`` holding the LM head (an ``nn.Linear``)."""
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
-    """Config fields that are dropout probabilities inside a decoder layer: StreamBP replays chunks
-    and cannot redraw the same masks, so each must be 0 under it."""
+    """Config fields that are dropout probabilities inside a decoder layer. StreamBP and mini_seq replay their draws
+    exactly in the chunk re-forwards (``ops.draws``); the attention-probability ones (:attr:`attention_dropout_fields`)
+    are refused where ds_longseq's attention runs (StreamBP, sequence parallelism), which does not apply dropout."""
     final_logit_softcap_field: str | None = None
     """Config field of a final-logit softcap (``cap * tanh(logits / cap)`` after the LM head) that the
     chunked LM head must apply, or None."""
@@ -141,8 +142,8 @@ class FamilySpec:
     """Attribute of the mixture-of-experts block holding its router, whose output is
     ``(router_logits (N, E), ...)``."""
     mlp_noise_fields: tuple[str, ...] = ()
-    """Config fields of random noise inside the MLP (router jitter): StreamBP and mini_seq both
-    recompute the MLP in backward and cannot redraw it, so each must be 0 under either."""
+    """Config fields of random noise inside the MLP (router jitter): StreamBP and mini_seq both recompute the MLP in
+    backward and draw it again exactly (``ops.draws``)."""
     norm_folds: tuple[tuple[str, tuple[str, ...]], ...] = _LLAMA_NORM_FOLDS
     """Per decoder layer, each norm that only feeds linear maps and those maps' weights (paths inside
     the layer; in-features on the weight's last dim): what ``approx_bp.norm`` folds. The final norm
@@ -171,6 +172,12 @@ class FamilySpec:
     a discovered one only where ``discovery.OVERRIDES`` says so (its test named there). The shard context must
     reach the attention, and nothing in the layers may use rank-local positions (Llama 4's temperature tuning
     counts them from its cache's length: ``DecoderLMAdapter.cache_positioned_attention``)."""
+
+    @property
+    def attention_dropout_fields(self) -> tuple[str, ...]:
+        """The :attr:`dropout_fields` on attention probabilities (named for the attention: ``attention_dropout``,
+        GPT-2's ``attn_pdrop``), applied inside the attention function ds_longseq's chunked attention replaces."""
+        return tuple(field for field in self.dropout_fields if "attn" in field or "attention" in field)
 
 
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})

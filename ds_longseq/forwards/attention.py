@@ -99,7 +99,7 @@ def longseq_attention(
         module: the attention module (unused but for error messages).
         query: (B, H, C, D). key, value: (B, Hkv, K, D), K >= C; the queries are the last C keys.
         attention_mask: None or a (B, S + K) bool/int padding mask (True/1 = real token).
-        dropout: must be 0 (a re-forwarded chunk could not reproduce dropout masks).
+        dropout: must be 0 (attention-probability dropout is not applied by these tiles yet).
         scaling: softmax scale, default D ** -0.5.
         sliding_window: each query attends at most this many keys, itself included (transformers'
             convention), or None.
@@ -173,10 +173,13 @@ def _attended_keys(spec: AttnSpec | None, query: torch.Tensor, key: torch.Tensor
 
 def _check_call(module: torch.nn.Module, dropout: float, spec: AttnSpec | None, kwargs: dict) -> None:
     """Raise ``ValueError`` for attention dropout, and for varlen packed rows under sequence parallelism."""
-    if dropout:
+    if dropout:  # a field the family spec does not name (those are refused at enable: attention_dropout_problems)
+        feature = "long_seq.streambp" if spec is not None and spec.stream is not None else (
+            "sequence parallelism" if spec is not None and spec.sp is not None else "ds_longseq")
         raise ValueError(
-            f"attention dropout {dropout} in {type(module).__name__} is not supported with ds_longseq "
-            "streambp (the backward re-forward cannot replay dropout masks): set config.attention_dropout=0.0"
+            f"{type(module).__name__} applies dropout {dropout} to its attention probabilities, inside the attention "
+            f"function that {feature} replaces with ds_longseq's chunked attention, which does not apply it yet: "
+            "load the model with that dropout at 0.0 (config.attention_dropout in most families)"
         )
     sp = spec.sp if spec is not None else None
     if sp is not None and any(kwargs.get(name) is not None for name in PACKED_KWARGS):

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ds_longseq.forwards.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
-from ds_longseq.forwards.replay import check_no_active_dropout, check_token_wise
+from ds_longseq.forwards.replay import check_token_wise, replay_draws
 from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.mini_seq import mini_sequence_apply
 
@@ -47,7 +47,8 @@ class MiniSeqMLPForward:
                 "cannot run under long_seq.mini_seq"
             )
         check_zero3_leaf(self.mlp)
-        check_no_active_dropout(self.mlp, "long_seq.mini_seq")
+        # each chunk's random draws (dropout, router noise), replayed in its recompute (forwards.replay)
+        draws = replay_draws(self.mlp, x.device)
         params = list(self.mlp.parameters())
         tap = self.router_tap
         layout = _OutputLayout(type(self.mlp).__name__)
@@ -59,12 +60,17 @@ class MiniSeqMLPForward:
                                  x, "long_seq.mini_seq")
 
         def block(x_c: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            # MoE blocks and GPT-2's Conv1D .view() their input flat; a chunk of a batch > 1 is not contiguous
-            return layout.per_token(self.orig_forward(x_c.contiguous()), x_c.shape[0], x_c.shape[1])
+            # A copy, contiguous: MoE blocks and GPT-2's Conv1D .view() their input flat (a chunk of a batch > 1 is
+            # not contiguous), and an MLP may write into its input (Mixtral's router jitter multiplies it in place),
+            # which must neither change the saved input through a chunk's view of it nor hit the recompute's leaf.
+            return layout.per_token(self.orig_forward(x_c.clone(memory_format=torch.contiguous_format)),
+                                    x_c.shape[0], x_c.shape[1])
 
         if tap is None or not router_logits_requested():
             with collection_paused() if tap is not None else nullcontext():
-                parts = mini_sequence_apply(block, x, params, self.num_chunks)
+                parts = mini_sequence_apply(block, x, params, self.num_chunks, draws)
+            if draws is not None:
+                draws.advance()
             return layout.restore(parts)
 
         def fn(x_c: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -72,7 +78,9 @@ class MiniSeqMLPForward:
             return (*out, logits)
 
         with collection_paused():
-            *parts, logits = mini_sequence_apply(fn, x, params, self.num_chunks)
+            *parts, logits = mini_sequence_apply(fn, x, params, self.num_chunks, draws)
+        if draws is not None:
+            draws.advance()
         record_router_logits(logits.flatten(0, 1))
         return layout.restore(parts)
 

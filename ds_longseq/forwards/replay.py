@@ -1,8 +1,8 @@
-"""Checks that a module run in chunks and recomputed in backward (StreamBP layer replay, mini-sequence MLP)
-computes the same function as run whole, once.
+"""What makes a module run in chunks and recomputed in backward (StreamBP layer replay, mini-sequence MLP)
+compute the same function as run whole, once: its random draws replayed, and a check that it mixes no tokens.
 
 Holds:
-    check_no_active_dropout: raise if a training module contains dropout with p > 0.
+    replay_draws: the random draws (``ops.draws.Draws``) a module's chunked forward and its recompute share.
     check_token_wise: raise if a module's output at one token depends on the inputs at others.
 """
 
@@ -12,31 +12,21 @@ from typing import Callable
 
 import torch
 
-__all__ = ["check_no_active_dropout", "check_token_wise", "TOKEN_WISE_PROBE_TOKENS"]
+from ds_longseq.ops.draws import Draws
+
+__all__ = ["replay_draws", "check_token_wise", "TOKEN_WISE_PROBE_TOKENS"]
 
 TOKEN_WISE_PROBE_TOKENS = 64
 """How many leading tokens :func:`check_token_wise` runs the module on (cheap, whatever the sequence length)."""
 
-_DROPOUT = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout)
 
-
-def check_no_active_dropout(module: torch.nn.Module, feature: str) -> None:
-    """Raise if ``module`` (in training mode, under grad) holds a dropout module with p > 0.
-
-    ``feature`` (e.g. "long_seq.streambp") recomputes the module in backward without replaying the
-    random numbers, so its gradient would belong to different dropout masks than its forward: a
-    silently wrong gradient. Config-level dropout fields are refused at ``enable()``; this catches
-    dropout modules added later or not named in the config, such as PEFT's ``lora_dropout``.
-    """
-    if not (module.training and torch.is_grad_enabled()):
-        return
-    for name, sub in module.named_modules():
-        if isinstance(sub, _DROPOUT) and sub.p > 0 and sub.training:
-            raise ValueError(
-                f"{type(module).__name__}.{name} is a dropout with p={sub.p}: {feature} recomputes "
-                f"{type(module).__name__} in backward and cannot redraw its dropout masks (the gradient would be "
-                "wrong). Set that dropout to 0 (for LoRA: LoraConfig(lora_dropout=0.0)), or call model.eval()"
-            )
+def replay_draws(module: torch.nn.Module, device: torch.device) -> Draws | None:
+    """The draws of one chunked forward of ``module`` that its recomputes in backward replay (``ops.draws``: each
+    chunk from its own generator state, the seed read off the global generator), or None when the module is not
+    training (no dropout draws). Also under no_grad: a checkpointed layer's forward runs without grad and its
+    recompute (the global generators restored) with it, and both must take the same draws. The caller calls
+    ``advance()`` once its forward ran."""
+    return Draws.take(device) if module.training else None
 
 
 def check_token_wise(what: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, feature: str) -> None:
@@ -57,7 +47,7 @@ def check_token_wise(what: str, fn: Callable[[torch.Tensor], torch.Tensor], x: t
     # (an activation checkpoint counting what its forward saves, offload to host memory)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         probe = x[:, :n].detach().clone().requires_grad_(True)
-        out = fn(probe)
+        out = fn(probe.clone())  # not the leaf itself: the module may write into its input (Mixtral's jitter)
         out = out[0] if isinstance(out, tuple) else out
         if not (isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[:2] == probe.shape[:2]):
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

@@ -3,7 +3,8 @@
 Holds:
     SequenceParallel: one model's sequence-parallel group (rank, size, ``UlyssesExchange``), the
         per-forward checks and gathers, and the token-weighted loss over the group.
-    SequenceParallelForwardHook: the forward pre-hook installed on the base model (``model.model``).
+    SequenceParallelForwardHook: the forward pre-hook installed on the base model (``model.model``), and its
+        forward hook (:meth:`SequenceParallelForwardHook.end`).
     ShardOffsetCache, ShardOffsetHook: the shard's global offset for attention positioned by its cache's length.
     ulysses_ring_groups: a sequence-parallel group split into Ulysses and ring groups (``ops.sp_layout``).
     register_layout / ring_degree: the ring degree of the models enabled with a sequence-parallel size in this
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
+from ds_longseq.ops.draws import Draws
 from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.sp_layout import sp_positions
 from ds_longseq.ops.state_passing import StateRing
@@ -261,12 +263,42 @@ class SequenceParallelForwardHook:
     attention call as ``ds_longseq=AttnSpec(...)``.
     """
 
+    _WHOLE_FORWARD = -1
+    """The key of the draws region a training forward runs in (``ops.draws``): not a chunk's position."""
+
     def __init__(self, sp: SequenceParallel, attention: AttentionSettings):
         """``attention``: ``long_seq.attention``, passed to every attention call of the forward."""
         self.sp = sp
         self.attention = attention
+        # per running forward: its region of this rank's draws (ops.draws) and their Draws, or None
+        self._regions: list = []
 
     def __call__(self, module, args, kwargs):
+        begun = self._begin(module, args, kwargs)  # its refusals first, before any region is entered
+        region = None
+        if module.training and not self.sp.is_paused:
+            # The ranks hold different tokens of one sequence but the same global generator state: each draws its
+            # shard's dropout masks from its own state (the rank mixed in), as one process would draw different
+            # masks along the sequence; a chunked module inside takes its own replayed draws from there.
+            draws = Draws.take(next(iter(module.parameters())).device)
+            context = draws.region(self._WHOLE_FORWARD)
+            context.__enter__()
+            region = (draws, context)
+        self._regions.append(region)
+        return begun
+
+    def end(self, module, args, kwargs, output) -> None:
+        """Forward hook (``with_kwargs=True, always_call=True``, so also when the forward raised): the forward's
+        draws region closed (the global generators restored, then advanced by one draw if the forward drew). After
+        a refusal of the pre-hook itself nothing was pushed, and nothing is popped (no forward of this model runs
+        inside another)."""
+        region = self._regions.pop() if self._regions else None
+        if region is not None:
+            draws, context = region
+            context.__exit__(None, None, None)
+            draws.advance()
+
+    def _begin(self, module, args, kwargs):
         if self.sp.is_paused:
             return None
         names = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")

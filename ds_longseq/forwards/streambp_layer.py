@@ -23,7 +23,7 @@ from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, chunk_spec
 from ds_longseq.forwards.layer_cache import layer_cache
 from ds_longseq.forwards.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
-from ds_longseq.forwards.replay import TOKEN_WISE_PROBE_TOKENS, check_no_active_dropout, check_token_wise
+from ds_longseq.forwards.replay import TOKEN_WISE_PROBE_TOKENS, check_token_wise, replay_draws
 from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, outputs_unread
 from ds_longseq.forwards.zero3 import check_zero3_leaf
@@ -80,7 +80,8 @@ class StreamBPLayerForward:
         projection and MLP output projection as installed ``UnreadLinear``s (``forwards.unread_outputs``), skipped
         where a pass does not read them once a probe found it exact; ``kv_projs``: the key and value projections as
         ``UnreadLinear``s, run for their gradient only in the replay of a chunk whose K/V the capture pass computed
-        (the attention reuses those), once a probe found it exact."""
+        (the attention reuses those), once a probe found it exact. Every pass of a chunk draws the random numbers
+        (dropout masks, router noise) its forward drew (``forwards.replay.replay_draws``)."""
         self.layer = layer
         self.name = name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
@@ -164,6 +165,8 @@ class StreamBPLayerForward:
                 torch.is_grad_enabled():
             probe = call.tokens.packed[:, :PROBE_TOKENS].detach().clone()  # probed once the forward ran its checks
         result = self._stream(call)
+        if call.draws is not None:
+            call.draws.advance()
         if probe is not None:
             # as one process would run the layer (the same computation; no collective inside)
             self._probe_unread(dataclasses.replace(call, sp=None), probe)
@@ -204,7 +207,6 @@ class StreamBPLayerForward:
         doc_start = self._documents(outer_spec, packed, position_ids, attention_mask, B, T)
         self._check_mixer(doc_start, sp)
         check_zero3_leaf(layer)
-        check_no_active_dropout(layer, "long_seq.streambp")
         with_router_logits = self.router_tap is not None and router_logits_requested()
         if with_router_logits and sp is not None:
             raise NotImplementedError(
@@ -215,9 +217,12 @@ class StreamBPLayerForward:
         if not self.token_wise_checked and layer.training and torch.is_grad_enabled():
             self.token_wise_checked = True
             self._check_token_wise(tokens, attention_mask, position_ids, position_embeddings, mixer_masks, kwargs)
+        # taken after the checks above (the token-wise one runs the layer): the forward's draws, which every pass of a
+        # chunk replays (the capture, the backward's re-forward, the K/V gradient pass, the probes)
+        draws = replay_draws(layer, hidden_states.device)
         call = _LayerCall(tokens, sp, doc_start, attention_mask, position_ids, position_embeddings, mixer_masks,
                           shared_states, share, None if share is None else self.kv_sharing[0], with_router_logits,
-                          kwargs)
+                          kwargs, draws)
         return call
 
     def _probe_unread(self, call: "_LayerCall", x: torch.Tensor) -> None:
@@ -351,7 +356,9 @@ class StreamBPLayerForward:
         def run():
             stream.begin_chunk()
             spec = AttnSpec(stream, self.attention, call.sp, call.doc_start)
-            with chunk_spec(spec), self._skipping(stream):
+            # each pass of this chunk starts its draws from the chunk's own generator state (ops.draws)
+            region = call.draws.region(s) if call.draws is not None else nullcontext()
+            with chunk_spec(spec), self._skipping(stream), region:
                 out = self.orig_forward(
                     h_c,
                     attention_mask=self._chunk_mask(call, s, e),
@@ -486,6 +493,7 @@ class _LayerCall:
     role: str | None  # "store" | "reuse" | None
     with_router_logits: bool
     kwargs: dict  # the stock layer's other arguments, passed to every chunk unchanged
+    draws: object  # the forward's ops.draws.Draws, each chunk's pass run in its region; None outside training
     returned: int = 0  # how many things the stock layer returns: 0 for its hidden states alone, else a tuple's
 
 

@@ -14,7 +14,6 @@ from ds_longseq.config import MiniSeqConfig
 from ds_longseq.forwards.checkpoint_layer import CheckpointLayerForward
 from ds_longseq.forwards.mlp import MiniSeqMLPForward
 from ds_longseq.techniques.base import EnableContext, Technique, register
-from ds_longseq.techniques.streambp import replay_noise_problems
 
 __all__ = ["MiniSeq"]
 
@@ -40,7 +39,7 @@ class MiniSeq(Technique):
                    for i, layer in enumerate(adapter.layers) if i not in mlp_free):
             what = "the MLP" if adapter.spec.mlp_attr is None else f".{adapter.spec.mlp_attr}"
             problems.append(f"{adapter.where}[i]: {what} is not one module in every layer; mini_seq chunks the MLP")
-        return problems + replay_noise_problems(ctx)
+        return problems
 
     def install(self, ctx: EnableContext) -> None:
         taps = ctx.router_taps()

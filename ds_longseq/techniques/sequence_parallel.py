@@ -24,6 +24,7 @@ from ds_longseq.forwards.sequence_parallel import (
 from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.ops.sp_layout import sp_degrees
 from ds_longseq.techniques.base import EnableContext, Technique, register
+from ds_longseq.techniques.streambp import attention_dropout_problems
 
 __all__ = ["SequenceParallelism", "sequence_parallel_group"]
 
@@ -76,7 +77,8 @@ class SequenceParallelism(Technique):
                 "families.discovery.OVERRIDES, and this one was found from its structure without such a test "
                 "(StreamBP, mini_seq and the chunked head apply); set long_seq.sequence_parallel.size=1"
             ]
-        problems = []
+        # (under StreamBP too, its own check says so once)
+        problems = [] if ctx.config.streambp.enabled else attention_dropout_problems(ctx, "sequence parallelism")
         recurrent = [i for i, layer in enumerate(ctx.adapter.layers) if ctx.adapter.mixer(layer) is not None]
         size = ctx.config.sequence_parallel.size
         ring_problems = self._ring_problems(ctx, recurrent)
@@ -147,6 +149,7 @@ class SequenceParallelism(Technique):
         ctx.use_longseq_attention()
         hook = SequenceParallelForwardHook(sp, AttentionSettings.from_config(ctx.config.attention))
         ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))
+        ctx.handle.add_hook(ctx.adapter.base_model.register_forward_hook(hook.end, with_kwargs=True, always_call=True))
         # queries positioned by the cache's length get the shard's global offset from a stand-in cache
         for attn in ctx.adapter.cache_positioned_attention():
             ctx.handle.add_hook(attn.register_forward_pre_hook(ShardOffsetHook(sp), with_kwargs=True))

@@ -7,7 +7,8 @@ Holds:
     add_common_args: the flags examples/sft.py, dpo.py and grpo.py share (same names, same meaning).
     check_run_args: lengths, steps, --save-every, --save-total-limit, --data needs --model, the paths exist.
     check_model_and_data: --data needs --model; the --model directory and the --data file exist.
-    check_lora_args: --lora-rank / --lora-alpha / --lora-targets / --merge-lora, and peft installed.
+    check_lora_args: --lora-rank / --lora-alpha / --lora-dropout / --lora-targets / --merge-lora, and peft
+        installed.
     check_args: both, in that order.
 """
 
@@ -54,6 +55,9 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                    help="freeze the model and train a LoRA adapter of this rank (needs peft); dpo.py's and grpo.py's "
                         "reference is then the policy with its adapters disabled; 0: train every weight")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator; default: 2 x --lora-rank")
+    p.add_argument("--lora-dropout", type=float, default=None,
+                   help="dropout on each LoRA adapter's input (PEFT's lora_dropout; e.g. 0.05), replayed exactly in "
+                        "the chunk re-forwards; default: 0")
     p.add_argument("--lora-targets", default=None,
                    help="comma-separated module names LoRA adapts; default: every linear projection of the decoder")
     p.add_argument("--merge-lora", action="store_true",
@@ -113,8 +117,8 @@ def check_lora_args(args: argparse.Namespace) -> None:
     if args.lora_rank < 0:
         raise SystemExit(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}: pass e.g. --lora-rank 16")
     if args.lora_rank == 0:
-        given = {"--lora-alpha": args.lora_alpha is not None, "--lora-targets": args.lora_targets is not None,
-                 "--merge-lora": args.merge_lora}
+        given = {"--lora-alpha": args.lora_alpha is not None, "--lora-dropout": args.lora_dropout is not None,
+                 "--lora-targets": args.lora_targets is not None, "--merge-lora": args.merge_lora}
         unused = [flag for flag, is_given in given.items() if is_given]
         if unused:
             flags = ", ".join(unused)
@@ -124,6 +128,8 @@ def check_lora_args(args: argparse.Namespace) -> None:
         return
     if args.lora_alpha is not None and not args.lora_alpha > 0:
         raise SystemExit(f"--lora-alpha must be positive, got {args.lora_alpha}")
+    if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
+        raise SystemExit(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}: pass e.g. --lora-dropout 0.05")
     if args.lora_targets is not None and not all(parse_lora_targets(args.lora_targets)):
         raise SystemExit(f"--lora-targets {args.lora_targets!r} has an empty name: pass e.g. q_proj,v_proj")
     import_peft()

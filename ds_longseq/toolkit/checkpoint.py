@@ -3,7 +3,8 @@
 A checkpoint is ``<save_dir>/step<N>/`` plus a ``latest`` file naming the newest COMPLETE one: it
 moves (an atomic rename) only after every rank has finished writing, so a run killed mid-save
 resumes from the previous checkpoint. ``metrics.jsonl`` beside them is kept consistent with the
-checkpoint a run resumes from.
+checkpoint a run resumes from. Each rank also writes its random generators' states
+(``rng_state_rank<R>.pt``), so the dropout masks after a resume are those the uninterrupted run draws.
 
 Holds:
     write_latest: point ``latest`` at a checkpoint, atomically.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from typing import Callable
 
 import torch
@@ -61,6 +63,7 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
     with open(latest) as f:
         tag = f.read().strip()
     _, client_state = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=not frozen_excluded)
+    _load_rng_state(os.path.join(save_dir, tag))
     start_step, metrics = client_state["step"], []
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
@@ -121,6 +124,7 @@ def save_checkpoint(
     # every rank has finished writing, so a crash mid-save leaves the previous one in charge.
     engine.save_checkpoint(save_dir, tag=tag, client_state={"step": step}, save_latest=False,
                            exclude_frozen_parameters=exclude_frozen)
+    _save_rng_state(os.path.join(save_dir, tag))
     faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
     dist.barrier()
     if rank == 0:
@@ -128,6 +132,42 @@ def save_checkpoint(
         if keep:
             prune_checkpoints(save_dir, keep)
     dist.barrier()
+
+
+def _rng_state_path(checkpoint_dir: str) -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return os.path.join(checkpoint_dir, f"rng_state_rank{rank}.pt")
+
+
+def _save_rng_state(checkpoint_dir: str) -> None:
+    """This rank's generators (torch's CPU and CUDA ones, Python's, NumPy's) as the step left them: what the next
+    step's dropout masks follow from (``ops.draws`` reads its seeds off torch's CPU generator)."""
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(state, _rng_state_path(checkpoint_dir))
+
+
+def _load_rng_state(checkpoint_dir: str) -> None:
+    """Restore what :func:`_save_rng_state` wrote for this rank; a checkpoint without it (written before, or by
+    another number of ranks) resumes with the generators as they are, said once."""
+    import numpy as np
+
+    path = _rng_state_path(checkpoint_dir)
+    if not os.path.exists(path):
+        logger.warning("%s has no random generator state for this rank (%s): training resumes, with dropout masks "
+                       "other than the uninterrupted run's", checkpoint_dir, os.path.basename(path))
+        return
+    state = torch.load(path, weights_only=False)
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def prune_checkpoints(save_dir: str, keep: int) -> list[str]:

@@ -58,7 +58,7 @@ def decoder_linear_names(model: torch.nn.Module) -> list[str]:
 
 def add_lora(
     model: torch.nn.Module, rank: int, *, alpha: float | None = None, targets: str | Sequence[str] | None = None,
-    seed: int = 0,
+    seed: int = 0, dropout: float = 0.0,
 ) -> torch.nn.Module:
     """Freeze ``model`` and wrap it in a PEFT LoRA model.
 
@@ -69,10 +69,11 @@ def add_lora(
         targets: the modules to adapt, by name or as a comma-separated string; None: every linear
             projection of the decoder layers. The LM head is refused.
         seed: seed of ``lora_A``'s initialisation (``lora_B`` starts at zero).
+        dropout: PEFT's ``lora_dropout`` on each adapter's input. StreamBP and mini_seq re-forward chunks in
+            backward; each re-forward draws the masks its forward drew (``ops.draws``), so the gradient is that of
+            the forward's function.
 
-    lora_dropout is 0 and not an option: StreamBP re-forwards chunks in backward and cannot replay
-    dropout masks. ``lora_A`` is initialised from ``seed``, so a run and its resume, and every rank,
-    start from the same adapter.
+    ``lora_A`` is initialised from ``seed``, so a run and its resume, and every rank, start from the same adapter.
     """
     peft = import_peft()
     names = {name for name, _ in model.named_modules()}
@@ -95,13 +96,13 @@ def add_lora(
                 f"{head}.weight directly and needs it to stay a torch.nn.Linear; adapt the decoder layers only"
             )
     alpha = alpha if alpha is not None else 2 * rank
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
     torch.manual_seed(seed)
     model = peft.get_peft_model(model, config)
     trainable, total = model.get_nb_trainable_parameters()
     log_rank0(
         logger,
-        f"LoRA rank {rank}, alpha {alpha:g} on {','.join(targets)}: training {trainable:,} of "
+        f"LoRA rank {rank}, alpha {alpha:g}, dropout {dropout:g} on {','.join(targets)}: training {trainable:,} of "
         f"{total:,} parameters ({trainable / total:.2%}); the rest are frozen",
     )
     return model

@@ -119,7 +119,8 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     model = build_model(args.model, dtype, seq_len=args.seq_len, seed=args.seed)
     if args.lora_rank:
-        model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets, seed=args.seed)
+        model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets, seed=args.seed,
+                         dropout=args.lora_dropout or 0.0)
     # Frozen weights (the base under LoRA) get no optimizer state.
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=trainable, config=ds_config)

@@ -1,0 +1,211 @@
+"""The reference for dropout under ds_longseq: the stock model run whole with the masks ds_longseq's forward drew.
+
+"Exact" with dropout means: the gradient is autograd's gradient of the very function the forward computed, with
+the masks it drew. :class:`MaskRecorder` watches a ds_longseq forward and keeps, for every dropout call site, the
+masks each call drew (a chunked module calls its site once per chunk, in token order); :class:`MaskReplayer`
+runs the stock model whole with each site's masks joined along the tokens put in place of its draws. Comparing
+loss and gradients of the two (float64, 1e-10) checks the whole chain: the forward's masks, the backward's replay
+of them (a backward that drew other masks would give another gradient), and that nothing else differs.
+
+A call site is (the innermost module whose forward is running, the line of code that made the call): an
+``nn.Dropout`` module (PEFT's ``lora_dropout`` among them) is its own site; a functional dropout inside a layer's
+code is the layer's line (a StreamBP layer runs its stock forward once per chunk inside one call of the module).
+Router noise (``Tensor.uniform_``, Mixtral's jitter) is recorded and replayed the same way, as its values.
+
+Shape legend: B batch, C chunk, T sequence.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_DROPOUT_FUNCTIONS = (F.dropout, torch.dropout)
+_NOISE_FUNCTIONS = (torch.Tensor.uniform_,)
+# frames of the dropout machinery itself, skipped to find the line that called it
+_MACHINERY = ("torch/nn/functional.py", "torch/overrides.py", "torch/utils/_device.py", __file__)
+
+
+def _caller() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.endswith(_MACHINERY):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class _ModuleStack:
+    """The modules whose forward is running (global module hooks), each with its count of dropout calls so far."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.handles = []
+
+    def __enter__(self):
+        def pre(module, args):
+            self.stack.append(self.names.get(id(module), type(module).__name__))
+
+        def post(module, args, out):
+            self.stack.pop()
+
+        self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+                        torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.stack.clear()
+
+    def site(self) -> tuple[str, str]:
+        return (self.stack[-1] if self.stack else "<model>", _caller())
+
+
+def _capturing() -> bool:
+    """Whether a StreamBP K/V capture pass is running the current chunk."""
+    from ds_longseq.forwards.attn_spec import spec_of
+
+    spec = spec_of({})
+    return spec is not None and getattr(spec.stream, "mode", None) in ("capture", "capture_grad")
+
+
+def _dropout_args(func, args, kwargs) -> tuple[torch.Tensor, float, bool]:
+    x = args[0]
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+    return x, float(p), bool(training)
+
+
+class MaskRecorder(TorchFunctionMode):
+    """Within: every dropout call with p > 0 in training runs as usual and its mask is recorded under its call site:
+    ``masks[site]`` lists them in call order.
+
+    The mask is drawn again from the generator state the call started from, as torch's CPU dropout draws it
+    (``empty_like(x).bernoulli_(1 - p)``), and checked against the call's output wherever the input is nonzero (an
+    exact zero, such as a padded query's attention output, hides the mask in the output but not in the
+    gradient). Draws of a StreamBP K/V capture pass (under sequence parallelism the forward captures every chunk's
+    keys before running the chunks) are not the forward's function: not recorded (that they equal the forward's is
+    what the reference checks, through the keys the forward attends)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.modules = _ModuleStack(model)
+        self.masks: dict[tuple, list[torch.Tensor]] = {}
+        self.calls = 0
+
+    def __enter__(self):
+        self.modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.modules.__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NOISE_FUNCTIONS and not _capturing():
+            out = func(*args, **kwargs)
+            self.masks.setdefault(self.modules.site(), []).append(out.detach().clone())
+            self.calls += 1
+            return out
+        if func not in _DROPOUT_FUNCTIONS:
+            return func(*args, **kwargs)
+        if _capturing():
+            return func(*args, **kwargs)
+        x, p, training = _dropout_args(func, args, kwargs)
+        if x.device.type != "cpu":
+            raise AssertionError("MaskRecorder reads CPU dropout's draws")
+        before = torch.get_rng_state()
+        out = func(*args, **kwargs)
+        if training and p > 0:
+            after = torch.get_rng_state()
+            torch.set_rng_state(before)
+            mask = torch.empty_like(x).bernoulli_(1 - p).bool()
+            torch.set_rng_state(after)
+            nonzero = x != 0
+            if not torch.equal((out != 0) & nonzero, mask & nonzero):
+                raise AssertionError("torch's CPU dropout no longer draws its mask as empty_like(x).bernoulli_(1 - p)")
+            self.masks.setdefault(self.modules.site(), []).append(mask)
+            self.calls += 1
+        return out
+
+
+class MaskReplayer(TorchFunctionMode):
+    """Within: each dropout call site applies ``whole[site]`` (the recorded masks joined along the tokens) instead
+    of drawing, as torch's CPU dropout computes it (``x * (mask / (1 - p))``). A site with no mask, or one of
+    another shape, fails the test."""
+
+    def __init__(self, model: torch.nn.Module, whole: dict[tuple, torch.Tensor]):
+        super().__init__()
+        self.modules = _ModuleStack(model)
+        self.whole = whole
+        self.used: set = set()
+
+    def __enter__(self):
+        self.modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.modules.__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NOISE_FUNCTIONS:
+            out = func(*args, **kwargs)
+            return out.copy_(self._recorded(self.modules.site(), out))
+        if func not in _DROPOUT_FUNCTIONS:
+            return func(*args, **kwargs)
+        x, p, training = _dropout_args(func, args, kwargs)
+        if not (training and p > 0):
+            return func(*args, **kwargs)
+        mask = self._recorded(self.modules.site(), x)
+        return x * (mask.to(x.dtype) / (1 - p))
+
+    def _recorded(self, site, x: torch.Tensor) -> torch.Tensor:
+        mask = self.whole.get(site)
+        if mask is None or mask.shape != x.shape:
+            raise AssertionError(f"dropout site {site} of shape {tuple(x.shape)}: recorded "
+                                 f"{None if mask is None else tuple(mask.shape)}")
+        self.used.add(site)
+        return mask
+
+
+def joined(masks: dict[tuple, list[torch.Tensor]], batch: int) -> dict[tuple, torch.Tensor]:
+    """Each site's chunk masks (in token order) joined along the tokens: (B, C, ...) chunks along dim 1, chunks
+    flattened to (B * C, ...) (OPT's second dropout, an MoE's flat tokens) as (B, C, ...) and flattened back."""
+    whole = {}
+    for site, chunks in masks.items():
+        if chunks[0].shape[0] == batch:
+            whole[site] = torch.cat(chunks, dim=1)
+        else:
+            parts = [c.view(batch, -1, *c.shape[1:]) for c in chunks]
+            whole[site] = torch.cat(parts, dim=1).flatten(0, 1)
+    return whole
+
+
+def against_mask_replay(ours, stock, batch, seed: int = 5, dtype: torch.dtype = torch.float64):
+    """(errors of ``ours`` (loss, input gradient, every parameter gradient: ``tests.helpers.compare``) against
+    ``stock`` run whole with the masks ``ours``'s forward drew (its loss from ``dtype`` logits), the recorder)."""
+    from tests.helpers import compare, grads_of, reference_loss
+
+    torch.manual_seed(seed)
+    recorder = MaskRecorder(ours)
+
+    def forward():
+        with recorder:
+            return ours(**batch).loss
+
+    result = grads_of(ours, forward)
+    replayer = MaskReplayer(stock, joined(recorder.masks, batch["input_ids"].shape[0]))
+
+    def reference():
+        with replayer:
+            return reference_loss(stock, batch, dtype)
+
+    errs = compare(result, grads_of(stock, reference))
+    assert replayer.used == set(recorder.masks), "a recorded draw was not replayed"
+    return errs, recorder

@@ -1,0 +1,230 @@
+"""Dropout and router noise under the chunked modes, exact by the mask-replay reference (tests/mask_replay.py).
+
+Every random draw inside a region that is run again in backward (a StreamBP chunk: its forward, its K/V
+capture, its re-forward; a mini_seq MLP chunk; a checkpointed layer) draws the same numbers each time it runs
+(``ds_longseq.ops.draws``). The reference runs the stock model whole with the masks ds_longseq's forward drew
+and must give its loss, input gradient and every parameter gradient to 1e-10 in float64. The masks are also
+fresh (each chunk, layer and step its own, at the rate p), and three mutations of the replay fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import ds_longseq
+from ds_longseq.ops import draws as draws_module
+from tests.helpers import full_precision_norms, make_batch, make_model
+from tests.mask_replay import MaskRecorder, against_mask_replay
+
+DT = torch.float64
+TOL = 1e-10  # float64 against the whole stock model with the same masks (no float32 rounding left: full-precision
+# norms, the loss from float64 logits), as the suite's other float64 exactness tests
+LM_HEAD = {"lm_head": {"enabled": True, "chunk_size": 16}}
+MODES = {
+    "streambp": {"streambp": {"enabled": True, "chunk_size": 10}},
+    "mini_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}},
+    "streambp_offload": {"streambp": {"enabled": True, "chunk_size": 10}, "offload": {"layer_inputs": "cpu"}},
+    "mini_seq_offload": {"mini_seq": {"enabled": True, "mlp_num_chunks": 3}, "offload": {"layer_inputs": "cpu"}},
+    "streambp_keep_every": {"streambp": {"enabled": True, "chunk_size": 10}, "offload": {"keep_every": 2}},
+}
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(dropout: float = 0.1, num_layers: int = 2):
+    """Llama (float64, full-precision norms) with LoRA on every linear of its layers, ``lora_dropout`` on each,
+    and nonzero ``lora_B`` (so every adapter's gradient reaches its input)."""
+    peft = pytest.importorskip("peft")
+    model = full_precision_norms(make_model("llama", DT, num_layers=num_layers))
+    torch.manual_seed(0)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                       target_modules=PROJECTIONS))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.15)
+    model.enable_input_require_grads()  # the input gradient is compared too
+    return model
+
+
+def enabled(model, mode: str):
+    ours = copy.deepcopy(model)
+    inner = ours.base_model.model if hasattr(ours, "base_model") else ours
+    ds_longseq.enable(inner, {**MODES[mode], **LM_HEAD})
+    return ours
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lora_dropout_exact_by_mask_replay(mode):
+    """lora_dropout=0.1 on every linear of every layer, each mode against the stock model with the same masks."""
+    model, batch = lora_model(), make_batch(seq_len=37)
+    ours = enabled(model, mode)
+    ours(**batch).loss.backward()  # the first training forward runs the layers' one-time probes
+    errs, recorder = against_mask_replay(ours, model, batch)
+    assert max(errs.values()) < TOL, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+    chunked = 4 if mode.startswith("streambp") else 3  # 37 tokens: 4 StreamBP chunks of 10, or 3 MLP chunks
+    sites = {site: len(masks) for site, masks in recorder.masks.items()}
+    assert len(sites) == 2 * len(PROJECTIONS)
+    # the chunked path ran: every site of a StreamBP layer drew once per chunk, a mini_seq MLP's per MLP chunk
+    for (module, _), n in sites.items():
+        mlp = ".mlp." in module
+        assert n == (chunked if mode.startswith("streambp") or mlp else 1), (module, n)
+
+
+def test_masks_are_fresh_and_follow_the_global_generator():
+    """The fraction dropped is p within a binomial bound; two chunks, two layers and two steps draw different
+    masks; re-seeding before a forward draws the same ones; a forward advances the global generator."""
+    model, batch = lora_model(dropout=0.3), make_batch(seq_len=37)
+    ours = enabled(model, "streambp")
+    ours(**batch).loss.backward()
+
+    def masks(seed):
+        torch.manual_seed(seed)
+        recorder = MaskRecorder(ours)
+        with recorder:
+            loss = ours(**batch).loss
+        after = torch.get_rng_state()
+        loss.backward()
+        return recorder.masks, after
+
+    first, after = masks(1)
+    again, _ = masks(1)
+    second, _ = masks(2)
+    assert first.keys() == again.keys() == second.keys()
+    assert all(torch.equal(a, b) for site in first for a, b in zip(first[site], again[site], strict=True))
+    torch.manual_seed(1)
+    assert not torch.equal(after, torch.get_rng_state())
+    every = torch.cat([m.flatten() for chunks in first.values() for m in chunks])
+    dropped = 1 - every.double().mean().item()
+    n = every.numel()
+    assert abs(dropped - 0.3) < 5 * math.sqrt(0.3 * 0.7 / n), (dropped, n)
+    q0 = first[next(s for s in first if "layers.0.self_attn.q_proj" in s[0])]
+    q1 = first[next(s for s in first if "layers.1.self_attn.q_proj" in s[0])]
+    assert not torch.equal(q0[0], q0[1][:, : q0[0].shape[1]])  # two chunks
+    assert not torch.equal(q0[0], q1[0])  # two layers
+    assert not any(torch.equal(a, b) for site in first for a, b in zip(first[site], second[site], strict=True))
+
+
+def test_a_backward_drawing_fresh_masks_fails_the_reference(monkeypatch):
+    """The mutation: no replayed regions (every pass draws from the global generator where it stands), so the
+    backward's re-forward draws other masks than the forward's; the reference sees the difference."""
+    monkeypatch.setattr("ds_longseq.forwards.streambp_layer.replay_draws", lambda *a, **k: None)
+    model, batch = lora_model(), make_batch(seq_len=37)
+    ours = enabled(model, "streambp")
+    ours(**batch).loss.backward()
+    errs, _ = against_mask_replay(ours, model, batch)
+    assert max(errs.values()) > 1e-3
+
+
+def test_a_capture_pass_consuming_other_draws_fails_the_reference(monkeypatch):
+    """The mutation: the K/V capture pass starts its draws from another state than its chunk's forward (here: the
+    next chunk's region), so the keys its dropout masks give differ from those the forward attended."""
+    from ds_longseq.ops.streambp import KVStream
+
+    region, begin_chunk = draws_module.Draws.region, KVStream.begin_chunk
+    capturing = {"on": False}
+
+    def begin(self):  # the chunk about to run: in a capture pass or not
+        capturing["on"] = self.mode == "capture"
+        return begin_chunk(self)
+
+    monkeypatch.setattr(KVStream, "begin_chunk", begin)
+    monkeypatch.setattr(draws_module.Draws, "region",
+                        lambda self, *key: region(self, *((k + 1 for k in key) if capturing["on"] else key)))
+    model, batch = lora_model(), make_batch(seq_len=37)
+    ours = enabled(model, "streambp")
+    ours(**batch).loss.backward()
+    errs, _ = against_mask_replay(ours, model, batch)
+    assert max(errs.values()) > 1e-3
+
+
+def test_one_mask_for_every_chunk_fails_freshness(monkeypatch):
+    """The mutation: regions that ignore where they are (every chunk starts from the same state) still replay
+    exactly, but every chunk draws the same mask: what the freshness check above refuses."""
+    region = draws_module.Draws.region
+    monkeypatch.setattr(draws_module.Draws, "region", lambda self, *key: region(self))
+    model, batch = lora_model(dropout=0.3), make_batch(seq_len=40)
+    ours = enabled(model, "streambp")
+    ours(**batch).loss.backward()
+    recorder = MaskRecorder(ours)
+    with recorder:
+        ours(**batch)
+    q0 = recorder.masks[next(s for s in recorder.masks if "layers.0.self_attn.q_proj" in s[0])]
+    assert torch.equal(q0[0], q0[1])  # 40 tokens: 4 chunks of 10, each the same mask
+
+
+SP_MODES = {
+    "streambp": MODES["streambp"],
+    "mini_seq": MODES["mini_seq"],
+    "ulysses_only": {},
+}
+
+
+def sp_dropout_worker(rank: int, world: int, modes: list[str]) -> dict:
+    """Each mode on this rank's shard of the SP test batch (uneven valid tokens per rank): the loss, the parameter
+    gradients summed over the group, the input gradient of the shard and the masks this rank's forward drew."""
+    import torch.distributed as dist
+
+    from ds_longseq.engine import shard_batch
+    from tests.helpers import grads_of
+    from tests.test_sequence_parallel import global_batch
+
+    local = shard_batch(global_batch(), rank, world)
+    out = {}
+    for mode in modes:
+        ours = copy.deepcopy(lora_model())
+        cfg = {**SP_MODES[mode], **LM_HEAD, "sequence_parallel": {"size": world}}
+        ds_longseq.enable(ours.base_model.model, cfg, sp_group=dist.group.WORLD)
+        ours(**local).loss.backward()  # the first training forward's one-time checks
+        torch.manual_seed(5)  # the same global generator state on every rank
+        recorder = MaskRecorder(ours)
+
+        def forward():
+            with recorder:
+                return ours(**local).loss
+
+        loss, grads, embed_grad = grads_of(ours, forward)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[mode] = {"loss": loss, "grads": grads, "embed_grad": embed_grad, "masks": recorder.masks}
+    return out
+
+
+def test_sequence_parallel_dropout_exact_by_mask_replay():
+    """SP 2 on 2 gloo ranks, lora_dropout=0.1 on every linear, under StreamBP, mini_seq and Ulysses alone: each rank
+    draws its own shard's masks (from the same global generator state, unlike each other), and the group's loss,
+    input gradient and summed parameter gradients equal the stock model run whole with the masks of both ranks
+    joined in sequence order, float64, 1e-10."""
+    from tests.dist_utils import run_distributed
+    from tests.helpers import grads_of, reference_loss, rel_err
+    from tests.mask_replay import MaskReplayer, joined
+    from tests.test_sequence_parallel import global_batch
+
+    modes = list(SP_MODES)
+    results = run_distributed(sp_dropout_worker, world_size=2, args=(2, modes))
+    batch = global_batch()
+    for mode in modes:
+        per_rank = [r[mode] for r in results]
+        local = [joined(r["masks"], 2) for r in per_rank]
+        assert local[0].keys() == local[1].keys() and len(local[0]) == 2 * len(PROJECTIONS)
+        assert not any(torch.equal(local[0][site], local[1][site]) for site in local[0])  # each rank its own
+        whole = {site: torch.cat([m[site] for m in local], dim=1) for site in local[0]}
+        stock = lora_model()
+        replayer = MaskReplayer(stock, whole)
+
+        def reference():
+            with replayer:
+                return reference_loss(stock, batch, DT)
+
+        ref_loss, ref_grads, ref_embed = grads_of(stock, reference)
+        assert replayer.used == set(whole)
+        half = batch["input_ids"].shape[1] // 2
+        for rank, r in enumerate(per_rank):
+            errs = {"loss": rel_err(r["loss"], ref_loss),
+                    "embed_grad": rel_err(r["embed_grad"], ref_embed[:, rank * half:(rank + 1) * half])}
+            errs.update({name: rel_err(g, ref_grads[name]) for name, g in r["grads"].items()})
+            assert set(r["grads"]) == set(ref_grads)
+            assert max(errs.values()) < TOL, (mode, rank, max(errs, key=errs.get), max(errs.values()))
