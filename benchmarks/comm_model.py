@@ -135,21 +135,28 @@ def _local_len(seq_len: int, sp: int, ring: int) -> int:
     return _ceil_div(seq_len, sp) if ring == 1 else 2 * _ceil_div(seq_len, 2 * sp)
 
 
-def sp_degrees(size: int, num_heads: int, ring: int | None = None) -> tuple[int, int]:
+def sp_degrees(size: int, num_heads: int, ring: int | None = None, num_kv_heads: int | None = None
+               ) -> tuple[int, int]:
     """(u, r), u r = ``size``: ``ds_longseq.ops.sp_layout.sp_degrees`` without torch (a test checks they agree).
-    u is the largest divisor of ``size`` dividing ``num_heads``, r the rest; ``ring`` forces r.
+    u is the largest divisor of ``size`` dividing ``num_heads`` and dividing or a multiple of ``num_kv_heads``
+    (None: as many as the query heads), r the rest; ``ring`` forces r.
 
     Raises:
-        ValueError: a forced ``ring`` that does not divide ``size`` or leaves a u the heads do not divide into.
+        ValueError: a forced ``ring`` that does not divide ``size`` or leaves a u the heads do not fit.
     """
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+
+    def fits(u: int) -> bool:
+        return num_heads % u == 0 and (kv % u == 0 or u % kv == 0)
+
     if ring is None:
-        u = max(d for d in range(1, size + 1) if size % d == 0 and num_heads % d == 0)
+        u = max(d for d in range(1, size + 1) if size % d == 0 and fits(d))
         return u, size // u
     if ring < 1 or size % ring:
         raise ValueError(f"ring {ring} does not divide the sequence-parallel size {size}")
-    if num_heads % (size // ring):
-        raise ValueError(f"ring {ring} leaves a Ulysses degree of {size // ring}, which does not divide the "
-                         f"{num_heads} attention heads: raise ring or leave it unset (chosen from the heads)")
+    if not fits(size // ring):
+        raise ValueError(f"ring {ring} leaves a Ulysses degree of {size // ring}, which cannot shard {num_heads} query "
+                         f"and {kv} key/value heads: raise ring or leave it unset (chosen from the heads)")
     return size // ring, ring
 
 
@@ -466,11 +473,9 @@ def predict(
         problems.append(f"world {world} is not a multiple of the sequence-parallel size {sp}")
     u = r = 1
     try:
-        u, r = sp_degrees(sp, shape.heads, ring)
+        u, r = sp_degrees(sp, shape.heads, ring, shape.kv_heads)
     except ValueError as err:
         problems.append(str(err))
-    if u > 1 and shape.kv_heads % u and u % shape.kv_heads:
-        problems.append(f"{shape.kv_heads} kv heads and Ulysses degree {u}: one must divide the other")
     if chunk_size is not None and num_chunks is not None:
         problems.append("give chunk_size or num_chunks, not both")
     if problems:

@@ -341,7 +341,7 @@ def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: boo
 
 def sp_split(dims: ModelDims, setup: Setup) -> tuple[int, int]:
     """(u, r): the Ulysses and ring degrees ``setup``'s SP size runs on this model (``ops.sp_layout.sp_degrees``)."""
-    return sp_degrees(setup.sequence_parallel, dims.num_heads, setup.ring)
+    return sp_degrees(setup.sequence_parallel, dims.num_heads, setup.ring, dims.num_kv_heads)
 
 
 def _ring_kv_bytes(dims: ModelDims, setup: Setup, t_local: int) -> float:

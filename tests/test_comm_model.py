@@ -478,15 +478,16 @@ def test_sp_degrees_match_ds_longseq():
     from ds_longseq.ops.sp_layout import sp_degrees as built
 
     for size in range(1, 17):
-        for heads in (1, 2, 3, 4, 6, 8, 12, 14, 32, 40, 64):
+        for heads, kv in ((1, 1), (2, 1), (3, 3), (4, 2), (6, 3), (8, 8), (9, 3), (12, 2), (14, 2), (28, 4), (32, 8),
+                          (40, 8), (64, 8)):
             for ring in (None, *range(1, size + 1)):
                 try:
-                    want = built(size, heads, ring)
+                    want = built(size, heads, ring, kv)
                 except ValueError:
                     with pytest.raises(ValueError):
-                        sp_degrees(size, heads, ring)
+                        sp_degrees(size, heads, ring, kv)
                     continue
-                assert sp_degrees(size, heads, ring) == want, (size, heads, ring)
+                assert sp_degrees(size, heads, ring, kv) == want, (size, heads, kv, ring)
 
 
 def test_ring_formulas_at_scale():

@@ -263,7 +263,7 @@ def test_enable_without_a_group_says_how():
 
 
 def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | None, cases: list[str],
-                left_pad: bool = True):
+                left_pad: bool = True, seq_len: int = SEQ):
     """exactness_worker under Ulysses x ring: the batch cut by shard_batch(..., ring=r) (each rank's tokens from
     ops.sp_layout), the config's ring degree given or chosen from the heads."""
     import torch.distributed as dist
@@ -273,9 +273,9 @@ def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | N
     from ds_longseq.ops.sp_layout import sp_degrees, sp_positions
 
     heads = overrides.get("num_attention_heads", 4)
-    u, r = sp_degrees(world, heads, ring)
-    local = shard_batch(global_batch(left_pad=left_pad), rank, world, ring=r)
-    out = {"positions": sp_positions(SEQ, u, r)[rank], "degrees": (u, r)}
+    u, r = sp_degrees(world, heads, ring, overrides.get("num_key_value_heads", 2))
+    local = shard_batch(global_batch(left_pad=left_pad, seq_len=seq_len), rank, world, ring=r)
+    out = {"positions": sp_positions(seq_len, u, r)[rank], "degrees": (u, r)}
     for name in cases:
         section = {"size": world} if ring is None else {"size": world, "ring": ring}
         model = full_precision_norms(make_model(arch, torch.float64, **overrides))

@@ -23,13 +23,35 @@ def test_degrees_take_the_largest_ulysses_the_heads_allow(size, heads, want):
     assert sp_degrees(size, heads) == want
 
 
+@pytest.mark.parametrize("size, heads, kv, want", [
+    (3, 12, 2, (1, 3)),   # Qwen2.5-1.5B at SP 3: 3 divides the query heads but neither divides nor is a multiple of 2
+    (5, 40, 8, (1, 5)),   # Qwen2.5-14B at SP 5 and 10
+    (10, 40, 8, (2, 5)),
+    (7, 14, 2, (1, 7)),   # Qwen2.5-0.5B at SP 7
+    (2, 9, 3, (1, 2)),    # SmolLM2-135M at SP 2, 3, 4, 6
+    (3, 9, 3, (3, 1)),
+    (4, 9, 3, (1, 4)),
+    (6, 9, 3, (3, 2)),
+    (8, 28, 4, (4, 2)),   # Qwen2.5-7B at SP 8
+    (4, 6, 3, (1, 4)),    # 6 query / 3 key-value heads at SP 4 (the query heads alone would give 2 x 2)
+    (8, 32, 2, (8, 1)),   # a multiple of the key/value heads: each rank one replica
+    (4, 8, 8, (4, 1)),
+])
+def test_degrees_fit_the_key_value_heads_too(size, heads, kv, want):
+    assert sp_degrees(size, heads, num_kv_heads=kv) == want
+
+
 def test_a_forced_ring_degree_is_checked():
     assert sp_degrees(8, 32, ring=2) == (4, 2)
     with pytest.raises(ValueError, match="ring=3 does not divide sequence_parallel.size=8"):
         sp_degrees(8, 32, ring=3)
-    with pytest.raises(ValueError, match="Ulysses degree of 4, which does not divide the model's 14 attention heads: "
-                                         "raise ring to 4"):
+    with pytest.raises(ValueError, match=r"sequence_parallel.ring=2 with sequence_parallel.size=8 leaves a Ulysses "
+                                         r"degree of 4, which cannot shard the model's 14 query and 14 key/value "
+                                         r"heads .* set ring to one of \[4, 8\], or leave it unset \(chosen from the "
+                                         r"heads: 4\)"):
         sp_degrees(8, 14, ring=2)
+    with pytest.raises(ValueError, match=r"6 query and 3 key/value heads .* set ring to one of \[4\]"):
+        sp_degrees(4, 6, ring=2, num_kv_heads=3)
 
 
 @pytest.mark.parametrize("ulysses, ring", [(1, 1), (4, 1), (1, 4), (2, 2), (3, 2), (2, 3)])

@@ -1,8 +1,8 @@
 """Which tokens each sequence-parallel rank holds, and how an SP size splits into Ulysses x ring degrees.
 
 Holds:
-    sp_degrees: (u, r) for an SP size and a model's query heads: Ulysses over the largest degree the heads allow,
-        ring attention over the rest.
+    sp_degrees: (u, r) for an SP size and a model's query and key/value heads: Ulysses over the largest degree the
+        heads allow (:func:`ulysses_fits`), ring attention over the rest.
     sp_positions: (P, T / P) global positions of every rank's tokens in the u x r layout.
     length_unit: what a sequence length must be a multiple of for that layout.
     position_runs: the runs of consecutive positions in one rank's tokens (two zigzag parts under a ring).
@@ -25,32 +25,47 @@ import torch
 
 from ds_longseq.ops.ring import zigzag_blocks
 
-__all__ = ["sp_degrees", "sp_positions", "length_unit", "position_runs"]
+__all__ = ["ulysses_fits", "sp_degrees", "sp_positions", "length_unit", "position_runs"]
 
 
-def sp_degrees(size: int, num_heads: int, ring: int | None = None) -> tuple[int, int]:
-    """(u, r) with u r = ``size``: u the largest divisor of ``size`` that divides ``num_heads`` (Ulysses needs whole
-    heads per rank), r the rest (ring attention, which any degree takes); ``ring`` forces r.
+def ulysses_fits(ulysses: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether Ulysses can shard ``num_heads`` query / ``num_kv_heads`` key-value heads over ``ulysses`` ranks: whole
+    query heads per rank, and whole key/value heads per rank (u divides them) or each rank one replica of the
+    key/value head its query heads share (u a multiple of them: DeepSpeed-Ulysses' ``kv_replication_factor``)."""
+    return num_heads % ulysses == 0 and (num_kv_heads % ulysses == 0 or ulysses % num_kv_heads == 0)
+
+
+def sp_degrees(size: int, num_heads: int, ring: int | None = None, num_kv_heads: int | None = None
+               ) -> tuple[int, int]:
+    """(u, r) with u r = ``size``: u the largest divisor of ``size`` Ulysses can shard the heads over
+    (:func:`ulysses_fits`: it divides the query heads, and divides or is a multiple of the key/value heads), r the
+    rest (ring attention, which any degree takes); ``ring`` forces r. ``num_kv_heads``: None for as many as the
+    query heads.
 
     Raises:
         ValueError: a forced ``ring`` that does not divide ``size``, or leaves a Ulysses degree the heads do not
-            divide into.
+            fit, naming both head counts and the ring degrees that work.
     """
-    if size < 1 or num_heads < 1:
-        raise ValueError(f"sequence-parallel size {size} and {num_heads} heads must be positive")
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    if size < 1 or num_heads < 1 or kv < 1:
+        raise ValueError(f"sequence-parallel size {size}, {num_heads} query heads and {kv} key/value heads must be "
+                         "positive")
     if ring is not None:
         if ring < 1 or size % ring:
             raise ValueError(f"sequence_parallel.ring={ring} does not divide sequence_parallel.size={size}: choose a "
                              f"divisor of {size}")
         ulysses = size // ring
-        if num_heads % ulysses:
+        if not ulysses_fits(ulysses, num_heads, kv):
+            working = [r for r in range(1, size + 1) if size % r == 0 and ulysses_fits(size // r, num_heads, kv)]
+            chosen = size // sp_degrees(size, num_heads, None, kv)[0]
             raise ValueError(
-                f"sequence_parallel.ring={ring} leaves a Ulysses degree of {ulysses}, which does not divide the "
-                f"model's {num_heads} attention heads: raise ring to {size // sp_degrees(size, num_heads)[0]} "
-                "or leave it unset (chosen from the heads)"
+                f"sequence_parallel.ring={ring} with sequence_parallel.size={size} leaves a Ulysses degree of "
+                f"{ulysses}, which cannot shard the model's {num_heads} query and {kv} key/value heads (it must divide "
+                f"the query heads, and divide or be a multiple of the key/value heads): set ring to one of "
+                f"{working}, or leave it unset (chosen from the heads: {chosen})"
             )
         return ulysses, ring
-    ulysses = max(d for d in range(1, size + 1) if size % d == 0 and num_heads % d == 0)
+    ulysses = max(d for d in range(1, size + 1) if size % d == 0 and ulysses_fits(d, num_heads, kv))
     return ulysses, size // ulysses
 
 

@@ -33,7 +33,7 @@ from ds_longseq.compat import dim_zero_all_to_all
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.phases import phase
 from ds_longseq.ops.ring import ring_attention, zigzag_shard
-from ds_longseq.ops.sp_layout import position_runs, sp_positions
+from ds_longseq.ops.sp_layout import position_runs, sp_positions, ulysses_fits
 
 __all__ = [
     "UlyssesExchange", "UlyssesRingExchange", "ulysses_attention", "ulysses_chunk_attention", "ulysses_ring_attention",
@@ -58,15 +58,12 @@ class UlyssesExchange:
     """
 
     def __init__(self, group, world_size: int, num_heads: int, num_kv_heads: int):
-        if num_heads % world_size:
+        if not ulysses_fits(world_size, num_heads, num_kv_heads):  # ops.sp_layout.sp_degrees never picks such a u
             raise ValueError(
-                f"{num_heads} attention heads are not divisible by sequence_parallel size {world_size}: "
-                f"choose a size that divides {num_heads}"
-            )
-        if num_kv_heads % world_size and world_size % num_kv_heads:
-            raise ValueError(
-                f"{num_kv_heads} key/value heads and sequence_parallel size {world_size}: one must divide the "
-                "other (DeepSpeed-Ulysses replicates K/V heads only by a whole factor)"
+                f"a Ulysses degree of {world_size} cannot shard {num_heads} query and {num_kv_heads} key/value heads "
+                "(it must divide the query heads, and divide or be a multiple of the key/value heads: DeepSpeed-"
+                "Ulysses replicates K/V heads only by a whole factor); the sequence-parallel size splits into Ulysses "
+                "x ring degrees by ds_longseq.ops.sp_layout.sp_degrees"
             )
         self.group = group
         self.world_size = world_size

@@ -114,7 +114,8 @@ class SequenceParallelism(Technique):
         """(Ulysses degree, ring degree) of this model under the config (``ops.sp_layout.sp_degrees``)."""
         text = ctx.model.config.get_text_config()
         section = ctx.config.sequence_parallel
-        return sp_degrees(section.size, text.num_attention_heads, section.ring)
+        kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        return sp_degrees(section.size, text.num_attention_heads, section.ring, kv)
 
     def _ring_problems(self, ctx: EnableContext, recurrent: list[int]) -> list[str] | None:
         """Why this model cannot run its ring yet (a list, maybe empty, when it needs one); None without a ring."""
