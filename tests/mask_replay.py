@@ -116,8 +116,15 @@ class MaskRecorder(TorchFunctionMode):
         if _capturing():
             return func(*args, **kwargs)
         x, p, training = _dropout_args(func, args, kwargs)
-        if x.device.type != "cpu":
-            raise AssertionError("MaskRecorder reads CPU dropout's draws")
+        if x.device.type != "cpu":  # CUDA's fused dropout draws by its own scheme: the mask read off the output
+            out = func(*args, **kwargs)
+            if training and p > 0:
+                if bool((x == 0).any()):
+                    raise AssertionError("a CUDA dropout input holds exact zeros: its mask cannot be read from the "
+                                         "output (use a batch without padding)")
+                self.masks.setdefault(self.modules.site(), []).append(out != 0)
+                self.calls += 1
+            return out
         before = torch.get_rng_state()
         out = func(*args, **kwargs)
         if training and p > 0:

@@ -182,7 +182,7 @@ def sp_dropout_worker(rank: int, world: int, modes: list[str]) -> dict:
         torch.manual_seed(5)  # the same global generator state on every rank
         recorder = MaskRecorder(ours)
 
-        def forward():
+        def forward(recorder=recorder, ours=ours):
             with recorder:
                 return ours(**local).loss
 
@@ -215,7 +215,7 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
         stock = lora_model()
         replayer = MaskReplayer(stock, whole)
 
-        def reference():
+        def reference(replayer=replayer, stock=stock):
             with replayer:
                 return reference_loss(stock, batch, DT)
 
@@ -228,3 +228,31 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
             errs.update({name: rel_err(g, ref_grads[name]) for name, g in r["grads"].items()})
             assert set(r["grads"]) == set(ref_grads)
             assert max(errs.values()) < TOL, (mode, rank, max(errs, key=errs.get), max(errs.values()))
+
+
+def test_a_region_replays_its_draws_and_leaves_the_global_generator_alone():
+    """ops.draws.Draws: take() reads its seed without drawing; a region's draws depend on its key only; the global
+    generator is as the region found it; advance() moves it by one draw once, and only if a region drew."""
+    torch.manual_seed(0)
+    start = torch.get_rng_state()
+    quiet, draws = draws_module.Draws.take(), draws_module.Draws.take()
+    assert torch.equal(torch.get_rng_state(), start) and quiet.seed == draws.seed
+    with quiet.region(0):
+        torch.zeros(3).add_(1)  # nothing random
+    quiet.advance()
+    assert not quiet.drew and torch.equal(torch.get_rng_state(), start)
+    with draws.region(7):
+        first = torch.rand(4)
+    with draws.region(8):
+        other = torch.rand(4)
+    with draws.region(7):
+        again = torch.rand(4)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(torch.get_rng_state(), start) and draws.drew
+    draws.advance()
+    advanced = torch.get_rng_state()
+    draws.advance()
+    assert not torch.equal(advanced, start) and torch.equal(torch.get_rng_state(), advanced)
+    assert draws_module.Draws(draws.seed, rank=1).seed == draws.seed
+    with draws_module.Draws(draws.seed, rank=1).region(7):
+        assert not torch.equal(torch.rand(4), first)  # another rank, another mask

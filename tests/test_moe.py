@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq import UnsupportedModelError
 from tests.helpers import clone, compare, loss_and_grads, make_model
 from tests.test_families import CONFIGS, exact, float64_load_balancing, right_padded_batch  # noqa: F401
 
