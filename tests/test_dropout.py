@@ -256,3 +256,27 @@ def test_a_region_replays_its_draws_and_leaves_the_global_generator_alone():
     assert draws_module.Draws(draws.seed, rank=1).seed == draws.seed
     with draws_module.Draws(draws.seed, rank=1).region(7):
         assert not torch.equal(torch.rand(4), first)  # another rank, another mask
+
+
+@pytest.mark.parametrize("mode", ["streambp", "streambp_offload"])
+def test_saved_bytes_are_those_of_the_run_without_dropout(mode):
+    """No mask is stored: what a StreamBP step saves for backward (every tensor autograd keeps, counted by a
+    saved-tensors hook) is the same with lora_dropout 0.1 as with no dropout, and the chunked path ran."""
+
+    def saved_bytes(dropout: float) -> int:
+        ours = enabled(lora_model(dropout=dropout), mode)
+        batch = make_batch(seq_len=37)
+        ours(**batch).loss.backward()  # the one-time probes
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = ours(**batch).loss
+        loss.backward()
+        return total
+
+    assert saved_bytes(0.1) == saved_bytes(0.0) > 0
