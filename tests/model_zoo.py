@@ -660,7 +660,7 @@ def applied_dropouts(model_type: str, config) -> set[tuple[type, str]]:
             torch.manual_seed(seed)
             with torch.no_grad():
                 outs.append(model(**batch).logits)
-        if not torch.equal(outs[0], outs[1]):
+        if not torch.equal(outs[0], outs[1]):  # the same forward twice: bitwise equal unless a dropout draws
             applied.add((type(level), key))
     return applied
 

@@ -56,13 +56,14 @@ def _inputs(dtype, n=4099, seed=0):
 
 @pytest.mark.parametrize("step,act", STEPS, ids=["resilu2", "regelu2", "regelu2-tanh"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.kernel_paths
 def test_forward_is_the_stock_activation_and_backward_the_step_derivative(step, act, dtype):
     x = _inputs(dtype)
     # values exactly at the thresholds (rounded to the dtype) and next to them
     at = torch.tensor(step.thresholds, dtype=torch.float64).to(dtype)
     x = torch.cat([x, at, torch.nextafter(at, at + 1), torch.nextafter(at, at - 1)]).requires_grad_()
     y = approx_activation(x, act, step)
-    assert torch.equal(y, act(x.detach()))  # bit-identical forward
+    assert torch.equal(y, act(x.detach()))  # bit-identical forward: approx_activation runs act itself
     g = torch.randn(x.shape, dtype=torch.float64).to(dtype)
     (gx,) = torch.autograd.grad(y, x, g)
     # the paper's derivative: autograd of h~ in float64 at the same inputs, with the thresholds rounded to
@@ -81,6 +82,7 @@ def test_forward_is_the_stock_activation_and_backward_the_step_derivative(step, 
         torch.testing.assert_close(gx, ref, rtol=torch.finfo(dtype).eps, atol=0)
 
 
+@pytest.mark.kernel_paths  # integer codes
 def test_codes_pack_four_per_byte_and_round_trip():
     for n in (1, 3, 4, 5, 1023):
         codes = torch.randint(0, 4, (n,), dtype=torch.uint8)
@@ -100,10 +102,11 @@ def test_activation_saves_two_bits_per_element():
     assert saved[0].numel() * 8 == x.numel() * x.element_size()  # 1/8 of the bf16 input's bytes
 
 
+@pytest.mark.kernel_paths
 def test_no_grad_saves_nothing_and_returns_the_stock_output():
     x = torch.randn(10, 7)
     with torch.no_grad():
-        assert torch.equal(approx_activation(x.requires_grad_(), F.silu, RESILU2), F.silu(x))
+        assert torch.equal(approx_activation(x.requires_grad_(), F.silu, RESILU2), F.silu(x))  # F.silu itself
 
 
 @pytest.mark.parametrize(
@@ -154,14 +157,17 @@ def test_ms_norms_are_exact_and_save_no_input(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.kernel_paths
 def test_ms_rms_norm_output_is_bit_identical_to_the_stock_norm_with_unit_weight(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
     x = torch.randn(2, 9, 64).to(dtype)
+    # by construction: _rms_normalise runs the stock norm's ops in its order; the stock norm's weight of 1 is exact
     assert torch.equal(ms_rms_norm(x.requires_grad_(), 1e-5), norm(x))
 
 
+@pytest.mark.kernel_paths
 def test_fold_layer_norm_with_bias_into_linears_keeps_outputs():
     """MS-LN on a LayerNorm whose consumers have biases (no supported family has LayerNorm)."""
     torch.manual_seed(0)
@@ -173,7 +179,7 @@ def test_fold_layer_norm_with_bias_into_linears_keeps_outputs():
     x = torch.randn(4, 5, 32, dtype=torch.float64)
     before = [lin(ln(x)) for lin in lins]
     fold_norm("ln", ln.weight, ln.bias, [t for i, lin in enumerate(lins) for t in fold_targets(lin, "weight", f"l{i}")])
-    assert torch.equal(ln.weight, torch.ones(32, dtype=torch.float64)) and not ln.bias.any()
+    assert torch.equal(ln.weight, torch.ones(32, dtype=torch.float64)) and not ln.bias.any()  # set, not computed
     after = [lin(ms_layer_norm(x, 1e-5)) for lin in lins]
     for a, b in zip(after, before, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -505,7 +511,7 @@ def test_zero2_checkpoint_resumes_the_folded_model_exactly(tmp_path):
     from tests.dist_utils import run_distributed
 
     for uninterrupted, resumed in run_distributed(_resume_worker, 2, (str(tmp_path),)):
-        for name, value in uninterrupted.items():
+        for name, value in uninterrupted.items():  # the same step's kernels on the restored (bitwise) state
             assert torch.equal(resumed[name], value), name
 
 

@@ -107,6 +107,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+# bitwise by construction: codes, and one multiply per element
 def test_kernels_match_torch_path_in_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -106,6 +106,7 @@ def test_masked_chunk_attention_matches_dense_float64(case, block, kernel, dv):
 
 
 @pytest.mark.parametrize("origin", ["none", "left_padding", "documents"])
+# bitwise by construction: integer bounds
 def test_attention_chunk_bounds_follow_transformers_chunked_mask(origin):
     """query_lower_bounds with attention chunks of 4: the first key each query sees is the first key of
     transformers' chunked_overlay ((j - origin) // A == (i - origin) // A, j <= i)."""

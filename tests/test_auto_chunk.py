@@ -38,6 +38,7 @@ def _hook(model) -> AutoChunkSize:
 
 
 def _bitwise(a, b):
+    # by construction: "auto" only picks the chunk size; the same chunk size set by hand runs the same kernels
     (la, ga, ea), (lb, gb, eb) = a, b
     assert torch.equal(la, lb) and torch.equal(ea, eb)
     for name in ga:
@@ -63,6 +64,7 @@ def test_choose_chunk_size():
 
 
 @pytest.mark.parametrize("budget_gib,expected", [(None, SEQ), (2e-4, 128)])
+@pytest.mark.kernel_paths
 def test_auto_is_exact_whole_and_streamed(budget_gib, expected):
     """Free memory on this machine takes the whole sequence; a budget of ~200 KiB streams it in 128-token chunks.
     float64 against the stock model, bitwise against setting that chunk size by hand."""
@@ -185,11 +187,12 @@ def sp_auto_worker(rank: int, world: int):
         results.append(loss_and_grads(model, local))
         if cfg["streambp"]["chunk_size"] == "auto":
             chosen.append(_hook(model).last)
-    (la, ga, ea), (lb, gb, eb) = results
+    (la, ga, ea), (lb, gb, eb) = results  # bitwise by construction: the same chunk size (see _bitwise)
     same = torch.equal(la, lb) and torch.equal(ea, eb) and all(torch.equal(ga[n], gb[n]) for n in ga)
     return {"same": same, "seq_len": chosen[0]["seq_len"], "chunk": chosen[0]["chunk_size"]}
 
 
+@pytest.mark.kernel_paths
 def test_under_sequence_parallelism_the_local_shard_is_chunked():
     """SP 2 over 600 tokens: each rank chooses for its 300-token shard (the hook runs after the shard is cut), and
     the result is bitwise the same chunk size set by hand."""

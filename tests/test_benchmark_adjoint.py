@@ -208,6 +208,7 @@ def test_flops_report_and_validation(tmp_path):
 # ---- adjoint_truncation -------------------------------------------------------------------------
 
 
+# bitwise by construction: integer token ids
 def test_recall_batch_layout():
     ids, labels = adjoint_truncation.recall_batch(3, 20, 2, seed=0)
     assert ids.shape == labels.shape == (3, 20)
@@ -218,6 +219,7 @@ def test_recall_batch_layout():
         g for g, _ in adjoint_truncation.PARAM_GROUPS}
 
 
+# bitwise by construction: the kept row is a copy (same sha256)
 def test_adjoint_truncation_tiny_run(tmp_path, monkeypatch):
     """Train, reference, exact and truncated gradients (in this process): schema, and errors that make sense."""
     render = adjoint_truncation.plot

@@ -45,6 +45,7 @@ def test_build_model_gives_the_committed_cpu_weights_and_restores_the_default_dt
     torch.manual_seed(recipes.SEED)
     reference = LlamaForCausalLM(LLAMA_TINY.config(max_position_embeddings=4096)).to(torch.float32)
     model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=SEQ)
+    # bitwise by construction: the same initialisation draws from the same seed
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
     bf16 = build_model(QWEN3_TINY, dtype="bfloat16", device="cpu", seq_len=SEQ)
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16} and torch.get_default_dtype() == torch.float32

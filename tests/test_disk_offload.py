@@ -71,6 +71,7 @@ def _disk(path, k: int = 1, base: dict = STREAMBP) -> dict:
 
 
 def _bitwise(a, b):
+    # by construction: the disk tier only copies the kept inputs out and back; every kernel sees the same operands
     (la, ga, ea), (lb, gb, eb) = a, b
     assert torch.equal(la, lb) and torch.equal(ea, eb) and set(ga) == set(gb)
     for name in ga:
@@ -90,6 +91,7 @@ def _all_files(path) -> list[str]:
 # -- the store ---------------------------------------------------------------------------------------------------------
 
 
+# bitwise by construction: copies
 def test_store_round_trip_is_bitwise_and_removes_its_files(disk_dir):
     """Sizes that are not multiples of the alignment nor of the piece (8 KiB here: many pieces, both staging buffers
     in turn), several dtypes; read back in reverse (prefetching the one before); each file gone once read."""
@@ -150,7 +152,7 @@ def test_files_bypass_the_page_cache(disk_dir):
     control = disk_dir / "buffered.bin"
     control.write_bytes(x.numpy().tobytes())
     assert _resident_pages(str(control)) > (4 << 22) // mmap.PAGESIZE // 2
-    torch.testing.assert_close(handle.load(), x, rtol=0, atol=0)
+    torch.testing.assert_close(handle.load(), x, rtol=0, atol=0)  # a copy: bitwise
     store.close()
 
 
@@ -309,7 +311,7 @@ def sp_disk_worker(rank: int, world: int, path: str):
         cfg = {**SP_CASES["streambp"], **extra, "sequence_parallel": {"size": world}}
         ds_longseq.enable(model, cfg, sp_group=dist.group.WORLD).train()
         results.append(loss_and_grads(model, local))
-    (la, ga, ea), (lb, gb, eb) = results
+    (la, ga, ea), (lb, gb, eb) = results  # by construction bitwise: the disk tier only copies (see _bitwise)
     return torch.equal(la, lb) and torch.equal(ea, eb) and all(torch.equal(ga[n], gb[n]) for n in ga)
 
 
@@ -408,7 +410,7 @@ def test_staging_buffers_fit_the_memlock_limit(disk_dir, monkeypatch):
     assert store.piece_bytes == 512 << 10
     x = torch.randn(3, 100_000)  # 1.2 MB: three pieces
     h = DiskOffloader(store).save(x)
-    assert torch.equal(h.load(), x)
+    assert torch.equal(h.load(), x)  # a copy: bitwise
     store.close()
     monkeypatch.setattr(disk_offload, "lockable_bytes", lambda: 4096)
     with pytest.raises(OSError, match="ulimit -l"):

@@ -20,6 +20,7 @@ def _param_grads(model, batch):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.kernel_paths
 def test_two_models_in_one_process_do_not_interfere_and_disable_restores():
     plain = make_model("llama", torch.float32)
     patched = ds_longseq.enable(clone(plain), STREAMBP)
@@ -64,6 +65,8 @@ def test_generate_matches_stock():
     prompt = {"input_ids": batch["input_ids"][:, :20], "attention_mask": batch["attention_mask"][:, :20]}
     prompt["attention_mask"][1] = 1  # only left padding makes sense for generation
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    # greedy token ids of two computations (our attention on the prompt, the stock SDPA): a token flips only where the
+    # top two logits are within rounding (~1e-15); here they are >= 0.12 apart at every step
     assert torch.equal(patched.generate(**prompt, **kwargs), model.generate(**prompt, **kwargs))
 
 

@@ -71,6 +71,7 @@ def test_rollout_rows_rewards_and_completion_tokens(tmp_path):
     assert completion_tokens(batch) == 3
 
 
+# bitwise by construction: integer token ids, same seed
 def test_synthetic_rewards_follow_the_corruption_level():
     group = synthetic_group(3, 64, seed=0)
     assert group["rewards"][0] == 1.0 and group["rewards"][-1] == 0.0

@@ -208,7 +208,7 @@ def test_group_advantages():
     rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
     adv = group_advantages(rewards, 3)
     torch.testing.assert_close(adv[:3], torch.tensor([-1.0, 0.0, 1.0]) / (1.0 + 1e-4))
-    assert torch.equal(adv[3:], torch.zeros(3))  # a group of equal rewards: no signal
+    assert torch.equal(adv[3:], torch.zeros(3))  # a group of equal rewards: no signal (5 - 5 = 0 exactly)
     torch.testing.assert_close(group_advantages(rewards, 3, "none"), torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]))
     torch.testing.assert_close(
         group_advantages(rewards, 3, "batch"), torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]) / (rewards.std() + 1e-4)

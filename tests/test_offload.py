@@ -38,6 +38,8 @@ def _offload(model):
 
 
 def _assert_bitwise(ours, ref):
+    # bitwise by construction: with and without offload the same kernels run on the same operands (offload only
+    # copies the saved layer inputs to host memory and back)
     loss, grads, embed_grad = ours
     ref_loss, ref_grads, ref_embed_grad = ref
     assert torch.equal(loss, ref_loss), (loss, ref_loss)
@@ -52,6 +54,7 @@ def _assert_bitwise(ours, ref):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.kernel_paths
 def test_streambp_offload_is_bitwise_streambp(arch, dtype):
     """Two training steps (the second reuses the pooled host slabs), batch 2 with left padding."""
     model = make_model(arch, dtype)
@@ -109,8 +112,10 @@ def test_mst_offload_recompute_replays_dropout():
     assert max(compare(ours, ref).values()) < 1e-10
 
 
+@pytest.mark.kernel_paths
 def test_checkpoint_apply_offloaded_is_bitwise_on_device():
-    """The op alone, two stacked layers (the gradient reaching the first goes through the second)."""
+    """The op alone, two stacked layers (the gradient reaching the first goes through the second). Bitwise by
+    construction: both recompute each layer from the same input values, one kept on the device, one copied back."""
     torch.manual_seed(0)
     layers = [torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.GELU(), torch.nn.Linear(12, 8)) for _ in range(2)]
     x = torch.randn(2, 5, 8, requires_grad=True)
@@ -196,6 +201,7 @@ def test_offloaded_layer_inputs_are_freed_after_the_forward(config):
         loss.backward()
 
 
+@pytest.mark.kernel_paths
 def test_no_grad_forward_between_forward_and_backward():
     """An eval forward under no_grad between a training forward and its backward saves nothing and
     leaves the pending backward exact."""
@@ -212,6 +218,8 @@ def test_no_grad_forward_between_forward_and_backward():
     offloaded.train()
     assert pool.num_bytes == owned and pool.free_bytes == 0
     loss.backward()
+    # bitwise by construction: the same StreamBP kernels as ref's, the offload only copies (the eval forward between
+    # touches neither the saved inputs nor the parameters)
     assert torch.equal(loss.detach(), ref[0])
     for name, p in offloaded.named_parameters():
         assert torch.equal(p.grad, ref[1][name]), name
@@ -234,6 +242,8 @@ def test_generate_with_offload_matches_stock():
     expected = model.generate(**prompt, **kwargs)
     for config in (STREAMBP, MST):
         patched = ds_longseq.enable(clone(model), {**config, **OFFLOAD})
+        # greedy token ids of two computations (ds_longseq's attention on the prompt, the stock SDPA): a token flips
+        # only where the top two logits are within rounding (~1e-15); here they are >= 0.12 apart at every step
         assert torch.equal(patched.generate(**prompt, **kwargs), expected)
 
 
@@ -251,6 +261,7 @@ def test_hf_gradient_checkpointing_with_mst_offload_is_refused():
 
 
 @pytest.mark.parametrize("config", [STREAMBP, MST], ids=["streambp", "mini_seq"])
+@pytest.mark.kernel_paths
 def test_host_memory_error_before_any_layer_and_model_usable_after(config, monkeypatch):
     model = make_model("llama", torch.float32)
     batch = make_batch()
@@ -311,6 +322,7 @@ def test_config_validation():
 
 
 @pytest.mark.parametrize("config", [STREAMBP, MST], ids=["streambp", "mini_seq"])
+@pytest.mark.kernel_paths
 def test_disable_undoes_everything(config):
     stock = make_model("llama", torch.float32)
     batch = make_batch()
@@ -324,7 +336,7 @@ def test_disable_undoes_everything(config):
     for module in [model, model.lm_head, *model.model.layers, *(layer.mlp for layer in model.model.layers)]:
         assert "forward" not in module.__dict__
     assert pool.closed and pool.num_bytes == 0
-    _assert_bitwise(loss_and_grads(model, batch), ref)
+    _assert_bitwise(loss_and_grads(model, batch), ref)  # the stock model's own kernels again
 
 
 def test_mark_zero3_leaves_marks_layers_and_mlps_under_mst_offload():
@@ -339,6 +351,7 @@ def test_mark_zero3_leaves_marks_layers_and_mlps_under_mst_offload():
 # --- the offloader alone ---------------------------------------------------------------------------
 
 
+@pytest.mark.kernel_paths
 def test_offloader_stack_prefetch_and_slab_reuse(monkeypatch):
     monkeypatch.setattr(offload_ops, "SLAB_BYTES", 64)  # a tensor of 3 x 7 float32 (84 bytes) spans two slabs
     pool = HostBufferPool()
@@ -351,7 +364,7 @@ def test_offloader_stack_prefetch_and_slab_reuse(monkeypatch):
             owned = pool.num_bytes
             assert owned == 3 * 2 * 64 + 64  # two 64-byte slabs each, and one for the 48-byte tensor
         assert pool.num_bytes == owned  # the second step reuses every slab
-        # layers' backwards run in reverse: loading layer i's input prefetches layer i - 1's
+        # layers' backwards run in reverse: loading layer i's input prefetches layer i - 1's (copies: bitwise)
         assert torch.equal(handles[3].load(), tensors[3])
         assert [h.state for h in handles] == ["host", "host", "fetching", "consumed"]
         for i in (2, 1, 0):
@@ -360,6 +373,7 @@ def test_offloader_stack_prefetch_and_slab_reuse(monkeypatch):
         assert pool.free_bytes == pool.num_bytes
 
 
+@pytest.mark.kernel_paths
 def test_shorter_sequences_reuse_larger_slabs():
     pool = HostBufferPool()
     long, short = 2 * 100 * 64 * 4, 2 * 37 * 64 * 4  # bytes of a (2, T, 64) float32 input: 64 and 32 KiB slabs
@@ -373,7 +387,7 @@ def test_shorter_sequences_reuse_larger_slabs():
     handles = [offloader.save(x) for _ in range(2)]
     assert pool.num_bytes == owned and pool.free_bytes == 0
     assert pool.bytes_to_allocate([short], pinned=False) == 32768 and pool.bytes_to_allocate([long], False) == 65536
-    assert torch.equal(handles[1].load(), x) and torch.equal(handles[0].load(), x)
+    assert torch.equal(handles[1].load(), x) and torch.equal(handles[0].load(), x)  # copies: bitwise
 
 
 def test_graph_freed_without_backward_returns_its_slabs():
@@ -420,8 +434,9 @@ def sp_offload_worker(rank: int, world: int):
 
 
 def test_sequence_parallel_with_offload_equals_without():
-    """StreamBP under SP with offload is bitwise StreamBP under SP; MsT with offload (layer checkpoint)
-    equals MsT without (no checkpoint at all) to float64 round-off."""
+    """StreamBP under SP with offload is bitwise StreamBP under SP (by construction: the same kernels on the same
+    operands, the offload only copies); MsT with offload (layer checkpoint) equals MsT without (no checkpoint at all)
+    to float64 round-off."""
     for per_rank in run_distributed(sp_offload_worker, world_size=2, args=(2,)):
         for name, r in per_rank.items():
             if r["bitwise"]:

@@ -323,6 +323,7 @@ def test_chunked_lm_head_final_logit_softcap_float64(softcap):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.kernel_paths
 def test_softcap_logits_is_the_stock_formula_bit_for_bit(dtype):
     """``softcap_logits`` (used by the chunked head and by the sequence-parallel stock head) gives
     Gemma 2's own ``tanh(logits / cap) * cap`` exactly, in place (same storage, no new buffer) or not
@@ -332,7 +333,8 @@ def test_softcap_logits_is_the_stock_formula_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 5, 11, generator=g) * 20).to(dtype)
     cap = 7.5
-    stock = torch.tanh(logits / cap) * cap  # transformers' Gemma2ForCausalLM.forward, op by op
+    # transformers' Gemma2ForCausalLM.forward, op by op: softcap_logits runs the same elementwise ops, so bitwise
+    stock = torch.tanh(logits / cap) * cap
     assert stock.abs().max() <= cap < logits.abs().max()  # the cap bites
     x = logits.clone().requires_grad_()
     out = softcap_logits(x, cap)

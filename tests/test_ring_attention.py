@@ -240,6 +240,7 @@ def test_each_mutation_breaks_exactness():
             assert max(errors) > 1e-3, (what, errors)
 
 
+# bitwise by construction: integers
 def test_zigzag_shards_glue_back_and_balance_the_causal_work():
     from ds_longseq.ops.ring import _tile_kind, zigzag_blocks, zigzag_shard, zigzag_unshard
 

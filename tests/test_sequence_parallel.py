@@ -188,6 +188,8 @@ def layout_worker(rank: int, num_kv_heads: int):
     ours = UlyssesExchange(dist.group.WORLD, P, H, num_kv_heads)
     qh, kh, vh = ours.query_to_heads(q), ours.kv_to_heads(k), ours.kv_to_heads(v)
     back = ours.output_to_tokens(qh).transpose(1, 2).reshape(B, C, H * D)
+    # bitwise by construction: all-to-alls and reshapes only move values; the kv gradient sums kv_repeat (at most 2
+    # here) equal copies, and x + x == 2 * x exactly
     return {
         "q": torch.equal(qh, seen["q"]),
         "k": torch.equal(kh, seen["k"]),
@@ -252,6 +254,7 @@ def test_misuse_gets_clear_errors_and_loses_nothing():
         assert "different (batch, local length) shards" in errors["uneven_shards"]
         assert "slice of the 2D padding mask" in errors["mask_shape"]
         assert errors["after"] == (2, 20, VOCAB) and errors["loss"] == errors["loss"]
+    # by construction: the loss is the group's mean, the one all-reduced value on every rank
     assert results[0]["loss"] == results[1]["loss"]
 
 

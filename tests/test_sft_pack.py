@@ -66,6 +66,7 @@ def _segments(row):
     return [(row["input_ids"][s:e].tolist(), row["labels"][s:e].tolist()) for s, e in bounds]
 
 
+# bitwise by construction: integer ids and labels
 def test_packed_rows_boundaries_positions_labels_tail_and_efficiency():
     pad = 0
     # (input_ids, labels): -100 on prompt tokens, as JsonlData.tokenize returns them.
@@ -136,6 +137,7 @@ def test_pack_jsonl_tokenises_prompts_and_texts(tmp_path):
     assert row["labels"].tolist() == [-100, -100, 99, 100, -100, 121, 122, -100]
 
 
+# bitwise by construction: integer positions and labels
 def test_packed_batches_keep_position_ids_through_micro_batch_and_shard_batch():
     data = PackedData([([5, 6, 7], [5, 6, 7]), ([8, 9], [8, 9]), ([4] * 4, [4] * 4)], seq_len=6, pad_id=0)
     batch = micro_batch(data.__getitem__, step=0, micro=0, gas=1, rank=0, world=1, micro_bs=2)

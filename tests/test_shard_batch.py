@@ -18,6 +18,7 @@ def _batch(T=10):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+# bitwise by construction: integer ids and labels
 def test_labels_are_shifted_over_the_whole_sequence_before_cutting():
     batch = _batch()
     shards = [shard_batch(batch, r, 2) for r in range(2)]
@@ -42,6 +43,7 @@ def test_indivisible_length_is_an_error_unless_padding_is_asked_for():
     assert glued["position_ids"].tolist() == [list(range(12))]
 
 
+# bitwise by construction: integers
 def test_shard_sequence_cuts_like_shard_batch():
     """Per-position metadata (e.g. evaluation buckets) cut with shard_sequence lines up with shard_batch's shards:
     the same padding to a multiple of P, the same contiguous 1/P."""
@@ -57,6 +59,7 @@ def test_shard_sequence_cuts_like_shard_batch():
 
 
 @pytest.mark.parametrize("ulysses, ring", [(2, 2), (1, 4), (3, 2)])
+# bitwise by construction: integer ids, labels and positions
 def test_a_ring_layout_gives_each_rank_its_sp_positions(ulysses, ring):
     """With a ring degree each rank's shard is the tokens ops.sp_layout gives it (part of its ring rank's zigzag
     shard): glued back by those positions the shards are the whole (padded) batch, labels shifted over the whole

@@ -55,6 +55,7 @@ def test_a_forced_ring_degree_is_checked():
 
 
 @pytest.mark.parametrize("ulysses, ring", [(1, 1), (4, 1), (1, 4), (2, 2), (3, 2), (2, 3)])
+# bitwise by construction: integer positions
 def test_every_token_is_on_one_rank_and_a_ulysses_group_holds_its_ring_shard(ulysses, ring):
     T = 2 * ulysses * ring * 5
     pos = sp_positions(T, ulysses, ring)

@@ -49,6 +49,8 @@ def _sparse(k: int, host: bool = False) -> dict:
 
 
 def _bitwise(a, b):
+    # by construction: a dropped input is rebuilt by re-running the same layer forwards on the same kept input, so
+    # every kernel, the rebuilt layers' included, sees the same operands as with every input kept
     (la, ga, ea), (lb, gb, eb) = a, b
     assert torch.equal(la, lb) and torch.equal(ea, eb) and set(ga) == set(gb)
     for name in ga:
@@ -65,6 +67,7 @@ def _packed_batch(seq_len: int = 37):
 
 
 @pytest.mark.parametrize("k,host", [(2, False), (3, True), (LAYERS, False), (2, True)])
+@pytest.mark.kernel_paths
 def test_keep_every_is_exact(k, host):
     model = make_model("llama", torch.float64, num_layers=LAYERS)
     batch = make_batch()
@@ -77,6 +80,7 @@ def test_keep_every_is_exact(k, host):
         _bitwise(ours, loss_and_grads(every, batch))  # the same kernels on the same values
 
 
+@pytest.mark.kernel_paths
 def test_keep_every_with_packed_documents_and_float32():
     model = make_model("qwen3", torch.float32, num_layers=4)
     batch = _packed_batch()
@@ -201,7 +205,7 @@ def sp_sparse_worker(rank: int, world: int):
             results.append(loss_and_grads(model, local))
             ds_longseq.disable(model)  # the next head count's layout is another one (a ring)
         plain = results[0]
-        same = []
+        same = []  # bitwise by construction (see _bitwise): rebuilt inputs are the same kernels on the same values
         for r in results[1:]:
             same.append(torch.equal(r[0], plain[0]) and torch.equal(r[2], plain[2])
                         and all(torch.equal(r[1][n], plain[1][n]) for n in plain[1]))
@@ -219,6 +223,7 @@ def test_under_sequence_parallelism_is_bitwise_streambp():
         assert all(v["bitwise"] == [True, True] and v["reforwards"] == 4 for v in r.values()), r
 
 
+@pytest.mark.kernel_paths
 def test_a_hybrid_stack_rebuilds_through_its_recurrent_layers(monkeypatch):
     """Qwen3.5's Gated DeltaNet layers carry states from chunk to chunk: a rebuilt input passes through them
     (k = L: every input but the first rebuilt, counted), and the result is bitwise StreamBP keeping every input."""
@@ -240,6 +245,7 @@ MST = {"mini_seq": {"enabled": True, "mlp_num_chunks": 4}, "lm_head": {"enabled"
 
 
 @pytest.mark.parametrize("k,host", [(2, True), (3, False)])
+@pytest.mark.kernel_paths
 def test_mini_seq_layer_checkpoints_keep_every(k, host, monkeypatch):
     """mini_seq's per-layer checkpoints (as with layer_inputs): float64-exact against stock, bitwise against keeping
     every checkpoint input, the dropped ones rebuilt once each (counted)."""

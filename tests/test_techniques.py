@@ -99,6 +99,7 @@ def test_sections_parse_check_and_round_trip(techniques):
         ds_longseq.LongSeqConfig.from_dict({"stamp": {"enabled": True, "valu": 1.0}})
 
 
+@pytest.mark.kernel_paths
 def test_enable_applies_them_in_the_declared_order_and_disable_undoes(techniques):
     model = tiny_llama()
     ids = torch.randint(0, 64, (2, 11))

@@ -35,6 +35,7 @@ def _inputs(seed=0, B=2, T=23, d=16, V=37, bias=True):
 @pytest.mark.parametrize("chunk", [1, 4, 7, 1000])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("use", ["logps", "entropy", "both"])
+@pytest.mark.kernel_paths  # bitwise: the integer mask only
 def test_token_logprobs_match_full_logits(chunk, softcap, use):
     hidden, weight, bias, targets = _inputs()
     params = [hidden, weight, bias]
@@ -79,6 +80,7 @@ def test_token_logprobs_bad_input():
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
 @pytest.mark.parametrize("softcap,temperature,logit_scale", [(None, 1.0, 1.0), (3.0, 0.7, 0.5)])
+@pytest.mark.kernel_paths
 def test_frozen_head_forms_the_input_gradient_in_forward(chunk, softcap, temperature, logit_scale):
     """A frozen head (LoRA's), no entropy: the forward forms each token's d logp / dh and the backward scales it
     (two GEMMs per step, not three: no logits recomputed). The same log-probs, statistics and input gradient
@@ -112,6 +114,7 @@ def test_frozen_head_forms_the_input_gradient_in_forward(chunk, softcap, tempera
     torch.testing.assert_close(out.log_probs, ref_lp, rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
     recomputed = chunked_token_outputs(hidden, weight.requires_grad_(), targets, **kwargs)  # the backward's path
+    # the same chunks' logits and statistics code in both paths: bitwise by construction (top1 is compared exactly)
     for name in ("top1", "mean_logits", "log_sum_sq_probs"):
         torch.testing.assert_close(getattr(out, name), getattr(recomputed, name), rtol=0, atol=1e-12)
     weight.requires_grad_(False)

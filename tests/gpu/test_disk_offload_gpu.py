@@ -44,7 +44,7 @@ def test_cuda_round_trip_is_bitwise(disk_dir):
         t.mul_(0)  # must not reach the file: the copy waits for the save's event, not for this
     for h, t in zip(reversed(handles), reversed(tensors), strict=True):
         out = h.load()
-        assert out.is_cuda and torch.equal(out, t)
+        assert out.is_cuda and torch.equal(out, t)  # a copy: bitwise
     assert all(b.is_pinned() for b in store._staging[True])
     store.close()
 
@@ -62,7 +62,7 @@ def test_streambp_disk_is_bitwise_the_host_tier(disk_dir, keep_every, monkeypatc
     ref = loss_and_grads(host, batch)
     if not _bitwise(ref, loss_and_grads(host, batch)):
         pytest.skip("the reference is not bitwise reproducible on this GPU")
-    for _ in range(2):
+    for _ in range(2):  # by construction: the disk tier only copies the kept inputs (same kernels, same operands)
         assert _bitwise(loss_and_grads(disk, batch), ref)
     gc.collect()
     one_input = 2 * 2048 * HIDDEN * 2

@@ -3,7 +3,9 @@ and the per-token head's gradient formed in forward. Written on a CPU-only machi
 
 - The unread linears (forwards/unread_outputs.py): the per-layer probe must find the skip bitwise exact on CUDA
   too (bf16 under autocast, LoRA adapters on the skipped projections) and the gradients must then equal those
-  with every linear computed, bitwise (cuBLAS is deterministic here: conftest sets CUBLAS_WORKSPACE_CONFIG).
+  with every linear computed, bitwise (cuBLAS is deterministic here: conftest sets CUBLAS_WORKSPACE_CONFIG). Bitwise
+  by construction: a skipped linear runs the stock linear with only its product left uncomputed, so autograd's own
+  backward makes the same calls on the same operands with the same shapes.
   If the probe declines on CUDA the step is still exact, only slower: the first assertion says so.
 - The per-token log-probs through a frozen float32 head on CUDA, formed in forward, against the recomputing
   path (a trainable copy of the head) to float32 precision.
@@ -59,5 +61,7 @@ def test_frozen_head_token_logprobs_formed_in_forward_on_cuda():
     recomputed = chunked_token_outputs(hidden, weight.clone().requires_grad_(), targets, chunk_size=128,
                                        temperature=0.8)
     (g_recomputed,) = torch.autograd.grad((recomputed.log_probs * w).sum(), [hidden])
+    # bitwise by construction: both paths compute the log-probs with the same chunking, the same GEMM into a buffer of
+    # the same shape and the same statistics code (only the input gradient is formed differently: tolerance below)
     torch.testing.assert_close(formed.log_probs, recomputed.log_probs, rtol=0, atol=0)
     torch.testing.assert_close(g_formed, g_recomputed, rtol=1e-5, atol=1e-6)
