@@ -393,3 +393,55 @@ def check_chunk_attention_dropout(device: torch.device) -> None:
         assert ((a - b).norm() / b.norm()).item() < 1e-12
     kept = whole[:, :, causal]
     assert len(drawn) == 4 and abs((1 - kept.double().mean().item()) - p) < 5 * (p * (1 - p) / kept.numel()) ** 0.5
+
+
+def zero3_dropout_worker(rank: int) -> dict:
+    """One ZeRO-3 step (engine.initialize, StreamBP, SGD on the LoRA weights, float32) of lora_model() with this
+    rank's batch: the masks its forward drew and the LoRA weights after the step, gathered."""
+    import deepspeed
+
+    import ds_longseq.engine
+    from tests.test_engine_dist import LR, ds_config, rank_batches
+
+    model = lora_model().float()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    engine, *_ = ds_longseq.engine.initialize(model=model, optimizer=optimizer,
+                                              config=ds_config(3, 1, {**MODES["streambp"], **LM_HEAD}))
+    batch = rank_batches(rank, 1)[0]
+    engine(**batch)  # the first training forward runs the layers' one-time probes (its graph is dropped)
+    torch.manual_seed(5)
+    recorder = MaskRecorder(engine.module)
+    with recorder:
+        loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(params):
+        lora = {n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    return {"masks": recorder.masks, "lora": lora}
+
+
+def test_zero3_dropout_step_exact_by_mask_replay():
+    """ZeRO-3 + StreamBP on 2 ranks with lora_dropout 0.1 (each rank its own data, its own masks): the LoRA weights
+    after one SGD step equal one process stepping on the mean of the two ranks' stock losses, each run whole with
+    that rank's masks (float32: 1e-5 relative, the engine tests' tolerance)."""
+    from tests.dist_utils import run_distributed
+    from tests.helpers import reference_loss
+    from tests.mask_replay import MaskReplayer, joined
+    from tests.test_engine_dist import LR, rank_batches
+
+    results = run_distributed(zero3_dropout_worker, 2, ())
+    stock = lora_model().float()
+    params = [p for p in stock.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=LR)
+    total = 0.0
+    for rank, result in enumerate(results):
+        with MaskReplayer(stock, joined(result["masks"], 2)):
+            total = total + reference_loss(stock, rank_batches(rank, 1)[0], torch.float32)
+    (total / 2).backward()
+    optimizer.step()
+    assert not any(torch.equal(results[0]["masks"][s][0], results[1]["masks"][s][0]) for s in results[0]["masks"])
+    for name, p in stock.named_parameters():
+        if p.requires_grad:
+            for result in results:
+                assert ((result["lora"][name] - p.detach()).norm() / p.norm()).item() < 1e-5, name
