@@ -240,6 +240,7 @@ def float64_eager_attention(model):
         if attention_mask is not None:
             scores = scores + attention_mask[..., : k.shape[2]]
         probs = torch.softmax(scores, -1).nan_to_num(0.0)
+        probs = F.dropout(probs, p=dropout, training=module.training)  # as stock eager attention, after the softmax
         return (probs @ v).transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("float64_eager", attention)

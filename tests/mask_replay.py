@@ -173,6 +173,8 @@ class MaskReplayer(TorchFunctionMode):
         return x * (mask.to(x.dtype) / (1 - p))
 
     def _recorded(self, site, x: torch.Tensor) -> torch.Tensor:
+        if site not in self.whole and (site[0], None) in self.whole:
+            site = (site[0], None)  # a mask of the module's one dropout call (attention probabilities, tapped)
         mask = self.whole.get(site)
         if mask is None or mask.shape != x.shape:
             raise AssertionError(f"dropout site {site} of shape {tuple(x.shape)}: recorded "
@@ -216,3 +218,46 @@ def against_mask_replay(ours, stock, batch, seed: int = 5, dtype: torch.dtype = 
     errs = compare(result, grads_of(stock, reference))
     assert replayer.used == set(recorder.masks), "a recorded draw was not replayed"
     return errs, recorder
+
+
+class AttentionDropoutTap:
+    """Within: every attention-probability dropout mask ds_longseq's chunk attention draws in a module's forward
+    (``ops.attention.dropout_masks_tapped``) put in place in that module's whole (B, H, T, T) mask: ``masks`` keyed
+    (module, None), as :class:`MaskReplayer` takes them for the stock eager attention's one dropout call. A mask
+    position drawn twice (a chunk run again in the forward) must be drawn the same."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, heads: int, kv_heads: int, seq_len: int):
+        from ds_longseq.ops.attention import dropout_masks_tapped
+
+        self.modules = _ModuleStack(model)
+        self.shape, self.groups = (batch, heads, seq_len, seq_len), heads // kv_heads
+        self.masks: dict[tuple, torch.Tensor] = {}
+        self.tiles = 0
+        self._tapped = dropout_masks_tapped(self._tap)
+
+    def __enter__(self):
+        self.modules.__enter__()
+        self._tapped.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._tapped.__exit__(*exc)
+        self.modules.__exit__(*exc)
+
+    def _tap(self, keep: torch.Tensor, mask) -> None:
+        key0, query0, stacked = mask.dropout_where
+        B, h, r, n = keep.shape
+        if stacked:  # (B, Hkv, R * rows, n): R blocks of the rows, one per query head of the key/value head
+            keep = keep.reshape(B, h, self.groups, r // self.groups, n).reshape(B, h * self.groups, -1, n)
+        rows = keep.shape[2]
+        whole = self.masks.setdefault((self.modules.stack[-1], None), torch.zeros(self.shape, dtype=torch.bool))
+        seen = self.masks.setdefault(("seen", self.modules.stack[-1]), torch.zeros(self.shape, dtype=torch.bool))
+        place = (slice(None), slice(None), slice(query0, query0 + rows), slice(key0, key0 + n))
+        if seen[place].any() and not torch.equal(whole[place][seen[place]], keep.cpu()[seen[place]]):
+            raise AssertionError("a tile drew another mask than an earlier run of it")
+        whole[place] = keep.cpu()
+        seen[place] = True
+        self.tiles += 1
+
+    def whole(self) -> dict[tuple, torch.Tensor]:
+        return {site: m for site, m in self.masks.items() if site[0] != "seen"}

@@ -17,7 +17,7 @@ import torch
 
 import ds_longseq
 from ds_longseq.ops import draws as draws_module
-from tests.helpers import full_precision_norms, make_batch, make_model
+from tests.helpers import compare, full_precision_norms, make_batch, make_model
 from tests.mask_replay import MaskRecorder, against_mask_replay
 
 DT = torch.float64
@@ -174,6 +174,12 @@ def sp_dropout_worker(rank: int, world: int, modes: list[str]) -> dict:
 
     local = shard_batch(global_batch(), rank, world)
     out = {}
+    try:  # attention-probability dropout is refused at enable under sequence parallelism
+        ds_longseq.enable(make_model("llama", DT, attention_dropout=0.1), {"sequence_parallel": {"size": world}},
+                          sp_group=dist.group.WORLD)
+        out["refused"] = None
+    except ds_longseq.UnsupportedModelError as error:
+        out["refused"] = str(error)
     for mode in modes:
         ours = copy.deepcopy(lora_model())
         cfg = {**SP_MODES[mode], **LM_HEAD, "sequence_parallel": {"size": world}}
@@ -197,7 +203,7 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
     """SP 2 on 2 gloo ranks, lora_dropout=0.1 on every linear, under StreamBP, mini_seq and Ulysses alone: each rank
     draws its own shard's masks (from the same global generator state, unlike each other), and the group's loss,
     input gradient and summed parameter gradients equal the stock model run whole with the masks of both ranks
-    joined in sequence order, float64, 1e-10."""
+    joined in sequence order, float64, 1e-10. Attention-probability dropout is refused there at enable."""
     from tests.dist_utils import run_distributed
     from tests.helpers import grads_of, reference_loss, rel_err
     from tests.mask_replay import MaskReplayer, joined
@@ -205,6 +211,7 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
 
     modes = list(SP_MODES)
     results = run_distributed(sp_dropout_worker, world_size=2, args=(2, modes))
+    assert "config.attention_dropout=0.1: dropout on attention probabilities" in results[0]["refused"]
     batch = global_batch()
     for mode in modes:
         per_rank = [r[mode] for r in results]
@@ -280,3 +287,161 @@ def test_saved_bytes_are_those_of_the_run_without_dropout(mode):
         return total
 
     assert saved_bytes(0.1) == saved_bytes(0.0) > 0
+
+
+
+def _attention_backward_drawing_other_masks(monkeypatch):
+    """Mutation: the tiles' backward draws from another seed than their forward."""
+    from ds_longseq.ops import attention
+
+    backward = attention._attention_backward
+
+    def other(*args):
+        *rest, dropout = args
+        return backward(*rest, None if dropout is None else (dropout[0], dropout[1] + 1))
+
+    monkeypatch.setattr(attention, "_attention_backward", other)
+
+
+@pytest.mark.parametrize("arch,kv_block_size,mutation", [
+    ("llama", 4, None), ("llama", None, None), ("gemma2", 4, None), ("llama", 4, "backward_other_masks"),
+])
+def test_attention_dropout_under_streambp_exact_by_mask_replay(arch, kv_block_size, mutation, monkeypatch):
+    """Attention-probability dropout (attention_dropout 0.1, GQA 4 / 2 heads) in StreamBP's chunk attention: each
+    tile draws its keep mask from its own generator (the call's seed drawn in the chunk's region, and where the tile
+    lies), the same in the forward, the backward's re-forward and the tile's own backward. Against the stock model
+    (float64 eager attention) run whole with the tiles' masks put in place (tests/mask_replay.py), 1e-10; with
+    key tiles of 4 (prefix tiles merged by log-sum-exp) and whole prefixes; Gemma 2 with its sliding window of 6
+    and its softcaps. The mutation (the tiles' backward on other masks) fails."""
+    from tests.helpers import float64_eager_attention, grads_of, reference_loss
+    from tests.mask_replay import AttentionDropoutTap, MaskReplayer
+    from tests.test_families import right_padded_batch
+
+    if mutation:
+        _attention_backward_drawing_other_masks(monkeypatch)
+    model = float64_eager_attention(full_precision_norms(make_model(arch, DT, attention_dropout=0.1)))
+    ours = copy.deepcopy(model)
+    cfg = {**MODES["streambp"], **LM_HEAD, "attention": {"kv_block_size": kv_block_size}}
+    ds_longseq.enable(ours, cfg)
+    batch = right_padded_batch()
+    ours(**batch).loss.backward()  # the first training forward's one-time checks
+    torch.manual_seed(5)
+    c = model.config
+    tap = AttentionDropoutTap(ours, 2, c.num_attention_heads, c.num_key_value_heads, batch["input_ids"].shape[1])
+
+    def forward():
+        with tap:
+            return ours(**batch).loss
+
+    result = grads_of(ours, forward)
+    replayer = MaskReplayer(model, tap.whole())
+
+    def reference():
+        with replayer:
+            return reference_loss(model, batch, DT)
+
+    errs = compare(result, grads_of(model, reference))
+    if mutation:
+        assert max(errs.values()) > 1e-3
+        return
+    assert replayer.used == {(site, None) for site, _ in tap.whole()} and len(replayer.used) == 2
+    assert tap.tiles > 0 and max(errs.values()) < TOL, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+    drawn = torch.cat([tap.masks[(module, None)][tap.masks[("seen", module)]] for module, _ in tap.whole()])
+    dropped = 1 - drawn.double().mean().item()
+    assert abs(dropped - 0.1) < 5 * (0.09 / drawn.numel()) ** 0.5, (dropped, drawn.numel())
+
+
+def test_chunk_attention_dropout_against_dense():
+    """ops.attention.chunk_causal_attention with dropout: GQA (4 / 2 heads), a prefix of 9 keys in tiles of 4, a
+    chunk of 7: output and the q / k / v gradients equal dense attention with the tiles' masks put in place
+    (float64, 1e-12); a tile's backward draws the mask its forward drew; about p of the positions are dropped.
+    (tests/gpu/test_dropout_gpu.py runs it on a CUDA device.)"""
+    check_chunk_attention_dropout(torch.device("cpu"))
+
+
+def check_chunk_attention_dropout(device: torch.device) -> None:
+    from ds_longseq.ops.attention import chunk_causal_attention, dropout_masks_tapped
+
+    torch.manual_seed(0)
+    B, H, Hkv, C, S, D, p = 2, 4, 2, 7, 9, 5, 0.3
+    opts = {"dtype": DT, "device": device}
+    q = torch.randn(B, H, C, D, **opts, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, C, D, **opts, requires_grad=True) for _ in range(2))
+    kp, vp = torch.randn(B, Hkv, S, D, **opts), torch.randn(B, Hkv, S, D, **opts)
+    sink = (torch.zeros(B, Hkv, S, D, **opts), torch.zeros(B, Hkv, S, D, **opts))
+    whole, drawn = torch.zeros(B, H, C, S + C, dtype=torch.bool, device=device), {}
+
+    def tap(keep, mask):
+        key0, query0, stacked = mask.dropout_where
+        if stacked:
+            keep = keep.reshape(B, Hkv, H // Hkv, -1, keep.shape[-1]).reshape(B, H, -1, keep.shape[-1])
+        place = (key0, query0, keep.shape[2], keep.shape[3])
+        assert place not in drawn or torch.equal(drawn[place], keep)  # the backward's mask is the forward's
+        drawn[place] = keep
+        whole[:, :, query0 - S:query0 - S + keep.shape[2], key0:key0 + keep.shape[3]] = keep
+
+    g = torch.randn(B, H, C, D, **opts)
+    with dropout_masks_tapped(tap):
+        out = chunk_causal_attention(q, k, v, scale=D ** -0.5, k_prefix=kp, v_prefix=vp, kv_block_size=4,
+                                     prefix_grad_sink=sink, dropout=p, dropout_seed=123)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+    kk, vv = (torch.cat(t, 2).repeat_interleave(H // Hkv, 1) for t in ((kp, k), (vp, v)))
+    causal = torch.ones(C, S + C, dtype=torch.bool, device=device).tril(S)
+    probs = ((q * D ** -0.5) @ kk.transpose(-1, -2)).masked_fill(~causal, float("-inf")).softmax(-1)
+    ref = (probs * whole / (1 - p)) @ vv
+    for a, b in zip((out, *grads), (ref, *torch.autograd.grad(ref, (q, k, v), g)), strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 1e-12
+    kept = whole[:, :, causal]
+    assert len(drawn) == 4 and abs((1 - kept.double().mean().item()) - p) < 5 * (p * (1 - p) / kept.numel()) ** 0.5
+
+
+def zero3_dropout_worker(rank: int) -> dict:
+    """One ZeRO-3 step (engine.initialize, StreamBP, SGD on the LoRA weights, float32) of lora_model() with this
+    rank's batch: the masks its forward drew and the LoRA weights after the step, gathered."""
+    import deepspeed
+
+    import ds_longseq.engine
+    from tests.test_engine_dist import LR, ds_config, rank_batches
+
+    model = lora_model().float()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    engine, *_ = ds_longseq.engine.initialize(model=model, optimizer=optimizer,
+                                              config=ds_config(3, 1, {**MODES["streambp"], **LM_HEAD}))
+    batch = rank_batches(rank, 1)[0]
+    engine(**batch)  # the first training forward runs the layers' one-time probes (its graph is dropped)
+    torch.manual_seed(5)
+    recorder = MaskRecorder(engine.module)
+    with recorder:
+        loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(params):
+        lora = {n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    return {"masks": recorder.masks, "lora": lora}
+
+
+def test_zero3_dropout_step_exact_by_mask_replay():
+    """ZeRO-3 + StreamBP on 2 ranks with lora_dropout 0.1 (each rank its own data, its own masks): the LoRA weights
+    after one SGD step equal one process stepping on the mean of the two ranks' stock losses, each run whole with
+    that rank's masks (float32: 1e-5 relative, the engine tests' tolerance)."""
+    from tests.dist_utils import run_distributed
+    from tests.helpers import reference_loss
+    from tests.mask_replay import MaskReplayer, joined
+    from tests.test_engine_dist import LR, rank_batches
+
+    results = run_distributed(zero3_dropout_worker, 2, ())
+    stock = lora_model().float()
+    params = [p for p in stock.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=LR)
+    total = 0.0
+    for rank, result in enumerate(results):
+        with MaskReplayer(stock, joined(result["masks"], 2)):
+            total = total + reference_loss(stock, rank_batches(rank, 1)[0], torch.float32)
+    (total / 2).backward()
+    optimizer.step()
+    assert not any(torch.equal(results[0]["masks"][s][0], results[1]["masks"][s][0]) for s in results[0]["masks"])
+    for name, p in stock.named_parameters():
+        if p.requires_grad:
+            for result in results:
+                assert ((result["lora"][name] - p.detach()).norm() / p.norm()).item() < 1e-5, name

@@ -114,12 +114,13 @@ def test_bad_config_is_rejected_before_anything_changes():
     assert not ds_longseq.is_enabled(model) and model.config._attn_implementation == "sdpa"
 
 
-def test_attention_dropout_is_rejected():
-    model = make_model("llama", torch.float32, attention_dropout=0.1)
-    with pytest.raises(UnsupportedModelError, match="attention_dropout=0.1"):
-        ds_longseq.enable(model, STREAMBP)
-    # MsT alone does not re-forward attention, so it is allowed
-    ds_longseq.enable(model, {"mini_seq": {"enabled": True}})
+def test_attention_dropout_is_accepted_without_sequence_parallelism():
+    """StreamBP's chunk attention applies it (tests/test_dropout.py: exact by mask replay); mini_seq keeps the stock
+    attention. Sequence parallelism refuses it at enable (tests/test_dropout.py)."""
+    for config in (STREAMBP, {"mini_seq": {"enabled": True}}):
+        model = make_model("llama", torch.float32, attention_dropout=0.1)
+        ds_longseq.enable(model, config)
+        model(**make_batch()).loss.backward()
 
 
 def test_gradient_checkpointing_with_streambp_is_rejected():

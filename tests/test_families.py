@@ -120,13 +120,6 @@ def test_gemma2_packed_documents_float64():
     assert max(errs.values()) < 1e-10, errs
 
 
-def test_attention_dropout_under_streambp_is_refused():
-    """Attention-probability dropout lives in the attention function ds_longseq's chunked attention replaces."""
-    model = make_model("gemma2", torch.float32, attention_dropout=0.1)
-    with pytest.raises(UnsupportedModelError, match=r"config.attention_dropout=0.1: dropout on attention probab"):
-        ds_longseq.enable(model, CONFIGS["streambp"])
-
-
 @pytest.mark.parametrize("config", ["streambp", "mini_seq"])
 def test_residual_dropout_exact_by_mask_replay(config):
     """Phi-3's residual dropouts (config.resid_pdrop, nn.Dropout modules after its attention and its MLP) are drawn

@@ -129,13 +129,12 @@ def test_the_declared_conflict_is_refused_when_the_config_is_parsed(techniques):
 
 def test_model_checks_are_reported_with_the_built_in_ones_before_anything_changes(techniques):
     model = tiny_llama(layers=3)
-    model.config.attention_dropout = 0.1  # StreamBP's own refusal, reported in the same error
-    cfg = {**CFG, "ledger": {"enabled": True, "max_layers": 2}}
+    model.loss_type = "ForMaskedLM"  # the chunked head's own refusal, reported in the same error
+    cfg = {**CFG, "ledger": {"enabled": True, "max_layers": 2}, "lm_head": {"enabled": True}}
     with pytest.raises(ds_longseq.UnsupportedModelError) as info:
         ds_longseq.enable(model, cfg)
     text = str(info.value)
-    assert "config.attention_dropout=0.1: dropout on attention probabilities, inside the attention function that " \
-           "long_seq.streambp replaces" in text
+    assert "model.loss_type='ForMaskedLM': the chunked lm_head computes the causal-LM loss only" in text
     assert "long_seq.ledger.max_layers=2 but the model has 3 layers" in text
     assert INSTALLED == [] and not ds_longseq.is_enabled(model) and "forward" not in model.model.norm.__dict__
 

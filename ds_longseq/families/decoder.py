@@ -127,8 +127,9 @@ class FamilySpec:
     """Attribute of the ``*ForCausalLM`` holding the LM head (an ``nn.Linear``)."""
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
     """Config fields that are dropout probabilities inside a decoder layer. StreamBP and mini_seq replay their draws
-    exactly in the chunk re-forwards (``ops.draws``); the attention-probability ones (:attr:`attention_dropout_fields`)
-    are refused where ds_longseq's attention runs (StreamBP, sequence parallelism), which does not apply dropout."""
+    exactly in the chunk re-forwards (``ops.draws``), and StreamBP's chunk attention applies the attention-probability
+    ones (:attr:`attention_dropout_fields`) from each tile's own generator; sequence parallelism's attention does
+    not, and refuses them."""
     final_logit_softcap_field: str | None = None
     """Config field of a final-logit softcap (``cap * tanh(logits / cap)`` after the LM head) that the
     chunked LM head must apply, or None."""
@@ -176,7 +177,7 @@ class FamilySpec:
     @property
     def attention_dropout_fields(self) -> tuple[str, ...]:
         """The :attr:`dropout_fields` on attention probabilities (named for the attention: ``attention_dropout``,
-        GPT-2's ``attn_pdrop``), applied inside the attention function ds_longseq's chunked attention replaces."""
+        GPT-2's ``attn_pdrop``), applied inside the attention function (refused under sequence parallelism)."""
         return tuple(field for field in self.dropout_fields if "attn" in field or "attention" in field)
 
 

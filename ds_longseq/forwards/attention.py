@@ -80,6 +80,8 @@ class _Masking(NamedTuple):
     """Logit softcapping (Gemma 2), or None."""
     sink_logits: torch.Tensor | None
     """(H,) attention-sink logits (gpt-oss's ``s_aux``), or None."""
+    dropout: float = 0.0
+    """Dropout probability on the attention probabilities (the family's ``attention_dropout`` in training)."""
 
 
 def longseq_attention(
@@ -99,7 +101,9 @@ def longseq_attention(
         module: the attention module (unused but for error messages).
         query: (B, H, C, D). key, value: (B, Hkv, K, D), K >= C; the queries are the last C keys.
         attention_mask: None or a (B, S + K) bool/int padding mask (True/1 = real token).
-        dropout: must be 0 (attention-probability dropout is not applied by these tiles yet).
+        dropout: dropout probability on the attention probabilities, applied by the math tiles from a seed drawn
+            from the global generator: inside a StreamBP chunk that draw is the chunk's region's (``ops.draws``), so
+            every pass of the chunk draws the same masks. Not under sequence parallelism (refused).
         scaling: softmax scale, default D ** -0.5.
         sliding_window: each query attends at most this many keys, itself included (transformers'
             convention), or None.
@@ -127,6 +131,7 @@ def longseq_attention(
         chunk_origin=chunk_origin,
         softcap=kwargs.get("softcap"),
         sink_logits=kwargs.get("s_aux"),  # attention sinks (gpt-oss): (H,) logits
+        dropout=float(dropout or 0.0),
     )
     if spec is not None and spec.sp is not None:
         out = _sequence_parallel_attention(query, keys, spec, masking)
@@ -172,16 +177,14 @@ def _attended_keys(spec: AttnSpec | None, query: torch.Tensor, key: torch.Tensor
 
 
 def _check_call(module: torch.nn.Module, dropout: float, spec: AttnSpec | None, kwargs: dict) -> None:
-    """Raise ``ValueError`` for attention dropout, and for varlen packed rows under sequence parallelism."""
-    if dropout:  # a field the family spec does not name (those are refused at enable: attention_dropout_problems)
-        feature = "long_seq.streambp" if spec is not None and spec.stream is not None else (
-            "sequence parallelism" if spec is not None and spec.sp is not None else "ds_longseq")
-        raise ValueError(
-            f"{type(module).__name__} applies dropout {dropout} to its attention probabilities, inside the attention "
-            f"function that {feature} replaces with ds_longseq's chunked attention, which does not apply it yet: "
-            "load the model with that dropout at 0.0 (config.attention_dropout in most families)"
-        )
+    """Raise ``ValueError`` for attention dropout and for varlen packed rows under sequence parallelism."""
     sp = spec.sp if spec is not None else None
+    if dropout and sp is not None:  # a field the family spec does not name (those are refused at enable)
+        raise ValueError(
+            f"{type(module).__name__} applies dropout {dropout} to its attention probabilities, which ds_longseq's "
+            "sequence-parallel attention does not apply yet (StreamBP alone does): load the model with that dropout "
+            "at 0.0 (config.attention_dropout in most families), or set long_seq.sequence_parallel.size=1"
+        )
     if sp is not None and any(kwargs.get(name) is not None for name in PACKED_KWARGS):
         raise ValueError(
             "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids instead "
@@ -302,6 +305,9 @@ def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Ten
                                       masking.sliding_window, masking.attention_chunk, chunk_origin)
     stream = spec.stream if spec is not None else None
     settings = spec.attention if spec is not None else AttentionSettings()
+    # the call's dropout seed, from the global generator: a StreamBP chunk's region (ops.draws) gives each of its
+    # passes the same one, so its forward and its re-forward draw the same masks
+    dropout_seed = int(torch.randint(0, (1 << 63) - 1, ())) if masking.dropout else 0
     return chunk_causal_attention(
         query,
         keys.key,
@@ -317,6 +323,8 @@ def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Ten
         sink_logits=masking.sink_logits,
         joined_kv=stream.joined() if stream is not None else None,
         single_call=settings.single_call,
+        dropout=masking.dropout,
+        dropout_seed=dropout_seed,
     )
 
 

@@ -65,14 +65,34 @@ allocation per chunk.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
+import struct
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ds_longseq.ops.phases import phase
 
+_DROPOUT_TAP: ContextVar[Callable | None] = ContextVar("ds_longseq_attention_dropout_tap", default=None)
+
+
+@contextlib.contextmanager
+def dropout_masks_tapped(tap: Callable[[torch.Tensor, "TileMask"], None]):
+    """Within: ``tap(keep, mask)`` is called with every attention-probability dropout mask a tile draws ((B, h, r, n)
+    bool, in forward and backward) and its :class:`TileMask` (``dropout_where`` says where it lies): what the tests
+    assemble into the whole (B, H, T, T) mask the stock eager attention replays."""
+    token = _DROPOUT_TAP.set(tap)
+    try:
+        yield
+    finally:
+        _DROPOUT_TAP.reset(token)
+
 __all__ = [
+    "dropout_masks_tapped",
     "chunk_causal_attention",
     "query_lower_bounds",
     "attention_kernel_for",
@@ -122,11 +142,20 @@ class TileMask:
     """Logit softcapping (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask."""
     n: int = 0
     """Keys in the tile (set by the op; used to find rows that see none of them)."""
+    dropout: float = 0.0
+    """Dropout probability on the tile's attention probabilities (after the softmax over every tile, as stock
+    eager attention applies it); 0: none. Only the math kernel applies it (the fused ones refuse the tile)."""
+    dropout_seed: int = 0
+    """With ``dropout``: the seed of the tile's own generator, which draws its keep mask the same in forward and
+    backward (and in every re-run of the chunk that draws the same call seed: ``ops.draws``)."""
+    dropout_where: tuple[int, int, bool] = (0, 0, False)
+    """With ``dropout``, where the tile's mask lies, for :func:`dropout_masks_tapped`: (index of its first key, of
+    its first query, both among the call's S + K keys, whether its rows are GQA-stacked (:func:`_stack`))."""
 
     @property
     def plain(self) -> bool:
         """Nothing but (optionally) the causal diagonal: what the unmasked fused kernels take."""
-        return self.valid is None and self.key_lo is None and self.softcap is None
+        return self.valid is None and self.key_lo is None and self.softcap is None and not self.dropout
 
 
 class TileKernel:
@@ -411,6 +440,21 @@ def _efficient_mask_type(mask: TileMask, rows: int) -> int:
     return 1 if rows == mask.n else 2
 
 
+def _dropout_scale(mask: TileMask, shape, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """(shape) keep mask / (1 - p) in ``dtype`` of the tile's attention-probability dropout, drawn from the tile's
+    own generator (the same tensor every time it is drawn), or None without dropout. The tap (tests) sees each mask
+    drawn."""
+    if not mask.dropout:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(mask.dropout_seed)
+    keep = torch.rand(shape, generator=generator, device=device) >= mask.dropout
+    tap = _DROPOUT_TAP.get()
+    if tap is not None:
+        tap(keep, mask)
+    return keep.to(dtype).div_(1.0 - mask.dropout)  # as torch's dropout scales its noise, in the tile's dtype
+
+
 def _math_scores(q, k, mask, scale):
     """(B, h, r, n) masked scores in the compute dtype, and (softcap only) tanh of the raw scores / cap."""
     cdt = _compute_dtype(q.dtype)
@@ -435,6 +479,9 @@ class _Math(TileKernel):
         scores, _ = _math_scores(q, k, mask, scale)
         lse = torch.logsumexp(scores, dim=-1)
         p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1))
+        dropped = _dropout_scale(mask, p.shape, p.dtype, p.device)
+        if dropped is not None:  # after the normalisation: lse stays the softmax's (tiles merge by it as before)
+            p = p * dropped
         return p @ v.to(p.dtype), lse
 
     def backward(self, do, q, k, v, out, lse, mask, scale):
@@ -442,13 +489,18 @@ class _Math(TileKernel):
         scores, tanh = _math_scores(q, k, mask, scale)
         p = torch.exp(scores - lse.to(cdt).unsqueeze(-1))
         do, out = do.to(cdt), out.to(cdt)
-        delta = (do * out).sum(-1, keepdim=True)  # the softmax-backward correction per row
-        ds = p * (do @ v.to(cdt).transpose(-1, -2) - delta)
+        # the softmax-backward correction per row: sum_j p_ij dP_ij = dO_i . O_i, with O the (dropped) output
+        delta = (do * out).sum(-1, keepdim=True)
+        dp = do @ v.to(cdt).transpose(-1, -2)
+        dropped = _dropout_scale(mask, p.shape, cdt, p.device)
+        if dropped is not None:  # O = (P * M / (1 - p)) V: dP and dV see the mask, the softmax's P does not
+            dp = dp * dropped
+        ds = p * (dp - delta)
         if tanh is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
             ds = ds * (1 - tanh * tanh)
         dq = (ds @ k.to(cdt)) * scale
         dk = (ds.transpose(-1, -2) @ q.to(cdt)) * scale
-        dv = p.transpose(-1, -2) @ do
+        dv = (p if dropped is None else p * dropped).transpose(-1, -2) @ do
         return dq, dk, dv
 
 
@@ -490,6 +542,8 @@ def kernel_chain(device: torch.device | str) -> tuple[str, ...]:
 
 def _refusal(kernel: TileKernel, q: torch.Tensor, mask: TileMask) -> str | None:
     """Why ``kernel`` cannot take the tile (its own reasons, or a rectangular causal tile on a top-left kernel)."""
+    if mask.dropout and kernel.name != "math":
+        return "dropout on attention probabilities (drawn by the math kernel from the tile's own generator)"
     if mask.causal and mask.n != q.shape[2] and not kernel.bottom_right:
         return f"a causal tile of {q.shape[2]} queries on {mask.n} keys (the {kernel.name} kernel's mask is top-left)"
     return kernel.refuses(q, mask)
@@ -645,28 +699,37 @@ def _stack(t: torch.Tensor, Hkv: int, rows: int) -> torch.Tensor:
     return t.reshape(B, Hkv, (H // Hkv) * rows, *t.shape[3:])
 
 
-def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int) -> TileMask:
+def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int, dropout: tuple[float, int] | None = None,
+               first_q: int = 0) -> TileMask:
     key_lo = None
     if t.lo_shift is not None:
         key_lo = query_lo[:, t.r0 : t.r1] - t.lo_shift
         if not t.causal and R > 1:
             key_lo = key_lo.repeat(1, R)  # stacked rows: R blocks of the chunk's rows
-    return TileMask(t.causal, valid, key_lo, softcap, n)
+    if dropout is None:
+        return TileMask(t.causal, valid, key_lo, softcap, n)
+    p, seed = dropout
+    # the tile's own generator, from the call's seed and where the tile lies: its mask is the same in forward and
+    # backward, whatever tiles ran before it
+    where = (t.offset + t.a, first_q + t.r0, not t.causal and R > 1)
+    tile_seed = int.from_bytes(hashlib.blake2b(struct.pack("<4q", seed, where[0], where[1], int(t.causal)),
+                                               digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return TileMask(t.causal, valid, key_lo, softcap, n, p, tile_seed, where)
 
 
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, sink_k, sink_v,
-                sink_own, sink_logits, joined_k, joined_v):
+                sink_own, sink_logits, joined_k, joined_v, dropout):
         joined = (joined_k, joined_v)
         with torch.autocast(q.device.type, enabled=False), phase("attention.forward"):
             out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan,
-                                          kernel, joined)
+                                          kernel, joined, dropout)
             if sink_logits is not None:
                 out, lse = _with_sink_logits(out, lse, sink_logits)
         ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits, *joined)
         # the plan was made on the host in forward: backward reuses it (no host sync)
-        ctx.softcap, ctx.scale, ctx.plan, ctx.kernel = softcap, scale, plan, kernel
+        ctx.softcap, ctx.scale, ctx.plan, ctx.kernel, ctx.dropout = softcap, scale, plan, kernel, dropout
         ctx.sinks, ctx.sink_own = (sink_k, sink_v), sink_own
         return out
 
@@ -676,7 +739,7 @@ class _ChunkAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False), phase("attention.backward"):
             dq, dk, dv = _attention_backward(
                 grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, ctx.softcap, out, lse, ctx.scale,
-                ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own, joined,
+                ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own, joined, ctx.dropout,
             )
             d_sink = None
             if sink_logits is not None and ctx.needs_input_grad[14]:
@@ -685,7 +748,7 @@ class _ChunkAttention(torch.autograd.Function):
                 p_sink = torch.exp(sink_logits.to(cdt).view(1, -1, 1) - lse)
                 delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
                 d_sink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
-        return dq, dk, dv, *([None] * 11), d_sink, None, None
+        return dq, dk, dv, *([None] * 11), d_sink, None, None, None
 
 
 def _with_sink_logits(out: torch.Tensor, lse: torch.Tensor, sink_logits: torch.Tensor):
@@ -706,9 +769,11 @@ def _rows(t: torch.Tensor, tile: _Tile, C: int) -> torch.Tensor:
     return t if tile.r0 == 0 and tile.r1 == C else t[:, :, tile.r0 : tile.r1].contiguous()
 
 
-def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, joined):
+def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, joined,
+                       dropout=None):
     B, H, C, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
+    first_q = (0 if k_prefix is None else k_prefix.shape[2]) + k.shape[2] - C  # the queries' first key index
     R = H // Hkv
     cdt = _compute_dtype(q.dtype)
     m = acc = None
@@ -716,7 +781,7 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
     covered = 0  # rows [covered, C) have no contribution yet
     for t in plan:
         kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t, joined)
-        mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R)
+        mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R, dropout, first_q)
         if t.causal:
             q_t = _rows(q, t, C)
             tile = _pick(kernel, q_t, mask)
@@ -761,12 +826,13 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
 
 
 def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, out, lse, scale, plan,
-                        kernel, sinks, sink_own, joined):
+                        kernel, sinks, sink_own, joined, dropout=None):
     sink_k, sink_v = sinks
     B, H, C, D = q.shape
     Hkv, K = k.shape[1], k.shape[2]
     R = H // Hkv
     S = 0 if k_prefix is None else k_prefix.shape[2]
+    first_q = S + K - C
     cdt = _compute_dtype(q.dtype)
     grad_out = grad_out.contiguous()
     # The first tile's gradients become the accumulators (kernel outputs are fresh tensors) when it
@@ -782,7 +848,7 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
         if t.src == 0 and sink_k is None:
             continue
         kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t)
-        mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R)
+        mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R, dropout, first_q)
         if t.causal:
             q_t, do_t, out_t, lse_t = (_rows(x, t, C) for x in (q, grad_out, out, lse))
             dq_t, dk_t, dv_t = _causal_tile_backward(kernel, do_t, q_t, kt, vt, out_t, lse_t, mask, scale, R)
@@ -871,6 +937,8 @@ def chunk_causal_attention(
     sink_logits: torch.Tensor | None = None,
     joined_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     single_call: bool | None = None,
+    dropout: float = 0.0,
+    dropout_seed: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the last C positions against all S + K keys, bottom-right aligned.
 
@@ -907,6 +975,11 @@ def chunk_causal_attention(
             (FlashAttention-2 where cuDNN, twice as fast on Hopper, is not chosen; the memory-efficient kernel
             without GQA). True: always, on the first kernel that takes it (the math kernel, holding a (C x S + K)
             score matrix, where no fused one does); a named ``kernel`` that cannot is an error. False: never.
+        dropout: dropout probability on the attention probabilities (each row's softmax over every key, then the
+            mask, as stock eager attention); every tile then runs the math kernel, its keep mask drawn from its own
+            generator (``dropout_seed`` and where the tile lies), the same in forward and backward. 0: none.
+        dropout_seed: with ``dropout``: the call's seed (a StreamBP chunk draws it in its region, ``ops.draws``, so
+            each of its passes draws the same masks).
 
     Returns:
         (B, H, C, Dv) attention output in q's dtype (the autocast dtype under autocast). Queries with
@@ -940,7 +1013,9 @@ def chunk_causal_attention(
         )
     sink_k, sink_v = prefix_grad_sink if prefix_grad_sink is not None else (None, None)
     joined_kv = _joined_keys(joined_kv, k, v, num_prefix, q.device.type)
-    plain = key_valid is None and query_lo is None and softcap is None
+    if not 0 <= dropout < 1:
+        raise ValueError(f"attention dropout must be in [0, 1), got {dropout}")
+    plain = key_valid is None and query_lo is None and softcap is None and not dropout
     one_call = _one_call_kernel(single_call, kernel, q, k.shape[1], num_prefix + k.shape[2], plain,
                                 joined_kv is not None)
     plan = _plan(num_prefix, k.shape[2], q.shape[2], int(kv_block_size), lo_cpu, valid_cpu, single=one_call is not None)
@@ -948,6 +1023,7 @@ def chunk_causal_attention(
     return _ChunkAttention.apply(
         q, k, v, k_prefix, v_prefix, key_valid, query_lo, None if softcap is None else float(softcap), float(scale),
         plan, one_call or kernel, sink_k, sink_v, sink_own_keys, sink_logits, joined_k, joined_v,
+        (float(dropout), int(dropout_seed)) if dropout else None,
     )
 
 

@@ -6,8 +6,6 @@ Holds:
         attention routed through ds_longseq's chunked attention function; with ``chunk_size: "auto"``, the
         base model's forward pre-hook that picks the chunk size for each training forward
         (``forwards.auto_chunk``).
-    attention_dropout_problems: the attention-probability dropout ds_longseq's attention does not apply (StreamBP
-        and sequence parallelism share it).
 """
 
 from __future__ import annotations
@@ -22,23 +20,7 @@ from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
 from ds_longseq.forwards.unread_outputs import UnreadLinear
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
-__all__ = ["StreamBP", "attention_dropout_problems"]
-
-
-def attention_dropout_problems(ctx: EnableContext, feature: str) -> list[str]:
-    """The family's attention-probability dropout fields that are on: ``feature`` (which runs ds_longseq's chunked
-    attention in place of the family's) would leave that dropout out."""
-    hf_config = ctx.model.config
-    return [
-        f"config.{field}={getattr(hf_config, field)}: dropout on attention probabilities, inside the attention "
-        f"function that {feature} replaces with ds_longseq's chunked attention, which does not apply it yet (every "
-        f"other dropout, LoRA's included, is replayed exactly); load the model with {field}=0.0 "
-        f"(AutoModelForCausalLM.from_pretrained(path, {field}=0.0): the modules copy it when they are built, so "
-        "setting the config afterwards does not reach them), or use long_seq.mini_seq, which keeps the stock "
-        "attention"
-        for field in ctx.adapter.spec.attention_dropout_fields
-        if getattr(hf_config, field, 0.0)
-    ]
+__all__ = ["StreamBP"]
 
 
 @register
@@ -53,10 +35,9 @@ class StreamBP(Technique):
     uses_model_forward = True  # the model forward finds packed documents once and passes them to every layer
 
     def check(self, ctx: EnableContext) -> list[str]:
-        problems = attention_dropout_problems(ctx, "long_seq.streambp")
         if ctx.adapter.spec.attention_problem:
-            problems.append(f"long_seq.streambp: {ctx.adapter.spec.attention_problem}")
-        return problems
+            return [f"long_seq.streambp: {ctx.adapter.spec.attention_problem}"]
+        return []
 
     def install(self, ctx: EnableContext) -> None:
         ctx.use_longseq_attention()

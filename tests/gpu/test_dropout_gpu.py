@@ -11,7 +11,7 @@ import torch
 from ds_longseq.ops.draws import Draws
 from tests.helpers import make_batch
 from tests.mask_replay import against_mask_replay
-from tests.test_dropout import enabled, lora_model
+from tests.test_dropout import check_chunk_attention_dropout, enabled, lora_model
 
 
 @pytest.mark.parametrize("mode", ["streambp", "mini_seq", "streambp_offload"])
@@ -36,3 +36,9 @@ def test_a_region_sets_and_restores_the_cuda_generator():
         other = torch.rand(8, device=device)
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert torch.equal(before, torch.cuda.get_rng_state(device)) and draws.drew
+
+
+def test_chunk_attention_dropout_on_cuda_against_dense():
+    """The attention-probability dropout of ops.attention on a CUDA device (the tiles' generators are the device's,
+    the fused kernels refuse the tiles): tests/test_dropout.py's check, on CUDA."""
+    check_chunk_attention_dropout(torch.device("cuda"))
