@@ -64,6 +64,22 @@ class _ModuleStack:
         return (self.stack[-1] if self.stack else "<model>", _caller())
 
 
+class _SiteMode(TorchFunctionMode):
+    """A function mode that knows each call's site (:class:`_ModuleStack` over ``model``) while it is on."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.modules = _ModuleStack(model)
+
+    def __enter__(self):
+        self.modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.modules.__exit__(*exc)
+
+
 def _capturing() -> bool:
     """Whether a StreamBP K/V capture pass is running the current chunk."""
     from ds_longseq.forwards.attn_spec import spec_of
@@ -79,7 +95,7 @@ def _dropout_args(func, args, kwargs) -> tuple[torch.Tensor, float, bool]:
     return x, float(p), bool(training)
 
 
-class MaskRecorder(TorchFunctionMode):
+class MaskRecorder(_SiteMode):
     """Within: every dropout call with p > 0 in training runs as usual and its mask is recorded under its call site:
     ``masks[site]`` lists them in call order.
 
@@ -91,18 +107,9 @@ class MaskRecorder(TorchFunctionMode):
     what the reference checks, through the keys the forward attends)."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.modules = _ModuleStack(model)
+        super().__init__(model)
         self.masks: dict[tuple, list[torch.Tensor]] = {}
         self.calls = 0
-
-    def __enter__(self):
-        self.modules.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        self.modules.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -140,24 +147,15 @@ class MaskRecorder(TorchFunctionMode):
         return out
 
 
-class MaskReplayer(TorchFunctionMode):
+class MaskReplayer(_SiteMode):
     """Within: each dropout call site applies ``whole[site]`` (the recorded masks joined along the tokens) instead
     of drawing, as torch's CPU dropout computes it (``x * (mask / (1 - p))``). A site with no mask, or one of
     another shape, fails the test."""
 
     def __init__(self, model: torch.nn.Module, whole: dict[tuple, torch.Tensor]):
-        super().__init__()
-        self.modules = _ModuleStack(model)
+        super().__init__(model)
         self.whole = whole
         self.used: set = set()
-
-    def __enter__(self):
-        self.modules.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        self.modules.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
