@@ -3,9 +3,10 @@
 Published configs carry fields that transformers' defaults leave alone: Qwen1.5-MoE sets ``sliding_window`` with
 ``use_sliding_window: false`` (transformers then builds a sliding-window mask of 0 tokens that no layer reads),
 GPT-2 carries ``summary_first_dropout: 0.1`` (its double-heads model's) and GPT-NeoX ``classifier_dropout: 0.1``
-(its token classifier's). ds_longseq computes what stock computes there (float64, 1e-10) and refuses only a
-dropout the re-forwarded layers apply, saying how to turn it off. The family sweep's published-config column
-(tests/model_zoo.py, ``VARIANTS``) runs every family this way.
+(its token classifier's). ds_longseq computes what stock computes there (float64, 1e-10), and with the dropouts the
+layers apply at their published values it computes what stock computes with the same masks (GPT-2 below;
+docs/DROPOUT.md). The family sweep's published-config column (tests/model_zoo.py, ``VARIANTS``) runs every family
+with its applied dropouts at 0.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq import UnsupportedModelError
 from tests.helpers import compare, grads_of, reference_loss
 
 STREAMBP = {"streambp": {"enabled": True, "chunk_size": 8}, "attention": {"kv_block_size": 4},
@@ -100,31 +100,40 @@ def test_a_dropout_before_the_layers_is_not_refused():
     assert max(compare(runs[0], runs[1]).values()) > 1e-2
 
 
-def test_an_applied_dropout_is_refused_saying_how_to_turn_it_off():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(**TINY, n_layer=2, n_embd=32, n_head=2))  # 0.1 everywhere, as GPT-2
-    with pytest.raises(UnsupportedModelError) as info:
-        ds_longseq.enable(model, STREAMBP)
-    message = str(info.value)
-    assert "config.attn_pdrop=0.1" in message and "from_pretrained(path, attn_pdrop=0.0)" in message
-    # the residual and embedding dropouts are replayed (below); a classifier's is not the causal LM's
-    assert "resid_pdrop" not in message and "embd_pdrop" not in message and "summary_first_dropout" not in message
-    assert not ds_longseq.is_enabled(model)
-
-
-def test_gpt2_published_dropouts_but_the_attention_s_exact_by_mask_replay():
-    """GPT-2's published 0.1 on its embeddings and residual branches (its attention's at 0): StreamBP draws each
-    chunk's masks again, the same, in the recompute, against the stock model run whole with the masks its forward
+def test_gpt2_published_dropouts_exact_by_mask_replay():
+    """GPT-2's published 0.1 on its embeddings, its attention probabilities and its residual branches (its double-heads
+    model's summary_first_dropout is not the causal LM's), under StreamBP with key tiles of 4: each chunk's
+    recompute draws its forward's masks (the module dropouts from the chunk's region, the attention's from each
+    tile's own generator), against the stock model (float64 eager attention) run whole with the masks its forward
     drew (tests/mask_replay.py), float64, 1e-10."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tests.mask_replay import against_mask_replay
+    from tests.helpers import float64_eager_attention
+    from tests.mask_replay import AttentionDropoutTap, MaskRecorder, MaskReplayer, joined
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**TINY, n_layer=2, n_embd=32, n_head=2, attn_pdrop=0.0)).double().train()
-    ours = ds_longseq.enable(copy.deepcopy(model), STREAMBP)
+    model = float64_eager_attention(GPT2LMHeadModel(GPT2Config(**TINY, n_layer=2, n_embd=32, n_head=2)).double())
+    assert model.config.attn_pdrop == model.config.resid_pdrop == model.config.embd_pdrop == 0.1
+    ours = ds_longseq.enable(copy.deepcopy(model), STREAMBP).train()
+    model.train()
     batch = _batch()
     ours(**batch).loss.backward()  # the first training forward's one-time checks
-    errs, recorder = against_mask_replay(ours, model, batch)
-    assert len(recorder.masks) == 1 + 2 * 2 and max(errs.values()) < 1e-10, errs  # embeddings + 2 per layer
+    torch.manual_seed(5)
+    recorder, tap = MaskRecorder(ours), AttentionDropoutTap(ours, 2, 2, 2, batch["input_ids"].shape[1])
+
+    def forward():
+        with recorder, tap:
+            return ours(**batch).loss
+
+    result = grads_of(ours, forward)
+    whole = {**joined(recorder.masks, 2), **tap.whole()}
+    replayer = MaskReplayer(model, whole)
+
+    def reference():
+        with replayer:
+            return reference_loss(model, batch, torch.float64)
+
+    errs = compare(result, grads_of(model, reference))
+    # the embeddings' and 2 residual dropouts per layer, the attention probabilities of each layer
+    assert len(recorder.masks) == 1 + 2 * 2 and len(tap.whole()) == 2 and replayer.used == set(whole)
+    assert max(errs.values()) < 1e-10, errs

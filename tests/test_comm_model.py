@@ -509,7 +509,7 @@ def test_ring_formulas_at_scale():
     assert flows[("ring", "backward", "reduce_scatter")].bytes == L * 2 * 64 * block * 2
     chosen = predict("llama3-8b", T, world=64, sp=64, method="streambp", param_bytes=2)
     assert (chosen.ulysses, chosen.ring) == (32, 2)
-    with pytest.raises(ValueError, match="does not divide the 32 attention heads"):
+    with pytest.raises(ValueError, match="cannot shard 32 query and 8 key/value heads"):
         predict("llama3-8b", T, world=64, sp=64, ring=1)
     for method in METHODS:
         assert predict("llama3-8b", T, world=64, sp=8, ring=1, method=method).flows == \
