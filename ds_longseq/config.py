@@ -170,9 +170,10 @@ class SequenceParallelConfig:
     parallel. Must equal DeepSpeed's top-level ``sequence_parallel_size`` when that is set too."""
     ring: int | None = None
     """Ring degree r of ``size`` = u x r (u: the Ulysses degree). None: chosen from the model, u the largest
-    divisor of ``size`` that divides the query heads and r the rest (``ops.sp_layout.sp_degrees``), so any size
-    works on any model; 1: Ulysses alone (``size`` must divide the heads). StreamBP gathers each layer's K/V over the
-    ring (``ops.ulysses.UlyssesRingExchange``)."""
+    divisor of ``size`` that divides the query heads and divides or is a multiple of the key/value heads, r the rest
+    (``ops.sp_layout.sp_degrees``), so any size works on any model; 1: Ulysses alone (``size`` must fit both head
+    counts so). A ring that leaves a u the heads do not fit is refused, naming the ones that work. StreamBP gathers
+    each layer's K/V over the ring (``ops.ulysses.UlyssesRingExchange``)."""
     recurrent: Literal["heads", "pass_state"] = "heads"
     """How a hybrid's recurrent layers (linear attention, Mamba-2, short convolutions) run across the group.
     ``"heads"``: each rank runs the whole sequence's recurrence for 1/size of the heads, at the same time as
