@@ -441,7 +441,7 @@ def test_trainer_resume_from_checkpoint(tmp_path):
 
 def bad_input_body(rank: int, workdir: str, model_dir: str) -> dict[str, str]:
     """Each bad set-up on one rank; returns {case: "ExceptionType: message"} (raised at construction)."""
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, TrainingArguments
+    from transformers import AutoModelForCausalLM, TrainingArguments
 
     from ds_longseq.trainer import LongSeqTrainer
 
@@ -458,11 +458,12 @@ def bad_input_body(rank: int, workdir: str, model_dir: str) -> dict[str, str]:
 
     bad_chunk = ds_config(2, 1)
     bad_chunk["long_seq"]["streambp"]["chunk_size"] = 0
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    headless = AutoModelForCausalLM.from_pretrained(model_dir)
+    headless.lm_head = torch.nn.Identity()  # no Linear head to chunk: refused at enable()
     return {
         "invalid section": attempt(bad_chunk),
         "sp does not divide world": attempt(ds_config(2, 2)),
-        "unsupported family": attempt(ds_config(2, 1), model=gpt2),
+        "unsupported model": attempt(ds_config(2, 1), model=headless),
         "given twice": attempt(ds_config(2, 1), long_seq={"lm_head": {"enabled": True}}),
     }
 
@@ -676,7 +677,7 @@ def test_trainer_bad_input_fails_at_construction(tmp_path):
     errors = run_distributed(bad_input_body, 1, (str(tmp_path), model_dir), timeout=300)[0]
     assert errors["invalid section"].startswith("LongSeqConfigError") and "chunk_size" in errors["invalid section"]
     assert "does not divide the world size 1" in errors["sp does not divide world"]
-    assert errors["unsupported family"].startswith("UnsupportedModelError")
+    assert errors["unsupported model"].startswith("UnsupportedModelError") and "lm_head" in errors["unsupported model"]
     assert "keep only one" in errors["given twice"]
 
 
