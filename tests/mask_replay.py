@@ -222,13 +222,18 @@ class AttentionDropoutTap:
     """Within: every attention-probability dropout mask ds_longseq's chunk attention draws in a module's forward
     (``ops.attention.dropout_masks_tapped``) put in place in that module's whole (B, H, T, T) mask: ``masks`` keyed
     (module, None), as :class:`MaskReplayer` takes them for the stock eager attention's one dropout call. A mask
-    position drawn twice (a chunk run again in the forward) must be drawn the same."""
+    position drawn twice (a chunk run again in the forward) must be drawn the same.
 
-    def __init__(self, model: torch.nn.Module, batch: int, heads: int, kv_heads: int, seq_len: int):
+    ``local_heads``: the global indices of the query heads this process's tiles hold (a sequence-parallel rank's
+    Ulysses heads, in order); None: all ``heads``. ``seen`` marks what was drawn (ranks' masks are joined by it)."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, heads: int, seq_len: int,
+                 local_heads: torch.Tensor | None = None):
         from ds_longseq.ops.attention import dropout_masks_tapped
 
         self.modules = _ModuleStack(model)
-        self.shape, self.groups = (batch, heads, seq_len, seq_len), heads // kv_heads
+        self.shape = (batch, heads, seq_len, seq_len)
+        self.heads = torch.arange(heads) if local_heads is None else local_heads
         self.masks: dict[tuple, torch.Tensor] = {}
         self.tiles = 0
         self._tapped = dropout_masks_tapped(self._tap)
@@ -246,11 +251,12 @@ class AttentionDropoutTap:
         key0, query0, stacked = mask.dropout_where
         B, h, r, n = keep.shape
         if stacked:  # (B, Hkv, R * rows, n): R blocks of the rows, one per query head of the key/value head
-            keep = keep.reshape(B, h, self.groups, r // self.groups, n).reshape(B, h * self.groups, -1, n)
+            groups = len(self.heads) // h
+            keep = keep.reshape(B, h, groups, r // groups, n).reshape(B, h * groups, -1, n)
         rows = keep.shape[2]
         whole = self.masks.setdefault((self.modules.stack[-1], None), torch.zeros(self.shape, dtype=torch.bool))
         seen = self.masks.setdefault(("seen", self.modules.stack[-1]), torch.zeros(self.shape, dtype=torch.bool))
-        place = (slice(None), slice(None), slice(query0, query0 + rows), slice(key0, key0 + n))
+        place = (slice(None), self.heads, slice(query0, query0 + rows), slice(key0, key0 + n))
         if seen[place].any() and not torch.equal(whole[place][seen[place]], keep.cpu()[seen[place]]):
             raise AssertionError("a tile drew another mask than an earlier run of it")
         whole[place] = keep.cpu()

@@ -119,7 +119,7 @@ def test_gpt2_published_dropouts_exact_by_mask_replay():
     batch = _batch()
     ours(**batch).loss.backward()  # the first training forward's one-time checks
     torch.manual_seed(5)
-    recorder, tap = MaskRecorder(ours), AttentionDropoutTap(ours, 2, 2, 2, batch["input_ids"].shape[1])
+    recorder, tap = MaskRecorder(ours), AttentionDropoutTap(ours, 2, 2, batch["input_ids"].shape[1])
 
     def forward():
         with recorder, tap:

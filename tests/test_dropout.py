@@ -175,12 +175,6 @@ def sp_dropout_worker(rank: int, world: int, modes: list[str]) -> dict:
 
     local = shard_batch(global_batch(), rank, world)
     out = {}
-    try:  # attention-probability dropout is refused at enable under sequence parallelism
-        ds_longseq.enable(make_model("llama", DT, attention_dropout=0.1), {"sequence_parallel": {"size": world}},
-                          sp_group=dist.group.WORLD)
-        out["refused"] = None
-    except ds_longseq.UnsupportedModelError as error:
-        out["refused"] = str(error)
     for mode in modes:
         ours = copy.deepcopy(lora_model())
         cfg = {**SP_MODES[mode], **LM_HEAD, "sequence_parallel": {"size": world}}
@@ -204,7 +198,7 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
     """SP 2 on 2 gloo ranks, lora_dropout=0.1 on every linear, under StreamBP, mini_seq and Ulysses alone: each rank
     draws its own shard's masks (from the same global generator state, unlike each other), and the group's loss,
     input gradient and summed parameter gradients equal the stock model run whole with the masks of both ranks
-    joined in sequence order, float64, 1e-10. Attention-probability dropout is refused there at enable."""
+    joined in sequence order, float64, 1e-10."""
     from tests.dist_utils import run_distributed
     from tests.helpers import grads_of, reference_loss, rel_err
     from tests.mask_replay import MaskReplayer, joined
@@ -212,7 +206,6 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
 
     modes = list(SP_MODES)
     results = run_distributed(sp_dropout_worker, world_size=2, args=(2, modes))
-    assert "config.attention_dropout=0.1: dropout on attention probabilities" in results[0]["refused"]
     batch = global_batch()
     for mode in modes:
         per_rank = [r[mode] for r in results]
@@ -236,6 +229,104 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
             errs.update({name: rel_err(g, ref_grads[name]) for name, g in r["grads"].items()})
             assert set(r["grads"]) == set(ref_grads)
             assert max(errs.values()) < TOL, (mode, rank, max(errs, key=errs.get), max(errs.values()))
+
+
+SP_ATTENTION = {  # SP 2 with 4 query / 2 key-value heads: Ulysses (2 heads a rank), or a ring of 2 (all heads)
+    "ulysses_only": {"sequence_parallel": {"size": 2}},
+    "streambp": {**MODES["streambp"], "sequence_parallel": {"size": 2}},
+    "ring": {"sequence_parallel": {"size": 2, "ring": 2}},
+    "streambp_ring": {**MODES["streambp"], "sequence_parallel": {"size": 2, "ring": 2}},
+}
+
+
+def attention_dropout_model():
+    from tests.helpers import float64_eager_attention
+
+    return float64_eager_attention(full_precision_norms(make_model("llama", DT, attention_dropout=0.1)))
+
+
+def sp_attention_dropout_worker(rank: int, world: int, cases: list[str]) -> dict:
+    """Each case on this rank's shard (no left padding: the eager reference and ds_longseq differ on a query that
+    sees no key): loss, summed parameter gradients, the shard's input gradient and positions, and the attention
+    dropout masks this rank's tiles drew, placed at their global heads and positions."""
+    import torch.distributed as dist
+
+    from ds_longseq.engine import shard_batch
+    from tests.helpers import grads_of
+    from tests.mask_replay import AttentionDropoutTap
+    from tests.test_sequence_parallel import global_batch
+
+    out = {}
+    for case in cases:
+        ours = attention_dropout_model()
+        ds_longseq.enable(ours, {**SP_ATTENTION[case], **LM_HEAD}, sp_group=dist.group.WORLD)
+        local = shard_batch(global_batch(left_pad=False), rank, world)
+        ours(**local).loss.backward()  # the first training forward's one-time checks
+        c = ours.config
+        ulysses = 1 if SP_ATTENTION[case]["sequence_parallel"].get("ring") else world
+        heads = torch.arange(c.num_attention_heads).chunk(ulysses)[rank % ulysses]
+        tap = AttentionDropoutTap(ours, 2, c.num_attention_heads, global_batch()["input_ids"].shape[1], heads)
+        torch.manual_seed(5)  # the same global generator state on every rank
+
+        def forward(tap=tap, ours=ours, local=local):
+            with tap:
+                return ours(**local).loss
+
+        loss, grads, embed_grad = grads_of(ours, forward)
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[case] = {"loss": loss, "grads": grads, "embed_grad": embed_grad, "masks": tap.masks,
+                     "positions": local["position_ids"][0], "heads": heads, "tiles": tap.tiles}
+        ds_longseq.disable(ours)  # the process's layout goes with it (the next case may run another ring)
+    return out
+
+
+def test_sequence_parallel_attention_dropout_exact_by_mask_replay():
+    """Attention-probability dropout (attention_dropout 0.1, GQA 4 / 2 heads) under SP 2 on 2 gloo ranks: Ulysses
+    alone (whole-shard attention, 2 heads a rank), StreamBP's chunk attention against the exchanged keys, ring
+    attention (a ring of 2, zigzag shards, each query's tiles on its own rank) and StreamBP under the ring. Each rank
+    draws its own call seed in its own region (``ops.draws``), each tile its mask from that seed and its global
+    positions. The tiles' masks of both ranks, placed at their global heads and positions, replayed in the stock
+    model run whole (float64 eager attention): loss, each rank's input gradient and the summed parameter gradients
+    equal it to 1e-10; the ranks' masks differ; about p of the positions drawn are dropped."""
+    from tests.dist_utils import run_distributed
+    from tests.helpers import grads_of, reference_loss, rel_err
+    from tests.mask_replay import MaskReplayer
+    from tests.test_sequence_parallel import global_batch
+
+    cases = list(SP_ATTENTION)
+    results = run_distributed(sp_attention_dropout_worker, world_size=2, args=(2, cases))
+    batch = global_batch(left_pad=False)
+    for case in cases:
+        per_rank = [r[case] for r in results]
+        sites = [site for site in per_rank[0]["masks"] if site[0] != "seen"]
+        assert len(sites) == 2 and all(r["tiles"] > 0 for r in per_rank), (case, sites)  # 2 layers' attention
+        whole, drawn = {}, []
+        for site in sites:
+            seen = [r["masks"][("seen", site[0])] for r in per_rank]
+            assert not (seen[0] & seen[1]).any()  # each position drawn by one rank
+            whole[site] = sum(r["masks"][site] & s for r, s in zip(per_rank, seen, strict=True)).bool()
+            drawn += [r["masks"][site][s] for r, s in zip(per_rank, seen, strict=True)]
+            if case in ("ulysses_only", "streambp"):  # the same positions of heads 0 (rank 0) and 2 (rank 1)
+                both = seen[0][:, 0] & seen[1][:, 2]
+                assert both.any() and not torch.equal(whole[site][:, 0][both], whole[site][:, 2][both]), case
+        kept = torch.cat(drawn).double()
+        assert abs((1 - kept.mean().item()) - 0.1) < 5 * (0.09 / kept.numel()) ** 0.5, (case, kept.mean())
+        stock = attention_dropout_model()
+        replayer = MaskReplayer(stock, whole)
+
+        def reference(replayer=replayer, stock=stock):
+            with replayer:
+                return reference_loss(stock, batch, DT)
+
+        ref_loss, ref_grads, ref_embed = grads_of(stock, reference)
+        assert replayer.used == set(whole)
+        for rank, r in enumerate(per_rank):
+            errs = {"loss": rel_err(r["loss"], ref_loss),
+                    "embed_grad": rel_err(r["embed_grad"], ref_embed[:, r["positions"]])}
+            errs.update({name: rel_err(g, ref_grads[name]) for name, g in r["grads"].items()})
+            assert set(r["grads"]) == set(ref_grads)
+            assert max(errs.values()) < TOL, (case, rank, max(errs, key=errs.get), max(errs.values()))
 
 
 def test_a_region_replays_its_draws_and_leaves_the_global_generator_alone():
@@ -328,7 +419,7 @@ def test_attention_dropout_under_streambp_exact_by_mask_replay(arch, kv_block_si
     ours(**batch).loss.backward()  # the first training forward's one-time checks
     torch.manual_seed(5)
     c = model.config
-    tap = AttentionDropoutTap(ours, 2, c.num_attention_heads, c.num_key_value_heads, batch["input_ids"].shape[1])
+    tap = AttentionDropoutTap(ours, 2, c.num_attention_heads, batch["input_ids"].shape[1])
 
     def forward():
         with tap:

@@ -128,8 +128,7 @@ class FamilySpec:
     dropout_fields: tuple[str, ...] = ("attention_dropout",)
     """Config fields that are dropout probabilities inside a decoder layer. StreamBP and mini_seq replay their draws
     exactly in the chunk re-forwards (``ops.draws``), and StreamBP's chunk attention applies the attention-probability
-    ones (:attr:`attention_dropout_fields`) from each tile's own generator; sequence parallelism's attention does
-    not, and refuses them."""
+    ones from each tile's own generator, under sequence parallelism too (each rank its own seed)."""
     final_logit_softcap_field: str | None = None
     """Config field of a final-logit softcap (``cap * tanh(logits / cap)`` after the LM head) that the
     chunked LM head must apply, or None."""
@@ -173,12 +172,6 @@ class FamilySpec:
     a discovered one only where ``discovery.OVERRIDES`` says so (its test named there). The shard context must
     reach the attention, and nothing in the layers may use rank-local positions (Llama 4's temperature tuning
     counts them from its cache's length: ``DecoderLMAdapter.cache_positioned_attention``)."""
-
-    @property
-    def attention_dropout_fields(self) -> tuple[str, ...]:
-        """The :attr:`dropout_fields` on attention probabilities (named for the attention: ``attention_dropout``,
-        GPT-2's ``attn_pdrop``), applied inside the attention function (refused under sequence parallelism)."""
-        return tuple(field for field in self.dropout_fields if "attn" in field or "attention" in field)
 
 
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})

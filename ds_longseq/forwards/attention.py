@@ -121,7 +121,7 @@ def longseq_attention(
     _check_kwargs(module, kwargs)
     spec: AttnSpec | None = spec_of(kwargs)
     keys = _attended_keys(spec, query, key, value)
-    _check_call(module, dropout, spec, kwargs)
+    _check_call(spec, kwargs)
     window = _sliding_window(module, sliding_window, keys.num_keys)
     attention_chunk, chunk_origin = _attention_chunk(module, spec, attention_mask, keys.num_keys, query.device)
     masking = _Masking(
@@ -176,15 +176,9 @@ def _attended_keys(spec: AttnSpec | None, query: torch.Tensor, key: torch.Tensor
     return _Keys(key, value, k_prefix, v_prefix, num_keys)
 
 
-def _check_call(module: torch.nn.Module, dropout: float, spec: AttnSpec | None, kwargs: dict) -> None:
-    """Raise ``ValueError`` for attention dropout and for varlen packed rows under sequence parallelism."""
+def _check_call(spec: AttnSpec | None, kwargs: dict) -> None:
+    """Raise ``ValueError`` for varlen packed rows under sequence parallelism."""
     sp = spec.sp if spec is not None else None
-    if dropout and sp is not None:  # a field the family spec does not name (those are refused at enable)
-        raise ValueError(
-            f"{type(module).__name__} applies dropout {dropout} to its attention probabilities, which ds_longseq's "
-            "sequence-parallel attention does not apply yet (StreamBP alone does): load the model with that dropout "
-            "at 0.0 (config.attention_dropout in most families), or set long_seq.sequence_parallel.size=1"
-        )
     if sp is not None and any(kwargs.get(name) is not None for name in PACKED_KWARGS):
         raise ValueError(
             "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids instead "
@@ -235,6 +229,12 @@ def _attention_chunk(module: torch.nn.Module, spec: AttnSpec | None, attention_m
     return attention_chunk, chunk_origin
 
 
+def _dropout_seed(masking: _Masking) -> int:
+    """The call's attention-dropout seed, drawn from the global generator (0 without dropout: nothing drawn, so
+    a model without attention dropout consumes no draw here)."""
+    return int(torch.randint(0, (1 << 63) - 1, ())) if masking.dropout else 0
+
+
 def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpec, masking: _Masking
                                  ) -> torch.Tensor:
     """Ulysses attention: a whole shard, or inside a StreamBP chunk loop the chunk against the stream's
@@ -250,18 +250,22 @@ def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpe
         (B, H, C, D) output.
     """
     sp, stream, settings = spec.sp, spec.stream, spec.attention
+    # this rank's call seed: drawn inside its own region (the sequence-parallel forward hook's, and a StreamBP chunk's
+    # within it: ops.draws), so ranks draw unlike masks, and a chunk's forward, re-forward and backward the same
+    dropout_seed = _dropout_seed(masking)
     if sp.ring_group is not None and stream is None:  # Ulysses x ring, a whole shard
         return ulysses_ring_attention(
             query, keys.key, keys.value, sp.exchange, sp.ring_group, scale=masking.scale, key_valid=sp.key_valid,
             doc_start=sp.doc_start, sliding_window=masking.sliding_window, softcap=masking.softcap,
             sink_logits=masking.sink_logits, attention_chunk=masking.attention_chunk,
-            chunk_origin=masking.chunk_origin,
+            chunk_origin=masking.chunk_origin, dropout=masking.dropout, dropout_seed=dropout_seed,
         )
     common = dict(
         scale=masking.scale, key_valid=sp.key_valid, kv_block_size=settings.kv_block_size,
         single_call=settings.single_call,
         doc_start=sp.doc_start, sliding_window=masking.sliding_window, softcap=masking.softcap,
         sink_logits=masking.sink_logits, attention_chunk=masking.attention_chunk, chunk_origin=masking.chunk_origin,
+        dropout=masking.dropout, dropout_seed=dropout_seed,
     )
     if stream is not None:
         return ulysses_chunk_attention(query, stream.exchange, stream.k_heads, stream.v_heads, stream.start, stream.end,
@@ -305,9 +309,9 @@ def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Ten
                                       masking.sliding_window, masking.attention_chunk, chunk_origin)
     stream = spec.stream if spec is not None else None
     settings = spec.attention if spec is not None else AttentionSettings()
-    # the call's dropout seed, from the global generator: a StreamBP chunk's region (ops.draws) gives each of its
-    # passes the same one, so its forward and its re-forward draw the same masks
-    dropout_seed = int(torch.randint(0, (1 << 63) - 1, ())) if masking.dropout else 0
+    # a StreamBP chunk's region (ops.draws) gives each of its passes the same seed, so its forward and its
+    # re-forward draw the same masks
+    dropout_seed = _dropout_seed(masking)
     return chunk_causal_attention(
         query,
         keys.key,

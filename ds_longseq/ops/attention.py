@@ -70,7 +70,7 @@ import hashlib
 import itertools
 import struct
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -706,15 +706,20 @@ def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int, dropout: tupl
         key_lo = query_lo[:, t.r0 : t.r1] - t.lo_shift
         if not t.causal and R > 1:
             key_lo = key_lo.repeat(1, R)  # stacked rows: R blocks of the chunk's rows
-    if dropout is None:
-        return TileMask(t.causal, valid, key_lo, softcap, n)
+    mask = TileMask(t.causal, valid, key_lo, softcap, n)
+    return mask if dropout is None else _with_dropout(mask, dropout, (t.offset + t.a, first_q + t.r0,
+                                                                     not t.causal and R > 1))
+
+
+def _with_dropout(mask: TileMask, dropout: tuple[float, int], where: tuple[int, int, bool]) -> TileMask:
+    """``mask`` with attention-probability dropout ``(p, call seed)`` for the tile at ``where`` (its first key and
+    first query among the call's keys, whether its rows are GQA-stacked): the tile's own generator is seeded from the
+    call's seed and where the tile lies, so its mask is the same in forward and backward whatever tiles ran before
+    it (chunk tiles here, ring tiles in ``ops.ring``)."""
     p, seed = dropout
-    # the tile's own generator, from the call's seed and where the tile lies: its mask is the same in forward and
-    # backward, whatever tiles ran before it
-    where = (t.offset + t.a, first_q + t.r0, not t.causal and R > 1)
-    tile_seed = int.from_bytes(hashlib.blake2b(struct.pack("<4q", seed, where[0], where[1], int(t.causal)),
+    tile_seed = int.from_bytes(hashlib.blake2b(struct.pack("<4q", seed, where[0], where[1], int(mask.causal)),
                                                digest_size=8).digest(), "little") & ((1 << 63) - 1)
-    return TileMask(t.causal, valid, key_lo, softcap, n, p, tile_seed, where)
+    return replace(mask, dropout=p, dropout_seed=tile_seed, dropout_where=where)
 
 
 class _ChunkAttention(torch.autograd.Function):

@@ -41,6 +41,7 @@ from ds_longseq.ops.attention import (
     _sum_heads,
     _tile_backward,
     _tile_forward,
+    _with_dropout,
     _with_sink_logits,
 )
 
@@ -145,10 +146,14 @@ class _Masks:
     block (from the whole sequence's ``key_valid``), each query's first visible key (``query_lo``: its document's
     start, its sliding window) relative to the key block, the softcap; None for a tile no query sees any key of
     (wholly after the queries, or before every query's document or window), which is then skipped. Decided on the
-    host once per call (one copy of each mask) and reused by backward."""
+    host once per call (one copy of each mask) and reused by backward. With attention-probability ``dropout``
+    ((p, call seed)), each tile draws its keep mask from its own generator, seeded from the call's seed and the
+    tile's global query and key positions (``ops.attention._with_dropout``): the query's rank computes the tile in
+    forward and in backward, so both draw the same mask whichever step of the ring it runs at."""
 
-    def __init__(self, key_valid, query_lo, softcap, block: int):
+    def __init__(self, key_valid, query_lo, softcap, block: int, dropout: tuple[float, int] | None = None):
         self.key_valid, self.query_lo, self.softcap, self.block = key_valid, query_lo, softcap, block
+        self.dropout = dropout
         self.valid_cpu = None if key_valid is None else key_valid.cpu()
         self.lo_cpu = None if query_lo is None else query_lo.cpu()
 
@@ -170,7 +175,8 @@ class _Masks:
                 return None  # before every query's document / window
             if bool((lo > first).any()):
                 key_lo = self.query_lo[:, qi * b:(qi + 1) * b] - first
-        return TileMask(kind == "causal", valid, key_lo, self.softcap, b)
+        mask = TileMask(kind == "causal", valid, key_lo, self.softcap, b)
+        return mask if self.dropout is None else _with_dropout(mask, self.dropout, (first, query_block * b, False))
 
 
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,12 +185,13 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_valid, query_lo, softcap, sink_logits, scale: float, group, kernel: str):
+    def forward(ctx, q, k, v, key_valid, query_lo, softcap, sink_logits, scale: float, group, kernel: str,
+                dropout: tuple[float, int] | None):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         R = q.shape[1] // k.shape[1]
         cdt = _compute_dtype(q.dtype)
         mine = zigzag_blocks(rank, size)
-        masks = _Masks(key_valid, query_lo, softcap, q.shape[2] // 2)
+        masks = _Masks(key_valid, query_lo, softcap, q.shape[2] // 2, dropout)
         acc, m = [None, None], [None, None]
         kv = [k, v]
         for step in _ring_steps(size):
@@ -238,7 +245,8 @@ class _RingAttention(torch.autograd.Function):
             # the sink is a key with value 0: dLoss/ds_h = -sum_{b,q} p_sink * rowsum(dO * O)
             p_sink = torch.exp(sink_logits.to(cdt).view(1, -1, 1) - lse)
             d_sink = -(p_sink * (do.to(cdt) * out.to(cdt)).sum(-1)).sum((0, 2)).to(sink_logits.dtype)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, d_sink, None, None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, d_sink, None, None, None,
+                None)
 
 
 def _finished(acc, m, q, v):
@@ -272,7 +280,7 @@ def _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, masks: _Masks, 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, scale: float | None = None,
                    key_valid: torch.Tensor | None = None, query_lo: torch.Tensor | None = None,
                    softcap: float | None = None, sink_logits: torch.Tensor | None = None,
-                   kernel: str = "auto") -> torch.Tensor:
+                   kernel: str = "auto", dropout: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
     """Causal attention of this rank's zigzag shard of the queries against the whole sequence's keys, the keys and
     values passed around the ring ``group`` (every rank of it calls this with its own shards).
 
@@ -291,6 +299,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
         sink_logits: (H,) attention sinks (gpt-oss): one more logit per head with a zero value; differentiable.
         kernel: "auto" (each tile on the first kernel of the device's chain that takes it) or one of
             ops/attention.py's kernels for every tile.
+        dropout: dropout probability on the attention probabilities (each query's softmax over the whole
+            sequence, then the keep mask / (1 - p)); the math kernel runs those tiles. 0: none.
+        dropout_seed: with ``dropout``: this rank's call seed (each rank draws its own, ``forwards.attention``).
 
     Returns:
         (B, H, T_l, Dv) this rank's outputs, the zigzag layout (0 for a query that sees no valid key); differentiable
@@ -313,6 +324,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
         raise ValueError(f"query_lo must give one bound per local query ({q.shape[2]}), got {tuple(query_lo.shape)}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number, got {softcap}")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"attention dropout must be in [0, 1), got {dropout}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _RingAttention.apply(q, k, v, key_valid, query_lo, None if softcap is None else float(softcap),
-                                sink_logits, scale, group, kernel)
+                                sink_logits, scale, group, kernel,
+                                (float(dropout), int(dropout_seed)) if dropout else None)

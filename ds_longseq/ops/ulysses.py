@@ -245,6 +245,8 @@ def ulysses_attention(
     sink_logits: torch.Tensor | None = None,
     attention_chunk: int | None = None,
     chunk_origin: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    dropout_seed: int = 0,
 ) -> torch.Tensor:
     """Causal attention of a whole local shard under Ulysses (the non-StreamBP path). Differentiable.
 
@@ -261,6 +263,9 @@ def ulysses_attention(
         sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
         attention_chunk: chunked attention (Llama 4), keys in chunks of this many counted from ``chunk_origin``
             ((B, 1) or (B, P*T_l) GLOBAL key index; None: 0), or None. See ``ops.attention.query_lower_bounds``.
+        dropout: dropout probability on the attention probabilities (0: none); each rank draws the masks of its
+            heads from its own ``dropout_seed`` (``chunk_causal_attention``).
+        dropout_seed: with ``dropout``: this rank's call seed.
 
     Returns:
         (B, H, T_l, Dv) attention output for this rank's tokens (v's head dim may differ from q's and k's).
@@ -274,7 +279,8 @@ def ulysses_attention(
                                 chunk_origin)
     out = chunk_causal_attention(qh, kh, vh, scale=scale, key_valid=key_valid, kv_block_size=kv_block_size,
                                  single_call=single_call,
-                                 query_lo=lo, softcap=softcap, sink_logits=exchange.local_heads(sink_logits))
+                                 query_lo=lo, softcap=softcap, sink_logits=exchange.local_heads(sink_logits),
+                                 dropout=dropout, dropout_seed=dropout_seed)
     return exchange.output_to_tokens(out)
 
 
@@ -297,6 +303,8 @@ def ulysses_chunk_attention(
     sink_logits: torch.Tensor | None = None,
     attention_chunk: int | None = None,
     chunk_origin: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    dropout_seed: int = 0,
 ) -> torch.Tensor:
     """Causal attention of one query chunk of every rank against exchanged, heads-sharded K/V.
 
@@ -322,6 +330,8 @@ def ulysses_chunk_attention(
         softcap: logit softcapping, or None.
         sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
         attention_chunk, chunk_origin: as for :func:`ulysses_attention` (a (B, P*T_l) origin is global).
+        dropout, dropout_seed: as for :func:`ulysses_attention`; a tile's mask is seeded by its global positions, so
+            the chunk's tiles draw the same masks in the chunk's forward, re-forward and backward.
 
     Returns:
         (B, H, C, D) attention output of this rank's chunk.
@@ -358,6 +368,8 @@ def ulysses_chunk_attention(
                     sink_logits=sinks,
                     joined_kv=(k_heads[:, :, :b], v_heads[:, :, :b]),
                     single_call=single_call,
+                    dropout=dropout,
+                    dropout_seed=dropout_seed,
                 )
             )
     return exchange.output_to_tokens(torch.cat(outs, dim=2))
@@ -379,6 +391,8 @@ def ulysses_ring_attention(
     attention_chunk: int | None = None,
     chunk_origin: torch.Tensor | None = None,
     kernel: str = "auto",
+    dropout: float = 0.0,
+    dropout_seed: int = 0,
 ) -> torch.Tensor:
     """Causal attention of a whole local shard under sequence parallelism u x r (``ops.sp_layout``): the Ulysses
     exchange within this rank's Ulysses group gathers its ring rank's zigzag shard for H / u heads, ring attention
@@ -396,6 +410,7 @@ def ulysses_ring_attention(
         sink_logits: (H,) attention sinks of every head, or None.
         chunk_origin: (B, 1) or (B, T) GLOBAL key index the attention chunks are counted from, or None.
         kernel: the tiles' kernel ("auto": the device's chain).
+        dropout, dropout_seed: as for :func:`ulysses_attention` (``ops.ring.ring_attention``).
 
     Returns:
         (B, H, T_l, Dv) attention output for this rank's tokens.
@@ -413,5 +428,5 @@ def ulysses_ring_attention(
         origin = chunk_origin if chunk_origin is None or chunk_origin.shape[-1] == 1 else chunk_origin[:, positions]
         lo = query_lower_bounds(positions, docs, sliding_window, attention_chunk, origin)
     out = ring_attention(q, k, v, ring_group, scale=scale, key_valid=key_valid, query_lo=lo, softcap=softcap,
-                         sink_logits=sink_logits, kernel=kernel)
+                         sink_logits=sink_logits, kernel=kernel, dropout=dropout, dropout_seed=dropout_seed)
     return out if exchange is None else exchange.output_to_tokens(out)

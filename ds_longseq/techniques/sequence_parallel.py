@@ -49,21 +49,6 @@ def sequence_parallel_group(config: LongSeqConfig, group=None):
     return group
 
 
-def _attention_dropout_problems(ctx: EnableContext) -> list[str]:
-    """The family's attention-probability dropout fields that are on: sequence parallelism's attention (which
-    replaces the family's) does not apply that dropout (StreamBP's chunk attention alone does)."""
-    hf_config = ctx.model.config
-    return [
-        f"config.{field}={getattr(hf_config, field)}: dropout on attention probabilities, inside the attention "
-        "function that sequence parallelism replaces with ds_longseq's, which does not apply it under sequence "
-        f"parallelism yet (StreamBP alone does, and every other dropout is replayed exactly); load the model with "
-        f"{field}=0.0 (AutoModelForCausalLM.from_pretrained(path, {field}=0.0): the modules copy it when they are "
-        "built, so setting the config afterwards does not reach them), or set long_seq.sequence_parallel.size=1"
-        for field in ctx.adapter.spec.attention_dropout_fields
-        if getattr(hf_config, field, 0.0)
-    ]
-
-
 @register
 class SequenceParallelism(Technique):
     """``size`` ranks share each sequence; attention exchanges heads for tokens (all-to-all)."""
@@ -91,7 +76,7 @@ class SequenceParallelism(Technique):
                 "families.discovery.OVERRIDES, and this one was found from its structure without such a test "
                 "(StreamBP, mini_seq and the chunked head apply); set long_seq.sequence_parallel.size=1"
             ]
-        problems = _attention_dropout_problems(ctx)
+        problems: list[str] = []
         recurrent = [i for i, layer in enumerate(ctx.adapter.layers) if ctx.adapter.mixer(layer) is not None]
         size = ctx.config.sequence_parallel.size
         ring_problems = self._ring_problems(ctx, recurrent)
