@@ -194,27 +194,38 @@ def joined(masks: dict[tuple, list[torch.Tensor]], batch: int) -> dict[tuple, to
     return whole
 
 
-def against_mask_replay(ours, stock, batch, seed: int = 5, dtype: torch.dtype = torch.float64):
+def against_mask_replay(ours, stock, batch, seed: int = 5, dtype: torch.dtype = torch.float64,
+                        attention_heads: int | None = None):
     """(errors of ``ours`` (loss, input gradient, every parameter gradient: ``tests.helpers.compare``) against
-    ``stock`` run whole with the masks ``ours``'s forward drew (its loss from ``dtype`` logits), the recorder)."""
+    ``stock`` run whole with the masks ``ours``'s forward drew (its loss from ``dtype`` logits), the recorder).
+
+    ``attention_heads``: the model's query heads, to also tap the attention-probability masks ds_longseq's chunk
+    attention draws (:class:`AttentionDropoutTap`, kept as ``recorder.tap``); the stock model must then run an
+    eager attention whose dropout is ``F.dropout`` (``tests.helpers.float64_eager_attention``)."""
     from tests.helpers import compare, grads_of, reference_loss
 
+    B, T = batch["input_ids"].shape
     torch.manual_seed(seed)
     recorder = MaskRecorder(ours)
+    recorder.tap = tap = AttentionDropoutTap(ours, B, attention_heads or 1, T)
 
     def forward():
         with recorder:
-            return ours(**batch).loss
+            if attention_heads is None:
+                return ours(**batch).loss
+            with tap:
+                return ours(**batch).loss
 
     result = grads_of(ours, forward)
-    replayer = MaskReplayer(stock, joined(recorder.masks, batch["input_ids"].shape[0]))
+    whole = {**joined(recorder.masks, B), **tap.whole()}
+    replayer = MaskReplayer(stock, whole)
 
     def reference():
         with replayer:
             return reference_loss(stock, batch, dtype)
 
     errs = compare(result, grads_of(stock, reference))
-    assert replayer.used == set(recorder.masks), "a recorded draw was not replayed"
+    assert replayer.used == set(whole), "a recorded draw was not replayed"
     return errs, recorder
 
 

@@ -287,6 +287,38 @@ def test_every_path_matches_the_reference_in_float64(path, approx):
     )
 
 
+@pytest.mark.parametrize("path", ["stock", "mini_seq", "streambp"])
+def test_dropout_under_approx_bp_exact_by_mask_replay(path):
+    """Approx-BP with dropout on (``ops.draws`` replays it as in every chunked mode): attention-probability dropout
+    0.1 with both approximations (the norms folded into q/k/v, the MLP's ReSiLU2), and LoRA dropout 0.1 on every
+    projection with ReSiLU2; against the Approx-BP reference (hand-folded norms, step-derivative activations) run
+    whole with the masks ds_longseq's forward drew (tests/mask_replay.py), float64, 1e-10."""
+    peft = pytest.importorskip("peft")
+    from tests.helpers import float64_eager_attention
+    from tests.mask_replay import against_mask_replay
+    from tests.test_families import right_padded_batch
+
+    batch = right_padded_batch()  # no left padding: the eager reference and ours differ on a query seeing no key
+    model = float64_eager_attention(full_precision_norms(make_model("llama", torch.float64, attention_dropout=0.1)))
+    ref = approx_reference(model, "llama", True, True).train()
+    head = {"lm_head": {"enabled": True, "chunk_size": 11}}  # the loss from float64 logits on every path
+    ours = ds_longseq.enable(copy.deepcopy(model), {**PATHS[path], **head, "approx_bp": APPROX["both"]}).train()
+    ours(**batch).loss.backward()  # the first training forward's one-time checks
+    errs, recorder = against_mask_replay(ours, ref, batch, attention_heads=model.config.num_attention_heads)
+    assert len(recorder.masks) + len(recorder.tap.whole()) == 2 and max(errs.values()) < 1e-10, errs
+
+    torch.manual_seed(0)
+    lora = peft.get_peft_model(full_precision_norms(make_model("llama", torch.float64)), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.1, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    lora.enable_input_require_grads()  # the input gradient is compared too
+    ref = _step_activations(copy.deepcopy(lora), RESILU2).train()
+    ds_longseq.enable(lora.base_model.model, {**PATHS[path], **head, "approx_bp": APPROX["resilu2"]})
+    lora.train()(**batch).loss.backward()
+    errs, recorder = against_mask_replay(lora, ref, batch)
+    assert len(recorder.masks) == 2 * 7 and max(errs.values()) < 1e-10, errs
+
+
 @pytest.mark.parametrize("arch", ["phi3", "mixtral"])
 def test_other_families_match_the_reference_in_float64(arch):
     model = full_precision_norms(make_model(arch, torch.float64))
