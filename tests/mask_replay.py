@@ -25,8 +25,10 @@ from torch.overrides import TorchFunctionMode
 
 _DROPOUT_FUNCTIONS = (F.dropout, torch.dropout)
 _NOISE_FUNCTIONS = (torch.Tensor.uniform_,)
-# frames of the dropout machinery itself, skipped to find the line that called it
-_MACHINERY = ("torch/nn/functional.py", "torch/overrides.py", "torch/utils/_device.py", __file__)
+# frames of the dropout machinery itself, skipped to find the line that called it (an nn.Dropout module called
+# twice in a layer, as Emu3's residual dropout, is two sites: the two lines of the layer that call it)
+_MACHINERY = ("torch/nn/functional.py", "torch/overrides.py", "torch/utils/_device.py", "torch/nn/modules/dropout.py",
+              "torch/nn/modules/module.py", __file__)
 
 
 def _caller() -> str:

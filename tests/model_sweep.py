@@ -20,6 +20,8 @@ says nothing about float32 rounding. It is active through forward and backward (
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import sys
 import time
@@ -150,12 +152,61 @@ def worst_error(result, reference) -> tuple[str, float]:
     return worst, errors[worst]
 
 
-def _loss_and_grads(model, batch):
-    """(loss, {name: grad, zeros where none}, input-embedding-output grad), forward and backward in full float64."""
+def _loss_and_grads(model, batch, watch: tuple = ()):
+    """(loss, {name: grad, zeros where none}, input-embedding-output grad), forward and backward in full float64;
+    the contexts in ``watch`` (a mask recorder, tap or replayer: tests/mask_replay.py) around the forward only."""
+
+    def forward():
+        with contextlib.ExitStack() as stack:
+            for context in watch:
+                stack.enter_context(context)
+            return model(**batch).loss
+
     with full_float64():
-        loss, grads, embeds = grads_of(model, lambda: model(**batch).loss)
+        loss, grads, embeds = grads_of(model, forward)
     grads = {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
     return loss, grads, embeds
+
+
+def _draws_dropout(model) -> bool:
+    """Whether the model's config sets a dropout (a published config: ``model_zoo.VARIANTS``)."""
+    return bool(model_zoo.dropout_fields(model.config))
+
+
+class _ReplayedDraws:
+    """The reference of a model whose forward draws dropout masks (the published configs' dropouts at their
+    values): ds_longseq's forward runs under a mask recorder and its chunk attention's tap, and the stock model
+    (kept aside before ``enable``, its attention eager so that its attention dropout is a visible ``F.dropout``)
+    runs whole with those masks in place of its draws (tests/mask_replay.py: exact means the gradient of the very
+    function the forward computed, with the masks it drew)."""
+
+    def __init__(self, model, batch: dict):
+        from tests.mask_replay import AttentionDropoutTap, MaskRecorder
+
+        self.stock = copy.deepcopy(model)
+        self.stock.set_attn_implementation("eager")
+        self.batch = batch
+        self.heads = model.config.get_text_config().num_attention_heads
+        B, T = batch["input_ids"].shape
+        self.recorder_type, self.tap_type, self.shape = MaskRecorder, AttentionDropoutTap, (B, T)
+
+    def ours(self, ours_model) -> tuple:
+        """ds_longseq's (loss, grads, input grad), its draws recorded: a first step before, so the first forward's
+        one-time probes (which run modules on probe inputs) draw outside the recorded one."""
+        _loss_and_grads(ours_model, self.batch)
+        torch.manual_seed(0)
+        B, T = self.shape
+        self.recorder, self.tap = self.recorder_type(ours_model), self.tap_type(ours_model, B, self.heads, T)
+        return _loss_and_grads(ours_model, self.batch, (self.recorder, self.tap))
+
+    def reference(self) -> tuple:
+        from tests.mask_replay import MaskReplayer, joined
+
+        whole = {**joined(self.recorder.masks, self.shape[0]), **self.tap.whole()}
+        replayer = MaskReplayer(self.stock, whole)
+        result = _loss_and_grads(self.stock, self.batch, (replayer,))
+        assert replayer.used == set(whole), "a recorded draw was not replayed"
+        return result
 
 
 class _ChunkedCalls:
@@ -223,20 +274,23 @@ def _check_family(model_type: str, mode: str, batch: dict | None, variant: str) 
             if isinstance(getattr(owner, "router_aux_loss_coef", None), float):
                 owner.router_aux_loss_coef = 0.5
     batch = model_zoo.tiny_batch(model_type) if batch is None else batch
-    reference = _loss_and_grads(model, batch)
+    replayed = _ReplayedDraws(model, batch) if _draws_dropout(model) else None
+    reference = _loss_and_grads(model, batch) if replayed is None else None
     try:
         ours_model = ds_longseq.enable(model, MODES[mode])
     except UnsupportedModelError as error:
         return Result(model_type, mode, "refused", _one_line(error), time.perf_counter() - start)
     try:
         with _ChunkedCalls() as calls:
-            ours = _loss_and_grads(ours_model, batch)
+            ours = _loss_and_grads(ours_model, batch) if replayed is None else replayed.ours(ours_model)
     except NotImplementedError as error:  # the runtime guard, or an attention argument nobody handles
         return Result(model_type, mode, "refused", _one_line(error), time.perf_counter() - start)
     except Exception as error:  # noqa: BLE001 - a crash is a result here, reported with its type
         return Result(model_type, mode, "crash", _one_line(error), time.perf_counter() - start)
     finally:
         ds_longseq.disable(model)
+    if replayed is not None:
+        reference = replayed.reference()
     seconds = time.perf_counter() - start
     adapter = ds_longseq.patch.check_model(model, MODES[mode])
     wanted = {id(layer) for layer in adapter.layers} if mode == "streambp" else {
@@ -308,9 +362,10 @@ def render_markdown(results: list[Result]) -> str:
         "",
         "and StreamBP again on the **published**-style config: what published checkpoints' configs carry beside",
         "transformers' defaults (sliding windows at their default size and switch, e.g. Qwen's",
-        "`use_sliding_window: false` with a window set; the dropout fields the model does not apply, such as",
-        "GPT-2's `summary_first_dropout` or GPT-NeoX's `classifier_dropout`, left at their defaults, the applied",
-        "ones at 0; YaRN RoPE scaling; the attention and MLP bias switches on; the LM head's tying flipped).",
+        "`use_sliding_window: false` with a window set; every dropout at its default, e.g. GPT-2's 0.1 on its",
+        "embeddings, attention probabilities and residuals, where the reference is the stock model run whole with",
+        "the masks ds_longseq's forward drew, `tests/mask_replay.py`; YaRN RoPE scaling; the attention and MLP bias",
+        "switches on; the LM head's tying flipped).",
         "",
         f"**exact** means the loss, the input-embedding gradient and every parameter gradient agree to "
         f"{TOLERANCE:g} (norm-wise relative, a gradient against at least {FLOOR:g} x the largest gradient's norm;",

@@ -527,8 +527,8 @@ VARIANTS = ("default", "published")
 """``default``: the family's default config with its features switched on at 40 tokens (windows of 6, every
 dropout 0). ``published``: what published checkpoints' configs carry next to transformers' defaults (issue 39):
 sliding windows at their default size and switch (Qwen's ``use_sliding_window: false`` with a window set, a window
-longer than the sequence), the dropout fields at their defaults except those the model applies (found by running
-it, :func:`applied_dropouts`: GPT-2's ``summary_first_dropout`` and GPT-NeoX's ``classifier_dropout`` stay 0.1),
+longer than the sequence), the dropout fields at their defaults (GPT-2's 0.1 on its embeddings, attention
+probabilities and residuals; ``tests/model_sweep.py`` checks them against the stock model replaying the masks),
 RoPE scaling where the default has plain RoPE (:data:`PUBLISHED_ROPES`), the attention and MLP bias switches
 on, and the LM head tied where the default unties it and untied where it ties it."""
 
@@ -577,8 +577,7 @@ def _with_published(kwargs: dict, default, rope_choice: int, dropped: frozenset[
 
 def tiny_config(model_type: str, variant: str = "default") -> transformers.PretrainedConfig:
     """The family's config, tiny, with its layer kinds present at 40 tokens: the default with its features on, or
-    the ``published`` variant (:data:`VARIANTS`; its dropouts still at their defaults: :func:`tiny_model` zeroes the
-    applied ones)."""
+    the ``published`` variant (:data:`VARIANTS`, its dropouts at their defaults)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {VARIANTS}")
     override = OVERRIDES.get(model_type, {})
@@ -630,7 +629,7 @@ def _merge(kwargs: dict, override: dict, sub_configs: set[str]) -> None:
             kwargs[key] = value
 
 
-def _dropout_fields(config) -> list[tuple[transformers.PretrainedConfig, str]]:
+def dropout_fields(config) -> list[tuple[transformers.PretrainedConfig, str]]:
     """(config level, field) of every non-zero float dropout field of ``config`` and its sub-configs."""
     out = []
     levels = [config] + [getattr(config, n) for n in getattr(config, "sub_configs", {}) or {}
@@ -642,44 +641,15 @@ def _dropout_fields(config) -> list[tuple[transformers.PretrainedConfig, str]]:
     return out
 
 
-def applied_dropouts(model_type: str, config) -> set[tuple[type, str]]:
-    """(config level's class, field) of each dropout field of ``config`` the causal LM applies, found by running it:
-    with that field alone non-zero, two training forwards of the same batch under different seeds give different
-    logits. A field of a head the causal LM never builds (a classifier's, a sequence summary's) changes nothing."""
-    batch = {k: v for k, v in tiny_batch(model_type).items() if k != "labels"}
-    applied = set()
-    for level, key in _dropout_fields(config):
-        trial = copy.deepcopy(config)
-        for other_level, other in _dropout_fields(trial):
-            if (type(other_level), other) != (type(level), key):
-                setattr(other_level, other, 0.0)
-        torch.manual_seed(0)
-        model = _model_class(model_type)._from_config(trial).train()
-        outs = []
-        for seed in (1, 2):
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                outs.append(model(**batch).logits)
-        if not torch.equal(outs[0], outs[1]):  # the same forward twice: bitwise equal unless a dropout draws
-            applied.add((type(level), key))
-    return applied
-
-
 def tiny_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 0, variant: str = "default"):
     """The stock causal LM of :func:`tiny_config`, re-initialised for peaked attention, in ``dtype``.
 
     The stock init (std 0.02) makes attention nearly uniform, which would hide masking bugs: norms' weights
     become 1 + 0.1 randn (0.1 randn where the norm computes 1 + weight), embeddings normal(0, 1), the rest
     normal(0, 0.15). Parameters whose stock value is structural (state-space decays, skip terms, convolution
-    kernels ...) go back to it where the re-initialised model's forward is not finite. The ``published`` variant
-    is built with the dropouts it applies at 0 (what a user training it exactly sets) and the others as they are.
+    kernels ...) go back to it where the re-initialised model's forward is not finite.
     """
     config = tiny_config(model_type, variant)
-    if variant == "published":
-        applied = applied_dropouts(model_type, config)
-        for level, key in _dropout_fields(config):
-            if (type(level), key) in applied:
-                setattr(level, key, 0.0)
     torch.manual_seed(seed)
     # the mapped class itself: AutoModelForCausalLM does not take every config it maps (Musicgen's decoder)
     model = _model_class(model_type)._from_config(config)

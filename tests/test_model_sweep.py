@@ -99,6 +99,14 @@ def test_mutation_dropped_attention_chunks_are_caught(monkeypatch):
     assert model_sweep.check_family("llama4_text", "streambp").outcome == "refused"
 
 
+def test_mutation_unreplayed_dropout_is_caught(monkeypatch):
+    """GPT-2's published config (dropout 0.1 on embeddings, attention probabilities, residuals) with the chunk
+    re-forwards drawing fresh masks (no replayed regions) must be a difference against the mask-replay reference."""
+    assert model_sweep.check_family("gpt2", "streambp", variant="published").outcome == "exact"
+    monkeypatch.setattr("ds_longseq.forwards.streambp_layer.replay_draws", lambda *a, **k: None)
+    assert model_sweep.check_family("gpt2", "streambp", variant="published").outcome == "different"
+
+
 # RoPE scalings users extend context with, each with its scaling length (16) below the test length (40), so
 # dynamic NTK rescales and LongRoPE takes its long factors; Llama's rotary embedding holds 8 frequencies.
 ROPE_SCALINGS = {
