@@ -641,8 +641,10 @@ def dropout_fields(config) -> list[tuple[transformers.PretrainedConfig, str]]:
     return out
 
 
-def tiny_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 0, variant: str = "default"):
-    """The stock causal LM of :func:`tiny_config`, re-initialised for peaked attention, in ``dtype``.
+def tiny_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 0, variant: str = "default",
+               **fields):
+    """The stock causal LM of :func:`tiny_config`, re-initialised for peaked attention, in ``dtype``; ``fields``:
+    config fields set on its (text) config first (another shape: more heads).
 
     The stock init (std 0.02) makes attention nearly uniform, which would hide masking bugs: norms' weights
     become 1 + 0.1 randn (0.1 randn where the norm computes 1 + weight), embeddings normal(0, 1), the rest
@@ -650,6 +652,9 @@ def tiny_model(model_type: str, dtype: torch.dtype = torch.float64, seed: int = 
     kernels ...) go back to it where the re-initialised model's forward is not finite.
     """
     config = tiny_config(model_type, variant)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key, value in fields.items():
+        setattr(text, key, value)
     torch.manual_seed(seed)
     # the mapped class itself: AutoModelForCausalLM does not take every config it maps (Musicgen's decoder)
     model = _model_class(model_type)._from_config(config)

@@ -113,6 +113,7 @@ def _chat_file(tmp_path) -> str:
     return _write(tmp_path, turns)
 
 
+@pytest.mark.slow  # heavy: the default run keeps test_sft_on_chat_data
 def test_trainer_sft_trl_on_a_local_model_and_chat_data(tmp_path):
     """examples/trainer_sft.py --model --data (chat records) --trl on 2 CPU ranks: trains, logs finite losses,
     counts the skipped record, saves the tokenizer with the model."""

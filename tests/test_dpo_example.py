@@ -71,6 +71,7 @@ def test_embedded_default_learns_the_preference(dpo_default_run):
     assert (out / "dpo.png").stat().st_size > 0 and (out / "hf_model" / "config.json").exists()
 
 
+@pytest.mark.slow  # heavy: the default run keeps the GRPO and SSM examples' resume
 def test_resume_continues_the_run_exactly(dpo_default_run, tmp_path):
     """Stopped after 4 of 8 steps and resumed from its checkpoint: the same 8 rows as the straight
     run (the reference model is rebuilt as the initial policy, the policy and optimizer come from the

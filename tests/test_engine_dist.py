@@ -102,9 +102,9 @@ MST = {"mini_seq": {"enabled": True, "mlp_num_chunks": 16}, "lm_head": {"enabled
 @pytest.mark.parametrize(
     "stage,gas,tie,long_seq",
     [
-        (2, 1, False, STREAMBP),
+        pytest.param(2, 1, False, STREAMBP, marks=pytest.mark.slow),  # heavy: z2 gas2 and z3 gas2 cover it
         (2, 2, True, STREAMBP),
-        (3, 1, True, STREAMBP),
+        pytest.param(3, 1, True, STREAMBP, marks=pytest.mark.slow),
         (3, 2, False, STREAMBP),
         (2, 2, False, MST),
         (3, 1, False, MST),

@@ -56,7 +56,7 @@ def _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank, world, r
         assert abs(x - y) <= 1e-6 * abs(x), (reference, got)
 
 
-@pytest.mark.parametrize("rank", [1, 0], ids=["rank1", "rank0-the-store-host"])
+@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.slow), 0], ids=["rank1", "rank0-the-store-host"])
 def test_rank_killed_mid_step_is_named_and_resume_matches(tmp_path, straight, rank):
     config = _config(tmp_path)
     save_dir = tmp_path / "killed"
@@ -80,6 +80,7 @@ def test_rank_killed_mid_save_leaves_latest_on_a_complete_checkpoint(tmp_path, s
     _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank=2, world=3, reference=straight(3))
 
 
+@pytest.mark.slow  # heavy: the default run keeps the rank-killed cases
 def test_hung_rank_stops_the_job_after_peer_timeout(tmp_path):
     """SIGSTOP: the rank is alive but frozen, the survivor waits in a collective that gloo would let run for
     30 minutes; rank 0's monitor ends the job after peer_timeout_s."""

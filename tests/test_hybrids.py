@@ -308,7 +308,7 @@ def test_head_sharding_refused_where_heads_do_not_divide():
 
 def test_sequence_parallelism_is_refused_where_not_verified():
     with pytest.raises(ds_longseq.UnsupportedModelError, match=r"sequence_parallel on .*without such a test"):
-        ds_longseq.patch.check_model(model_zoo.tiny_model("lfm2_moe", torch.float64),
+        ds_longseq.patch.check_model(model_zoo.tiny_model("qwen3_5_moe_text", torch.float64),
                                      {"sequence_parallel": {"size": 2}, "streambp": {"enabled": True}})
 
 
@@ -323,6 +323,8 @@ HYBRIDS_SP2: list[Case] = [
     ("nemotron_h", "heads", ("streambp",), None),
     # a short convolution's window, then a Mamba-2 state passed rank to rank under StreamBP (without it: refused)
     ("lfm2", "pass_state", ("ulysses_only", "streambp"), None),
+    # LFM2-MoE: LFM2's short convolution by channels beside mixture-of-experts MLPs
+    ("lfm2_moe", "heads", ("streambp",), None),
     ("bamba", "pass_state", ("streambp",), None),
     # mutation control: the last rank's Mamba-2 layers starting from zeros must fail the parity check
     ("bamba", "pass_state", ("streambp",), "state_not_passed"),
@@ -331,6 +333,8 @@ HYBRIDS_SP2_REST: list[Case] = [
     ("olmo_hybrid", "heads", ALL_SP_MODES, None),
     ("kimi_linear", "heads", ("ulysses_only", "mini_seq"), None),
     ("lfm2", "heads", ALL_SP_MODES, None),
+    ("lfm2_moe", "heads", ("ulysses_only", "mini_seq"), None),
+    ("lfm2_moe", "pass_state", ("streambp",), None),
     ("nemotron_h", "heads", ("ulysses_only", "mini_seq"), None),
     ("nemotron_h", "pass_state", ALL_SP_MODES, None),
     ("granitemoehybrid", "pass_state", ("streambp",), None),
@@ -338,7 +342,7 @@ HYBRIDS_SP2_REST: list[Case] = [
 ]
 HYBRIDS_SP4: list[Case] = [
     ("qwen3_next", "heads", ALL_SP_MODES, None),
-    *[(model_type, "heads", ("streambp",), None)
+    *[(model_type, "heads", ALL_SP_MODES, None)
       for model_type in ("olmo_hybrid", "kimi_linear", "lfm2", "nemotron_h")],
     *[(model_type, "pass_state", ("streambp",), None)
       for model_type in ("qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "bamba", "nemotron_h",
@@ -348,25 +352,68 @@ HYBRIDS_SP4: list[Case] = [
 
 def test_hybrids_under_sequence_parallelism():
     """SP 2, one launch: Qwen3-Next's Gated DeltaNet sharded by heads (Ulysses alone, mini_seq, StreamBP), Kimi
-    Linear's KDA and NemotronH's Mamba-2 by heads under StreamBP, LFM2's short convolution and Bamba's Mamba-2
-    passing their states rank to rank under StreamBP: exact at 1e-10 (``_check_hybrids``); Bamba with its state
-    not passed differs."""
+    Linear's KDA, NemotronH's Mamba-2 and LFM2-MoE's short convolution by heads under StreamBP, LFM2's short
+    convolution and Bamba's Mamba-2 passing their states rank to rank under StreamBP: exact at 1e-10
+    (``_check_hybrids``); Bamba with its state not passed differs."""
     _check_hybrids(2, HYBRIDS_SP2)
 
 
 @pytest.mark.slow
 def test_hybrids_under_sequence_parallelism_rest():
     """SP 2, the other families and modes: OLMo-hybrid's Gated DeltaNet and LFM2's short convolution (by channels)
-    sharded by heads in every mode, Kimi Linear's and NemotronH's without StreamBP; NemotronH, Granite-hybrid,
-    and the families sharded by heads above, passing state under StreamBP."""
+    sharded by heads in every mode, Kimi Linear's, NemotronH's and LFM2-MoE's without StreamBP; NemotronH,
+    Granite-hybrid, LFM2-MoE and the families sharded by heads above, passing state under StreamBP."""
     _check_hybrids(2, HYBRIDS_SP2_REST)
 
 
 @pytest.mark.slow
 def test_hybrids_under_sequence_parallelism_4():
-    """SP 4 (Ulysses alone: 4 attention heads), one launch: every hybrid by heads where it has a layout, and the
-    state-passing ones under StreamBP (states through three rank boundaries)."""
+    """SP 4 (Ulysses alone: 4 attention heads), one launch: every hybrid by heads where it has a layout, in every
+    mode (Ulysses alone, mini_seq, StreamBP), and the state-passing ones under StreamBP (states through three rank
+    boundaries)."""
     _check_hybrids(4, HYBRIDS_SP4)
+
+
+QWEN3_5_WIDE = {"linear_num_key_heads": 4, "linear_num_value_heads": 8}
+"""Qwen3.5 with 4 key heads (8 value heads) in its Gated DeltaNet: sharded by heads at SP 4 (the tiny default has 2)."""
+
+
+def _qwen3_5_wide_worker(rank: int, size: int) -> dict:
+    """Qwen3.5 (:data:`QWEN3_5_WIDE`) at SP ``size``: {(recurrent, mode): (loss, summed grads, input grad)}."""
+    import torch.distributed as dist
+
+    from ds_longseq.engine import shard_batch
+    from tests.test_feature_families import SP_MODES
+
+    local = shard_batch(model_zoo.tiny_batch("qwen3_5_text"), rank, size)
+    out = {}
+    for recurrent, modes in (("heads", ALL_SP_MODES), ("pass_state", ("streambp",))):
+        for mode in modes:
+            model = ds_longseq.enable(model_zoo.tiny_model("qwen3_5_text", torch.float64, **QWEN3_5_WIDE).train(),
+                                      {**SP_MODES[mode], "sequence_parallel": {"size": size, "recurrent": recurrent}},
+                                      sp_group=dist.group.WORLD)
+            loss, grads, embeds = model_sweep._loss_and_grads(model, local)
+            for g in grads.values():
+                dist.all_reduce(g)
+            out[recurrent, mode] = (loss, grads, embeds)
+    return out
+
+
+@pytest.mark.slow
+def test_qwen3_5_with_4_key_heads_at_sp_4():
+    """Qwen3.5 with 4 key heads at SP 4 (Ulysses alone: 4 attention heads): its Gated DeltaNet sharded by heads (one
+    key head a rank) in every mode, and passing its state under StreamBP; exact at 1e-10 against one process."""
+    size = 4
+    results = run_distributed(_qwen3_5_wide_worker, size, (size,))
+    batch = model_zoo.tiny_batch("qwen3_5_text")
+    loss, grads, embeds = model_sweep._loss_and_grads(
+        model_zoo.tiny_model("qwen3_5_text", torch.float64, **QWEN3_5_WIDE).train(), batch)
+    width = batch["input_ids"].shape[1] // size
+    for rank, result in enumerate(results):
+        assert len(result) == 4
+        for case, outcome in result.items():
+            worst, error = model_sweep.worst_error(outcome, (loss, grads, embeds[:, rank * width:(rank + 1) * width]))
+            assert error < 1e-10, (case, rank, worst, error)
 
 
 @pytest.mark.parametrize("model_type", ["bamba", "granitemoehybrid"])

@@ -262,6 +262,7 @@ def _kill_run(save_dir: Path) -> None:
                 pass
 
 
+@pytest.mark.slow  # heavy: the default run keeps the two-node pdsh launch
 def test_killed_node_launcher_stops_the_job_and_resume_matches(cluster, reference, tmp_path):
     config, expected = reference
     save_dir = tmp_path / "run"
@@ -306,6 +307,7 @@ def test_killed_node_launcher_stops_the_job_and_resume_matches(cluster, referenc
     _assert_same_losses(expected, losses(save_dir))
 
 
+@pytest.mark.slow  # heavy: the default run keeps the two-node pdsh launch
 def test_openmpi_two_nodes_match_single_node(cluster, reference, tmp_path):
     if shutil.which("mpirun.openmpi") is None:
         pytest.skip("no mpirun.openmpi: bash .ci/install_multinode.sh installs Open MPI")

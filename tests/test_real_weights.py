@@ -77,6 +77,7 @@ def test_checkpoint_is_smollm2(smollm2):
     assert batches[0]["attention_mask"].sum() == LENGTH - 40
 
 
+@pytest.mark.slow  # heavy: the default run keeps test_sequence_parallel_2_on_9_heads_runs_a_ring_equal_to_one_process
 @pytest.mark.parametrize("name,cfg", [("streambp", STREAMBP), ("mini_seq", MINI_SEQ)])
 def test_float32_gradients_against_float64(smollm2, name, cfg):
     import ds_longseq
@@ -104,6 +105,7 @@ def _whole_gradient_error(grads: dict, exact: dict) -> float:
     return (num / den).sqrt().item()
 
 
+@pytest.mark.slow  # heavy: the default run keeps test_sequence_parallel_2_on_9_heads_runs_a_ring_equal_to_one_process
 def test_bfloat16_no_worse_than_stock_bfloat16(smollm2):
     """Four windows of real text; per window the float64 reference, stock bf16 and StreamBP + chunked head in bf16.
     Averaged over the windows, ours at most 1.25x stock's error in: the loss, the input gradient, the whole gradient
@@ -178,6 +180,7 @@ def sp_worker(rank: int, directory: str, batch: dict, size: int):
     return loss, grads if rank == 0 else None, embed_grad
 
 
+@pytest.mark.slow  # heavy: the default run keeps test_sequence_parallel_2_on_9_heads_runs_a_ring_equal_to_one_process
 def test_sequence_parallel_3_equals_one_process(smollm2):
     """9 query / 3 key-value heads: SP 3 gives each rank 3 / 1. The window has a masked prompt and padding, so the
     three ranks hold 242, 342 and 302 valid labels; padded to 1026 tokens. float64 against one process, 1e-10."""
@@ -242,6 +245,7 @@ def _held_out_loss(model, tokenizer) -> float:
         return model(input_ids=ids, labels=ids).loss.item()
 
 
+@pytest.mark.slow  # heavy: the default run keeps test_sequence_parallel_2_on_9_heads_runs_a_ring_equal_to_one_process
 def test_lora_fine_tune_of_the_gguf_checkpoint_lowers_held_out_loss(smollm2, tmp_path):
     """examples/sft.py --model <the GGUF file> --lora-rank 8 on 2 ranks through the DeepSpeed launcher, 5 steps of
     1024-token rows of docs/*.md: the merged model it exports lowers the README's loss (held out; measured 3.44 ->

@@ -124,6 +124,26 @@ def test_attention_kinds_under_a_ring_match_one_process():
     _check(run_distributed(ring_hybrid_worker, 2, (2, 2, families)), families)
 
 
+DENSE_UNDER_A_RING = {
+    "qwen3": ["whole", "streambp"],  # per-head query / key norms, GQA
+    "olmo2": ["whole", "streambp"],  # query / key norms over every head together (before the heads split)
+    "gemma3_text": ["whole", "streambp"],  # sliding and full layers, query / key norms, final softcap
+    "phi3": ["whole", "streambp"],  # fused qkv projection, partial rotary
+    "qwen3_moe": ["whole", "streambp"],  # mixture-of-experts MLPs beside a dense one
+    "mixtral": ["whole", "streambp"],  # mixture of experts with a sliding window
+    "gemma4_text": ["whole", "streambp"],  # keys / values shared across layers, per-layer head dims
+    "mistral": ["whole"],
+    "qwen2": ["whole"],  # attention bias
+}
+
+
+@pytest.mark.slow
+def test_dense_families_under_a_ring_match_one_process():
+    """The dense families whose sequence-parallel tests ran Ulysses alone, at SP 2 with the ring forced (1 x 2),
+    whole shards and StreamBP: one parity test per attention kind (:data:`DENSE_UNDER_A_RING`)."""
+    _check(run_distributed(ring_hybrid_worker, 2, (2, 2, DENSE_UNDER_A_RING)), DENSE_UNDER_A_RING)
+
+
 @pytest.mark.slow
 def test_hybrids_under_a_ring_of_4_match_one_process():
     """SP 4 as a ring of 4 (1 x 4) and as 2 x 2: each rank's runs chained through the group in sequence order."""

@@ -294,7 +294,8 @@ def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | N
 
 @pytest.mark.parametrize("world, overrides, ring, degrees", [
     (2, {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3}, None, (1, 2)),  # 9 heads (SmolLM2's)
-    (4, {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3}, None, (1, 4)),  # at SP 2 and 4
+    pytest.param(4, {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3}, None, (1, 4),
+                 marks=pytest.mark.slow),  # at SP 2 and 4 (heavy: a ring of 4 runs in test_hybrids' SP 4 rings)
     (4, {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 32}, None, (2, 2)),  # SP 4 > 2 heads
     pytest.param(4, {}, 2, (2, 2), marks=pytest.mark.slow),  # 4 heads as 2 x 2 (ring forced; 2 x 2 runs above)
 ])

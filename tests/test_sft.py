@@ -88,6 +88,7 @@ def losses(save_dir):
         return [json.loads(line)["loss"] for line in f]
 
 
+@pytest.mark.slow  # heavy: the default run keeps test_faults.py's mid-save crash, the trainers' SP runs
 def test_resume_after_a_crash_during_save_matches_an_uninterrupted_run(tmp_path):
     config = _config(tmp_path)
     straight = tmp_path / "straight"
@@ -220,6 +221,7 @@ def test_malformed_jsonl_names_the_file_line(tmp_path):
         JsonlData(str(path), tokenizer=None, seq_len=8)
 
 
+@pytest.mark.slow  # heavy: the default run keeps test_faults.py's mid-save crash, the trainers' SP runs
 def test_sequence_parallel_run_equals_one_process_on_the_whole_sequence(tmp_path):
     """ds_configs/zero3_ulysses_streambp.json: 2 ranks share each 256-token sequence (128 each, chunks of
     96). Its losses equal a 1-rank run of the same model and data without sequence parallelism."""

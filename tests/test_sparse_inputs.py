@@ -164,7 +164,8 @@ def sparse_train_worker(rank: int, stage: int, config: dict):
     return {**train_worker(rank, stage, 1, False, config), "reforwards": len(reforwards)}
 
 
-@pytest.mark.parametrize("stage,host", [(3, True), (2, False)], ids=["zero3-offloaded", "zero2-device"])
+@pytest.mark.parametrize("stage,host", [(3, True), pytest.param(2, False, marks=pytest.mark.slow)],
+                         ids=["zero3-offloaded", "zero2-device"])
 def test_under_deepspeed_matches_the_single_process_reference(stage, host):
     """2 gloo ranks through ds_longseq.engine.initialize, different data per rank: the dropped input is rebuilt
     (counted: once per step; under ZeRO-3 the next layer gets a detached alias of the output, which counts as the

@@ -88,6 +88,7 @@ def test_one_process_and_two_stages_train_the_same(tmp_path):
     assert losses(tmp_path / "two") == pytest.approx(one, rel=1e-5)
 
 
+@pytest.mark.slow  # heavy: the default run keeps the GRPO example's resume
 def test_resume_continues_with_the_same_losses(tmp_path):
     run(tmp_path / "full", "--max-steps", "6")
     run(tmp_path / "cut", "--max-steps", "3")

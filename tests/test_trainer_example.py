@@ -81,7 +81,8 @@ def test_trl_missing_is_a_clear_error(tmp_path):
     assert "--trl needs TRL, which is not installed: pip install 'trl>=1.16'" in proc.stderr
 
 
-@pytest.mark.parametrize("accelerate_config", ["accelerate_deepspeed.yaml", "accelerate_alst.yaml"])
+@pytest.mark.parametrize("accelerate_config", [pytest.param("accelerate_deepspeed.yaml", marks=pytest.mark.slow),
+                                               "accelerate_alst.yaml"])
 def test_accelerate_launch_trl_sequence_parallel(tmp_path, accelerate_config):
     """`accelerate launch` runs examples/trainer_sft.py --trl (TRL's SFTTrainer) at sequence parallelism 2 on 2 CPU
     ranks: with launch/accelerate_deepspeed.yaml (its DeepSpeed config file swapped for one with

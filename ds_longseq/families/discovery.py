@@ -152,10 +152,11 @@ OVERRIDES: dict[str, dict] = {
     "qwen3_5_text": {"sequence_parallel_verified": True},
     "qwen3_5": {"sequence_parallel_verified": True},
     # hybrids under Ulysses SP 2 and 4, each recurrent layer sharded by heads (Qwen3-Next's fused Gated DeltaNet,
-    # OLMo-hybrid's, Kimi Linear's KDA, LFM2's short convolution by channels, Mamba-2 by whole groups) or passing its
-    # state rank to rank under StreamBP (all of them): tests/test_hybrids.py::test_hybrids_under_sequence_parallelism*
-    **dict.fromkeys(("qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "bamba", "nemotron_h", "granitemoehybrid"),
-                    {"sequence_parallel_verified": True}),
+    # OLMo-hybrid's, Kimi Linear's KDA, LFM2's and LFM2-MoE's short convolution by channels, Mamba-2 by whole
+    # groups) or passing its state rank to rank under StreamBP (all of them):
+    # tests/test_hybrids.py::test_hybrids_under_sequence_parallelism*
+    **dict.fromkeys(("qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "lfm2_moe", "bamba", "nemotron_h",
+                     "granitemoehybrid"), {"sequence_parallel_verified": True}),
 }
 """model_type -> ``FamilySpec`` fields that cannot be read from structure, for discovered families (each checked
 by the sweep, tests/test_model_sweep.py, and per forward by the mask audit)."""

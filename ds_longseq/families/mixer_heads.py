@@ -198,7 +198,8 @@ LAYOUTS: dict[str, Callable[[torch.nn.Module, int, int], HeadLayout | str]] = {
     "Qwen3NextGatedDeltaNet": _gated_deltanet,
     "OlmoHybridGatedDeltaNet": _gated_deltanet,
     "KimiLinearDeltaAttention": _kimi_delta_attention,
-    "Lfm2ShortConv": _short_conv,
+    # LFM2-MoE's short convolution is LFM2's, renamed (the same code)
+    **dict.fromkeys(("Lfm2ShortConv", "Lfm2MoeShortConv"), _short_conv),
     **dict.fromkeys(("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer"), _mamba2),
 }
 """Mixer class name -> its layout function (each class's layout checked by tests/test_hybrids.py)."""
