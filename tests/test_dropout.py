@@ -200,8 +200,7 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
     input gradient and summed parameter gradients equal the stock model run whole with the masks of both ranks
     joined in sequence order, float64, 1e-10."""
     from tests.dist_utils import run_distributed
-    from tests.helpers import grads_of, reference_loss, rel_err
-    from tests.mask_replay import MaskReplayer, joined
+    from tests.mask_replay import joined
     from tests.test_sequence_parallel import global_batch
 
     modes = list(SP_MODES)
@@ -213,22 +212,30 @@ def test_sequence_parallel_dropout_exact_by_mask_replay():
         assert local[0].keys() == local[1].keys() and len(local[0]) == 2 * len(PROJECTIONS)
         assert not any(torch.equal(local[0][site], local[1][site]) for site in local[0])  # each rank its own
         whole = {site: torch.cat([m[site] for m in local], dim=1) for site in local[0]}
-        stock = lora_model()
-        replayer = MaskReplayer(stock, whole)
-
-        def reference(replayer=replayer, stock=stock):
-            with replayer:
-                return reference_loss(stock, batch, DT)
-
-        ref_loss, ref_grads, ref_embed = grads_of(stock, reference)
-        assert replayer.used == set(whole)
         half = batch["input_ids"].shape[1] // 2
-        for rank, r in enumerate(per_rank):
-            errs = {"loss": rel_err(r["loss"], ref_loss),
-                    "embed_grad": rel_err(r["embed_grad"], ref_embed[:, rank * half:(rank + 1) * half])}
-            errs.update({name: rel_err(g, ref_grads[name]) for name, g in r["grads"].items()})
-            assert set(r["grads"]) == set(ref_grads)
-            assert max(errs.values()) < TOL, (mode, rank, max(errs, key=errs.get), max(errs.values()))
+        _check_ranks_against_replay(per_rank, lora_model(), whole, batch,
+                                    [slice(rank * half, (rank + 1) * half) for rank in range(2)], mode)
+
+
+def _check_ranks_against_replay(per_rank: list[dict], stock, whole: dict, batch: dict, tokens: list, case: str) -> None:
+    """Each rank's loss, input gradient (its ``tokens`` of the sequence) and summed parameter gradients against
+    ``stock`` run whole on ``batch`` with the masks ``whole`` in place of its draws, float64, 1e-10."""
+    from tests.helpers import grads_of, reference_loss, rel_err
+    from tests.mask_replay import MaskReplayer
+
+    replayer = MaskReplayer(stock, whole)
+
+    def reference():
+        with replayer:
+            return reference_loss(stock, batch, DT)
+
+    ref_loss, ref_grads, ref_embed = grads_of(stock, reference)
+    assert replayer.used == set(whole)
+    for rank, (r, where) in enumerate(zip(per_rank, tokens, strict=True)):
+        errs = {"loss": rel_err(r["loss"], ref_loss), "embed_grad": rel_err(r["embed_grad"], ref_embed[:, where])}
+        errs.update({name: rel_err(g, ref_grads[name]) for name, g in r["grads"].items()})
+        assert set(r["grads"]) == set(ref_grads)
+        assert max(errs.values()) < TOL, (case, rank, max(errs, key=errs.get), max(errs.values()))
 
 
 SP_ATTENTION = {  # SP 2 with 4 query / 2 key-value heads: Ulysses (2 heads a rank), or a ring of 2 (all heads)
@@ -290,8 +297,6 @@ def test_sequence_parallel_attention_dropout_exact_by_mask_replay():
     model run whole (float64 eager attention): loss, each rank's input gradient and the summed parameter gradients
     equal it to 1e-10; the ranks' masks differ; about p of the positions drawn are dropped."""
     from tests.dist_utils import run_distributed
-    from tests.helpers import grads_of, reference_loss, rel_err
-    from tests.mask_replay import MaskReplayer
     from tests.test_sequence_parallel import global_batch
 
     cases = list(SP_ATTENTION)
@@ -312,21 +317,8 @@ def test_sequence_parallel_attention_dropout_exact_by_mask_replay():
                 assert both.any() and not torch.equal(whole[site][:, 0][both], whole[site][:, 2][both]), case
         kept = torch.cat(drawn).double()
         assert abs((1 - kept.mean().item()) - 0.1) < 5 * (0.09 / kept.numel()) ** 0.5, (case, kept.mean())
-        stock = attention_dropout_model()
-        replayer = MaskReplayer(stock, whole)
-
-        def reference(replayer=replayer, stock=stock):
-            with replayer:
-                return reference_loss(stock, batch, DT)
-
-        ref_loss, ref_grads, ref_embed = grads_of(stock, reference)
-        assert replayer.used == set(whole)
-        for rank, r in enumerate(per_rank):
-            errs = {"loss": rel_err(r["loss"], ref_loss),
-                    "embed_grad": rel_err(r["embed_grad"], ref_embed[:, r["positions"]])}
-            errs.update({name: rel_err(g, ref_grads[name]) for name, g in r["grads"].items()})
-            assert set(r["grads"]) == set(ref_grads)
-            assert max(errs.values()) < TOL, (case, rank, max(errs, key=errs.get), max(errs.values()))
+        _check_ranks_against_replay(per_rank, attention_dropout_model(), whole, batch,
+                                    [r["positions"] for r in per_rank], case)
 
 
 def test_a_region_replays_its_draws_and_leaves_the_global_generator_alone():
