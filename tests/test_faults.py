@@ -56,7 +56,9 @@ def _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank, world, r
         assert abs(x - y) <= 1e-6 * abs(x), (reference, got)
 
 
-@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.slow), 0], ids=["rank1", "rank0-the-store-host"])
+# heavy (both): the default run keeps the rank killed mid-save and the heartbeat census naming a stopped rank
+@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.slow), pytest.param(0, marks=pytest.mark.slow)],
+                         ids=["rank1", "rank0-the-store-host"])
 def test_rank_killed_mid_step_is_named_and_resume_matches(tmp_path, straight, rank):
     config = _config(tmp_path)
     save_dir = tmp_path / "killed"

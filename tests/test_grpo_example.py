@@ -51,6 +51,7 @@ def test_embedded_default_favours_high_reward_completions(grpo_default_run):
     assert (out / "grpo.png").stat().st_size > 0 and (out / "hf_model" / "config.json").exists()
 
 
+@pytest.mark.slow  # heavy: the default run keeps test_sft_lora's and the Trainer's resume
 def test_resume_continues_the_run_exactly(grpo_default_run, tmp_path):
     """Stopped after 3 of 6 steps and resumed: the same rows as the straight run, every update's loss,
     the KL to the (rebuilt) reference and the pre-update log-probs included."""

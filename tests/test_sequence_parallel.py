@@ -155,6 +155,7 @@ def test_sp2_rank_without_valid_tokens():
     _check(results, _reference("llama", {}, SEQ // 2 - 1), 2, cases)
 
 
+@pytest.mark.slow  # heavy: SP 4 runs by default as the 2 x 2 ring and test_packing_sp's SP 4
 def test_sp4_matches_stock_float64():
     """4 ranks on one sequence (10 tokens each), 4 heads on 2 kv heads (kv replicated 2x)."""
     cases = ["streambp", "mini_seq"]

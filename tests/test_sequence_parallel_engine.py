@@ -83,6 +83,7 @@ def test_sp_engine_matches_single_process_after_3_steps(world, stage, long_seq):
     _check_training(run_distributed(sp_train_worker, world, (2, stage, long_seq)), world // 2)
 
 
+@pytest.mark.slow  # heavy: the default run keeps ZeRO-3 at sp2 x dp2 and the Trainer's ring
 def test_streambp_zero3_under_ulysses_x_ring_2x2():
     """ZeRO-3 + StreamBP at SP 4 run as Ulysses x ring 2 x 2 (ring forced on 4 heads): each StreamBP layer's K/V
     gathered over the ring (ops.ulysses.UlyssesRingExchange) while ZeRO-3 gathers the layer's parameters; 3 steps

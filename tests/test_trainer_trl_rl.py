@@ -246,7 +246,8 @@ def run_dpo_sequence_parallel(tmp_path, stage: int, opts: dict):
 @pytest.mark.parametrize(
     "stage,opts",
     [(3, {"weighting": True}), pytest.param(2, {}, marks=pytest.mark.slow),
-     pytest.param(2, {"lora": True}, marks=pytest.mark.slow), (2, {"weighting": True, "ring": True})],
+     pytest.param(2, {"lora": True}, marks=pytest.mark.slow),
+     pytest.param(2, {"weighting": True, "ring": True}, marks=pytest.mark.slow)],  # heavy: the Trainer's ring test
     ids=["zero3-wpo-ref-model", "zero2-ref-model", "zero2-lora", "zero2-wpo-ref-model-ring"],
 )
 def test_dpo_trainer_sequence_parallel_matches_one_rank(tmp_path, stage, opts):
