@@ -181,28 +181,26 @@ class _ReplayedDraws:
     function the forward computed, with the masks it drew)."""
 
     def __init__(self, model, batch: dict):
-        from tests.mask_replay import AttentionDropoutTap, MaskRecorder
-
         self.stock = copy.deepcopy(model)
         self.stock.set_attn_implementation("eager")
         self.batch = batch
         self.heads = model.config.get_text_config().num_attention_heads
-        B, T = batch["input_ids"].shape
-        self.recorder_type, self.tap_type, self.shape = MaskRecorder, AttentionDropoutTap, (B, T)
 
     def ours(self, ours_model) -> tuple:
         """ds_longseq's (loss, grads, input grad), its draws recorded: a first step before, so the first forward's
         one-time probes (which run modules on probe inputs) draw outside the recorded one."""
+        from tests.mask_replay import AttentionDropoutTap, MaskRecorder
+
         _loss_and_grads(ours_model, self.batch)
         torch.manual_seed(0)
-        B, T = self.shape
-        self.recorder, self.tap = self.recorder_type(ours_model), self.tap_type(ours_model, B, self.heads, T)
+        B, T = self.batch["input_ids"].shape
+        self.recorder, self.tap = MaskRecorder(ours_model), AttentionDropoutTap(ours_model, B, self.heads, T)
         return _loss_and_grads(ours_model, self.batch, (self.recorder, self.tap))
 
     def reference(self) -> tuple:
         from tests.mask_replay import MaskReplayer, joined
 
-        whole = {**joined(self.recorder.masks, self.shape[0]), **self.tap.whole()}
+        whole = {**joined(self.recorder.masks, self.batch["input_ids"].shape[0]), **self.tap.whole()}
         replayer = MaskReplayer(self.stock, whole)
         result = _loss_and_grads(self.stock, self.batch, (replayer,))
         assert replayer.used == set(whole), "a recorded draw was not replayed"
