@@ -292,7 +292,7 @@ def _check_family(model_type: str, mode: str, batch: dict | None, variant: str) 
     seconds = time.perf_counter() - start
     adapter = ds_longseq.patch.check_model(model, MODES[mode])
     wanted = {id(layer) for layer in adapter.layers} if mode == "streambp" else {
-        id(next(adapter.mlp(layer).parameters())) for layer in adapter.layers if adapter.mlp(layer) is not None
+        id(next(mlp.parameters())) for layer in adapter.layers for mlp in adapter.mlp_parts(layer)
     }
     ran = calls.layers if mode == "streambp" else calls.mlps
     if not wanted <= ran:

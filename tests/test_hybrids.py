@@ -511,3 +511,26 @@ def test_token_wise_block_that_mixes_tokens_is_refused(mode, monkeypatch):
     result = model_sweep.check_family("nemotron_h", mode)
     assert result.outcome == "refused", result
     assert "model.layers[1]" in result.detail and "mixes tokens" in result.detail, result.detail
+
+
+def test_granite_hybrid_mlp_parts_each_chunked_under_mini_seq():
+    """Granite-MoE-hybrid has no single MLP module: each layer sums its MoE block and its shared MLP. mini_seq
+    chunks each part on its own, the router tap on the MoE block alone (the sweep's mini_seq column checks the
+    result exact against stock with the load-balancing loss on and counts every part as chunked); OPT's bare
+    fc1 / fc2 stay refused (chunked one by one they would still hold the whole intermediate activation)."""
+    from ds_longseq.forwards.mlp import MiniSeqMLPForward
+
+    model = model_zoo.tiny_model("granitemoehybrid", torch.float64)
+    model.config.output_router_logits = True
+    ds_longseq.enable(model, model_sweep.MODES["mini_seq"])
+    try:
+        for layer in decoder_adapter(model).layers:
+            moe, shared = layer.block_sparse_moe.forward, layer.shared_mlp.forward
+            assert isinstance(moe, MiniSeqMLPForward) and isinstance(shared, MiniSeqMLPForward)
+            assert moe.router_tap is not None and shared.router_tap is None
+            assert moe.name.endswith(".block_sparse_moe") and shared.name.endswith(".shared_mlp")
+    finally:
+        ds_longseq.disable(model)
+    assert model_sweep.cached_check("granitemoehybrid", "mini_seq").outcome == "exact"
+    refused = model_sweep.cached_check("opt", "mini_seq")
+    assert refused.outcome == "refused" and "nor a sum of MLP blocks" in refused.detail, refused

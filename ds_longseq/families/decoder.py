@@ -114,7 +114,12 @@ class FamilySpec:
     None for a family of attention layers only."""
     mlp_attr: str | None = "mlp"
     """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block); None when
-    the layers have no single such module (mini_seq is then refused)."""
+    the layers have no single such module (see ``mlp_part_attrs``; with neither, mini_seq is refused)."""
+    mlp_part_attrs: tuple[str, ...] = ()
+    """Where ``mlp_attr`` is None: the attributes of a layer's MLP parts, each a block of its own called on the same
+    hidden states (Granite-MoE-hybrid's ``block_sparse_moe`` and ``shared_mlp``, whose outputs the layer sums);
+    mini_seq chunks each part on its own. Empty for a single MLP, or for bare projections (OPT's ``fc1`` /
+    ``fc2``, which chunked one by one would still hold the whole intermediate activation)."""
     token_wise_layers: tuple[int, ...] = ()
     """Layers with no token mixer at all (NemotronH's MLP and MoE blocks): their one parameterised child under
     ``mlp_attr`` is their MLP, StreamBP runs them chunk by chunk with nothing carried, and both StreamBP and
@@ -279,6 +284,16 @@ class DecoderLMAdapter:
         if self.spec.mlp_attr is None or self.spec.mlp_free_layers and self._index(layer) in self.spec.mlp_free_layers:
             return None
         return getattr(layer, self.spec.mlp_attr, None)
+
+    def mlp_parts(self, layer: torch.nn.Module) -> list[torch.nn.Module]:
+        """What mini_seq chunks in ``layer``: its MLP, else its MLP parts (``FamilySpec.mlp_part_attrs``) that it
+        holds; empty for a layer with neither (``mlp_free_layers``)."""
+        if self.spec.mlp_attr is not None:
+            mlp = self.mlp(layer)
+            return [] if mlp is None else [mlp]
+        if self.spec.mlp_free_layers and self._index(layer) in self.spec.mlp_free_layers:
+            return []
+        return [part for name in self.spec.mlp_part_attrs if (part := getattr(layer, name, None)) is not None]
 
     def attention(self, layer: torch.nn.Module) -> torch.nn.Module | None:
         """The layer's attention module; None for a layer whose token mixer is recurrent (:meth:`mixer`), even

@@ -583,17 +583,28 @@ def _attention_problems(layers: list[torch.nn.Module], mixers: _Mixers, where: s
     return attention_problem, []
 
 
-def _mlp(others: list[tuple[str, ...]]) -> tuple[str | None, tuple[int, ...]]:
-    """``(mlp_attr, mlp_free_layers)``: the layers' MLP attribute (None where they have none in common), and the
-    layers that are a token mixer only (NemotronH's attention and Mamba blocks: nothing for mini_seq to chunk)."""
+def _mlp(layers: list[torch.nn.Module], others: list[tuple[str, ...]]
+         ) -> tuple[str | None, tuple[str, ...], tuple[int, ...]]:
+    """``(mlp_attr, mlp_part_attrs, mlp_free_layers)``: the layers' MLP attribute (None where they have none in
+    common); else the MLP parts beside each other when each is a block of its own (Granite-MoE-hybrid's MoE block
+    and shared MLP; not bare projections such as OPT's fc1 / fc2); and the layers that are a token mixer only
+    (NemotronH's attention and Mamba blocks: nothing for mini_seq to chunk)."""
     mlp_names = {names for names in others if names}
     mlp_attr = next(iter(mlp_names))[0] if len(mlp_names) == 1 and len(next(iter(mlp_names))) == 1 else None
     if mlp_attr is None and mlp_names and all("mlp" in names for names in mlp_names):
         # Other parameterised children beside it (Gemma 4's per-layer-input gate and projection, its MoE block
         # next to the dense MLP): the one transformers names mlp is the MLP; the others run stock
         mlp_attr = "mlp"
-    mlp_free = tuple(i for i, names in enumerate(others) if not names) if mlp_attr is not None else ()
-    return mlp_attr, mlp_free
+    parts: tuple[str, ...] = ()
+    if mlp_attr is None and mlp_names:
+        parts = tuple(dict.fromkeys(name for names in others for name in names))
+        # each part a block (children of its own): mini_seq's first forward checks it is token-wise and called on
+        # the hidden states alone, so a wrong guess is refused there, never run
+        if not all(any(True for _ in getattr(layer, name).children())
+                   for layer, names in zip(layers, others, strict=True) for name in names):
+            parts = ()
+    mlp_free = tuple(i for i, names in enumerate(others) if not names) if mlp_attr is not None or parts else ()
+    return mlp_attr, parts, mlp_free
 
 
 def _head_problems(model: torch.nn.Module, cls: str, head, head_attrs: list[str], kind: str | None) -> list[str]:
@@ -683,7 +694,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         return None, problems + [problem]
     attention_problem, attention_refusals = _attention_problems(layers, mixers, where)
     problems += attention_refusals
-    mlp_attr, mlp_free = _mlp(mixers.others)
+    mlp_attr, mlp_parts, mlp_free = _mlp(layers, mixers.others)
     problems += _head_problems(model, cls, head, head_attrs, kind)
     moe_attr, moe_class, router_attr, moe_problems = _moe(layers, mixers.others, mlp_attr, kind, where)
     problems += moe_problems
@@ -697,6 +708,7 @@ def discover_spec(model: torch.nn.Module, family_spec_cls: type):
         attn_attr=mixers.attn_attr or "self_attn",
         mixer_attr=mixers.mixer_attr,
         mlp_attr=mlp_attr,
+        mlp_part_attrs=mlp_parts,
         lm_head_attr=head_attrs[0],
         dropout_fields=_read_by_modules(layers, _fields(config, _DROPOUT_WORDS)),
         final_logit_softcap_field="final_logit_softcapping" if kind == "final_softcap" else None,
