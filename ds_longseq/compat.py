@@ -21,6 +21,8 @@ Holds:
         ZeRO-3's gradient average under sequence parallelism, corrected on the versions where it is known
         wrong and refused on versions nobody checked.
     tensor_version: a tensor's in-place version counter.
+    module_function_replaced: a function of a transformers modeling module stood in for, inside a ``with`` block
+        (Jamba's selective scan, continued from a state).
     products_uncomputed: torch's dispatch below autograd, answering matrix products with zeros of their shape while
         autograd records its own nodes for them (their backward is autograd's own, call for call).
     keys_ignored_on_save: the state-dict keys a transformers model leaves out of ``save_pretrained``.
@@ -48,6 +50,7 @@ import contextlib
 import functools
 import inspect
 import re
+import sys
 from typing import Any, Callable, Iterator
 
 __all__ = [
@@ -338,6 +341,23 @@ def fix_zero3_sequence_parallel_average(optimizer, sp_size: int, version: str | 
 
 
 # ---- torch -------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def module_function_replaced(module_name: str, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Inside the block, the module-level function ``name`` of the (imported) module ``module_name`` is
+    ``make(original)``; restored after, also on an error.
+
+    For a per-instance forward that needs a modeling module's own call changed for that call only (the module's
+    code looks the function up in its globals at call time). Not thread-safe: another thread running the same
+    module's code meanwhile would see the stand-in too; ds_longseq runs a model's forward in one thread."""
+    module = sys.modules[module_name]
+    original = getattr(module, name)
+    setattr(module, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 def tensor_version(tensor: Any) -> int:

@@ -94,9 +94,23 @@ def test_mutation_state_gradient_not_sent_back_is_caught(monkeypatch):
     assert result.outcome == "different", result
 
 
-def test_state_read_but_ignored_is_refused_at_the_first_forward():
-    """Jamba's Mamba layers read their recurrent state but their multi-token scan starts from zeros: run in chunks
-    they would silently restart, so the first forward over two chunks refuses them, naming the layer."""
+@pytest.mark.parametrize("chunk_size", [2, 13, 64])
+def test_jamba_scan_continued_across_chunks(chunk_size):
+    """Jamba's Mamba mixer reads its recurrent state but scans from zeros (its fused kernel takes no initial state):
+    under StreamBP its scan is continued from the carried state (``ops.started_scan``: the zero-started scan plus
+    the state carried through the chunk's decays). 99 tokens in chunks of 2 (49 continuations), 13 and 64, beside
+    its attention and MoE layers: exact against the stock model on the whole sequence."""
+    worst, error = _worst_error("jamba", _streambp(chunk_size), 99)
+    assert error < 1e-10, (worst, error)
+
+
+def test_state_read_but_ignored_is_refused_at_the_first_forward(monkeypatch):
+    """Mutation: without the continued scan (Jamba's override dropped), its Mamba layers read their state but
+    restart from zeros; the first forward over two chunks perturbs the state, sees the output unchanged and refuses
+    the layer, naming it and the state."""
+    from ds_longseq.families import discovery
+
+    monkeypatch.setitem(discovery.OVERRIDES, "jamba", {})
     result = model_sweep.check_family("jamba", "streambp")
     assert result.outcome == "refused" and "JambaMambaDecoderLayer) reads its carried state(s) [('recurrent', 0)]" in (
         result.detail), result

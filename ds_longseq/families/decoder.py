@@ -112,6 +112,11 @@ class FamilySpec:
     linear-attention, state-space or short-convolution module carrying its state through transformers'
     linear-attention cache API (``discovery.is_state_mixer``: Qwen3.5's ``linear_attn``, Bamba's ``mamba``);
     None for a family of attention layers only."""
+    mixer_scan_function: str | None = None
+    """The function of the recurrent mixer's modeling module that runs its multi-token scan from zeros whatever
+    state the mixer reads (Jamba's ``mamba_selective_scan``: the fused kernel takes no initial state): StreamBP
+    runs it from the carried state instead (``forwards.started_scan``); None where the mixer's own code
+    continues from its state."""
     mlp_attr: str | None = "mlp"
     """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block); None when
     the layers have no single such module (see ``mlp_part_attrs``; with neither, mini_seq is refused)."""

@@ -131,6 +131,9 @@ _ATTENTION_MARKERS = ("ALL_ATTENTION_FUNCTIONS", ".update(")
 _STATE_MARKERS = (".update_recurrent_state(", ".update_conv_state(")
 
 OVERRIDES: dict[str, dict] = {
+    # its Mamba mixer reads the carried state but scans from zeros (only its 1-token step uses the state):
+    # tests/test_hybrids.py::test_jamba_scan_continued_across_chunks
+    "jamba": {"mixer_scan_function": "mamba_selective_scan"},
     # the attention never passes its window on (it is in the mask only); the sliding layers' attention
     # modules hold it (full layers have no such attribute)
     "qwen2_moe": {"window_from": "module"},

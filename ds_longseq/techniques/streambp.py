@@ -3,7 +3,8 @@
 Holds:
     StreamBP: checks that every layer can be replayed chunk by chunk and installs
         ``forwards.streambp_layer.StreamBPLayerForward`` as each decoder layer's forward, with
-        attention routed through ds_longseq's chunked attention function; with ``chunk_size: "auto"``, the
+        attention routed through ds_longseq's chunked attention function (and, for a mixer whose scan restarts
+        from zeros, ``forwards.started_scan.StartedScanForward`` as its forward); with ``chunk_size: "auto"``, the
         base model's forward pre-hook that picks the chunk size for each training forward
         (``forwards.auto_chunk``).
 """
@@ -16,6 +17,7 @@ from ds_longseq.config import StreamBPConfig
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards.attn_spec import AttentionSettings
 from ds_longseq.forwards.auto_chunk import AutoChunkSize
+from ds_longseq.forwards.started_scan import StartedScanForward
 from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
 from ds_longseq.forwards.unread_outputs import UnreadLinear
 from ds_longseq.techniques.base import EnableContext, Technique, register
@@ -64,6 +66,10 @@ class StreamBP(Technique):
             )
             ctx.handle.set_instance_attr(layer, "forward", forward)
             forwards.append(forward)
+            scan = ctx.adapter.spec.mixer_scan_function
+            if recurrent and scan is not None:  # its multi-token scan continued from the carried state
+                module = ctx.adapter.mixer(layer)
+                ctx.handle.set_instance_attr(module, "forward", StartedScanForward(module, module.forward, scan))
         cfg = ctx.config
         if cfg.streambp.chunk_size == "auto":
             auto = AutoChunkSize(
