@@ -116,6 +116,20 @@ def test_state_read_but_ignored_is_refused_at_the_first_forward(monkeypatch):
         result.detail), result
 
 
+@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
+def test_zamba_refused_in_every_mode_naming_the_shared_block(model_type):
+    """Zamba / Zamba2 call one shared transformer block (holding the attention, a level below the hybrid layer) from
+    several layers: refused at enable in every mode, before compute, naming the layer attribute, the block and its
+    attention."""
+    names = {"zamba": ("shared_transf", "ZambaAttentionDecoderLayer", "ZambaAttention"),
+             "zamba2": ("shared_transformer", "Zamba2AttentionDecoderLayer", "Zamba2Attention")}[model_type]
+    for mode, config in model_sweep.MODES.items():
+        with pytest.raises(ds_longseq.UnsupportedModelError) as refusal:
+            ds_longseq.patch.check_model(model_zoo.tiny_model(model_type, torch.float64), config)
+        message = str(refusal.value)
+        assert all(name in message for name in names) and "a level further down" in message, (mode, message)
+
+
 def test_mixer_that_does_not_carry_its_state_is_refused(monkeypatch):
     """A recurrent mixer that writes no state for the next chunk in its second chunk is refused by the runtime
     guard, naming the layer."""
@@ -253,6 +267,9 @@ HEAD_SHARDED = {
     "lfm2": "in_proj.weight",
     # Mamba-2 in 8 groups (NemotronH's tiny, as NemotronH-8B): B / C rows shared within a group, a norm per group
     "nemotron_h": "conv1d.weight",
+    # Mamba-2 in one group without a gated norm (each rank's heads inside it; its mup_vector buffer, constant per
+    # segment of in_proj's rows, is cut with them: a wrong cut would not change it, a missing one its shape)
+    "falcon_h1": "A_log",
 }
 
 
@@ -300,8 +317,9 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type, size):
 
 
 def test_head_sharding_refused_where_heads_do_not_divide():
-    """A sequence-parallel size that does not divide the mixer's heads (LFM2: its channels), or a mixer whose layout
-    ds_longseq does not know (Jamba's Mamba), has no head layout (naming the way out). A size the attention heads
+    """A sequence-parallel size that does not divide the mixer's heads (LFM2: its channels), a Mamba-2 share that
+    would split a group (Falcon-H1), or a mixer whose layout ds_longseq does not know (Jamba's Mamba), has no head
+    layout (naming the way out). A size the attention heads
     do not take either runs a ring: the mixer's heads are checked against the whole size as without one, and
     recurrent="pass_state" passes the states along the ring's runs instead (tests/test_ring_families.py)."""
     from ds_longseq.families import mixer_heads
@@ -311,6 +329,9 @@ def test_head_sharding_refused_where_heads_do_not_divide():
     assert "64 channels, not divisible by sequence_parallel size 3" in mixer_heads.head_layout(
         _first_mixer("lfm2")[1], 0, 3)
     assert "knows which parameters of" in mixer_heads.head_layout(_first_mixer("jamba")[1], 0, 2)
+    # Falcon-H1's Mamba-2 with 12 heads in 3 groups: at 2 ranks each rank's 6 heads would split a group
+    falcon = model_zoo.tiny_model("falcon_h1", torch.float64, mamba_n_heads=12, mamba_d_ssm=192, mamba_n_groups=3)
+    assert "would span parts of several groups" in mixer_heads.head_layout(falcon.model.layers[0].mamba, 0, 2)
     # SP 3 on 4 attention heads runs a ring (1 x 3): by heads the mixer's 2 key heads refuse 3; passing state runs
     refusal = r"recurrent='heads'.*layers \[0\] carry a recurrent state.*not both divisible by sequence_parallel size 3"
     with pytest.raises(ds_longseq.UnsupportedModelError, match=refusal):
@@ -386,6 +407,27 @@ def test_hybrids_under_sequence_parallelism_4():
     mode (Ulysses alone, mini_seq, StreamBP), and the state-passing ones under StreamBP (states through three rank
     boundaries)."""
     _check_hybrids(4, HYBRIDS_SP4)
+
+
+FALCON_H1_SP2: list[Case] = [
+    ("falcon_h1", "heads", ALL_SP_MODES, None),
+    # mutation control: the mixer's input gradient not pushed back through the layer's norm must fail
+    ("falcon_h1", "heads", ("streambp",), "mixer_input_grad_dropped"),
+]
+
+
+def test_falcon_h1_under_sequence_parallelism():
+    """Falcon-H1 runs attention and Mamba-2 side by side in every layer (mup multipliers on both). At SP 2, one
+    launch: its mixer sharded by heads (8 heads in one group, no gated norm: each rank's 4 heads read the group's
+    B / C rows; the ``mup_vector`` buffer cut as ``in_proj``'s rows) and its attention under Ulysses, with Ulysses
+    alone, mini_seq and StreamBP (``ops.sharded_mixer.streambp_mixed_sp_apply``: the mixer's input captured and
+    the mixer run once, then the keys/values captured and exchanged once per pass): exact at 1e-10 against one
+    process (``_check_hybrids``); with the mixer's input gradient dropped, different. Passing the mixer's state
+    rank to rank is refused at enable, naming 'heads'."""
+    _check_hybrids(2, FALCON_H1_SP2)
+    with pytest.raises(ds_longseq.UnsupportedModelError, match="layers .* run an attention beside their recurrent"):
+        ds_longseq.patch.check_model(model_zoo.tiny_model("falcon_h1", torch.float64), {
+            "sequence_parallel": {"size": 2, "recurrent": "pass_state"}, "streambp": {"enabled": True}})
 
 
 QWEN3_5_WIDE = {"linear_num_key_heads": 4, "linear_num_value_heads": 8}

@@ -160,6 +160,9 @@ OVERRIDES: dict[str, dict] = {
     # tests/test_hybrids.py::test_hybrids_under_sequence_parallelism*
     **dict.fromkeys(("qwen3_next", "olmo_hybrid", "kimi_linear", "lfm2", "lfm2_moe", "bamba", "nemotron_h",
                      "granitemoehybrid"), {"sequence_parallel_verified": True}),
+    # attention and Mamba-2 side by side in each layer, the mixer sharded by heads (a rank's heads inside its one
+    # group): tests/test_hybrids.py::test_falcon_h1_under_sequence_parallelism
+    "falcon_h1": {"sequence_parallel_verified": True},
 }
 """model_type -> ``FamilySpec`` fields that cannot be read from structure, for discovered families (each checked
 by the sweep, tests/test_model_sweep.py, and per forward by the mask audit)."""

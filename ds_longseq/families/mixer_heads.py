@@ -28,10 +28,12 @@ d channels, P ranks, r this rank; a rank's heads are the r-th contiguous 1/P of 
         factors' rows per head; A_log (1, 1, H, 1).
     Short convolution (LFM2): depthwise over d channels, gated elementwise, so its "heads" are channel groups:
         ``in_proj`` rows [B (d) | C (d) | x (d)], the conv and ``out_proj``'s columns per channel.
-    Mamba-2 (Bamba, NemotronH, Granite-hybrid; nh heads of hd in ng groups, state N, inner = nh x hd):
+    Mamba-2 (Bamba, NemotronH, Granite-hybrid, Falcon-H1; nh heads of hd in ng groups, state N, inner = nh x hd):
         ``in_proj`` rows [z (inner) | x (inner) | B (ng x N) | C (ng x N) | dt (nh)], the conv over x | B | C,
         A_log / D / dt_bias per head, the gated norm's weight per channel but its statistics per group: a rank
-        takes whole groups (ng / P) and their heads (nh / P), so n_groups must divide by P.
+        takes whole groups (ng / P) and their heads (nh / P), so n_groups must divide by P. Without a gated norm
+        (Falcon-H1) a rank's heads may lie inside one group instead, its B / C rows replicated; Falcon-H1's
+        ``mup_vector`` buffer scales ``in_proj``'s outputs and is cut as its rows.
 """
 
 from __future__ import annotations
@@ -165,29 +167,48 @@ def _short_conv(mixer: torch.nn.Module, rank: int, size: int) -> HeadLayout | st
 
 
 def _mamba2(mixer: torch.nn.Module, rank: int, size: int) -> HeadLayout | str:
-    """Mamba-2 (Bamba, NemotronH, Granite-hybrid): heads in n_groups groups sharing their B / C rows, a gated
-    RMSNorm over each group's channels; exact when every rank holds whole groups."""
+    """Mamba-2 (Bamba, NemotronH, Granite-hybrid, Falcon-H1): heads in n_groups groups sharing their B / C rows.
+    With a gated RMSNorm over each group's channels a rank must hold whole groups; without one (Falcon-H1's
+    ``mamba_rms_norm=False``) a rank's heads may also lie inside one group, whose B / C rows the ranks sharing it
+    each read (replicated). Falcon-H1's ``mup_vector`` (a buffer scaling ``in_proj``'s output) is cut as its rows."""
     name = type(mixer).__name__
     nh, hd, ng, N = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     inner = mixer.intermediate_size
-    if ng % size:
+    gated_norm = isinstance(getattr(getattr(mixer, "norm", None), "weight", None), torch.Tensor)
+    if nh % size:
+        return (f"{name} has {nh} heads, not divisible by sequence_parallel size {size}: choose a size that "
+                "divides them")
+    local_h, per_group = nh // size, nh // ng
+    device = mixer.out_proj.weight.device
+    heads = _share(rank, nh, size, device)
+    if ng % size == 0:
+        groups, local_g = _share(rank, ng, size, device), ng // size
+    elif not gated_norm and per_group % local_h == 0:  # the rank's heads inside one group
+        groups, local_g = torch.tensor([rank * local_h // per_group], device=device), 1
+    elif gated_norm:
         return (f"{name} has n_groups={ng}, not divisible by sequence_parallel size {size}: its gated RMSNorm "
-                f"normalises over each group's {nh // ng} heads together, which a rank's share cannot compute "
+                f"normalises over each group's {per_group} heads together, which a rank's share cannot compute "
                 "(choose a size that divides n_groups)")
+    else:
+        return (f"{name} has {nh} heads in n_groups={ng}: at sequence_parallel size {size} a rank's {local_h} heads "
+                "would span parts of several groups (choose a size that divides n_groups, or one whose share of "
+                "the heads lies inside one group)")
     if (problem := _output_bias(mixer, "out_proj")) is not None:
         return problem
-    device = mixer.out_proj.weight.device
-    heads, groups = _share(rank, nh, size, device), _share(rank, ng, size, device)
     x = _rows(heads, hd)
     # x | B | C: the conv's channels, and the in_proj rows after the gate z's `inner`
     xbc = torch.cat([x, _rows(groups, N, inner), _rows(groups, N, inner + ng * N)])
     conv_dim = inner + 2 * ng * N
+    projected = torch.cat([x, inner + xbc, inner + conv_dim + heads])
     slices = {
-        "in_proj.weight": (0, torch.cat([x, inner + xbc, inner + conv_dim + heads])),
-        "conv1d.weight": (0, xbc), "dt_bias": (0, heads), "A_log": (0, heads), "D": (0, heads),
-        "norm.weight": (0, x), "out_proj.weight": (1, x),
+        "in_proj.weight": (0, projected), "conv1d.weight": (0, xbc), "dt_bias": (0, heads), "A_log": (0, heads),
+        "D": (0, heads), "out_proj.weight": (1, x),
     }
-    local_h, local_g = nh // size, ng // size
+    if gated_norm:
+        slices["norm.weight"] = (0, x)
+    mup = getattr(mixer, "mup_vector", None)
+    if isinstance(mup, torch.Tensor):  # (1, 1, in_proj outputs)
+        slices["mup_vector"] = (mup.dim() - 1, projected)
     attrs = {"num_heads": local_h, "n_groups": local_g, "intermediate_size": local_h * hd,
              "conv_dim": local_h * hd + 2 * local_g * N}
     return HeadLayout(_with_biases(mixer, slices), attrs)
@@ -200,7 +221,7 @@ LAYOUTS: dict[str, Callable[[torch.nn.Module, int, int], HeadLayout | str]] = {
     "KimiLinearDeltaAttention": _kimi_delta_attention,
     # LFM2-MoE's short convolution is LFM2's, renamed (the same code)
     **dict.fromkeys(("Lfm2ShortConv", "Lfm2MoeShortConv"), _short_conv),
-    **dict.fromkeys(("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer"), _mamba2),
+    **dict.fromkeys(("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer"), _mamba2),
 }
 """Mixer class name -> its layout function (each class's layout checked by tests/test_hybrids.py)."""
 

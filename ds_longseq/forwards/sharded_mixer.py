@@ -23,7 +23,7 @@ import torch
 from ds_longseq.compat import parameters_replaced
 from ds_longseq.families.mixer_heads import HeadLayout, head_layout
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, spec_of
-from ds_longseq.ops.sharded_mixer import MixerStream, gather_tokens, reduce_scatter_tokens
+from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, gather_tokens, reduce_scatter_tokens
 from ds_longseq.ops.sp_layout import sp_positions
 from ds_longseq.ops.ulysses import UlyssesExchange
 
@@ -36,8 +36,9 @@ LAYOUT_CHECK_TOKENS = 16
 class HeadShardedMixerForward:
     """Replacement ``forward`` of one recurrent mixer instance under sequence parallelism.
 
-    - Inside a StreamBP chunk (its cache a :class:`MixerStream`): hands the chunk to the stream, which
-      captures its input or serves the whole shard's output (``ops.sharded_mixer.streambp_mixer_sp_apply``).
+    - Inside a StreamBP chunk (its cache a :class:`MixerStream`, or a ``StreamCache`` over a :class:`MixedStream`
+      where an attention runs beside it): hands the chunk to the stream, which captures its input or serves the
+      whole shard's output (``ops.sharded_mixer.streambp_mixer_sp_apply`` / ``streambp_mixed_sp_apply``).
     - Under sequence parallelism otherwise (``ds_longseq=`` spec with a shard context): :meth:`sharded`.
     - With the group paused (evaluation, generation on whole sequences) or a real cache: the stock forward.
 
@@ -64,8 +65,10 @@ class HeadShardedMixerForward:
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         cache = next((kwargs[k] for k in ("cache", "cache_params", "past_key_values") if k in kwargs), None)
-        if isinstance(cache, MixerStream):
-            return cache.mixer_call(hidden_states)
+        # a StreamBP chunk: the mixer's own stream, or the K/V stream of a layer with an attention beside it
+        stream = cache if isinstance(cache, MixerStream) else getattr(cache, "stream", None)
+        if isinstance(stream, (MixerStream, MixedStream)):
+            return stream.mixer_call(hidden_states)
         spec = spec_of(kwargs)
         context = None if spec is None else spec.sp
         if context is None or cache is not None or args:
@@ -100,7 +103,7 @@ class HeadShardedMixerForward:
 
     def _share(self, full: torch.Tensor, key_valid: torch.Tensor | None, layout: HeadLayout) -> torch.Tensor:
         """The mixer's forward on ``full`` (B, T, d) with the parameters and head counts of ``layout``."""
-        params = dict(self.mixer.named_parameters())
+        params = {**dict(self.mixer.named_buffers()), **dict(self.mixer.named_parameters())}  # Falcon-H1's mup_vector
         sliced = {path: params[path].index_select(dim, index) for path, (dim, index) in layout.slices.items()}
         with parameters_replaced(self.mixer, sliced), _attributes(self.mixer, layout.attrs):
             return self.orig_forward(full, attention_mask=key_valid)

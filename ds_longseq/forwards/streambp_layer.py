@@ -29,7 +29,7 @@ from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, outpu
 from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.chunk_grads import split_outputs
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
-from ds_longseq.ops.sharded_mixer import MixerStream, streambp_mixer_sp_apply
+from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, streambp_mixed_sp_apply, streambp_mixer_sp_apply
 from ds_longseq.ops.streambp import KVStream, SharedKV, capture_kv, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
@@ -315,7 +315,8 @@ class StreamBPLayerForward:
                               packed.get("cu_seq_lens_k"))[0]
 
     def _check_mixer(self, doc_start, sp) -> None:
-        """Refuse packed documents on a recurrent mixer and an attention + recurrent layer under SP."""
+        """Refuse packed documents on a recurrent mixer, and an attention + recurrent layer under SP unless its mixer
+        is sharded by heads."""
         layer = self.layer
         if self.mixer in ("recurrent", "both") and (doc_start is not None or (sp is not None
                                                                               and sp.doc_start is not None)):
@@ -324,12 +325,13 @@ class StreamBPLayerForward:
                 "state-space or short-convolution mixer), which transformers' torch path does not reset at packed "
                 "documents' starts (it would carry one document's state into the next): send one document per row"
             )
-        if self.mixer == "both" and sp is not None:
+        if self.mixer == "both" and sp is not None and not isinstance(getattr(self.mixer_module, "forward", None),
+                                                                        HeadShardedMixerForward):
             raise NotImplementedError(
                 f"StreamBP: {self.name} ({type(layer).__name__}) runs an attention and a recurrent mixer side by "
-                "side, which ds_longseq does not run under sequence parallelism yet (the attention's keys are "
-                "exchanged once per layer, the mixer's state passed rank to rank): set "
-                "long_seq.sequence_parallel.size=1"
+                "side, which ds_longseq runs under sequence parallelism with the mixer sharded by heads only (passing "
+                "its state rank to rank would serialise the ranks inside the attention's exchange of keys): set "
+                "long_seq.sequence_parallel.recurrent='heads'"
             )
 
     def _chunk_mask(self, call: "_LayerCall", s: int, e: int):
@@ -407,6 +409,10 @@ class StreamBPLayerForward:
                 # the mixer runs once per layer over the whole sequence, sharded by heads across the group
                 return streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,
                                                lambda x: sharded.sharded(x, sp.key_valid), offloader)
+            if sp is not None and self.mixer == "both" and isinstance(sharded, HeadShardedMixerForward):
+                # the same mixer call, and the attention beside it exchanging its keys/values once per pass
+                return streambp_mixed_sp_apply(run_chunk, layer_input, params, self.chunk_size,
+                                               lambda x: sharded.sharded(x, sp.key_valid), sp.kv_exchange, offloader)
             # a recurrent layer under sequence parallelism continues from the previous rank's state
             return streambp_apply(run_chunk, layer_input, params, self.chunk_size, offloader,
                                   min_chunk=2 if recurrent else 1,
@@ -700,14 +706,16 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
     a layer that only does that has no attention to check. A layer with no token mixer (``token_wise``) must
     do none of it (else discovery missed its mixer)."""
     state = getattr(stream, "state", None)
-    if isinstance(stream, MixerStream):  # a head-sharded mixer (ops.sharded_mixer) served this chunk
+    if isinstance(stream, (MixerStream, MixedStream)):  # a head-sharded mixer (ops.sharded_mixer) served this chunk
         if stream.calls != 1:
             raise NotImplementedError(
                 f"StreamBP: {name} ({type(layer).__name__}) called its head-sharded mixer {stream.calls} times on "
                 f"tokens [{s}, {e}) (once expected): long_seq.streambp cannot run this model exactly under "
                 "sequence parallelism; set long_seq.sequence_parallel.recurrent='pass_state'"
             )
-        return
+        if isinstance(stream, MixerStream):
+            return
+        # a MixedStream: the attention beside the mixer is checked as any attention's below
     if token_wise:
         if stream.updates or stream.attended or state is not None and state.used:
             raise NotImplementedError(

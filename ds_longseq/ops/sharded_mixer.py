@@ -6,6 +6,8 @@ Holds:
     MixerStream: what a StreamBP chunk of such a layer gets as its cache: the mixer's input is captured
         chunk by chunk, its output (computed once for the whole shard) served chunk by chunk.
     streambp_mixer_sp_apply: StreamBP over a layer whose mixer is one such collective call.
+    MixedStream, streambp_mixed_sp_apply: the same for a layer whose attention runs beside that mixer (Falcon-H1):
+        the group's keys/values exchanged as for any attention layer (``ops.streambp.streambp_sp_apply``).
 
 Why: a linear-attention layer's recurrence must run over the whole sequence in order. Under sequence
 parallelism rank p holds tokens [p*T_l, (p+1)*T_l); sharding the mixer by heads (each rank runs the whole
@@ -33,10 +35,11 @@ import torch
 
 from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads
 from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
-from ds_longseq.ops.streambp import chunk_bounds
+from ds_longseq.ops.streambp import GlobalKVStream, KVCaptured, chunk_bounds, global_kv
 from ds_longseq.ops.ulysses import UlyssesExchange
 
-__all__ = ["gather_tokens", "reduce_scatter_tokens", "MixerStream", "streambp_mixer_sp_apply"]
+__all__ = ["gather_tokens", "reduce_scatter_tokens", "MixerStream", "streambp_mixer_sp_apply", "MixedStream",
+           "streambp_mixed_sp_apply"]
 
 def gather_tokens(x: torch.Tensor, exchange: UlyssesExchange) -> torch.Tensor:
     """(B, T_l, ...) this rank's tokens -> (B, P*T_l, ...) every rank's of the group, in rank order.
@@ -216,3 +219,192 @@ def streambp_mixer_sp_apply(
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
         return _MixerSPFunction.apply(hidden, run_chunk, bounds, mixer, offloader, *params)
     return _forward(run_chunk, hidden, bounds, mixer)
+
+
+# --- attention beside the head-sharded mixer (Falcon-H1) ----------------------------------------------------------
+
+
+class MixedStream(GlobalKVStream):
+    """The stream of a layer that calls its head-sharded mixer and then its attention on the same chunk (Falcon-H1):
+    the attention's keys/values as :class:`~ds_longseq.ops.streambp.GlobalKVStream` (its modes), the mixer's as
+    :class:`MixerStream` (:meth:`mixer_call`, its own :attr:`mixer_mode`).
+
+    Mixer modes: "capture" and "capture_grad" as :class:`MixerStream`'s (the layer stops at the mixer); "serve"
+    returns the chunk's rows of :attr:`output` (a leaf under grad, :attr:`leaf`) and lets the layer go on to its
+    attention; "keep_input" keeps the chunk's mixer input with its graph (:attr:`input_chunk`) and serves the output
+    as a constant (the K/V capture after it stops the layer).
+    """
+
+    def __init__(self, local_len: int, exchange):
+        super().__init__(local_len, exchange)
+        self.mixer_mode = "capture"
+        self.inputs: torch.Tensor | None = None  # (B, T_l, d) the mixer's input
+        self.output: torch.Tensor | None = None  # (B, T_l, d) its output, from the whole-shard call
+        self.leaf: torch.Tensor | None = None
+        self.input_chunk: torch.Tensor | None = None
+        self.calls = 0
+
+    def begin_chunk(self) -> None:
+        super().begin_chunk()
+        self.calls = 0
+
+    def mixer_call(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the mixer returns on this chunk's (B, C, d) input (see the modes)."""
+        self.calls += 1
+        s, e = self.start, self.end
+        if hidden_states.shape[1] != e - s:
+            raise RuntimeError(f"the mixer got {hidden_states.shape[1]} tokens on chunk [{s}, {e})")
+        if self.updates:
+            raise NotImplementedError(
+                "StreamBP under sequence parallelism: this layer writes its keys/values before calling its "
+                "head-sharded mixer; ds_longseq runs a layer with both only when the mixer comes first (Falcon-H1)"
+            )
+        if self.mixer_mode == "capture":
+            if self.inputs is None:
+                B, _, d = hidden_states.shape
+                self.inputs = hidden_states.new_empty(B, self.local_len, d)
+            self.inputs[:, s:e] = hidden_states.detach()
+            raise _MixerReached
+        if self.mixer_mode == "capture_grad":
+            self.input_chunk = hidden_states
+            raise _MixerReached
+        if self.mixer_mode == "keep_input":
+            self.input_chunk = hidden_states
+        out = self.output[:, s:e]
+        if self.mixer_mode == "serve" and torch.is_grad_enabled():
+            out = out.detach().requires_grad_(True)
+            self.leaf = out
+        return out
+
+
+def _mixed_capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, exchange) -> MixedStream:
+    """A stream holding the mixer's output for the whole shard and the group's keys/values (no grad), in "serve"
+    and "attend" modes: the mixer's input captured, the mixer run once, then the K/V captured and exchanged."""
+    stream = MixedStream(hidden.shape[1], exchange)
+    with torch.no_grad():
+        for s, e in bounds:
+            stream.start, stream.end = s, e
+            try:
+                run_chunk(hidden[:, s:e], s, e, stream)
+            except _MixerReached:
+                continue
+            raise _not_reached(s, e)
+        stream.output = mixer(stream.inputs)
+    stream.mixer_mode = "serve"
+    return global_kv(run_chunk, hidden, bounds, stream)
+
+
+def _mixed_forward(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, exchange) -> torch.Tensor:
+    stream = _mixed_capture(run_chunk, hidden, bounds, mixer, exchange)
+    outs = []
+    with torch.no_grad():
+        for s, e in bounds:
+            stream.start, stream.end = s, e
+            out = run_chunk(hidden[:, s:e], s, e, stream)
+            if isinstance(out, tuple):
+                raise NotImplementedError("streambp_mixed_sp_apply: auxiliary chunk outputs (router logits) under "
+                                          "sequence parallelism are not supported")
+            outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+class _MixedSPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, run_chunk, bounds, mixer, exchange, offloader, *params):
+        out = _mixed_forward(run_chunk, hidden, bounds, mixer, exchange)
+        save_input(ctx, hidden, offloader)
+        ctx.run_chunk, ctx.bounds, ctx.mixer, ctx.exchange, ctx.params = run_chunk, bounds, mixer, exchange, params
+        ctx.autocast = AutocastState.capture(hidden.device.type)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden = load_input(ctx)
+        run_chunk, bounds = ctx.run_chunk, ctx.bounds
+        with ctx.autocast.replay():
+            stream = _mixed_capture(run_chunk, hidden, bounds, ctx.mixer, ctx.exchange)
+        stream.alloc_grads()
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=6)
+        grad_mixer_out = torch.zeros_like(stream.output)
+        # Pass 1: every chunk through the whole layer; the mixer's output and the keys/values are constants whose
+        # gradients are kept (the mixer's per chunk, the keys'/values' in the stream's sinks).
+        stream.outputs_read = False
+        with torch.enable_grad():
+            for s, e in bounds:
+                stream.start, stream.end, stream.leaf = s, e, None
+                h_c = grads.leaf(hidden[:, s:e])
+                with ctx.autocast.replay():
+                    out_c = run_chunk(h_c, s, e, stream)
+                if stream.leaf is None:
+                    raise _not_reached(s, e)
+                (leaf_grad,) = grads.backward([out_c], [grad_out[:, s:e]], h_c, s, e, extra=[stream.leaf])
+                if leaf_grad is not None:
+                    grad_mixer_out[:, s:e] = leaf_grad
+        dk, dv = stream.grads_to_tokens()
+        # The mixer once with grad (a collective): its parameters' gradients and its input's.
+        inputs = stream.inputs.detach().requires_grad_(True)
+        with torch.enable_grad():
+            with ctx.autocast.replay():
+                mixer_out = ctx.mixer(inputs)
+            (grad_inputs,) = grads.backward_to([mixer_out], [grad_mixer_out.to(mixer_out.dtype)], [inputs])
+        # Pass 2: each chunk up to its K/V, keeping the mixer's input on the way, to push both gradients through
+        # the layer's part before them.
+        stream.mode, stream.mixer_mode = "capture_grad", "keep_input"
+        with torch.enable_grad():
+            for s, e in bounds:
+                stream.start, stream.end, stream.input_chunk = s, e, None
+                h_c = grads.leaf(hidden[:, s:e])
+                try:
+                    with ctx.autocast.replay():
+                        run_chunk(h_c, s, e, stream)
+                except KVCaptured:
+                    pass
+                outputs, grad_outputs = [], []
+                pairs = ((stream.input_chunk, grad_inputs), (stream.k_chunk, dk), (stream.v_chunk, dv))
+                for t, g in pairs:
+                    if t is not None and g is not None and t.requires_grad:
+                        outputs.append(t)
+                        grad_outputs.append((g[:, s:e] if t is stream.input_chunk else g[:, :, s:e]).to(t.dtype))
+                if outputs:
+                    grads.backward(outputs, grad_outputs, h_c, s, e, add=True)
+                stream.k_chunk = stream.v_chunk = stream.input_chunk = None
+        grad_in, param_grads = grads.result()
+        return (grad_in, None, None, None, None, None, *param_grads)
+
+
+def streambp_mixed_sp_apply(
+    run_chunk: Callable,
+    hidden: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    chunk_size: int,
+    mixer: Callable[[torch.Tensor], torch.Tensor],
+    exchange,
+    offloader: LayerInputOffloader | None = None,
+) -> torch.Tensor:
+    """StreamBP over a decoder layer that calls a head-sharded mixer and then an attention (Falcon-H1) under
+    sequence parallelism: the mixer once per pass over the whole shard (a collective, as
+    :func:`streambp_mixer_sp_apply`), the attention's keys/values exchanged once per pass (as
+    ``ops.streambp.streambp_sp_apply``). Forward: capture the mixer's input (each chunk up to the mixer), run the
+    mixer, capture the K/V (each chunk up to them, the mixer's output served), exchange them, run the chunks.
+    Backward: the same captures again; pass 1 replays each chunk whole with both as constants, keeping their
+    gradients; the mixer's backward once; pass 2 runs each chunk up to its K/V with grad, keeping the mixer's input
+    on the way, and pushes the mixer's input gradient and dK / dV through together. Kept from forward to backward:
+    the layer input only.
+
+    Args:
+        run_chunk: ``run_chunk(h_c, s, e, stream)`` runs the layer on tokens [s, e) with ``stream`` (a
+            :class:`MixedStream`) as its cache.
+        hidden: (B, T_l, d) this rank's layer input.
+        params: every parameter the layer uses (the mixer's included).
+        chunk_size: tokens per chunk of the local shard.
+        mixer: (B, T_l, d) the mixer's input on this rank -> (B, T_l, d) its output, a collective call.
+        exchange: the group's ``UlyssesExchange`` for the keys/values.
+        offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
+
+    Returns:
+        (B, T_l, d) the layer output; under grad mode only ``hidden`` is saved for backward.
+    """
+    bounds = chunk_bounds(hidden.shape[1], chunk_size)
+    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return _MixedSPFunction.apply(hidden, run_chunk, bounds, mixer, exchange, offloader, *params)
+    return _mixed_forward(run_chunk, hidden, bounds, mixer, exchange)

@@ -52,6 +52,8 @@ from ds_longseq.ops.sparse_inputs import SparseInputs
 
 __all__ = [
     "capture_kv",
+    "global_kv",
+    "KVCaptured",
     "KVStream",
     "SharedKV",
     "GlobalKVStream",
@@ -61,7 +63,7 @@ __all__ = [
 ]
 
 
-class _KVCaptured(Exception):
+class KVCaptured(Exception):
     """Raised by ``KVStream.write_kv`` in capture mode to stop the layer right after K/V exist."""
 
 
@@ -176,7 +178,7 @@ class KVStream:
     def write_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The current chunk's (B, Hkv, C, D) post-RoPE keys and (B, Hkv, C, Dv) values, stored at [start, end) of
         the buffers (in replay kept with their autograd history); returns what the layer attends: the chunk's
-        own, or in whole-cache mode every token's so far. Raises ``_KVCaptured`` in a capture pass (the rest of
+        own, or in whole-cache mode every token's so far. Raises ``KVCaptured`` in a capture pass (the rest of
         the layer is not needed). Counted in :attr:`updates` for the runtime guard."""
         self.updates += 1
         self.updated_shapes = (tuple(key_states.shape), tuple(value_states.shape))
@@ -206,7 +208,7 @@ class KVStream:
             self.k[:, :, self.start : self.end] = key_states
             self.v[:, :, self.start : self.end] = value_states
         if self.mode == "capture":
-            raise _KVCaptured
+            raise KVCaptured
         if self.produces is not None:  # complete once the last chunk ran
             self.produces.k, self.produces.v = self.k, self.v
         if self.concat and self.start > 0:  # every token so far (views of the buffers; no grad in this mode)
@@ -225,7 +227,7 @@ class KVStream:
         k, v = shared.k[:, :, : self.end], shared.v[:, :, : self.end]
         self.updated_shapes = (tuple(k.shape), tuple(v.shape))
         if self.mode == "capture":
-            raise _KVCaptured
+            raise KVCaptured
         if self.mode == "replay":
             self.prefix_leaves = k, v = tuple(t.detach().requires_grad_(True) for t in (k, v))
         return k, v
@@ -578,7 +580,7 @@ class GlobalKVStream:
         """Called by the attention function with what the layer attends (see :meth:`KVStream.attends`). In the
         capture modes this is where a layer's K/V are taken when it attends something else than it cached
         (:attr:`capture_at` ``"attention"``, decided here on the first chunk): stored or kept, then the layer
-        is stopped (raises ``_KVCaptured``)."""
+        is stopped (raises ``KVCaptured``)."""
         shapes = (tuple(key.shape), tuple(value.shape))
         if self.capture_at is None:  # first chunk of the capture pass: write_kv() stored the cached tensors
             self.capture_at = "cache" if shapes == self.updated_shapes else "attention"
@@ -590,7 +592,7 @@ class GlobalKVStream:
             return shapes == self.updated_shapes
         if self.capture_at == "attention":
             self._take(key, value)
-        raise _KVCaptured
+        raise KVCaptured
 
     def tokens_before(self) -> int:
         """Tokens of the whole sequence before the current chunk (the shard's global offset plus the chunk's
@@ -611,13 +613,13 @@ class GlobalKVStream:
         k, v = (t.new_zeros(()).expand(t.shape[0], 1, C, t.shape[-1]) for t in (shared.k, shared.v))
         self.updated_shapes = (tuple(k.shape), tuple(v.shape))
         if self.mode != "attend":  # capture, capture_grad: no keys/values of its own
-            raise _KVCaptured
+            raise KVCaptured
         return k, v
 
     def write_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`KVStream.write_kv`: the chunk's keys and values returned unchanged where the attention call
         takes them (``"attend"``, or ``capture_at`` ``"attention"``), else taken (:meth:`_take`) and the layer
-        stopped (``_KVCaptured``; on the first chunk it goes on to the attention call, which decides where)."""
+        stopped (``KVCaptured``; on the first chunk it goes on to the attention call, which decides where)."""
         self.updates += 1
         self.updated_shapes = (tuple(key_states.shape), tuple(value_states.shape))
         if self.mode == "attend" or self.capture_at == "attention":  # the attention call takes them (attends)
@@ -625,7 +627,7 @@ class GlobalKVStream:
         self._take(key_states, value_states)
         if self.capture_at is None:  # first chunk: on to the attention call, which decides where to capture
             return key_states, value_states
-        raise _KVCaptured
+        raise KVCaptured
 
     def _take(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The chunk's K/V: kept with their autograd history (capture_grad), or stored in the local (B, Hkv, T_l,
@@ -705,7 +707,7 @@ def capture_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> Non
             state.enter(i)
         try:
             run_chunk(hidden[:, s:e], s, e, stream)
-        except _KVCaptured:
+        except KVCaptured:
             continue
         raise RuntimeError(
             f"StreamBP: on tokens [{s}, {e}) the layer never reached its KV cache's update() and ds_longseq's "
@@ -716,7 +718,13 @@ def capture_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream) -> Non
 
 
 def _global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> GlobalKVStream:
-    stream = GlobalKVStream(hidden.shape[1], exchange)
+    return global_kv(run_chunk, hidden, bounds, GlobalKVStream(hidden.shape[1], exchange))
+
+
+def global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream: GlobalKVStream) -> GlobalKVStream:
+    """``stream`` holding the group's keys/values of the layer, heads-sharded, in "attend" mode: every chunk run up
+    to its K/V (captured), then exchanged across the group (a collective: every rank calls it at once)."""
+    stream.mode = "capture"
     with torch.no_grad():
         capture_kv(run_chunk, hidden, bounds, stream)
     stream.exchange_kv()
@@ -765,7 +773,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
                 try:
                     with ctx.autocast.replay(), phase("streambp.replay"):
                         run_chunk(h_c, s, e, stream)
-                except _KVCaptured:
+                except KVCaptured:
                     pass
                 outputs, grad_outputs = [], []
                 for t, g in ((stream.k_chunk, dk), (stream.v_chunk, dv)):

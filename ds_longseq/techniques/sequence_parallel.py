@@ -99,6 +99,13 @@ class SequenceParallelism(Technique):
                 "it rank to rank inside StreamBP only. Enable long_seq.streambp, set recurrent='heads', or set "
                 "long_seq.sequence_parallel.size=1"
             )
+        both = [i for i in recurrent if ctx.adapter.attention(ctx.adapter.layers[i]) is not None]
+        if both and ctx.config.sequence_parallel.recurrent == "pass_state":
+            problems.append(
+                f"long_seq.sequence_parallel.recurrent='pass_state' on {spec.causal_lm_class}: layers {both} run an "
+                "attention beside their recurrent mixer, whose keys every rank exchanges at once, so the ranks cannot "
+                "take turns passing the mixer's state inside the layer; set recurrent='heads' (the default)"
+            )
         return problems + [
             f"long_seq.sequence_parallel with rope_type={kind!r}: this RoPE scaling picks its frequencies from the "
             "largest position the forward sees, and under sequence parallelism each rank sees only its shard (the "
