@@ -27,6 +27,7 @@ attention kernel (``kv_block_size``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import typing
 import warnings
@@ -37,6 +38,8 @@ from typing import Annotated, Any, Callable, Literal, Mapping
 __all__ = [
     "LongSeqConfig",
     "LongSeqConfigError",
+    "ConfigFileError",
+    "read_json_file",
     "StreamBPConfig",
     "MiniSeqConfig",
     "LMHeadConfig",
@@ -63,6 +66,46 @@ class LongSeqConfigError(ValueError):
                 len(problems), "" if len(problems) == 1 else "s", "\n  - ".join(problems)
             )
         )
+
+
+class ConfigFileError(ValueError):
+    """A JSON file ds_longseq was pointed at (a DeepSpeed config, a model's config.json) cannot be read or is not
+    valid JSON: the message names the file, and the line and column of the first error, in one line."""
+
+
+def read_json_file(path: str | os.PathLike, what: str = "DeepSpeed config") -> Any:
+    """The JSON value in ``path``.
+
+    Raises:
+        ConfigFileError: ``path: cannot read the <what> (No such file or directory)``, or ``path:LINE:COLUMN: not
+            valid JSON (<the parser's reason>)`` with the likely fix for the common slips (a trailing comma, single
+            quotes, a comment).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+        raise ConfigFileError(f"{path}: cannot read the {what} ({reason})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigFileError(f"{path}:{err.lineno}:{err.colno}: the {what} is not valid JSON ({err.msg})"
+                              f"{_json_slip(text, err.pos)}") from None
+
+
+def _json_slip(text: str, pos: int) -> str:
+    """The likely slip at a JSON error's position, as a hint ("" when none is recognised)."""
+    before = text[:pos].rstrip()
+    here = text[pos:pos + 1]
+    if before.endswith(",") and here in "}]":
+        line = text.count("\n", 0, len(before)) + 1
+        return f": a comma after the last item (line {line}) is not JSON; remove it"
+    if here == "'":
+        return ": JSON strings and keys take double quotes"
+    if text[pos:pos + 2] in ("//", "/*") or here == "#":
+        return ": JSON has no comments; remove it"
+    return ""
 
 
 def _positive_number(value: Any) -> bool:
@@ -410,7 +453,9 @@ def _field_problem(section_cls: type, name: str, value: Any, where: str) -> str 
                                             f"a {getattr(kind, '__name__', kind)}"))
     if test(value) and all(r.holds is None or r.holds(value) for r in rules):
         return None
-    return f"{where} must be {rules[0].must_be if rules else must_be}, got {value!r}"
+    # the named values a field takes besides its type ("auto"), so the message lists every accepted value
+    others = "".join(f" or {c!r}" for c in choices if c is not None)
+    return f"{where} must be {rules[0].must_be if rules else must_be}{others}, got {value!r}"
 
 
 def _elsewhere(key: str, *, besides: str | None = None) -> str:

@@ -50,7 +50,6 @@ with its own sizes: an estimate, not a measurement, until a run checks it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -58,7 +57,7 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
-from ds_longseq.config import LongSeqConfig
+from ds_longseq.config import ConfigFileError, LongSeqConfig, read_json_file
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards.auto_chunk import largest_fitting
 from ds_longseq.ops.sp_layout import sp_degrees
@@ -549,16 +548,24 @@ def preflight(dims: ModelDims, setup: Setup, seq_len: int, *, device_bytes: floa
 
 
 def _load_model_config(path: str) -> dict:
+    """The model's config.json as a dict (bad input: ValueError, which main() turns into exit status 2)."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise SystemExit(f"--model {path}: no such directory or config.json (pass a model directory or its "
-                         "config.json)")
-    with open(file) as f:
-        return json.load(f)
+        raise ConfigFileError(f"--model {path}: no such directory or config.json (pass a model directory or its "
+                              "config.json)")
+    config = read_json_file(file, "model config")
+    if not isinstance(config, dict):
+        raise ConfigFileError(f"{file}: a model config is a JSON object ({{...}})")
+    return config
+
+
+EXIT_STATUSES = """exit status: 0 the run fits; 1 it does not fit (the report says what would); 2 bad input (an
+unreadable or malformed --ds-config or --model config, a missing --model, an invalid value), one line on stderr."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ds_longseq.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ds_longseq.plan", description=__doc__.split("\n\n")[0],
+                                epilog=EXIT_STATUSES)
     p.add_argument("--model", required=True, help="model directory or its config.json")
     p.add_argument("--ds-config", help="DeepSpeed JSON with its long_seq section (default: ZeRO-2, StreamBP)")
     p.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
@@ -571,10 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", choices=typing.get_args(Method), help="override the method the config implies")
     args = p.parse_args(argv)
     ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "long_seq": {"streambp": {"enabled": True}}}
-    if args.ds_config:
-        with open(args.ds_config) as f:
-            ds = json.load(f)
     try:
+        if args.ds_config:
+            ds = read_json_file(args.ds_config)
+            if not isinstance(ds, dict):
+                raise ConfigFileError(f"{args.ds_config}: a DeepSpeed config is a JSON object ({{...}})")
         setup = Setup.from_configs(ds, device=args.device, gpus=args.gpus, nodes=args.nodes, lora_rank=args.lora_rank)
         if args.method:
             setup = replace(setup, method=args.method)

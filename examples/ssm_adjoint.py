@@ -54,8 +54,14 @@ import torch
 
 import ds_longseq.engine
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
-from ds_longseq.engine import split_config
-from ds_longseq.toolkit import TopicRecallTask, init_process_group, peak_memory_gib, save_if_due, start_or_resume
+from ds_longseq.toolkit import (
+    TopicRecallTask,
+    init_process_group,
+    peak_memory_gib,
+    read_ds_config,
+    save_if_due,
+    start_or_resume,
+)
 
 TASK_DEFAULTS = TopicRecallTask()  # the task's defaults are written once, in its dataclass
 
@@ -168,8 +174,8 @@ def main(argv=None) -> int:
     check_args(args)
     from tqdm import tqdm
 
+    ds_config, long_seq = read_ds_config(args.ds_config)
     rank, _ = init_process_group()
-    ds_config, long_seq = split_config(args.ds_config)
     if not long_seq.adjoint.enabled:
         raise SystemExit(f"{args.ds_config}: long_seq.adjoint.enabled must be true for this example")
     adjoint = long_seq.adjoint

@@ -81,7 +81,8 @@ def test_every_problem_is_listed_in_one_error():
     assert len(problems) == 7, problems
     for needle in [
         "long_seq.streambp.'chunk_sise'",
-        "long_seq.streambp.chunk_size must be a positive integer, got 0",
+        # a field that also takes a named value lists it ("auto")
+        "long_seq.streambp.chunk_size must be a positive integer or 'auto', got 0",
         "long_seq.mini_seq.mlp_num_chunks must be a positive integer, got -2",
         "long_seq.lm_head.enabled must be true or false, got 'yes'",
         "long_seq.lm_head.chunk_size must be a positive integer, got 2.5",

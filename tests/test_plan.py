@@ -191,8 +191,22 @@ def test_cli(tmp_path, capsys):
     assert rc == 0 and "fits: yes" in out and "layer_inputs" in out and "preset to start from" in out
     assert P.main(["--model", str(model), "--seq-len", "10000000", "--gpu-mem-gib", "80"]) == 1
     assert "NO" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no such directory"):
-        P.main(["--model", str(tmp_path / "missing"), "--seq-len", "1024"])
+    # bad input: status 2 (1 means "does not fit"), one line on stderr naming the file (line:column for JSON)
+    assert P.main(["--model", str(tmp_path / "missing"), "--seq-len", "1024"]) == 2
+    assert "--model " in (err := capsys.readouterr().err) and "no such directory" in err and err.count("\n") == 1
+    broken = tmp_path / "broken.json"
+    broken.write_text('{\n  "zero_optimization": {"stage": 2},\n  "bf16": {"enabled": true},\n}\n')
+    assert P.main(["--model", str(model), "--ds-config", str(broken), "--seq-len", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}:4:1: the DeepSpeed config is not valid JSON" in err and "(line 3)" in err and "remove it" in err
+    (tmp_path / "list.json").write_text("[1]")
+    assert P.main(["--model", str(model), "--ds-config", str(tmp_path / "list.json"), "--seq-len", "1024"]) == 2
+    assert "is a JSON object" in capsys.readouterr().err
+    assert P.main(["--model", str(model), "--seq-len", "-5"]) == 2
+    with pytest.raises(SystemExit) as exited:  # argparse's own: a flag that does not parse
+        P.main(["--model", str(model), "--seq-len", "many"])
+    assert exited.value.code == 2
+    assert "exit status: 0 the run fits; 1 it does not fit" in P.EXIT_STATUSES
 
 
 def test_preflight_refuses_warns_and_can_be_overridden(caplog):

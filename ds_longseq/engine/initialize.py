@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
 import os
 import re
 from typing import Any, Callable, Mapping
@@ -31,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ds_longseq.compat import fix_zero3_sequence_parallel_average
-from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.config import ConfigFileError, LongSeqConfig, LongSeqConfigError, read_json_file
 from ds_longseq.engine.process_group import DEFAULT_DISTRIBUTED_PORT
 from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
 from ds_longseq.engine.watchdog import start_watchdog, started_by_launcher
@@ -88,10 +87,13 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
 
     Raises:
         LongSeqConfigError: the ``long_seq`` section or the ZeRO stage is invalid (all problems at once).
+        ConfigFileError: the file cannot be read or is not a JSON object (naming the file, line and column).
     """
     if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            ds_config = json.load(f)
+        ds_config = read_json_file(config)
+        if not isinstance(ds_config, dict):
+            raise ConfigFileError(f"{config}: a DeepSpeed config is a JSON object ({{...}}), this file holds a "
+                                  f"{type(ds_config).__name__}")
     elif isinstance(config, Mapping):
         ds_config = copy.deepcopy(dict(config))
     else:

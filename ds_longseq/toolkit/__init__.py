@@ -55,6 +55,7 @@ from ds_longseq.toolkit.distributed import (
     configure_logging,
     init_process_group,
     mean_over_ranks,
+    read_ds_config,
     set_learning_rate,
     start_distributed,
     to_rank_batch,
@@ -106,7 +107,8 @@ __all__ = [
     # metrics
     "peak_memory_gib", "plot_losses", "plot_panels", "MetricsLog",
     # distributed
-    "configure_logging", "init_process_group", "check_parallel_args", "start_distributed", "set_learning_rate",
+    "configure_logging", "init_process_group", "check_parallel_args", "read_ds_config", "start_distributed",
+    "set_learning_rate",
     "mean_over_ranks", "to_rank_batch",
     # args
     "add_common_args", "check_run_args", "check_model_and_data", "check_lora_args", "check_args",

@@ -5,7 +5,8 @@ blamed on the config).
 
 Holds:
     add_common_args: the flags examples/sft.py, dpo.py and grpo.py share (same names, same meaning).
-    check_run_args: lengths, steps, --save-every, --save-total-limit, --data needs --model, the paths exist.
+    check_run_args: lengths, steps, --save-every, --save-total-limit, --data needs --model, the paths exist, the
+        save directory can be created and written (check_save_dir).
     check_model_and_data: --data needs --model; the --model directory and the --data file exist.
     check_lora_args: --lora-rank / --lora-alpha / --lora-dropout / --lora-targets / --merge-lora, and peft
         installed.
@@ -20,7 +21,8 @@ import os
 from ds_longseq.toolkit.lora import import_peft, parse_lora_targets
 from ds_longseq.toolkit.pretrained import gguf_parts
 
-__all__ = ["add_common_args", "check_run_args", "check_model_and_data", "check_lora_args", "check_args"]
+__all__ = ["add_common_args", "check_run_args", "check_model_and_data", "check_save_dir", "check_lora_args",
+           "check_args"]
 
 
 def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int, seq_len: int, lr: float) -> None:
@@ -69,8 +71,8 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
 
 
 def check_run_args(args: argparse.Namespace) -> None:
-    """Refuse bad --seq-len, --max-steps, --save-every, --save-total-limit, --data without --model, and a --model
-    directory or --data file that is not there."""
+    """Refuse bad --seq-len, --max-steps, --save-every, --save-total-limit, --data without --model, a --model
+    directory or --data file that is not there, and a --save-dir that cannot be created or written."""
     if args.seq_len <= 0:
         raise SystemExit(f"--seq-len must be positive, got {args.seq_len}: pass the tokens per sequence, e.g. 2048")
     if args.max_steps <= 0:
@@ -84,6 +86,20 @@ def check_run_args(args: argparse.Namespace) -> None:
     check_model_and_data(args.model, args.data)
     if args.data and not args.model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
+    if getattr(args, "save_dir", None):
+        check_save_dir(args.save_dir)
+
+
+def check_save_dir(save_dir: str) -> None:
+    """Create ``save_dir`` (and its parents) if needed and check it can be written, before the model loads: an
+    uncreatable or read-only one stops here naming it and why (a later save would fail after the setup)."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"--save-dir {save_dir}: cannot be created ({err.strerror}): pass a directory you can "
+                         "write") from None
+    if not os.access(save_dir, os.W_OK | os.X_OK):
+        raise SystemExit(f"--save-dir {save_dir}: not writable: pass a directory you can write")
 
 
 def check_model_and_data(model: str | None, data: str | None) -> None:

@@ -4,6 +4,7 @@ Holds:
     configure_logging: show ds_longseq's log records on stderr, tagged with the rank (entry points only).
     init_process_group: DeepSpeed's process group, rank-0 logging and the GPU, before anything else.
     check_parallel_args: refuse a sequence length or rank count that does not fit the sequence-parallel size.
+    read_ds_config: the --ds_config file split into DeepSpeed's config and the long_seq section, or one line why not.
     start_distributed: the process group, logging, and the config checked against the arguments.
     cpu_tuned_config_hint: on a GPU, a hint when the config carries the CPU presets' tile sizes.
     set_learning_rate: a peak learning rate into the config's optimizer and WarmupLR scheduler.
@@ -19,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from ds_longseq.config import ConfigFileError, LongSeqConfigError
 from ds_longseq.engine import check_sequence_length, shard_batch, split_config
 from ds_longseq.engine.process_group import start_process_group
 from ds_longseq.logging import get_logger
@@ -29,6 +31,7 @@ __all__ = [
     "configure_logging",
     "init_process_group",
     "check_parallel_args",
+    "read_ds_config",
     "start_distributed",
     "set_learning_rate",
     "mean_over_ranks",
@@ -128,6 +131,18 @@ def check_monitor_config(config: dict) -> None:
                              "point it at a directory you can write")
 
 
+def read_ds_config(path: str):
+    """``engine.split_config`` of the ``--ds_config`` file: (DeepSpeed config dict, LongSeqConfig). An unreadable or
+    malformed file (named with its line and column) or an invalid ``long_seq`` section stops the script with that
+    message alone (``SystemExit``), no traceback."""
+    try:
+        return split_config(path)
+    except ConfigFileError as err:
+        raise SystemExit(str(err)) from None
+    except LongSeqConfigError as err:
+        raise SystemExit(f"--ds_config {path}: {err}") from None
+
+
 def start_distributed(
     ds_config: str, *, seq_len: int, pad_for_sp: bool = False, dtype: Literal["auto", "fp32", "bf16"] = "auto"
 ):
@@ -143,8 +158,8 @@ def start_distributed(
     Returns:
         (rank, world, ds_config dict with its bf16 and long_seq sections set, LongSeqConfig, use_bf16).
     """
+    config, long_seq = read_ds_config(ds_config)  # first: a bad file fails naming it, before DeepSpeed starts
     rank, world = init_process_group()
-    config, long_seq = split_config(ds_config)
     check_monitor_config(config)
     check_sequence_length(long_seq, seq_len)
     # a ring forced in the config is checked here; one chosen from the model's heads once it is built (setup_run)

@@ -1,0 +1,76 @@
+"""docs/BAD_INPUT.md's table, run row by row: each bad input through its command (a subprocess started from a
+temporary directory, not the repository root), checking the exit status, that the message holds every fragment the
+row lists and that no traceback is printed; and a genuine internal error, which must still show its traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, "docs", "BAD_INPUT.md")
+
+
+def _rows() -> list[tuple[str, str, int, list[str]]]:
+    """(bad input, command, exit status, message fragments) per row of the doc's table."""
+    with open(DOC) as f:
+        lines = [line for line in f if line.startswith("| ") and not line.startswith(("| Bad input", "| ---"))]
+    rows = []
+    for line in lines:
+        what, command, status, message = (cell.strip() for cell in line.strip().strip("|").split(" | "))
+        rows.append((what, command.strip("`"), int(status), re.findall(r"`([^`]+)`", message)))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("bad_input")
+    (tmp / "trailing_comma.json").write_text(
+        '{\n  "train_micro_batch_size_per_gpu": 1,\n  "zero_optimization": {"stage": 2},\n}\n')
+    with open(os.path.join(ROOT, "ds_configs", "zero2_streambp.json")) as f:
+        config = json.load(f)
+    config["long_seq"]["streambp"]["chunk_size"] = "autox"
+    (tmp / "bad_choice.json").write_text(json.dumps(config))
+    (tmp / "model").mkdir()
+    (tmp / "model" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}))
+    return {"sft": os.path.join(ROOT, "examples", "sft.py"), "tmp": str(tmp),
+            "trailing_comma": str(tmp / "trailing_comma.json"), "bad_choice": str(tmp / "bad_choice.json"),
+            "model": str(tmp / "model")}
+
+
+def _run(command: str, cwd: str) -> subprocess.CompletedProcess:
+    argv = shlex.split(command)
+    argv[0] = sys.executable if argv[0] == "python" else argv[0]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_table_has_rows():
+    assert len(_rows()) >= 7
+
+
+@pytest.mark.parametrize(("what", "command", "status", "fragments"), _rows(), ids=[r[0] for r in _rows()])
+def test_bad_input_row(places, what, command, status, fragments):
+    proc = _run(command.format(**places), places["tmp"])
+    err = proc.stderr
+    assert proc.returncode == status, (what, proc.returncode, err[-3000:])
+    for fragment in fragments:
+        assert fragment.format(**places) in err, (what, fragment, err[-3000:])
+    assert "Traceback" not in err, (what, err[-3000:])
+
+
+def test_an_internal_error_keeps_its_traceback(places):
+    """Control: a genuine bug (here a planner function broken on purpose) is not turned into a one-line message."""
+    code = ("import sys, ds_longseq.plan as p\n"
+            "p.ModelDims.from_config = None  # an internal error: calling None\n"
+            f"sys.exit(p.main(['--model', {places['model']!r}, '--seq-len', '1024']))")
+    proc = _run(f"python -c {shlex.quote(code)}", places["tmp"])
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "TypeError" in proc.stderr, proc.stderr[-2000:]
