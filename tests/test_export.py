@@ -72,3 +72,28 @@ def test_zero3_export_gathers_one_layer_at_a_time(tmp_path):
     assert len(shards) == LAYERS + 3  # a shard per decoder layer, and the embedding, final norm and LM head
     for name, p in streamed.named_parameters():
         assert torch.equal(p, whole[name]), name
+
+
+def test_exported_files_get_the_umask_mode(tmp_path):
+    """safetensors writes its files 0600 whatever the umask; the export gives every file of hf_model/ and
+    hf_adapter/ the mode the umask gives new files (0644 under 022, 0640 under 027), so others on a shared file
+    system can load them."""
+    import stat
+
+    from peft import LoraConfig, get_peft_model
+
+    from ds_longseq.toolkit.checkpoint import export_hf
+    from ds_longseq.toolkit.tasks import tiny_llama
+
+    for umask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        out = tmp_path / f"umask{umask:o}"
+        old = os.umask(umask)
+        try:
+            export_hf(tiny_llama(64, seed=0), str(out), 0)
+            lora = get_peft_model(tiny_llama(64, seed=0), LoraConfig(r=2, target_modules=["q_proj"]))
+            export_hf(lora, str(out), 0, lora=True)
+        finally:
+            os.umask(old)
+        files = [p for d in ("hf_model", "hf_adapter") for p in (out / d).iterdir()]
+        assert any(p.suffix == ".safetensors" for p in files)
+        assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: oct(mode) for p in files}

@@ -76,10 +76,63 @@ def test_rank_killed_mid_save_leaves_latest_on_a_complete_checkpoint(tmp_path, s
     save_dir = tmp_path / "killed"
     proc = run_sft(config, save_dir, "--max-steps", "4", "--save-every", "2", fault="sigkill:2:4:save",
                    expect_ok=False, timeout=300, num_ranks=3)
-    # Rank 2 died before writing its optimizer shard of step 4, after the others wrote theirs.
-    shards = sorted(p.name for p in (save_dir / "step4").glob("*optim_states.pt"))
+    # Rank 2 died before writing its optimizer shard of step 4, after the others wrote theirs: in step4.partial/,
+    # which is not a checkpoint (no step4/ exists)
+    shards = sorted(p.name for p in (save_dir / "step4.partial").glob("*optim_states.pt"))
     assert shards and not any("zero_pp_rank_2_" in s for s in shards), shards
+    assert not (save_dir / "step4").exists()
     _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank=2, world=3, reference=straight(3))
+
+
+def _assert_out_of_space(proc, save_dir, failed_step: int) -> str:
+    """A save that ran out of space: the job failed naming it with both figures, no step<N> or step<N>.partial of the
+    failed step is left, and ``latest`` names the checkpoint before (or does not exist)."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    line = next((x for x in out.splitlines() if "no space left on device" in x), None)
+    assert line is not None, out[-4000:]
+    assert re.search(r"GiB \([\d,]+ bytes\) free.*a checkpoint takes [\d.]+ GiB \([\d,]+ bytes\)", line), line
+    assert "Traceback" not in out[max(0, out.index("no space left on device") - 2000):], out[-4000:]
+    assert not (save_dir / f"step{failed_step}").exists() and not (save_dir / f"step{failed_step}.partial").exists()
+    return line
+
+
+def test_disk_full_during_save_leaves_no_checkpoint_looking_directory(tmp_path):
+    """The disk fills up at every rank's first file of the step-2 checkpoint (injected: the file left 0 bytes and
+    torch's zip writer failing as on a full disk, what users met as ``unexpected pos``): the job stops saying "no
+    space left on device" with the bytes one checkpoint takes (step1/'s size) and those free, no traceback; step2/
+    does not exist, its partial directory is removed, ``latest`` still names step1, and --resume trains on from it."""
+    config = _config(tmp_path)
+    save_dir = tmp_path / "full"
+    proc = run_sft(config, save_dir, "--max-steps", "3", "--save-every", "1", fault="enospc_during_save:2",
+                   expect_ok=False, timeout=300)
+    line = _assert_out_of_space(proc, save_dir, 2)
+    assert "the size of step1/" in line and "'latest' still names step1" in line, line
+    assert (save_dir / "latest").read_text() == "step1" and (save_dir / "step1").is_dir()
+    run_sft(config, save_dir, "--max-steps", "2", "--resume")
+    assert (save_dir / "latest").read_text() == "step2"
+
+
+@pytest.mark.slow  # heavy: the injected disk-full case above runs by default
+def test_real_disk_full_on_a_small_file_system(tmp_path):
+    """The same on a real full disk: the save directory on a 1 MiB tmpfs (mounted here where the machine lets us;
+    else skipped), too small for one checkpoint. The start warns with both figures; the save fails with ENOSPC and
+    leaves nothing that looks like a checkpoint."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        proc = run_sft(_config(tmp_path), mount / "run", "--max-steps", "1", expect_ok=False, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert re.search(r"--save-dir .* free; a checkpoint takes .*\(an estimate", out), out[-4000:]
+        _assert_out_of_space(proc, mount / "run", 1)
+        assert not (mount / "run" / "latest").exists()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.mark.slow  # heavy: the default run keeps the rank-killed cases
@@ -162,16 +215,19 @@ def test_fault_variable_parses_each_form(monkeypatch):
     assert faults.active_fault() == faults.Fault("sigkill", step=4, rank=2, where="save")
     monkeypatch.setenv(faults.FAULT_INJECT_ENV, "crash_during_save:3")
     assert faults.active_fault() == faults.Fault("crash_during_save", step=3)
+    monkeypatch.setenv(faults.FAULT_INJECT_ENV, "enospc_during_save:2")
+    assert faults.active_fault() == faults.Fault("enospc_during_save", step=2)
     faults.before_backward(0, 3)  # not a sigkill fault: nothing happens
     faults.after_save(2)  # another step: nothing happens
 
 
 @pytest.mark.parametrize("bad", ["sigkill:1:3", "sigkill:1:3:explode", "sigkill:x:3:backward", "sigkill:-1:3:stop",
-                                 "crash_during_save:0", "crash_during_save", "crash:4", "sigkill:1:3:backward:x"])
+                                 "crash_during_save:0", "crash_during_save", "crash:4", "sigkill:1:3:backward:x",
+                                 "enospc_during_save:0"])
 def test_bad_fault_variable_names_the_variable_and_the_forms(monkeypatch, bad):
     monkeypatch.setenv(faults.FAULT_INJECT_ENV, bad)
     expected = (f"DS_LONGSEQ_FAULT_INJECT={bad!r} is not a fault: expected 'sigkill:RANK:STEP:WHERE' (WHERE: "
-                "backward, save, stop or sleep) or 'crash_during_save:STEP'")
+                "backward, save, stop or sleep), 'crash_during_save:STEP' or 'enospc_during_save:STEP'")
     with pytest.raises(ValueError, match=re.escape(expected)):
         faults.active_fault()
     with pytest.raises(ValueError, match="test-only hook"):

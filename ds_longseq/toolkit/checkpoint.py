@@ -1,8 +1,11 @@
 """Crash-safe DeepSpeed checkpoints, resume, and the end-of-run Hugging Face export.
 
-A checkpoint is ``<save_dir>/step<N>/`` plus a ``latest`` file naming the newest COMPLETE one: it
-moves (an atomic rename) only after every rank has finished writing, so a run killed mid-save
-resumes from the previous checkpoint. ``metrics.jsonl`` beside them is kept consistent with the
+A checkpoint is ``<save_dir>/step<N>/`` plus a ``latest`` file naming the newest COMPLETE one. Every rank writes
+into ``step<N>.partial/``, which is renamed to ``step<N>/`` only after every rank has finished (on each node, by its
+local rank 0: several nodes without a shared file system each rename their own), and ``latest`` moves after that (an
+atomic rename too): a run killed or out of disk mid-save leaves no directory that looks like a checkpoint and
+resumes from the previous one. A save that fails for want of space says so, with the bytes it needs and those free,
+and removes its partial directory. ``metrics.jsonl`` beside them is kept consistent with the
 checkpoint a run resumes from. Each rank also writes its random generators' states
 (``rng_state_rank<R>.pt``), so the dropout masks after a resume are those the uninterrupted run draws.
 
@@ -10,7 +13,9 @@ Holds:
     write_latest: point ``latest`` at a checkpoint, atomically.
     resume: load the checkpoint ``latest`` names; its step and the metrics rows up to it.
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
-    save_checkpoint: every rank writes step<N>/, then rank 0 moves ``latest``.
+    save_checkpoint: every rank writes step<N>.partial/, renamed to step<N>/ when complete, then ``latest`` moves.
+    checkpoint_bytes: about how many bytes one checkpoint takes (measured from the last one, else estimated).
+    check_save_space: warn at start when the save directory's free space is short of one checkpoint.
     save_if_due: a checkpoint every ``save_every`` steps and at the last step.
     prune_checkpoints: keep only the newest N checkpoints (``--save-total-limit``).
     gathered_state_dict: a model's (or its trainable) weights as CPU copies on rank 0, gathered under ZeRO-3.
@@ -20,9 +25,12 @@ Holds:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
+import socket
 from typing import Callable
 
 import torch
@@ -33,14 +41,19 @@ from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
 
 __all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "prune_checkpoints",
-           "gathered_state_dict", "save_streamed", "export_hf"]
+           "checkpoint_bytes", "check_save_space", "gathered_state_dict", "save_streamed", "export_hf",
+           "PARTIAL_SUFFIX"]
+
+PARTIAL_SUFFIX = ".partial"
+"""What a checkpoint's directory is called until every rank has written it (``step<N>.partial``)."""
 
 logger = get_logger(__name__)
 
 
 def write_latest(save_dir: str, tag: str) -> None:
-    """Point ``latest`` at a COMPLETE checkpoint: written to a temp file, then renamed (atomic)."""
-    tmp = os.path.join(save_dir, "latest.tmp")
+    """Point ``latest`` at a COMPLETE checkpoint: written to a temp file, then renamed (atomic). The temp file is
+    this process's own, so nodes sharing the directory never write into one another's."""
+    tmp = os.path.join(save_dir, f"latest.tmp.{socket.gethostname()}.{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(tag)
         f.flush()
@@ -109,29 +122,118 @@ def start_or_resume(
 def save_checkpoint(
     engine, save_dir: str, step: int, rank: int, *, exclude_frozen: bool = False, keep: int = 0
 ) -> None:
-    """``<save_dir>/step<step>/`` from every rank, then ``latest`` moved to it; every rank calls it.
+    """``<save_dir>/step<step>/`` from every rank (written as ``step<step>.partial/``, renamed when complete), then
+    ``latest`` moved to it; every rank calls it.
 
     Args:
         exclude_frozen: write the trainable weights only (LoRA: the adapter and its optimizer state, not the frozen
             base, which a resume rebuilds from ``--model``).
         keep: once ``latest`` has moved, keep only the newest ``keep`` checkpoints (0: all).
+
+    Raises:
+        SystemExit: the disk filled up: the message says so, with the bytes needed and free; the partial
+            directory is removed and ``latest`` still names the previous complete checkpoint.
     """
     import deepspeed.comm as dist
 
     tag = f"step{step}"
+    partial = tag + PARTIAL_SUFFIX
+    local_leader = int(os.environ.get("LOCAL_RANK", rank)) == 0
+    if local_leader:  # a partial directory an earlier run left (killed mid-save) is not reused
+        shutil.rmtree(os.path.join(save_dir, partial), ignore_errors=True)
+    dist.barrier()
     faults.arm_before_save(engine, rank, step)  # test-only: nothing unless DS_LONGSEQ_FAULT_INJECT asks
     # save_latest=False: DeepSpeed would rewrite ``latest`` in place; ours flips it only after
     # every rank has finished writing, so a crash mid-save leaves the previous one in charge.
-    engine.save_checkpoint(save_dir, tag=tag, client_state={"step": step}, save_latest=False,
-                           exclude_frozen_parameters=exclude_frozen)
-    _save_rng_state(os.path.join(save_dir, tag))
+    try:
+        engine.save_checkpoint(save_dir, tag=partial, client_state={"step": step}, save_latest=False,
+                               exclude_frozen_parameters=exclude_frozen)
+        _save_rng_state(os.path.join(save_dir, partial))
+    except (OSError, RuntimeError) as err:
+        if not _out_of_space(err):
+            raise
+        needed = checkpoint_bytes(engine, save_dir, exclude_frozen=exclude_frozen)
+        shutil.rmtree(os.path.join(save_dir, partial), ignore_errors=True)
+        raise SystemExit(
+            f"checkpoint {tag}: no space left on device writing {save_dir} ({_gib(shutil.disk_usage(save_dir).free)} "
+            f"free after removing the partial write; a checkpoint takes {_gib(needed[0])}, {needed[1]}): free space "
+            f"or pass another --save-dir, then --resume; 'latest' still names {_latest(save_dir) or 'no checkpoint'}"
+        ) from None
     faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
     dist.barrier()
-    if rank == 0:
+    if local_leader:
+        _complete(save_dir, partial, tag)
         write_latest(save_dir, tag)
         if keep:
             prune_checkpoints(save_dir, keep)
     dist.barrier()
+
+
+def _complete(save_dir: str, partial: str, tag: str) -> None:
+    """Rename ``partial`` to ``tag`` (a stale ``tag`` directory, never the one ``latest`` names, is replaced). On a
+    file system several nodes share, another node's leader may have renamed it first."""
+    src, dst = os.path.join(save_dir, partial), os.path.join(save_dir, tag)
+    if os.path.isdir(dst) and os.path.isdir(src) and _latest(save_dir) != tag:
+        shutil.rmtree(dst)  # an earlier run's step<N>, trained again after a resume from before it
+    try:
+        os.replace(src, dst)
+    except FileNotFoundError:
+        if not os.path.isdir(dst):
+            raise
+
+
+def _latest(save_dir: str) -> str | None:
+    path = os.path.join(save_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+_OUT_OF_SPACE_WORDS = ("no space left", "file write failed", "unexpected pos")
+"""How torch's zip writer reports a full disk (``PytorchStreamWriter failed writing file ...: file write failed``,
+``[enforce fail at inline_container.cc] unexpected pos``), besides an ``OSError`` with ``errno.ENOSPC``."""
+
+
+def _out_of_space(err: BaseException) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in _OUT_OF_SPACE_WORDS)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n:,} bytes)"
+
+
+def checkpoint_bytes(engine, save_dir: str, *, exclude_frozen: bool = False) -> tuple[int, str]:
+    """(bytes, how they were found) one checkpoint takes on this node: the size of the one ``latest`` names where
+    there is one, else an estimate from the model (its weights as stored, and for each trainable parameter Adam's
+    float32 master copy and two moments, 12 bytes)."""
+    tag = _latest(save_dir)
+    if tag is not None and os.path.isdir(os.path.join(save_dir, tag)):
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(os.path.join(save_dir, tag))
+                   for f in files)
+        return size, f"the size of {tag}/"
+    params = list(engine.module.parameters())
+    weights = sum(_numel(p) * p.element_size() for p in params if p.requires_grad or not exclude_frozen)
+    optimizer = 12 * sum(_numel(p) for p in params if p.requires_grad)
+    return weights + optimizer, "an estimate: its weights and Adam's float32 states"
+
+
+def _numel(param: torch.Tensor) -> int:
+    """A parameter's full size, also under ZeRO-3 (where its local tensor is empty)."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
+def check_save_space(engine, save_dir: str, rank: int, *, exclude_frozen: bool = False) -> None:
+    """Warn (rank 0) when ``save_dir``'s free space is short of one checkpoint, with both figures."""
+    if rank != 0:
+        return
+    needed, how = checkpoint_bytes(engine, save_dir, exclude_frozen=exclude_frozen)
+    free = shutil.disk_usage(save_dir).free
+    if free < needed:
+        logger.warning("--save-dir %s has %s free; a checkpoint takes %s (%s): the first save will fail unless "
+                       "space is freed", save_dir, _gib(free), _gib(needed), how)
 
 
 def _rng_state_path(checkpoint_dir: str) -> str:
@@ -316,6 +418,8 @@ def export_hf(
     """
     if not lora:
         save_streamed(model, os.path.join(save_dir, "hf_model"), rank)
+        if rank == 0:
+            _modes_from_umask(os.path.join(save_dir, "hf_model"))
         return "hf_model/"
     state = gathered_state_dict(model, rank, trainable_only=True)
     if rank == 0:
@@ -323,6 +427,19 @@ def export_hf(
         # PeftModel.save_pretrained keeps only the adapter's entries of state_dict and writes
         # adapter_config.json + adapter_model.safetensors, PEFT's own format.
         model.save_pretrained(adapter_dir, state_dict=state)
+        _modes_from_umask(adapter_dir)
         if merge_base is not None:
             merge_lora(merge_base, adapter_dir, os.path.join(save_dir, "hf_model"))
+            _modes_from_umask(os.path.join(save_dir, "hf_model"))
     return "hf_adapter/" + (", hf_model/" if merge_base is not None else "")
+
+
+def _modes_from_umask(directory: str) -> None:
+    """Give the files of an export the mode the process's umask gives new files (0644 under the usual 022):
+    safetensors writes its files 0600 whatever the umask, so on a shared file system nobody else could load them."""
+    umask = os.umask(0)
+    os.umask(umask)  # read, restored at once
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o666 & ~umask)

@@ -16,6 +16,8 @@ flags for users. Unset (the normal case), every hook below does nothing.
     ``sleep``: sleep an hour before its backward (for a kill from outside).
 - ``crash_during_save:STEP``: every rank exits (status 17) right after writing its part of the
   step-STEP checkpoint, before ``latest`` moves to it.
+- ``enospc_during_save:STEP``: the disk fills up at every rank's first file of the step-STEP checkpoint: the file is
+  left 0 bytes long and the write fails as torch's zip writer fails on a full disk (``unexpected pos``).
 
 Holds:
     FAULT_INJECT_ENV: the variable's name.
@@ -42,20 +44,20 @@ CRASH_EXIT_CODE = 17
 """Exit status of ``crash_during_save``: distinct from a Python error's 1, so a test sees which it got."""
 
 _WHERE = ("backward", "save", "stop", "sleep")
-_FORMS = ("'sigkill:RANK:STEP:WHERE' (WHERE: backward, save, stop or sleep) or 'crash_during_save:STEP' "
-          "(RANK >= 0, STEP >= 1)")
+_FORMS = ("'sigkill:RANK:STEP:WHERE' (WHERE: backward, save, stop or sleep), 'crash_during_save:STEP' or "
+          "'enospc_during_save:STEP' (RANK >= 0, STEP >= 1)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """One fault to inject (see the module docstring for what each kind does)."""
 
-    kind: Literal["sigkill", "crash_during_save"]
+    kind: Literal["sigkill", "crash_during_save", "enospc_during_save"]
     """What happens."""
     step: int
     """The 1-based optimizer step in which it happens."""
     rank: int | None = None
-    """The global rank it happens on (``sigkill``); None: every rank (``crash_during_save``)."""
+    """The global rank it happens on (``sigkill``); None: every rank (the ``*_during_save`` kinds)."""
     where: Literal["backward", "save", "stop", "sleep"] | None = None
     """For ``sigkill``: at which point of the step, and SIGKILL, SIGSTOP or a long sleep."""
 
@@ -72,8 +74,8 @@ def parse_fault(text: str) -> Fault:
             fault = Fault("sigkill", step=int(parts[2]), rank=int(parts[1]), where=parts[3])
             if fault.rank >= 0 and fault.step >= 1:
                 return fault
-        elif parts[0] == "crash_during_save" and len(parts) == 2:
-            fault = Fault("crash_during_save", step=int(parts[1]))
+        elif parts[0] in ("crash_during_save", "enospc_during_save") and len(parts) == 2:
+            fault = Fault(parts[0], step=int(parts[1]))
             if fault.step >= 1:
                 return fault
     except ValueError:  # int() of a non-number: reported below with the forms
@@ -105,8 +107,17 @@ def before_backward(rank: int, step: int) -> None:
 
 def arm_before_save(engine, rank: int, step: int) -> None:
     """Call before saving the step-``step`` checkpoint: with a ``sigkill ... save`` fault for this rank
-    and step, SIGKILL this process at the first file DeepSpeed's checkpoint engine writes (before writing it)."""
+    and step, SIGKILL this process at the first file DeepSpeed's checkpoint engine writes (before writing it); with
+    an ``enospc_during_save`` fault for this step, fail that file as a full disk does."""
     fault = active_fault()
+    if fault is not None and (fault.kind, fault.step) == ("enospc_during_save", step):
+        def full(state_dict, path, *args, **kwargs):
+            open(path, "wb").close()  # what a full disk leaves: the file, empty
+            raise RuntimeError(f"[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0 (injected by "
+                               f"{FAULT_INJECT_ENV})")
+
+        engine.checkpoint_engine.save = full
+        return
     if fault is None or (fault.kind, fault.rank, fault.step, fault.where) != ("sigkill", rank, step, "save"):
         return
 

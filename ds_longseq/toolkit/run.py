@@ -17,7 +17,7 @@ import ds_longseq.engine
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.forwards.sequence_parallel import ring_degree
-from ds_longseq.toolkit.checkpoint import export_hf, save_if_due
+from ds_longseq.toolkit.checkpoint import check_save_space, export_hf, save_if_due
 from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.tasks import build_model, model_config
@@ -124,6 +124,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     # Frozen weights (the base under LoRA) get no optimizer state.
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = ds_longseq.engine.initialize(model=model, model_parameters=trainable, config=ds_config)
+    check_save_space(engine, args.save_dir, rank, exclude_frozen=bool(args.lora_rank))
     sp_rank, sp_size = sequence_parallel_rank_and_size()
     if sp_size > 1:  # the ring degree chosen from the model's heads (Ulysses x ring): a ring needs 2 P | --seq-len
         check_parallel_args(args.seq_len, sp_size, world, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))
