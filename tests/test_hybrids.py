@@ -420,7 +420,7 @@ def test_falcon_h1_under_sequence_parallelism():
     """Falcon-H1 runs attention and Mamba-2 side by side in every layer (mup multipliers on both). At SP 2, one
     launch: its mixer sharded by heads (8 heads in one group, no gated norm: each rank's 4 heads read the group's
     B / C rows; the ``mup_vector`` buffer cut as ``in_proj``'s rows) and its attention under Ulysses, with Ulysses
-    alone, mini_seq and StreamBP (``ops.sharded_mixer.streambp_mixed_sp_apply``: the mixer's input captured and
+    alone, mini_seq and StreamBP (``ops.sharded_mixer.streambp_mixer_sp_apply``: the mixer's input captured and
     the mixer run once, then the keys/values captured and exchanged once per pass): exact at 1e-10 against one
     process (``_check_hybrids``); with the mixer's input gradient dropped, different. Passing the mixer's state
     rank to rank is refused at enable, naming 'heads'."""

@@ -38,7 +38,7 @@ class HeadShardedMixerForward:
 
     - Inside a StreamBP chunk (its cache a :class:`MixerStream`, or a ``StreamCache`` over a :class:`MixedStream`
       where an attention runs beside it): hands the chunk to the stream, which captures its input or serves the
-      whole shard's output (``ops.sharded_mixer.streambp_mixer_sp_apply`` / ``streambp_mixed_sp_apply``).
+      whole shard's output (``ops.sharded_mixer.streambp_mixer_sp_apply``).
     - Under sequence parallelism otherwise (``ds_longseq=`` spec with a shard context): :meth:`sharded`.
     - With the group paused (evaluation, generation on whole sequences) or a real cache: the stock forward.
 

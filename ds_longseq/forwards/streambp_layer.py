@@ -29,7 +29,7 @@ from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, outpu
 from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.chunk_grads import split_outputs
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
-from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, streambp_mixed_sp_apply, streambp_mixer_sp_apply
+from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, streambp_mixer_sp_apply
 from ds_longseq.ops.streambp import KVStream, SharedKV, capture_kv, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
@@ -411,8 +411,8 @@ class StreamBPLayerForward:
                                                lambda x: sharded.sharded(x, sp.key_valid), offloader)
             if sp is not None and self.mixer == "both" and isinstance(sharded, HeadShardedMixerForward):
                 # the same mixer call, and the attention beside it exchanging its keys/values once per pass
-                return streambp_mixed_sp_apply(run_chunk, layer_input, params, self.chunk_size,
-                                               lambda x: sharded.sharded(x, sp.key_valid), sp.kv_exchange, offloader)
+                return streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,
+                                               lambda x: sharded.sharded(x, sp.key_valid), offloader, sp.kv_exchange)
             # a recurrent layer under sequence parallelism continues from the previous rank's state
             return streambp_apply(run_chunk, layer_input, params, self.chunk_size, offloader,
                                   min_chunk=2 if recurrent else 1,

@@ -6,8 +6,8 @@ Holds:
     MixerStream: what a StreamBP chunk of such a layer gets as its cache: the mixer's input is captured
         chunk by chunk, its output (computed once for the whole shard) served chunk by chunk.
     streambp_mixer_sp_apply: StreamBP over a layer whose mixer is one such collective call.
-    MixedStream, streambp_mixed_sp_apply: the same for a layer whose attention runs beside that mixer (Falcon-H1):
-        the group's keys/values exchanged as for any attention layer (``ops.streambp.streambp_sp_apply``).
+    MixedStream: the stream of a layer whose attention runs beside that mixer (Falcon-H1; ``streambp_mixer_sp_apply``
+        with an ``exchange``): the group's keys/values exchanged as for any attention layer.
 
 Why: a linear-attention layer's recurrence must run over the whole sequence in order. Under sequence
 parallelism rank p holds tokens [p*T_l, (p+1)*T_l); sharding the mixer by heads (each rank runs the whole
@@ -38,8 +38,7 @@ from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
 from ds_longseq.ops.streambp import GlobalKVStream, KVCaptured, chunk_bounds, global_kv
 from ds_longseq.ops.ulysses import UlyssesExchange
 
-__all__ = ["gather_tokens", "reduce_scatter_tokens", "MixerStream", "streambp_mixer_sp_apply", "MixedStream",
-           "streambp_mixed_sp_apply"]
+__all__ = ["gather_tokens", "reduce_scatter_tokens", "MixerStream", "streambp_mixer_sp_apply", "MixedStream"]
 
 def gather_tokens(x: torch.Tensor, exchange: UlyssesExchange) -> torch.Tensor:
     """(B, T_l, ...) this rank's tokens -> (B, P*T_l, ...) every rank's of the group, in rank order.
@@ -84,24 +83,33 @@ class MixerStream:
 
     def mixer_call(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """What the mixer returns on this chunk's (B, C, d) input (see the modes)."""
-        self.calls += 1
-        s, e = self.start, self.end
-        if hidden_states.shape[1] != e - s:
-            raise RuntimeError(f"the mixer got {hidden_states.shape[1]} tokens on chunk [{s}, {e})")
-        if self.mode == "capture":
-            if self.inputs is None:
-                B, _, d = hidden_states.shape
-                self.inputs = hidden_states.new_empty(B, self.local_len, d)
-            self.inputs[:, s:e] = hidden_states.detach()
+        return _mixer_call(self, self.mode, hidden_states, leaf=self.mode == "apply")
+
+
+def _mixer_call(stream, mode: str, hidden_states: torch.Tensor, leaf: bool) -> torch.Tensor:
+    """A stream's answer to the mixer's call on a chunk's (B, C, d) input in ``mode``: "capture" stores it (no grad)
+    and "capture_grad" keeps it with its graph, both stopping the layer (``_MixerReached``); otherwise the chunk's
+    rows of ``stream.output``, as a leaf under grad (``stream.leaf``) where ``leaf``, after keeping the input with
+    its graph in "keep_input"."""
+    stream.calls += 1
+    s, e = stream.start, stream.end
+    if hidden_states.shape[1] != e - s:
+        raise RuntimeError(f"the mixer got {hidden_states.shape[1]} tokens on chunk [{s}, {e})")
+    if mode == "capture":
+        if stream.inputs is None:
+            B, _, d = hidden_states.shape
+            stream.inputs = hidden_states.new_empty(B, stream.local_len, d)
+        stream.inputs[:, s:e] = hidden_states.detach()
+        raise _MixerReached
+    if mode in ("capture_grad", "keep_input"):
+        stream.input_chunk = hidden_states
+        if mode == "capture_grad":
             raise _MixerReached
-        if self.mode == "capture_grad":
-            self.input_chunk = hidden_states
-            raise _MixerReached
-        out = self.output[:, s:e]
-        if torch.is_grad_enabled():
-            out = out.detach().requires_grad_(True)
-            self.leaf = out
-        return out
+    out = stream.output[:, s:e]
+    if leaf and torch.is_grad_enabled():
+        out = out.detach().requires_grad_(True)
+        stream.leaf = out
+    return out
 
 
 def _not_reached(s: int, e: int) -> RuntimeError:
@@ -111,9 +119,9 @@ def _not_reached(s: int, e: int) -> RuntimeError:
     )
 
 
-def _capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable) -> MixerStream:
-    """A stream in "apply" mode holding the mixer's output for the whole shard (no grad)."""
-    stream = MixerStream(hidden.shape[1])
+def _run_mixer(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, stream) -> None:
+    """``stream.output``: the mixer's output for the whole shard (no grad), from its input captured chunk by chunk
+    (``stream`` in a capture mode: each chunk runs up to the mixer)."""
     with torch.no_grad():
         for s, e in bounds:
             stream.start, stream.end = s, e
@@ -123,6 +131,12 @@ def _capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable) -> MixerS
                 continue
             raise _not_reached(s, e)
         stream.output = mixer(stream.inputs)
+
+
+def _capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable) -> MixerStream:
+    """A stream in "apply" mode holding the mixer's output for the whole shard (no grad)."""
+    stream = MixerStream(hidden.shape[1])
+    _run_mixer(run_chunk, hidden, bounds, mixer, stream)
     stream.mode = "apply"
     return stream
 
@@ -138,58 +152,97 @@ def _forward(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable) -> torch.
 
 
 class _MixerSPFunction(torch.autograd.Function):
+    """StreamBP around a head-sharded mixer; with an ``exchange``, also an attention beside it (MixedStream)."""
+
     @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, mixer, offloader, *params):
-        out = _forward(run_chunk, hidden, bounds, mixer)
+    def forward(ctx, hidden, run_chunk, bounds, mixer, exchange, offloader, *params):
+        if exchange is None:
+            out = _forward(run_chunk, hidden, bounds, mixer)
+        else:
+            out = _mixed_forward(run_chunk, hidden, bounds, mixer, exchange)
         save_input(ctx, hidden, offloader)
-        ctx.run_chunk, ctx.bounds, ctx.mixer, ctx.params = run_chunk, bounds, mixer, params
+        ctx.run_chunk, ctx.bounds, ctx.mixer, ctx.exchange, ctx.params = run_chunk, bounds, mixer, exchange, params
         ctx.autocast = AutocastState.capture(hidden.device.type)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden = load_input(ctx)
-        run_chunk, bounds = ctx.run_chunk, ctx.bounds
+        mixed = ctx.exchange is not None
         with ctx.autocast.replay():
-            stream = _capture(run_chunk, hidden, bounds, ctx.mixer)
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
-        grad_mixer_out = torch.zeros_like(stream.output)
-        # Pass 1: every chunk through the whole layer, the mixer's output a constant whose gradient is kept.
-        with torch.enable_grad():
-            for s, e in bounds:
-                stream.start, stream.end, stream.leaf = s, e, None
-                h_c = grads.leaf(hidden[:, s:e])
-                with ctx.autocast.replay():
-                    out_c = run_chunk(h_c, s, e, stream)
-                if stream.leaf is None:
-                    raise _not_reached(s, e)
-                (leaf_grad,) = grads.backward([out_c], [grad_out[:, s:e]], h_c, s, e, extra=[stream.leaf])
-                if leaf_grad is not None:
-                    grad_mixer_out[:, s:e] = leaf_grad
-        # The mixer once with grad (its collectives run on every rank at once): its parameters' gradients, and
-        # its input's, which pass 2 pushes through each chunk's part of the layer before the mixer.
-        inputs = stream.inputs.detach().requires_grad_(True)
-        with torch.enable_grad():
-            with ctx.autocast.replay():
-                mixer_out = ctx.mixer(inputs)
-            (grad_inputs,) = grads.backward_to([mixer_out], [grad_mixer_out.to(mixer_out.dtype)], [inputs])
-        stream.mode = "capture_grad"
-        with torch.enable_grad():
-            for s, e in bounds:
-                stream.start, stream.end, stream.input_chunk = s, e, None
-                h_c = grads.leaf(hidden[:, s:e])
-                try:
-                    with ctx.autocast.replay():
-                        run_chunk(h_c, s, e, stream)
-                except _MixerReached:
-                    pass
-                else:
-                    raise _not_reached(s, e)
-                x_c = stream.input_chunk
-                if grad_inputs is not None and x_c.requires_grad:
-                    grads.backward([x_c], [grad_inputs[:, s:e].to(x_c.dtype)], h_c, s, e, add=True)
+            if mixed:
+                stream = _mixed_capture(ctx.run_chunk, hidden, ctx.bounds, ctx.mixer, ctx.exchange)
+            else:
+                stream = _capture(ctx.run_chunk, hidden, ctx.bounds, ctx.mixer)
+        if mixed:  # the keys'/values' gradients gather in the stream's sinks during pass 1
+            stream.alloc_grads()
+            stream.outputs_read = False
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=6)
+        grad_inputs = _replay_then_mixer(ctx, hidden, stream, grads, grad_out)
+
+        def mixer_input(s: int, e: int) -> tuple:
+            return stream.input_chunk, None if grad_inputs is None else grad_inputs[:, s:e]
+
+        if not mixed:  # pass 2: each chunk up to the mixer, its input gradient pushed through the part before
+            stream.mode = "capture_grad"
+            _push_through_chunks(ctx, hidden, stream, grads, _MixerReached, lambda s, e: [mixer_input(s, e)])
+        else:  # pass 2: each chunk up to its K/V, keeping the mixer's input on the way; both gradients pushed
+            dk, dv = stream.grads_to_tokens()
+            stream.mode, stream.mixer_mode = "capture_grad", "keep_input"
+            _push_through_chunks(ctx, hidden, stream, grads, KVCaptured, lambda s, e: [
+                mixer_input(s, e), (stream.k_chunk, dk[:, :, s:e]), (stream.v_chunk, dv[:, :, s:e])])
         grad_in, param_grads = grads.result()
-        return (grad_in, None, None, None, None, *param_grads)
+        return (grad_in, None, None, None, None, None, *param_grads)
+
+
+def _replay_then_mixer(ctx, hidden: torch.Tensor, stream, grads: ChunkGrads, grad_out: torch.Tensor):
+    """The backward's first half for a layer with a head-sharded mixer: pass 1 runs every chunk through the whole
+    layer with the mixer's output served as a constant (``stream.leaf``) whose gradient is kept; then the mixer runs
+    once with grad (its collectives on every rank at once) for its parameters' gradients and its input's, which it
+    returns ((B, T_l, d) or None) for pass 2 to push through each chunk's part of the layer before the mixer."""
+    grad_mixer_out = torch.zeros_like(stream.output)
+    with torch.enable_grad():
+        for s, e in ctx.bounds:
+            stream.start, stream.end, stream.leaf = s, e, None
+            h_c = grads.leaf(hidden[:, s:e])
+            with ctx.autocast.replay():
+                out_c = ctx.run_chunk(h_c, s, e, stream)
+            if stream.leaf is None:
+                raise _not_reached(s, e)
+            (leaf_grad,) = grads.backward([out_c], [grad_out[:, s:e]], h_c, s, e, extra=[stream.leaf])
+            if leaf_grad is not None:
+                grad_mixer_out[:, s:e] = leaf_grad
+    inputs = stream.inputs.detach().requires_grad_(True)
+    with torch.enable_grad():
+        with ctx.autocast.replay():
+            mixer_out = ctx.mixer(inputs)
+        (grad_inputs,) = grads.backward_to([mixer_out], [grad_mixer_out.to(mixer_out.dtype)], [inputs])
+    return grad_inputs
+
+
+def _push_through_chunks(ctx, hidden: torch.Tensor, stream, grads: ChunkGrads, stop: type[Exception],
+                         pushed: Callable[[int, int], list]) -> None:
+    """The backward's pass 2: each chunk run with grad up to where ``stream`` stops it (``stop`` raised: at the
+    mixer, or at the keys/values after it), then the gradients ``pushed(s, e)`` pairs with the tensors kept on the
+    way ([(tensor, its gradient for tokens [s, e))]; either may be None) pushed through the chunk's part of the layer
+    before them, into the input's and the parameters' totals."""
+    with torch.enable_grad():
+        for s, e in ctx.bounds:
+            stream.start, stream.end, stream.input_chunk = s, e, None
+            h_c = grads.leaf(hidden[:, s:e])
+            try:
+                with ctx.autocast.replay():
+                    ctx.run_chunk(h_c, s, e, stream)
+            except stop:
+                pass
+            else:
+                raise _not_reached(s, e)
+            pairs = [(t, g) for t, g in pushed(s, e) if t is not None and g is not None and t.requires_grad]
+            if pairs:
+                grads.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs], h_c, s, e, add=True)
+            stream.input_chunk = None
+            if hasattr(stream, "k_chunk"):
+                stream.k_chunk = stream.v_chunk = None
 
 
 def streambp_mixer_sp_apply(
@@ -199,26 +252,39 @@ def streambp_mixer_sp_apply(
     chunk_size: int,
     mixer: Callable[[torch.Tensor], torch.Tensor],
     offloader: LayerInputOffloader | None = None,
+    exchange=None,
 ) -> torch.Tensor:
     """StreamBP over a decoder layer whose token mixer runs head-sharded over the sequence-parallel group.
 
+    With ``exchange``, the layer calls that mixer and then an attention on the same chunk (Falcon-H1): the mixer runs
+    once per pass as without it, and the attention's keys/values are exchanged once per pass (as
+    ``ops.streambp.streambp_sp_apply``). Forward: capture the mixer's input (each chunk up to the mixer), run the
+    mixer, capture the K/V (each chunk up to them, the mixer's output served), exchange them, run the chunks.
+    Backward: the same captures again; pass 1 replays each chunk whole with both as constants, keeping their
+    gradients; the mixer's backward once; pass 2 runs each chunk up to its K/V with grad, keeping the mixer's input
+    on the way, and pushes the mixer's input gradient and dK / dV through together.
+
     Args:
         run_chunk: ``run_chunk(h_c, s, e, stream)`` runs the layer on tokens [s, e) with ``stream`` (a
-            :class:`MixerStream`) as its cache; the layer's mixer must call ``stream.mixer_call`` once.
+            :class:`MixerStream`, with ``exchange`` a :class:`MixedStream`) as its cache; the layer's mixer must call
+            ``stream.mixer_call`` once.
         hidden: (B, T_l, d) this rank's layer input.
         params: every parameter the layer uses (the mixer's included).
         chunk_size: tokens per chunk of the local shard.
         mixer: (B, T_l, d) the mixer's input on this rank -> (B, T_l, d) its output, a collective call every
             rank of the group makes at once (``forwards.sharded_mixer.HeadShardedMixerForward.sharded``).
         offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
+        exchange: the group's ``UlyssesExchange`` for the keys/values of an attention beside the mixer; None: none.
 
     Returns:
         (B, T_l, d) the layer output; under grad mode only ``hidden`` is saved for backward.
     """
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _MixerSPFunction.apply(hidden, run_chunk, bounds, mixer, offloader, *params)
-    return _forward(run_chunk, hidden, bounds, mixer)
+        return _MixerSPFunction.apply(hidden, run_chunk, bounds, mixer, exchange, offloader, *params)
+    if exchange is None:
+        return _forward(run_chunk, hidden, bounds, mixer)
+    return _mixed_forward(run_chunk, hidden, bounds, mixer, exchange)
 
 
 # --- attention beside the head-sharded mixer (Falcon-H1) ----------------------------------------------------------
@@ -250,46 +316,19 @@ class MixedStream(GlobalKVStream):
 
     def mixer_call(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """What the mixer returns on this chunk's (B, C, d) input (see the modes)."""
-        self.calls += 1
-        s, e = self.start, self.end
-        if hidden_states.shape[1] != e - s:
-            raise RuntimeError(f"the mixer got {hidden_states.shape[1]} tokens on chunk [{s}, {e})")
         if self.updates:
             raise NotImplementedError(
                 "StreamBP under sequence parallelism: this layer writes its keys/values before calling its "
                 "head-sharded mixer; ds_longseq runs a layer with both only when the mixer comes first (Falcon-H1)"
             )
-        if self.mixer_mode == "capture":
-            if self.inputs is None:
-                B, _, d = hidden_states.shape
-                self.inputs = hidden_states.new_empty(B, self.local_len, d)
-            self.inputs[:, s:e] = hidden_states.detach()
-            raise _MixerReached
-        if self.mixer_mode == "capture_grad":
-            self.input_chunk = hidden_states
-            raise _MixerReached
-        if self.mixer_mode == "keep_input":
-            self.input_chunk = hidden_states
-        out = self.output[:, s:e]
-        if self.mixer_mode == "serve" and torch.is_grad_enabled():
-            out = out.detach().requires_grad_(True)
-            self.leaf = out
-        return out
+        return _mixer_call(self, self.mixer_mode, hidden_states, leaf=self.mixer_mode == "serve")
 
 
 def _mixed_capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, exchange) -> MixedStream:
     """A stream holding the mixer's output for the whole shard and the group's keys/values (no grad), in "serve"
     and "attend" modes: the mixer's input captured, the mixer run once, then the K/V captured and exchanged."""
     stream = MixedStream(hidden.shape[1], exchange)
-    with torch.no_grad():
-        for s, e in bounds:
-            stream.start, stream.end = s, e
-            try:
-                run_chunk(hidden[:, s:e], s, e, stream)
-            except _MixerReached:
-                continue
-            raise _not_reached(s, e)
-        stream.output = mixer(stream.inputs)
+    _run_mixer(run_chunk, hidden, bounds, mixer, stream)
     stream.mixer_mode = "serve"
     return global_kv(run_chunk, hidden, bounds, stream)
 
@@ -302,109 +341,7 @@ def _mixed_forward(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, exc
             stream.start, stream.end = s, e
             out = run_chunk(hidden[:, s:e], s, e, stream)
             if isinstance(out, tuple):
-                raise NotImplementedError("streambp_mixed_sp_apply: auxiliary chunk outputs (router logits) under "
+                raise NotImplementedError("streambp_mixer_sp_apply: auxiliary chunk outputs (router logits) under "
                                           "sequence parallelism are not supported")
             outs.append(out)
     return torch.cat(outs, dim=1)
-
-
-class _MixedSPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, mixer, exchange, offloader, *params):
-        out = _mixed_forward(run_chunk, hidden, bounds, mixer, exchange)
-        save_input(ctx, hidden, offloader)
-        ctx.run_chunk, ctx.bounds, ctx.mixer, ctx.exchange, ctx.params = run_chunk, bounds, mixer, exchange, params
-        ctx.autocast = AutocastState.capture(hidden.device.type)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden = load_input(ctx)
-        run_chunk, bounds = ctx.run_chunk, ctx.bounds
-        with ctx.autocast.replay():
-            stream = _mixed_capture(run_chunk, hidden, bounds, ctx.mixer, ctx.exchange)
-        stream.alloc_grads()
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=6)
-        grad_mixer_out = torch.zeros_like(stream.output)
-        # Pass 1: every chunk through the whole layer; the mixer's output and the keys/values are constants whose
-        # gradients are kept (the mixer's per chunk, the keys'/values' in the stream's sinks).
-        stream.outputs_read = False
-        with torch.enable_grad():
-            for s, e in bounds:
-                stream.start, stream.end, stream.leaf = s, e, None
-                h_c = grads.leaf(hidden[:, s:e])
-                with ctx.autocast.replay():
-                    out_c = run_chunk(h_c, s, e, stream)
-                if stream.leaf is None:
-                    raise _not_reached(s, e)
-                (leaf_grad,) = grads.backward([out_c], [grad_out[:, s:e]], h_c, s, e, extra=[stream.leaf])
-                if leaf_grad is not None:
-                    grad_mixer_out[:, s:e] = leaf_grad
-        dk, dv = stream.grads_to_tokens()
-        # The mixer once with grad (a collective): its parameters' gradients and its input's.
-        inputs = stream.inputs.detach().requires_grad_(True)
-        with torch.enable_grad():
-            with ctx.autocast.replay():
-                mixer_out = ctx.mixer(inputs)
-            (grad_inputs,) = grads.backward_to([mixer_out], [grad_mixer_out.to(mixer_out.dtype)], [inputs])
-        # Pass 2: each chunk up to its K/V, keeping the mixer's input on the way, to push both gradients through
-        # the layer's part before them.
-        stream.mode, stream.mixer_mode = "capture_grad", "keep_input"
-        with torch.enable_grad():
-            for s, e in bounds:
-                stream.start, stream.end, stream.input_chunk = s, e, None
-                h_c = grads.leaf(hidden[:, s:e])
-                try:
-                    with ctx.autocast.replay():
-                        run_chunk(h_c, s, e, stream)
-                except KVCaptured:
-                    pass
-                outputs, grad_outputs = [], []
-                pairs = ((stream.input_chunk, grad_inputs), (stream.k_chunk, dk), (stream.v_chunk, dv))
-                for t, g in pairs:
-                    if t is not None and g is not None and t.requires_grad:
-                        outputs.append(t)
-                        grad_outputs.append((g[:, s:e] if t is stream.input_chunk else g[:, :, s:e]).to(t.dtype))
-                if outputs:
-                    grads.backward(outputs, grad_outputs, h_c, s, e, add=True)
-                stream.k_chunk = stream.v_chunk = stream.input_chunk = None
-        grad_in, param_grads = grads.result()
-        return (grad_in, None, None, None, None, None, *param_grads)
-
-
-def streambp_mixed_sp_apply(
-    run_chunk: Callable,
-    hidden: torch.Tensor,
-    params: Sequence[torch.nn.Parameter],
-    chunk_size: int,
-    mixer: Callable[[torch.Tensor], torch.Tensor],
-    exchange,
-    offloader: LayerInputOffloader | None = None,
-) -> torch.Tensor:
-    """StreamBP over a decoder layer that calls a head-sharded mixer and then an attention (Falcon-H1) under
-    sequence parallelism: the mixer once per pass over the whole shard (a collective, as
-    :func:`streambp_mixer_sp_apply`), the attention's keys/values exchanged once per pass (as
-    ``ops.streambp.streambp_sp_apply``). Forward: capture the mixer's input (each chunk up to the mixer), run the
-    mixer, capture the K/V (each chunk up to them, the mixer's output served), exchange them, run the chunks.
-    Backward: the same captures again; pass 1 replays each chunk whole with both as constants, keeping their
-    gradients; the mixer's backward once; pass 2 runs each chunk up to its K/V with grad, keeping the mixer's input
-    on the way, and pushes the mixer's input gradient and dK / dV through together. Kept from forward to backward:
-    the layer input only.
-
-    Args:
-        run_chunk: ``run_chunk(h_c, s, e, stream)`` runs the layer on tokens [s, e) with ``stream`` (a
-            :class:`MixedStream`) as its cache.
-        hidden: (B, T_l, d) this rank's layer input.
-        params: every parameter the layer uses (the mixer's included).
-        chunk_size: tokens per chunk of the local shard.
-        mixer: (B, T_l, d) the mixer's input on this rank -> (B, T_l, d) its output, a collective call.
-        exchange: the group's ``UlyssesExchange`` for the keys/values.
-        offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
-
-    Returns:
-        (B, T_l, d) the layer output; under grad mode only ``hidden`` is saved for backward.
-    """
-    bounds = chunk_bounds(hidden.shape[1], chunk_size)
-    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _MixedSPFunction.apply(hidden, run_chunk, bounds, mixer, exchange, offloader, *params)
-    return _mixed_forward(run_chunk, hidden, bounds, mixer, exchange)
