@@ -31,6 +31,7 @@ import sys
 from ds_longseq.logging import get_logger, log_rank0
 from ds_longseq.ops import dpo_loss
 from ds_longseq.toolkit import (
+    DefaultsOnceFormatter,
     MetricsLog,
     PreferenceData,
     Reference,
@@ -52,7 +53,7 @@ DEFAULT_LR = 5e-4  # the embedded tiny model starts from scratch; ds_configs/ ho
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnceFormatter
     )
     add_common_args(p, save_dir="outputs/dpo", max_steps=20, seq_len=1024, lr=DEFAULT_LR)
     p.add_argument("--data", default=None,

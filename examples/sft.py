@@ -42,6 +42,7 @@ import torch
 
 from ds_longseq.toolkit import (
     DOC_TOKENS,
+    DefaultsOnceFormatter,
     JsonlData,
     MetricsLog,
     add_common_args,
@@ -64,7 +65,7 @@ DEFAULT_LR = 3e-3  # the embedded tiny model trains from scratch; ds_configs/ ho
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnceFormatter
     )
     # the flags dpo.py and grpo.py share (what toolkit.setup_run reads: --lr's default for the built-in model too)
     add_common_args(p, save_dir="outputs/sft", max_steps=400, seq_len=2048, lr=DEFAULT_LR)

@@ -42,6 +42,7 @@ from transformers import TrainingArguments
 from ds_longseq.toolkit import (
     DOC_TOKENS,
     VOCAB,
+    DefaultsOnceFormatter,
     JsonlData,
     build_model,
     check_model_and_data,
@@ -59,7 +60,7 @@ DEFAULT_LR = 3e-3  # sft.py's rate for the embedded tiny model, which trains fro
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnceFormatter
     )
     p.add_argument("--ds_config", "--ds-config", dest="ds_config",
                    default=os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or DEFAULT_DS_CONFIG,

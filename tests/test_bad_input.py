@@ -74,3 +74,21 @@ def test_an_internal_error_keeps_its_traceback(places):
             f"sys.exit(p.main(['--model', {places['model']!r}, '--seq-len', '1024']))")
     proc = _run(f"python -c {shlex.quote(code)}", places["tmp"])
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "TypeError" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", ["sft", "dpo", "grpo", "trainer_sft"])
+def test_help_says_each_default_once(script, capsys):
+    """``--help`` of each example: no flag's entry says its default twice (its own words and argparse's)."""
+    import importlib
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        module = importlib.import_module(script)
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    text = capsys.readouterr().out.split("options:", 1)[1]
+    entries = re.split(r"\n  (?=-)", text)  # one entry per flag (its lines up to the next flag)
+    twice = [entry.split()[0] for entry in entries if entry.count("default") > 1]
+    assert len(entries) > 5 and not twice, twice

@@ -25,6 +25,7 @@ Modules, one concern each (see each one's "Holds:"):
 """
 
 from ds_longseq.toolkit.args import (
+    DefaultsOnceFormatter,
     add_common_args,
     check_args,
     check_lora_args,
@@ -111,7 +112,8 @@ __all__ = [
     "set_learning_rate",
     "mean_over_ranks", "to_rank_batch",
     # args
-    "add_common_args", "check_run_args", "check_model_and_data", "check_lora_args", "check_args",
+    "add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_lora_args",
+    "check_args",
     # run
     "Run", "setup_run", "finish",
     # policy

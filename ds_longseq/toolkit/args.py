@@ -5,6 +5,7 @@ blamed on the config).
 
 Holds:
     add_common_args: the flags examples/sft.py, dpo.py and grpo.py share (same names, same meaning).
+    DefaultsOnceFormatter: ``--help`` saying each default once.
     check_run_args: lengths, steps, --save-every, --save-total-limit, --data needs --model, the paths exist, the
         save directory can be created and written (check_save_dir).
     check_model_and_data: --data needs --model; the --model directory and the --data file exist.
@@ -21,8 +22,8 @@ import os
 from ds_longseq.toolkit.lora import import_peft, parse_lora_targets
 from ds_longseq.toolkit.pretrained import gguf_parts
 
-__all__ = ["add_common_args", "check_run_args", "check_model_and_data", "check_save_dir", "check_lora_args",
-           "check_args"]
+__all__ = ["add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_save_dir",
+           "check_lora_args", "check_args"]
 
 
 def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int, seq_len: int, lr: float) -> None:
@@ -68,6 +69,17 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                    help="run even when the memory planner says the step cannot fit (python -m ds_longseq.plan)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     p.set_defaults(default_lr=lr)
+
+
+class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default said once: argparse's "(default: X)" is added only where the flag's own
+    help does not already say its default, and not for a switch (False) or an unset value (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def check_run_args(args: argparse.Namespace) -> None:
