@@ -92,3 +92,25 @@ def test_help_says_each_default_once(script, capsys):
     entries = re.split(r"\n  (?=-)", text)  # one entry per flag (its lines up to the next flag)
     twice = [entry.split()[0] for entry in entries if entry.count("default") > 1]
     assert len(entries) > 5 and not twice, twice
+
+
+def test_progress_bar_in_a_log_prints_lines_not_redraws():
+    """tqdm into ``LogLines`` (what MetricsLog gives it when stderr is not a terminal): a thousand refreshes within
+    the interval print the first line and, when the bar closes, the last; no carriage return reaches the log."""
+    import io
+
+    from tqdm import tqdm
+
+    from ds_longseq.toolkit.metrics import LogLines
+
+    out = io.StringIO()
+    lines = LogLines(out, every_s=3600)
+    bar = tqdm(total=1000, file=lines, desc="sft")
+    for i in range(1000):
+        bar.set_postfix(loss=f"{1 / (i + 1):.4f}")
+        bar.update(1)
+    bar.close()
+    lines.finish()
+    printed = out.getvalue().splitlines()
+    assert len(printed) == 2 and "\r" not in out.getvalue(), printed
+    assert printed[0].startswith("sft:") and "1000/1000" in printed[1], printed

@@ -107,6 +107,9 @@ def test_disk_full_during_save_leaves_no_checkpoint_looking_directory(tmp_path):
     proc = run_sft(config, save_dir, "--max-steps", "3", "--save-every", "1", fault="enospc_during_save:2",
                    expect_ok=False, timeout=300)
     line = _assert_out_of_space(proc, save_dir, 2)
+    # a non-interactive log (a pipe here): the progress bar prints lines (at most one per 30 s), never redraws
+    bar = [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("sft:")]
+    assert bar and not any("\r" in x for x in bar), bar
     assert "the size of step1/" in line and "'latest' still names step1" in line, line
     assert (save_dir / "latest").read_text() == "step1" and (save_dir / "step1").is_dir()
     run_sft(config, save_dir, "--max-steps", "2", "--resume")

@@ -6,6 +6,7 @@ Holds:
     training_flops_per_token: the model FLOPs of one trained token (the MFU numerator's formula).
     device_peak_flops: the accelerator's peak FLOP/s for the run's dtype, when known (the MFU denominator).
     BackwardProgress: rank 0's sign of life inside a long step: which decoder layer the backward has reached.
+    LogLines: the progress bar in a non-interactive log (a file, a job's output): one line at most every N seconds.
     plot_losses: loss against step, with an optional chance line, as a png.
     plot_panels: one panel per metric against step, as a png.
     MetricsLog: per optimizer step the loss, learning rate, gradient norm, tokens/s, MFU and peak memory into
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 __all__ = ["peak_memory_gib", "host_memory_gib", "training_flops_per_token", "device_peak_flops", "BackwardProgress",
-           "plot_losses", "plot_panels", "MetricsLog"]
+           "LogLines", "LOG_LINE_EVERY_S", "plot_losses", "plot_panels", "MetricsLog"]
 
 PEAK_FLOPS_ENV = "DS_LONGSEQ_PEAK_TFLOPS"
 """Environment variable: one device's peak TFLOP/s for MFU (overrides the table below; the only source on CPU)."""
@@ -111,6 +113,45 @@ def device_peak_flops(dtype: torch.dtype) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((tflops * 1e12 for key, tflops in _PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+LOG_LINE_EVERY_S = 30.0
+"""How often the progress bar prints a line when its output is not a terminal."""
+
+
+class LogLines:
+    """What tqdm writes to, in place of stderr when that is not a terminal: each refresh of the bar (its carriage
+    returns dropped) kept, and printed as one line at most every ``every_s`` seconds, the last one when the bar
+    closes (:meth:`finish`). On a terminal the bar redraws in place; in a job's log file those redraws would pile up
+    on one ever-growing line."""
+
+    def __init__(self, stream, every_s: float = LOG_LINE_EVERY_S):
+        self.stream, self.every_s = stream, every_s
+        self._pending: str | None = None
+        self._last = float("-inf")
+
+    def write(self, text: str) -> int:
+        line = text.replace("\r", "").strip()
+        if line:
+            self._pending = line
+            now = time.monotonic()
+            if now - self._last >= self.every_s:
+                self._last = now
+                self._emit()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def finish(self) -> None:
+        """Print the last state not printed yet."""
+        self._emit()
+
+    def _emit(self) -> None:
+        if self._pending is not None:
+            self.stream.write(self._pending + "\n")
+            self.stream.flush()
+            self._pending = None
 
 
 class BackwardProgress:
@@ -239,8 +280,9 @@ class MetricsLog:
                                                      max_steps=args.max_steps, rank=run.rank,
                                                      frozen_excluded=run.checkpoint_options["exclude_frozen"])
         self.tokens = 0
+        self.lines = None if sys.stderr.isatty() else LogLines(sys.stderr)
         self.bar = tqdm(total=args.max_steps, initial=self.start_step, disable=run.rank != 0,
-                        dynamic_ncols=True, desc=name)
+                        dynamic_ncols=self.lines is None, desc=name, file=self.lines or sys.stderr)
         self.flops_per_token = training_flops_per_token(run.model, args.seq_len)
         self.peak_flops = device_peak_flops(run.dtype)
         self.progress = BackwardProgress(run.model, self.bar) if run.rank == 0 else None
@@ -300,6 +342,8 @@ class MetricsLog:
     def close(self) -> None:
         """The bar closed and the progress hooks removed (the model is as it was)."""
         self.bar.close()
+        if self.lines is not None:
+            self.lines.finish()
         if self.progress is not None:
             self.progress.remove()
 
