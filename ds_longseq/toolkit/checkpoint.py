@@ -3,9 +3,9 @@
 A checkpoint is ``<save_dir>/step<N>/`` plus a ``latest`` file naming the newest COMPLETE one. Every rank writes
 into ``step<N>.partial/``, which is renamed to ``step<N>/`` only after every rank has finished (on each node, by its
 local rank 0: several nodes without a shared file system each rename their own), and ``latest`` moves after that (an
-atomic rename too): a run killed or out of disk mid-save leaves no directory that looks like a checkpoint and
-resumes from the previous one. A save that fails for want of space says so, with the bytes it needs and those free,
-and removes its partial directory. ``metrics.jsonl`` beside them is kept consistent with the
+atomic rename too): a run killed or out of disk mid-save leaves no directory that looks like a checkpoint (its
+``step<N>.partial/`` is removed when the next run starts) and resumes from the previous one. A save that fails for
+want of space says so, with the bytes it needs and those free. ``metrics.jsonl`` beside them is kept consistent with the
 checkpoint a run resumes from. Each rank also writes its random generators' states
 (``rng_state_rank<R>.pt``), so the dropout masks after a resume are those the uninterrupted run draws.
 
@@ -14,6 +14,7 @@ Holds:
     resume: load the checkpoint ``latest`` names; its step and the metrics rows up to it.
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
     save_checkpoint: every rank writes step<N>.partial/, renamed to step<N>/ when complete, then ``latest`` moves.
+    remove_partial_checkpoints: the ``step<N>.partial/`` directories of saves that did not complete, removed at start.
     checkpoint_bytes: about how many bytes one checkpoint takes (measured from the last one, else estimated).
     check_save_space: warn at start when the save directory's free space is short of one checkpoint.
     save_if_due: a checkpoint every ``save_every`` steps and at the last step.
@@ -41,8 +42,8 @@ from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
 
 __all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "prune_checkpoints",
-           "checkpoint_bytes", "check_save_space", "gathered_state_dict", "save_streamed", "export_hf",
-           "PARTIAL_SUFFIX"]
+           "checkpoint_bytes", "check_save_space", "remove_partial_checkpoints", "gathered_state_dict", "save_streamed",
+           "export_hf", "PARTIAL_SUFFIX"]
 
 PARTIAL_SUFFIX = ".partial"
 """What a checkpoint's directory is called until every rank has written it (``step<N>.partial``)."""
@@ -103,6 +104,8 @@ def start_or_resume(
     """
     import deepspeed.comm as dist
 
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+        remove_partial_checkpoints(save_dir)
     if not resume_run:
         if rank == 0 and os.path.exists(metrics_path):
             os.remove(metrics_path)
@@ -117,6 +120,21 @@ def start_or_resume(
             f.writelines(json.dumps(m) + "\n" for m in metrics)
         logger.warning("resumed from %s/%s at step %d", save_dir, tag, start_step)
     return start_step, metrics
+
+
+def remove_partial_checkpoints(save_dir: str) -> list[str]:
+    """Remove the ``step<N>.partial/`` directories a killed or failed save left in ``save_dir`` (none is a
+    checkpoint: ``latest`` never names one); returns their names. Called at the start of a run, before any save."""
+    if not os.path.isdir(save_dir):
+        return []
+    removed = sorted(name for name in os.listdir(save_dir)
+                     if name.startswith("step") and name.endswith(PARTIAL_SUFFIX)
+                     and os.path.isdir(os.path.join(save_dir, name)))
+    for name in removed:
+        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    if removed:
+        logger.warning("removed %s in %s: the partial writes of saves that did not complete", removed, save_dir)
+    return removed
 
 
 def save_checkpoint(
@@ -152,12 +170,14 @@ def save_checkpoint(
     except (OSError, RuntimeError) as err:
         if not _out_of_space(err):
             raise
+        # The partial directory stays: other ranks may still be writing into it (removing it under them would turn
+        # their error into a missing directory); it is not a checkpoint, and the next start removes it.
         needed = checkpoint_bytes(engine, save_dir, exclude_frozen=exclude_frozen)
-        shutil.rmtree(os.path.join(save_dir, partial), ignore_errors=True)
         raise SystemExit(
             f"checkpoint {tag}: no space left on device writing {save_dir} ({_gib(shutil.disk_usage(save_dir).free)} "
-            f"free after removing the partial write; a checkpoint takes {_gib(needed[0])}, {needed[1]}): free space "
-            f"or pass another --save-dir, then --resume; 'latest' still names {_latest(save_dir) or 'no checkpoint'}"
+            f"free; a checkpoint takes {_gib(needed[0])}, {needed[1]}): free space or pass another --save-dir, then "
+            f"--resume; 'latest' still names {_latest(save_dir) or 'no checkpoint'} ({partial}/ is not one: the next "
+            "start removes it)"
         ) from None
     faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
     dist.barrier()
