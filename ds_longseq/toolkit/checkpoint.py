@@ -250,7 +250,10 @@ def check_save_space(engine, save_dir: str, rank: int, *, exclude_frozen: bool =
     if rank != 0:
         return
     needed, how = checkpoint_bytes(engine, save_dir, exclude_frozen=exclude_frozen)
-    free = shutil.disk_usage(save_dir).free
+    existing = os.path.abspath(save_dir)
+    while not os.path.isdir(existing):  # not created yet (the scripts create it first): the file system it will be on
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
     if free < needed:
         logger.warning("--save-dir %s has %s free; a checkpoint takes %s (%s): the first save will fail unless "
                        "space is freed", save_dir, _gib(free), _gib(needed), how)
