@@ -94,7 +94,8 @@ def test_mutation_state_gradient_not_sent_back_is_caught(monkeypatch):
     assert result.outcome == "different", result
 
 
-@pytest.mark.parametrize("chunk_size", [2, 13, 64])
+@pytest.mark.parametrize("chunk_size", [pytest.param(2, marks=pytest.mark.slow), 13,
+                                        pytest.param(64, marks=pytest.mark.slow)])  # heavy: 13 runs by default
 def test_jamba_scan_continued_across_chunks(chunk_size):
     """Jamba's Mamba mixer reads its recurrent state but scans from zeros (its fused kernel takes no initial state):
     under StreamBP its scan is continued from the carried state (``ops.started_scan``: the zero-started scan plus

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,6 +33,7 @@ def _run(tmp_path, name: str, source: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.slow  # ~45 s (a DeepSpeed engine and a Trainer run); the default run keeps the docs-link checks
 def test_readme_python_blocks_run_as_pasted(tmp_path):
     blocks = readme_blocks()
     assert len(blocks) >= 3
