@@ -12,7 +12,8 @@ Holds:
     dim_zero_all_to_all: DeepSpeed-Ulysses' registered all-to-all and its group registration.
     parameters_replaced: a module's parameters read as other tensors inside a ``with`` block (torch's own
         ``functional_call`` machinery, without calling the module and its hooks).
-    Z3_LEAF_ATTR, is_zero3_partitioned: DeepSpeed ZeRO-3's leaf-module flag and partitioned-parameter mark.
+    Z3_LEAF_ATTR, is_zero3_partitioned, full_numel: DeepSpeed ZeRO-3's leaf-module flag, partitioned-parameter
+        mark and a partitioned parameter's full size.
     default_process_group / default_store: torch.distributed's default group and rendezvous store.
     deepspeed_initialize_replaced: ``deepspeed.initialize`` stood in for, inside a ``with`` block.
     drop_gguf_quantization_marker: a GGUF-loaded transformers model (dequantized on load, yet marked quantized and
@@ -68,6 +69,7 @@ __all__ = [
     "parameters_replaced",
     "Z3_LEAF_ATTR",
     "is_zero3_partitioned",
+    "full_numel",
     "default_process_group",
     "default_store",
     "deepspeed_initialize_replaced",
@@ -246,6 +248,12 @@ parameters in the leaf's own hooks and registers none on its children."""
 def is_zero3_partitioned(param: Any) -> bool:
     """Whether ``param`` is managed by ZeRO-3 (built under ``deepspeed.zero.Init`` or partitioned by it)."""
     return hasattr(param, "ds_id")
+
+
+def full_numel(param: Any) -> int:
+    """A parameter's number of elements, also under ZeRO-3 (whose partitioned parameter keeps its full size in
+    ``ds_numel``, its local tensor being empty)."""
+    return int(getattr(param, "ds_numel", param.numel()))
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.compat import is_zero3_partitioned, keys_ignored_on_save
+from ds_longseq.compat import full_numel, is_zero3_partitioned, keys_ignored_on_save
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
@@ -71,11 +71,9 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
     Returns:
         (its step, the rows of ``metrics_path`` up to that step, its tag).
     """
-    latest = os.path.join(save_dir, "latest")
-    if not os.path.exists(latest):
+    tag = _latest(save_dir)
+    if tag is None:
         raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
-    with open(latest) as f:
-        tag = f.read().strip()
     _, client_state = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=not frozen_excluded)
     _load_rng_state(os.path.join(save_dir, tag))
     start_step, metrics = client_state["step"], []
@@ -104,7 +102,7 @@ def start_or_resume(
     """
     import deepspeed.comm as dist
 
-    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+    if _local_leader(rank):
         remove_partial_checkpoints(save_dir)
     if not resume_run:
         if rank == 0 and os.path.exists(metrics_path):
@@ -156,7 +154,7 @@ def save_checkpoint(
 
     tag = f"step{step}"
     partial = tag + PARTIAL_SUFFIX
-    local_leader = int(os.environ.get("LOCAL_RANK", rank)) == 0
+    local_leader = _local_leader(rank)
     if local_leader:  # a partial directory an earlier run left (killed mid-save) is not reused
         shutil.rmtree(os.path.join(save_dir, partial), ignore_errors=True)
     dist.barrier()
@@ -189,6 +187,12 @@ def save_checkpoint(
     dist.barrier()
 
 
+def _local_leader(rank: int) -> bool:
+    """Whether this process is its node's local rank 0 (the launcher's LOCAL_RANK; the global rank without one): the
+    one that renames and removes checkpoint directories on that node's file system."""
+    return int(os.environ.get("LOCAL_RANK", rank)) == 0
+
+
 def _complete(save_dir: str, partial: str, tag: str) -> None:
     """Rename ``partial`` to ``tag`` (a stale ``tag`` directory, never the one ``latest`` names, is replaced). On a
     file system several nodes share, another node's leader may have renamed it first."""
@@ -203,6 +207,7 @@ def _complete(save_dir: str, partial: str, tag: str) -> None:
 
 
 def _latest(save_dir: str) -> str | None:
+    """The tag ``latest`` names, or None without a ``latest`` file."""
     path = os.path.join(save_dir, "latest")
     if not os.path.exists(path):
         return None
@@ -235,14 +240,9 @@ def checkpoint_bytes(engine, save_dir: str, *, exclude_frozen: bool = False) -> 
                    for f in files)
         return size, f"the size of {tag}/"
     params = list(engine.module.parameters())
-    weights = sum(_numel(p) * p.element_size() for p in params if p.requires_grad or not exclude_frozen)
-    optimizer = 12 * sum(_numel(p) for p in params if p.requires_grad)
+    weights = sum(full_numel(p) * p.element_size() for p in params if p.requires_grad or not exclude_frozen)
+    optimizer = 12 * sum(full_numel(p) for p in params if p.requires_grad)
     return weights + optimizer, "an estimate: its weights and Adam's float32 states"
-
-
-def _numel(param: torch.Tensor) -> int:
-    """A parameter's full size, also under ZeRO-3 (where its local tensor is empty)."""
-    return getattr(param, "ds_numel", None) or param.numel()
 
 
 def check_save_space(engine, save_dir: str, rank: int, *, exclude_frozen: bool = False) -> None:
@@ -298,10 +298,7 @@ def _load_rng_state(checkpoint_dir: str) -> None:
 def prune_checkpoints(save_dir: str, keep: int) -> list[str]:
     """Remove all but the newest ``keep`` ``step<N>/`` checkpoints of ``save_dir`` (never the one ``latest`` names);
     returns the removed tags. Called after ``latest`` moved, so a crash here loses nothing ``latest`` needs."""
-    import shutil
-
-    with open(os.path.join(save_dir, "latest")) as f:
-        latest = f.read().strip()
+    latest = _latest(save_dir)
     tags = sorted((int(name[4:]), name) for name in os.listdir(save_dir)
                   if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(save_dir, name)))
     removed = [name for _, name in tags[:-keep] if name != latest]

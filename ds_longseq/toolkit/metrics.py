@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ds_longseq.compat import full_numel
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit.checkpoint import start_or_resume
 
@@ -74,10 +75,6 @@ def host_memory_gib() -> tuple[float, float]:
         return peak, peak
 
 
-def _numel(p: torch.Tensor) -> int:
-    return int(getattr(p, "ds_numel", p.numel()))  # a ZeRO-3 partitioned parameter keeps its full size there
-
-
 def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """Model FLOPs of one trained token in rows of ``seq_len`` tokens, forward and backward (the module docstring
     gives the formula). ``model``: the causal LM, or a PEFT model around one; ZeRO-3 partitioned parameters count
@@ -88,11 +85,11 @@ def training_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     for p in model.parameters():
         if p is embedding:
             continue
-        total += _numel(p)
-        trainable += _numel(p) if p.requires_grad else 0
+        total += full_numel(p)
+        trainable += full_numel(p) if p.requires_grad else 0
     if head is not None and head.weight is embedding:  # tied: the head's matmul still runs
-        total += _numel(embedding)
-        trainable += _numel(embedding) if embedding.requires_grad else 0
+        total += full_numel(embedding)
+        trainable += full_numel(embedding) if embedding.requires_grad else 0
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
