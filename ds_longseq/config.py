@@ -73,13 +73,13 @@ class ConfigFileError(ValueError):
     valid JSON: the message names the file, and the line and column of the first error, in one line."""
 
 
-def read_json_file(path: str | os.PathLike, what: str = "DeepSpeed config") -> Any:
-    """The JSON value in ``path``.
+def read_json_file(path: str | os.PathLike, what: str = "DeepSpeed config") -> dict[str, Any]:
+    """The JSON object in ``path`` (a config: a DeepSpeed config, a model's config.json).
 
     Raises:
-        ConfigFileError: ``path: cannot read the <what> (No such file or directory)``, or ``path:LINE:COLUMN: not
+        ConfigFileError: ``path: cannot read the <what> (No such file or directory)``, ``path:LINE:COLUMN: not
             valid JSON (<the parser's reason>)`` with the likely fix for the common slips (a trailing comma, single
-            quotes, a comment).
+            quotes, a comment), or ``path: a <what> is a JSON object`` for another JSON value.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -88,10 +88,13 @@ def read_json_file(path: str | os.PathLike, what: str = "DeepSpeed config") -> A
         reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
         raise ConfigFileError(f"{path}: cannot read the {what} ({reason})") from None
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigFileError(f"{path}:{err.lineno}:{err.colno}: the {what} is not valid JSON ({err.msg})"
                               f"{_json_slip(text, err.pos)}") from None
+    if not isinstance(value, dict):
+        raise ConfigFileError(f"{path}: a {what} is a JSON object ({{...}}), this file holds a {type(value).__name__}")
+    return value
 
 
 def _json_slip(text: str, pos: int) -> str:

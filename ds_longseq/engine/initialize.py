@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ds_longseq.compat import fix_zero3_sequence_parallel_average
-from ds_longseq.config import ConfigFileError, LongSeqConfig, LongSeqConfigError, read_json_file
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError, read_json_file
 from ds_longseq.engine.process_group import DEFAULT_DISTRIBUTED_PORT
 from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
 from ds_longseq.engine.watchdog import start_watchdog, started_by_launcher
@@ -91,9 +91,6 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
     """
     if isinstance(config, (str, os.PathLike)):
         ds_config = read_json_file(config)
-        if not isinstance(ds_config, dict):
-            raise ConfigFileError(f"{config}: a DeepSpeed config is a JSON object ({{...}}), this file holds a "
-                                  f"{type(ds_config).__name__}")
     elif isinstance(config, Mapping):
         ds_config = copy.deepcopy(dict(config))
     else:
