@@ -133,21 +133,33 @@ def _run_mixer(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, stream)
         stream.output = mixer(stream.inputs)
 
 
-def _capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable) -> MixerStream:
-    """A stream in "apply" mode holding the mixer's output for the whole shard (no grad)."""
-    stream = MixerStream(hidden.shape[1])
+def _capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, exchange=None) -> MixerStream | MixedStream:
+    """A stream holding the mixer's output for the whole shard (no grad), in "apply" mode; with ``exchange`` (an
+    attention beside the mixer) a :class:`MixedStream` that then also captured and exchanged the group's keys/values,
+    in "serve" and "attend" modes."""
+    if exchange is None:
+        stream = MixerStream(hidden.shape[1])
+        _run_mixer(run_chunk, hidden, bounds, mixer, stream)
+        stream.mode = "apply"
+        return stream
+    stream = MixedStream(hidden.shape[1], exchange)
     _run_mixer(run_chunk, hidden, bounds, mixer, stream)
-    stream.mode = "apply"
-    return stream
+    stream.mixer_mode = "serve"
+    return global_kv(run_chunk, hidden, bounds, stream)
 
 
-def _forward(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable) -> torch.Tensor:
-    stream = _capture(run_chunk, hidden, bounds, mixer)
+def _forward(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, exchange=None) -> torch.Tensor:
+    """The layer's output under no grad: the captures (:func:`_capture`), then every chunk run whole."""
+    stream = _capture(run_chunk, hidden, bounds, mixer, exchange)
+    outs = []
     with torch.no_grad():
-        outs = []
         for s, e in bounds:
             stream.start, stream.end = s, e
-            outs.append(run_chunk(hidden[:, s:e], s, e, stream))
+            out = run_chunk(hidden[:, s:e], s, e, stream)
+            if isinstance(out, tuple):
+                raise NotImplementedError("streambp_mixer_sp_apply: auxiliary chunk outputs (router logits) under "
+                                          "sequence parallelism are not supported")
+            outs.append(out)
     return torch.cat(outs, dim=1)
 
 
@@ -156,10 +168,7 @@ class _MixerSPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, run_chunk, bounds, mixer, exchange, offloader, *params):
-        if exchange is None:
-            out = _forward(run_chunk, hidden, bounds, mixer)
-        else:
-            out = _mixed_forward(run_chunk, hidden, bounds, mixer, exchange)
+        out = _forward(run_chunk, hidden, bounds, mixer, exchange)
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.mixer, ctx.exchange, ctx.params = run_chunk, bounds, mixer, exchange, params
         ctx.autocast = AutocastState.capture(hidden.device.type)
@@ -170,10 +179,7 @@ class _MixerSPFunction(torch.autograd.Function):
         hidden = load_input(ctx)
         mixed = ctx.exchange is not None
         with ctx.autocast.replay():
-            if mixed:
-                stream = _mixed_capture(ctx.run_chunk, hidden, ctx.bounds, ctx.mixer, ctx.exchange)
-            else:
-                stream = _capture(ctx.run_chunk, hidden, ctx.bounds, ctx.mixer)
+            stream = _capture(ctx.run_chunk, hidden, ctx.bounds, ctx.mixer, ctx.exchange)
         if mixed:  # the keys'/values' gradients gather in the stream's sinks during pass 1
             stream.alloc_grads()
             stream.outputs_read = False
@@ -282,9 +288,7 @@ def streambp_mixer_sp_apply(
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
         return _MixerSPFunction.apply(hidden, run_chunk, bounds, mixer, exchange, offloader, *params)
-    if exchange is None:
-        return _forward(run_chunk, hidden, bounds, mixer)
-    return _mixed_forward(run_chunk, hidden, bounds, mixer, exchange)
+    return _forward(run_chunk, hidden, bounds, mixer, exchange)
 
 
 # --- attention beside the head-sharded mixer (Falcon-H1) ----------------------------------------------------------
@@ -322,26 +326,3 @@ class MixedStream(GlobalKVStream):
                 "head-sharded mixer; ds_longseq runs a layer with both only when the mixer comes first (Falcon-H1)"
             )
         return _mixer_call(self, self.mixer_mode, hidden_states, leaf=self.mixer_mode == "serve")
-
-
-def _mixed_capture(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, exchange) -> MixedStream:
-    """A stream holding the mixer's output for the whole shard and the group's keys/values (no grad), in "serve"
-    and "attend" modes: the mixer's input captured, the mixer run once, then the K/V captured and exchanged."""
-    stream = MixedStream(hidden.shape[1], exchange)
-    _run_mixer(run_chunk, hidden, bounds, mixer, stream)
-    stream.mixer_mode = "serve"
-    return global_kv(run_chunk, hidden, bounds, stream)
-
-
-def _mixed_forward(run_chunk, hidden: torch.Tensor, bounds, mixer: Callable, exchange) -> torch.Tensor:
-    stream = _mixed_capture(run_chunk, hidden, bounds, mixer, exchange)
-    outs = []
-    with torch.no_grad():
-        for s, e in bounds:
-            stream.start, stream.end = s, e
-            out = run_chunk(hidden[:, s:e], s, e, stream)
-            if isinstance(out, tuple):
-                raise NotImplementedError("streambp_mixer_sp_apply: auxiliary chunk outputs (router logits) under "
-                                          "sequence parallelism are not supported")
-            outs.append(out)
-    return torch.cat(outs, dim=1)
