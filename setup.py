@@ -9,6 +9,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_longseq", "ds_longseq.*"]),
+    # the shipped DeepSpeed configs (the repository's ds_configs/ links to them): `--ds_config NAME` from anywhere
+    package_data={"ds_longseq": ["configs/*.json", "configs/README.md"]},
+    entry_points={"console_scripts": ["ds-longseq=ds_longseq.cli:main"]},
     python_requires=">=3.10",
     install_requires=[
         # Ranges, not pins: a fresh CPU machine installs torch==2.13.0 first (see README), and a

@@ -9,6 +9,9 @@ Holds:
     LongSeqConfig: the whole section, with ``from_dict`` that parses it (every problem reported at once) and
         ``of``, which takes a dict or an already-parsed config, so each entry point parses its section once.
     LongSeqConfigError: the single error raised for a bad section.
+    SHIPPED_CONFIGS / shipped_configs / find_ds_config: the DeepSpeed configs installed with the package
+        (``ds_longseq/configs/``, the repository's ``ds_configs/``), and a ``--ds_config`` value (a path, or a
+        shipped config's name) turned into the file it names.
     register_technique / unregister_technique: how ``ds_longseq.techniques`` declares a technique's section,
         activity, conflicts and needs, which ``from_dict`` then checks (this module imports no technique).
 
@@ -40,6 +43,9 @@ __all__ = [
     "LongSeqConfigError",
     "ConfigFileError",
     "read_json_file",
+    "SHIPPED_CONFIGS",
+    "shipped_configs",
+    "find_ds_config",
     "StreamBPConfig",
     "MiniSeqConfig",
     "LMHeadConfig",
@@ -71,6 +77,38 @@ class LongSeqConfigError(ValueError):
 class ConfigFileError(ValueError):
     """A JSON file ds_longseq was pointed at (a DeepSpeed config, a model's config.json) cannot be read or is not
     valid JSON: the message names the file, and the line and column of the first error, in one line."""
+
+
+SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+"""Where the shipped DeepSpeed configs are: package data (the repository's ``ds_configs/`` links here), so an
+installed wheel has them and a name such as ``zero2_streambp`` finds them from any directory."""
+
+
+def shipped_configs() -> dict[str, str]:
+    """{name: path} of every shipped DeepSpeed config (``zero2_streambp``: ``.../configs/zero2_streambp.json``),
+    sorted by name."""
+    names = sorted(f[: -len(".json")] for f in os.listdir(SHIPPED_CONFIGS) if f.endswith(".json"))
+    return {name: os.path.join(SHIPPED_CONFIGS, name + ".json") for name in names}
+
+
+def find_ds_config(value: str | os.PathLike) -> str:
+    """The file a ``--ds_config`` value names: an existing path as given (it wins over a shipped name), else the
+    shipped config of that name: ``zero2_streambp``, ``zero2_streambp.json`` or the repository-relative
+    ``ds_configs/zero2_streambp.json`` written in the docs, from any directory.
+
+    Raises:
+        ConfigFileError: neither a file nor a shipped name (the message lists the shipped names).
+    """
+    path = os.fspath(value)
+    if os.path.exists(path):
+        return path
+    folder, base = os.path.split(path)
+    name = base[: -len(".json")] if base.endswith(".json") else base
+    shipped = shipped_configs()
+    if name in shipped and os.path.basename(os.path.normpath(folder or "ds_configs")) == "ds_configs":
+        return shipped[name]
+    raise ConfigFileError(f"{path}: no such file, nor the name of a shipped DeepSpeed config ({', '.join(shipped)}; "
+                          "`ds-longseq configs` describes them)")
 
 
 def read_json_file(path: str | os.PathLike, what: str = "DeepSpeed config") -> dict[str, Any]:

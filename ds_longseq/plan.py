@@ -57,7 +57,7 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
-from ds_longseq.config import ConfigFileError, LongSeqConfig, read_json_file
+from ds_longseq.config import ConfigFileError, LongSeqConfig, find_ds_config, read_json_file
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards.auto_chunk import largest_fitting
 from ds_longseq.ops.sp_layout import sp_degrees
@@ -560,11 +560,13 @@ EXIT_STATUSES = """exit status: 0 the run fits; 1 it does not fit (the report sa
 unreadable or malformed --ds-config or --model config, a missing --model, an invalid value), one line on stderr."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ds_longseq.plan", description=__doc__.split("\n\n")[0],
-                                epilog=EXIT_STATUSES)
+def main(argv: list[str] | None = None, prog: str = "python -m ds_longseq.plan") -> int:
+    """The planner's command line (``python -m ds_longseq.plan``, ``ds-longseq plan``); returns the exit status."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=EXIT_STATUSES)
     p.add_argument("--model", required=True, help="model directory or its config.json")
-    p.add_argument("--ds-config", help="DeepSpeed JSON with its long_seq section (default: ZeRO-2, StreamBP)")
+    p.add_argument("--ds-config", "--ds_config", dest="ds_config",
+                   help="DeepSpeed JSON with its long_seq section, a path or a shipped config's name (an existing path "
+                        "wins; `ds-longseq configs` lists the names); default: ZeRO-2, StreamBP")
     p.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in all (default 1)")
     p.add_argument("--nodes", type=int, default=1)
@@ -577,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "long_seq": {"streambp": {"enabled": True}}}
     try:
         if args.ds_config:
-            ds = read_json_file(args.ds_config)
+            ds = read_json_file(find_ds_config(args.ds_config))
         setup = Setup.from_configs(ds, device=args.device, gpus=args.gpus, nodes=args.nodes, lora_rank=args.lora_rank)
         if args.method:
             setup = replace(setup, method=args.method)

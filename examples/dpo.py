@@ -46,6 +46,7 @@ from ds_longseq.toolkit import (
     token_logprobs,
 )
 from ds_longseq.toolkit import check_args as check_common_args
+from ds_longseq.toolkit.args import exit_status
 
 logger = get_logger("ds_longseq.examples.dpo")
 DEFAULT_LR = 5e-4  # the embedded tiny model starts from scratch; ds_configs/ hold fine-tuning rates
@@ -150,4 +151,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))  # 0 done, 1 does not fit (the preflight), 2 bad input (one line on stderr)

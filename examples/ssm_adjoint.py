@@ -62,6 +62,7 @@ from ds_longseq.toolkit import (
     save_if_due,
     start_or_resume,
 )
+from ds_longseq.toolkit.args import exit_status
 
 TASK_DEFAULTS = TopicRecallTask()  # the task's defaults are written once, in its dataclass
 
@@ -242,4 +243,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))  # 0 done, 1 does not fit (the preflight), 2 bad input (one line on stderr)

@@ -51,6 +51,7 @@ from ds_longseq.toolkit import (
     plot_losses,
     start_distributed,
 )
+from ds_longseq.toolkit.args import exit_status
 from ds_longseq.trainer import LongSeqTrainer, with_long_seq
 
 DEFAULT_DS_CONFIG = "ds_configs/trainer_zero2_streambp.json"
@@ -175,4 +176,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main))  # 0 done, 1 does not fit (the preflight), 2 bad input (one line on stderr)

@@ -48,7 +48,9 @@ def places(tmp_path_factory) -> dict[str, str]:
 
 def _run(command: str, cwd: str) -> subprocess.CompletedProcess:
     argv = shlex.split(command)
-    argv[0] = sys.executable if argv[0] == "python" else argv[0]
+    # `ds-longseq` as its console script runs it (tests/test_cli.py runs the installed script itself)
+    commands = {"python": [sys.executable], "ds-longseq": [sys.executable, "-m", "ds_longseq.cli"]}
+    argv[:1] = commands.get(argv[0], argv[:1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 

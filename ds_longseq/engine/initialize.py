@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ds_longseq.compat import fix_zero3_sequence_parallel_average
-from ds_longseq.config import LongSeqConfig, LongSeqConfigError, read_json_file
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError, find_ds_config, read_json_file
 from ds_longseq.engine.process_group import DEFAULT_DISTRIBUTED_PORT
 from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
 from ds_longseq.engine.watchdog import start_watchdog, started_by_launcher
@@ -79,8 +79,9 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
     """Load a DeepSpeed config and split off its ``long_seq`` section.
 
     Args:
-        config: path to a JSON file, or a dict (not modified) whose ``long_seq`` is a dict, or the
-            :class:`LongSeqConfig` a caller parsed already (validated, not parsed again).
+        config: path to a JSON file (or the name of a shipped one: :func:`~ds_longseq.config.find_ds_config`), or
+            a dict (not modified) whose ``long_seq`` is a dict, or the :class:`LongSeqConfig` a caller parsed
+            already (validated, not parsed again).
 
     Returns:
         (DeepSpeed config without ``long_seq``, validated :class:`LongSeqConfig`).
@@ -90,7 +91,7 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
         ConfigFileError: the file cannot be read or is not a JSON object (naming the file, line and column).
     """
     if isinstance(config, (str, os.PathLike)):
-        ds_config = read_json_file(config)
+        ds_config = read_json_file(find_ds_config(config))
     elif isinstance(config, Mapping):
         ds_config = copy.deepcopy(dict(config))
     else:

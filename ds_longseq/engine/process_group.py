@@ -7,6 +7,7 @@ Holds:
     ensure_process_group: ``deepspeed.comm`` ready on the world's process group, or a one-line refusal.
     start_process_group: ``deepspeed.init_distributed`` as every launcher-started path here calls it.
     DEFAULT_DISTRIBUTED_PORT: the rendezvous port when ``MASTER_PORT`` is not set.
+    free_port: a local port nothing listens on (a one-process run's rendezvous).
 
 Why this exists: DeepSpeed's sequence-parallel groups (``parallel_state_sp``) and its collectives go through
 ``deepspeed.comm``, which knows a process group only once ``deepspeed.init_distributed`` has run. accelerate
@@ -25,7 +26,7 @@ import torch
 from ds_longseq.logging import get_logger
 
 __all__ = ["LAUNCHER_VARIABLES", "DEFAULT_DISTRIBUTED_PORT", "launcher_environment", "ensure_process_group",
-           "start_process_group"]
+           "start_process_group", "free_port"]
 
 logger = get_logger(__name__)
 
@@ -99,10 +100,31 @@ def ensure_process_group(world_size_needed: int = 1, *, backend: str | None = No
 def start_process_group(backend: str | None = None, *, verbose: bool = True) -> None:
     """``deepspeed.init_distributed`` with ``backend`` (default gloo on CPU, nccl with CUDA) and MPI discovery, on
     the environment's ``MASTER_PORT``: DeepSpeed's MPI discovery would otherwise set it to its own default, and two
-    mpirun jobs on one machine would collide there."""
+    mpirun jobs on one machine would collide there.
+
+    Without a launcher (``python script.py``) the process is the whole world, rank 0 of 1, on a free local port:
+    DeepSpeed's MPI discovery would otherwise try mpi4py and fail with its raw ``ModuleNotFoundError`` where mpi4py
+    is not installed (the README's environment), naming none of this."""
     import deepspeed
 
+    if launcher_environment() is None and not {"RANK", "WORLD_SIZE"} & os.environ.keys():  # a MASTER_PORT kept
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                            ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(name, value)
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(free_port())
+        logger.warning("ds_longseq: no launcher: running as one process (rank 0 of 1). For N ranks: ds-longseq "
+                       "train --num_gpus N, or " + HOW_TO_LAUNCH.format(n="N"))
     deepspeed.init_distributed(
         dist_backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"), auto_mpi_discovery=True,
         verbose=verbose, distributed_port=int(os.environ.get("MASTER_PORT", DEFAULT_DISTRIBUTED_PORT)),
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no process listens on now (the OS's choice)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -25,12 +25,18 @@ Modules, one concern each (see each one's "Holds:"):
 """
 
 from ds_longseq.toolkit.args import (
+    EXIT_BAD_INPUT,
+    EXIT_DOES_NOT_FIT,
+    EXIT_OK,
+    EXIT_STATUSES,
     DefaultsOnceFormatter,
+    DoesNotFit,
     add_common_args,
     check_args,
     check_lora_args,
     check_model_and_data,
     check_run_args,
+    exit_status,
 )
 from ds_longseq.toolkit.checkpoint import (
     export_hf,
@@ -113,7 +119,7 @@ __all__ = [
     "mean_over_ranks", "to_rank_batch",
     # args
     "add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_lora_args",
-    "check_args",
+    "check_args", "EXIT_OK", "EXIT_DOES_NOT_FIT", "EXIT_BAD_INPUT", "EXIT_STATUSES", "DoesNotFit", "exit_status",
     # run
     "Run", "setup_run", "finish",
     # policy

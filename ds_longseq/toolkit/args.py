@@ -12,18 +12,52 @@ Holds:
     check_lora_args: --lora-rank / --lora-alpha / --lora-dropout / --lora-targets / --merge-lora, and peft
         installed.
     check_args: both, in that order.
+    EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT / DoesNotFit / exit_status: the exit statuses the scripts and the
+        ``ds-longseq`` command keep (the planner's): 0 done, 1 the step does not fit (the memory preflight), 2 bad
+        input, one line on stderr; a genuine error keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import Callable
 
 from ds_longseq.toolkit.lora import import_peft, parse_lora_targets
 from ds_longseq.toolkit.pretrained import gguf_parts
 
 __all__ = ["add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_save_dir",
-           "check_lora_args", "check_args"]
+           "check_lora_args", "check_args", "EXIT_OK", "EXIT_DOES_NOT_FIT", "EXIT_BAD_INPUT", "EXIT_STATUSES",
+           "DoesNotFit", "exit_status"]
+
+EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
+"""The exit statuses of the training scripts, the ``ds-longseq`` command and the planner (``python -m
+ds_longseq.plan``): done (or fits), the step does not fit, bad input."""
+
+EXIT_STATUSES = ("exit status: 0 done; 1 the memory preflight says the step does not fit (its message says what "
+                 "would); 2 bad input (a flag, the DeepSpeed config, the model or data path), one line on stderr; "
+                 "another status is a genuine error, with its traceback")
+"""The scripts' and the command's ``--help`` epilog."""
+
+
+class DoesNotFit(SystemExit):
+    """The memory preflight's refusal (``--seq-len`` cannot fit): exit status 1, as the planner's "does not fit",
+    where every other one-line refusal of these scripts is bad input (2)."""
+
+
+def exit_status(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+    """Run a script's ``main(argv)`` and return its exit status: its own, 0 for None; a one-line refusal
+    (``SystemExit`` with a message, how every check here refuses) printed on stderr and mapped to
+    :data:`EXIT_DOES_NOT_FIT` (:class:`DoesNotFit`) or :data:`EXIT_BAD_INPUT`. Anything else, a genuine error,
+    propagates with its traceback (nothing here catches ``Exception``)."""
+    try:
+        return main(argv) or EXIT_OK
+    except SystemExit as err:
+        if not isinstance(err.code, str):
+            raise  # argparse's own exits (status 2 after its usage line; 0 after --help), sys.exit(N)
+        print(err.code, file=sys.stderr, flush=True)
+        return EXIT_DOES_NOT_FIT if isinstance(err, DoesNotFit) else EXIT_BAD_INPUT
 
 
 def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int, seq_len: int, lr: float) -> None:
@@ -34,8 +68,10 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
         save_dir, max_steps, seq_len: the script's defaults of --save-dir, --max-steps, --seq-len.
         lr: the peak learning rate for the built-in model (no --model); stored as ``args.default_lr``.
     """
-    p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="ds_configs/zero2_streambp.json",
-                   help="DeepSpeed JSON config with an optional long_seq section")
+    p.add_argument("--ds_config", "--ds-config", dest="ds_config", default="zero2_streambp",
+                   help="DeepSpeed JSON config with an optional long_seq section: a path, or the name of a shipped "
+                        "config (`ds-longseq configs` lists them; ds_configs/NAME.json also finds one from any "
+                        "directory); an existing path wins over a shipped name (default: zero2_streambp)")
     p.add_argument("--model", default=None,
                    help="local HF causal-LM directory or .gguf file (from_pretrained); default: tiny built-in Llama")
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row (padded, or packed with sft.py --pack)")

@@ -17,6 +17,7 @@ import ds_longseq.engine
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.forwards.sequence_parallel import ring_degree
+from ds_longseq.toolkit.args import DoesNotFit
 from ds_longseq.toolkit.checkpoint import check_save_space, export_hf, save_if_due
 from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
@@ -95,7 +96,7 @@ def check_memory(args: argparse.Namespace, ds_config: dict) -> None:
                                            lora_rank=args.lora_rank or None,
                                            override=getattr(args, "no_preflight", False))
     except ds_longseq.engine.PreflightError as err:
-        raise SystemExit(f"preflight: {err}") from None
+        raise DoesNotFit(f"preflight: {err}") from None
 
 
 def setup_run(args: argparse.Namespace, before_model=None) -> Run:

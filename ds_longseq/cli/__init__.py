@@ -1,0 +1,175 @@
+"""The ``ds-longseq`` command (``python -m ds_longseq.cli``): train, plan, and the shipped configs, from any directory.
+
+    ds-longseq train [FLAGS]        examples/sft.py's training (``ds-longseq train --help``); without a launcher it
+                                    starts DeepSpeed's over the local GPUs (2 CPU ranks without), or runs one
+                                    process with --num_gpus 1
+    ds-longseq plan  [FLAGS]        the memory planner (python -m ds_longseq.plan)
+    ds-longseq configs [NAME]       the shipped DeepSpeed configs, or one of them as JSON (to copy and edit)
+
+Holds:
+    main: the command's entry point (setup.py's console script); returns the exit status.
+    train_command: ``ds-longseq train``: under a launcher, one rank's training; without one, the launcher started
+        here (or one process).
+    configs_command: ``ds-longseq configs``.
+
+Exit statuses, every subcommand: 0 done (the planner: the run fits), 1 the step does not fit, 2 bad input with one
+line on stderr; another status is a genuine error, with its traceback. Nothing heavy is imported before a subcommand
+needs it (``ds-longseq configs`` loads no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+from ds_longseq.config import SHIPPED_CONFIGS, ConfigFileError, find_ds_config, read_json_file, shipped_configs
+
+__all__ = ["main", "train_command", "configs_command", "DEFAULT_CPU_RANKS"]
+
+PROG = "ds-longseq"
+DEFAULT_CPU_RANKS = 2
+"""Ranks ``ds-longseq train`` starts on a machine without a GPU: the README quick start's shape."""
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ds-longseq SUBCOMMAND ...``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {PROG} {{train,plan,configs}} ...\n\n{USAGE}\n\n{PROG} SUBCOMMAND --help: its flags.")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"{PROG} {version('ds_longseq')}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train_command(rest)
+    if command == "plan":
+        from ds_longseq import plan
+
+        return plan.main(rest, prog=f"{PROG} plan")
+    if command == "configs":
+        return configs_command(rest)
+    print(f"{PROG}: unknown subcommand {command!r}: use train, plan or configs ({PROG} --help)", file=sys.stderr)
+    return 2
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags ``ds-longseq train`` reads itself (how to start the ranks), which no launched rank sees."""
+    group = p.add_argument_group("starting the ranks (only without a launcher)")
+    group.add_argument("--num_gpus", "--num-gpus", dest="num_gpus", type=int, default=None,
+                       help="ranks to start through DeepSpeed's launcher, as `deepspeed --num_gpus N` (CPU ranks "
+                            f"without a GPU); 1 runs one process, no launcher. Default: every local GPU, or "
+                            f"{DEFAULT_CPU_RANKS} CPU ranks without one. Under a launcher (deepspeed, torchrun, "
+                            "mpirun) the launcher's ranks are used and this is refused")
+    group.add_argument("--master_port", "--master-port", dest="master_port", type=int, default=None,
+                       help="the launcher's rendezvous port (default: a free one)")
+    return p
+
+
+def train_command(argv: list[str]) -> int:
+    """``ds-longseq train``: under a launcher, this rank's training (``cli.train.main``). Without one, the flags and
+    the DeepSpeed config are checked here, once, then DeepSpeed's launcher starts ``--num_gpus`` ranks of this same
+    command (saying so on stderr), or with one rank the training runs in this process."""
+    from ds_longseq.cli import train
+    from ds_longseq.engine.process_group import free_port, launcher_environment
+    from ds_longseq.toolkit.args import exit_status
+
+    launch, rest = _add_launch_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
+    args = _add_launch_args(train.build_parser(prog=f"{PROG} train")).parse_args(argv)  # all checked, --help
+    launcher = launcher_environment()
+
+    def refuse_or_launch(_argv):
+        if launcher is not None:
+            if launch.num_gpus is not None:
+                raise SystemExit(f"--num_gpus {launch.num_gpus}: this process was started by {launcher}, whose ranks "
+                                 "are used: leave --num_gpus out, or run `ds-longseq train` without a launcher")
+            return train.main(rest)
+        ranks = _local_ranks(launch.num_gpus)
+        if ranks == 1:
+            return train.main(rest)
+        train.check_args(args)  # once, here: the ranks would each print the same refusal
+        _check_ranks_fit(args.ds_config, ranks)
+        device = "GPUs" if _cuda_count() else "CPU ranks"
+        port = launch.master_port or free_port()
+        print(f"{PROG}: no launcher: starting DeepSpeed's launcher over {ranks} {device} (as `deepspeed --num_gpus "
+              f"{ranks} --master_port {port}`); --num_gpus 1 runs one process", file=sys.stderr, flush=True)
+        command = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                   "--master_port", str(port), "--no_local_rank", "--module", "ds_longseq.cli", "train", *rest]
+        return subprocess.call(command)
+
+    return exit_status(refuse_or_launch, argv)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _local_ranks(num_gpus: int | None) -> int:
+    """--num_gpus, or every local GPU, or :data:`DEFAULT_CPU_RANKS` without a GPU."""
+    if num_gpus is not None and num_gpus < 1:
+        raise SystemExit(f"--num_gpus must be >= 1, got {num_gpus}")
+    gpus = _cuda_count()
+    if num_gpus is not None and gpus and num_gpus > gpus:
+        raise SystemExit(f"--num_gpus {num_gpus}: this machine has {gpus} GPU(s); pass at most {gpus}, or use a "
+                         "hostfile for several machines (docs/LAUNCHING.md)")
+    return num_gpus or gpus or DEFAULT_CPU_RANKS
+
+
+def _check_ranks_fit(ds_config: str, ranks: int) -> None:
+    """Refuse a sequence-parallel size that does not divide the ranks about to start (before starting them)."""
+    from ds_longseq.toolkit.distributed import read_ds_config
+
+    _, long_seq = read_ds_config(ds_config)
+    sp = long_seq.sequence_parallel.size
+    if ranks % sp:
+        raise SystemExit(f"--ds_config {ds_config}: sequence_parallel size {sp} does not divide the {ranks} ranks "
+                         f"to start: pass --num_gpus {sp} (or a multiple), or a config with a smaller size")
+
+
+def configs_command(argv: list[str]) -> int:
+    """``ds-longseq configs``: every shipped DeepSpeed config with what it is for; ``ds-longseq configs NAME``: that
+    config's JSON on stdout (``> my.json`` to edit a copy)."""
+    p = argparse.ArgumentParser(prog=f"{PROG} configs", description=configs_command.__doc__.split(";")[0])
+    p.add_argument("name", nargs="?", help="a shipped config's name (or a path): print its JSON")
+    p.add_argument("--path", action="store_true", help="print the file's path instead of its JSON")
+    args = p.parse_args(argv)
+    if args.name is None:
+        about = _descriptions()
+        width = max(map(len, shipped_configs()))
+        print(f"shipped DeepSpeed configs ({SHIPPED_CONFIGS}); pass a name as --ds_config NAME:\n")
+        for name in shipped_configs():
+            print(f"  {name:<{width}}  {about.get(name, '')}")
+        print(f"\n{PROG} configs NAME prints one (> my.json to edit a copy); details: "
+              f"{os.path.join(SHIPPED_CONFIGS, 'README.md')}")
+        return 0
+    try:
+        path = find_ds_config(args.name)
+        text = json.dumps(read_json_file(path), indent=2)
+    except ConfigFileError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(path if args.path else text)
+    return 0
+
+
+def _descriptions() -> dict[str, str]:
+    """{name: what it is}, from the rows of the shipped configs' README tables (``| `name.json` | ... | what |``)."""
+    about = {}
+    with open(os.path.join(SHIPPED_CONFIGS, "README.md"), encoding="utf-8") as f:
+        for line in f:
+            match = re.match(r"\|\s*`([\w.-]+)\.json`\s*\|(.*)\|\s*$", line)
+            if match:
+                cells = [cell.strip() for cell in match.group(2).split("|")]
+                text = re.sub(r"\s*\([^()]*\)", "", cells[-1].replace("`", "")).split("; ")[0]  # the README: more
+                about[match.group(1)] = (f"[{cells[0]}] " if len(cells) > 1 else "") + text
+    return about

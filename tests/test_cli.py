@@ -1,0 +1,136 @@
+"""The ``ds-longseq`` command: the shipped configs found by name from any directory, the launcher it starts without
+one, and the installed wheel run from a temporary directory with mpi4py missing (the README's environment has
+none), so that missing package data or a run that needs the repository fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ds_longseq import cli
+from ds_longseq.config import ConfigFileError, find_ds_config, shipped_configs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_shipped_configs_are_the_repository_ones():
+    """ds_configs/ (what the docs' commands name) is the package data, not a copy that could drift."""
+    names = shipped_configs()
+    assert {"zero2_streambp", "zero3_ulysses_streambp", "trainer_zero2_streambp"} <= set(names)
+    assert os.path.realpath(os.path.join(ROOT, "ds_configs")) == os.path.realpath(os.path.dirname(
+        names["zero2_streambp"]))
+
+
+def test_find_ds_config_path_wins_then_shipped_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shipped = shipped_configs()["zero2_streambp"]
+    for value in ("zero2_streambp", "zero2_streambp.json", "ds_configs/zero2_streambp.json"):
+        assert find_ds_config(value) == shipped, value
+    (tmp_path / "zero2_streambp").write_text("{}")  # an existing path wins over the shipped name
+    assert find_ds_config("zero2_streambp") == "zero2_streambp"
+    for missing in ("nope", str(tmp_path / "elsewhere" / "zero3_streambp.json")):  # never a silent substitute
+        with pytest.raises(ConfigFileError, match="no such file, nor the name of a shipped") as err:
+            find_ds_config(missing)
+        assert "zero3_ulysses_streambp" in str(err.value)
+
+
+def test_configs_lists_every_shipped_config_and_prints_one(capsys):
+    assert cli.main(["configs"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in shipped_configs())
+    assert "ZeRO-2, StreamBP, chunked LM head" in out
+    assert cli.main(["configs", "zero3_ulysses_streambp"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["long_seq"]["sequence_parallel"]["size"] == 2
+    assert cli.main(["configs", "nope"]) == 2 and "shipped" in capsys.readouterr().err
+    assert cli.main(["frobnicate"]) == 2 and "unknown subcommand" in capsys.readouterr().err
+
+
+def test_train_without_a_launcher_starts_deepspeeds(monkeypatch, tmp_path, capsys):
+    """The command the launcher would run: this same command on every rank, the launch flags left out; and what
+    is refused before any rank starts."""
+    for name in ("CROSS_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK",
+                 "SLURM_PROCID", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cli, "_cuda_count", lambda: 0)
+    started = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda command: started.append(command) or 7)
+    argv = ["--max-steps", "3", "--save-dir", str(tmp_path / "run")]
+    assert cli.main(["train", "--num_gpus", "4", "--master_port", "29999", *argv]) == 7  # the launcher's status
+    command = started.pop()
+    assert command[:3] == [sys.executable, "-u", "-m"] and command[3] == "deepspeed.launcher.runner"
+    assert command[command.index("--num_gpus") + 1] == "4" and command[command.index("--master_port") + 1] == "29999"
+    assert command[-len(argv) - 4:] == ["--no_local_rank", "--module", "ds_longseq.cli", "train"] + argv
+    assert "over 4 CPU ranks" in capsys.readouterr().err
+    assert cli.main(["train", *argv]) == 7 and started.pop()[command.index("--num_gpus") + 1] == "2"  # the default
+
+    refusals = {
+        ("--ds_config", "zero3_ulysses_streambp", "--num_gpus", "3"): "sequence_parallel size 2 does not divide the 3",
+        ("--num_gpus", "0"): "--num_gpus must be >= 1",
+        ("--ds_config", "nope.json"): "nor the name of a shipped DeepSpeed config",
+        ("--seq-len", "0"): "--seq-len must be positive",
+    }
+    for flags, message in refusals.items():
+        assert cli.main(["train", *flags, *argv]) == 2, flags
+        assert message in capsys.readouterr().err, flags
+    monkeypatch.setenv("CROSS_RANK", "0")  # under DeepSpeed's launcher: its ranks, not --num_gpus
+    assert cli.main(["train", "--num_gpus", "2", *argv]) == 2 and "leave --num_gpus out" in capsys.readouterr().err
+    assert not started
+
+
+def _install_wheel(tmp_path) -> tuple[str, dict[str, str]]:
+    """Build the package's wheel from a copy of its sources and install it into a target directory; returns the
+    console script and an environment with that directory (not the repository) on the path and mpi4py hidden."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    shutil.copytree(os.path.join(ROOT, "ds_longseq"), src / "ds_longseq",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path / "dist")],
+                   check=True, capture_output=True, cwd=src)
+    (wheel,) = (tmp_path / "dist").glob("ds_longseq-*.whl")
+    target = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True,
+                   capture_output=True)
+    hide = tmp_path / "hide" / "mpi4py"  # what the README's environment lacks: DeepSpeed's MPI discovery needs it
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'mpi4py'\", name='mpi4py')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "hide"), str(target)])
+    return str(target / "bin" / "ds-longseq"), env
+
+
+def test_installed_wheel_trains_from_another_directory(tmp_path):
+    """``ds-longseq`` from the wheel (its configs package data), in a directory with no ds_configs/, without
+    mpi4py: ``configs`` lists them; ``train --num_gpus 1`` runs one process (no MPI discovery); plain ``train``
+    starts DeepSpeed's launcher over 2 CPU ranks, whose ranks import the installed package too."""
+    command, env = _install_wheel(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run(*argv):
+        proc = subprocess.run([command, *argv], cwd=work, env=env, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+        return proc
+
+    proc = run("configs", "--path", "zero2_streambp")
+    assert proc.stdout.strip().startswith(str(tmp_path / "site" / "ds_longseq" / "configs")), proc.stdout
+    flags = ("--max-steps", "2", "--seq-len", "64", "--ds_config", "ds_configs/zero2_streambp.json")
+    one = run("train", "--num_gpus", "1", *flags, "--save-dir", "one")
+    assert "running as one process (rank 0 of 1)" in one.stderr and "mpi4py" not in one.stderr
+    assert "summary: 2 steps on 1 rank(s)" in one.stdout
+    two = run("train", *flags, "--save-dir", "two")
+    assert "starting DeepSpeed's launcher over 2 CPU ranks" in two.stderr
+    assert "summary: 2 steps on 2 rank(s)" in two.stdout
+    for out in ("one", "two"):
+        assert (work / out / "hf_model" / "config.json").is_file() and (work / out / "latest").is_file()
+    assert str(tmp_path / "site" / "ds_longseq") in subprocess.run(
+        [sys.executable, "-c", "import ds_longseq; print(ds_longseq.__file__)"], cwd=work, env=env,
+        capture_output=True, text=True).stdout  # the wheel's copy ran, not the repository's
