@@ -52,9 +52,9 @@ from ds_longseq.toolkit import (
     start_distributed,
 )
 from ds_longseq.toolkit.args import exit_status
-from ds_longseq.trainer import LongSeqTrainer, with_long_seq
+from ds_longseq.trainer import LongSeqTrainer, TrainerConfigError, with_long_seq
 
-DEFAULT_DS_CONFIG = "ds_configs/trainer_zero2_streambp.json"
+DEFAULT_DS_CONFIG = "trainer_zero2_streambp"  # a shipped config (ds_configs/); trainer_zero3_ulysses_streambp: SP 2
 BATCH = 8  # rows per rank and step: 8 x 256 tokens, the 2048 tokens per rank of sft.py's default step
 DEFAULT_LR = 3e-3  # sft.py's rate for the embedded tiny model, which trains from scratch
 
@@ -65,8 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--ds_config", "--ds-config", dest="ds_config",
                    default=os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or DEFAULT_DS_CONFIG,
-                   help="DeepSpeed JSON config with a long_seq section; Trainer-set values 'auto' or equal to its own "
-                   "(under accelerate launch: the config file its DeepSpeed config names)")
+                   help="DeepSpeed JSON config with a long_seq section, a path or a shipped config's name (an existing "
+                   "path wins); Trainer-set values 'auto' or equal to its own (under accelerate launch: the config "
+                   "file its DeepSpeed config names)")
     p.add_argument("--trl", action="store_true", help="train with TRL's SFTTrainer instead of transformers' Trainer")
     p.add_argument("--model", default=None,
                    help="local HF causal-LM directory or .gguf file (from_pretrained); default: tiny built-in Llama")
@@ -104,6 +105,24 @@ def copy_task_tokenizer():
                                    pad_token="t0", eos_token="t2")
 
 
+def make_trainer(args, training: dict, model, rows: list, tokenizer, long_seq):
+    """The Trainer (or TRL's SFTTrainer with --trl) over ``rows``: a stock script would say Trainer / SFTTrainer;
+    the Trainer class is the only code change (and ``long_seq=``)."""
+    if not args.trl:
+        return LongSeqTrainer(model=model, args=TrainingArguments(**training), train_dataset=rows, long_seq=long_seq)
+    import datasets
+
+    SFTConfig, SFTTrainer = import_trl()
+    # TRL pads each batch itself: the rows without their padding, as token lists
+    data = datasets.Dataset.from_list([
+        {"input_ids": r["input_ids"][r["attention_mask"] == 1].tolist(),
+         "labels": r["labels"][r["attention_mask"] == 1].tolist()} for r in rows
+    ])
+    config = SFTConfig(**training, max_length=args.seq_len, activation_checkpointing=False)
+    return with_long_seq(SFTTrainer)(model=model, args=config, train_dataset=data,
+                                     processing_class=tokenizer or copy_task_tokenizer(), long_seq=long_seq)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_model_and_data(args.model, args.data)  # the paths named before anything loads
@@ -114,7 +133,7 @@ def main(argv=None) -> int:
     else:
         copy_example(0, args.seq_len, args.seed)  # a too-short --seq-len fails here, before anything starts
     if args.trl:
-        SFTConfig, SFTTrainer = import_trl()
+        import_trl()  # a missing TRL fails here, before anything starts
     # gloo on CPU, nccl on GPU; checks the config's long_seq section against --seq-len and the world size
     _, world, ds_config, long_seq, use_bf16 = start_distributed(args.ds_config, seq_len=args.seq_len)
     # the section start_distributed parsed, handed to the Trainer as it is (not parsed again): a script of your own
@@ -135,21 +154,10 @@ def main(argv=None) -> int:
         save_strategy="no", report_to="none", seed=args.seed,
     )
 
-    # A stock script would say Trainer / SFTTrainer: the Trainer class is the only code change (and long_seq=).
-    if not args.trl:
-        trainer = LongSeqTrainer(model=model, args=TrainingArguments(**training), train_dataset=rows,
-                                 long_seq=long_seq)
-    else:
-        import datasets
-
-        # TRL pads each batch itself: the rows without their padding, as token lists
-        data = datasets.Dataset.from_list([
-            {"input_ids": r["input_ids"][r["attention_mask"] == 1].tolist(),
-             "labels": r["labels"][r["attention_mask"] == 1].tolist()} for r in rows
-        ])
-        config = SFTConfig(**training, max_length=args.seq_len, activation_checkpointing=False)
-        trainer = with_long_seq(SFTTrainer)(model=model, args=config, train_dataset=data,
-                                            processing_class=tokenizer or copy_task_tokenizer(), long_seq=long_seq)
+    try:
+        trainer = make_trainer(args, training, model, rows, tokenizer, long_seq)
+    except TrainerConfigError as err:  # the config against TrainingArguments: one line, exit status 2
+        raise SystemExit(f"--ds_config {args.ds_config}: {err}") from None
     result = trainer.train()
     trainer.save_model(os.path.join(args.output_dir, "hf_model"))  # every rank: ZeRO-3 gathers the weights
     trainer.save_state()  # trainer_state.json, with the log history

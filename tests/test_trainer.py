@@ -460,7 +460,9 @@ def bad_input_body(rank: int, workdir: str, model_dir: str) -> dict[str, str]:
     bad_chunk["long_seq"]["streambp"]["chunk_size"] = 0
     headless = AutoModelForCausalLM.from_pretrained(model_dir)
     headless.lm_head = torch.nn.Identity()  # no Linear head to chunk: refused at enable()
+    fixed = {**ds_config(2, 1), "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.5}  # the Trainer: 8, 1.0
     return {
+        "values the trainer sets": attempt(fixed),
         "invalid section": attempt(bad_chunk),
         "sp does not divide world": attempt(ds_config(2, 2)),
         "unsupported model": attempt(ds_config(2, 1), model=headless),
@@ -679,6 +681,11 @@ def test_trainer_bad_input_fails_at_construction(tmp_path):
     assert "does not divide the world size 1" in errors["sp does not divide world"]
     assert errors["unsupported model"].startswith("UnsupportedModelError") and "lm_head" in errors["unsupported model"]
     assert "keep only one" in errors["given twice"]
+    mismatch = errors["values the trainer sets"]  # transformers' own check would raise only inside train()
+    assert mismatch.startswith("TrainerConfigError: the DeepSpeed config's values that the Trainer also sets differ"), \
+        mismatch
+    assert "train_micro_batch_size_per_gpu=1 vs hf per_device_train_batch_size=8" in mismatch
+    assert "gradient_clipping=0.5 vs hf max_grad_norm=1.0" in mismatch and 'Set them to "auto"' in mismatch
 
 
 def test_trl_trainers_without_integration_are_refused():

@@ -18,7 +18,10 @@ STEPS = 4
 
 def trainer_config(tmp_path, stage=2, sp=None):
     """ds_configs/trainer_zero2_streambp.json with chunks that stream the example's 256 tokens (see
-    tests/test_sft._config), at ZeRO ``stage``."""
+    tests/test_sft._config), at ZeRO ``stage``; at ZeRO-3 with SP 2 the shipped trainer_zero3_ulysses_streambp.json
+    (the Trainer's sequence-parallel preset), with the same chunks."""
+    if (stage, sp) == (3, 2):
+        return _config(tmp_path, name="trainer_zero3_ulysses_streambp.json")
     path = _config(tmp_path, name="trainer_zero2_streambp.json", sp=sp)
     with open(path) as f:
         config = json.load(f)
@@ -77,7 +80,7 @@ def test_trl_missing_is_a_clear_error(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "trainer_sft.py"), "--trl"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input (tests/test_bad_input.py)
     assert "--trl needs TRL, which is not installed: pip install 'trl>=1.16'" in proc.stderr
 
 

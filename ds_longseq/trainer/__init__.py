@@ -25,6 +25,6 @@ The package:
 Every touch of the Trainer's, TRL's or accelerate's internals goes through named functions in ``ds_longseq.compat``.
 """
 
-from ds_longseq.trainer.mixin import LongSeqTrainer, LongSeqTrainerMixin, with_long_seq
+from ds_longseq.trainer.mixin import LongSeqTrainer, LongSeqTrainerMixin, TrainerConfigError, with_long_seq
 
-__all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq"]
+__all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq", "TrainerConfigError"]

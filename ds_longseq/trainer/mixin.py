@@ -32,7 +32,8 @@ from ds_longseq.trainer.cases import TrainerCase, choose_case
 from ds_longseq.trainer.positions import PositionLosses
 from ds_longseq.trainer.trl import check_trainer_class, fused_head_settings
 
-__all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq"]
+__all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq", "TrainerConfigError",
+           "check_values_the_trainer_sets"]
 
 logger = get_logger("ds_longseq.trainer")
 
@@ -49,6 +50,9 @@ class LongSeqTrainerMixin:
 
     Raises (from ``__init__``, before any training):
         LongSeqConfigError: the ``long_seq`` section or the ZeRO stage is invalid.
+        TrainerConfigError: a DeepSpeed config value the Trainer also sets (batch sizes, learning rate, clipping,
+            ...) is neither ``"auto"`` nor TrainingArguments' value (transformers would say so only inside
+            ``train()``).
         ValueError: the sequence-parallel size does not divide the world size; ``parallelism_config``'s
             ``sp_size`` and ``long_seq.sequence_parallel.size`` disagree; ``long_seq`` given twice.
         UnsupportedModelError: the model family or one of its settings is not supported.
@@ -60,6 +64,7 @@ class LongSeqTrainerMixin:
     def __init__(self, *args, long_seq: Mapping[str, Any] | LongSeqConfig | None = None, **kwargs):
         check_trainer_class(type(self))
         super().__init__(*args, **kwargs)
+        check_values_the_trainer_sets(self.args)
         self._long_seq_routing = False  # inside train / evaluate / predict: deepspeed.initialize is ours
         self._long_seq_alst = False  # sequence parallelism asked through parallelism_config (ALST's way)
         self._long_seq_positions: PositionLosses | None = None  # while an evaluation loop records
@@ -245,6 +250,31 @@ class LongSeqTrainerMixin:
             prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
             output.metrics.update(positions.metrics(prefix, self.args.device))
         return output
+
+
+class TrainerConfigError(ValueError):
+    """The DeepSpeed config and TrainingArguments disagree on a value both set: one line naming the config, each
+    value on both sides, and the fix."""
+
+
+def check_values_the_trainer_sets(args) -> None:
+    """Refuse, in the Trainer's constructor, the DeepSpeed config values that disagree with ``args``
+    (TrainingArguments): transformers collects them when ``args`` is built (``hf_deepspeed_config.mismatches``:
+    ``train_micro_batch_size_per_gpu`` against ``per_device_train_batch_size``, the optimizer's ``lr`` against
+    ``learning_rate``, ...) but raises only inside ``train()``, after the model is set up and the ranks have
+    started; the examples' ``ds_configs/zero*_streambp.json`` (fixed micro-batch and learning rate) are the
+    usual cause."""
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    mismatches = [m.lstrip("- ") for m in getattr(hf_config, "mismatches", None) or ()]
+    if not mismatches:
+        return
+    source = f"TrainingArguments(deepspeed={args.deepspeed!r}): the" if isinstance(args.deepspeed, str) else "the"
+    raise TrainerConfigError(
+        f"{source} DeepSpeed config's values that the Trainer also sets differ from TrainingArguments': "
+        + "; ".join(mismatches) + ". Set them to \"auto\" in the config (the Trainer's presets do: "
+        "trainer_zero2_streambp, trainer_zero3_ulysses_streambp; `ds-longseq configs`) or pass the same values to "
+        "TrainingArguments"
+    )
 
 
 def check_world_matches_accelerate(trainer) -> None:
