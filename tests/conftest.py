@@ -48,8 +48,10 @@ def _remove_deepspeed_shm_buffers():
 @pytest.fixture(scope="session")
 def uninterrupted_sft(tmp_path_factory):
     """``get(num_ranks)``: the losses of an uninterrupted examples/sft.py run through the DeepSpeed launcher
-    (tests.test_sft's config, 256 tokens, 4 steps, checkpoints every 2), run once per world size for the
-    whole session: the reference of the fault, resume and multi-node tests."""
+    (tests.test_sft's config, 256 tokens, 4 steps), run once per world size for the whole session: the reference of
+    the fault, resume and multi-node tests. Its checkpoints come from the time rule alone (--save-every-minutes
+    at a microsecond: due after every step, which the ranks agree on each step) and the default
+    --save-total-limit (2) leaves the newest two."""
     from tests.test_sft import _config, losses, run_sft
 
     runs = {}
@@ -57,8 +59,9 @@ def uninterrupted_sft(tmp_path_factory):
     def get(num_ranks: int) -> list[float]:
         if num_ranks not in runs:
             tmp = tmp_path_factory.mktemp(f"uninterrupted{num_ranks}")
-            run_sft(_config(tmp), tmp / "run", "--max-steps", "4", "--save-every", "2", num_ranks=num_ranks)
+            run_sft(_config(tmp), tmp / "run", "--max-steps", "4", "--save-every-minutes", "1e-8", num_ranks=num_ranks)
             runs[num_ranks] = losses(tmp / "run")
+            assert sorted(p.name for p in (tmp / "run").glob("step*")) == ["step3", "step4"]
         return runs[num_ranks]
 
     return get

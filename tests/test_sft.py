@@ -152,9 +152,10 @@ def test_missing_model_and_data_paths_are_named(tmp_path):
         sys.path.pop(0)
     with pytest.raises(SystemExit, match="--save-every must be >= 0"):
         sft.check_args(sft.parse_args(["--save-every", "-1"]))
-    for value in ("0", "-1"):
-        with pytest.raises(SystemExit, match="--save-total-limit must be >= 1.*leave it out"):
-            sft.check_args(sft.parse_args(["--save-total-limit", value]))
+    with pytest.raises(SystemExit, match="--save-total-limit must be >= 0.*pass 0 to keep every checkpoint"):
+        sft.check_args(sft.parse_args(["--save-total-limit", "-1"]))
+    with pytest.raises(SystemExit, match="--save-every-minutes must be >= 0"):
+        sft.check_args(sft.parse_args(["--save-every-minutes", "-2"]))
 
 
 def _tiny_hf_model_with_tokenizer(path):
@@ -250,3 +251,34 @@ def test_sequence_parallel_run_equals_one_process_on_the_whole_sequence(tmp_path
     assert "--seq-len 255 is not divisible by sequence_parallel size 2: use --seq-len 256, or pass --pad-for-sp" in (
         bad.stdout + bad.stderr
     )
+
+
+def test_save_schedule_steps_minutes_and_the_last(monkeypatch):
+    """--save-every N, --save-every-minutes M (the ranks' agreement asked only when the time rule decides; it
+    counts from the last save) and the last step, alone and together."""
+    from ds_longseq.toolkit.checkpoint import SaveSchedule
+    from ds_longseq.toolkit.checkpoint import time as clock
+
+    now = [0.0]
+    monkeypatch.setattr(clock, "monotonic", lambda: now[0])
+    asked = []
+
+    def agree(late):  # one rank's view; a second rank late by itself would make every rank save
+        asked.append(late)
+        return late
+
+    def saves(schedule, minutes_per_step):
+        done = []
+        for step in range(1, schedule.max_steps + 1):
+            now[0] += 60 * minutes_per_step
+            if schedule.due(step):
+                schedule.saved()
+                done.append(step)
+        return done
+
+    assert saves(SaveSchedule(3, 0, 10, agree=agree), 1) == [3, 6, 9, 10] and not asked
+    assert saves(SaveSchedule(0, 2.5, 10, agree=agree), 1) == [3, 6, 9, 10] and asked.count(True) == 3
+    asked.clear()
+    assert saves(SaveSchedule(4, 2.5, 10, agree=agree), 1) == [3, 4, 7, 8, 10]  # a step save restarts the clock
+    assert saves(SaveSchedule(0, 0, 5, agree=agree), 1) == [5]
+    assert saves(SaveSchedule(0, 30, 5, agree=lambda late: True), 0.01) == [1, 2, 3, 4, 5]  # another rank was late

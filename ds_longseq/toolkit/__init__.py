@@ -39,6 +39,7 @@ from ds_longseq.toolkit.args import (
     exit_status,
 )
 from ds_longseq.toolkit.checkpoint import (
+    SaveSchedule,
     export_hf,
     gathered_state_dict,
     resume,
@@ -110,7 +111,8 @@ __all__ = [
     # lora
     "import_peft", "parse_lora_targets", "decoder_linear_names", "add_lora", "merge_lora",
     # checkpoint
-    "write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "gathered_state_dict", "export_hf",
+    "write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
+    "gathered_state_dict", "export_hf",
     # metrics
     "peak_memory_gib", "plot_losses", "plot_panels", "MetricsLog",
     # distributed

@@ -6,8 +6,8 @@ blamed on the config).
 Holds:
     add_common_args: the flags examples/sft.py, dpo.py and grpo.py share (same names, same meaning).
     DefaultsOnceFormatter: ``--help`` saying each default once.
-    check_run_args: lengths, steps, --save-every, --save-total-limit, --data needs --model, the paths exist, the
-        save directory can be created and written (check_save_dir).
+    check_run_args: lengths, steps, --save-every, --save-every-minutes, --save-total-limit, --data needs --model,
+        the paths exist, the save directory can be created and written (check_save_dir).
     check_model_and_data: --data needs --model; the --model directory and the --data file exist.
     check_lora_args: --lora-rank / --lora-alpha / --lora-dropout / --lora-targets / --merge-lora, and peft
         installed.
@@ -30,6 +30,11 @@ from ds_longseq.toolkit.pretrained import gguf_parts
 __all__ = ["add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_save_dir",
            "check_lora_args", "check_args", "EXIT_OK", "EXIT_DOES_NOT_FIT", "EXIT_BAD_INPUT", "EXIT_STATUSES",
            "DoesNotFit", "exit_status"]
+
+DEFAULT_SAVE_MINUTES = 30.0
+"""--save-every-minutes' default: a run that crashes loses at most about this much work."""
+DEFAULT_SAVE_LIMIT = 2
+"""--save-total-limit's default: the newest checkpoint and the one before it (were the newest unreadable)."""
 
 EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 """The exit statuses of the training scripts, the ``ds-longseq`` command and the planner (``python -m
@@ -77,10 +82,15 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row (padded, or packed with sft.py --pack)")
     p.add_argument("--max-steps", type=int, default=max_steps, help="training steps")
     p.add_argument("--save-dir", default=save_dir, help="checkpoints, metrics, plot and HF export")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--save-total-limit", type=int, default=None,
-                   help="keep only the newest N >= 1 checkpoints, removing older ones once a new one is complete "
-                        "(default: keep all)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N optimizer steps (default 0: by time alone, --save-every-minutes); the "
+                        "last step always saves")
+    p.add_argument("--save-every-minutes", type=float, default=DEFAULT_SAVE_MINUTES,
+                   help=f"checkpoint once this many minutes have passed since the last one (default "
+                        f"{DEFAULT_SAVE_MINUTES:g}, so a crash loses at most about that much; 0: by steps alone)")
+    p.add_argument("--save-total-limit", type=int, default=DEFAULT_SAVE_LIMIT,
+                   help=f"keep only the newest N checkpoints, removing older ones once a new one is complete "
+                        f"(default {DEFAULT_SAVE_LIMIT}, bounding the disk a long run takes; 0: keep all)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --save-dir (same data, same losses)")
     p.add_argument("--seed", type=int, default=0)
@@ -127,10 +137,12 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--max-steps must be positive, got {args.max_steps}")
     if args.save_every < 0:
         raise SystemExit(f"--save-every must be >= 0 (0: a checkpoint only at the end), got {args.save_every}")
-    limit = getattr(args, "save_total_limit", None)
-    if limit is not None and limit < 1:
-        raise SystemExit(f"--save-total-limit must be >= 1 (the newest checkpoints to keep), got {limit}: leave it "
-                         "out to keep every checkpoint")
+    if getattr(args, "save_every_minutes", 0) < 0:
+        raise SystemExit(f"--save-every-minutes must be >= 0 (0: by steps alone), got {args.save_every_minutes}")
+    limit = getattr(args, "save_total_limit", 0)
+    if limit < 0:
+        raise SystemExit(f"--save-total-limit must be >= 0 (the newest checkpoints to keep), got {limit}: pass 0 to "
+                         "keep every checkpoint")
     check_model_and_data(args.model, args.data)
     if args.data and not args.model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")

@@ -18,6 +18,7 @@ Holds:
     checkpoint_bytes: about how many bytes one checkpoint takes (measured from the last one, else estimated).
     check_save_space: warn at start when the save directory's free space is short of one checkpoint.
     save_if_due: a checkpoint every ``save_every`` steps and at the last step.
+    SaveSchedule: when a run saves: every N steps, every M minutes (the ranks agreeing), after the last step.
     prune_checkpoints: keep only the newest N checkpoints (``--save-total-limit``).
     gathered_state_dict: a model's (or its trainable) weights as CPU copies on rank 0, gathered under ZeRO-3.
     save_streamed: a model in Hugging Face's safetensors format, one decoder layer gathered and written at a time.
@@ -32,6 +33,7 @@ import os
 import random
 import shutil
 import socket
+import time
 from typing import Callable
 
 import torch
@@ -41,7 +43,8 @@ from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
 
-__all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "prune_checkpoints",
+__all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
+           "prune_checkpoints",
            "checkpoint_bytes", "check_save_space", "remove_partial_checkpoints", "gathered_state_dict", "save_streamed",
            "export_hf", "PARTIAL_SUFFIX"]
 
@@ -317,6 +320,50 @@ def save_if_due(
     (``exclude_frozen`` and ``keep`` as :func:`save_checkpoint` takes them)."""
     if (save_every and step % save_every == 0) or step == max_steps:
         save_checkpoint(engine, save_dir, step, rank, exclude_frozen=exclude_frozen, keep=keep)
+
+
+class SaveSchedule:
+    """When a run writes a checkpoint: after every ``every_steps``-th optimizer step, once ``every_minutes`` of wall
+    time have passed since the last checkpoint (or the start), and after the last step.
+
+    The time rule is decided collectively: every rank must enter a save together, and their clocks are read at
+    slightly different moments, so after each step the ranks agree (one all-reduce of a flag: the furthest clock
+    decides) whenever a time rule is set and the step rule does not already save.
+
+    Args:
+        every_steps: N (0: no step rule).
+        every_minutes: M (0: no time rule).
+        max_steps: the last step, always saved.
+        agree: ``late -> whether any rank is late``; default an all-reduce (MAX) over the world on ``device``.
+        device: where that flag lives (the engine's device: NCCL reduces CUDA tensors only).
+    """
+
+    def __init__(self, every_steps: int, every_minutes: float, max_steps: int, *,
+                 agree: Callable[[bool], bool] | None = None, device=None):
+        self.every_steps, self.every_minutes, self.max_steps = every_steps, every_minutes, max_steps
+        self._agree = agree or (lambda late: _any_rank(late, device))
+        self._since = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        """Whether to save after optimizer step ``step`` (1-based); every rank calls it after every step."""
+        if step == self.max_steps or (self.every_steps and step % self.every_steps == 0):
+            return True
+        if not self.every_minutes:
+            return False
+        return self._agree(time.monotonic() - self._since >= 60.0 * self.every_minutes)
+
+    def saved(self) -> None:
+        """A checkpoint was just written: the time rule counts from now."""
+        self._since = time.monotonic()
+
+
+def _any_rank(flag: bool, device) -> bool:
+    """True on every rank if ``flag`` is True on any."""
+    import deepspeed.comm as dist
+
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def gathered_state_dict(model: torch.nn.Module, rank: int, trainable_only: bool = False) -> dict | None:

@@ -18,7 +18,7 @@ from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.forwards.sequence_parallel import ring_degree
 from ds_longseq.toolkit.args import DoesNotFit
-from ds_longseq.toolkit.checkpoint import check_save_space, export_hf, save_if_due
+from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
 from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.tasks import build_model, model_config
@@ -73,13 +73,18 @@ class Run:
     @property
     def checkpoint_options(self) -> dict:
         """How this run's checkpoints are written: LoRA runs leave the frozen base out (a resume rebuilds it from
-        --model), and ``--save-total-limit`` keeps the newest N."""
-        return {"exclude_frozen": bool(self.args.lora_rank), "keep": getattr(self.args, "save_total_limit", None) or 0}
+        --model), and ``--save-total-limit`` keeps the newest N (0: all)."""
+        return {"exclude_frozen": bool(self.args.lora_rank), "keep": getattr(self.args, "save_total_limit", 0) or 0}
+
+    schedule: SaveSchedule | None = None
+    """When checkpoints are written (--save-every, --save-every-minutes, the last step); set by :func:`setup_run`."""
 
     def save_if_due(self, step: int) -> None:
-        """After optimizer step ``step`` (1-based): a checkpoint if --save-every or the last step asks for one."""
-        save_if_due(self.engine, self.args.save_dir, step, save_every=self.args.save_every,
-                    max_steps=self.args.max_steps, rank=self.rank, **self.checkpoint_options)
+        """After optimizer step ``step`` (1-based): a checkpoint if --save-every, --save-every-minutes or the last
+        step asks for one (every rank calls this after every step)."""
+        if self.schedule.due(step):
+            save_checkpoint(self.engine, self.args.save_dir, step, self.rank, **self.checkpoint_options)
+            self.schedule.saved()
 
     def prepare(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
         """This rank's shard of ``batch`` (whole rows without sequence parallelism), on its device."""
@@ -129,8 +134,11 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     sp_rank, sp_size = sequence_parallel_rank_and_size()
     if sp_size > 1:  # the ring degree chosen from the model's heads (Ulysses x ring): a ring needs 2 P | --seq-len
         check_parallel_args(args.seq_len, sp_size, world, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))
+    schedule = SaveSchedule(args.save_every, getattr(args, "save_every_minutes", 0.0), args.max_steps,
+                            device=engine.device)
     return Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size,
-               ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1))
+               ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1),
+               schedule)
 
 
 def finish(run: Run) -> str:
