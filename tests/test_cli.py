@@ -125,6 +125,10 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     flags = ("--max-steps", "2", "--seq-len", "64", "--ds_config", "ds_configs/zero2_streambp.json")
     one = run("train", "--num_gpus", "1", *flags, "--save-dir", "one")
     assert "running as one process (rank 0 of 1)" in one.stderr and "mpi4py" not in one.stderr
+    summary = one.stderr.split("start-up summary:", 1)[1]  # logged before the first step
+    for line in ("model: the built-in tiny Llama", "64 tokens per sequence", "long_seq: lm_head, streambp",
+                 "memory: the planner's estimate", "checkpoints: every 30 min and after the last step"):
+        assert line in summary, (line, summary[:2000])
     assert "summary: 2 steps on 1 rank(s)" in one.stdout
     two = run("train", *flags, "--save-dir", "two")
     assert "starting DeepSpeed's launcher over 2 CPU ranks" in two.stderr
@@ -134,3 +138,15 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     assert str(tmp_path / "site" / "ds_longseq") in subprocess.run(
         [sys.executable, "-c", "import ds_longseq; print(ds_longseq.__file__)"], cwd=work, env=env,
         capture_output=True, text=True).stdout  # the wheel's copy ran, not the repository's
+
+
+def test_ops_to_build_names_the_ops_not_built_yet(tmp_path, monkeypatch):
+    """The first launch's silence explained: the ops the config needs and the cache does not hold, named."""
+    from ds_longseq.toolkit.distributed import _extensions_dir, ops_to_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
+    assert [op for op, _ in ops_to_build(offload, on_cuda=False)] == ["deepspeed_shm_comm", "cpu_adam", "async_io"]
+    assert [op for op, _ in ops_to_build({}, on_cuda=True)] == []
+    os.makedirs(os.path.join(_extensions_dir(), "deepspeed_shm_comm"))
+    assert [op for op, _ in ops_to_build(offload, on_cuda=False)] == ["cpu_adam", "async_io"]

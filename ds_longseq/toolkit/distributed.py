@@ -7,6 +7,7 @@ Holds:
     read_ds_config: the --ds_config file split into DeepSpeed's config and the long_seq section, or one line why not.
     start_distributed: the process group, logging, and the config checked against the arguments.
     cpu_tuned_config_hint: on a GPU, a hint when the config carries the CPU presets' tile sizes.
+    ops_to_build: the DeepSpeed ops the run will compile first (logged: the first launch's minutes of silence).
     set_learning_rate: a peak learning rate into the config's optimizer and WarmupLR scheduler.
     mean_over_ranks: a dict of floats averaged over all ranks.
     to_rank_batch: this rank's shard of a batch (under sequence parallelism), on its device.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Literal
 
 import torch
@@ -159,6 +161,11 @@ def start_distributed(
         (rank, world, ds_config dict with its bf16 and long_seq sections set, LongSeqConfig, use_bf16).
     """
     config, long_seq = read_ds_config(ds_config)  # first: a bad file fails naming it, before DeepSpeed starts
+    if os.environ.get("RANK", "0") == "0":  # the one rank that speaks, before the group that says which exists
+        for op, why in ops_to_build(config, on_cuda=torch.cuda.is_available()):
+            logger.warning("building DeepSpeed's %s op (%s): the first launch on this machine compiles it (an "
+                           "estimate: 1-3 minutes on a small machine), later ones load it from %s", op, why,
+                           _extensions_dir())
     rank, world = init_process_group()
     check_monitor_config(config)
     check_sequence_length(long_seq, seq_len)
@@ -177,6 +184,34 @@ def start_distributed(
     if hint is not None and rank == 0:
         logger.warning("%s: %s", ds_config, hint)
     return rank, world, config, long_seq, use_bf16
+
+
+def _extensions_dir() -> str:
+    """Where torch keeps compiled extensions (DeepSpeed's JIT-built ops) for this Python and device kind."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    kind = "cu" + torch.version.cuda.replace(".", "") if torch.cuda.is_available() and torch.version.cuda else "cpu"
+    return os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_{kind}")
+
+
+def ops_to_build(config: dict, *, on_cuda: bool) -> list[tuple[str, str]]:
+    """[(op, why)] of the DeepSpeed ops this run will compile because they are not built yet: the CPU shared-memory
+    communication op of CPU ranks (about 100 s on the project's 2-core machine, the first launch's silence), CPU
+    Adam for an optimizer offloaded to host memory or NVMe, async I/O for NVMe; prebuilt ops are not listed."""
+    zero = config.get("zero_optimization", {})
+    wanted = []
+    if not on_cuda:
+        wanted.append(("deepspeed_shm_comm", "the CPU ranks' communication"))
+    if zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme"):
+        wanted.append(("cpu_adam", "Adam on the host for the offloaded optimizer"))
+    if "nvme" in (zero.get("offload_optimizer", {}).get("device"), zero.get("offload_param", {}).get("device")):
+        wanted.append(("async_io", "NVMe offload's file I/O"))
+    from deepspeed.git_version_info import installed_ops  # the ops built into the wheel (DS_BUILD_OPS=1)
+
+    built = _extensions_dir()
+    return [(op, why) for op, why in wanted
+            if not installed_ops.get(op) and not os.path.isdir(os.path.join(built, op))]
 
 
 GPU_CHUNK_TOKENS = 4096

@@ -3,6 +3,7 @@
 Holds:
     Run: the engine around the model and where this rank stands (data-parallel replica, sequence-parallel shard).
     setup_run: start DeepSpeed, check the config against the arguments, build the model and its engine.
+    startup_summary: what the run is about to do (model, ranks, tokens per step, memory, checkpoints), logged.
     finish: the end-of-run HF export, after every rank is done.
 """
 
@@ -14,14 +15,18 @@ import dataclasses
 import torch
 
 import ds_longseq.engine
+from ds_longseq import compat
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.forwards.sequence_parallel import ring_degree
+from ds_longseq.logging import get_logger
 from ds_longseq.toolkit.args import DoesNotFit
 from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
 from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.tasks import build_model, model_config
+
+logger = get_logger(__name__)
 
 __all__ = ["Run", "setup_run", "finish"]
 
@@ -92,16 +97,55 @@ class Run:
                              pad_token_id=pad_id)
 
 
-def check_memory(args: argparse.Namespace, ds_config: dict) -> None:
+def check_memory(args: argparse.Namespace, ds_config: dict):
     """The memory preflight (:func:`ds_longseq.engine.memory_preflight`) for this run, before any weight is
     allocated or file written: an impossible --seq-len stops here with the planner's numbers and what would fit,
-    unless --no-preflight."""
+    unless --no-preflight. Returns the planner's plan (None for a model it does not describe)."""
     try:  # ds_config: start_distributed's, with the run's bf16 section and the parsed long_seq
-        ds_longseq.engine.memory_preflight(model_config(args.model, args.seq_len), ds_config, args.seq_len,
-                                           lora_rank=args.lora_rank or None,
-                                           override=getattr(args, "no_preflight", False))
+        return ds_longseq.engine.memory_preflight(model_config(args.model, args.seq_len), ds_config, args.seq_len,
+                                                  lora_rank=args.lora_rank or None,
+                                                  override=getattr(args, "no_preflight", False))
     except ds_longseq.engine.PreflightError as err:
         raise DoesNotFit(f"preflight: {err}") from None
+
+
+def startup_summary(run: Run, plan) -> str:
+    """What a run is about to do, in a few lines (rank 0 logs it before the first step): the model and its
+    parameters, the ranks and the tokens per optimizer step, the techniques on, the planner's estimate against the
+    memory this machine has, and when checkpoints are written."""
+    from ds_longseq.config import registered_techniques
+
+    args = run.args
+    total = sum(compat.full_numel(p) for p in run.model.parameters())
+    trainable = sum(compat.full_numel(p) for p in run.model.parameters() if p.requires_grad)
+    model = type(getattr(run.model, "base_model", run.model)).__name__ if args.lora_rank else type(run.model).__name__
+    name = args.model or "the built-in tiny Llama (from scratch)"
+    rows = run.micro_bs * run.gas * run.num_replicas
+    on = [n for n, technique in registered_techniques().items() if technique.active(run.long_seq)] or ["none"]
+    parallel = (f"sequence parallel {run.sp_size} x data parallel {run.num_replicas}" if run.sp_size > 1
+                else f"data parallel {run.num_replicas}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lines = [
+        f"model: {name} ({model}), {total / 1e6:,.1f}M parameters, {trainable / 1e6:,.1f}M trained, "
+        f"{str(run.dtype).replace('torch.', '')}",
+        f"run: {run.world} rank(s) on {device} ({parallel}); {args.seq_len:,} tokens per sequence, {rows} "
+        f"sequence(s) per optimizer step ({run.micro_bs} per micro-batch x {run.gas} accumulated x "
+        f"{run.num_replicas} replica(s)): {rows * args.seq_len:,} tokens; {args.max_steps} steps",
+        f"long_seq: {', '.join(on)}",
+    ]
+    if plan is not None:
+        lines.append(f"memory: the planner's estimate {plan.estimate.device_total / 2**30:.2f} GiB per "
+                     f"{'GPU' if device == 'cuda' else 'rank'} against {plan.device_bytes / 2**30:.1f} GiB available "
+                     f"now (an "
+                     f"estimate, within its {plan.margin:.0%} measured error); longest that fits: {plan.longest:,} "
+                     "tokens")
+    schedule = run.schedule
+    every = [f"every {schedule.every_steps} steps"] * bool(schedule.every_steps) + [
+        f"every {schedule.every_minutes:g} min"] * bool(schedule.every_minutes)
+    keep = args.save_total_limit
+    lines.append(f"checkpoints: {' and '.join(every + ['after the last step'])}, in {args.save_dir}/ "
+                 f"({'keeping the newest ' + str(keep) if keep else 'keeping all'})")
+    return "start-up summary:\n  " + "\n  ".join(lines)
 
 
 def setup_run(args: argparse.Namespace, before_model=None) -> Run:
@@ -118,7 +162,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     # the section parsed once, by start_distributed: the preflight and engine.initialize read this object
     ds_config["long_seq"] = long_seq
     set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
-    check_memory(args, ds_config)
+    plan = check_memory(args, ds_config)
     if before_model is not None:
         before_model()
 
@@ -136,9 +180,12 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
         check_parallel_args(args.seq_len, sp_size, world, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))
     schedule = SaveSchedule(args.save_every, getattr(args, "save_every_minutes", 0.0), args.max_steps,
                             device=engine.device)
-    return Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size,
-               ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1),
-               schedule)
+    run = Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size,
+              ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1),
+              schedule)
+    if rank == 0:
+        logger.info("%s", startup_summary(run, plan))
+    return run
 
 
 def finish(run: Run) -> str:
