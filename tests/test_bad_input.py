@@ -78,18 +78,25 @@ def test_an_internal_error_keeps_its_traceback(places):
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "TypeError" in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script", ["sft", "dpo", "grpo", "trainer_sft"])
+@pytest.mark.parametrize("script", ["sft", "dpo", "grpo", "trainer_sft", "ds-longseq train"])
 def test_help_says_each_default_once(script, capsys):
-    """``--help`` of each example: no flag's entry says its default twice (its own words and argparse's)."""
+    """``--help`` of each example and of ``ds-longseq train``: no flag's entry says its default twice (its own words
+    and argparse's)."""
     import importlib
 
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    try:
-        module = importlib.import_module(script)
-    finally:
-        sys.path.pop(0)
+    if script == "ds-longseq train":
+        from ds_longseq.cli import main as parse_args
+
+        argv = ["train", "--help"]
+    else:
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        try:
+            parse_args = importlib.import_module(script).parse_args
+        finally:
+            sys.path.pop(0)
+        argv = ["--help"]
     with pytest.raises(SystemExit):
-        module.parse_args(["--help"])
+        parse_args(argv)
     text = capsys.readouterr().out.split("options:", 1)[1]
     entries = re.split(r"\n  (?=-)", text)  # one entry per flag (its lines up to the next flag)
     twice = [entry.split()[0] for entry in entries if entry.count("default") > 1]
