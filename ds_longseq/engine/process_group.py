@@ -8,6 +8,7 @@ Holds:
     start_process_group: ``deepspeed.init_distributed`` as every launcher-started path here calls it.
     DEFAULT_DISTRIBUTED_PORT: the rendezvous port when ``MASTER_PORT`` is not set.
     free_port: a local port nothing listens on (a one-process run's rendezvous).
+    slurm_environment / first_host: an srun task's torch variables from SLURM's (no mpi4py, no PMI).
 
 Why this exists: DeepSpeed's sequence-parallel groups (``parallel_state_sp``) and its collectives go through
 ``deepspeed.comm``, which knows a process group only once ``deepspeed.init_distributed`` has run. accelerate
@@ -20,21 +21,24 @@ later, inside ``deepspeed.initialize``; the sequence-parallel groups are needed 
 from __future__ import annotations
 
 import os
+from typing import Mapping
 
 import torch
 
 from ds_longseq.logging import get_logger
 
 __all__ = ["LAUNCHER_VARIABLES", "DEFAULT_DISTRIBUTED_PORT", "launcher_environment", "ensure_process_group",
-           "start_process_group", "free_port"]
+           "start_process_group", "free_port", "slurm_environment", "first_host"]
 
 logger = get_logger(__name__)
 
 LAUNCHER_VARIABLES: dict[str, tuple[str, ...]] = {
     "deepspeed": ("CROSS_RANK",),  # DeepSpeed's launch.py (also RANK, LOCAL_RANK, ...)
     "torchrun": ("TORCHELASTIC_RUN_ID",),  # torchrun and accelerate launch (which runs torchrun)
+    # a task of an srun job step (not the batch script itself, which has SLURM_PROCID but no step); before mpirun:
+    # srun --mpi=pmi2 also sets PMI_RANK, and SLURM's own variables need no mpi4py
+    "srun": ("SLURM_STEP_ID",),
     "mpirun": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"),  # Open MPI, MPICH / Hydra, MVAPICH
-    "srun": ("SLURM_PROCID",),
 }
 """Variables only a launcher sets (a plain ``python script.py`` has none of them)."""
 
@@ -107,7 +111,11 @@ def start_process_group(backend: str | None = None, *, verbose: bool = True) -> 
     is not installed (the README's environment), naming none of this."""
     import deepspeed
 
-    if launcher_environment() is None and not {"RANK", "WORLD_SIZE"} & os.environ.keys():  # a MASTER_PORT kept
+    launcher = launcher_environment()
+    if launcher == "srun":  # the torch variables from SLURM's own, without mpi4py or PMI
+        for name, value in slurm_environment(os.environ).items():
+            os.environ.setdefault(name, value)
+    if launcher is None and not {"RANK", "WORLD_SIZE"} & os.environ.keys():  # a MASTER_PORT kept
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                             ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(name, value)
@@ -119,6 +127,50 @@ def start_process_group(backend: str | None = None, *, verbose: bool = True) -> 
         dist_backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"), auto_mpi_discovery=True,
         verbose=verbose, distributed_port=int(os.environ.get("MASTER_PORT", DEFAULT_DISTRIBUTED_PORT)),
     )
+
+
+def slurm_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The torch process-group variables of a task started by ``srun`` (one task per rank), from SLURM's:
+    RANK = SLURM_PROCID, WORLD_SIZE = SLURM_STEP_NUM_TASKS, LOCAL_RANK = SLURM_LOCALID, LOCAL_WORLD_SIZE = this
+    node's entry of SLURM_STEP_TASKS_PER_NODE (``2(x3)`` or ``3,2`` forms), MASTER_ADDR = the step's first host
+    (SLURM_STEP_NODELIST, a compressed host list), MASTER_PORT = 20000 + SLURM_JOB_ID mod 20000 (every task
+    computes the same one; jobs sharing a node get different ones), unless the job exports its own."""
+    node = int(env.get("SLURM_NODEID", "0"))
+    world = env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]
+    per_node = _expand_counts(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or world)
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    return {
+        "RANK": env["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(per_node[min(node, len(per_node) - 1)]), "MASTER_ADDR": first_host(nodes),
+        "MASTER_PORT": str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000),
+    }
+
+
+def _expand_counts(text: str) -> list[int]:
+    """SLURM's per-node counts, expanded: ``2(x3),1`` -> [2, 2, 2, 1]."""
+    counts = []
+    for item in text.split(","):
+        value, _, times = item.partition("(x")
+        counts += [int(value)] * int(times.rstrip(")") or 1)
+    return counts
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM compressed host list (what ``scontrol show hostnames`` prints first):
+    ``gpu[003-005,9],cpu1`` -> ``gpu003``; ``a,b`` -> ``a``."""
+    head = nodelist.strip()
+    depth = 0
+    for i, char in enumerate(head):  # the first top-level item
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            head = head[:i]
+            break
+    if "[" not in head:
+        return head
+    prefix, _, rest = head.partition("[")
+    ranges, _, suffix = rest.partition("]")
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
 def free_port() -> int:

@@ -140,7 +140,8 @@ def startup_summary(run: Run, plan) -> str:
                      f"estimate, within its {plan.margin:.0%} measured error); longest that fits: {plan.longest:,} "
                      "tokens")
     schedule = run.schedule
-    every = [f"every {schedule.every_steps} steps"] * bool(schedule.every_steps) + [
+    steps = "every step" if schedule.every_steps == 1 else f"every {schedule.every_steps} steps"
+    every = [steps] * bool(schedule.every_steps) + [
         f"every {schedule.every_minutes:g} min"] * bool(schedule.every_minutes)
     keep = args.save_total_limit
     lines.append(f"checkpoints: {' and '.join(every + ['after the last step'])}, in {args.save_dir}/ "

@@ -1,0 +1,160 @@
+"""SLURM: the process group from SLURM's variables (synthetic ones for 2 nodes x 2 tasks, so that a one-node run
+cannot hide a wrong rank mapping), and launch/slurm.sbatch on a real SLURM (``bash .ci/install_slurm.sh``: munge,
+slurmctld and one slurmd on this machine, one node with several tasks, Debian's build having no multiple-slurmd
+support): a job whose task is killed and which is requeued with ``scontrol requeue`` ends with every loss of an
+uninterrupted DeepSpeed-launcher run, and ``scancel`` leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from ds_longseq.engine.process_group import first_host, launcher_environment, slurm_environment
+from tests.test_sft import ROOT, _config, losses
+
+SBATCH = os.path.join(ROOT, "launch", "slurm.sbatch")
+
+
+def _task(procid: int, node: int, local: int, **more) -> dict[str, str]:
+    """The variables srun gives task ``procid`` of job 1234's step 0 over node01 and node02, 2 tasks each."""
+    return {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid), "SLURM_NODEID": str(node),
+            "SLURM_LOCALID": str(local), "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_JOB_NODELIST": "node[01-02]",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x2)", **more}
+
+
+def test_slurm_variables_map_to_ranks_on_two_nodes():
+    for procid in range(4):
+        env = slurm_environment(_task(procid, node=procid // 2, local=procid % 2))
+        assert env == {"RANK": str(procid), "WORLD_SIZE": "4", "LOCAL_RANK": str(procid % 2), "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "node01", "MASTER_PORT": "21234"}, (procid, env)
+    uneven = slurm_environment(_task(3, node=1, local=0, SLURM_STEP_TASKS_PER_NODE="3,1"))  # 3 tasks, then 1
+    assert (uneven["LOCAL_RANK"], uneven["LOCAL_WORLD_SIZE"]) == ("0", "1")
+    # a step over part of the job's nodes: its own list and count, not the job's
+    part = slurm_environment(_task(0, 0, 0, SLURM_STEP_NODELIST="node02", SLURM_STEP_NUM_TASKS="2"))
+    assert (part["MASTER_ADDR"], part["WORLD_SIZE"]) == ("node02", "2")
+
+
+@pytest.mark.parametrize(("nodelist", "first"), [
+    ("vm", "vm"), ("a,b", "a"), ("gpu[003-005,9],cpu1", "gpu003"), ("rack1-n[7,2-3]", "rack1-n7"),
+    ("x[08-09],y[1-2]", "x08"),
+])
+def test_first_host_of_a_compressed_host_list(nodelist, first):
+    assert first_host(nodelist) == first
+    if shutil.which("scontrol"):  # SLURM's own expansion agrees
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+        if out.returncode == 0:
+            assert out.stdout.split()[0] == first
+
+
+def test_batch_script_itself_is_not_a_launched_task(monkeypatch):
+    """sbatch's batch step has SLURM_PROCID=0 and SLURM_NTASKS=N but no job step: a script run there directly (not
+    through srun) is one process, not rank 0 of N waiting for the others."""
+    for name in ("CROSS_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK",
+                 "SLURM_STEP_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert launcher_environment() is None
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("PMI_RANK", "0")  # srun --mpi=pmi2 sets it too: SLURM's variables still win
+    assert launcher_environment() == "srun"
+
+
+def _slurm_up() -> None:
+    if shutil.which("sbatch") is None:
+        pytest.skip("no SLURM here: bash .ci/install_slurm.sh installs and starts one")
+    state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    if state.returncode != 0 or not {"idle", "mixed", "allocated"} & set(state.stdout.split()):
+        pytest.skip(f"SLURM does not answer ({state.stderr.strip() or state.stdout.strip()}): bash "
+                    ".ci/install_slurm.sh starts it")
+
+
+def _submit(tmp_path, *args: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.pop("DS_LONGSEQ_FAULT_INJECT", None)
+    out = subprocess.run(["sbatch", "--parsable", "-n", "2", "--time", "15", SBATCH, *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def _state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "GONE")
+
+
+def _wait(condition, what: str, timeout: float = 300, every: float = 0.5):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _tasks(marker: str) -> dict[int, int]:
+    """{SLURM_PROCID: pid} of the training processes whose command line holds ``marker`` (the run's save dir)."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split("=", 1) for item in f.read().decode(errors="replace").split("\0") if "=" in item)
+        except (OSError, ValueError):
+            continue
+        if marker in cmd and "ds_longseq.cli" in cmd and "SLURM_STEP_ID" in env:
+            found[int(env["SLURM_PROCID"])] = int(pid)
+    return found
+
+
+def test_sbatch_job_killed_and_requeued_ends_with_the_launchers_losses(tmp_path, uninterrupted_sft):
+    """launch/slurm.sbatch, 2 tasks, tests.test_sft's config (the DeepSpeed launcher's reference run): a task
+    SIGKILLed once step 2's checkpoint is complete fails the job (srun ends the other task); ``scontrol requeue``
+    runs the same script again, which finds ``latest`` and resumes. Every step's loss, before the kill and after the
+    resume, equals the uninterrupted DeepSpeed-launcher run's."""
+    _slurm_up()
+    save = tmp_path / "run"
+    job = _submit(tmp_path, "--ds_config", _config(tmp_path), "--seq-len", "256", "--max-steps", "4",
+                  "--save-every", "1", "--save-dir", str(save))
+    try:
+        _wait(lambda: (save / "latest").is_file() and (save / "latest").read_text() in ("step2", "step3"),
+              "step 2's checkpoint")
+        os.kill(_wait(lambda: _tasks(str(save)).get(1), "task 1"), signal.SIGKILL)
+        _wait(lambda: _state(job) in ("FAILED", "CANCELLED", "COMPLETED", "GONE"), "the job to end")
+        assert _state(job) == "FAILED", _state(job)
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+        # SLURM holds a requeued job back 2 minutes (its EligibleTime); a user in a hurry does the same
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+        _wait(lambda: _state(job) == "COMPLETED" or _state(job) == "FAILED", "the requeued job", timeout=600)
+        log = (tmp_path / f"ds-longseq-{job}.out").read_text()
+        assert _state(job) == "COMPLETED", log[-3000:]
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    assert "resuming from it (restart 1)" in log, log[-3000:]
+    assert log.count("summary: ") == 1  # the first attempt died before its end
+    straight = uninterrupted_sft(2)
+    resumed = losses(save)
+    assert len(resumed) == len(straight) == 4
+    for x, y in zip(resumed, straight, strict=True):  # float32 CPU runs repeat up to reduction order
+        assert abs(x - y) <= 1e-6 * abs(y), (resumed, straight)
+
+
+def test_scancel_leaves_no_process_behind(tmp_path):
+    _slurm_up()
+    save = tmp_path / "long"
+    job = _submit(tmp_path, "--seq-len", "128", "--max-steps", "500", "--save-dir", str(save))
+    try:
+        _wait(lambda: len(_tasks(str(save))) == 2 and (save / "metrics.jsonl").is_file()
+              and (save / "metrics.jsonl").stat().st_size > 0, "the job to train")
+    finally:
+        subprocess.run(["scancel", job], check=True, timeout=30)
+    _wait(lambda: not _tasks(str(save)), "every task to end", timeout=60)
+    _wait(lambda: _state(job) in ("CANCELLED", "GONE"), "the job to be cancelled", timeout=60)
