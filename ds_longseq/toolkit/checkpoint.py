@@ -11,7 +11,8 @@ checkpoint a run resumes from. Each rank also writes its random generators' stat
 
 Holds:
     write_latest: point ``latest`` at a checkpoint, atomically.
-    resume: load the checkpoint ``latest`` names; its step and the metrics rows up to it.
+    resume: load the checkpoint ``latest`` names (after toolkit.manifest's check: not a checkpoint, incomplete,
+        another model, another shape of run); its step and the metrics rows up to it.
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
     save_checkpoint: every rank writes step<N>.partial/, renamed to step<N>/ when complete, then ``latest`` moves.
     remove_partial_checkpoints: the ``step<N>.partial/`` directories of saves that did not complete, removed at start.
@@ -39,9 +40,11 @@ from typing import Callable
 import torch
 
 from ds_longseq.compat import full_numel, is_zero3_partitioned, keys_ignored_on_save
+from ds_longseq.engine import sequence_parallel_rank_and_size
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
+from ds_longseq.toolkit.manifest import resume_problem, run_facts, write_manifest
 
 __all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
            "prune_checkpoints",
@@ -74,9 +77,15 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
     Returns:
         (its step, the rows of ``metrics_path`` up to that step, its tag).
     """
+    import deepspeed.comm as dist
+
     tag = _latest(save_dir)
     if tag is None:
         raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
+    facts = run_facts(engine, world=dist.get_world_size(), sp_size=sequence_parallel_rank_and_size()[1])
+    problem = resume_problem(os.path.join(save_dir, tag), facts)
+    if problem is not None:  # before DeepSpeed's load, which would fail deep inside or load a mismatch
+        raise SystemExit(f"--resume: {problem}")
     _, client_state = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=not frozen_excluded)
     _load_rng_state(os.path.join(save_dir, tag))
     start_step, metrics = client_state["step"], []
@@ -181,8 +190,10 @@ def save_checkpoint(
             "start removes it)"
         ) from None
     faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
+    facts = run_facts(engine, world=dist.get_world_size(), sp_size=sequence_parallel_rank_and_size()[1])
     dist.barrier()
-    if local_leader:
+    if local_leader:  # every rank has written: the manifest lists this node's files, then the rename
+        write_manifest(os.path.join(save_dir, partial), facts, step)
         _complete(save_dir, partial, tag)
         write_latest(save_dir, tag)
         if keep:

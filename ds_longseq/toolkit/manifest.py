@@ -1,0 +1,100 @@
+"""What a checkpoint holds, written beside DeepSpeed's files, and the check a resume runs before it loads anything.
+
+``<save_dir>/step<N>/ds_longseq_checkpoint.json`` (written by each node's local rank 0 once every rank has finished
+writing, before the directory is renamed into place) records the model's parameters (name and full shape), the
+shape of the run (ranks, sequence-parallel size, ZeRO stage, micro-batch, accumulation) and every file with its
+size. ``--resume`` reads it first and stops, naming the directory and what is wrong, on a directory that is not a
+checkpoint, a half-written or partly copied one, one written by another model, or one written by another shape of
+run (which DeepSpeed would refuse deep inside its load with a raw traceback).
+
+Holds:
+    MANIFEST: the file's name.
+    run_facts: the facts of this run that a checkpoint must agree with.
+    write_manifest: write the manifest into a checkpoint directory (each node's local rank 0).
+    resume_problem: what is wrong with resuming this run from a checkpoint directory (None: nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["MANIFEST", "run_facts", "write_manifest", "resume_problem"]
+
+MANIFEST = "ds_longseq_checkpoint.json"
+FORMAT = 1
+MODEL_STATES = "mp_rank_00_model_states.pt"
+"""DeepSpeed's file of the model states (every checkpoint of a data- / sequence-parallel run has it)."""
+
+
+def run_facts(engine, *, world: int, sp_size: int) -> dict[str, Any]:
+    """The model's parameters ({name: full shape}; ZeRO-3's partitioned ones by their ``ds_shape``), its class, and
+    the run's shape: ranks, sequence-parallel size, ZeRO stage, micro-batch, gradient accumulation."""
+    model = engine.module
+    return {
+        "model_class": type(model).__name__,
+        "parameters": {name: list(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()},
+        "world_size": world, "sequence_parallel_size": sp_size, "zero_stage": int(engine.zero_optimization_stage()),
+        "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
+        "gradient_accumulation": int(engine.gradient_accumulation_steps()),
+    }
+
+
+def write_manifest(checkpoint_dir: str, facts: dict[str, Any], step: int) -> None:
+    """``checkpoint_dir/MANIFEST``: ``facts`` (:func:`run_facts`), the step and every file below the directory with
+    its size (this node's view: nodes without a shared file system each write their own)."""
+    files = {}
+    for root, _, names in os.walk(checkpoint_dir):
+        for name in names:
+            path = os.path.join(root, name)
+            if name != MANIFEST:
+                files[os.path.relpath(path, checkpoint_dir)] = os.path.getsize(path)
+    tmp = os.path.join(checkpoint_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT, "step": step, **facts, "files": dict(sorted(files.items()))}, f, indent=1)
+    os.replace(tmp, os.path.join(checkpoint_dir, MANIFEST))
+
+
+def resume_problem(checkpoint_dir: str, facts: dict[str, Any]) -> str | None:
+    """What is wrong with resuming a run with ``facts`` (:func:`run_facts`) from ``checkpoint_dir``, in one line that
+    names the directory; None when nothing is (or, for a checkpoint from before manifests, nothing can be told)."""
+    if not os.path.isdir(checkpoint_dir):
+        return f"{checkpoint_dir} is not there ('latest' names it): the directory was moved or deleted"
+    path = os.path.join(checkpoint_dir, MANIFEST)
+    if not os.path.isfile(path):
+        if not os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)):
+            return (f"{checkpoint_dir} is not a DeepSpeed checkpoint (no {MODEL_STATES}, no {MANIFEST}): pass the "
+                    "--save-dir of the run to continue")
+        return None  # written before manifests: DeepSpeed's own checks are all there is
+    with open(path) as f:
+        saved = json.load(f)
+    missing = [(name, size) for name, size in saved["files"].items()
+               if not os.path.isfile(os.path.join(checkpoint_dir, name))
+               or os.path.getsize(os.path.join(checkpoint_dir, name)) != size]
+    if missing:
+        name, size = missing[0]
+        there = os.path.join(checkpoint_dir, name)
+        now = f"{os.path.getsize(there)} bytes of {size}" if os.path.isfile(there) else "missing"
+        return (f"{checkpoint_dir} is incomplete: {len(missing)} of its {len(saved['files'])} files missing or cut "
+                f"short ({name}: {now}; copied in part, or the disk lost it): copy it whole, or point 'latest' at an "
+                "earlier complete step")
+    ours, theirs = facts["parameters"], saved["parameters"]
+    if ours != theirs:
+        differ = sorted(set(ours) ^ set(theirs)) or [n for n in ours if ours[n] != theirs[n]]
+        name = differ[0]
+        return (f"{checkpoint_dir} was written by another model ({saved['model_class']}, {len(theirs)} parameters; "
+                f"this run: {facts['model_class']}, {len(ours)}): {name} is {theirs.get(name, 'absent')} there, "
+                f"{ours.get(name, 'absent')} here. Pass the --model (and LoRA flags) of that run, or another "
+                "--save-dir")
+    keys = ("world_size", "sequence_parallel_size", "zero_stage")
+    if any(saved[k] != facts[k] for k in keys):
+        def shape(f):
+            return (f"{f['world_size']} ranks (sequence parallel {f['sequence_parallel_size']} x data parallel "
+                    f"{f['world_size'] // f['sequence_parallel_size']}), ZeRO-{f['zero_stage']}")
+
+        return (f"{checkpoint_dir} was written by {shape(saved)}; this run has {shape(facts)}. Resuming on another "
+                "number of ranks, sequence-parallel size or ZeRO stage is not supported yet: launch the same shape "
+                f"(the same global batch: {saved['micro_batch']} per micro-batch x {saved['gradient_accumulation']} "
+                "accumulated per replica)")
+    return None
