@@ -54,14 +54,16 @@ def uninterrupted_sft(tmp_path_factory):
     --save-total-limit (2) leaves the newest two."""
     from tests.test_sft import _config, losses, run_sft
 
-    runs = {}
+    runs, dirs = {}, {}
 
-    def get(num_ranks: int) -> list[float]:
+    def get(num_ranks: int, save_dir: bool = False) -> list[float]:
+        """The run's losses, or with ``save_dir`` its save directory (its step3/ and step4/ checkpoints)."""
         if num_ranks not in runs:
             tmp = tmp_path_factory.mktemp(f"uninterrupted{num_ranks}")
+            dirs[num_ranks] = tmp / "run"
             run_sft(_config(tmp), tmp / "run", "--max-steps", "4", "--save-every-minutes", "1e-8", num_ranks=num_ranks)
             runs[num_ranks] = losses(tmp / "run")
             assert sorted(p.name for p in (tmp / "run").glob("step*")) == ["step3", "step4"]
-        return runs[num_ranks]
+        return dirs[num_ranks] if save_dir else runs[num_ranks]
 
     return get

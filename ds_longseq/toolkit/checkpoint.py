@@ -44,7 +44,8 @@ from ds_longseq.engine import sequence_parallel_rank_and_size
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
-from ds_longseq.toolkit.manifest import resume_problem, run_facts, write_manifest
+from ds_longseq.toolkit.manifest import read_manifest, resume_problem, run_facts, write_manifest
+from ds_longseq.toolkit.reshape import UNIVERSAL_SUFFIX, shape_change, to_universal
 
 __all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
            "prune_checkpoints",
@@ -86,8 +87,26 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
     problem = resume_problem(os.path.join(save_dir, tag), facts)
     if problem is not None:  # before DeepSpeed's load, which would fail deep inside or load a mismatch
         raise SystemExit(f"--resume: {problem}")
+    saved = read_manifest(os.path.join(save_dir, tag))
+    reshaped, why = (False, None) if saved is None else shape_change(
+        saved, facts, checkpoint_dir=os.path.join(save_dir, tag), lora=frozen_excluded)
+    if why is not None:
+        raise SystemExit(f"--resume: {why}")
+    original = tag
+    if reshaped:  # setup_run configured the engine for it (toolkit.reshape.needs_universal)
+        if not engine.load_universal_checkpoint():
+            raise RuntimeError("resuming on another shape needs the engine built with checkpoint.load_universal "
+                               "(toolkit.reshape.needs_universal before deepspeed.initialize)")
+        tag = to_universal(save_dir, tag, leader=_local_leader(dist.get_rank()))
+        if dist.get_rank() == 0:
+            logger.warning("--resume: %s/%s was written by %d ranks at sequence-parallel size %d, this run has %d at "
+                           "%d: loading DeepSpeed's universal form of it, %s/ (converted once; %s/ untouched)",
+                           save_dir, original, saved["world_size"], saved["sequence_parallel_size"],
+                           facts["world_size"], facts["sequence_parallel_size"], tag, original)
     _, client_state = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=not frozen_excluded)
-    _load_rng_state(os.path.join(save_dir, tag))
+    if not reshaped:  # the generators are per rank: another shape starts them afresh (toolkit.reshape)
+        _load_rng_state(os.path.join(save_dir, tag))
+    tag = original
     start_step, metrics = client_state["step"], []
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
@@ -318,6 +337,7 @@ def prune_checkpoints(save_dir: str, keep: int) -> list[str]:
     removed = [name for _, name in tags[:-keep] if name != latest]
     for name in removed:
         shutil.rmtree(os.path.join(save_dir, name))
+        shutil.rmtree(os.path.join(save_dir, name + UNIVERSAL_SUFFIX), ignore_errors=True)  # its converted form
     if removed:
         logger.info("removed old checkpoints %s (--save-total-limit %d)", removed, keep)
     return removed

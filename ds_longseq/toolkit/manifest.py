@@ -4,14 +4,16 @@
 writing, before the directory is renamed into place) records the model's parameters (name and full shape), the
 shape of the run (ranks, sequence-parallel size, ZeRO stage, micro-batch, accumulation) and every file with its
 size. ``--resume`` reads it first and stops, naming the directory and what is wrong, on a directory that is not a
-checkpoint, a half-written or partly copied one, one written by another model, or one written by another shape of
-run (which DeepSpeed would refuse deep inside its load with a raw traceback).
+checkpoint, a half-written or partly copied one, or one written by another model (which DeepSpeed would refuse deep
+inside its load with a raw traceback, or load); another shape of run is :mod:`ds_longseq.toolkit.reshape`'s.
 
 Holds:
     MANIFEST: the file's name.
     run_facts: the facts of this run that a checkpoint must agree with.
     write_manifest: write the manifest into a checkpoint directory (each node's local rank 0).
-    resume_problem: what is wrong with resuming this run from a checkpoint directory (None: nothing).
+    read_manifest: a checkpoint directory's manifest (None: written before manifests).
+    resume_problem: what is wrong with resuming this run's model from a checkpoint directory (None: nothing); a
+        change of shape is toolkit.reshape's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["MANIFEST", "run_facts", "write_manifest", "resume_problem"]
+__all__ = ["MANIFEST", "run_facts", "write_manifest", "read_manifest", "resume_problem"]
 
 MANIFEST = "ds_longseq_checkpoint.json"
 FORMAT = 1
@@ -56,19 +58,26 @@ def write_manifest(checkpoint_dir: str, facts: dict[str, Any], step: int) -> Non
     os.replace(tmp, os.path.join(checkpoint_dir, MANIFEST))
 
 
+def read_manifest(checkpoint_dir: str) -> dict[str, Any] | None:
+    """The manifest of ``checkpoint_dir``, or None where there is none."""
+    path = os.path.join(checkpoint_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def resume_problem(checkpoint_dir: str, facts: dict[str, Any]) -> str | None:
     """What is wrong with resuming a run with ``facts`` (:func:`run_facts`) from ``checkpoint_dir``, in one line that
     names the directory; None when nothing is (or, for a checkpoint from before manifests, nothing can be told)."""
     if not os.path.isdir(checkpoint_dir):
         return f"{checkpoint_dir} is not there ('latest' names it): the directory was moved or deleted"
-    path = os.path.join(checkpoint_dir, MANIFEST)
-    if not os.path.isfile(path):
+    saved = read_manifest(checkpoint_dir)
+    if saved is None:
         if not os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)):
             return (f"{checkpoint_dir} is not a DeepSpeed checkpoint (no {MODEL_STATES}, no {MANIFEST}): pass the "
                     "--save-dir of the run to continue")
         return None  # written before manifests: DeepSpeed's own checks are all there is
-    with open(path) as f:
-        saved = json.load(f)
     missing = [(name, size) for name, size in saved["files"].items()
                if not os.path.isfile(os.path.join(checkpoint_dir, name))
                or os.path.getsize(os.path.join(checkpoint_dir, name)) != size]
@@ -87,14 +96,4 @@ def resume_problem(checkpoint_dir: str, facts: dict[str, Any]) -> str | None:
                 f"this run: {facts['model_class']}, {len(ours)}): {name} is {theirs.get(name, 'absent')} there, "
                 f"{ours.get(name, 'absent')} here. Pass the --model (and LoRA flags) of that run, or another "
                 "--save-dir")
-    keys = ("world_size", "sequence_parallel_size", "zero_stage")
-    if any(saved[k] != facts[k] for k in keys):
-        def shape(f):
-            return (f"{f['world_size']} ranks (sequence parallel {f['sequence_parallel_size']} x data parallel "
-                    f"{f['world_size'] // f['sequence_parallel_size']}), ZeRO-{f['zero_stage']}")
-
-        return (f"{checkpoint_dir} was written by {shape(saved)}; this run has {shape(facts)}. Resuming on another "
-                "number of ranks, sequence-parallel size or ZeRO stage is not supported yet: launch the same shape "
-                f"(the same global batch: {saved['micro_batch']} per micro-batch x {saved['gradient_accumulation']} "
-                "accumulated per replica)")
     return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
@@ -24,6 +25,8 @@ from ds_longseq.toolkit.args import DoesNotFit
 from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
 from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
+from ds_longseq.toolkit.manifest import read_manifest
+from ds_longseq.toolkit.reshape import planned_shape, shape_change
 from ds_longseq.toolkit.tasks import build_model, model_config
 
 logger = get_logger(__name__)
@@ -109,6 +112,29 @@ def check_memory(args: argparse.Namespace, ds_config: dict):
         raise DoesNotFit(f"preflight: {err}") from None
 
 
+def check_resume_shape(args: argparse.Namespace, ds_config: dict, world: int, sp_size: int) -> None:
+    """With --resume from a checkpoint written by another number of ranks or sequence-parallel size: refuse what
+    cannot continue (a ZeRO stage change, LoRA, NVMe, another global batch), naming it, before the model is built;
+    else configure the engine to load DeepSpeed's universal form of it (``checkpoint.load_universal``)."""
+    if not getattr(args, "resume", False):
+        return
+    latest = os.path.join(args.save_dir, "latest")
+    if not os.path.isfile(latest):
+        return  # resume() names it
+    with open(latest) as f:
+        checkpoint = os.path.join(args.save_dir, f.read().strip())
+    saved = read_manifest(checkpoint)
+    if saved is None:
+        return
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
+    changed, why = shape_change(saved, planned_shape(ds_config, world=world, sp_size=sp_size),
+                                checkpoint_dir=checkpoint, lora=bool(args.lora_rank), nvme=offload == "nvme")
+    if why is not None:
+        raise SystemExit(f"--resume: {why}")
+    if changed:
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+
+
 def startup_summary(run: Run, plan) -> str:
     """What a run is about to do, in a few lines (rank 0 logs it before the first step): the model and its
     parameters, the ranks and the tokens per optimizer step, the techniques on, the planner's estimate against the
@@ -164,6 +190,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     ds_config["long_seq"] = long_seq
     set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
     plan = check_memory(args, ds_config)
+    check_resume_shape(args, ds_config, world, long_seq.sequence_parallel.size)
     if before_model is not None:
         before_model()
 
