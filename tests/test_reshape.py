@@ -87,17 +87,33 @@ def test_two_ranks_resume_on_one_with_accumulation_two(tmp_path, uninterrupted_s
             torch.testing.assert_close(ours[name][key], value, rtol=1e-5, atol=1e-7, msg=f"{name} {key}")
 
 
-@pytest.mark.slow  # 4 + 2 ranks on 2 cores
-def test_four_ranks_at_sp2_resume_on_two_at_sp2_with_accumulation_two(tmp_path):
-    """The issue's case: 4 ranks at SP 2 (2 data-parallel groups) for 2 steps, then 2 ranks at SP 2 with
-    accumulation 2, against 4 uninterrupted steps at 4 ranks."""
-    config = _config(tmp_path, stage=3, sp=2)
-    straight, cut = tmp_path / "straight", tmp_path / "cut"
-    run_sft(config, straight, "--max-steps", "4", num_ranks=4)
-    run_sft(config, cut, "--max-steps", "2", "--save-every", "1", num_ranks=4)
+def _with(config: str, path, **changes) -> str:
     with open(config) as f:
-        gas2 = {**json.load(f), "gradient_accumulation_steps": 2}
-    (tmp_path / "gas2.json").write_text(json.dumps(gas2))
-    run_sft(str(tmp_path / "gas2.json"), cut, "--max-steps", "4", "--resume", num_ranks=2)
+        data = json.load(f)
+    for key, value in changes.items():
+        if key == "sp":
+            data["long_seq"]["sequence_parallel"] = {"size": value}
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.slow  # several 2- and 4-rank runs on 2 cores
+@pytest.mark.parametrize(("before", "after"), [
+    ((4, 2, 1), (2, 2, 2)),  # the issue's case: 2 data-parallel groups of SP 2 -> one, accumulating 2
+    ((2, 2, 2), (2, 1, 1)),  # SP 2 x DP 1 accumulating 2 -> SP 1 x DP 2
+], ids=["4r-sp2-to-2r-sp2-gas2", "2r-sp2-gas2-to-2r-dp2"])
+def test_zero3_sequence_parallel_shapes(tmp_path, before, after):
+    """ZeRO-3 (tests.test_sft's chunks), (ranks, SP size, accumulation) ``before`` for 2 steps, then ``after`` to
+    step 4, against 4 uninterrupted steps at ``before``: the same losses."""
+    base = _config(tmp_path, stage=3)
+    first = _with(base, tmp_path / "before.json", sp=before[1], gradient_accumulation_steps=before[2])
+    second = _with(base, tmp_path / "after.json", sp=after[1], gradient_accumulation_steps=after[2])
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    run_sft(first, straight, "--max-steps", "4", num_ranks=before[0])
+    run_sft(first, cut, "--max-steps", "2", "--save-every", "1", num_ranks=before[0])
+    run_sft(second, cut, "--max-steps", "4", "--resume", num_ranks=after[0])
+    assert len(losses(cut)) == 4
     for x, y in zip(losses(cut), losses(straight), strict=True):
         assert abs(x - y) <= 1e-5 * abs(y), (losses(cut), losses(straight))
