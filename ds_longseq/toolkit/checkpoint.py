@@ -97,7 +97,7 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
         if not engine.load_universal_checkpoint():
             raise RuntimeError("resuming on another shape needs the engine built with checkpoint.load_universal "
                                "(toolkit.reshape.needs_universal before deepspeed.initialize)")
-        tag = to_universal(save_dir, tag, leader=_local_leader(dist.get_rank()))
+        tag = to_universal(save_dir, tag, leader=dist.get_rank() == 0)  # rank 0 reads every rank's shard
         if dist.get_rank() == 0:
             logger.warning("--resume: %s/%s was written by %d ranks at sequence-parallel size %d, this run has %d at "
                            "%d: loading DeepSpeed's universal form of it, %s/ (converted once; %s/ untouched)",

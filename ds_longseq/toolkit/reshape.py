@@ -109,9 +109,11 @@ def needs_universal(save_dir: str, ds_config: dict, *, world: int, sp_size: int)
 
 
 def to_universal(save_dir: str, tag: str, *, leader: bool) -> str:
-    """``<save_dir>/<tag>.universal/``, converted by ``deepspeed.checkpoint.ds_to_universal`` on the node's leader
-    (written beside as ``.partial`` and renamed, so a killed conversion is redone; an existing one is reused), every
-    rank waiting at a barrier; returns its tag. The original ``<tag>/`` is only read."""
+    """``<save_dir>/<tag>.universal/``, converted by ``deepspeed.checkpoint.ds_to_universal`` on one process
+    (``leader``: global rank 0, which reads every rank's shard; written beside as ``.partial`` and renamed, so a
+    killed conversion is redone; an existing one is reused), every rank waiting at a barrier; returns its tag. The
+    original ``<tag>/`` is only read. A rank that then cannot see the converted directory (nodes without a shared
+    file system) stops, saying so."""
     import shutil
 
     import deepspeed.comm as dist
@@ -130,4 +132,7 @@ def to_universal(save_dir: str, tag: str, *, leader: bool) -> str:
                                + proc.stderr[-3000:])
         os.replace(partial, out)
     dist.barrier()
+    if not os.path.isdir(out):
+        raise SystemExit(f"--resume: {out} (DeepSpeed's universal form of {tag}, written by rank 0) is not visible "
+                         "here: resuming on another shape needs a file system every node shares")
     return target
