@@ -75,10 +75,12 @@ def _slurm_up() -> None:
                     ".ci/install_slurm.sh starts it")
 
 
-def _submit(tmp_path, *args: str) -> str:
+def _submit(tmp_path, *args: str, fault: str | None = None) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("DS_LONGSEQ_FAULT_INJECT", None)
+    if fault is not None:  # toolkit/faults.py: the first attempt only (a requeued job has SLURM_RESTART_COUNT)
+        env["DS_LONGSEQ_FAULT_INJECT"] = fault
     out = subprocess.run(["sbatch", "--parsable", "-n", "2", "--time", "15", SBATCH, *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip().split(";")[0]
@@ -116,16 +118,17 @@ def _tasks(marker: str) -> dict[int, int]:
 
 
 def test_sbatch_job_killed_and_requeued_ends_with_the_launchers_losses(tmp_path, uninterrupted_sft):
-    """launch/slurm.sbatch, 2 tasks, tests.test_sft's config (the DeepSpeed launcher's reference run): a task
-    SIGKILLed once step 2's checkpoint is complete fails the job (srun ends the other task); ``scontrol requeue``
-    runs the same script again, which finds ``latest`` and resumes. Every step's loss, before the kill and after the
-    resume, equals the uninterrupted DeepSpeed-launcher run's."""
+    """launch/slurm.sbatch, 2 tasks, tests.test_sft's config (the DeepSpeed launcher's reference run): task 1 hangs
+    before step 3's backward (the fault hook, first attempt only) and is SIGKILLed from outside once step 2's
+    checkpoint is complete, which fails the job (srun ends the other task); ``scontrol requeue`` runs the same script
+    again, which finds ``latest`` and resumes. Every step's loss, before the kill and after the resume, equals the
+    uninterrupted DeepSpeed-launcher run's."""
     _slurm_up()
     save = tmp_path / "run"
     job = _submit(tmp_path, "--ds_config", _config(tmp_path), "--seq-len", "256", "--max-steps", "4",
-                  "--save-every", "1", "--save-dir", str(save))
+                  "--save-every", "1", "--save-dir", str(save), fault="sigkill:1:3:sleep")
     try:
-        _wait(lambda: (save / "latest").is_file() and (save / "latest").read_text() in ("step2", "step3"),
+        _wait(lambda: (save / "latest").is_file() and (save / "latest").read_text() == "step2",
               "step 2's checkpoint")
         os.kill(_wait(lambda: _tasks(str(save)).get(1), "task 1"), signal.SIGKILL)
         _wait(lambda: _state(job) in ("FAILED", "CANCELLED", "COMPLETED", "GONE"), "the job to end")

@@ -211,8 +211,10 @@ def save_checkpoint(
     faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
     facts = run_facts(engine, world=dist.get_world_size(), sp_size=sequence_parallel_rank_and_size()[1])
     dist.barrier()
-    if local_leader:  # every rank has written: the manifest lists this node's files, then the rename
+    if local_leader:  # every rank has written: the manifest lists this node's files
         write_manifest(os.path.join(save_dir, partial), facts, step)
+    dist.barrier()  # every node's manifest written before any renames (nodes sharing a file system share the dir)
+    if local_leader:
         _complete(save_dir, partial, tag)
         write_latest(save_dir, tag)
         if keep:

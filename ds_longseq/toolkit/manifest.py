@@ -1,11 +1,12 @@
 """What a checkpoint holds, written beside DeepSpeed's files, and the check a resume runs before it loads anything.
 
 ``<save_dir>/step<N>/ds_longseq_checkpoint.json`` (written by each node's local rank 0 once every rank has finished
-writing, before the directory is renamed into place) records the model's parameters (name and full shape), the
-shape of the run (ranks, sequence-parallel size, ZeRO stage, micro-batch, accumulation) and every file with its
-size. ``--resume`` reads it first and stops, naming the directory and what is wrong, on a directory that is not a
-checkpoint, a half-written or partly copied one, or one written by another model (which DeepSpeed would refuse deep
-inside its load with a raw traceback, or load); another shape of run is :mod:`ds_longseq.toolkit.reshape`'s.
+writing, before the directory is renamed into place) records the model's parameters (name and full shape), the shape
+of the run (ranks, sequence-parallel size, ZeRO stage, micro-batch, accumulation) and every file with its size (the
+random generators' states aside: optional, a checkpoint without them resumes with other dropout masks). ``--resume``
+reads it first and stops, naming the directory and what is wrong, on a directory that is not a checkpoint, a
+half-written or partly copied one, or one written by another model (which DeepSpeed would refuse deep inside its
+load with a raw traceback, or load); another shape of run is :mod:`ds_longseq.toolkit.reshape`'s.
 
 Holds:
     MANIFEST: the file's name.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from typing import Any
 
 __all__ = ["MANIFEST", "run_facts", "write_manifest", "read_manifest", "resume_problem"]
@@ -50,9 +52,10 @@ def write_manifest(checkpoint_dir: str, facts: dict[str, Any], step: int) -> Non
     for root, _, names in os.walk(checkpoint_dir):
         for name in names:
             path = os.path.join(root, name)
-            if name != MANIFEST:
+            # the generators' states are optional (a checkpoint without them resumes, with other dropout masks)
+            if name != MANIFEST and not name.startswith("rng_state_rank") and ".tmp." not in name:
                 files[os.path.relpath(path, checkpoint_dir)] = os.path.getsize(path)
-    tmp = os.path.join(checkpoint_dir, MANIFEST + ".tmp")
+    tmp = os.path.join(checkpoint_dir, f"{MANIFEST}.tmp.{socket.gethostname()}.{os.getpid()}")  # per node
     with open(tmp, "w") as f:
         json.dump({"format": FORMAT, "step": step, **facts, "files": dict(sorted(files.items()))}, f, indent=1)
     os.replace(tmp, os.path.join(checkpoint_dir, MANIFEST))
