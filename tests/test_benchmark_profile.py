@@ -4,6 +4,7 @@ The profile runs real children on the tiny smoke_lora suite; the batch search's 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import batch as batch_bench
@@ -11,6 +12,7 @@ from benchmarks import profile as profile_bench
 from ds_longseq.ops import chunked_lm_head_loss, shift_causal_labels
 
 
+@pytest.mark.slow  # a benchmark run (CI time); tests/test_benchmark_harness.py checks the harness by default
 def test_profile_names_streambp_phases_and_checkpointing_recompute(tmp_path):
     out = str(tmp_path / "prof")
     points = profile_bench.main(["--suite", "smoke_lora", "--methods", "hf_gc", "streambp", "--seq-lens", "256",

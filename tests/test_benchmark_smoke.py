@@ -111,6 +111,7 @@ def test_objectives_benchmark_smoke(tmp_path):
     assert Path(f"{out}.png").stat().st_size > 0 and "GRPO: peak memory" in Path(f"{out}.md").read_text()
 
 
+@pytest.mark.slow  # CI time
 def test_paired_runs_a_method_from_another_checkout(tmp_path):
     """``benchmarks.paired --tree before=DIR``: ``method@before`` imports ds_longseq and benchmarks.run from DIR,
     interleaved with the current tree's method (how a refactor's step time is compared with the code before it)."""

@@ -131,6 +131,7 @@ def test_trainer_sft_trl_on_a_local_model_and_chat_data(tmp_path):
     assert (out / "hf_model" / "tokenizer_config.json").exists()
 
 
+@pytest.mark.slow  # a 2-rank run (CI time); the chat rendering and masking are checked in-process above
 def test_sft_on_chat_data(tmp_path):
     """examples/sft.py --model --data with chat records (ZeRO-2, 2 CPU ranks): 2 finite steps."""
     from tests.test_sft import _config, losses, run_sft

@@ -323,6 +323,7 @@ def test_zero_with_sp2_matches_counted_collectives(index):
         compare(c, rank_counts[index])
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores (CI time): SP 2 and DP 2 are counted apart by default
 @pytest.mark.parametrize("index", range(len(SPDP_CASES)), ids=[c["name"] for c in SPDP_CASES])
 def test_sp2_times_dp2_matches_counted_collectives(index):
     c = SPDP_CASES[index]

@@ -81,11 +81,6 @@ def test_rank_killed_mid_save_leaves_latest_on_a_complete_checkpoint(tmp_path, s
     shards = sorted(p.name for p in (save_dir / "step4.partial").glob("*optim_states.pt"))
     assert shards and not any("zero_pp_rank_2_" in s for s in shards), shards
     assert not (save_dir / "step4").exists()
-    # on another number of ranks the resume stops before DeepSpeed's load (its raw ZeRORuntimeException), saying why
-    other = run_sft(config, save_dir, "--max-steps", "4", "--resume", expect_ok=False, timeout=300, num_ranks=2)
-    assert other.returncode == 2, other.stderr[-3000:]
-    assert "step2 was written by 3 ranks (sequence parallel 1 x data parallel 3), ZeRO-2; this run has 2 ranks" \
-        in other.stdout + other.stderr, (other.stdout + other.stderr)[-3000:]
     _assert_named_and_resumable(tmp_path, config, save_dir, proc, rank=2, world=3, reference=straight(3))
 
 

@@ -97,6 +97,7 @@ def test_lora_run_trains_only_the_adapter_and_its_export_reproduces_the_model(tm
     assert (_logits(merged, ids) - ref).abs().max() <= 1e-5 * scale
 
 
+@pytest.mark.slow  # CI time: the default run keeps the LoRA run, export and merge (ZeRO-2) and tests/test_dropout.py
 def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp_path):
     """With --lora-dropout 0.1: the checkpoint carries each rank's generator state, so the resumed steps draw the
     uninterrupted run's masks (and without that state they do not)."""

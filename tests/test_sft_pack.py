@@ -276,6 +276,7 @@ def _packed_run(tmp_path, config):
     assert abs(got[0] - expected) <= 1e-5 * expected, (got, expected)
 
 
+@pytest.mark.slow  # CI time: the default run keeps the packed run through StreamBP
 def test_packed_run_with_stock_attention_trains_each_document_alone(tmp_path):
     """ds_configs/zero2_mst.json (mini-seq MLP, chunked LM head, stock attention): transformers builds the
     block-diagonal mask from the restarting position_ids."""

@@ -52,6 +52,7 @@ def check_outputs(out, proc, summary):
     return logged
 
 
+@pytest.mark.slow  # CI time: the default run keeps the same script under TRL with the shipped SP preset
 def test_trainer_example(tmp_path):
     out = tmp_path / "trainer"
     proc = run_example("trainer_sft.py", trainer_config(tmp_path), out, "--max-steps", str(STEPS), timeout=300)
