@@ -136,8 +136,11 @@ def test_sbatch_job_killed_and_requeued_ends_with_the_launchers_losses(tmp_path,
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
         # SLURM holds a requeued job back 2 minutes (its EligibleTime); a user in a hurry does the same
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
-        _wait(lambda: _state(job) == "COMPLETED" or _state(job) == "FAILED", "the requeued job", timeout=600)
-        log = (tmp_path / f"ds-longseq-{job}.out").read_text()
+        out = tmp_path / f"ds-longseq-{job}.out"
+        # the state reads FAILED until the requeue has gone through: wait for the second attempt's first line
+        _wait(lambda: "resuming from it (restart 1)" in out.read_text(), "the requeued attempt to start")
+        _wait(lambda: _state(job) in ("COMPLETED", "FAILED"), "the requeued job", timeout=600)
+        log = out.read_text()
         assert _state(job) == "COMPLETED", log[-3000:]
     finally:
         subprocess.run(["scancel", job], timeout=30)
