@@ -11,6 +11,7 @@ checkpoint a run resumes from. Each rank also writes its random generators' stat
 
 Holds:
     write_latest: point ``latest`` at a checkpoint, atomically.
+    read_latest: the tag ``latest`` names (None without one).
     resume: load the checkpoint ``latest`` names (after toolkit.manifest's check: not a checkpoint, incomplete,
         another model, another shape of run); its step and the metrics rows up to it.
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
@@ -47,7 +48,7 @@ from ds_longseq.toolkit.lora import merge_lora
 from ds_longseq.toolkit.manifest import read_manifest, resume_problem, run_facts, write_manifest
 from ds_longseq.toolkit.reshape import UNIVERSAL_SUFFIX, shape_change, to_universal
 
-__all__ = ["write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
+__all__ = ["write_latest", "read_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
            "prune_checkpoints",
            "checkpoint_bytes", "check_save_space", "remove_partial_checkpoints", "gathered_state_dict", "save_streamed",
            "export_hf", "PARTIAL_SUFFIX"]
@@ -80,7 +81,7 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
     """
     import deepspeed.comm as dist
 
-    tag = _latest(save_dir)
+    tag = read_latest(save_dir)
     if tag is None:
         raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
     facts = run_facts(engine, world=dist.get_world_size(), sp_size=sequence_parallel_rank_and_size()[1])
@@ -93,10 +94,10 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
     if why is not None:
         raise SystemExit(f"--resume: {why}")
     original = tag
-    if reshaped:  # setup_run configured the engine for it (toolkit.reshape.needs_universal)
+    if reshaped:  # setup_run configured the engine for it (toolkit.run.check_resume_shape)
         if not engine.load_universal_checkpoint():
             raise RuntimeError("resuming on another shape needs the engine built with checkpoint.load_universal "
-                               "(toolkit.reshape.needs_universal before deepspeed.initialize)")
+                               "(toolkit.run.check_resume_shape before deepspeed.initialize)")
         tag = to_universal(save_dir, tag, leader=dist.get_rank() == 0)  # rank 0 reads every rank's shard
         if dist.get_rank() == 0:
             logger.warning("--resume: %s/%s was written by %d ranks at sequence-parallel size %d, this run has %d at "
@@ -205,8 +206,8 @@ def save_checkpoint(
         raise SystemExit(
             f"checkpoint {tag}: no space left on device writing {save_dir} ({_gib(shutil.disk_usage(save_dir).free)} "
             f"free; a checkpoint takes {_gib(needed[0])}, {needed[1]}): free space or pass another --save-dir, then "
-            f"--resume; 'latest' still names {_latest(save_dir) or 'no checkpoint'} ({partial}/ is not one: the next "
-            "start removes it)"
+            f"--resume; 'latest' still names {read_latest(save_dir) or 'no checkpoint'} ({partial}/ is not one: the "
+            "next start removes it)"
         ) from None
     faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
     facts = run_facts(engine, world=dist.get_world_size(), sp_size=sequence_parallel_rank_and_size()[1])
@@ -232,7 +233,7 @@ def _complete(save_dir: str, partial: str, tag: str) -> None:
     """Rename ``partial`` to ``tag`` (a stale ``tag`` directory, never the one ``latest`` names, is replaced). On a
     file system several nodes share, another node's leader may have renamed it first."""
     src, dst = os.path.join(save_dir, partial), os.path.join(save_dir, tag)
-    if os.path.isdir(dst) and os.path.isdir(src) and _latest(save_dir) != tag:
+    if os.path.isdir(dst) and os.path.isdir(src) and read_latest(save_dir) != tag:
         shutil.rmtree(dst)  # an earlier run's step<N>, trained again after a resume from before it
     try:
         os.replace(src, dst)
@@ -241,7 +242,7 @@ def _complete(save_dir: str, partial: str, tag: str) -> None:
             raise
 
 
-def _latest(save_dir: str) -> str | None:
+def read_latest(save_dir: str) -> str | None:
     """The tag ``latest`` names, or None without a ``latest`` file."""
     path = os.path.join(save_dir, "latest")
     if not os.path.exists(path):
@@ -269,7 +270,7 @@ def checkpoint_bytes(engine, save_dir: str, *, exclude_frozen: bool = False) -> 
     """(bytes, how they were found) one checkpoint takes on this node: the size of the one ``latest`` names where
     there is one, else an estimate from the model (its weights as stored, and for each trainable parameter Adam's
     float32 master copy and two moments, 12 bytes)."""
-    tag = _latest(save_dir)
+    tag = read_latest(save_dir)
     if tag is not None and os.path.isdir(os.path.join(save_dir, tag)):
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(os.path.join(save_dir, tag))
                    for f in files)
@@ -333,7 +334,7 @@ def _load_rng_state(checkpoint_dir: str) -> None:
 def prune_checkpoints(save_dir: str, keep: int) -> list[str]:
     """Remove all but the newest ``keep`` ``step<N>/`` checkpoints of ``save_dir`` (never the one ``latest`` names);
     returns the removed tags. Called after ``latest`` moved, so a crash here loses nothing ``latest`` needs."""
-    latest = _latest(save_dir)
+    latest = read_latest(save_dir)
     tags = sorted((int(name[4:]), name) for name in os.listdir(save_dir)
                   if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(save_dir, name)))
     removed = [name for _, name in tags[:-keep] if name != latest]
@@ -351,7 +352,7 @@ def save_if_due(
 ) -> None:
     """After step ``step`` (1-based): a checkpoint every ``save_every`` steps (0: none), the last one included
     (``exclude_frozen`` and ``keep`` as :func:`save_checkpoint` takes them)."""
-    if (save_every and step % save_every == 0) or step == max_steps:
+    if SaveSchedule(save_every, 0, max_steps).due(step):  # the step rule alone (no time rule: no collective)
         save_checkpoint(engine, save_dir, step, rank, exclude_frozen=exclude_frozen, keep=keep)
 
 

@@ -19,8 +19,10 @@ Holds:
     UNIVERSAL_SUFFIX: the converted directory's suffix.
     planned_shape: the shape a run is about to have, from its DeepSpeed config and world size (before the engine).
     shape_change: whether a checkpoint's shape differs from the run's, and what refuses the change.
-    needs_universal: whether ``--resume`` will load a universal checkpoint (what the engine's config must say).
-    to_universal: convert a checkpoint once (the node's leader), every rank waiting; returns the tag to load.
+    to_universal: convert a checkpoint once (global rank 0), every rank waiting; returns the tag to load.
+
+Used by ``toolkit.run.check_resume_shape`` (refusals, and ``checkpoint.load_universal`` set before the engine is built)
+and ``toolkit.checkpoint.resume`` (the conversion and the load).
 """
 
 from __future__ import annotations
@@ -30,15 +32,9 @@ import subprocess
 import sys
 from typing import Any
 
-from ds_longseq.logging import get_logger
-from ds_longseq.toolkit.manifest import read_manifest
-
-__all__ = ["UNIVERSAL_SUFFIX", "planned_shape", "shape_change", "needs_universal", "to_universal"]
-
-logger = get_logger(__name__)
+__all__ = ["UNIVERSAL_SUFFIX", "planned_shape", "shape_change", "to_universal"]
 
 UNIVERSAL_SUFFIX = ".universal"
-SHAPE_KEYS = ("world_size", "sequence_parallel_size", "zero_stage", "micro_batch", "gradient_accumulation")
 
 
 def planned_shape(ds_config: dict, *, world: int, sp_size: int) -> dict[str, Any]:
@@ -92,20 +88,6 @@ def shape_change(saved: dict[str, Any], now: dict[str, Any], *, checkpoint_dir: 
         return True, (f"{where}: its global batch was {before} sequences per step, this run's is {after}; the data "
                       f"position is counted in samples, so keep the global batch: {fix}")
     return True, None
-
-
-def needs_universal(save_dir: str, ds_config: dict, *, world: int, sp_size: int) -> bool:
-    """Whether ``--resume`` from ``save_dir`` will load a universal checkpoint: the manifest of the checkpoint
-    ``latest`` names records another shape (what :func:`shape_change` refuses is left to the resume, which names it
-    after the model checks)."""
-    path = os.path.join(save_dir, "latest")
-    if not os.path.isfile(path):
-        return False
-    with open(path) as f:
-        saved = read_manifest(os.path.join(save_dir, f.read().strip()))
-    if saved is None:
-        return False
-    return shape_change(saved, planned_shape(ds_config, world=world, sp_size=sp_size), checkpoint_dir="")[0]
 
 
 def to_universal(save_dir: str, tag: str, *, leader: bool) -> str:

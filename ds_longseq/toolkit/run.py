@@ -22,7 +22,7 @@ from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_ran
 from ds_longseq.forwards.sequence_parallel import ring_degree
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit.args import DoesNotFit
-from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
+from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, read_latest, save_checkpoint
 from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.manifest import read_manifest
@@ -118,11 +118,10 @@ def check_resume_shape(args: argparse.Namespace, ds_config: dict, world: int, sp
     else configure the engine to load DeepSpeed's universal form of it (``checkpoint.load_universal``)."""
     if not getattr(args, "resume", False):
         return
-    latest = os.path.join(args.save_dir, "latest")
-    if not os.path.isfile(latest):
+    tag = read_latest(args.save_dir)
+    if tag is None:
         return  # resume() names it
-    with open(latest) as f:
-        checkpoint = os.path.join(args.save_dir, f.read().strip())
+    checkpoint = os.path.join(args.save_dir, tag)
     saved = read_manifest(checkpoint)
     if saved is None:
         return
@@ -162,9 +161,8 @@ def startup_summary(run: Run, plan) -> str:
     if plan is not None:
         lines.append(f"memory: the planner's estimate {plan.estimate.device_total / 2**30:.2f} GiB per "
                      f"{'GPU' if device == 'cuda' else 'rank'} against {plan.device_bytes / 2**30:.1f} GiB available "
-                     f"now (an "
-                     f"estimate, within its {plan.margin:.0%} measured error); longest that fits: {plan.longest:,} "
-                     "tokens")
+                     f"now (an estimate, within its {plan.margin:.0%} measured error); longest that fits: "
+                     f"{plan.longest:,} tokens")
     schedule = run.schedule
     steps = "every step" if schedule.every_steps == 1 else f"every {schedule.every_steps} steps"
     every = [steps] * bool(schedule.every_steps) + [
