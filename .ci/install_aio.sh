@@ -7,22 +7,14 @@
 #
 # Usage: bash .ci/install_aio.sh
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
 
 if [[ ! -e /usr/include/libaio.h ]]; then
   if [[ $EUID -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
     echo "install_aio.sh: cannot install libaio-dev (needs root and apt-get): the disk-tier tests will skip" >&2
     exit 0
   fi
-  log="$(mktemp)"
-  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libaio-dev >"$log" 2>&1 ||
-         { apt-get update -q >>"$log" 2>&1 &&
-           DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libaio-dev >>"$log" 2>&1; }; }; then
-    echo "install_aio.sh: apt-get install libaio-dev failed (the disk-tier tests will skip):" >&2
-    tail -5 "$log" >&2
-    rm -f "$log"
-    exit 0
-  fi
-  rm -f "$log"
+  apt_install install_aio.sh "the disk-tier tests will skip" libaio-dev || exit 0
 fi
 start=$SECONDS
 if ! python -c "from ds_longseq.ops.disk_offload import load_async_io; load_async_io()" >/tmp/install_aio.log 2>&1; then

@@ -8,6 +8,7 @@
 #
 # Usage: bash .ci/install_multinode.sh
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
 
 need=()
 command -v sshd >/dev/null 2>&1 || [[ -x /usr/sbin/sshd ]] || need+=(openssh-server)
@@ -24,14 +25,5 @@ if [[ $EUID -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
   echo "install_multinode.sh: cannot install ${need[*]} (needs root and apt-get): the multi-node tests will skip" >&2
   exit 0
 fi
-log="$(mktemp)"
-if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}" >"$log" 2>&1 ||
-       { apt-get update -q >>"$log" 2>&1 &&
-         DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}" >>"$log" 2>&1; }; }; then
-  echo "install_multinode.sh: apt-get install ${need[*]} failed (the multi-node tests will skip):" >&2
-  tail -5 "$log" >&2
-  rm -f "$log"
-  exit 0
-fi
-rm -f "$log"
+apt_install install_multinode.sh "the multi-node tests will skip" "${need[@]}" || exit 0
 echo "install_multinode.sh: installed ${need[*]}"

@@ -8,6 +8,7 @@
 #
 # Usage: bash .ci/install_slurm.sh
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
 
 if command -v sinfo >/dev/null 2>&1 && timeout 10 sinfo -h -o %T 2>/dev/null | grep -qE "idle|mix|alloc"; then
   echo "install_slurm.sh: SLURM answers ($(sinfo -h -o '%N %T' | head -1))"
@@ -17,17 +18,10 @@ if [[ $EUID -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
   echo "install_slurm.sh: cannot install or start SLURM (needs root and apt-get): the SLURM tests will skip" >&2
   exit 0
 fi
-log="$(mktemp)"
 if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
-  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge >"$log" 2>&1 ||
-         { apt-get update -q >>"$log" 2>&1 &&
-           DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge >>"$log" 2>&1; }; }; then
-    echo "install_slurm.sh: apt-get install slurm-wlm munge failed (the SLURM tests will skip):" >&2
-    tail -5 "$log" >&2
-    rm -f "$log"
-    exit 0
-  fi
+  apt_install install_slurm.sh "the SLURM tests will skip" slurm-wlm munge || exit 0
 fi
+log="$(mktemp)"
 
 host="$(hostname)"
 mkdir -p /run/munge /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
