@@ -91,14 +91,26 @@ def _state(job: str) -> str:
     return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "GONE")
 
 
-def _wait(condition, what: str, timeout: float = 300, every: float = 0.5):
+def _wait(condition, what: str, timeout: float = 300, every: float = 0.5, explain=lambda: ""):
+    """``condition()``'s first true value, polled every ``every`` s; past ``timeout`` s an AssertionError naming
+    ``what`` with ``explain()`` (the job's state as SLURM sees it) appended."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = condition()
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}\n{explain()}")
+
+
+def _job_report(job: str) -> str:
+    """What a person would look at when a job does not start: the job, the node's state and SLURM's last words."""
+    parts = []
+    for cmd in (["scontrol", "show", "job", job], ["sinfo", "-R"], ["tail", "-n", "15", "/var/log/slurm/slurmctld.log"],
+                ["tail", "-n", "15", "/var/log/slurm/slurmd.log"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        parts.append(f"$ {' '.join(cmd)}\n{done.stdout}{done.stderr}")
+    return "\n".join(parts)
 
 
 def _tasks(marker: str) -> dict[int, int]:
@@ -134,12 +146,16 @@ def test_sbatch_job_killed_and_requeued_ends_with_the_launchers_losses(tmp_path,
         _wait(lambda: _state(job) in ("FAILED", "CANCELLED", "COMPLETED", "GONE"), "the job to end")
         assert _state(job) == "FAILED", _state(job)
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
-        # SLURM holds a requeued job back 2 minutes (its EligibleTime); a user in a hurry does the same
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+        # SLURM holds a requeued job back 2 minutes (its EligibleTime); a user in a hurry brings that forward, but not
+        # to "now": slurmd refuses a job started in the same second as its previous attempt's kill ("Job credential
+        # revoked", the attempt fails at once; seen in CI), which is what docs/LAUNCHING.md says to do
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+5"], check=True, timeout=30)
         out = tmp_path / f"ds-longseq-{job}.out"
         # the state reads FAILED until the requeue has gone through: wait for the second attempt's first line
-        _wait(lambda: "resuming from it (restart 1)" in out.read_text(), "the requeued attempt to start")
-        _wait(lambda: _state(job) in ("COMPLETED", "FAILED"), "the requeued job", timeout=600)
+        _wait(lambda: "resuming from it (restart 1)" in out.read_text(), "the requeued attempt to start",
+              explain=lambda: _job_report(job))
+        _wait(lambda: _state(job) in ("COMPLETED", "FAILED"), "the requeued job", timeout=600,
+              explain=lambda: _job_report(job))
         log = out.read_text()
         assert _state(job) == "COMPLETED", log[-3000:]
     finally:
