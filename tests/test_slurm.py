@@ -1,8 +1,9 @@
-"""SLURM: the process group from SLURM's variables (synthetic ones for 2 nodes x 2 tasks, so that a one-node run
-cannot hide a wrong rank mapping), and launch/slurm.sbatch on a real SLURM (``bash .ci/install_slurm.sh``: munge,
-slurmctld and one slurmd on this machine, one node with several tasks, Debian's build having no multiple-slurmd
-support): a job whose task is killed and which is requeued with ``scontrol requeue`` ends with every loss of an
-uninterrupted DeepSpeed-launcher run, and ``scancel`` leaves no process behind."""
+"""SLURM: the process group from SLURM's variables (synthetic ones for 2 nodes x 2 tasks, uneven tasks per node, host
+lists), and launch/slurm.sbatch on a real SLURM (``bash .ci/install_slurm.sh``: munge, slurmctld and two slurmd on
+this machine, the nodes node1 and node2, each slurmd in its own UTS namespace; one node where that is not permitted):
+a job over both nodes, one task each, trains with the DeepSpeed launcher's losses (rank 1 on node2 as its local rank
+0); DeepSpeed's own ``--launcher slurm`` does too; a job whose task is killed and which is requeued with ``scontrol
+requeue`` ends with every loss of an uninterrupted DeepSpeed-launcher run; ``scancel`` leaves no process behind."""
 
 from __future__ import annotations
 
@@ -75,13 +76,27 @@ def _slurm_up() -> None:
                     ".ci/install_slurm.sh starts it")
 
 
-def _submit(tmp_path, *args: str, fault: str | None = None) -> str:
+def _nodes() -> list[str]:
+    """The cluster's node names (node1 node2 from .ci/install_slurm.sh; one, this host's name, where it could not
+    give each slurmd its own hostname)."""
+    listed = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True, timeout=30).stdout.split()
+    out = subprocess.run(["scontrol", "show", "hostnames", ",".join(listed)], capture_output=True, text=True,
+                         timeout=30)
+    return out.stdout.split()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.split("=", 1) for item in f.read().decode(errors="replace").split("\0") if "=" in item)
+
+
+def _submit(tmp_path, *args: str, fault: str | None = None, sbatch: tuple[str, ...] = ("-n", "2")) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("DS_LONGSEQ_FAULT_INJECT", None)
     if fault is not None:  # toolkit/faults.py: the first attempt only (a requeued job has SLURM_RESTART_COUNT)
         env["DS_LONGSEQ_FAULT_INJECT"] = fault
-    out = subprocess.run(["sbatch", "--parsable", "-n", "2", "--time", "15", SBATCH, *args], cwd=tmp_path, env=env,
+    out = subprocess.run(["sbatch", "--parsable", *sbatch, "--time", "15", SBATCH, *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip().split(";")[0]
 
@@ -129,6 +144,34 @@ def _tasks(marker: str) -> dict[int, int]:
     return found
 
 
+def test_two_nodes_one_task_each(tmp_path, uninterrupted_sft):
+    """launch/slurm.sbatch over SLURM's two nodes (node1, node2: two slurmd on this host, each with its own
+    hostname), one task each: rank 1 runs on node2 as its node's local rank 0 and reaches rank 0 at node1; the losses
+    equal the DeepSpeed launcher's 2-rank run."""
+    _slurm_up()
+    if len(_nodes()) < 2:
+        pytest.skip(f"one SLURM node here ({_nodes()}): .ci/install_slurm.sh gives two where unshare --uts works")
+    save = tmp_path / "run"
+    job = _submit(tmp_path, "--ds_config", _config(tmp_path), "--seq-len", "256", "--max-steps", "2", "--save-dir",
+                  str(save), sbatch=("--nodes", "2", "--ntasks-per-node", "1"))
+    try:
+        placed = _wait(lambda: (t := _tasks(str(save))) and len(t) == 2 and t, "both tasks",
+                       explain=lambda: _job_report(job))
+        envs = {procid: _environ(pid) for procid, pid in placed.items()}
+        _wait(lambda: _state(job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), "the job", timeout=600,
+              explain=lambda: _job_report(job))
+        log = (tmp_path / f"ds-longseq-{job}.out").read_text()
+        assert _state(job) in ("COMPLETED", "GONE"), log[-3000:]
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    where = {procid: (env["SLURMD_NODENAME"], env["SLURM_NODEID"], env["SLURM_LOCALID"])
+             for procid, env in envs.items()}
+    assert where == {0: ("node1", "0", "0"), 1: ("node2", "1", "0")}, where
+    assert "2 task(s) on node[1-2], rendezvous node1:" in log and "summary: 2 steps on 2 rank(s)" in log, log[-3000:]
+    for x, y in zip(losses(save), uninterrupted_sft(2)[:2], strict=True):
+        assert abs(x - y) <= 1e-6 * abs(y), (losses(save), uninterrupted_sft(2))
+
+
 def test_sbatch_job_killed_and_requeued_ends_with_the_launchers_losses(tmp_path, uninterrupted_sft):
     """launch/slurm.sbatch, 2 tasks, tests.test_sft's config (the DeepSpeed launcher's reference run): task 1 hangs
     before step 3's backward (the fault hook, first attempt only) and is SIGKILLed from outside once step 2's
@@ -167,6 +210,42 @@ def test_sbatch_job_killed_and_requeued_ends_with_the_launchers_losses(tmp_path,
     assert len(resumed) == len(straight) == 4
     for x, y in zip(resumed, straight, strict=True):  # float32 CPU runs repeat up to reduction order
         assert abs(x - y) <= 1e-6 * abs(y), (resumed, straight)
+
+
+def test_deepspeeds_own_slurm_launcher(tmp_path, uninterrupted_sft):
+    """``deepspeed --launcher slurm`` inside a batch job over the two nodes, one slot each: DeepSpeed's runner starts
+    ``srun -n 2`` over the hostfile's slots (``--no_ssh_check`` and ``--master_addr``: it would ssh to the first host
+    otherwise; ``--force_multi`` where there is one node) and its tasks build the process group from SLURM's variables
+    as launch/slurm.sbatch's do; the first two losses equal the DeepSpeed launcher's run."""
+    _slurm_up()
+    nodes = _nodes()[:2]
+    per_node = 2 // len(nodes)  # 2 ranks: one on each of the two nodes, or both on the one
+    (tmp_path / "hostfile").write_text("".join(f"{node} slots={per_node}\n" for node in nodes))
+    host = nodes[0]
+    save = tmp_path / "run"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\nset -euo pipefail\n"
+        f"exec deepspeed --hostfile {tmp_path / 'hostfile'} --launcher slurm --force_multi --no_ssh_check "
+        f"--master_addr {host} {os.path.join(ROOT, 'examples', 'sft.py')} --ds_config {_config(tmp_path)} "
+        f"--seq-len 256 --max-steps 2 --save-dir {save}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.pop("DS_LONGSEQ_FAULT_INJECT", None)
+    job = subprocess.run(["sbatch", "--parsable", "--nodes", str(len(nodes)), "--ntasks-per-node", str(per_node),
+                          "--time", "15", "--output", str(tmp_path / "job.out"), str(script)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+                         check=True).stdout.strip().split(";")[0]
+    try:
+        _wait(lambda: _state(job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), "the job", timeout=600,
+              explain=lambda: _job_report(job))
+        log = (tmp_path / "job.out").read_text()
+        assert _state(job) in ("COMPLETED", "GONE"), log[-3000:]
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    assert "srun -n 2" in log and "summary: 2 steps on 2 rank(s)" in log, log[-3000:]
+    for x, y in zip(losses(save), uninterrupted_sft(2)[:2], strict=True):
+        assert abs(x - y) <= 1e-6 * abs(y), (losses(save), uninterrupted_sft(2))
 
 
 def test_scancel_leaves_no_process_behind(tmp_path):
