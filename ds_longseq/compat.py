@@ -21,6 +21,8 @@ Holds:
     ZERO3_SP_AVERAGE_VERSIONS, check_zero3_sequence_parallel, fix_zero3_sequence_parallel_average: DeepSpeed
         ZeRO-3's gradient average under sequence parallelism, corrected on the versions where it is known
         wrong and refused on versions nobody checked.
+    repair_zero3_universal_load: what DeepSpeed ZeRO-3's universal-checkpoint load leaves wrong in the optimizer
+        (a step count shared by its sub-groups, the first group's hyperparameters in every group), put right.
     tensor_version: a tensor's in-place version counter.
     module_function_replaced: a function of a transformers modeling module stood in for, inside a ``with`` block
         (Jamba's selective scan, continued from a state).
@@ -77,6 +79,7 @@ __all__ = [
     "ZERO3_SP_AVERAGE_VERSIONS",
     "zero3_sequence_parallel_problem",
     "fix_zero3_sequence_parallel_average",
+    "repair_zero3_universal_load",
     "tensor_version",
     "products_uncomputed",
     "keys_ignored_on_save",
@@ -346,6 +349,59 @@ def fix_zero3_sequence_parallel_average(optimizer, sp_size: int, version: str | 
 
     object.__setattr__(optimizer, _Z3_SCATTER, avg_scatter_grads)
     return True
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+    return a == b
+
+
+def repair_zero3_universal_load(engine: Any, universal_dir: str) -> list[str]:
+    """Undo two slips of DeepSpeed ZeRO-3's universal-checkpoint load (``DeepSpeedZeroOptimizer_Stage3.
+    load_hp_checkpoint_state_from_checkpoint_dir_stage3``, 0.19.8) on ``engine``'s optimizer, right after
+    ``engine.load_checkpoint`` read ``universal_dir``; returns what was repaired (empty: nothing to).
+
+    - It gives every sub-group's optimizer state the same ``step`` tensor object. torch's Adam increments its step
+      in place, once per sub-group per step, so with two sub-groups (the Trainer's decay / no-decay groups, or a model
+      larger than ``sub_group_size``) the shared count runs ahead and Adam's bias correction is off from the first
+      step after the load (seen: 9e-4 on every LayerNorm weight after one step). Each state gets its own copy.
+    - It copies the first parameter group's hyperparameters (``weight_decay``, ``lr``, ...) into every group, so a
+      no-decay group would decay. Each group gets its own back from the checkpoint's ``optimizer_state.pt``.
+
+    Both repairs restore what the checkpoint holds, so on a DeepSpeed that loads right they change nothing: keyed
+    on what the load left, not on a version."""
+    if engine.zero_optimization_stage() != 3:
+        return []
+    import os
+
+    import torch
+
+    optimizer = engine.optimizer.optimizer  # the torch optimizer ZeRO-3 steps, one sub-group at a time
+    repaired, seen, untied = [], set(), 0
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                state["step"] = step.clone()
+                untied += 1
+            seen.add(id(state["step"]))
+    if untied:
+        repaired.append(f"the Adam step count {untied + 1} sub-groups shared untied")
+    saved = torch.load(os.path.join(universal_dir, "zero", "optimizer_state.pt"), map_location="cpu",
+                       weights_only=False)["optimizer_state_dict"]["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise RuntimeError(f"{universal_dir} has {len(saved)} optimizer parameter groups, this run's optimizer "
+                           f"{len(optimizer.param_groups)}: resume with the optimizer settings that wrote it")
+    for index, (group, loaded) in enumerate(zip(optimizer.param_groups, saved, strict=True)):
+        wrong = sorted(k for k, v in loaded.items() if k != "params" and not _same(group.get(k), v))
+        for key in wrong:
+            group[key] = loaded[key]
+        if wrong:
+            repaired.append(f"group {index}'s {', '.join(wrong)} restored")
+    return repaired
 
 
 # ---- torch -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The checkpoint manifest (toolkit/manifest.py): what a resume checks before DeepSpeed loads anything, each case on
+"""The checkpoint manifest (engine/manifest.py): what a resume checks before DeepSpeed loads anything, each case on
 a directory laid out as save_checkpoint leaves it (another shape of run: tests/test_reshape.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ds_longseq.toolkit.manifest import MANIFEST, MODEL_STATES, resume_problem, write_manifest
+from ds_longseq.engine.manifest import MANIFEST, MODEL_STATES, resume_problem, write_manifest
 
 FACTS = {"model_class": "LlamaForCausalLM", "world_size": 4, "sequence_parallel_size": 2, "zero_stage": 3,
          "micro_batch": 1, "gradient_accumulation": 1,

@@ -1,18 +1,20 @@
-"""Resuming on another shape of run (toolkit/reshape.py): a checkpoint written at one number of ranks continues at
+"""Resuming on another shape of run (engine/reshape.py): a checkpoint written at one number of ranks continues at
 another through DeepSpeed's universal checkpoint, with the uninterrupted run's losses and optimizer states; what
 cannot continue is refused before compute, naming why."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from ds_longseq.toolkit.manifest import MANIFEST
-from ds_longseq.toolkit.reshape import planned_shape, shape_change
+from ds_longseq.engine.manifest import MANIFEST
+from ds_longseq.engine.reshape import planned_shape, shape_change
+from tests.dist_utils import run_distributed
 from tests.test_sft import _config, losses, run_sft
 
 SAVED = {"world_size": 4, "sequence_parallel_size": 2, "zero_stage": 3, "micro_batch": 1, "gradient_accumulation": 1}
@@ -20,7 +22,7 @@ SAVED = {"world_size": 4, "sequence_parallel_size": 2, "zero_stage": 3, "micro_b
 
 def test_what_continues_and_what_is_refused():
     """Two data-parallel replicas of 1 x 1 (4 ranks at SP 2) continue on 2 ranks at SP 2 only with accumulation 2 (the
-    same global batch); the stage, LoRA and NVMe refuse."""
+    same global batch); the stage and NVMe refuse."""
     where = "run/step3"
     same = shape_change(SAVED, dict(SAVED), checkpoint_dir=where)
     assert same == (False, None)
@@ -34,14 +36,29 @@ def test_what_continues_and_what_is_refused():
     dp4 = {**SAVED, "sequence_parallel_size": 1}
     three = shape_change(dp4, {**dp4, "world_size": 3}, checkpoint_dir=where)[1]
     assert "whose product with the 3 replica(s) is 4" in three, three
-    for kwargs, words in [({"lora": True}, "leaves the frozen weights out"), ({"nvme": True}, "NVMe")]:
-        assert words in shape_change(SAVED, {**half, "gradient_accumulation": 2}, checkpoint_dir=where, **kwargs)[1]
+    nvme = shape_change(SAVED, {**half, "gradient_accumulation": 2}, checkpoint_dir=where, nvme=True)[1]
+    assert "DeepSpeed's universal load skips an optimizer offloaded to NVMe" in nvme, nvme
     stage = shape_change(SAVED, {**SAVED, "zero_stage": 2}, checkpoint_dir=where)[1]
     assert stage.startswith("run/step3 was written by 4 ranks (sequence parallel 2 x data parallel 2), ZeRO-3; this "
                             "run has 4 ranks") and "use ZeRO-3" in stage
     assert planned_shape({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2}, world=2,
                          sp_size=1) == {"world_size": 2, "sequence_parallel_size": 1, "zero_stage": 2, "micro_batch": 1,
                                         "gradient_accumulation": 2}
+
+
+def test_each_step_reads_the_same_samples_on_any_shape_with_the_same_global_batch():
+    """The data position is step x global batch: every (accumulation, replicas, micro-batch) with the same product
+    reads the same sample ids in each step (toolkit.data.micro_batch_indices), so a reshaped resume continues on the
+    rows the uninterrupted run would have read."""
+    from ds_longseq.toolkit.data import micro_batch_indices
+
+    def ids(step, gas, replicas, micro_bs):
+        return sorted(i for micro in range(gas) for replica in range(replicas)
+                      for i in micro_batch_indices(step, micro, gas, replica, replicas, micro_bs))
+
+    for step in range(5):
+        shapes = [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2)]  # 4 rows per step each
+        assert all(ids(step, *shape) == list(range(4 * step, 4 * step + 4)) for shape in shapes), step
 
 
 def _universal_states(checkpoint, out) -> dict[str, dict[str, torch.Tensor]]:
@@ -55,11 +72,31 @@ def _universal_states(checkpoint, out) -> dict[str, dict[str, torch.Tensor]]:
             for p in sorted((out / "zero").iterdir()) if p.is_dir()}  # beside them: optimizer_state.pt
 
 
+def _states_right_after_resume(rank: int, argv: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """examples/sft.py's set-up and resume on this rank (``argv``: its flags, with --resume), then, before any step,
+    every trainable parameter's fp32 master weight and Adam moments gathered from the engine (DeepSpeed's
+    ``safe_get_full_*``, collective over the ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from ds_longseq.cli.train import parse_args
+    from ds_longseq.toolkit.checkpoint import start_or_resume
+    from ds_longseq.toolkit.run import setup_run
+
+    args = parse_args(argv)
+    run = setup_run(args)
+    start_or_resume(run.engine, args.save_dir, os.path.join(args.save_dir, "metrics.jsonl"), resume_run=True,
+                    max_steps=args.max_steps, rank=run.rank)
+    return {name: {"fp32": safe_get_full_fp32_param(p).cpu(),
+                   **{k: safe_get_full_optimizer_state(p, k).cpu() for k in ("exp_avg", "exp_avg_sq")}}
+            for name, p in run.engine.module.named_parameters() if p.requires_grad}
+
+
 def test_two_ranks_resume_on_one_with_accumulation_two(tmp_path, uninterrupted_sft):
     """2 ranks (data parallel 2) for 2 steps, resumed on 1 rank with gradient accumulation 2 (the same global
-    batch, the same samples per step): the losses of steps 3 and 4 and, after step 3, every parameter's fp32 master
-    weight and Adam moments equal the uninterrupted 2-rank run's (a resume that reloaded the weights and reset the
-    optimizer would change the moments and step 4's loss). The original checkpoint stays untouched."""
+    batch, the same samples per step): right after the load, every parameter's fp32 master weight and Adam moments
+    on the one rank equal what the 2 ranks saved (read by DeepSpeed's own conversion of their shards: a resume that
+    reloaded the weights and reset the optimizer fails here); the losses of steps 3 and 4 and, after step 3, the
+    states equal the uninterrupted 2-rank run's. The original checkpoint stays untouched."""
     config = _config(tmp_path)
     cut = tmp_path / "cut"
     run_sft(config, cut, "--max-steps", "2", "--save-every", "1")
@@ -67,6 +104,14 @@ def test_two_ranks_resume_on_one_with_accumulation_two(tmp_path, uninterrupted_s
     with open(config) as f:
         gas2 = {**json.load(f), "gradient_accumulation_steps": 2}
     (tmp_path / "gas2.json").write_text(json.dumps(gas2))
+    saved = _universal_states(cut / "step2", tmp_path / "saved")
+    [loaded] = run_distributed(_states_right_after_resume, 1, ([
+        "--ds_config", str(tmp_path / "gas2.json"), "--seq-len", "256", "--save-dir", str(cut), "--max-steps", "4",
+        "--resume"],))
+    assert loaded.keys() == saved.keys() and len(saved) > 10
+    for name, states in saved.items():
+        for key, value in states.items():  # the same numbers, moved: exactly equal
+            assert torch.equal(loaded[name][key], value), f"{name} {key}"
     proc = run_sft(str(tmp_path / "gas2.json"), cut, "--max-steps", "4", "--save-every", "1", "--resume",
                    "--save-total-limit", "0", num_ranks=1)  # every checkpoint kept: step2/ is looked at below
     out = proc.stdout + proc.stderr
@@ -117,3 +162,27 @@ def test_zero3_sequence_parallel_shapes(tmp_path, before, after):
     assert len(losses(cut)) == 4
     for x, y in zip(losses(cut), losses(straight), strict=True):
         assert abs(x - y) <= 1e-5 * abs(y), (losses(cut), losses(straight))
+
+
+@pytest.mark.slow  # three 1- and 2-rank runs
+def test_lora_resumes_on_another_number_of_ranks(tmp_path):
+    """LoRA (its checkpoints hold the adapter alone; the frozen base is rebuilt from the model): 2 ranks for 2 steps
+    resumed on 1 rank with accumulation 2 give the uninterrupted 2-rank run's losses and, after step 3, the adapter's
+    fp32 master weights and Adam moments."""
+    lora = ("--lora-rank", "4", "--lr", "1e-2")
+    config = _config(tmp_path)
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    run_sft(config, straight, "--max-steps", "4", "--save-every", "1", "--save-total-limit", "0", *lora)
+    run_sft(config, cut, "--max-steps", "2", "--save-every", "1", *lora)
+    gas2 = _with(config, tmp_path / "gas2.json", gradient_accumulation_steps=2)
+    out = run_sft(gas2, cut, "--max-steps", "4", "--save-every", "1", "--save-total-limit", "0", "--resume", *lora,
+                  num_ranks=1)
+    assert "loading DeepSpeed's universal form of it" in out.stdout + out.stderr
+    for x, y in zip(losses(cut), losses(straight), strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y), (losses(cut), losses(straight))
+    ours, theirs = _universal_states(cut / "step3", tmp_path / "ours"), _universal_states(straight / "step3",
+                                                                                          tmp_path / "theirs")
+    assert ours.keys() == theirs.keys() and ours and all("lora_" in name for name in ours)
+    for name, states in theirs.items():
+        for key, value in states.items():
+            torch.testing.assert_close(ours[name][key], value, rtol=1e-5, atol=1e-7, msg=f"{name} {key}")

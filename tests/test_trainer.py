@@ -93,9 +93,10 @@ def train_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, gas
 
     args = TrainingArguments(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
-        max_steps=opts.get("max_steps", STEPS), learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-        weight_decay=0.0, optim="sgd", deepspeed=ds_config(stage, sp), report_to=[],
-        logging_steps=1, use_cpu=True,
+        max_steps=opts.get("max_steps", STEPS), learning_rate=opts.get("lr", LR), lr_scheduler_type="constant",
+        max_grad_norm=0.0, weight_decay=opts.get("weight_decay", 0.0), optim=opts.get("optim", "sgd"),
+        deepspeed=ds_config(stage, sp),
+        report_to=[], logging_steps=1, use_cpu=True,
         disable_tqdm=True, seed=opts.get("seed", 7), save_strategy=opts.get("save_strategy", "no"),
         save_steps=opts.get("save_steps", 1), remove_unused_columns=False, per_device_eval_batch_size=2,
     )
@@ -437,6 +438,100 @@ def test_trainer_resume_from_checkpoint(tmp_path):
         assert len(resumed_seen) == 1  # one step trained after the checkpoint
         # the log history of steps 1-2 comes back with the checkpoint; step 3 is trained again
         assert resumed_losses == pytest.approx(full_losses, rel=1e-6)
+
+
+def _hf_weights(path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).named_parameters())
+
+
+ADAM = {"optim": "adamw_torch", "lr": 1e-2, "weight_decay": 0.1}
+"""DeepSpeed's universal checkpoint converts Adam's states (exp_avg, exp_avg_sq) only: the reshape tests train with
+it. Its updates at step 3 are no longer sign-like where float32 rounding decides a sign: the gradients that small sit
+under its epsilon. Weight decay puts the LayerNorm weights in the Trainer's second (no-decay) parameter group, whose
+hyperparameters and step count DeepSpeed's ZeRO-3 universal load gets wrong (compat.repair_zero3_universal_load)."""
+
+
+@pytest.mark.parametrize(("stage", "sp", "gas_after"), [
+    pytest.param(2, 1, 2, marks=pytest.mark.slow),  # 2 replicas of 2 rows -> 1 rank accumulating 2 (test_reshape's)
+    (3, 2, 1),  # ZeRO-3, one replica cut across 2 ranks -> 1 rank: where DeepSpeed's load needs repairs
+], ids=["z2-dp2-to-1-gas2", "z3-sp2-to-1"])
+def test_trainer_resumes_on_another_number_of_ranks(tmp_path, stage, sp, gas_after):
+    """Adam, a checkpoint the Trainer wrote at step 2 on 2 ranks resumed on 1 rank with the same global batch (2 rows
+    per device: data parallel 2 -> accumulation 2; or sequence parallel 2 -> 1): trainer/resume.py converts it to
+    DeepSpeed's universal form beside the original, and step 3 trains on the uninterrupted run's rows (each replica's
+    batch in turn) to its parameters."""
+    model_dir = str(tmp_path / "init")
+    save_tiny_llama(model_dir)
+    full = run_distributed(
+        train_body, 2, (str(tmp_path / "full"), model_dir, stage, sp, 1,
+                        {"save_strategy": "steps", "save_steps": 2, **ADAM}),
+        timeout=600,
+    )
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
+    manifest = json.loads((checkpoint / "ds_longseq_checkpoint.json").read_text())
+    assert (manifest["world_size"], manifest["sequence_parallel_size"], manifest["step"]) == (2, sp, 2)
+    before = sorted(p.name for p in (checkpoint / "global_step2").iterdir())
+    [(seen, losses, _)] = run_distributed(
+        train_body, 1, (str(tmp_path / "resumed"), model_dir, stage, 1, gas_after,
+                        {"resume": str(checkpoint), **ADAM}),
+        timeout=600,
+    )
+    assert (checkpoint / "latest_universal").read_text() == "global_step2.universal"
+    assert sorted(p.name for p in (checkpoint / "global_step2").iterdir()) == before  # the original, only read
+    replicas = [full[r][0][2] for r in range(0, 2, sp)]  # step 3's batch of each replica (rank 0's, then rank 1's)
+    assert len(seen) == gas_after == len(replicas)
+    for mine, theirs in zip(seen, replicas, strict=True):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert losses[:2] == full[0][1][:2]  # steps 1-2 come back with the checkpoint's log history
+    ours, reference = _hf_weights(tmp_path / "resumed" / "hf_model"), _hf_weights(tmp_path / "full" / "hf_model")
+    for name, value in reference.items():  # float32: the same sums in another order (replicas vs accumulation)
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_trainer_resume_refusals(tmp_path):
+    """What ``resume_from_checkpoint`` refuses before any weight is loaded (trainer/resume.py), on checkpoints laid
+    out as the Trainer leaves them: another global batch (naming the accumulation that keeps it), another model,
+    and a checkpoint without ds_longseq's manifest from another number of ranks (naming DeepSpeed's conversion)."""
+    from types import SimpleNamespace
+
+    from ds_longseq.engine.manifest import write_manifest
+    from ds_longseq.engine.reshape import conversion_failure
+    from ds_longseq.trainer.resume import ResumeError, prepare_resume
+
+    model = torch.nn.Linear(4, 3)
+    shape = {"world_size": 2, "sequence_parallel_size": 1, "zero_stage": 2, "micro_batch": 2,
+             "gradient_accumulation": 1}
+    checkpoint = tmp_path / "checkpoint-2"
+    (checkpoint / "global_step2").mkdir(parents=True)
+    (checkpoint / "latest").write_text("global_step2")
+    for r in range(2):
+        (checkpoint / "global_step2" / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"x")
+
+    def trainer(gas: int, net=model):
+        args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(config={"zero_optimization": {"stage": 2}}),
+                               per_device_train_batch_size=2, gradient_accumulation_steps=gas)
+        return SimpleNamespace(args=args, long_seq_sp_size=1, model=net)
+
+    with pytest.raises(ResumeError, match="has no ds_longseq_checkpoint.json to tell its shape; this run has 1. "
+                                          "Launch 2 ranks, or convert it with DeepSpeed: python -m deepspeed"):
+        prepare_resume(trainer(2), str(checkpoint))
+    write_manifest(str(checkpoint), {"model_class": "Linear", "parameters": {"weight": [3, 4], "bias": [3]},
+                                     **shape}, 2)
+    with pytest.raises(ResumeError, match="global batch was 4 sequences per step, this run's is 2.*set "
+                                          "gradient_accumulation_steps to 2"):
+        prepare_resume(trainer(1), str(checkpoint))
+    with pytest.raises(ResumeError, match=r"another model .* weight is \[3, 4\] there, \[5, 4\] here\. Load the "
+                                          "model that run trained"):
+        prepare_resume(trainer(2, torch.nn.Linear(4, 5)), str(checkpoint))
+    # an optimizer without Adam's moments (the Trainer's optim="sgd"): DeepSpeed's conversion fails on its state
+    failed = conversion_failure(str(checkpoint / "global_step2"), 1, "Traceback ...\nKeyError: 'exp_avg'\n")
+    assert failed.startswith(f"{checkpoint / 'global_step2'} holds no Adam moments (exp_avg)") and \
+        failed.endswith("resume it on the number of ranks and sequence-parallel size that wrote it"), failed
+    other = conversion_failure("c/global_step2", 2, "Traceback ...\nOSError: no space left\n\n")
+    assert other == "DeepSpeed's ds_to_universal failed on c/global_step2 (status 2): OSError: no space left"
 
 
 def bad_input_body(rank: int, workdir: str, model_dir: str) -> dict[str, str]:

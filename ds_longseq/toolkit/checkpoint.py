@@ -12,7 +12,7 @@ checkpoint a run resumes from. Each rank also writes its random generators' stat
 Holds:
     write_latest: point ``latest`` at a checkpoint, atomically.
     read_latest: the tag ``latest`` names (None without one).
-    resume: load the checkpoint ``latest`` names (after toolkit.manifest's check: not a checkpoint, incomplete,
+    resume: load the checkpoint ``latest`` names (after engine.manifest's check: not a checkpoint, incomplete,
         another model, another shape of run); its step and the metrics rows up to it.
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
     save_checkpoint: every rank writes step<N>.partial/, renamed to step<N>/ when complete, then ``latest`` moves.
@@ -40,13 +40,13 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.compat import full_numel, is_zero3_partitioned, keys_ignored_on_save
+from ds_longseq.compat import full_numel, is_zero3_partitioned, keys_ignored_on_save, repair_zero3_universal_load
 from ds_longseq.engine import sequence_parallel_rank_and_size
+from ds_longseq.engine.manifest import read_manifest, resume_problem, run_facts, write_manifest
+from ds_longseq.engine.reshape import UNIVERSAL_SUFFIX, UniversalConversionError, shape_change, to_universal
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
-from ds_longseq.toolkit.manifest import read_manifest, resume_problem, run_facts, write_manifest
-from ds_longseq.toolkit.reshape import UNIVERSAL_SUFFIX, shape_change, to_universal
 
 __all__ = ["write_latest", "read_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
            "prune_checkpoints",
@@ -90,7 +90,7 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
         raise SystemExit(f"--resume: {problem}")
     saved = read_manifest(os.path.join(save_dir, tag))
     reshaped, why = (False, None) if saved is None else shape_change(
-        saved, facts, checkpoint_dir=os.path.join(save_dir, tag), lora=frozen_excluded)
+        saved, facts, checkpoint_dir=os.path.join(save_dir, tag))
     if why is not None:
         raise SystemExit(f"--resume: {why}")
     original = tag
@@ -98,14 +98,21 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
         if not engine.load_universal_checkpoint():
             raise RuntimeError("resuming on another shape needs the engine built with checkpoint.load_universal "
                                "(toolkit.run.check_resume_shape before deepspeed.initialize)")
-        tag = to_universal(save_dir, tag, leader=dist.get_rank() == 0)  # rank 0 reads every rank's shard
+        try:  # rank 0 reads every rank's shard
+            tag = to_universal(save_dir, tag, leader=dist.get_rank() == 0)
+        except UniversalConversionError as err:
+            raise SystemExit(f"--resume: {err}") from None
         if dist.get_rank() == 0:
             logger.warning("--resume: %s/%s was written by %d ranks at sequence-parallel size %d, this run has %d at "
                            "%d: loading DeepSpeed's universal form of it, %s/ (converted once; %s/ untouched)",
                            save_dir, original, saved["world_size"], saved["sequence_parallel_size"],
                            facts["world_size"], facts["sequence_parallel_size"], tag, original)
     _, client_state = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=not frozen_excluded)
-    if not reshaped:  # the generators are per rank: another shape starts them afresh (toolkit.reshape)
+    if reshaped:
+        repaired = repair_zero3_universal_load(engine, os.path.join(save_dir, tag))
+        if repaired and dist.get_rank() == 0:
+            logger.warning("--resume: after DeepSpeed's ZeRO-3 universal load: %s", "; ".join(repaired))
+    if not reshaped:  # the generators are per rank: another shape starts them afresh (engine.reshape)
         _load_rng_state(os.path.join(save_dir, tag))
     tag = original
     start_step, metrics = client_state["step"], []

@@ -19,14 +19,14 @@ import ds_longseq.engine
 from ds_longseq import compat
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
+from ds_longseq.engine.manifest import read_manifest
+from ds_longseq.engine.reshape import planned_shape, shape_change
 from ds_longseq.forwards.sequence_parallel import ring_degree
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit.args import DoesNotFit
 from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, read_latest, save_checkpoint
 from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
-from ds_longseq.toolkit.manifest import read_manifest
-from ds_longseq.toolkit.reshape import planned_shape, shape_change
 from ds_longseq.toolkit.tasks import build_model, model_config
 
 logger = get_logger(__name__)
@@ -114,7 +114,7 @@ def check_memory(args: argparse.Namespace, ds_config: dict):
 
 def check_resume_shape(args: argparse.Namespace, ds_config: dict, world: int, sp_size: int) -> None:
     """With --resume from a checkpoint written by another number of ranks or sequence-parallel size: refuse what
-    cannot continue (a ZeRO stage change, LoRA, NVMe, another global batch), naming it, before the model is built;
+    cannot continue (a ZeRO stage change, NVMe, another global batch), naming it, before the model is built;
     else configure the engine to load DeepSpeed's universal form of it (``checkpoint.load_universal``)."""
     if not getattr(args, "resume", False):
         return
@@ -127,7 +127,7 @@ def check_resume_shape(args: argparse.Namespace, ds_config: dict, world: int, sp
         return
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
     changed, why = shape_change(saved, planned_shape(ds_config, world=world, sp_size=sp_size),
-                                checkpoint_dir=checkpoint, lora=bool(args.lora_rank), nvme=offload == "nvme")
+                                checkpoint_dir=checkpoint, nvme=offload == "nvme")
     if why is not None:
         raise SystemExit(f"--resume: {why}")
     if changed:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
 
 from ds_longseq.compat import (
     accelerate_parallelism_hidden,
@@ -30,6 +31,7 @@ from ds_longseq.logging import get_logger
 from ds_longseq.patch import configure_fused_lm_head, disable, enable, get_config, is_enabled
 from ds_longseq.trainer.cases import TrainerCase, choose_case
 from ds_longseq.trainer.positions import PositionLosses
+from ds_longseq.trainer.resume import CheckpointCallback, prepare_resume
 from ds_longseq.trainer.trl import check_trainer_class, fused_head_settings
 
 __all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq", "TrainerConfigError",
@@ -65,6 +67,8 @@ class LongSeqTrainerMixin:
         check_trainer_class(type(self))
         super().__init__(*args, **kwargs)
         check_values_the_trainer_sets(self.args)
+        self._long_seq_checkpoints = CheckpointCallback(self)  # each checkpoint's manifest; repairs after a reshape
+        self.add_callback(self._long_seq_checkpoints)
         self._long_seq_routing = False  # inside train / evaluate / predict: deepspeed.initialize is ours
         self._long_seq_alst = False  # sequence parallelism asked through parallelism_config (ALST's way)
         self._long_seq_positions: PositionLosses | None = None  # while an evaluation loop records
@@ -177,6 +181,8 @@ class LongSeqTrainerMixin:
         if self._long_seq_section is not None:
             # the parsed object, not the raw section: split_config passes it through unparsed
             config["long_seq"] = self.long_seq_config
+        if self._long_seq_checkpoints.universal_dir is not None:  # a resume on another shape (train())
+            config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
         sp = self.long_seq_sp_size
         if sp > 1 and "train_batch_size" in config and dist.is_initialized():
             # accelerate counts every rank as a data-parallel replica; DeepSpeed checks world / P
@@ -202,9 +208,19 @@ class LongSeqTrainerMixin:
         finally:
             self._long_seq_routing = False
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's ``train``; a ``resume_from_checkpoint`` is checked first (``trainer/resume.py``: another
+        model or an incomplete copy refused, another number of ranks or sequence-parallel size continued through
+        DeepSpeed's universal checkpoint)."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:  # the Trainer's own rule: the newest checkpoint-<N> of output_dir
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        universal = prepare_resume(self, checkpoint) if isinstance(checkpoint, str) and self.is_deepspeed_enabled \
+            else None
+        self._long_seq_checkpoints.universal_dir = universal
         with self._long_seq_engine():
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
 
     def evaluate(self, *args, **kwargs):
         with self._long_seq_engine(), self._long_seq_case.evaluate_context():

@@ -6,15 +6,16 @@ of the run (ranks, sequence-parallel size, ZeRO stage, micro-batch, accumulation
 random generators' states aside: optional, a checkpoint without them resumes with other dropout masks). ``--resume``
 reads it first and stops, naming the directory and what is wrong, on a directory that is not a checkpoint, a
 half-written or partly copied one, or one written by another model (which DeepSpeed would refuse deep inside its
-load with a raw traceback, or load); another shape of run is :mod:`ds_longseq.toolkit.reshape`'s.
+load with a raw traceback, or load); another shape of run is :mod:`ds_longseq.engine.reshape`'s.
 
 Holds:
     MANIFEST: the file's name.
+    model_facts: the model's class and parameters.
     run_facts: the facts of this run that a checkpoint must agree with.
     write_manifest: write the manifest into a checkpoint directory (each node's local rank 0).
     read_manifest: a checkpoint directory's manifest (None: written before manifests).
     resume_problem: what is wrong with resuming this run's model from a checkpoint directory (None: nothing); a
-        change of shape is toolkit.reshape's.
+        change of shape is engine.reshape's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["MANIFEST", "run_facts", "write_manifest", "read_manifest", "resume_problem"]
+import torch
+
+__all__ = ["MANIFEST", "model_facts", "run_facts", "write_manifest", "read_manifest", "resume_problem"]
 
 MANIFEST = "ds_longseq_checkpoint.json"
 FORMAT = 1
@@ -32,13 +35,18 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 """DeepSpeed's file of the model states (every checkpoint of a data- / sequence-parallel run has it)."""
 
 
+def model_facts(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's class and parameters ({name: full shape}; ZeRO-3's partitioned ones by their ``ds_shape``): what
+    tells one model from another (before its engine exists too)."""
+    return {"model_class": type(model).__name__,
+            "parameters": {name: list(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()}}
+
+
 def run_facts(engine, *, world: int, sp_size: int) -> dict[str, Any]:
-    """The model's parameters ({name: full shape}; ZeRO-3's partitioned ones by their ``ds_shape``), its class, and
-    the run's shape: ranks, sequence-parallel size, ZeRO stage, micro-batch, gradient accumulation."""
-    model = engine.module
+    """:func:`model_facts` of the engine's model, and the run's shape: ranks, sequence-parallel size, ZeRO stage,
+    micro-batch, gradient accumulation."""
     return {
-        "model_class": type(model).__name__,
-        "parameters": {name: list(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()},
+        **model_facts(engine.module),
         "world_size": world, "sequence_parallel_size": sp_size, "zero_stage": int(engine.zero_optimization_stage()),
         "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
         "gradient_accumulation": int(engine.gradient_accumulation_steps()),
@@ -70,9 +78,12 @@ def read_manifest(checkpoint_dir: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def resume_problem(checkpoint_dir: str, facts: dict[str, Any]) -> str | None:
+def resume_problem(checkpoint_dir: str, facts: dict[str, Any], *,
+                   other_model_fix: str = "Pass the --model (and LoRA flags) of that run, or another --save-dir",
+                   ) -> str | None:
     """What is wrong with resuming a run with ``facts`` (:func:`run_facts`) from ``checkpoint_dir``, in one line that
-    names the directory; None when nothing is (or, for a checkpoint from before manifests, nothing can be told)."""
+    names the directory; None when nothing is (or, for a checkpoint from before manifests, nothing can be told).
+    ``other_model_fix`` ends the message about a checkpoint of another model (the scripts' flags by default)."""
     if not os.path.isdir(checkpoint_dir):
         return f"{checkpoint_dir} is not there ('latest' names it): the directory was moved or deleted"
     saved = read_manifest(checkpoint_dir)
@@ -97,6 +108,5 @@ def resume_problem(checkpoint_dir: str, facts: dict[str, Any]) -> str | None:
         name = differ[0]
         return (f"{checkpoint_dir} was written by another model ({saved['model_class']}, {len(theirs)} parameters; "
                 f"this run: {facts['model_class']}, {len(ours)}): {name} is {theirs.get(name, 'absent')} there, "
-                f"{ours.get(name, 'absent')} here. Pass the --model (and LoRA flags) of that run, or another "
-                "--save-dir")
+                f"{ours.get(name, 'absent')} here. {other_model_fix}")
     return None

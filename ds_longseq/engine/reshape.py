@@ -8,9 +8,11 @@ with ``"checkpoint": {"load_universal": true}`` loads it at any world size, fp32
 ``exp_avg`` / ``exp_avg_sq`` included. Here the conversion goes to ``step<N>.universal/`` beside the original, which
 stays untouched, and is reused by a later resume.
 
-What stays refused, before compute and naming why: a ZeRO stage change and NVMe optimizer offload (DeepSpeed's
-universal load does not cover them), LoRA checkpoints (they leave the frozen weights out, which the conversion
-needs), and a global batch (micro-batch x accumulation x data-parallel replicas) other than the checkpoint's: the
+LoRA checkpoints (the trainable weights only) convert too: the conversion and the universal load cover the
+parameters the optimizer holds, and the frozen base is rebuilt from the model as on any LoRA resume. What stays
+refused, before compute and naming why: a ZeRO stage change and NVMe optimizer offload (DeepSpeed's universal load
+does not cover them), an optimizer without Adam's moments (:func:`conversion_failure`), and a global batch
+(micro-batch x accumulation x data-parallel replicas) other than the checkpoint's: the
 data position is the number of samples consumed, step x global batch, so the message names the accumulation that
 keeps it. The random generators' states are per rank: a reshaped resume starts them afresh (dropout masks then
 differ from the uninterrupted run's; runs without dropout continue exactly).
@@ -20,25 +22,30 @@ Holds:
     planned_shape: the shape a run is about to have, from its DeepSpeed config and world size (before the engine).
     shape_change: whether a checkpoint's shape differs from the run's, and what refuses the change.
     to_universal: convert a checkpoint once (global rank 0), every rank waiting; returns the tag to load.
+    zero_shard_ranks: how many ranks wrote a ZeRO checkpoint (for checkpoints without the manifest).
+    UniversalConversionError, conversion_failure: a failed conversion, and the one line it comes to.
 
-Used by ``toolkit.run.check_resume_shape`` (refusals, and ``checkpoint.load_universal`` set before the engine is built)
-and ``toolkit.checkpoint.resume`` (the conversion and the load).
+Used by ``toolkit.run.check_resume_shape`` (refusals, and ``checkpoint.load_universal`` set before the engine is built),
+``toolkit.checkpoint.resume`` (the conversion and the load) and ``trainer.resume`` (the Trainer's
+``resume_from_checkpoint``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from typing import Any
 
-__all__ = ["UNIVERSAL_SUFFIX", "planned_shape", "shape_change", "to_universal"]
+__all__ = ["UNIVERSAL_SUFFIX", "planned_shape", "shape_change", "to_universal", "zero_shard_ranks",
+           "UniversalConversionError", "conversion_failure"]
 
 UNIVERSAL_SUFFIX = ".universal"
 
 
 def planned_shape(ds_config: dict, *, world: int, sp_size: int) -> dict[str, Any]:
-    """The shape keys of :func:`~ds_longseq.toolkit.manifest.run_facts` for a run about to start with
+    """The shape keys of :func:`~ds_longseq.engine.manifest.run_facts` for a run about to start with
     ``ds_config`` on ``world`` ranks at sequence-parallel size ``sp_size``."""
     return {"world_size": world, "sequence_parallel_size": sp_size,
             "zero_stage": int(ds_config.get("zero_optimization", {}).get("stage", 0)),
@@ -56,14 +63,14 @@ def _global_batch(shape: dict[str, Any]) -> int:
     return shape["micro_batch"] * shape["gradient_accumulation"] * replicas
 
 
-def shape_change(saved: dict[str, Any], now: dict[str, Any], *, checkpoint_dir: str, lora: bool = False,
+def shape_change(saved: dict[str, Any], now: dict[str, Any], *, checkpoint_dir: str,
                  nvme: bool = False) -> tuple[bool, str | None]:
     """(whether the ranks / sequence-parallel size differ, what refuses resuming across the change or None).
 
     Args:
         saved: the checkpoint's manifest; now: :func:`planned_shape` (or the run's facts).
         checkpoint_dir: named in the messages.
-        lora: the checkpoints leave the frozen weights out; nvme: the optimizer is offloaded to NVMe.
+        nvme: the optimizer is offloaded to NVMe.
     """
     changed = any(saved[k] != now[k] for k in ("world_size", "sequence_parallel_size"))
     where = f"{checkpoint_dir} was written by {_describe(saved)}; this run has {_describe(now)}"
@@ -72,10 +79,6 @@ def shape_change(saved: dict[str, Any], now: dict[str, Any], *, checkpoint_dir: 
                          f"the stage): use ZeRO-{saved['zero_stage']}")
     if not changed:
         return False, None
-    if lora:
-        return True, (f"{where}: a LoRA checkpoint leaves the frozen weights out, which DeepSpeed's conversion to "
-                      f"another shape needs: launch {saved['world_size']} ranks at sequence-parallel size "
-                      f"{saved['sequence_parallel_size']}")
     if nvme:
         return True, (f"{where}: DeepSpeed's universal load skips an optimizer offloaded to NVMe: launch "
                       f"{saved['world_size']} ranks, or offload to the CPU")
@@ -90,18 +93,41 @@ def shape_change(saved: dict[str, Any], now: dict[str, Any], *, checkpoint_dir: 
     return True, None
 
 
-def to_universal(save_dir: str, tag: str, *, leader: bool) -> str:
+class UniversalConversionError(RuntimeError):
+    """DeepSpeed's conversion of a checkpoint to its universal form failed: one line naming the checkpoint and why
+    (raised on every rank, the converting one having said why to the others)."""
+
+
+def conversion_failure(checkpoint: str, returncode: int, stderr: str) -> str:
+    """The one line a failed ``ds_to_universal`` of ``checkpoint`` comes to: an optimizer without Adam's moments
+    (the conversion reads ``exp_avg`` / ``exp_avg_sq``: SGD and the like cannot be reshaped), else the status and
+    DeepSpeed's last line."""
+    if "KeyError: 'exp_avg'" in stderr:
+        return (f"{checkpoint} holds no Adam moments (exp_avg): DeepSpeed's universal checkpoint, which another shape "
+                "of run loads, converts the states of Adam-family optimizers only; resume it on the number of ranks "
+                "and sequence-parallel size that wrote it")
+    last = next((line for line in reversed(stderr.strip().splitlines()) if line.strip()), "no output")
+    return f"DeepSpeed's ds_to_universal failed on {checkpoint} (status {returncode}): {last.strip()}"
+
+
+def to_universal(save_dir: str, tag: str, *, leader: bool, pointer: str | None = None) -> str:
     """``<save_dir>/<tag>.universal/``, converted by ``deepspeed.checkpoint.ds_to_universal`` on one process
     (``leader``: global rank 0, which reads every rank's shard; written beside as ``.partial`` and renamed, so a
-    killed conversion is redone; an existing one is reused), every rank waiting at a barrier; returns its tag. The
-    original ``<tag>/`` is only read. A rank that then cannot see the converted directory (nodes without a shared
-    file system) stops, saying so."""
+    killed conversion is redone; an existing one is reused), every rank waiting; returns its tag. The original
+    ``<tag>/`` is only read. With ``pointer``, the leader also writes the tag into ``<save_dir>/<pointer>``
+    (``latest_universal``, which DeepSpeed's load reads when no tag is given: the Trainer's way).
+
+    Raises:
+        UniversalConversionError: on every rank, when the conversion failed (:func:`conversion_failure`).
+        SystemExit: a rank that cannot see the converted directory (nodes without a shared file system).
+    """
     import shutil
 
-    import deepspeed.comm as dist
+    import torch.distributed as dist
 
     target = tag + UNIVERSAL_SUFFIX
     out = os.path.join(save_dir, target)
+    failure = None
     if leader and not os.path.isdir(out):
         partial = out + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -110,11 +136,31 @@ def to_universal(save_dir: str, tag: str, *, leader: bool) -> str:
                    "--num_extract_workers", "1", "--num_merge_workers", "1"]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {save_dir}/{tag} (status {proc.returncode}):\n"
-                               + proc.stderr[-3000:])
-        os.replace(partial, out)
-    dist.barrier()
+            shutil.rmtree(partial, ignore_errors=True)
+            failure = conversion_failure(os.path.join(save_dir, tag), proc.returncode, proc.stderr)
+        else:
+            os.replace(partial, out)
+    if leader and pointer is not None and failure is None:
+        tmp = os.path.join(save_dir, f"{pointer}.tmp.{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(target)
+        os.replace(tmp, os.path.join(save_dir, pointer))
+    if dist.is_initialized():  # torch's own group: the Trainer calls this before deepspeed.comm is up
+        shared = [failure]
+        dist.broadcast_object_list(shared, src=0)  # the leader is global rank 0
+        failure = shared[0]
+    if failure is not None:
+        raise UniversalConversionError(failure)
     if not os.path.isdir(out):
         raise SystemExit(f"--resume: {out} (DeepSpeed's universal form of {tag}, written by rank 0) is not visible "
                          "here: resuming on another shape needs a file system every node shares")
     return target
+
+
+def zero_shard_ranks(checkpoint_dir: str) -> int:
+    """How many ranks wrote a DeepSpeed ZeRO checkpoint directory (its ``*zero_pp_rank_<r>_*optim_states.pt``
+    files; 0 where it has none): the world size of a checkpoint without ds_longseq's manifest."""
+    pattern = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+    if not os.path.isdir(checkpoint_dir):
+        return 0
+    return len({m.group(1) for name in os.listdir(checkpoint_dir) if (m := pattern.search(name))})
