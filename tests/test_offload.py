@@ -447,7 +447,7 @@ def test_sequence_parallel_with_offload_equals_without():
 # --- DeepSpeed ZeRO-3 (2 gloo ranks) ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("long_seq", ["streambp", "mini_seq"])
+@pytest.mark.parametrize("long_seq", ["streambp", pytest.param("mini_seq", marks=pytest.mark.slow)])  # CI time
 def test_zero3_with_offload_matches_single_process_reference(long_seq):
     """Through ds_longseq.engine.initialize: decoder layers (and, for mini_seq, their MLPs) are ZeRO-3
     leaves, so the weights are gathered for the whole layer while its saved input is on the host."""

@@ -167,7 +167,9 @@ def _trainer_body(rank: int, workdir: str, model_dir: str, given: str):
         LongSeqConfig.from_dict = classmethod(parse)
 
 
-@pytest.mark.parametrize("given, parsed", [("ds", 1), ("object", 0), ("no_ds", 1)])
+@pytest.mark.parametrize("given, parsed", [
+    ("ds", 1), pytest.param("object", 0, marks=pytest.mark.slow), pytest.param("no_ds", 1, marks=pytest.mark.slow),
+])  # CI time: one 2-rank Trainer run each
 def test_trainer_parses_once(tmp_path, given, parsed):
     """The Trainer entry point: the section taken out of the DeepSpeed config is parsed once, in ``__init__``, and
     the engine accelerate builds in ``train`` gets the parsed object (``engine.initialize_with``), as does

@@ -220,6 +220,7 @@ def ring_worker(rank: int, directory: str, batch: dict):
     return loss, grads if rank == 0 else None, embed_grad, sp_positions(LENGTH, 1, 2)[rank]
 
 
+@pytest.mark.slow  # CI time: rings of 2 on tiny models run by default (test_ring_families, test_sequence_parallel)
 def test_sequence_parallel_2_on_9_heads_runs_a_ring_equal_to_one_process(smollm2):
     """SmolLM2's 9 heads at SP 2 (Ulysses cannot split them: ring attention over zigzag shards instead) with StreamBP
     (each layer's K/V gathered over the ring) and the chunked head: loss, every parameter gradient and the input

@@ -75,7 +75,8 @@ def reference_run(num_replicas: int, steps: int = 3):
 
 @pytest.mark.parametrize(
     "world,stage,long_seq",
-    [(2, 2, STREAMBP), (2, 3, STREAMBP), pytest.param(4, 2, STREAMBP, marks=pytest.mark.slow), (4, 3, STREAMBP),
+    [(2, 2, STREAMBP), pytest.param(2, 3, STREAMBP, marks=pytest.mark.slow),  # sp2xdp2-z3 covers it (CI time)
+     pytest.param(4, 2, STREAMBP, marks=pytest.mark.slow), (4, 3, STREAMBP),
      pytest.param(4, 3, MST, marks=pytest.mark.slow)],
     ids=["sp2-z2", "sp2-z3", "sp2xdp2-z2", "sp2xdp2-z3", "sp2xdp2-z3-mst"],
 )

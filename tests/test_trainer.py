@@ -421,6 +421,7 @@ def test_trl_metrics_equal_trl_without_ds_longseq(tmp_path):
     assert ours[0][2] == pytest.approx(theirs[0][2], abs=1e-6)
 
 
+@pytest.mark.slow  # CI time: the reshaped resume below runs the same ZeRO-3 SP 2 checkpoint by default
 def test_trainer_resume_from_checkpoint(tmp_path):
     """ZeRO-3, SP=2: a checkpoint the Trainer wrote at step 2 resumes to the uninterrupted step-3 loss."""
     model_dir = str(tmp_path / "init")
