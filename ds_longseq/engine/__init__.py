@@ -1,5 +1,6 @@
 """DeepSpeed integration: ``initialize`` with the ``long_seq`` config section, sequence-parallel batches,
-the peer watchdog."""
+the peer watchdog; ``engine.manifest`` and ``engine.reshape`` (imported by name) hold what a checkpoint records and
+the resume on another number of ranks, for the scripts' toolkit and the Trainer alike."""
 
 from ds_longseq.engine.initialize import (
     DEFAULT_DISTRIBUTED_PORT,
