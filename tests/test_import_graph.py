@@ -23,7 +23,7 @@ import ds_longseq
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
     "config": 0, "logging": 0, "compat": 0, "ops": 1, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4,
-    "patch": 5, "models": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
+    "patch": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
     "cli": 8,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
