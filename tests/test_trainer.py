@@ -454,11 +454,12 @@ under its epsilon. Weight decay puts the LayerNorm weights in the Trainer's seco
 hyperparameters and step count DeepSpeed's ZeRO-3 universal load gets wrong (compat.repair_zero3_universal_load)."""
 
 
-@pytest.mark.parametrize(("stage", "sp", "gas_after"), [
-    pytest.param(2, 1, 2, marks=pytest.mark.slow),  # 2 replicas of 2 rows -> 1 rank accumulating 2 (test_reshape's)
-    (3, 2, 1),  # ZeRO-3, one replica cut across 2 ranks -> 1 rank: where DeepSpeed's load needs repairs
-], ids=["z2-dp2-to-1-gas2", "z3-sp2-to-1"])
-def test_trainer_resumes_on_another_number_of_ranks(tmp_path, stage, sp, gas_after):
+@pytest.mark.parametrize(("stage", "sp", "gas_after", "lora"), [
+    pytest.param(2, 1, 2, False, marks=pytest.mark.slow),  # 2 replicas -> 1 rank accumulating 2 (test_reshape's)
+    (3, 2, 1, False),  # ZeRO-3, one replica cut across 2 ranks -> 1 rank: where DeepSpeed's load needs repairs
+    pytest.param(2, 1, 2, True, marks=pytest.mark.slow),  # a PEFT adapter (its checkpoint leaves the base out)
+], ids=["z2-dp2-to-1-gas2", "z3-sp2-to-1", "z2-dp2-to-1-gas2-lora"])
+def test_trainer_resumes_on_another_number_of_ranks(tmp_path, stage, sp, gas_after, lora):
     """Adam, a checkpoint the Trainer wrote at step 2 on 2 ranks resumed on 1 rank with the same global batch (2 rows
     per device: data parallel 2 -> accumulation 2; or sequence parallel 2 -> 1): trainer/resume.py converts it to
     DeepSpeed's universal form beside the original, and step 3 trains on the uninterrupted run's rows (each replica's
@@ -467,7 +468,7 @@ def test_trainer_resumes_on_another_number_of_ranks(tmp_path, stage, sp, gas_aft
     save_tiny_llama(model_dir)
     full = run_distributed(
         train_body, 2, (str(tmp_path / "full"), model_dir, stage, sp, 1,
-                        {"save_strategy": "steps", "save_steps": 2, **ADAM}),
+                        {"save_strategy": "steps", "save_steps": 2, "lora": lora, **ADAM}),
         timeout=600,
     )
     checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
@@ -476,7 +477,7 @@ def test_trainer_resumes_on_another_number_of_ranks(tmp_path, stage, sp, gas_aft
     before = sorted(p.name for p in (checkpoint / "global_step2").iterdir())
     [(seen, losses, _)] = run_distributed(
         train_body, 1, (str(tmp_path / "resumed"), model_dir, stage, 1, gas_after,
-                        {"resume": str(checkpoint), **ADAM}),
+                        {"resume": str(checkpoint), "lora": lora, **ADAM}),
         timeout=600,
     )
     assert (checkpoint / "latest_universal").read_text() == "global_step2.universal"
@@ -486,7 +487,14 @@ def test_trainer_resumes_on_another_number_of_ranks(tmp_path, stage, sp, gas_aft
     for mine, theirs in zip(seen, replicas, strict=True):
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert losses[:2] == full[0][1][:2]  # steps 1-2 come back with the checkpoint's log history
-    ours, reference = _hf_weights(tmp_path / "resumed" / "hf_model"), _hf_weights(tmp_path / "full" / "hf_model")
+    if lora:  # the Trainer saved the adapters alone, in PEFT's format
+        from safetensors.torch import load_file
+
+        ours, reference = (load_file(str(tmp_path / run / "hf_model" / "adapter_model.safetensors"))
+                           for run in ("resumed", "full"))
+        assert reference and all("lora_" in name for name in reference)
+    else:
+        ours, reference = (_hf_weights(tmp_path / run / "hf_model") for run in ("resumed", "full"))
     for name, value in reference.items():  # float32: the same sums in another order (replicas vs accumulation)
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
