@@ -135,8 +135,7 @@ def _tasks(marker: str) -> dict[int, int]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split("=", 1) for item in f.read().decode(errors="replace").split("\0") if "=" in item)
+            env = _environ(int(pid))
         except (OSError, ValueError):
             continue
         if marker in cmd and "ds_longseq.cli" in cmd and "SLURM_STEP_ID" in env:

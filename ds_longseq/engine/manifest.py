@@ -14,6 +14,8 @@ Holds:
     run_facts: the facts of this run that a checkpoint must agree with.
     write_manifest: write the manifest into a checkpoint directory (each node's local rank 0).
     read_manifest: a checkpoint directory's manifest (None: written before manifests).
+    write_latest / read_latest: the ``latest`` file that names the newest complete checkpoint, written atomically
+        and read.
     resume_problem: what is wrong with resuming this run's model from a checkpoint directory (None: nothing); a
         change of shape is engine.reshape's.
 """
@@ -27,7 +29,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MANIFEST", "model_facts", "run_facts", "write_manifest", "read_manifest", "resume_problem"]
+__all__ = ["MANIFEST", "model_facts", "run_facts", "write_manifest", "read_manifest", "resume_problem", "write_latest",
+           "read_latest"]
 
 MANIFEST = "ds_longseq_checkpoint.json"
 FORMAT = 1
@@ -67,6 +70,28 @@ def write_manifest(checkpoint_dir: str, facts: dict[str, Any], step: int) -> Non
     with open(tmp, "w") as f:
         json.dump({"format": FORMAT, "step": step, **facts, "files": dict(sorted(files.items()))}, f, indent=1)
     os.replace(tmp, os.path.join(checkpoint_dir, MANIFEST))
+
+
+def write_latest(save_dir: str, tag: str, name: str = "latest") -> None:
+    """Point ``<save_dir>/<name>`` (``latest``; DeepSpeed's load reads ``latest_universal`` too) at a COMPLETE
+    checkpoint: written to a temp file, then renamed (atomic). The temp file is this process's own, so nodes sharing
+    the directory never write into one another's."""
+    tmp = os.path.join(save_dir, f"{name}.tmp.{socket.gethostname()}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, name))
+
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag ``<save_dir>/latest`` names (ds_longseq's, or DeepSpeed's in a Trainer's ``checkpoint-<N>/``), or None
+    without a ``latest`` file."""
+    path = os.path.join(save_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
 
 
 def read_manifest(checkpoint_dir: str) -> dict[str, Any] | None:

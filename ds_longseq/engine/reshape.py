@@ -20,6 +20,7 @@ differ from the uninterrupted run's; runs without dropout continue exactly).
 Holds:
     UNIVERSAL_SUFFIX: the converted directory's suffix.
     planned_shape: the shape a run is about to have, from its DeepSpeed config and world size (before the engine).
+    optimizer_on_nvme: whether a DeepSpeed config offloads the optimizer to NVMe.
     shape_change: whether a checkpoint's shape differs from the run's, and what refuses the change.
     to_universal: convert a checkpoint once (global rank 0), every rank waiting; returns the tag to load.
     zero_shard_ranks: how many ranks wrote a ZeRO checkpoint (for checkpoints without the manifest).
@@ -38,19 +39,34 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["UNIVERSAL_SUFFIX", "planned_shape", "shape_change", "to_universal", "zero_shard_ranks",
-           "UniversalConversionError", "conversion_failure"]
+from ds_longseq.engine.manifest import write_latest
+from ds_longseq.logging import get_logger
+
+__all__ = ["UNIVERSAL_SUFFIX", "planned_shape", "optimizer_on_nvme", "shape_change", "to_universal",
+           "zero_shard_ranks", "UniversalConversionError", "conversion_failure"]
+
+logger = get_logger(__name__)
 
 UNIVERSAL_SUFFIX = ".universal"
 
 
-def planned_shape(ds_config: dict, *, world: int, sp_size: int) -> dict[str, Any]:
+def planned_shape(ds_config: dict, *, world: int, sp_size: int, micro_batch: int | None = None,
+                  gradient_accumulation: int | None = None) -> dict[str, Any]:
     """The shape keys of :func:`~ds_longseq.engine.manifest.run_facts` for a run about to start with
-    ``ds_config`` on ``world`` ranks at sequence-parallel size ``sp_size``."""
+    ``ds_config`` on ``world`` ranks at sequence-parallel size ``sp_size``; ``micro_batch`` and
+    ``gradient_accumulation`` given where the config says ``"auto"`` (the Trainer's, from TrainingArguments)."""
+    if micro_batch is None:
+        micro_batch = ds_config.get("train_micro_batch_size_per_gpu", 1)
+    if gradient_accumulation is None:
+        gradient_accumulation = ds_config.get("gradient_accumulation_steps", 1)
     return {"world_size": world, "sequence_parallel_size": sp_size,
             "zero_stage": int(ds_config.get("zero_optimization", {}).get("stage", 0)),
-            "micro_batch": int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
-            "gradient_accumulation": int(ds_config.get("gradient_accumulation_steps", 1))}
+            "micro_batch": int(micro_batch), "gradient_accumulation": int(gradient_accumulation)}
+
+
+def optimizer_on_nvme(ds_config: dict) -> bool:
+    """Whether ``ds_config`` offloads the optimizer to NVMe (which :func:`shape_change` refuses to reshape)."""
+    return ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme"
 
 
 def _describe(shape: dict[str, Any]) -> str:
@@ -110,12 +126,15 @@ def conversion_failure(checkpoint: str, returncode: int, stderr: str) -> str:
     return f"DeepSpeed's ds_to_universal failed on {checkpoint} (status {returncode}): {last.strip()}"
 
 
-def to_universal(save_dir: str, tag: str, *, leader: bool, pointer: str | None = None) -> str:
+def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any], now: dict[str, Any], prefix: str,
+                 pointer: str | None = None) -> str:
     """``<save_dir>/<tag>.universal/``, converted by ``deepspeed.checkpoint.ds_to_universal`` on one process
     (``leader``: global rank 0, which reads every rank's shard; written beside as ``.partial`` and renamed, so a
     killed conversion is redone; an existing one is reused), every rank waiting; returns its tag. The original
-    ``<tag>/`` is only read. With ``pointer``, the leader also writes the tag into ``<save_dir>/<pointer>``
-    (``latest_universal``, which DeepSpeed's load reads when no tag is given: the Trainer's way).
+    ``<tag>/`` is only read. The leader says so in one line that starts with ``prefix`` (``--resume``,
+    ``resume_from_checkpoint``) and names the ``saved`` and ``now`` shapes. With ``pointer``, the leader also writes
+    the tag into ``<save_dir>/<pointer>`` (``latest_universal``, which DeepSpeed's load reads when no tag is given:
+    the Trainer's way).
 
     Raises:
         UniversalConversionError: on every rank, when the conversion failed (:func:`conversion_failure`).
@@ -141,10 +160,7 @@ def to_universal(save_dir: str, tag: str, *, leader: bool, pointer: str | None =
         else:
             os.replace(partial, out)
     if leader and pointer is not None and failure is None:
-        tmp = os.path.join(save_dir, f"{pointer}.tmp.{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(target)
-        os.replace(tmp, os.path.join(save_dir, pointer))
+        write_latest(save_dir, target, name=pointer)
     if dist.is_initialized():  # torch's own group: the Trainer calls this before deepspeed.comm is up
         shared = [failure]
         dist.broadcast_object_list(shared, src=0)  # the leader is global rank 0
@@ -152,8 +168,13 @@ def to_universal(save_dir: str, tag: str, *, leader: bool, pointer: str | None =
     if failure is not None:
         raise UniversalConversionError(failure)
     if not os.path.isdir(out):
-        raise SystemExit(f"--resume: {out} (DeepSpeed's universal form of {tag}, written by rank 0) is not visible "
+        raise SystemExit(f"{prefix}: {out} (DeepSpeed's universal form of {tag}, written by rank 0) is not visible "
                          "here: resuming on another shape needs a file system every node shares")
+    if leader:
+        logger.warning("%s: %s was written by %d ranks at sequence-parallel size %d, this run has %d at %d: loading "
+                       "DeepSpeed's universal form of it, %s/ (converted once; %s/ untouched)", prefix,
+                       os.path.join(save_dir, tag), saved["world_size"], saved["sequence_parallel_size"],
+                       now["world_size"], now["sequence_parallel_size"], target, tag)
     return target
 
 

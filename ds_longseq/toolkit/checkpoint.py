@@ -10,8 +10,8 @@ checkpoint a run resumes from. Each rank also writes its random generators' stat
 (``rng_state_rank<R>.pt``), so the dropout masks after a resume are those the uninterrupted run draws.
 
 Holds:
-    write_latest: point ``latest`` at a checkpoint, atomically.
-    read_latest: the tag ``latest`` names (None without one).
+    write_latest / read_latest: ``latest`` pointed at a checkpoint, atomically, and read (engine.manifest's, shared
+        with the Trainer's resume; re-exported here).
     resume: load the checkpoint ``latest`` names (after engine.manifest's check: not a checkpoint, incomplete,
         another model, another shape of run); its step and the metrics rows up to it.
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
@@ -34,7 +34,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import time
 from typing import Callable
 
@@ -42,7 +41,14 @@ import torch
 
 from ds_longseq.compat import full_numel, is_zero3_partitioned, keys_ignored_on_save, repair_zero3_universal_load
 from ds_longseq.engine import sequence_parallel_rank_and_size
-from ds_longseq.engine.manifest import read_manifest, resume_problem, run_facts, write_manifest
+from ds_longseq.engine.manifest import (
+    read_latest,
+    read_manifest,
+    resume_problem,
+    run_facts,
+    write_latest,
+    write_manifest,
+)
 from ds_longseq.engine.reshape import UNIVERSAL_SUFFIX, UniversalConversionError, shape_change, to_universal
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
@@ -57,17 +63,6 @@ PARTIAL_SUFFIX = ".partial"
 """What a checkpoint's directory is called until every rank has written it (``step<N>.partial``)."""
 
 logger = get_logger(__name__)
-
-
-def write_latest(save_dir: str, tag: str) -> None:
-    """Point ``latest`` at a COMPLETE checkpoint: written to a temp file, then renamed (atomic). The temp file is
-    this process's own, so nodes sharing the directory never write into one another's."""
-    tmp = os.path.join(save_dir, f"latest.tmp.{socket.gethostname()}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save_dir, "latest"))
 
 
 def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = False) -> tuple[int, list[dict], str]:
@@ -99,20 +94,15 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
             raise RuntimeError("resuming on another shape needs the engine built with checkpoint.load_universal "
                                "(toolkit.run.check_resume_shape before deepspeed.initialize)")
         try:  # rank 0 reads every rank's shard
-            tag = to_universal(save_dir, tag, leader=dist.get_rank() == 0)
+            tag = to_universal(save_dir, tag, leader=dist.get_rank() == 0, saved=saved, now=facts, prefix="--resume")
         except UniversalConversionError as err:
             raise SystemExit(f"--resume: {err}") from None
-        if dist.get_rank() == 0:
-            logger.warning("--resume: %s/%s was written by %d ranks at sequence-parallel size %d, this run has %d at "
-                           "%d: loading DeepSpeed's universal form of it, %s/ (converted once; %s/ untouched)",
-                           save_dir, original, saved["world_size"], saved["sequence_parallel_size"],
-                           facts["world_size"], facts["sequence_parallel_size"], tag, original)
     _, client_state = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=not frozen_excluded)
     if reshaped:
         repaired = repair_zero3_universal_load(engine, os.path.join(save_dir, tag))
         if repaired and dist.get_rank() == 0:
             logger.warning("--resume: after DeepSpeed's ZeRO-3 universal load: %s", "; ".join(repaired))
-    if not reshaped:  # the generators are per rank: another shape starts them afresh (engine.reshape)
+    else:  # the generators are per rank: another shape starts them afresh (engine.reshape)
         _load_rng_state(os.path.join(save_dir, tag))
     tag = original
     start_step, metrics = client_state["step"], []
@@ -247,15 +237,6 @@ def _complete(save_dir: str, partial: str, tag: str) -> None:
     except FileNotFoundError:
         if not os.path.isdir(dst):
             raise
-
-
-def read_latest(save_dir: str) -> str | None:
-    """The tag ``latest`` names, or None without a ``latest`` file."""
-    path = os.path.join(save_dir, "latest")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return f.read().strip()
 
 
 _OUT_OF_SPACE_WORDS = ("no space left", "file write failed", "unexpected pos")

@@ -19,12 +19,12 @@ import ds_longseq.engine
 from ds_longseq import compat
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
-from ds_longseq.engine.manifest import read_manifest
-from ds_longseq.engine.reshape import planned_shape, shape_change
+from ds_longseq.engine.manifest import read_latest, read_manifest
+from ds_longseq.engine.reshape import optimizer_on_nvme, planned_shape, shape_change
 from ds_longseq.forwards.sequence_parallel import ring_degree
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit.args import DoesNotFit
-from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, read_latest, save_checkpoint
+from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
 from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.tasks import build_model, model_config
@@ -125,9 +125,8 @@ def check_resume_shape(args: argparse.Namespace, ds_config: dict, world: int, sp
     saved = read_manifest(checkpoint)
     if saved is None:
         return
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
     changed, why = shape_change(saved, planned_shape(ds_config, world=world, sp_size=sp_size),
-                                checkpoint_dir=checkpoint, nvme=offload == "nvme")
+                                checkpoint_dir=checkpoint, nvme=optimizer_on_nvme(ds_config))
     if why is not None:
         raise SystemExit(f"--resume: {why}")
     if changed:

@@ -221,7 +221,6 @@ class LongSeqTrainerMixin:
         with self._long_seq_engine():
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
-
     def evaluate(self, *args, **kwargs):
         with self._long_seq_engine(), self._long_seq_case.evaluate_context():
             return super().evaluate(*args, **kwargs)

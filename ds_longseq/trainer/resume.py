@@ -31,10 +31,20 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ds_longseq.compat import repair_zero3_universal_load
-from ds_longseq.engine.manifest import MANIFEST, model_facts, read_manifest, resume_problem, run_facts, write_manifest
+from ds_longseq.engine.manifest import (
+    MANIFEST,
+    model_facts,
+    read_latest,
+    read_manifest,
+    resume_problem,
+    run_facts,
+    write_manifest,
+)
 from ds_longseq.engine.reshape import (
     UNIVERSAL_SUFFIX,
     UniversalConversionError,
+    optimizer_on_nvme,
+    planned_shape,
     shape_change,
     to_universal,
     zero_shard_ranks,
@@ -91,14 +101,6 @@ class CheckpointCallback(TrainerCallback):
             write_manifest(checkpoint_dir, facts, state.global_step)
 
 
-def _latest_tag(checkpoint_dir: str) -> str | None:
-    path = os.path.join(checkpoint_dir, "latest")  # DeepSpeed's, written by save_checkpoint
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read().strip() or None
-
-
 def _conversion_command(checkpoint_dir: str, tag: str) -> str:
     source = os.path.join(checkpoint_dir, tag)
     return (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {source} --output_folder "
@@ -120,14 +122,13 @@ def prepare_resume(trainer, checkpoint_dir: str) -> str | None:
     ds_config = args.hf_deepspeed_config.config
     if ds_config.get("checkpoint", {}).get("load_universal"):
         return None  # the user converted it (as the error below says): DeepSpeed's load does the rest
-    tag = _latest_tag(checkpoint_dir)
-    if tag is None:
+    tag = read_latest(checkpoint_dir)  # DeepSpeed's, written by its save_checkpoint
+    if not tag:
         return None  # not a DeepSpeed checkpoint: the Trainer says so
     rank, world = _rank_and_world()
-    zero = ds_config.get("zero_optimization", {})
-    now = {"world_size": world, "sequence_parallel_size": trainer.long_seq_sp_size,
-           "zero_stage": int(zero.get("stage", 0)), "micro_batch": int(args.per_device_train_batch_size),
-           "gradient_accumulation": int(args.gradient_accumulation_steps)}
+    now = planned_shape(ds_config, world=world, sp_size=trainer.long_seq_sp_size,
+                        micro_batch=args.per_device_train_batch_size,
+                        gradient_accumulation=args.gradient_accumulation_steps)  # the config's may be "auto"
     saved = read_manifest(checkpoint_dir)
     if saved is None:
         written = zero_shard_ranks(os.path.join(checkpoint_dir, tag))
@@ -141,19 +142,14 @@ def prepare_resume(trainer, checkpoint_dir: str) -> str | None:
                              other_model_fix="Load the model that run trained, or resume another checkpoint")
     if problem is not None:
         raise ResumeError(f"resume_from_checkpoint: {problem}")
-    offload = zero.get("offload_optimizer", {}).get("device")
-    changed, why = shape_change(saved, now, checkpoint_dir=checkpoint_dir, nvme=offload == "nvme")
+    changed, why = shape_change(saved, now, checkpoint_dir=checkpoint_dir, nvme=optimizer_on_nvme(ds_config))
     if why is not None:
         raise ResumeError(f"resume_from_checkpoint: {why}")
     if not changed:
         return None
     try:
-        target = to_universal(checkpoint_dir, tag, leader=rank == 0, pointer=UNIVERSAL_POINTER)
+        target = to_universal(checkpoint_dir, tag, leader=rank == 0, saved=saved, now=now,
+                              prefix="resume_from_checkpoint", pointer=UNIVERSAL_POINTER)
     except UniversalConversionError as err:
         raise ResumeError(f"resume_from_checkpoint: {err}") from None
-    if rank == 0:
-        logger.warning("resume_from_checkpoint: %s was written by %d ranks at sequence-parallel size %d, this run has "
-                       "%d at %d: loading DeepSpeed's universal form of %s, %s/ (converted once; %s/ untouched)",
-                       checkpoint_dir, saved["world_size"], saved["sequence_parallel_size"], world,
-                       now["sequence_parallel_size"], tag, target, tag)
     return os.path.join(checkpoint_dir, target)
