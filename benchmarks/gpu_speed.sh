@@ -4,7 +4,7 @@
 #   16K, 32K   StreamBP against HF checkpointing             (1 warm-up + 2 timed steps)
 #   32K        StreamBP + offload against the real ALST      (DeepSpeed's checkpoint offload, TiledMLP, tiled loss)
 #   128K       StreamBP + offload against the real ALST      (1 warm-up + 1 timed step: two would take ~7 minutes)
-# then, as a second command (STAGE=profile, ~4 minutes), the per-phase profile of one StreamBP + offload step
+# then, as a second command (STAGE=profile: more than 4 minutes, cut at 255 s on an H200 on 2026-11-28; give it a command of its own), the per-phase profile of one StreamBP + offload step
 # at 128K (benchmarks/profile.py; no unprofiled or FLOP-counting step at that length), and as a third
 # (STAGE=onecall, ~3 minutes) StreamBP + offload with one attention call per chunk (attention.single_call: true,
 # FlashAttention-2's bottom-right mask) against the default tiles (cuDNN on an H100 / H200) at 32K and 64K.
