@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     if args._child:
         return harness.child_main(measure, args._child)
     from benchmarks.recipes import LLAMA_SMALL
-    from ds_longseq.forwards.auto_chunk import choose_chunk_size
+    from ds_longseq.ops.chunk_sizes import choose_chunk_size
 
     t = args.seq_len
     chunks = [c for c in (256, 512, 1024, 2048, 4096, 8192) if c < t] + [t]

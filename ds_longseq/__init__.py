@@ -3,11 +3,21 @@
 Public surface: ``enable`` / ``disable`` a model in place, the ``LongSeqConfig`` type, ``__version__``.
 DeepSpeed: ``ds_longseq.engine.initialize``. The Hugging Face Trainer and TRL's SFTTrainer:
 ``ds_longseq.trainer`` (imported on its own, as it pulls in the Trainer).
+
+Imported lazily (``ds_longseq.lazy``): ``import ds_longseq`` and ``ds_longseq.plan`` load neither torch nor
+transformers until a name that needs them is used.
 """
 
-from ds_longseq.config import LongSeqConfig, LongSeqConfigError
-from ds_longseq.families import SUPPORTED_MODEL_TYPES, UnsupportedModelError
-from ds_longseq.patch import disable, enable, get_config, is_enabled
+from typing import TYPE_CHECKING
+
+from ds_longseq.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the names below, imported on first use (ds_longseq.lazy)
+    from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+    from ds_longseq.families import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+    from ds_longseq.patch import disable, enable, get_config, is_enabled
+
+__getattr__, __dir__ = lazy_exports(__name__, __file__)
 
 __version__ = "0.1.0"
 

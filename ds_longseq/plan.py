@@ -59,7 +59,7 @@ from typing import Literal, Mapping
 
 from ds_longseq.config import ConfigFileError, LongSeqConfig, find_ds_config, read_json_file
 from ds_longseq.families.dims import ModelDims
-from ds_longseq.forwards.auto_chunk import largest_fitting
+from ds_longseq.ops.chunk_sizes import largest_fitting
 from ds_longseq.ops.sp_layout import sp_degrees
 
 __all__ = [

@@ -16,7 +16,8 @@ import ds_longseq
 from ds_longseq import LongSeqConfigError
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards import auto_chunk
-from ds_longseq.forwards.auto_chunk import MIN_CHUNK, AutoChunkSize, choose_chunk_size
+from ds_longseq.forwards.auto_chunk import AutoChunkSize
+from ds_longseq.ops.chunk_sizes import MIN_CHUNK, choose_chunk_size
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
 SEQ = 300  # above MIN_CHUNK: "auto" can stream (128 or 256) or take the whole sequence

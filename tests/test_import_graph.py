@@ -22,7 +22,7 @@ import ds_longseq
 
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
-    "config": 0, "logging": 0, "compat": 0, "ops": 1, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4,
+    "config": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4,
     "patch": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
     "cli": 8,
 }

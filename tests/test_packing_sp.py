@@ -72,7 +72,7 @@ def _heads(heads: int) -> dict:
 
 
 def _check(results, world, cases, heads: int = 4):
-    from ds_longseq.ops.sp_layout import sp_positions
+    from ds_longseq.ops.sp_positions import sp_positions
 
     batch, documents = _batch(collator_labels=True)
     flat = batch["labels"].flatten()

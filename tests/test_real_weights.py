@@ -207,7 +207,7 @@ def ring_worker(rank: int, directory: str, batch: dict):
 
     import ds_longseq
     from ds_longseq.engine import shard_batch
-    from ds_longseq.ops.sp_layout import sp_positions
+    from ds_longseq.ops.sp_positions import sp_positions
 
     model = full_precision_norms(load(directory).double())
     # chunks of 192: some span the two zigzag blocks a rank holds

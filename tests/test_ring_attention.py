@@ -268,7 +268,7 @@ def two_d_body(rank: int, ulysses: int, ring_size: int):
     import torch.distributed as dist
 
     from ds_longseq.engine import ulysses_ring_groups
-    from ds_longseq.ops.sp_layout import sp_positions
+    from ds_longseq.ops.sp_positions import sp_positions
     from ds_longseq.ops.ulysses import UlyssesExchange, ulysses_ring_attention
 
     size, heads, kv_heads = ulysses * ring_size, 4, 2

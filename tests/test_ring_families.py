@@ -57,7 +57,7 @@ def ring_hybrid_worker(rank: int, world: int, ring: int, families: dict[str, lis
 
     import ds_longseq
     from ds_longseq.engine import shard_batch
-    from ds_longseq.ops.sp_layout import sp_positions
+    from ds_longseq.ops.sp_positions import sp_positions
 
     out = {}
     for model_type, cases in families.items():

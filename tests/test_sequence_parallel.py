@@ -274,7 +274,8 @@ def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | N
 
     import ds_longseq
     from ds_longseq.engine import shard_batch
-    from ds_longseq.ops.sp_layout import sp_degrees, sp_positions
+    from ds_longseq.ops.sp_layout import sp_degrees
+    from ds_longseq.ops.sp_positions import sp_positions
 
     heads = overrides.get("num_attention_heads", 4)
     u, r = sp_degrees(world, heads, ring, overrides.get("num_key_value_heads", 2))

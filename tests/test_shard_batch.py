@@ -64,7 +64,7 @@ def test_a_ring_layout_gives_each_rank_its_sp_positions(ulysses, ring):
     """With a ring degree each rank's shard is the tokens ops.sp_layout gives it (part of its ring rank's zigzag
     shard): glued back by those positions the shards are the whole (padded) batch, labels shifted over the whole
     sequence before cutting, position ids the tokens' global positions."""
-    from ds_longseq.ops.sp_layout import sp_positions
+    from ds_longseq.ops.sp_positions import sp_positions
 
     size = ulysses * ring
     batch = _batch(T=2 * size * 3 - 1)  # one short of a multiple of 2 P: padded by one

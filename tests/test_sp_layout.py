@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ds_longseq.ops.ring import zigzag_shard
-from ds_longseq.ops.sp_layout import sp_degrees, sp_positions
+from ds_longseq.ops.sp_layout import sp_degrees
+from ds_longseq.ops.sp_positions import sp_positions
 
 
 @pytest.mark.parametrize("size, heads, want", [

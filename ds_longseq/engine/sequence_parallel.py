@@ -28,7 +28,8 @@ from ds_longseq.engine.process_group import ensure_process_group
 from ds_longseq.forwards.sequence_parallel import ring_degree
 from ds_longseq.ops.objectives import gather_sequence
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
-from ds_longseq.ops.sp_layout import length_unit, sp_positions
+from ds_longseq.ops.sp_layout import length_unit
+from ds_longseq.ops.sp_positions import sp_positions
 
 __all__ = [
     "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_from_shards",

@@ -2,7 +2,8 @@
 
 The largest chunk, up to the whole sequence, whose work fits a memory budget: a short sequence then runs as one chunk
 (one forward per layer in backward, no chunk loop, no K/V capture), a long one streams. Chunk sizes below the whole
-sequence are powers of two, at least ``MIN_CHUNK`` tokens; on CPU at most ``CPU_MAX_CHUNK`` (speed, not memory).
+sequence are powers of two, at least ``ops.chunk_sizes.MIN_CHUNK`` tokens; on CPU at most ``CPU_MAX_CHUNK`` (speed, not
+memory).
 
 Memory model (per device, B sequences of T local tokens, d hidden, L layers, b bytes per activation element):
 
@@ -19,17 +20,14 @@ Memory model (per device, B sequences of T local tokens, d hidden, L layers, b b
             available host memory), less kept.
 
 Holds:
-    MIN_CHUNK: the smallest chunk chosen; CPU_MAX_CHUNK: the largest on CPU (a speed cap).
-    choose_chunk_size: the largest chunk whose work fits a budget.
-    largest_fitting: the largest n that fits, by doubling then bisection (the micro-batch ``AutoChunkSize`` reports,
-        the planner's micro-batch and longest length).
+    CPU_MAX_CHUNK: the largest chunk on CPU (a speed cap).
     AutoChunkSize: the forward pre-hook on the base model that sets every StreamBP layer's chunk size.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -38,17 +36,14 @@ from ds_longseq.forwards.offload import forward_tokens
 from ds_longseq.logging import get_logger
 from ds_longseq.ops import offload as offload_ops
 from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
+from ds_longseq.ops.chunk_sizes import choose_chunk_size, largest_fitting
 
 if TYPE_CHECKING:
     from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
 
-__all__ = ["MIN_CHUNK", "CPU_MAX_CHUNK", "choose_chunk_size", "largest_fitting", "AutoChunkSize"]
+__all__ = ["CPU_MAX_CHUNK", "AutoChunkSize"]
 
 logger = get_logger(__name__)
-
-MIN_CHUNK = 128
-"""The smallest chunk ``"auto"`` picks: below it the per-chunk overhead (one kernel launch per op and chunk, the
-prefix keys read again) outweighs the memory it saves."""
 
 GIB = 1024**3
 
@@ -59,40 +54,6 @@ profiled step each, ``benchmarks/results/profile_cpu.md``: the norms, projection
 at once), while at 4K one chunk was faster (4.4 s against 4.9 s). With the cap, 8K (two 4096-token chunks) ran at
 0.964x HF checkpointing's step, worst round 0.995x (``benchmarks/results/paired_cpu_auto.md``). On CUDA none: there
 larger chunks only mean fewer kernel launches."""
-
-
-def choose_chunk_size(seq_len: int, batch_size: int, work_per_token: float, budget_bytes: float,
-                      max_chunk: int | None = None) -> int:
-    """The largest chunk of a ``seq_len``-token sequence whose work (``batch_size`` x chunk x ``work_per_token``
-    bytes) fits ``budget_bytes``: ``seq_len`` itself (one chunk), else the largest power of two below it that fits,
-    never below ``MIN_CHUNK`` (or ``seq_len`` when shorter). ``max_chunk``: never above it either (a speed cap:
-    the largest power of two up to it when the sequence is longer)."""
-    if seq_len <= 0:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
-    if batch_size * seq_len * work_per_token <= budget_bytes and (max_chunk is None or seq_len <= max_chunk):
-        return seq_len
-    floor = min(MIN_CHUNK, seq_len)
-    chunk = 1 << (seq_len - 1).bit_length() - 1  # the largest power of two below seq_len
-    if max_chunk is not None:
-        chunk = min(chunk, 1 << max_chunk.bit_length() - 1)
-    while chunk > floor and batch_size * chunk * work_per_token > budget_bytes:
-        chunk //= 2
-    return max(chunk, floor)
-
-
-def largest_fitting(fits: "Callable[[int], bool]", limit: int = 1024) -> int:
-    """The largest n <= ``limit`` for which ``fits(n)`` (false from some n on: a micro-batch, a length in units),
-    by doubling then bisection; 0 if not even 1 fits."""
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
 
 
 def _free_bytes(device: torch.device) -> int:

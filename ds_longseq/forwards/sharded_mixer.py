@@ -24,7 +24,7 @@ from ds_longseq.compat import parameters_replaced
 from ds_longseq.families.mixer_heads import HeadLayout, head_layout
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, spec_of
 from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, gather_tokens, reduce_scatter_tokens
-from ds_longseq.ops.sp_layout import sp_positions
+from ds_longseq.ops.sp_positions import sp_positions
 from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["HeadShardedMixerForward", "LAYOUT_CHECK_TOKENS"]

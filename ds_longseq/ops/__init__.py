@@ -1,32 +1,43 @@
 """Autograd ops: pure functions and ``torch.autograd.Function``s. No transformers; DeepSpeed only where an op is its
-(ZeRO-3 gathering in sparse_inputs, the async I/O op in disk_offload), imported lazily."""
+(ZeRO-3 gathering in sparse_inputs, the async I/O op in disk_offload), imported lazily.
 
-from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
-from ds_longseq.ops.checkpoint import checkpoint_apply
-from ds_longseq.ops.disk_offload import DiskOffloader, DiskStore, DiskTensor
-from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
-from ds_longseq.ops.lm_head_loss import (
-    TOKEN_HEAD_OUTPUTS,
-    TokenHeadOutputs,
-    chunked_lm_head_loss,
-    chunked_token_logprobs,
-    chunked_token_outputs,
-    shift_causal_labels,
-    softcap_logits,
-)
-from ds_longseq.ops.mini_seq import mini_sequence_apply
-from ds_longseq.ops.objectives import (
-    DPO_LOSS_TYPES,
-    GRPO_LOSS_TYPES,
-    TokenLogprobs,
-    dpo_loss,
-    group_advantages,
-    grpo_loss,
-)
-from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader, OffloadedTensor, host_available_bytes
-from ds_longseq.ops.packing import doc_starts, mask_document_starts
-from ds_longseq.ops.sparse_inputs import Recompute, SparseInputs
-from ds_longseq.ops.streambp import KVStream, chunk_bounds, streambp_apply
+Imported lazily (``ds_longseq.lazy``): the package holds torch-free arithmetic too (``sp_layout``,
+``chunk_sizes``) that the planner imports without torch.
+"""
+
+from typing import TYPE_CHECKING
+
+from ds_longseq.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the names below, imported on first use (ds_longseq.lazy)
+    from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
+    from ds_longseq.ops.checkpoint import checkpoint_apply
+    from ds_longseq.ops.disk_offload import DiskOffloader, DiskStore, DiskTensor
+    from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
+    from ds_longseq.ops.lm_head_loss import (
+        TOKEN_HEAD_OUTPUTS,
+        TokenHeadOutputs,
+        chunked_lm_head_loss,
+        chunked_token_logprobs,
+        chunked_token_outputs,
+        shift_causal_labels,
+        softcap_logits,
+    )
+    from ds_longseq.ops.mini_seq import mini_sequence_apply
+    from ds_longseq.ops.objectives import (
+        DPO_LOSS_TYPES,
+        GRPO_LOSS_TYPES,
+        TokenLogprobs,
+        dpo_loss,
+        group_advantages,
+        grpo_loss,
+    )
+    from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader, OffloadedTensor, host_available_bytes
+    from ds_longseq.ops.packing import doc_starts, mask_document_starts
+    from ds_longseq.ops.sparse_inputs import Recompute, SparseInputs
+    from ds_longseq.ops.streambp import KVStream, chunk_bounds, streambp_apply
+
+__getattr__, __dir__ = lazy_exports(__name__, __file__)
 
 __all__ = [
     "chunk_causal_attention",

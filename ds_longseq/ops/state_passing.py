@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ds_longseq.ops.sp_layout import position_runs
+from ds_longseq.ops.sp_positions import position_runs
 
 __all__ = ["StateRing"]
 

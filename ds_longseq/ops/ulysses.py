@@ -33,7 +33,8 @@ from ds_longseq.compat import dim_zero_all_to_all
 from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
 from ds_longseq.ops.phases import phase
 from ds_longseq.ops.ring import ring_attention, zigzag_shard
-from ds_longseq.ops.sp_layout import position_runs, sp_positions, ulysses_fits
+from ds_longseq.ops.sp_layout import ulysses_fits
+from ds_longseq.ops.sp_positions import position_runs, sp_positions
 
 __all__ = [
     "UlyssesExchange", "UlyssesRingExchange", "ulysses_attention", "ulysses_chunk_attention", "ulysses_ring_attention",
