@@ -87,6 +87,7 @@ __all__ = [
     "trainer_counts_batch_tokens",
     "trainer_micro_batch_size",
     "trainer_num_items_in_batch",
+    "trainer_prepared_inputs",
     "trainer_loss_scale",
     "trl_metrics",
     "trl_entropy_bonus_enabled",
@@ -98,6 +99,9 @@ __all__ = [
 
 TOUCHES_ELSEWHERE: dict[str, str] = {
     # "<file under ds_longseq/>:<Class.method or function>:<name>": why it is not behind a function here
+    "lazy.py:lazy_exports.__getattr__:setattr": "caches a lazily imported name on ds_longseq's own package module "
+    "(ds_longseq, ds_longseq.ops, ds_longseq.families), as the import system does for a submodule; no third-party "
+    "object",
     **{f"ops/attention.py:{kernel}.{direction}:{op}": "torch's operator registry (the schema-versioned entry points "
        "scaled_dot_product_attention dispatches to), one kernel table, each kernel tested against the math path"
        for kernel, ops in {
@@ -523,6 +527,12 @@ def trainer_micro_batch_size(trainer: Any) -> int:
 def trainer_num_items_in_batch(trainer: Any, batches: list, device: Any) -> Any:
     """The token count the Trainer's own step gives the loss for ``batches`` (its ``_get_num_items_in_batch``)."""
     return trainer._get_num_items_in_batch(batches, device)
+
+
+def trainer_prepared_inputs(trainer: Any, inputs: Any) -> Any:
+    """``inputs`` as the Trainer's own step prepares them (its ``_prepare_inputs``: moved to the device, and where
+    TRL's trainers generate, generated; ds_longseq's mixin override included)."""
+    return trainer._prepare_inputs(inputs)
 
 
 def trainer_loss_scale(trainer: Any, num_items_in_batch: Any) -> float:

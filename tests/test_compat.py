@@ -117,13 +117,39 @@ def _third_party_private_hooks() -> set[str]:
     return {name for cls in classes for name in dir(cls) if _is_private(name)}
 
 
+def _third_party_private_attributes() -> set[str]:
+    """The private attributes of the third-party classes whose objects ds_longseq handles (the Trainer and TRL's
+    trainers, accelerate's Accelerator, PEFT's model, DeepSpeed's engine, torch's modules, optimizers and data
+    loaders): a read, call or write of one of these on any object but ds_longseq's own is a touch, also where
+    ds_longseq defines an attribute of the same name (the mixin overrides ``Trainer._prepare_inputs``, so a call of
+    ``trainer._prepare_inputs`` elsewhere is still one)."""
+    import accelerate
+    import deepspeed
+    import peft
+    import torch
+
+    classes = [accelerate.Accelerator, peft.PeftModel, deepspeed.DeepSpeedEngine, torch.nn.Module,
+               torch.optim.Optimizer, torch.utils.data.DataLoader]
+    return _third_party_private_hooks() | {name for cls in classes for name in dir(cls) if _is_private(name)}
+
+
+def _backed_classes(tree: ast.Module, hooks: set[str]) -> set[str]:
+    """The classes of ``tree`` that override a third-party private hook: mixins into a third-party class (the
+    Trainer mixin), whose ``self`` is that class's object."""
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and any(
+        isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in hooks for item in node.body)}
+
+
 class _Touches(ast.NodeVisitor):
     """The touches in one file, as ``file:function:name`` keys (the function: ``Class.method``, or ``*`` at the top)."""
 
-    def __init__(self, file: str, defined: set[str], own_attrs: set[str], hooks: set[str], local_defs: set[str]):
+    def __init__(self, file: str, defined: set[str], own_attrs: set[str], hooks: set[str], local_defs: set[str],
+                 third_party: set[str] = frozenset(), backed: set[str] = frozenset()):
         self.file, self.defined, self.own_attrs = file, defined, own_attrs
         self.hooks, self.local_defs = hooks, local_defs
+        self.third_party, self.backed = third_party, backed
         self.scope: list[str] = []
+        self.classes: list[str] = []
         self.found: list[str] = []
 
     def _add(self, name: str) -> None:
@@ -133,16 +159,28 @@ class _Touches(ast.NodeVisitor):
         overrides = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and bool(self.scope) and \
             _is_private(node.name) and node.name in self.hooks
         self.scope.append(node.name)
+        if isinstance(node, ast.ClassDef):
+            self.classes.append(node.name)
         if overrides:
             self._add(node.name)  # a method overriding a third-party class's private hook
         self.generic_visit(node)
+        if isinstance(node, ast.ClassDef):
+            self.classes.pop()
         self.scope.pop()
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
 
+    def _on_own_object(self, base: ast.expr) -> bool:
+        """``self`` / ``cls`` / ``super()`` inside a ds_longseq class that is not mixed into a third-party one."""
+        own = (isinstance(base, ast.Name) and base.id in ("self", "cls")) or (
+            isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super")
+        return own and bool(self.classes) and self.classes[-1] not in self.backed
+
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if _is_private(node.attr) and node.attr not in self.defined:
             self._add(node.attr)  # another library's private attribute
+        elif node.attr in self.third_party and not self._on_own_object(node.value):
+            self._add(node.attr)  # a third-party class's private attribute, a namesake of one ds_longseq defines
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
@@ -192,14 +230,18 @@ def third_party_touches(trees: dict[str, ast.Module]) -> list[str]:
     a private attribute ds_longseq does not define (read, written, or named to getattr and kin); an assignment or
     ``del`` on an object other than the method's own (``self``, ``cls``, autograd's ``ctx``) of an attribute none of
     ds_longseq's classes has; ``setattr`` / ``delattr`` / ``object.__setattr__`` on such an object; a method that
-    overrides a private method of the Trainer or TRL's trainers. Read from the code as text, so an alias can hide a
+    overrides a private method of the Trainer or TRL's trainers; a third-party class's private attribute
+    (``_third_party_private_attributes``) read, called or written on anything but a ds_longseq object's own ``self``,
+    ``cls`` or ``super()`` (in a class mixed into a third-party one, ``self`` is that class's object), also where
+    ds_longseq defines a namesake. Read from the code as text, so an alias can hide a
     touch: the list is a net for the usual ways, not a proof."""
     defined, own_attrs = _defined_names(trees)
     hooks = _third_party_private_hooks()
+    third_party = _third_party_private_attributes()
     found = []
     for file, tree in trees.items():
         local_defs = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-        visitor = _Touches(file, defined, own_attrs, hooks, local_defs)
+        visitor = _Touches(file, defined, own_attrs, hooks, local_defs, third_party, _backed_classes(tree, hooks))
         visitor.visit(tree)
         found.extend(visitor.found)
     return found
@@ -233,6 +275,22 @@ def test_the_detector_finds_a_touch_added_to_the_trainer(added, key):
     trees["trainer/mixin.py"] = ast.parse(source.replace(anchor, anchor + f"        {added}\n"))
     found = set(third_party_touches(trees))
     assert key in found and key not in compat.TOUCHES_ELSEWHERE
+
+
+@pytest.mark.parametrize("added, key", [
+    ("inputs = trainer._prepare_inputs(inputs)", "_prepare_inputs"),  # the call the detector once missed
+    ("run.stock._get_num_items_in_batch([inputs], None)", "_get_num_items_in_batch"),
+    ("model._parameters.clear()", "_parameters"),
+])
+def test_the_detector_finds_a_third_party_private_name_that_ds_longseq_also_defines(added, key):
+    """A private attribute of a third-party class read, called or written on another object is a touch even where
+    ds_longseq defines a namesake (the mixin's ``_prepare_inputs`` override; ``_parameters``: torch's Module)."""
+    trees = _package_trees()
+    source = (PACKAGE_DIR / "trainer" / "cases.py").read_text()
+    anchor = "        sp, trainer = run.sp, run.trainer\n"
+    assert source.count(anchor) == 1
+    trees["trainer/cases.py"] = ast.parse(source.replace(anchor, anchor + f"        {added}\n"))
+    assert f"trainer/cases.py:ShardedEvaluation.prediction_step:{key}" in third_party_touches(trees)
 
 
 def test_the_detector_finds_an_overridden_private_hook():

@@ -12,13 +12,13 @@ and validates it (``engine.split_config``: the same errors, before any training)
 sequence-parallel groups on the process group accelerate started, and enables the model on top of TRL's fused LM
 head (configured as the TRL trainer configured its own); inside ``train`` / ``evaluate`` / ``predict``,
 ``deepspeed.initialize`` is ``engine.initialize_with``. How batches, losses and evaluation run depends on the case,
-chosen once (``cases.py``): no sequence parallelism; each sequence cut across its group (the Trainer, TRL's SFT;
-with ALST's data semantics under ``parallelism_config``); TRL's DPO with whole-sequence calls; TRL's GRPO with the
-group's batches in turn.
+composed once (``cases.py``: how batches are read, how the loss is formed, what evaluation does): no sequence
+parallelism; each sequence cut across its group (the Trainer, TRL's SFT; with ALST's data semantics under
+``parallelism_config``); TRL's DPO with whole-sequence calls; TRL's GRPO with the group's batches in turn.
 
 The package:
     mixin.py: LongSeqTrainerMixin, LongSeqTrainer, with_long_seq (the shell the user sees).
-    cases.py: one strategy object per case, each supplying the dataloaders, compute_loss and prediction_step.
+    cases.py: a case composed of its parts, supplying the dataloaders, compute_loss and prediction_step.
     batches.py: batches cut across a group, broadcast from one rank, read in turns (ALST's data).
     positions.py: the evaluation loss by where each target sits in its document.
     trl.py: what ds_longseq knows of TRL's trainers.

@@ -138,7 +138,7 @@ class LongSeqTrainerMixin:
         """The long_seq section with its sequence-parallel size from ``parallelism_config`` (the ALST way to
         ask for it: ``ParallelismConfig(sp_backend="deepspeed", sp_size=P, sp_handler=...)``). accelerate's
         own Ulysses (its attention, its dataloader adapter, the Trainer's loss) is then kept out of the run and
-        ds_longseq's does the work, with ALST's data semantics (``cases.ShardedSequences(alst=True)``)."""
+        ds_longseq's does the work, with ALST's data semantics (``cases.AlstTurns``)."""
         section = section.to_dict() if isinstance(section, LongSeqConfig) else dict(section or {})
         ours = dict(section.get("sequence_parallel") or {})
         if ours.get("size", 1) not in (1, pc.sp_size):
