@@ -32,7 +32,13 @@ if TYPE_CHECKING:  # the names below, imported on first use (ds_longseq.lazy)
         group_advantages,
         grpo_loss,
     )
-    from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader, OffloadedTensor, host_available_bytes
+    from ds_longseq.ops.offload import (
+        HostBufferPool,
+        LayerInputOffloader,
+        OffloadedTensor,
+        SavedTensor,
+        host_available_bytes,
+    )
     from ds_longseq.ops.packing import doc_starts, mask_document_starts
     from ds_longseq.ops.sparse_inputs import Recompute, SparseInputs
     from ds_longseq.ops.streambp import KVStream, chunk_bounds, streambp_apply
@@ -64,6 +70,7 @@ __all__ = [
     "checkpoint_apply",
     "HostBufferPool",
     "LayerInputOffloader",
+    "SavedTensor",
     "OffloadedTensor",
     "DiskStore",
     "DiskOffloader",

@@ -51,7 +51,7 @@ import weakref
 import torch
 
 from ds_longseq.logging import get_logger
-from ds_longseq.ops.offload import SaveStack
+from ds_longseq.ops.offload import SavedTensor, SaveStack
 
 __all__ = ["PIECE_BYTES", "ALIGNMENT", "AsyncIOUnavailable", "load_async_io", "DiskStore", "DiskOffloader",
            "DiskTensor", "check_disk_path", "filesystem_type", "lockable_bytes"]
@@ -408,16 +408,16 @@ def _unlink(path: str) -> None:
         pass
 
 
-class DiskTensor:
-    """One tensor saved by a :class:`DiskOffloader`; :meth:`load` returns it once, in backward."""
+class DiskTensor(SavedTensor):
+    """One tensor saved by a :class:`DiskOffloader` in a file of its rank's store.
+
+    ``load`` also raises OSError where its write or read failed (disk full, file removed)."""
+
+    WHAT = "a layer input offloaded to disk"
+    FIX = ""
 
     def __init__(self, offloader: "DiskOffloader", index: int, tensor: torch.Tensor):
-        self._offloader = offloader
-        self.index = index
-        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.state = "disk"
-        """``"disk"`` (written or being written), ``"fetching"`` (read queued), ``"consumed"`` (loaded)."""
+        super().__init__(offloader, index, tensor)
         store = offloader.store
         self.path = store.new_path()
         # view(uint8) needs a contiguous tensor; a layer input always is, so this copies nothing in practice
@@ -444,25 +444,10 @@ class DiskTensor:
         self._out = out
         self.state = "fetching"
 
-    def load(self) -> torch.Tensor:
-        """The saved tensor on its device, bitwise equal to what was saved; queues the read of the one saved before.
-
-        Raises:
-            RuntimeError: the tensor was already loaded (a second backward through the same graph).
-            OSError: its write or read failed (disk full, file removed).
-        """
-        if self.state == "consumed":
-            raise RuntimeError(
-                "a layer input offloaded to disk was already used by an earlier backward through this graph: "
-                "long_seq.offload.layer_inputs hands each input back once, so backward(retain_graph=True) "
-                "followed by a second backward is not supported; run a new forward"
-            )
-        if self.state == "disk":
-            self._fetch()
-        self._offloader._prefetch_before(self.index)
+    def _finish(self) -> torch.Tensor:
         self._written.result()  # raises the write's error, if any
         self._read.result()
-        out, self._out, self.state = self._out, None, "consumed"
+        out, self._out = self._out, None
         return out
 
     def __del__(self):

@@ -211,17 +211,62 @@ class HostBufferPool:
             torch.accelerator.empty_host_cache()
 
 
-class OffloadedTensor:
-    """One tensor saved by a :class:`LayerInputOffloader`; :meth:`load` returns it once, in backward."""
+class SavedTensor:
+    """One tensor saved by an offload tier (a :class:`SaveStack`); :meth:`load` returns it once, in backward.
 
-    def __init__(self, offloader: "LayerInputOffloader", index: int, tensor: torch.Tensor):
+    The bookkeeping every tier's handle shares: its place in the stack, the tensor's shape, dtype, device and size,
+    ``state`` (the stack's ``STORED`` until :meth:`_fetch` starts the copy back, then ``"fetching"``, then
+    ``"consumed"``) and the once-only :meth:`load`. A tier's handle stores the tensor in its ``__init__`` (after this
+    one), starts the copy back in ``_fetch`` and waits for it in ``_finish``.
+    """
+
+    WHAT = "an offloaded layer input"
+    """How the error of a second load names the tensor."""
+    FIX = ", or remove long_seq.offload.layer_inputs"
+    """What that error adds after "run a new forward"."""
+
+    def __init__(self, offloader: "SaveStack", index: int, tensor: torch.Tensor):
         self._offloader = offloader
         self.index = index
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
+        self.state = offloader.STORED
+
+    def _fetch(self) -> None:
+        """Start the copy back to the device; sets ``state`` to ``"fetching"``."""
+        raise NotImplementedError
+
+    def _finish(self) -> torch.Tensor:
+        """Wait for the copy back :meth:`_fetch` started; the tensor on its device, dropping this handle's hold."""
+        raise NotImplementedError
+
+    def load(self) -> torch.Tensor:
+        """The saved tensor on its device, bitwise equal to what was saved; starts the copy back of the one saved
+        before it (backward runs the layers in reverse: one layer ahead of its use).
+
+        Raises:
+            RuntimeError: the tensor was already loaded (a second backward through the same graph).
+        """
+        if self.state == "consumed":
+            raise RuntimeError(
+                f"{self.WHAT} was already used by an earlier backward through this graph: "
+                "long_seq.offload.layer_inputs hands each input back once, so backward(retain_graph=True) "
+                f"followed by a second backward is not supported; run a new forward{self.FIX}"
+            )
+        if self.state == self._offloader.STORED:
+            self._fetch()
+        self._offloader._prefetch_before(self.index)
+        out = self._finish()
+        self.state = "consumed"
+        return out
+
+
+class OffloadedTensor(SavedTensor):
+    """One tensor saved by a :class:`LayerInputOffloader` in host slabs (pinned for a CUDA tensor)."""
+
+    def __init__(self, offloader: "LayerInputOffloader", index: int, tensor: torch.Tensor):
+        super().__init__(offloader, index, tensor)
         self.on_cuda = tensor.device.type == "cuda"
-        self.state = "host"
-        """``"host"`` (in host slabs), ``"fetching"`` (copy back started), ``"consumed"`` (loaded)."""
         self._event: torch.cuda.Event | None = None
         self._device_tensor: torch.Tensor | None = None
         pool = offloader.pool
@@ -269,26 +314,10 @@ class OffloadedTensor:
         self._device_tensor = out
         self.state = "fetching"
 
-    def load(self) -> torch.Tensor:
-        """The saved tensor on its device, bitwise equal to what was saved; starts the next prefetch.
-
-        Raises:
-            RuntimeError: the tensor was already loaded (a second backward through the same graph).
-        """
-        if self.state == "consumed":
-            raise RuntimeError(
-                "an offloaded layer input was already used by an earlier backward through this graph: "
-                "long_seq.offload.layer_inputs hands each input back once, so backward(retain_graph=True) "
-                "followed by a second backward is not supported; run a new forward, or remove "
-                "long_seq.offload.layer_inputs"
-            )
-        if self.state == "host":
-            self._fetch()
-        self._offloader._prefetch_before(self.index)
+    def _finish(self) -> torch.Tensor:
         if self._event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._event)
         out, self._device_tensor, self._event = self._device_tensor, None, None
-        self.state = "consumed"
         return out
 
     def __del__(self):
@@ -302,8 +331,7 @@ class OffloadedTensor:
 class SaveStack:
     """The handles of one forward's saved tensors, in order: the bookkeeping every offload tier shares.
 
-    A handle has ``state`` (``STORED`` until its copy back starts, then ``"fetching"``, then ``"consumed"``),
-    ``nbytes`` and ``_fetch()`` (start the copy back). References are weak: the autograd graph owns the handles, so a
+    A handle is a :class:`SavedTensor`. References are weak: the autograd graph owns the handles, so a
     graph freed without a backward releases their storage at once instead of when this stack dies.
     """
 
