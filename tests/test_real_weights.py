@@ -206,18 +206,15 @@ def ring_worker(rank: int, directory: str, batch: dict):
     import torch.distributed as dist
 
     import ds_longseq
-    from ds_longseq.engine import shard_batch
-    from ds_longseq.ops.sp_positions import sp_positions
+    from tests.sp_harness import rank_step
 
     model = full_precision_norms(load(directory).double())
     # chunks of 192: some span the two zigzag blocks a rank holds
     ds_longseq.enable(model, {**STREAMBP, "streambp": {"enabled": True, "chunk_size": 192},
                               "sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
-    local = shard_batch(batch, rank, 2, ring=2)
-    loss, grads, embed_grad = grads_of(model, lambda: model(**local).loss)
-    for g in grads.values():
-        dist.all_reduce(g)
-    return loss, grads if rank == 0 else None, embed_grad, sp_positions(LENGTH, 1, 2)[rank]
+    loss, grads, embed_grad, positions = rank_step(model, batch, rank, 2, 2,
+                                                   lambda m, local: grads_of(m, lambda: m(**local).loss))
+    return loss, grads if rank == 0 else None, embed_grad, positions
 
 
 @pytest.mark.slow  # CI time: rings of 2 on tiny models run by default (test_ring_families, test_sequence_parallel)

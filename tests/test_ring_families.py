@@ -56,14 +56,12 @@ def ring_hybrid_worker(rank: int, world: int, ring: int, families: dict[str, lis
     import torch.distributed as dist
 
     import ds_longseq
-    from ds_longseq.engine import shard_batch
-    from ds_longseq.ops.sp_positions import sp_positions
+    from tests.sp_harness import rank_step
 
     out = {}
     for model_type, cases in families.items():
         batch = model_zoo.tiny_batch(model_type)
-        local = shard_batch(batch, rank, world, ring=ring)
-        out[model_type] = {"positions": sp_positions(batch["input_ids"].shape[1], world // ring, ring)[rank]}
+        out[model_type] = {}
         for case in cases:
             sections, recurrent, mutation = CASES[case]
             patches = [(owner, name, getattr(owner, name), new) for owner, name, new in _mutated(mutation)]
@@ -74,12 +72,11 @@ def ring_hybrid_worker(rank: int, world: int, ring: int, families: dict[str, lis
                     model_zoo.tiny_model(model_type, torch.float64).train(),
                     {**sections, "sequence_parallel": {"size": world, "ring": ring, "recurrent": recurrent}},
                     sp_group=dist.group.WORLD)
-                loss, grads, embeds = model_sweep._loss_and_grads(model, local)
+                loss, grads, embeds, out[model_type]["positions"] = rank_step(
+                    model, batch, rank, world, ring, model_sweep._loss_and_grads)
             finally:
                 for owner, name, old, _ in patches:
                     setattr(owner, name, old)
-            for g in grads.values():
-                dist.all_reduce(g)
             out[model_type][case] = (loss, grads, embeds)
     return out
 

@@ -273,23 +273,20 @@ def ring_worker(rank: int, world: int, arch: str, overrides: dict, ring: int | N
     import torch.distributed as dist
 
     import ds_longseq
-    from ds_longseq.engine import shard_batch
     from ds_longseq.ops.sp_layout import sp_degrees
-    from ds_longseq.ops.sp_positions import sp_positions
+    from tests.sp_harness import rank_step
 
     heads = overrides.get("num_attention_heads", 4)
     u, r = sp_degrees(world, heads, ring, overrides.get("num_key_value_heads", 2))
-    local = shard_batch(global_batch(left_pad=left_pad, seq_len=seq_len), rank, world, ring=r)
-    out = {"positions": sp_positions(seq_len, u, r)[rank], "degrees": (u, r)}
+    batch = global_batch(left_pad=left_pad, seq_len=seq_len)
+    out = {"degrees": (u, r)}
     for name in cases:
         section = {"size": world} if ring is None else {"size": world, "ring": ring}
         model = full_precision_norms(make_model(arch, torch.float64, **overrides))
         technique, _, mutation = name.partition(":")
         ds_longseq.enable(model, {**SP_CASES[technique], "sequence_parallel": section}, sp_group=dist.group.WORLD)
         with RING_MUTATIONS[mutation]() if mutation else contextlib.nullcontext():
-            loss, grads, embed_grad = loss_and_grads(model, local)
-        for g in grads.values():
-            dist.all_reduce(g)
+            loss, grads, embed_grad, out["positions"] = rank_step(model, batch, rank, world, r, loss_and_grads)
         out[name] = {"loss": loss, "grads": grads, "embed_grad": embed_grad}
     return out
 
