@@ -26,7 +26,7 @@ from ds_longseq.config import LongSeqConfig
 from ds_longseq.families import UnsupportedModelError, decoder_adapter
 from ds_longseq.families.discovery import MOE_AUX_KINDS
 from ds_longseq.forwards.attn_spec import AttentionSettings
-from ds_longseq.forwards.causal_lm import CausalLMForward
+from ds_longseq.forwards.causal_lm import CausalLMForward, CausalLMSettings
 from ds_longseq.forwards.sequence_parallel import SequenceParallel
 from ds_longseq.forwards.token_outputs import FusedHeadSettings
 from ds_longseq.techniques import EnableContext, PatchHandle, active_techniques
@@ -97,15 +97,16 @@ def enable(
             handle.techniques.append(technique)
         if any(t.uses_model_forward for t in techniques):
             # Every such path: the model forward also masks packed documents' boundary targets.
-            forward = CausalLMForward(
-                model, model.forward, ctx.sp, adapter.final_logit_softcap, streambp=cfg.streambp.enabled,
-                offload=ctx.offload is not None, chunked_head=cfg.lm_head.enabled,
+            settings = CausalLMSettings(
+                streambp=cfg.streambp.enabled, offload=ctx.offload is not None, chunked_head=cfg.lm_head.enabled,
                 attention=AttentionSettings.from_config(cfg.attention),
-                decoder=adapter.base_model, head=adapter.lm_head, moe_aux=adapter.spec.head_kind in MOE_AUX_KINDS,
-                logit_scale=adapter.logit_scale, stock_masks_see_packed_rows=adapter.stock_masks_see_packed_rows(),
+                final_logit_softcap=adapter.final_logit_softcap, decoder=adapter.base_model, head=adapter.lm_head,
+                moe_aux=adapter.spec.head_kind in MOE_AUX_KINDS, logit_scale=adapter.logit_scale,
+                stock_masks_see_packed_rows=adapter.stock_masks_see_packed_rows(),
                 recurrent_mixers=any(adapter.mixer(layer) is not None for layer in adapter.layers),
                 sliding_masks_read=adapter.sliding_masks_read(),
             )
+            forward = CausalLMForward(model, model.forward, settings, ctx.sp)
             handle.set_instance_attr(model, "forward", forward)
             handle.forward = forward
         handle.set_instance_attr(model, _HANDLE_ATTR, handle)

@@ -16,7 +16,7 @@ import ds_longseq
 from ds_longseq import LongSeqConfigError
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards import auto_chunk
-from ds_longseq.forwards.auto_chunk import AutoChunkSize
+from ds_longseq.forwards.auto_chunk import AutoChunkSettings, AutoChunkSize
 from ds_longseq.ops.chunk_sizes import MIN_CHUNK, choose_chunk_size
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
@@ -138,8 +138,8 @@ def test_offload_and_keep_every_change_what_is_kept_on_the_device():
     dims = ModelDims(hidden_size=64, intermediate_size=128, num_layers=32, num_heads=4, num_kv_heads=2, head_dim=16,
                      vocab_size=100)
     kwargs = dict(budget_gib=None, free_fraction=0.8, kv_block_size=None, lm_head_chunk_size=None)
-    counts = {(off, k): AutoChunkSize(dims, [], offloaded=off, keep_every=k, **kwargs).inputs_on_device()
-              for off in (False, True) for k in (1, 4, 8)}
+    counts = {(off, k): AutoChunkSize(dims, [], AutoChunkSettings(offloaded=off, keep_every=k, **kwargs))
+              .inputs_on_device() for off in (False, True) for k in (1, 4, 8)}
     assert counts == {(False, 1): 32, (False, 4): 8 + 3, (False, 8): 4 + 7, (True, 1): 0, (True, 4): 4, (True, 8): 8}
 
 

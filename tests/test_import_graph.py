@@ -22,8 +22,8 @@ import ds_longseq
 
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
-    "config": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4,
-    "patch": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
+    "config": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1, "families": 2, "forwards": 3, "adjoint": 3,
+    "techniques": 4, "patch": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
     "cli": 8,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
@@ -157,3 +157,39 @@ def test_a_circle_is_found_also_under_type_checking(guarded):
     assert find_cycle(graph) == ["pkg.attention", "pkg.sp", "pkg.attention"]
     del sources["pkg.attention"]
     assert find_cycle(import_graph({**sources, "pkg.attention": ("import torch\n", False)})) is None
+
+
+def test_trainer_cases_are_composed_not_inherited():
+    """Issue 52, item 1: each part of a Trainer case has at most one ds_longseq base between it and ``object``, and
+    no constructor calls a method of its own object (an override a subclass could change under it)."""
+    from ds_longseq.trainer import cases
+
+    classes = [c for c in vars(cases).values() if isinstance(c, type) and c.__module__ == cases.__name__]
+    assert len(classes) >= 10, classes
+    deep = {c.__name__: [b.__name__ for b in c.__mro__[1:] if b.__module__.startswith("ds_longseq")]
+            for c in classes}
+    assert all(len(bases) <= 1 for bases in deep.values()), deep
+    tree = ast.parse(Path(cases.__file__).read_text())
+    calls_in_init = [
+        f"{cls.name}: self.{call.func.attr}()" for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+        for init in cls.body if isinstance(init, ast.FunctionDef) and init.name == "__init__"
+        for call in ast.walk(init) if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+        and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+    ]
+    assert not calls_in_init, calls_in_init
+
+
+def test_no_class_over_250_lines_and_no_constructor_over_8_parameters():
+    """Issue 52, item 3: settings objects instead of long argument lists (``LayerParts``, ``CausalLMSettings``,
+    ``AutoChunkSettings``), and the work a class does not need its state for in functions beside it."""
+    long_classes, long_inits = [], []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
+                long_classes.append(f"{path.relative_to(PACKAGE_DIR)}:{node.name}")
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                args = node.args
+                count = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs) - 1  # without self
+                if count > 8:
+                    long_inits.append(f"{path.relative_to(PACKAGE_DIR)}:{node.lineno} ({count} parameters)")
+    assert not long_classes and not long_inits, (long_classes, long_inits)

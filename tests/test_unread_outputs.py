@@ -38,7 +38,7 @@ def _grads(model, batch, *, skip: bool | None = True, lora: bool = False, autoca
     layers = [layer.forward for layer in inner.model.layers]
     if skip is False:
         for f in layers:
-            f.query_unread = f.output_unread = f.kv_reused = False
+            f.unread.query_unread = f.unread.output_unread = f.unread.kv_reused = False
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = model(**batch).loss
     loss.backward()
@@ -62,11 +62,11 @@ def test_skipped_linears_give_bitwise_the_same_gradients(arch, dtype, lora, auto
         # 37 tokens in chunks of 10: 3 captured chunks (+1 skipping run of the query probe, +2 captures of the K/V
         # reuse probe), 4 re-forwards (+1 skipping run of the output probe; the K/V reuse probe reads the output), 3
         # of them reusing captured K/V (+1 reusing run of its probe)
-        assert f.query_unread and f.output_unread
-        assert f.query_proj.skipped == 3 + 1 + 2 and f.output_proj.skipped == 4 + 1
+        assert f.unread.query_unread and f.unread.output_unread
+        assert f.unread.query_proj.skipped == 3 + 1 + 2 and f.unread.output_proj.skipped == 4 + 1
         reused = arch != "qwen3"  # Qwen 3's key norm reads the key projection's values (see below)
-        assert f.kv_reused is reused
-        assert [p.skipped for p in f.kv_projs] == [3 + 1, 3 + 1] if reused else [1, 1]
+        assert f.unread.kv_reused is reused
+        assert [p.skipped for p in f.unread.kv_projs] == [3 + 1, 3 + 1] if reused else [1, 1]
 
 
 @pytest.mark.kernel_paths
@@ -81,13 +81,13 @@ def test_a_linear_whose_values_a_norm_reads_stays_computed(arch, kept):
     probed, layers = _grads(model, batch, skip=None)
     computed, _ = _grads(model, batch, skip=False)
     expected = {"query_unread": True, "output_unread": arch != "olmo2", "kv_reused": False}
-    assert all({name: getattr(f, name) for name in expected} == expected for f in layers)
+    assert all({name: getattr(f.unread, name) for name in expected} == expected for f in layers)
     assert all(torch.equal(a, b) for a, b in zip(probed, computed, strict=True))
     forced = copy.deepcopy(model)
     ds_longseq.enable(forced, CFG)
     forced(**batch)  # the first forward probes
     for layer in forced.model.layers:
-        setattr(layer.forward, kept, True)
+        setattr(layer.forward.unread, kept, True)
     forced.zero_grad()
     forced(**batch).loss.backward()
     assert not all(torch.equal(p.grad, g) for p, g in zip(forced.parameters(), computed, strict=True))
@@ -102,7 +102,7 @@ def test_reused_keys_values_match_stock_float64():
     ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
     ds_longseq.enable(model, CFG)
     errs = compare(loss_and_grads(model, batch), ref)
-    assert all(layer.forward.kv_reused for layer in model.model.layers)
+    assert all(layer.forward.unread.kv_reused for layer in model.model.layers)
     assert max(errs.values()) < 1e-10, errs
 
 
@@ -119,7 +119,8 @@ def test_fewer_flops_by_exactly_the_skipped_products():
         m(**batch).loss.backward()  # the probes run on the first training forward
         if not skip:
             for layer in m.model.layers:
-                layer.forward.query_unread = layer.forward.output_unread = layer.forward.kv_reused = False
+                unread = layer.forward.unread
+                unread.query_unread = unread.output_unread = unread.kv_reused = False
         counts[skip] = sum(count_flops(lambda m=m: m(**batch).loss.backward()).values())
     c = model.config
     B, L, d = 2, c.num_hidden_layers, c.hidden_size

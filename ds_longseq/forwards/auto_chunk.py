@@ -21,11 +21,13 @@ Memory model (per device, B sequences of T local tokens, d hidden, L layers, b b
 
 Holds:
     CPU_MAX_CHUNK: the largest chunk on CPU (a speed cap).
+    AutoChunkSettings: what it reads of the config.
     AutoChunkSize: the forward pre-hook on the base model that sets every StreamBP layer's chunk size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Sequence
 
@@ -39,9 +41,10 @@ from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
 from ds_longseq.ops.chunk_sizes import choose_chunk_size, largest_fitting
 
 if TYPE_CHECKING:
+    from ds_longseq.config import LongSeqConfig
     from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
 
-__all__ = ["CPU_MAX_CHUNK", "AutoChunkSize"]
+__all__ = ["CPU_MAX_CHUNK", "AutoChunkSettings", "AutoChunkSize"]
 
 logger = get_logger(__name__)
 
@@ -63,34 +66,50 @@ def _free_bytes(device: torch.device) -> int:
     return offload_ops.host_available_bytes()
 
 
+@dataclasses.dataclass(frozen=True)
+class AutoChunkSettings:
+    """What ``"auto"`` reads of the ``long_seq`` config (:meth:`of`)."""
+
+    budget_gib: float | None
+    """``streambp.auto_budget_gib`` (None: from free memory)."""
+    free_fraction: float
+    """``streambp.auto_free_fraction``."""
+    kv_block_size: int | None
+    """``attention.kv_block_size`` (None: the device default)."""
+    offloaded: bool
+    """Whether ``offload.layer_inputs`` takes the kept inputs off the device."""
+    keep_every: int
+    """``offload.keep_every``."""
+    lm_head_chunk_size: int | None
+    """``lm_head.chunk_size`` when the chunked head is on, else None (the whole sequence)."""
+
+    @classmethod
+    def of(cls, config: "LongSeqConfig") -> "AutoChunkSettings":
+        return cls(budget_gib=config.streambp.auto_budget_gib, free_fraction=config.streambp.auto_free_fraction,
+                   kv_block_size=config.attention.kv_block_size, offloaded=config.offload.layer_inputs is not None,
+                   keep_every=config.offload.keep_every,
+                   lm_head_chunk_size=config.lm_head.chunk_size if config.lm_head.enabled else None)
+
+
 class AutoChunkSize:
     """Sets the chunk size of every StreamBP layer before each training forward (installed by the StreamBP technique).
 
     Args:
         dims: the model's sizes.
         layers: the StreamBP layer forwards whose ``chunk_size`` it sets.
-        budget_gib: ``streambp.auto_budget_gib`` (None: from free memory).
-        free_fraction: ``streambp.auto_free_fraction``.
-        kv_block_size: ``attention.kv_block_size`` (None: the device default).
-        offloaded: whether ``offload.layer_inputs`` takes the kept inputs off the device.
-        keep_every: ``offload.keep_every``.
-        lm_head_chunk_size: ``lm_head.chunk_size`` when the chunked head is on, else None (the whole sequence).
+        settings: what it reads of the config (:class:`AutoChunkSettings`).
         model: the whole model, whose trainable parameters without a gradient yet count as kept (None: the base
             model's, the hook's module).
     """
 
-    def __init__(self, dims: ModelDims, layers: Sequence["StreamBPLayerForward"], *, budget_gib: float | None,
-                 free_fraction: float, kv_block_size: int | None, offloaded: bool, keep_every: int,
-                 lm_head_chunk_size: int | None, model: torch.nn.Module | None = None):
+    def __init__(self, dims: ModelDims, layers: Sequence["StreamBPLayerForward"], settings: AutoChunkSettings,
+                 model: torch.nn.Module | None = None):
         self.dims = dims
         self.model = model
         self.layers = list(layers)
-        self.budget_gib = budget_gib
-        self.free_fraction = free_fraction
-        self.kv_block_size = kv_block_size
-        self.offloaded = offloaded
-        self.keep_every = keep_every
-        self.lm_head_chunk_size = lm_head_chunk_size
+        self.budget_gib, self.free_fraction = settings.budget_gib, settings.free_fraction
+        self.kv_block_size, self.offloaded = settings.kv_block_size, settings.offloaded
+        self.keep_every, self.lm_head_chunk_size = settings.keep_every, settings.lm_head_chunk_size
         self.last: dict | None = None
         """The last choice: ``{"seq_len", "batch_size", "chunk_size", "work_bytes", "budget_bytes", "kept_bytes"}``."""
         self._logged: set[tuple[int, int]] = set()

@@ -26,17 +26,18 @@ trainer reads, ``cast_lm_head_to_fp32``) is set with :meth:`CausalLMForward.conf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
-import sys
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.forwards.attention import mask_audit
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec
+from ds_longseq.forwards.moe import router_aux_loss, router_aux_loss_wanted, with_router_aux_loss
 from ds_longseq.forwards.token_outputs import (  # re-exported: they were defined here
     FUSED_HEAD_OUTPUTS,
     FusedHeadSettings,
@@ -51,7 +52,10 @@ from ds_longseq.ops.packing import find_documents, mask_document_starts
 if TYPE_CHECKING:
     from ds_longseq.forwards.sequence_parallel import SequenceParallel
 
-__all__ = ["CausalLMForward", "LMHeadLossForward", "FusedLMHeadOutput", "FusedHeadSettings", "FUSED_HEAD_OUTPUTS"]
+__all__ = [
+    "CausalLMForward", "CausalLMSettings", "LMHeadLossForward", "FusedLMHeadOutput", "FusedHeadSettings",
+    "FUSED_HEAD_OUTPUTS",
+]
 
 
 def _check_loss_call(sp, kwargs: dict, logits_to_keep) -> None:
@@ -110,6 +114,40 @@ class LMHeadLossForward:
         return chunked_lm_head_loss(hidden, head.weight, targets, **common)
 
 
+@dataclasses.dataclass(frozen=True)
+class CausalLMSettings:
+    """What :class:`CausalLMForward` needs of the ``long_seq`` config and of the model's family."""
+
+    streambp: bool
+    """``streambp.enabled``: the layers stream, and take packed documents' starts from the model forward."""
+    offload: bool
+    """``long_seq.offload`` keeps the layer inputs."""
+    chunked_head: bool
+    """``lm_head.enabled``: the loss goes through the chunked head."""
+    attention: AttentionSettings
+    """``long_seq.attention``, passed to the layers with the documents."""
+    final_logit_softcap: float | None = None
+    """The family's cap on the logits (Gemma 2's), or None."""
+    decoder: torch.nn.Module | None = None
+    """Where the family keeps its decoder (families/decoder.py); None: ``model.model``."""
+    head: torch.nn.Module | None = None
+    """Where it keeps its LM head; None: ``model.lm_head``."""
+    moe_aux: bool | None = None
+    """Whether the family's own forward adds a load-balancing loss (families/discovery.py's "moe_aux" head); None:
+    whenever the model has ``router_aux_loss_coef``."""
+    logit_scale: float = 1.0
+    """The family's factor on the logits after the head (1.0: none)."""
+    stock_masks_see_packed_rows: bool = True
+    """Whether the family's stock attention keeps packed documents apart (its decoder gives transformers' mask
+    builders the position ids: ``families.discovery.masks_see_packed_rows``); ds_longseq's own attention does."""
+    recurrent_mixers: bool = False
+    """Layers with a linear-attention / state-space / short-convolution mixer (``DecoderLMAdapter.mixer``)."""
+    sliding_masks_read: bool = True
+    """Whether any layer reads the sliding-window masks the stock forward builds
+    (``DecoderLMAdapter.sliding_masks_read``): if none does, the mask audit lets those masks go unused, as stock
+    does."""
+
+
 class CausalLMForward:
     """Replacement ``forward`` of one ``*ForCausalLM`` instance.
 
@@ -128,56 +166,23 @@ class CausalLMForward:
     the token-weighted mean over the whole group (:meth:`SequenceParallel.token_mean`), with or
     without the chunked LM head.
 
-    What it needs of the ``long_seq`` config comes as four keyword arguments (``patch.enable`` reads them):
-    ``streambp`` (``streambp.enabled``: the layers stream, and take packed documents' starts from here),
-    ``offload`` (``long_seq.offload`` keeps the layer inputs), ``chunked_head`` (``lm_head.enabled``: the loss
-    goes through the chunked head) and ``attention`` (``long_seq.attention``, passed to the layers with the
-    documents).
+    What it needs of the ``long_seq`` config and of the family comes as one :class:`CausalLMSettings`
+    (``patch.enable`` fills it in).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        orig_forward: Callable,
-        sp: "SequenceParallel | None" = None,
-        final_logit_softcap: float | None = None,
-        *,
-        streambp: bool,
-        offload: bool,
-        chunked_head: bool,
-        attention: AttentionSettings,
-        decoder: torch.nn.Module | None = None,
-        head: torch.nn.Module | None = None,
-        moe_aux: bool | None = None,
-        logit_scale: float = 1.0,
-        stock_masks_see_packed_rows: bool = True,
-        recurrent_mixers: bool = False,
-        sliding_masks_read: bool = True,
-    ):
+    def __init__(self, model: torch.nn.Module, orig_forward: Callable, settings: CausalLMSettings,
+                 sp: "SequenceParallel | None" = None):
         self.model = model
         self.orig_forward = orig_forward
-        self.streambp = streambp
-        self.offload = offload
-        self.chunked_head = chunked_head
-        self.attention = attention
         self.sp = sp
-        self.final_logit_softcap = final_logit_softcap
-        # where the family keeps them (families/decoder.py); the stock layout by default
-        self.decoder = model.model if decoder is None else decoder
-        self.head = model.lm_head if head is None else head
-        # whether the family's own forward adds a load-balancing loss (families/discovery.py's "moe_aux"
-        # head); None: whenever the model has router_aux_loss_coef
-        self.moe_aux = moe_aux
-        self.logit_scale = logit_scale  # the family's factor on the logits after the head (1.0: none)
-        # whether the family's stock attention keeps packed documents apart (its decoder gives transformers' mask
-        # builders the position ids: families.discovery.masks_see_packed_rows); ds_longseq's own attention does
-        self.stock_masks_see_packed_rows = stock_masks_see_packed_rows
-        # layers with a linear-attention / state-space / short-convolution mixer (DecoderLMAdapter.mixer)
-        self.recurrent_mixers = recurrent_mixers
-        # whether any layer reads the sliding-window masks the stock forward builds (DecoderLMAdapter
-        # .sliding_masks_read): if none does, the mask audit lets those masks go unused, as stock does
-        self.sliding_masks_read = sliding_masks_read
-        self.token_outputs = TokenOutputs(self.head, chunked_head, final_logit_softcap, logit_scale)
+        self.settings = settings
+        self.streambp, self.offload, self.chunked_head = settings.streambp, settings.offload, settings.chunked_head
+        self.attention, self.final_logit_softcap = settings.attention, settings.final_logit_softcap
+        self.decoder = model.model if settings.decoder is None else settings.decoder
+        self.head = model.lm_head if settings.head is None else settings.head
+        self.logit_scale, self.recurrent_mixers = settings.logit_scale, settings.recurrent_mixers
+        self.stock_masks_see_packed_rows = settings.stock_masks_see_packed_rows
+        self.token_outputs = TokenOutputs(self.head, self.chunked_head, self.final_logit_softcap, self.logit_scale)
         self.token_records: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """While not None (:meth:`recording_tokens`), every loss call appends its targets' (log-probs, valid mask)."""
 
@@ -224,7 +229,7 @@ class CausalLMForward:
 
     def __call__(self, *args, **kwargs):
         # every sliding window the model builds a mask for must reach ds_longseq's attention (attention.py)
-        with mask_audit(sliding_masks_read=self.sliding_masks_read):
+        with mask_audit(sliding_masks_read=self.settings.sliding_masks_read):
             return self._forward(*args, **kwargs)
 
     def _forward(
@@ -250,8 +255,8 @@ class CausalLMForward:
         # transformers 5.24 passes the cache as cache= (generate() does), earlier releases as past_key_values=
         past_key_values = pop_cache(kwargs, past_key_values)
         if past_key_values is None and sp is None:
-            position_ids, labels, use_cache = self._packed_rows(
-                position_ids, attention_mask, input_ids, inputs_embeds, labels, use_cache, kwargs
+            position_ids, labels, use_cache = _packed_rows(
+                self, position_ids, attention_mask, input_ids, inputs_embeds, labels, use_cache, kwargs
             )
         generating = past_key_values is not None or use_cache is True
         # The stock default (config.use_cache) would keep every layer's K/V, and with a cache the
@@ -276,7 +281,7 @@ class CausalLMForward:
                 **kwargs,
             )
         _check_loss_call(sp, kwargs, logits_to_keep)
-        router_aux = self._router_aux_loss_wanted(kwargs)
+        router_aux = router_aux_loss_wanted(self.model, self.settings.moe_aux, kwargs, self.active_sp is not None)
         return_dict = kwargs.pop("return_dict", None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
@@ -294,7 +299,7 @@ class CausalLMForward:
             targets = sp.mask_boundary_targets(targets.to(outputs.last_hidden_state.device), ignore_index)
         hidden = outputs.last_hidden_state
         if fused:
-            aux = self._router_aux_loss(outputs, attention_mask) if router_aux else None
+            aux = router_aux_loss(self.model, outputs, attention_mask) if router_aux else None
             # no valid token: a finite 0 as TRL's own head gives, not 0 / 0
             mean = lambda total, valid: self._token_mean(total, valid, num_items_in_batch, empty_is_zero=True)
             coef = self.model.router_aux_loss_coef if aux is not None else 0.0
@@ -308,7 +313,7 @@ class CausalLMForward:
         loss_sum, num_valid, logits = self._loss_sum(hidden, targets, ignore_index)
         loss = self._token_mean(loss_sum, num_valid, num_items_in_batch)
         if router_aux:
-            output = self._with_router_aux_loss(loss, logits, outputs, attention_mask)
+            output = with_router_aux_loss(self.model, loss, logits, outputs, attention_mask)
         else:
             output = CausalLMOutputWithPast(
                 loss=loss,
@@ -317,44 +322,6 @@ class CausalLMForward:
                 attentions=outputs.attentions,
             )
         return output.to_tuple() if return_dict is False else output
-
-    def _packed_rows(self, position_ids, attention_mask, input_ids, inputs_embeds, labels, use_cache, kwargs: dict):
-        """(position ids, labels, use_cache) for a packed batch (found once per forward, ``_documents``): the
-        StreamBP layers get the documents through ``kwargs`` (``ds_longseq=AttnSpec(doc_start=...)``), each
-        document's first label is masked, and no cache is made (with one, transformers attends across the
-        documents). Refused where the model's stock path would attend across them. Unchanged for unpacked rows."""
-        doc_start, position_ids = self._documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
-        if self.streambp:
-            # The StreamBP layers take the documents from here (None: no row is packed) instead of
-            # finding them again, with host syncs, in every layer. transformers' model forward
-            # passes its **kwargs on to every decoder layer.
-            kwargs[SPEC_KWARG] = AttnSpec(None, self.attention, doc_start=doc_start)
-        if doc_start is None:
-            return position_ids, labels, use_cache
-        if self.recurrent_mixers:
-            raise NotImplementedError(
-                f"packed documents on {type(self.model).__name__}: its linear-attention / state-space layers "
-                "carry their state across document starts in transformers' torch path (nothing resets it "
-                "there), so each document would start from the previous one's state. Send one document per "
-                "row"
-            )
-        if not self.streambp and not self.stock_masks_see_packed_rows:
-            raise NotImplementedError(
-                f"packed documents on {type(self.model).__name__} without long_seq.streambp: its decoder "
-                "builds its stock attention masks without the position ids, so transformers' attention would "
-                "attend across the documents. Enable long_seq.streambp (ds_longseq's attention keeps each "
-                "document to itself) or send one document per row"
-            )
-        if use_cache:
-            raise ValueError(
-                "packed documents with use_cache=True: with a cache transformers ignores the document "
-                "boundaries and attends across them. Pass use_cache=False for packed rows"
-            )
-        if labels is not None:
-            labels = mask_document_starts(labels, doc_start, kwargs.get("ignore_index", -100))
-        # The stock default (config.use_cache) would create a cache, and with one transformers'
-        # own attention (the paths ds_longseq leaves stock) attends across the documents.
-        return position_ids, labels, False
 
     def _loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int):
         """(summed loss, number of valid targets, logits or None) of a loss call: the chunked head's, or under
@@ -398,48 +365,53 @@ class CausalLMForward:
             denominator = denominator.to(loss_sum.device)
         return loss_sum / denominator
 
-    def _router_aux_loss_wanted(self, kwargs: dict) -> bool:
-        """Whether this forward adds a mixture-of-experts load-balancing loss, as the stock one would."""
-        model = self.model
-        if self.moe_aux is False or getattr(model, "router_aux_loss_coef", None) is None:
-            return False  # a dense family, or a mixture of experts whose stock forward adds no such loss
-        wanted = kwargs.get("output_router_logits")
-        if wanted is None:
-            wanted = getattr(model.config, "output_router_logits", False)
-        if wanted and self.active_sp is not None:
-            raise NotImplementedError(
-                "output_router_logits (the mixture-of-experts load-balancing loss) under sequence parallelism: each "
-                "rank routes only its shard, so the loss would need the group's routing statistics. Pass "
-                "output_router_logits=False (or set config.output_router_logits=False), or disable sequence_parallel"
-            )
-        return bool(wanted)
 
-    def _router_aux_loss(self, outputs, attention_mask) -> torch.Tensor:
-        """The family's own load-balancing loss (from its modeling module) on the recorded (B*T, E)
-        router logits, as the stock forward computes it."""
-        model = self.model
-        balancing = sys.modules[type(model).__module__].load_balancing_loss_func
-        return balancing(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
-
-    def _with_router_aux_loss(self, loss, logits, outputs, attention_mask):
-        """The stock MoE ending: ``loss + coef * load_balancing_loss(router_logits)``."""
-        model = self.model
-        aux_loss = self._router_aux_loss(outputs, attention_mask)
-        return MoeCausalLMOutputWithPast(
-            loss=loss + model.router_aux_loss_coef * aux_loss.to(loss.device),
-            aux_loss=aux_loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
+def _packed_rows(forward: CausalLMForward, position_ids, attention_mask, input_ids, inputs_embeds, labels, use_cache,
+                 kwargs: dict):
+    """(position ids, labels, use_cache) for a packed batch (found once per forward, ``_documents``): the
+    StreamBP layers get the documents through ``kwargs`` (``ds_longseq=AttnSpec(doc_start=...)``), each
+    document's first label is masked, and no cache is made (with one, transformers attends across the
+    documents). Refused where the model's stock path would attend across them. Unchanged for unpacked rows."""
+    doc_start, position_ids = _documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
+    if forward.streambp:
+        # The StreamBP layers take the documents from here (None: no row is packed) instead of
+        # finding them again, with host syncs, in every layer. transformers' model forward
+        # passes its **kwargs on to every decoder layer.
+        kwargs[SPEC_KWARG] = AttnSpec(None, forward.attention, doc_start=doc_start)
+    if doc_start is None:
+        return position_ids, labels, use_cache
+    if forward.recurrent_mixers:
+        raise NotImplementedError(
+            f"packed documents on {type(forward.model).__name__}: its linear-attention / state-space layers "
+            "carry their state across document starts in transformers' torch path (nothing resets it "
+            "there), so each document would start from the previous one's state. Send one document per "
+            "row"
         )
+    if not forward.streambp and not forward.stock_masks_see_packed_rows:
+        raise NotImplementedError(
+            f"packed documents on {type(forward.model).__name__} without long_seq.streambp: its decoder "
+            "builds its stock attention masks without the position ids, so transformers' attention would "
+            "attend across the documents. Enable long_seq.streambp (ds_longseq's attention keeps each "
+            "document to itself) or send one document per row"
+        )
+    if use_cache:
+        raise ValueError(
+            "packed documents with use_cache=True: with a cache transformers ignores the document "
+            "boundaries and attends across them. Pass use_cache=False for packed rows"
+        )
+    if labels is not None:
+        labels = mask_document_starts(labels, doc_start, kwargs.get("ignore_index", -100))
+    # The stock default (config.use_cache) would create a cache, and with one transformers'
+    # own attention (the paths ds_longseq leaves stock) attends across the documents.
+    return position_ids, labels, False
 
-    def _documents(self, position_ids, attention_mask, input_ids, inputs_embeds, kwargs):
-        """(doc_start (B, T) or None, position ids to run with) of a packed batch (``ops.packing.find_documents``).
 
-        Labels are masked by the caller at each document's first token, so no target crosses a boundary.
-        Under sequence parallelism ``engine.shard_batch`` does this on the whole sequence instead.
-        """
-        B, T = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        return find_documents(position_ids, attention_mask, B, T, cu_q, cu_k)
+def _documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs):
+    """(doc_start (B, T) or None, position ids to run with) of a packed batch (``ops.packing.find_documents``).
+
+    Labels are masked by the caller at each document's first token, so no target crosses a boundary.
+    Under sequence parallelism ``engine.shard_batch`` does this on the whole sequence instead.
+    """
+    B, T = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    return find_documents(position_ids, attention_mask, B, T, cu_q, cu_k)

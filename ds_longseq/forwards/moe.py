@@ -20,6 +20,7 @@ Shape legend: B batch, T sequence, C chunk, E experts.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -29,6 +30,9 @@ from ds_longseq.compat import output_collector
 
 __all__ = [
     "RouterTap",
+    "router_aux_loss_wanted",
+    "router_aux_loss",
+    "with_router_aux_loss",
     "router_logits_requested",
     "collection_paused",
     "record_router_logits",
@@ -87,3 +91,42 @@ class RouterTap:
         if logits is None:
             raise RuntimeError("the mixture-of-experts block returned without calling its router (mlp.gate)")
         return out, logits.reshape(batch, length, logits.shape[-1])
+
+
+def router_aux_loss_wanted(model: torch.nn.Module, moe_aux: bool | None, kwargs: dict, sequence_parallel: bool) -> bool:
+    """Whether a model forward called with ``kwargs`` adds a mixture-of-experts load-balancing loss, as the stock one
+    would (``moe_aux``: ``CausalLMSettings.moe_aux``); refused under (active) sequence parallelism."""
+    if moe_aux is False or getattr(model, "router_aux_loss_coef", None) is None:
+        return False  # a dense family, or a mixture of experts whose stock forward adds no such loss
+    wanted = kwargs.get("output_router_logits")
+    if wanted is None:
+        wanted = getattr(model.config, "output_router_logits", False)
+    if wanted and sequence_parallel:
+        raise NotImplementedError(
+            "output_router_logits (the mixture-of-experts load-balancing loss) under sequence parallelism: each "
+            "rank routes only its shard, so the loss would need the group's routing statistics. Pass "
+            "output_router_logits=False (or set config.output_router_logits=False), or disable sequence_parallel"
+        )
+    return bool(wanted)
+
+
+def router_aux_loss(model: torch.nn.Module, outputs, attention_mask) -> torch.Tensor:
+    """The family's own load-balancing loss (from its modeling module) on the recorded (B*T, E) router logits, as the
+    stock forward computes it."""
+    balancing = sys.modules[type(model).__module__].load_balancing_loss_func
+    return balancing(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+
+
+def with_router_aux_loss(model: torch.nn.Module, loss, logits, outputs, attention_mask):
+    """The stock MoE ending: ``loss + coef * load_balancing_loss(router_logits)``, as its output class."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    aux_loss = router_aux_loss(model, outputs, attention_mask)
+    return MoeCausalLMOutputWithPast(
+        loss=loss + model.router_aux_loss_coef * aux_loss.to(loss.device),
+        aux_loss=aux_loss,
+        logits=logits,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        router_logits=outputs.router_logits,
+    )

@@ -3,13 +3,13 @@ through its KV cache's ``update``).
 
 Holds:
     StreamBPLayerForward: the callable installed as a decoder layer's ``forward`` (streambp).
+    LayerParts: what the family knows of the layer that the forward needs.
 
 Shape legend: B batch, T sequence, C chunk, d hidden, D rotary dim.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -25,17 +25,47 @@ from ds_longseq.forwards.layer_cache import layer_cache
 from ds_longseq.forwards.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.forwards.replay import TOKEN_WISE_PROBE_TOKENS, check_token_wise, replay_draws
 from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
-from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, outputs_unread
+from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, UnreadLinears
 from ds_longseq.forwards.zero3 import check_zero3_leaf
-from ds_longseq.ops.chunk_grads import split_outputs
 from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
 from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, streambp_mixer_sp_apply
-from ds_longseq.ops.streambp import KVStream, SharedKV, capture_kv, streambp_apply, streambp_sp_apply
+from ds_longseq.ops.streambp import SharedKV, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
     from ds_longseq.forwards.offload import LayerInputOffload
 
-__all__ = ["StreamBPLayerForward"]
+__all__ = ["StreamBPLayerForward", "LayerParts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerParts:
+    """What the family knows of one decoder layer that its StreamBP forward needs (``techniques/streambp.py`` reads it
+    off ``DecoderLMAdapter``)."""
+
+    name: str | None = None
+    """How errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``); None: its class name."""
+    router_tap: RouterTap | None = None
+    """A mixture-of-experts layer's router logits (``forwards/moe.py``), or None."""
+    kv_sharing: tuple[str, str, bool] | None = None
+    """Cross-layer K/V sharing (``DecoderLMAdapter.kv_sharing``): ("store" | "reuse", key, whether a later layer
+    reuses this key), or None."""
+    streams: int | None = None
+    """S when the layer takes its hidden states stacked as (S, B, T, d) (``DecoderLMAdapter.stacked_streams``)."""
+    mixer: str | None = None
+    """"recurrent" for a layer whose token mixer carries a state instead of attending (its padding mask is its
+    chunk's own, its states are carried from chunk to chunk), "both" for one with an attention beside it,
+    "token_wise" for one with no token mixer (``DecoderLMAdapter.token_wise``: nothing carried, checked once to mix
+    no tokens), None for an attention layer (``DecoderLMAdapter.mixer``)."""
+    mixer_module: torch.nn.Module | None = None
+    """The recurrent mixer itself (under sequence parallelism it may be head-sharded: ``forwards.sharded_mixer``)."""
+    query_proj: UnreadLinear | None = None
+    """The query projection as an installed ``UnreadLinear`` (``forwards.unread_outputs``): left uncomputed in the
+    K/V capture once a probe found it exact."""
+    output_proj: UnreadLinear | None = None
+    """The MLP's output projection, likewise left uncomputed in the backward's chunk re-forward."""
+    kv_projs: tuple[UnreadLinear, UnreadLinear] | None = None
+    """The key and value projections, run for their gradient only in the replay of a chunk whose K/V the capture
+    pass computed (the attention reuses those), once a probe found it exact."""
 
 
 class StreamBPLayerForward:
@@ -51,39 +81,16 @@ class StreamBPLayerForward:
     Called without one (``model.model(...)`` directly), the layer finds them itself.
     """
 
-    def __init__(
-        self,
-        layer: torch.nn.Module,
-        orig_forward: Callable,
-        chunk_size: int,
-        attention: AttentionSettings,
-        offload: "LayerInputOffload | None" = None,
-        router_tap: RouterTap | None = None,
-        name: str | None = None,
-        kv_sharing: tuple[str, str, bool] | None = None,
-        streams: int | None = None,
-        mixer: str | None = None,
-        mixer_module: torch.nn.Module | None = None,
-        query_proj: UnreadLinear | None = None,
-        output_proj: UnreadLinear | None = None,
-        kv_projs: tuple[UnreadLinear, UnreadLinear] | None = None,
-    ):
-        """``chunk_size``: ``long_seq.streambp.chunk_size``; ``attention``: ``long_seq.attention`` (passed to every
-        attention call of the layer); ``name``: how errors name the layer (e.g. ``LlamaForCausalLM.model.layers[3]``);
-        ``streams``: S when the layer takes its hidden states stacked as (S, B, T, d)
-        (``DecoderLMAdapter.stacked_streams``); ``mixer``: "recurrent" for a layer whose token mixer carries a state
-        instead of attending (its padding mask is its chunk's own, its states are carried from chunk to chunk),
-        "both" for one with an attention beside it, "token_wise" for one with no token mixer
-        (``DecoderLMAdapter.token_wise``: nothing carried, checked once to mix no tokens), None for an attention
-        layer (``DecoderLMAdapter.mixer``); ``mixer_module``: the recurrent mixer itself (under sequence parallelism
-        it may be head-sharded: ``forwards.sharded_mixer``). ``query_proj`` / ``output_proj``: the layer's query
-        projection and MLP output projection as installed ``UnreadLinear``s (``forwards.unread_outputs``), skipped
-        where a pass does not read them once a probe found it exact; ``kv_projs``: the key and value projections as
-        ``UnreadLinear``s, run for their gradient only in the replay of a chunk whose K/V the capture pass computed
-        (the attention reuses those), once a probe found it exact. Every pass of a chunk draws the random numbers
-        (dropout masks, router noise) its forward drew (``forwards.replay.replay_draws``)."""
+    def __init__(self, layer: torch.nn.Module, orig_forward: Callable, chunk_size: int, attention: AttentionSettings,
+                 offload: "LayerInputOffload | None" = None, parts: LayerParts | None = None):
+        """``chunk_size``: ``long_seq.streambp.chunk_size`` (``forwards/auto_chunk.py`` sets it per forward under
+        "auto"); ``attention``: ``long_seq.attention`` (passed to every attention call of the layer); ``offload``:
+        where the saved layer input goes; ``parts``: what the family knows of the layer (:class:`LayerParts`). Every
+        pass of a chunk draws the random numbers (dropout masks, router noise) its forward drew
+        (``forwards.replay.replay_draws``)."""
+        parts = parts or LayerParts()
         self.layer = layer
-        self.name = name or type(layer).__name__
+        self.name = parts.name or type(layer).__name__
         # the keyword the layer takes its cache by (cache from transformers 5.24, GPT-NeoX's layer_past)
         self.cache_kwarg = cache_kwarg(orig_forward)
         # the names positional arguments after the hidden states bind to (GPT-2 passes its cache by position)
@@ -93,26 +100,17 @@ class StreamBPLayerForward:
         self.chunk_size = chunk_size
         self.attention = attention
         self.offload = offload
-        self.router_tap = router_tap  # a mixture-of-experts layer: its router's logits (see forwards/moe.py)
-        # cross-layer K/V sharing (DecoderLMAdapter.kv_sharing): ("store" | "reuse", key, whether a later layer
-        # reuses this key), or None
-        self.kv_sharing = kv_sharing
-        self.streams = streams
-        self.mixer = mixer
-        self.mixer_module = mixer_module
+        self.router_tap, self.kv_sharing, self.streams = parts.router_tap, parts.kv_sharing, parts.streams
+        self.mixer, self.mixer_module = parts.mixer, parts.mixer_module
         # a recurrent mixer's first forward over two chunks or more checks that it uses every carried state
-        self.state_checked = mixer not in ("recurrent", "both")
+        self.state_checked = self.mixer not in ("recurrent", "both")
         # a layer with no token mixer is checked once to compute each token from its own input alone
-        self.token_wise_checked = mixer != "token_wise"
+        self.token_wise_checked = self.mixer != "token_wise"
         # linears whose output a pass never reads: skipped there once its first training forward's probe found
-        # the result bitwise the same (None: not probed yet; only plain attention layers are)
-        probed = mixer is None and kv_sharing is None and router_tap is None
-        self.query_proj = query_proj if probed else None
-        self.output_proj = output_proj if probed else None
-        self.kv_projs = kv_projs if probed else None
-        self.query_unread: bool | None = None if self.query_proj is not None else False
-        self.output_unread: bool | None = None if self.output_proj is not None else False
-        self.kv_reused: bool | None = None if self.kv_projs is not None else False
+        # the result bitwise the same (only plain attention layers are probed)
+        probed = self.mixer is None and self.kv_sharing is None and self.router_tap is None
+        self.unread = UnreadLinears(parts.query_proj, parts.output_proj, parts.kv_projs) if probed else (
+            UnreadLinears())
 
     def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
         """``kwargs`` with the positional arguments after the hidden states added by their parameter names
@@ -161,15 +159,15 @@ class StreamBPLayerForward:
         call = self._prepare(hidden_states, attention_mask, position_ids, position_embeddings, outer_spec, packed,
                              kwargs)
         probe = None
-        if None in (self.query_unread, self.output_unread, self.kv_reused) and self.layer.training and \
-                torch.is_grad_enabled():
+        if self.unread.undecided and self.layer.training and torch.is_grad_enabled():
             probe = call.tokens.packed[:, :PROBE_TOKENS].detach().clone()  # probed once the forward ran its checks
         result = self._stream(call)
         if call.draws is not None:
             call.draws.advance()
         if probe is not None:
             # as one process would run the layer (the same computation; no collective inside)
-            self._probe_unread(dataclasses.replace(call, sp=None), probe)
+            self.unread.probe(functools.partial(self._run_chunk, dataclasses.replace(call, sp=None)),
+                              [p for p in self.layer.parameters() if p.requires_grad], probe)
         if call.role == "store":
             if call.sp is None:  # what the stock layer stores: its keys/values of the whole sequence
                 call.shared_states[self.kv_sharing[1]] = (call.share.k, call.share.v)
@@ -194,7 +192,7 @@ class StreamBPLayerForward:
         B, T = tokens.batch_shape
         mixer_masks = {key: kwargs.pop(key) for key in RECURRENT_MASK_KWARGS if key in kwargs}  # cut per chunk
         shared_states = kwargs.pop(KV_SHARING_KWARG, None)
-        share = self._shared_kv(shared_states)
+        share = _shared_kv(self, shared_states)
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             raise RuntimeError(
                 "activation (gradient) checkpointing is on for a ds_longseq streambp model: StreamBP already keeps "
@@ -204,8 +202,8 @@ class StreamBPLayerForward:
         _check_chunkable_kwargs(self.name, layer, kwargs)
         _check_position_embeddings(self.name, layer, position_embeddings, T)
         _check_padding_mask(self.name, layer, attention_mask)
-        doc_start = self._documents(outer_spec, packed, position_ids, attention_mask, B, T)
-        self._check_mixer(doc_start, sp)
+        doc_start = _documents(outer_spec, packed, position_ids, attention_mask, B, T)
+        _check_mixer(self, doc_start, sp)
         check_zero3_leaf(layer)
         with_router_logits = self.router_tap is not None and router_logits_requested()
         if with_router_logits and sp is not None:
@@ -216,7 +214,7 @@ class StreamBPLayerForward:
             )
         if not self.token_wise_checked and layer.training and torch.is_grad_enabled():
             self.token_wise_checked = True
-            self._check_token_wise(tokens, attention_mask, position_ids, position_embeddings, mixer_masks, kwargs)
+            _check_token_wise(self, tokens, attention_mask, position_ids, position_embeddings, mixer_masks, kwargs)
         # taken after the checks above (the token-wise one runs the layer): the forward's draws, which every pass of a
         # chunk replays (the capture, the backward's re-forward, the K/V gradient pass, the probes)
         draws = replay_draws(layer, hidden_states.device)
@@ -224,115 +222,6 @@ class StreamBPLayerForward:
                           shared_states, share, None if share is None else self.kv_sharing[0], with_router_logits,
                           kwargs, draws)
         return call
-
-    def _probe_unread(self, call: "_LayerCall", x: torch.Tensor) -> None:
-        """Decide once, on this forward's first tokens ``x`` (its packed layer input), whether the capture pass may
-        leave the query projection uncomputed (the same keys/values, bitwise) and the backward's chunk re-forward
-        the MLP's output projection (the same input and parameter gradients, bitwise, for a random output
-        gradient). Run after the layer's first training forward, whose checks refuse a layer StreamBP cannot run
-        with their own message first."""
-        n = x.shape[1]
-        run_chunk = functools.partial(self._run_chunk, call)
-        if self.query_unread is None:
-            def capture(skip: bool):
-                stream = KVStream(n)
-                stream.mode = "capture"
-                with torch.no_grad(), self.query_proj.skipping("zeros") if skip else nullcontext():
-                    capture_kv(run_chunk, x, [(0, n)], stream)
-                return stream.k[:, :, :n], stream.v[:, :, :n]
-
-            self.query_unread = outputs_unread(capture)
-        if self.output_unread is None:
-            params = [p for p in self.layer.parameters() if p.requires_grad]
-
-            def replay(skip: bool):
-                # one chunk from token 0: "append" computes what a replay would, and lets a layer that attends
-                # something else than it caches switch to whole-cache mode (KVStream.prefer_concat) as a forward
-                with self.output_proj.skipping("graph") if skip else nullcontext():
-                    return _chunk_grads(run_chunk, x, KVStream(n), params)[1]
-
-            self.output_unread = outputs_unread(replay)
-        if self.kv_reused is None:
-            self.kv_reused = outputs_unread(functools.partial(self._probe_replay_reusing_kv, call, x))
-
-    def _probe_replay_reusing_kv(self, call: "_LayerCall", x: torch.Tensor, reuse: bool):
-        """The output, and the input and parameter gradients for random output and key/value gradients, of one
-        chunk's replay after its capture, with the captured keys/values reused (the projections' values uncomputed)
-        or not. Equal bitwise, the projections' values reach nothing but the attention's own keys/values (which
-        sequence parallelism's chunk loops then need not compute at all: see _skipping)."""
-        n = x.shape[1]
-        run_chunk = functools.partial(self._run_chunk, call)
-        params = [p for p in self.layer.parameters() if p.requires_grad]
-        stream = KVStream(n)
-        stream.mode = "capture"
-        with torch.no_grad():
-            capture_kv(run_chunk, x, [(0, n)], stream)
-        stream.mode, stream.captured_end = "replay", n
-        decided, self.kv_reused = self.kv_reused, reuse
-        try:
-            out, grads = _chunk_grads(run_chunk, x, stream, params, with_kv=True)
-            return out, *grads
-        finally:
-            self.kv_reused = decided
-
-    def _skipping(self, stream) -> contextlib.ExitStack:
-        """The unread linears to skip in this chunk's pass (a context): the query projection in a capture pass; the
-        MLP's output projection where the layer's output is only autograd's root (``outputs_read``); the key and
-        value projections in the replay of a chunk whose keys/values were captured (``stream.reuse_kv``, set
-        here), and under sequence parallelism in both chunk loops, where the attention reads the exchanged keys and
-        values instead and their gradient goes through the K/V pass (values neither read nor differentiated)."""
-        skips = contextlib.ExitStack()
-        if self.query_unread and stream.mode in ("capture", "capture_grad") and \
-                getattr(stream, "capture_at", "cache") == "cache":
-            skips.enter_context(self.query_proj.skipping("zeros"))
-        if self.output_unread and not stream.outputs_read:
-            skips.enter_context(self.output_proj.skipping("graph"))
-        if isinstance(stream, KVStream):
-            stream.reuse_kv = (self.kv_reused is True and stream.mode == "replay" and not stream.concat
-                               and stream.end <= stream.captured_end)
-            if stream.reuse_kv:
-                for proj in self.kv_projs:
-                    skips.enter_context(proj.skipping("graph"))
-        elif self.kv_reused is True and stream.mode == "attend" and stream.capture_at == "cache":
-            for proj in self.kv_projs:
-                skips.enter_context(proj.skipping("zeros"))
-        return skips
-
-    def _documents(self, outer_spec, packed: dict, position_ids, attention_mask, B: int, T: int):
-        """(B, T) start of each token's packed document, or None (one document per row; under sequence
-        parallelism the attention reads the global starts from ``AttnSpec.sp``)."""
-        if outer_spec is not None and outer_spec.sp is not None:
-            if any(v is not None for v in packed.values()):
-                raise ValueError(
-                    "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids "
-                    "instead (ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
-                )
-            return None
-        if outer_spec is not None:  # found once for the whole forward by CausalLMForward
-            return outer_spec.doc_start
-        # a caller that bypasses CausalLMForward (model.model(...) directly): found per layer
-        return find_documents(position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"),
-                              packed.get("cu_seq_lens_k"))[0]
-
-    def _check_mixer(self, doc_start, sp) -> None:
-        """Refuse packed documents on a recurrent mixer, and an attention + recurrent layer under SP unless its mixer
-        is sharded by heads."""
-        layer = self.layer
-        if self.mixer in ("recurrent", "both") and (doc_start is not None or (sp is not None
-                                                                              and sp.doc_start is not None)):
-            raise NotImplementedError(
-                f"StreamBP: {self.name} ({type(layer).__name__}) carries a recurrent state (a linear-attention, "
-                "state-space or short-convolution mixer), which transformers' torch path does not reset at packed "
-                "documents' starts (it would carry one document's state into the next): send one document per row"
-            )
-        if self.mixer == "both" and sp is not None and not isinstance(getattr(self.mixer_module, "forward", None),
-                                                                        HeadShardedMixerForward):
-            raise NotImplementedError(
-                f"StreamBP: {self.name} ({type(layer).__name__}) runs an attention and a recurrent mixer side by "
-                "side, which ds_longseq runs under sequence parallelism with the mixer sharded by heads only (passing "
-                "its state rank to rank would serialise the ranks inside the attention's exchange of keys): set "
-                "long_seq.sequence_parallel.recurrent='heads'"
-            )
 
     def _chunk_mask(self, call: "_LayerCall", s: int, e: int):
         """The padding mask a chunk [s, e) is called with: a recurrent or token-wise mixer's own tokens'; an
@@ -360,7 +249,7 @@ class StreamBPLayerForward:
             spec = AttnSpec(stream, self.attention, call.sp, call.doc_start)
             # each pass of this chunk starts its draws from the chunk's own generator state (ops.draws)
             region = call.draws.region(s) if call.draws is not None else nullcontext()
-            with chunk_spec(spec), self._skipping(stream), region:
+            with chunk_spec(spec), self.unread.skipping(stream), region:
                 out = self.orig_forward(
                     h_c,
                     attention_mask=self._chunk_mask(call, s, e),
@@ -418,69 +307,92 @@ class StreamBPLayerForward:
                                   min_chunk=2 if recurrent else 1,
                                   ring=sp.state_ring if sp is not None and recurrent else None)
 
-    def _check_token_wise(self, tokens: "_TokenInputs", attention_mask, position_ids, position_embeddings,
-                          mixer_masks: dict, kwargs: dict) -> None:
-        """The first training forward of a layer with no token mixer: its stock forward on the first tokens
-        mixes none of them (``check_token_wise``); it is then safe to run chunk by chunk with nothing carried."""
-        n = min(tokens.batch_shape[1], TOKEN_WISE_PROBE_TOKENS)
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            h, per_token = tokens.split(x)
-            out = self.orig_forward(
-                h.contiguous(),
-                attention_mask=None if attention_mask is None else attention_mask[:, :n],
-                position_ids=None if position_ids is None else position_ids[..., :n],
-                use_cache=False,
-                position_embeddings=_chunk_of(position_embeddings, 0, n),
-                **per_token,
-                **{key: None if m is None else m[:, :n] for key, m in mixer_masks.items()},
-                **kwargs,
+def _documents(outer_spec, packed: dict, position_ids, attention_mask, B: int, T: int):
+    """(B, T) start of each token's packed document, or None (one document per row; under sequence
+    parallelism the attention reads the global starts from ``AttnSpec.sp``)."""
+    if outer_spec is not None and outer_spec.sp is not None:
+        if any(v is not None for v in packed.values()):
+            raise ValueError(
+                "cu_seq_lens_q/k under sequence parallelism: pass packed rows as restarting position_ids "
+                "instead (ds_longseq.engine.shard_batch carries them, with each document's global boundaries)"
             )
-            return tokens.pack_output(out[0] if isinstance(out, tuple) else out)
-
-        with collection_paused() if self.router_tap is not None else nullcontext():
-            check_token_wise(f"{self.name} ({type(self.layer).__name__}, a layer with no token mixer)", run,
-                             tokens.packed, "long_seq.streambp")
-
-    def _shared_kv(self, shared_states) -> SharedKV | None:
-        """This forward's :class:`SharedKV` for this layer's key: new for a "store" layer, the one an earlier
-        layer of the same forward stored for a "reuse" layer; None for a layer that shares nothing. Kept on
-        the model's per-forward ``shared_kv_states`` object, so each forward has its own."""
-        if self.kv_sharing is None:
-            return None
-        role, key, _ = self.kv_sharing
-        if shared_states is None or not hasattr(shared_states, "__dict__"):
-            raise NotImplementedError(
-                f"StreamBP: {self.name} ({type(self.layer).__name__}) shares keys/values across layers but gets "
-                f"{KV_SHARING_KWARG}={type(shared_states).__name__}, not the model's per-forward KVSharingDict: this "
-                "model cannot run under long_seq.streambp when called so; use mini_seq"
-            )
-        registry = vars(shared_states).setdefault("_ds_longseq_shared_kv", {})
-        if role == "store":
-            registry[key] = SharedKV(f"the {key!r} keys/values {self.name} stores")
-        elif key not in registry:
-            raise NotImplementedError(
-                f"StreamBP: {self.name} ({type(self.layer).__name__}) attends the {key!r} keys/values of an earlier "
-                "layer, but no layer of this forward stored them (passed in from outside the forward): this model "
-                "cannot run under long_seq.streambp; use mini_seq"
-            )
-        return registry[key]
+        return None
+    if outer_spec is not None:  # found once for the whole forward by CausalLMForward
+        return outer_spec.doc_start
+    # a caller that bypasses CausalLMForward (model.model(...) directly): found per layer
+    return find_documents(position_ids, attention_mask, B, T, packed.get("cu_seq_lens_q"),
+                          packed.get("cu_seq_lens_k"))[0]
 
 
-def _chunk_grads(run_chunk, x: torch.Tensor, stream, params: list, with_kv: bool = False):
-    """(output, gradients of [x, *params]) of the probes' one chunk, tokens [0, n) of ``x`` through ``run_chunk`` on
-    ``stream``, for seeded random gradients of the output (and, ``with_kv``, of the chunk's keys/values). Identity
-    saved-tensor hooks: what the probe saves stays out of any enclosing ones (as replay.check_token_wise)."""
-    n = x.shape[1]
-    stream.start, stream.end = 0, n
-    leaf = x.clone().requires_grad_(True)
-    gen = torch.Generator(x.device).manual_seed(0)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        out = split_outputs(run_chunk(leaf, 0, n, stream))[0]
-        kv = (stream.k_chunk, stream.v_chunk) if with_kv else ()
-        outputs = [out, *(t for t in kv if t is not None and t.requires_grad)]
-        weights = [torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outputs]
-        return out.detach(), torch.autograd.grad(outputs, [leaf, *params], weights, allow_unused=True)
+def _check_mixer(forward: StreamBPLayerForward, doc_start, sp) -> None:
+    """Refuse packed documents on a recurrent mixer, and an attention + recurrent layer under SP unless its mixer
+    is sharded by heads."""
+    layer = forward.layer
+    if forward.mixer in ("recurrent", "both") and (doc_start is not None or (sp is not None
+                                                                          and sp.doc_start is not None)):
+        raise NotImplementedError(
+            f"StreamBP: {forward.name} ({type(layer).__name__}) carries a recurrent state (a linear-attention, "
+            "state-space or short-convolution mixer), which transformers' torch path does not reset at packed "
+            "documents' starts (it would carry one document's state into the next): send one document per row"
+        )
+    if forward.mixer == "both" and sp is not None and not isinstance(getattr(forward.mixer_module, "forward", None),
+                                                                    HeadShardedMixerForward):
+        raise NotImplementedError(
+            f"StreamBP: {forward.name} ({type(layer).__name__}) runs an attention and a recurrent mixer side by "
+            "side, which ds_longseq runs under sequence parallelism with the mixer sharded by heads only (passing "
+            "its state rank to rank would serialise the ranks inside the attention's exchange of keys): set "
+            "long_seq.sequence_parallel.recurrent='heads'"
+        )
+
+
+def _check_token_wise(forward: StreamBPLayerForward, tokens: "_TokenInputs", attention_mask, position_ids,
+                      position_embeddings, mixer_masks: dict, kwargs: dict) -> None:
+    """The first training forward of a layer with no token mixer: its stock forward on the first tokens
+    mixes none of them (``check_token_wise``); it is then safe to run chunk by chunk with nothing carried."""
+    n = min(tokens.batch_shape[1], TOKEN_WISE_PROBE_TOKENS)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        h, per_token = tokens.split(x)
+        out = forward.orig_forward(
+            h.contiguous(),
+            attention_mask=None if attention_mask is None else attention_mask[:, :n],
+            position_ids=None if position_ids is None else position_ids[..., :n],
+            use_cache=False,
+            position_embeddings=_chunk_of(position_embeddings, 0, n),
+            **per_token,
+            **{key: None if m is None else m[:, :n] for key, m in mixer_masks.items()},
+            **kwargs,
+        )
+        return tokens.pack_output(out[0] if isinstance(out, tuple) else out)
+
+    with collection_paused() if forward.router_tap is not None else nullcontext():
+        check_token_wise(f"{forward.name} ({type(forward.layer).__name__}, a layer with no token mixer)", run,
+                         tokens.packed, "long_seq.streambp")
+
+
+def _shared_kv(forward: StreamBPLayerForward, shared_states) -> SharedKV | None:
+    """This forward's :class:`SharedKV` for this layer's key: new for a "store" layer, the one an earlier
+    layer of the same forward stored for a "reuse" layer; None for a layer that shares nothing. Kept on
+    the model's per-forward ``shared_kv_states`` object, so each forward has its own."""
+    if forward.kv_sharing is None:
+        return None
+    role, key, _ = forward.kv_sharing
+    if shared_states is None or not hasattr(shared_states, "__dict__"):
+        raise NotImplementedError(
+            f"StreamBP: {forward.name} ({type(forward.layer).__name__}) shares keys/values across layers but gets "
+            f"{KV_SHARING_KWARG}={type(shared_states).__name__}, not the model's per-forward KVSharingDict: this "
+            "model cannot run under long_seq.streambp when called so; use mini_seq"
+        )
+    registry = vars(shared_states).setdefault("_ds_longseq_shared_kv", {})
+    if role == "store":
+        registry[key] = SharedKV(f"the {key!r} keys/values {forward.name} stores")
+    elif key not in registry:
+        raise NotImplementedError(
+            f"StreamBP: {forward.name} ({type(forward.layer).__name__}) attends the {key!r} keys/values of an earlier "
+            "layer, but no layer of this forward stored them (passed in from outside the forward): this model "
+            "cannot run under long_seq.streambp; use mini_seq"
+        )
+    return registry[key]
 
 
 @dataclasses.dataclass

@@ -6,6 +6,7 @@ Holds:
         output) or the stock linear run with its product left uncomputed (``"graph"``: only its gradient is
         needed; autograd's own backward, see :func:`ds_longseq.compat.products_uncomputed`).
     outputs_unread: whether a layer gives the same gradients (or keys/values) with a linear skipped, run once.
+    UnreadLinears: one StreamBP layer's such linears, its once-only probe and what each pass skips.
 
 Two passes of StreamBP compute values nobody reads:
 - the K/V capture (and, under sequence parallelism, the K/V-only gradient pass) runs each chunk up to its cache
@@ -42,9 +43,10 @@ from typing import Callable
 import torch
 
 from ds_longseq.compat import products_uncomputed
-from ds_longseq.ops.chunk_grads import autocast_dtype
+from ds_longseq.ops.chunk_grads import autocast_dtype, split_outputs
+from ds_longseq.ops.streambp import KVStream, capture_kv
 
-__all__ = ["UnreadLinear", "outputs_unread", "PROBE_TOKENS"]
+__all__ = ["UnreadLinear", "UnreadLinears", "outputs_unread", "PROBE_TOKENS"]
 
 PROBE_TOKENS = 16
 """Tokens the one-time check runs a layer on."""
@@ -94,3 +96,114 @@ def outputs_unread(run: Callable[[bool], tuple[torch.Tensor, ...]]) -> bool:
         (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and torch.equal(a, b))
         for a, b in zip(reference, skipped, strict=True)
     )
+
+
+class UnreadLinears:
+    """One StreamBP layer's linears whose outputs some pass never reads, and whether skipping each was found exact.
+
+    Args:
+        query_proj: the query projection as an installed :class:`UnreadLinear`, or None.
+        output_proj: the MLP's output projection, or None.
+        kv_projs: the key and value projections, or None.
+
+    Each decision (:attr:`query_unread`, :attr:`output_unread`, :attr:`kv_reused`) is None until the layer's first
+    training forward probes it (:meth:`probe`), False where there is no such linear (only plain attention layers are
+    probed: ``UnreadLinears()`` for the others), then whether the skip was bitwise exact on that layer.
+    """
+
+    def __init__(self, query_proj: UnreadLinear | None = None, output_proj: UnreadLinear | None = None,
+                 kv_projs: tuple[UnreadLinear, UnreadLinear] | None = None):
+        self.query_proj, self.output_proj, self.kv_projs = query_proj, output_proj, kv_projs
+        self.query_unread: bool | None = None if query_proj is not None else False
+        self.output_unread: bool | None = None if output_proj is not None else False
+        self.kv_reused: bool | None = None if kv_projs is not None else False
+
+    @property
+    def undecided(self) -> bool:
+        return None in (self.query_unread, self.output_unread, self.kv_reused)
+
+    def probe(self, run_chunk: Callable, params: list[torch.Tensor], x: torch.Tensor) -> None:
+        """Decide once, on a forward's first tokens ``x`` (its packed layer input, (B, n, d_in)), whether the capture
+        pass may leave the query projection uncomputed (the same keys/values, bitwise) and the backward's chunk
+        re-forward the MLP's output projection (the same input and parameter gradients, bitwise, for a random output
+        gradient), and whether the re-forward may reuse the captured keys/values. ``run_chunk``: the layer's
+        ``run_chunk(x_c, s, e, stream)`` as one process would run it; ``params``: its trainable parameters. Run after
+        the layer's first training forward, whose checks refuse a layer StreamBP cannot run with their own message
+        first."""
+        n = x.shape[1]
+        if self.query_unread is None:
+            def capture(skip: bool):
+                stream = KVStream(n)
+                stream.mode = "capture"
+                with torch.no_grad(), self.query_proj.skipping("zeros") if skip else contextlib.nullcontext():
+                    capture_kv(run_chunk, x, [(0, n)], stream)
+                return stream.k[:, :, :n], stream.v[:, :, :n]
+
+            self.query_unread = outputs_unread(capture)
+        if self.output_unread is None:
+            def replay(skip: bool):
+                # one chunk from token 0: "append" computes what a replay would, and lets a layer that attends
+                # something else than it caches switch to whole-cache mode (KVStream.prefer_concat) as a forward
+                with self.output_proj.skipping("graph") if skip else contextlib.nullcontext():
+                    return _chunk_grads(run_chunk, x, KVStream(n), params)[1]
+
+            self.output_unread = outputs_unread(replay)
+        if self.kv_reused is None:
+            self.kv_reused = outputs_unread(lambda reuse: self._replay_reusing_kv(run_chunk, params, x, reuse))
+
+    def _replay_reusing_kv(self, run_chunk: Callable, params: list[torch.Tensor], x: torch.Tensor, reuse: bool):
+        """The output, and the input and parameter gradients for random output and key/value gradients, of one
+        chunk's replay after its capture, with the captured keys/values reused (the projections' values uncomputed)
+        or not. Equal bitwise, the projections' values reach nothing but the attention's own keys/values (which
+        sequence parallelism's chunk loops then need not compute at all: see :meth:`skipping`)."""
+        n = x.shape[1]
+        stream = KVStream(n)
+        stream.mode = "capture"
+        with torch.no_grad():
+            capture_kv(run_chunk, x, [(0, n)], stream)
+        stream.mode, stream.captured_end = "replay", n
+        decided, self.kv_reused = self.kv_reused, reuse
+        try:
+            out, grads = _chunk_grads(run_chunk, x, stream, params, with_kv=True)
+            return out, *grads
+        finally:
+            self.kv_reused = decided
+
+    def skipping(self, stream) -> contextlib.ExitStack:
+        """The linears to skip in a chunk's pass on ``stream`` (a context): the query projection in a capture pass;
+        the MLP's output projection where the layer's output is only autograd's root (``outputs_read``); the key and
+        value projections in the replay of a chunk whose keys/values were captured (``stream.reuse_kv``, set here),
+        and under sequence parallelism in both chunk loops, where the attention reads the exchanged keys and values
+        instead and their gradient goes through the K/V pass (values neither read nor differentiated)."""
+        skips = contextlib.ExitStack()
+        if self.query_unread and stream.mode in ("capture", "capture_grad") and \
+                getattr(stream, "capture_at", "cache") == "cache":
+            skips.enter_context(self.query_proj.skipping("zeros"))
+        if self.output_unread and not stream.outputs_read:
+            skips.enter_context(self.output_proj.skipping("graph"))
+        if isinstance(stream, KVStream):
+            stream.reuse_kv = (self.kv_reused is True and stream.mode == "replay" and not stream.concat
+                               and stream.end <= stream.captured_end)
+            if stream.reuse_kv:
+                for proj in self.kv_projs:
+                    skips.enter_context(proj.skipping("graph"))
+        elif self.kv_reused is True and stream.mode == "attend" and stream.capture_at == "cache":
+            for proj in self.kv_projs:
+                skips.enter_context(proj.skipping("zeros"))
+        return skips
+
+
+def _chunk_grads(run_chunk, x: torch.Tensor, stream, params: list, with_kv: bool = False):
+    """(output, gradients of [x, *params]) of the probes' one chunk, tokens [0, n) of ``x`` through ``run_chunk`` on
+    ``stream``, for seeded random gradients of the output (and, ``with_kv``, of the chunk's keys/values). Identity
+    saved-tensor hooks: what the probe saves stays out of any enclosing ones (as replay.check_token_wise)."""
+    n = x.shape[1]
+    stream.start, stream.end = 0, n
+    leaf = x.clone().requires_grad_(True)
+    gen = torch.Generator(x.device).manual_seed(0)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = split_outputs(run_chunk(leaf, 0, n, stream))[0]
+        kv = (stream.k_chunk, stream.v_chunk) if with_kv else ()
+        outputs = [out, *(t for t in kv if t is not None and t.requires_grad)]
+        weights = [torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outputs]
+        return out.detach(), torch.autograd.grad(outputs, [leaf, *params], weights, allow_unused=True)

@@ -16,9 +16,9 @@ import torch
 from ds_longseq.config import StreamBPConfig
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards.attn_spec import AttentionSettings
-from ds_longseq.forwards.auto_chunk import AutoChunkSize
+from ds_longseq.forwards.auto_chunk import AutoChunkSettings, AutoChunkSize
 from ds_longseq.forwards.started_scan import StartedScanForward
-from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
+from ds_longseq.forwards.streambp_layer import LayerParts, StreamBPLayerForward
 from ds_longseq.forwards.unread_outputs import UnreadLinear
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
@@ -55,15 +55,16 @@ class StreamBP(Technique):
             mixer = None if not recurrent else ("both" if ctx.adapter.attention(layer) is not None else "recurrent")
             if ctx.adapter.token_wise(layer):
                 mixer = "token_wise"
-            forward = StreamBPLayerForward(
-                layer, layer.forward, ctx.config.streambp.chunk_size, attention, ctx.offload,
-                router_tap=taps.get(layer), name=f"{ctx.adapter.where}[{i}]",
+            parts = LayerParts(
+                name=f"{ctx.adapter.where}[{i}]", router_tap=taps.get(layer),
                 kv_sharing=None if role is None else (role, key, key in reused), streams=streams, mixer=mixer,
                 mixer_module=ctx.adapter.mixer(layer),
                 query_proj=_unread(ctx, ctx.adapter.query_projection(layer)),
                 output_proj=_unread(ctx, ctx.adapter.mlp_output_projection(layer)),
                 kv_projs=_unread_pair(ctx, ctx.adapter.key_value_projections(layer)),
             )
+            forward = StreamBPLayerForward(layer, layer.forward, ctx.config.streambp.chunk_size, attention,
+                                           ctx.offload, parts)
             ctx.handle.set_instance_attr(layer, "forward", forward)
             forwards.append(forward)
             scan = ctx.adapter.spec.mixer_scan_function
@@ -72,12 +73,8 @@ class StreamBP(Technique):
                 ctx.handle.set_instance_attr(module, "forward", StartedScanForward(module, module.forward, scan))
         cfg = ctx.config
         if cfg.streambp.chunk_size == "auto":
-            auto = AutoChunkSize(
-                ModelDims.from_config(ctx.model.config), forwards, budget_gib=cfg.streambp.auto_budget_gib,
-                free_fraction=cfg.streambp.auto_free_fraction, kv_block_size=attention.kv_block_size,
-                offloaded=cfg.offload.layer_inputs is not None, keep_every=cfg.offload.keep_every,
-                lm_head_chunk_size=cfg.lm_head.chunk_size if cfg.lm_head.enabled else None, model=ctx.model,
-            )
+            auto = AutoChunkSize(ModelDims.from_config(ctx.model.config), forwards, AutoChunkSettings.of(cfg),
+                                 ctx.model)
             ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(auto.before_forward,
                                                                                  with_kwargs=True))
 

@@ -33,7 +33,7 @@ def _step(model, batch, skip: bool):
         model(**batch)  # the first training forward probes each layer
     if not skip:
         for f in layers:
-            f.query_unread = f.output_unread = False
+            f.unread.query_unread = f.unread.output_unread = False
     model.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(**batch).loss.backward()
@@ -44,7 +44,7 @@ def _step(model, batch, skip: bool):
 def test_unread_linears_skip_bitwise_on_cuda(arch):
     model, batch = make_model(arch, torch.float32, num_layers=2), make_batch(seq_len=37)
     skipped, layers = _step(model, batch, skip=True)
-    assert all(f.query_unread and f.output_unread for f in layers), "the probe declined the skip on CUDA"
+    assert all(f.unread.query_unread and f.unread.output_unread for f in layers), "the probe declined the skip on CUDA"
     computed, _ = _step(model, batch, skip=False)
     assert all(torch.equal(a, b) for a, b in zip(skipped, computed, strict=True))
 
