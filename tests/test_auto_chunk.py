@@ -138,7 +138,7 @@ def test_offload_and_keep_every_change_what_is_kept_on_the_device():
     dims = ModelDims(hidden_size=64, intermediate_size=128, num_layers=32, num_heads=4, num_kv_heads=2, head_dim=16,
                      vocab_size=100)
     kwargs = dict(budget_gib=None, free_fraction=0.8, kv_block_size=None, lm_head_chunk_size=None)
-    counts = {(off, k): AutoChunkSize(dims, [], AutoChunkSettings(offloaded=off, keep_every=k, **kwargs))
+    counts = {(off, k): AutoChunkSize(dims, AutoChunkSettings(offloaded=off, keep_every=k, **kwargs))
               .inputs_on_device() for off in (False, True) for k in (1, 4, 8)}
     assert counts == {(False, 1): 32, (False, 4): 8 + 3, (False, 8): 4 + 7, (True, 1): 0, (True, 4): 4, (True, 8): 8}
 
@@ -216,3 +216,15 @@ def test_score_tiles_count_only_where_attention_runs_the_math_kernel():
     assert capped.attention_softcap and not dims.attention_softcap
     assert dims.chunk_work_per_token(4, 1024) == dims.chunk_work_per_token(4)
     assert capped.chunk_work_per_token(4, 1024) - capped.chunk_work_per_token(4) == 2 * 4 * 1024 * 4
+
+
+def test_a_layer_asks_the_automatic_chunk_size_and_alone_is_told_to_call_the_model():
+    """Under "auto" nothing writes into the layers: each asks the model's AutoChunkSize for this forward's choice.
+    A layer called on its own before any model forward has none to ask for, and says so."""
+    model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=2), _auto(auto_budget_gib=1.0))
+    layer = model.model.layers[0]
+    assert layer.forward.chunks is _hook(model)
+    with pytest.raises(RuntimeError, match="call the model, not this layer on its own"):
+        layer.forward.chunk_size  # noqa: B018 (the read is the test)
+    model(**make_batch(seq_len=SEQ)).loss.backward()
+    assert layer.forward.chunk_size == _hook(model).chosen == _hook(model).last["chunk_size"]

@@ -22,14 +22,14 @@ Memory model (per device, B sequences of T local tokens, d hidden, L layers, b b
 Holds:
     CPU_MAX_CHUNK: the largest chunk on CPU (a speed cap).
     AutoChunkSettings: what it reads of the config.
-    AutoChunkSize: the forward pre-hook on the base model that sets every StreamBP layer's chunk size.
+    AutoChunkSize: the forward pre-hook on the base model that chooses the chunk size the StreamBP layers ask for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,7 +42,6 @@ from ds_longseq.ops.chunk_sizes import choose_chunk_size, largest_fitting
 
 if TYPE_CHECKING:
     from ds_longseq.config import LongSeqConfig
-    from ds_longseq.forwards.streambp_layer import StreamBPLayerForward
 
 __all__ = ["CPU_MAX_CHUNK", "AutoChunkSettings", "AutoChunkSize"]
 
@@ -92,21 +91,22 @@ class AutoChunkSettings:
 
 
 class AutoChunkSize:
-    """Sets the chunk size of every StreamBP layer before each training forward (installed by the StreamBP technique).
+    """Chooses the chunk size of the StreamBP layers before each training forward (installed by the StreamBP technique
+    as the base model's forward pre-hook; each layer asks it for :attr:`chosen`).
 
     Args:
         dims: the model's sizes.
-        layers: the StreamBP layer forwards whose ``chunk_size`` it sets.
         settings: what it reads of the config (:class:`AutoChunkSettings`).
         model: the whole model, whose trainable parameters without a gradient yet count as kept (None: the base
             model's, the hook's module).
     """
 
-    def __init__(self, dims: ModelDims, layers: Sequence["StreamBPLayerForward"], settings: AutoChunkSettings,
-                 model: torch.nn.Module | None = None):
+    def __init__(self, dims: ModelDims, settings: AutoChunkSettings, model: torch.nn.Module | None = None):
         self.dims = dims
         self.model = model
-        self.layers = list(layers)
+        self.chosen: int | None = None
+        """The chunk of the current forward, which each StreamBP layer asks for (``StreamBPLayerForward.chunk_size``);
+        None before the first training forward."""
         self.budget_gib, self.free_fraction = settings.budget_gib, settings.free_fraction
         self.kv_block_size, self.offloaded = settings.kv_block_size, settings.offloaded
         self.keep_every, self.lm_head_chunk_size = settings.keep_every, settings.lm_head_chunk_size
@@ -135,7 +135,8 @@ class AutoChunkSize:
 
     def choose(self, batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
                grads_to_come: int = 0) -> int:
-        """Pick the chunk for one forward of (B, T) on ``device`` and set it on every layer; returns it."""
+        """Pick the chunk for one forward of (B, T) on ``device`` (:attr:`chosen`, which the layers read); returns
+        it."""
         b = dtype.itemsize
         tile = None if device.type == "cuda" and self.kv_block_size is None else min(
             self.kv_block_size or CPU_KV_BLOCK_SIZE, seq_len)  # a tile holds at most the sequence's keys
@@ -147,8 +148,7 @@ class AutoChunkSize:
         budget = self.budget_gib * GIB if available is None else available - kept
         chunk = choose_chunk_size(seq_len, batch_size, work, budget,
                                   max_chunk=None if device.type == "cuda" else CPU_MAX_CHUNK)
-        for layer in self.layers:
-            layer.chunk_size = chunk
+        self.chosen = chunk
         max_batch = None
         if available is not None:  # the memory the step leaves: how many such sequences one step could take
             free = available + self.kept_bytes(batch_size, seq_len, b, 0)

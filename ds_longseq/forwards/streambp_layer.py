@@ -32,6 +32,7 @@ from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, streambp_mixe
 from ds_longseq.ops.streambp import SharedKV, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
+    from ds_longseq.forwards.auto_chunk import AutoChunkSize
     from ds_longseq.forwards.offload import LayerInputOffload
 
 __all__ = ["StreamBPLayerForward", "LayerParts"]
@@ -81,13 +82,14 @@ class StreamBPLayerForward:
     Called without one (``model.model(...)`` directly), the layer finds them itself.
     """
 
-    def __init__(self, layer: torch.nn.Module, orig_forward: Callable, chunk_size: int, attention: AttentionSettings,
-                 offload: "LayerInputOffload | None" = None, parts: LayerParts | None = None):
-        """``chunk_size``: ``long_seq.streambp.chunk_size`` (``forwards/auto_chunk.py`` sets it per forward under
-        "auto"); ``attention``: ``long_seq.attention`` (passed to every attention call of the layer); ``offload``:
-        where the saved layer input goes; ``parts``: what the family knows of the layer (:class:`LayerParts`). Every
-        pass of a chunk draws the random numbers (dropout masks, router noise) its forward drew
-        (``forwards.replay.replay_draws``)."""
+    def __init__(self, layer: torch.nn.Module, orig_forward: Callable, chunk_size: "int | AutoChunkSize",
+                 attention: AttentionSettings, offload: "LayerInputOffload | None" = None,
+                 parts: LayerParts | None = None):
+        """``chunk_size``: ``long_seq.streambp.chunk_size``, or under "auto" the ``forwards/auto_chunk.AutoChunkSize``
+        the layer asks at each forward (:attr:`chunk_size`); ``attention``: ``long_seq.attention`` (passed to every
+        attention call of the layer); ``offload``: where the saved layer input goes; ``parts``: what the family knows
+        of the layer (:class:`LayerParts`). Every pass of a chunk draws the random numbers (dropout masks, router
+        noise) its forward drew (``forwards.replay.replay_draws``)."""
         parts = parts or LayerParts()
         self.layer = layer
         self.name = parts.name or type(layer).__name__
@@ -97,7 +99,7 @@ class StreamBPLayerForward:
         params = list(inspect.signature(orig_forward).parameters.values())[1:]
         self.positional_names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.orig_forward = orig_forward
-        self.chunk_size = chunk_size
+        self.chunks = chunk_size
         self.attention = attention
         self.offload = offload
         self.router_tap, self.kv_sharing, self.streams = parts.router_tap, parts.kv_sharing, parts.streams
@@ -111,6 +113,19 @@ class StreamBPLayerForward:
         probed = self.mixer is None and self.kv_sharing is None and self.router_tap is None
         self.unread = UnreadLinears(parts.query_proj, parts.output_proj, parts.kv_projs) if probed else (
             UnreadLinears())
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk in this forward: the fixed ``long_seq.streambp.chunk_size``, or what the automatic chunk
+        size chose for the forward running now (nothing writes into the layer)."""
+        if isinstance(self.chunks, int):
+            return self.chunks
+        if self.chunks.chosen is None:
+            raise RuntimeError(
+                f"StreamBP: {self.name} has long_seq.streambp.chunk_size 'auto', which the model's forward chooses "
+                "before its first layer runs: call the model, not this layer on its own, or set a chunk size"
+            )
+        return self.chunks.chosen
 
     def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
         """``kwargs`` with the positional arguments after the hidden states added by their parameter names
@@ -223,17 +238,6 @@ class StreamBPLayerForward:
                           kwargs, draws)
         return call
 
-    def _chunk_mask(self, call: "_LayerCall", s: int, e: int):
-        """The padding mask a chunk [s, e) is called with: a recurrent or token-wise mixer's own tokens'; an
-        attention's keys [0, e) (under sequence parallelism None: the attention takes the GLOBAL mask from
-        ``sp``)."""
-        mask = call.attention_mask
-        if mask is None:
-            return None
-        if self.mixer in ("recurrent", "token_wise"):
-            return mask[:, s:e]
-        return None if call.sp is not None else mask[:, :e]
-
     def _run_chunk(self, call: "_LayerCall", x_c: torch.Tensor, s: int, e: int, stream):
         """The stock layer on tokens [s, e) of the packed layer input (StreamBP's ``run_chunk``): (B, C, d_out),
         or with router logits recorded (out_c, (B, C, E))."""
@@ -252,7 +256,7 @@ class StreamBPLayerForward:
             with chunk_spec(spec), self.unread.skipping(stream), region:
                 out = self.orig_forward(
                     h_c,
-                    attention_mask=self._chunk_mask(call, s, e),
+                    attention_mask=_chunk_mask(self.mixer, call, s, e),
                     position_ids=None if call.position_ids is None else call.position_ids[..., s:e],
                     **{self.cache_kwarg: layer_cache(stream)},
                     use_cache=False,
@@ -393,6 +397,18 @@ def _shared_kv(forward: StreamBPLayerForward, shared_states) -> SharedKV | None:
             "cannot run under long_seq.streambp; use mini_seq"
         )
     return registry[key]
+
+
+def _chunk_mask(mixer: str | None, call: "_LayerCall", s: int, e: int):
+    """The padding mask a chunk [s, e) is called with: a recurrent or token-wise mixer's own tokens'; an
+    attention's keys [0, e) (under sequence parallelism None: the attention takes the GLOBAL mask from
+    ``sp``)."""
+    mask = call.attention_mask
+    if mask is None:
+        return None
+    if mixer in ("recurrent", "token_wise"):
+        return mask[:, s:e]
+    return None if call.sp is not None else mask[:, :e]
 
 
 @dataclasses.dataclass

@@ -48,7 +48,12 @@ class StreamBP(Technique):
         reused = {key for role, key in sharing.values() if role == "reuse"}
         streams = ctx.adapter.stacked_streams()
         attention = AttentionSettings.from_config(ctx.config.attention)
-        forwards = []
+        cfg = ctx.config
+        chunks = cfg.streambp.chunk_size  # the layers ask an "auto" chunk size for each forward's choice
+        if chunks == "auto":
+            chunks = AutoChunkSize(ModelDims.from_config(ctx.model.config), AutoChunkSettings.of(cfg), ctx.model)
+            ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(chunks.before_forward,
+                                                                                 with_kwargs=True))
         for i, layer in enumerate(ctx.adapter.layers):
             role, key = sharing.get(i, (None, None))
             recurrent = ctx.adapter.mixer(layer) is not None
@@ -63,20 +68,12 @@ class StreamBP(Technique):
                 output_proj=_unread(ctx, ctx.adapter.mlp_output_projection(layer)),
                 kv_projs=_unread_pair(ctx, ctx.adapter.key_value_projections(layer)),
             )
-            forward = StreamBPLayerForward(layer, layer.forward, ctx.config.streambp.chunk_size, attention,
-                                           ctx.offload, parts)
+            forward = StreamBPLayerForward(layer, layer.forward, chunks, attention, ctx.offload, parts)
             ctx.handle.set_instance_attr(layer, "forward", forward)
-            forwards.append(forward)
             scan = ctx.adapter.spec.mixer_scan_function
             if recurrent and scan is not None:  # its multi-token scan continued from the carried state
                 module = ctx.adapter.mixer(layer)
                 ctx.handle.set_instance_attr(module, "forward", StartedScanForward(module, module.forward, scan))
-        cfg = ctx.config
-        if cfg.streambp.chunk_size == "auto":
-            auto = AutoChunkSize(ModelDims.from_config(ctx.model.config), forwards, AutoChunkSettings.of(cfg),
-                                 ctx.model)
-            ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(auto.before_forward,
-                                                                                 with_kwargs=True))
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         return ctx.adapter.layers
