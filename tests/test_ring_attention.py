@@ -268,6 +268,7 @@ def two_d_body(rank: int, ulysses: int, ring_size: int):
     import torch.distributed as dist
 
     from ds_longseq.engine import ulysses_ring_groups
+    from ds_longseq.ops.attention import KeyLimits
     from ds_longseq.ops.sp_positions import sp_positions
     from ds_longseq.ops.ulysses import UlyssesExchange, ulysses_ring_attention
 
@@ -283,7 +284,7 @@ def two_d_body(rank: int, ulysses: int, ring_size: int):
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
     sinks = sinks.clone().requires_grad_()
     out = ulysses_ring_attention(ql, kl, vl, exchange, r_group, scale=D ** -0.5, key_valid=key_valid,
-                                 doc_start=doc_start, sliding_window=window, softcap=softcap, sink_logits=sinks)
+                                 limits=KeyLimits(doc_start, window), softcap=softcap, sink_logits=sinks)
     out.backward(do[:, :, pos])
     return pos, out.detach(), ql.grad, kl.grad, vl.grad, sinks.grad
 

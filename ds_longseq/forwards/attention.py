@@ -23,7 +23,7 @@ import torch
 
 from ds_longseq.compat import CACHE_KWARGS
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, spec_of
-from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
+from ds_longseq.ops.attention import KeyLimits, chunk_causal_attention
 from ds_longseq.ops.packing import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention, ulysses_ring_attention
 
@@ -253,18 +253,16 @@ def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpe
     # this rank's call seed: drawn inside its own region (the sequence-parallel forward hook's, and a StreamBP chunk's
     # within it: ops.draws), so ranks draw unlike masks, and a chunk's forward, re-forward and backward the same
     dropout_seed = _dropout_seed(masking)
+    limits = KeyLimits(sp.doc_start, masking.sliding_window, masking.attention_chunk, masking.chunk_origin)
     if sp.ring_group is not None and stream is None:  # Ulysses x ring, a whole shard
         return ulysses_ring_attention(
             query, keys.key, keys.value, sp.exchange, sp.ring_group, scale=masking.scale, key_valid=sp.key_valid,
-            doc_start=sp.doc_start, sliding_window=masking.sliding_window, softcap=masking.softcap,
-            sink_logits=masking.sink_logits, attention_chunk=masking.attention_chunk,
-            chunk_origin=masking.chunk_origin, dropout=masking.dropout, dropout_seed=dropout_seed,
+            limits=limits, softcap=masking.softcap, sink_logits=masking.sink_logits, dropout=masking.dropout,
+            dropout_seed=dropout_seed,
         )
     common = dict(
         scale=masking.scale, key_valid=sp.key_valid, kv_block_size=settings.kv_block_size,
-        single_call=settings.single_call,
-        doc_start=sp.doc_start, sliding_window=masking.sliding_window, softcap=masking.softcap,
-        sink_logits=masking.sink_logits, attention_chunk=masking.attention_chunk, chunk_origin=masking.chunk_origin,
+        single_call=settings.single_call, limits=limits, softcap=masking.softcap, sink_logits=masking.sink_logits,
         dropout=masking.dropout, dropout_seed=dropout_seed,
     )
     if stream is not None:
@@ -297,16 +295,11 @@ def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Ten
                 f"{tuple(attention_mask.shape)}: pass the tokenizer's 2D mask instead of a prepared 4D one"
             )
         key_valid = attention_mask[:, -num_keys:].to(device=query.device, dtype=torch.bool)
-    doc_start = spec.doc_start if spec is not None else None
-    if doc_start is not None:  # the queries are the last C of the num_keys tokens of the row
-        doc_start = doc_start[:, num_keys - C : num_keys].to(query.device)
-    chunk_origin = masking.chunk_origin
-    if chunk_origin is not None and chunk_origin.shape[-1] != 1:
-        chunk_origin = chunk_origin[:, num_keys - C : num_keys]
-    query_lo = None
-    if doc_start is not None or masking.sliding_window is not None or masking.attention_chunk is not None:
-        query_lo = query_lower_bounds(torch.arange(num_keys - C, num_keys, device=query.device), doc_start,
-                                      masking.sliding_window, masking.attention_chunk, chunk_origin)
+    limits = KeyLimits(spec.doc_start if spec is not None else None, masking.sliding_window,
+                       masking.attention_chunk, masking.chunk_origin)
+    # the queries are the last C of the num_keys tokens of the row
+    query_lo = limits.query_lo(torch.arange(num_keys - C, num_keys, device=query.device),
+                               slice(num_keys - C, num_keys))
     stream = spec.stream if spec is not None else None
     settings = spec.attention if spec is not None else AttentionSettings()
     # a StreamBP chunk's region (ops.draws) gives each of its passes the same seed, so its forward and its

@@ -95,6 +95,7 @@ __all__ = [
     "dropout_masks_tapped",
     "chunk_causal_attention",
     "query_lower_bounds",
+    "KeyLimits",
     "attention_kernel_for",
     "kernel_chain",
     "TileMask",
@@ -1095,6 +1096,39 @@ def _check_query_lo(query_lo: torch.Tensor, B: int, C: int, first_q: int) -> tup
     if bool((lo > own).any()) or bool((lo < 0).any()):
         raise ValueError("query_lo must lie in [0, the query's own key index]: every query attends at least itself")
     return query_lo, lo
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """What limits a query's keys beyond causality and padding, by GLOBAL key index: packed documents, a sliding
+    window, chunked attention. One value for the attention functions that take them (``ops.ulysses``; the local path
+    of ``forwards.attention``), which cut it to their queries with :meth:`query_lo`."""
+
+    doc_start: torch.Tensor | None = None
+    """(B, T) index of each token's document start (packed rows), or None (one document per row)."""
+    sliding_window: int | None = None
+    """Keys each query attends at most, itself included, or None."""
+    attention_chunk: int | None = None
+    """Chunked attention (Llama 4's ``attention_chunk_size``), or None."""
+    chunk_origin: torch.Tensor | None = None
+    """(B, 1) or (B, T) key index the attention chunks are counted from, or None (from 0)."""
+
+    def query_lo(self, positions: torch.Tensor, columns: slice | torch.Tensor | None = None) -> torch.Tensor | None:
+        """(B or 1, C) first key each query may attend (:func:`query_lower_bounds`), or None when nothing limits.
+
+        Args:
+            positions: (C,) global key indices of the queries.
+            columns: which of the (B, T) tensors' columns are those queries (a slice or an index tensor); None: all
+                (C = T).
+        """
+        if self.doc_start is None and self.sliding_window is None and self.attention_chunk is None:
+            return None
+        docs, origin = self.doc_start, self.chunk_origin
+        if columns is not None:
+            docs = None if docs is None else docs[:, columns]
+            origin = origin if origin is None or origin.shape[-1] == 1 else origin[:, columns]
+        docs = None if docs is None else docs.to(positions.device)
+        return query_lower_bounds(positions, docs, self.sliding_window, self.attention_chunk, origin)
 
 
 def query_lower_bounds(

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ds_longseq.compat import dim_zero_all_to_all
-from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
+from ds_longseq.ops.attention import KeyLimits, chunk_causal_attention
 from ds_longseq.ops.phases import phase
 from ds_longseq.ops.ring import ring_attention, zigzag_shard
 from ds_longseq.ops.sp_layout import ulysses_fits
@@ -240,12 +240,9 @@ def ulysses_attention(
     key_valid: torch.Tensor | None = None,
     kv_block_size: int | None = None,
     single_call: bool | None = None,
-    doc_start: torch.Tensor | None = None,
-    sliding_window: int | None = None,
+    limits: KeyLimits | None = None,
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
-    chunk_origin: torch.Tensor | None = None,
     dropout: float = 0.0,
     dropout_seed: int = 0,
 ) -> torch.Tensor:
@@ -258,12 +255,10 @@ def ulysses_attention(
         key_valid: (B, P*T_l) bool padding mask of the GLOBAL sequence, or None.
         kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
         single_call: one kernel call per chunk where a kernel takes the bottom-right mask (``chunk_causal_attention``).
-        doc_start: (B, P*T_l) GLOBAL index of each token's document start (packed rows), or None.
-        sliding_window: keys each query attends at most, itself included, or None.
+        limits: packed documents, sliding window, attention chunks over the GLOBAL (B, P*T_l) sequence
+            (:class:`~ds_longseq.ops.attention.KeyLimits`), or None.
         softcap: logit softcapping, or None.
         sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
-        attention_chunk: chunked attention (Llama 4), keys in chunks of this many counted from ``chunk_origin``
-            ((B, 1) or (B, P*T_l) GLOBAL key index; None: 0), or None. See ``ops.attention.query_lower_bounds``.
         dropout: dropout probability on the attention probabilities (0: none); each rank draws the masks of its
             heads from its own ``dropout_seed`` (``chunk_causal_attention``).
         dropout_seed: with ``dropout``: this rank's call seed.
@@ -274,10 +269,7 @@ def ulysses_attention(
     qh = exchange.query_to_heads(q)
     kh, vh = exchange.kv_to_heads(k), exchange.kv_to_heads(v)
     N = kh.shape[2]
-    lo = None
-    if doc_start is not None or sliding_window is not None or attention_chunk is not None:
-        lo = query_lower_bounds(torch.arange(N, device=q.device), doc_start, sliding_window, attention_chunk,
-                                chunk_origin)
+    lo = None if limits is None else limits.query_lo(torch.arange(N, device=q.device))
     out = chunk_causal_attention(qh, kh, vh, scale=scale, key_valid=key_valid, kv_block_size=kv_block_size,
                                  single_call=single_call,
                                  query_lo=lo, softcap=softcap, sink_logits=exchange.local_heads(sink_logits),
@@ -298,12 +290,9 @@ def ulysses_chunk_attention(
     kv_block_size: int | None = None,
     single_call: bool | None = None,
     grad_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
-    doc_start: torch.Tensor | None = None,
-    sliding_window: int | None = None,
+    limits: KeyLimits | None = None,
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
-    chunk_origin: torch.Tensor | None = None,
     dropout: float = 0.0,
     dropout_seed: int = 0,
 ) -> torch.Tensor:
@@ -325,12 +314,9 @@ def ulysses_chunk_attention(
         kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
         single_call: one kernel call per chunk where a kernel takes the bottom-right mask (``chunk_causal_attention``).
         grad_sink: (dK, dV) of ``k_heads`` / ``v_heads``'s shape (backward adds into them), or None.
-        doc_start: (B, P*T_l) GLOBAL index of each token's document start (packed rows), or None:
-            a document may span ranks.
-        sliding_window: keys each query attends at most, itself included, or None.
+        limits: as for :func:`ulysses_attention` (a document may span ranks).
         softcap: logit softcapping, or None.
         sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
-        attention_chunk, chunk_origin: as for :func:`ulysses_attention` (a (B, P*T_l) origin is global).
         dropout, dropout_seed: as for :func:`ulysses_attention`; a tile's mask is seeded by its global positions, so
             the chunk's tiles draw the same masks in the chunk's forward, re-forward and backward.
 
@@ -345,13 +331,7 @@ def ulysses_chunk_attention(
     for r, row in enumerate(exchange.token_positions(T)[:, start:end]):
         for lo_row, hi_row, a in position_runs(row):  # rows [lo_row, hi_row) of the chunk sit at positions [a, b)
             b = a + hi_row - lo_row
-            lo = None
-            if doc_start is not None or sliding_window is not None or attention_chunk is not None:
-                origin = chunk_origin if chunk_origin is None or chunk_origin.shape[-1] == 1 else chunk_origin[:, a:b]
-                lo = query_lower_bounds(
-                    torch.arange(a, b, device=q.device), None if doc_start is None else doc_start[:, a:b],
-                    sliding_window, attention_chunk, origin,
-                )
+            lo = None if limits is None else limits.query_lo(torch.arange(a, b, device=q.device), slice(a, b))
             outs.append(
                 chunk_causal_attention(
                     qh[:, :, r * C + lo_row : r * C + hi_row],
@@ -385,12 +365,9 @@ def ulysses_ring_attention(
     *,
     scale: float,
     key_valid: torch.Tensor | None = None,
-    doc_start: torch.Tensor | None = None,
-    sliding_window: int | None = None,
+    limits: KeyLimits | None = None,
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
-    chunk_origin: torch.Tensor | None = None,
     kernel: str = "auto",
     dropout: float = 0.0,
     dropout_seed: int = 0,
@@ -406,10 +383,8 @@ def ulysses_ring_attention(
         ring_group: the ring's process group (r ranks: this rank's Ulysses index in every Ulysses group).
         scale: softmax scale.
         key_valid: (B, T) bool padding mask of the GLOBAL sequence, or None.
-        doc_start: (B, T) GLOBAL index of each token's document start (packed rows), or None.
-        sliding_window, softcap, attention_chunk: as :func:`ulysses_attention`.
+        limits, softcap: as :func:`ulysses_attention`.
         sink_logits: (H,) attention sinks of every head, or None.
-        chunk_origin: (B, 1) or (B, T) GLOBAL key index the attention chunks are counted from, or None.
         kernel: the tiles' kernel ("auto": the device's chain).
         dropout, dropout_seed: as for :func:`ulysses_attention` (``ops.ring.ring_attention``).
 
@@ -423,11 +398,7 @@ def ulysses_ring_attention(
     ring_rank, ring_size = torch.distributed.get_rank(ring_group), torch.distributed.get_world_size(ring_group)
     T = q.shape[2] * ring_size
     positions = zigzag_shard(torch.arange(T, device=q.device).view(1, T), ring_rank, ring_size)[0]
-    lo = None
-    if doc_start is not None or sliding_window is not None or attention_chunk is not None:
-        docs = None if doc_start is None else doc_start[:, positions]
-        origin = chunk_origin if chunk_origin is None or chunk_origin.shape[-1] == 1 else chunk_origin[:, positions]
-        lo = query_lower_bounds(positions, docs, sliding_window, attention_chunk, origin)
+    lo = None if limits is None else limits.query_lo(positions, positions)
     out = ring_attention(q, k, v, ring_group, scale=scale, key_valid=key_valid, query_lo=lo, softcap=softcap,
                          sink_logits=sink_logits, kernel=kernel, dropout=dropout, dropout_seed=dropout_seed)
     return out if exchange is None else exchange.output_to_tokens(out)
