@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.forwards.causal_lm import CausalLMForward
 from ds_longseq.ops.streambp import KVStream
 from tests import model_sweep, model_zoo
 
@@ -84,7 +83,7 @@ def test_llama4_chunked_attention_with_left_padding_and_packing(packed):
 def test_mutation_chunks_counted_from_key_0_are_caught(monkeypatch, packed):
     """Attention chunks counted from the row's key 0 (not its first real token, not each document's first)
     must be a difference."""
-    import ds_longseq.forwards.attention as attention
+    import ds_longseq.ops.attention as attention  # KeyLimits.query_lo calls it for every attention path
 
     bounds = attention.query_lower_bounds
     monkeypatch.setattr(attention, "query_lower_bounds", lambda *a: bounds(*a[:4], None))
@@ -203,7 +202,7 @@ def test_mutation_dropped_prefix_keys_is_caught(monkeypatch):
 
 def test_mutation_skipped_router_aux_loss_is_caught(monkeypatch):
     """A mixture of experts without its load-balancing term must be reported as a difference."""
-    monkeypatch.setattr(CausalLMForward, "_router_aux_loss_wanted", lambda self, kwargs: False)
+    monkeypatch.setattr("ds_longseq.forwards.causal_lm.router_aux_loss_wanted", lambda *args: False)
     assert model_sweep.check_family("mixtral", "streambp").outcome == "different"
 
 

@@ -123,7 +123,7 @@ def shard_batch(
         pad_token_id: token id used for that padding.
         ignore_index: the label value that is not trained on.
         ring: the ring degree r of a Ulysses x ring group (P = u r): rank p then holds the tokens
-            ``ops.sp_layout.sp_positions`` gives it (part of its ring rank's zigzag shard, not a contiguous slice),
+            ``ops.sp_positions.sp_positions`` gives it (part of its ring rank's zigzag shard, not a contiguous slice),
             its position ids those tokens' global positions. 1: Ulysses alone, contiguous slices. None: the ring
             degree of the models enabled with sequence parallelism P in this process (1 when none is).
 
@@ -194,7 +194,7 @@ def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int, fill: int |
     """Rank ``sp_rank``'s 1/P of ``tensor`` (B, T, ...) along the sequence, T first padded on the right to a multiple
     of P (2 P with a ``ring`` degree above 1) with ``fill``: the cut :func:`shard_batch` makes, for any per-position
     tensor that must line up with its shards (e.g. per-target metadata). A contiguous slice, or with a ring the
-    tokens ``ops.sp_layout.sp_positions`` gives the rank (None: as :func:`shard_batch`)."""
+    tokens ``ops.sp_positions.sp_positions`` gives the rank (None: as :func:`shard_batch`)."""
     ring = ring_degree(sp_size) if ring is None else ring
     extra = -tensor.shape[1] % length_unit(sp_size, ring)
     if extra:
@@ -210,7 +210,7 @@ def sequence_from_shards(gathered: torch.Tensor, sp_size: int, ring: int) -> tor
     """(B, T, ...) in the sequence's order, from ``gathered``: the P ranks' (B, T / P, ...) shards side by side in
     rank order (an all-gather's concatenation), each cut by :func:`shard_sequence` with ``ring``; its inverse (T
     the padded length). The identity without a ring (contiguous shards); under a ring each rank's tokens go back to
-    the global positions ``ops.sp_layout.sp_positions`` gave it. Differentiable (an index: the gradient goes back
+    the global positions ``ops.sp_positions.sp_positions`` gave it. Differentiable (an index: the gradient goes back
     to the shard each value came from)."""
     if ring == 1:
         return gathered

@@ -13,7 +13,7 @@ Holds:
 Shape legend: B batch, P ranks per sequence, T = P * T_l global length, T_l local shard.
 
 Each rank holds tokens [p*T_l, (p+1)*T_l) of every sequence in its batch (``engine.shard_batch``
-cuts them); under Ulysses x ring (``ring`` > 1) the tokens ``ops.sp_layout.sp_positions`` gives it instead
+cuts them); under Ulysses x ring (``ring`` > 1) the tokens ``ops.sp_positions.sp_positions`` gives it instead
 (``shard_batch(..., ring=r)``), and attention runs ``ops.ulysses.ulysses_ring_attention``. Once per forward the
 hook gathers the shards' padding masks and position ids (a (2, B, T_l) int64 tensor per rank) to check them and to
 give attention the GLOBAL padding mask; positions default to the global ones of the rank's tokens (p*T_l +
@@ -117,7 +117,7 @@ class SequenceParallel:
         return self._token_exchange
 
     def positions(self, local_len: int, device) -> torch.Tensor:
-        """(T_l,) the global positions of this rank's tokens (``ops.sp_layout``), for shards of ``local_len``."""
+        """(T_l,) the global positions of this rank's tokens (``ops.sp_positions``), for shards of ``local_len``."""
         if self.ring == 1:
             return torch.arange(self.rank * local_len, (self.rank + 1) * local_len, device=device)
         return sp_positions(local_len * self.size, *self.degrees)[self.rank].to(device)

@@ -40,7 +40,7 @@ class StateRing:
 
     Args:
         group: the sequence-parallel process group.
-        positions: (P, T_l) the global positions of every rank's tokens (``ops.sp_layout.sp_positions``), or None
+        positions: (P, T_l) the global positions of every rank's tokens (``ops.sp_positions.sp_positions``), or None
             for Ulysses' contiguous shards.
     """
 
