@@ -17,7 +17,7 @@ if [[ ! -e /usr/include/libaio.h ]]; then
   apt_install install_aio.sh "the disk-tier tests will skip" libaio-dev || exit 0
 fi
 start=$SECONDS
-if ! python -c "from ds_longseq.ops.disk_offload import load_async_io; load_async_io()" >/tmp/install_aio.log 2>&1; then
+if ! python -c "from ds_longseq.ops.disk_store import load_async_io; load_async_io()" >/tmp/install_aio.log 2>&1; then
   echo "install_aio.sh: building DeepSpeed's async_io op failed (the disk-tier tests will fail):" >&2
   tail -5 /tmp/install_aio.log >&2
   exit 1

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ds_longseq.ops.attention import chunk_causal_attention
+from ds_longseq.ops.chunk_attention import chunk_causal_attention
 
 
 def _flops(T: int, H: int, D: int) -> float:

@@ -28,7 +28,7 @@ def layer_attention(q, k, v, chunk_size: int, block: int) -> float:
     """Seconds for one layer's chunk attention, forward and backward, every chunk."""
     import torch
 
-    from ds_longseq.ops.attention import chunk_causal_attention
+    from ds_longseq.ops.chunk_attention import chunk_causal_attention
 
     T = q.shape[2]
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)

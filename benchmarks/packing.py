@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ds_longseq.ops.attention import _plan, default_kv_block_size
+from ds_longseq.ops.chunk_attention import _plan, default_kv_block_size
 
 LAYOUTS = ("packed", "padded", "one_document")
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}

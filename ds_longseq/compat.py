@@ -43,7 +43,7 @@ library's source text, so a release that fixes the bug is refused until checked 
 
 Not here, each listed in ``TOUCHES_ELSEWHERE`` with its reason (tests/test_compat.py reads the package's code
 and fails on any other touch of a third party's internals or objects): ``torch.ops.aten._*`` attention kernels in
-``ops/attention.py``'s kernel table (torch's operator registry, each kernel tested against the math path on every
+``ops/chunk_attention.py``'s kernel table (torch's operator registry, each kernel tested against the math path on every
 device that runs it), the per-instance patch of ``techniques/base.py``, and a few documented hooks.
 """
 
@@ -102,8 +102,9 @@ TOUCHES_ELSEWHERE: dict[str, str] = {
     "lazy.py:lazy_exports.__getattr__:setattr": "caches a lazily imported name on ds_longseq's own package module "
     "(ds_longseq, ds_longseq.ops, ds_longseq.families), as the import system does for a submodule; no third-party "
     "object",
-    **{f"ops/attention.py:{kernel}.{direction}:{op}": "torch's operator registry (the schema-versioned entry points "
-       "scaled_dot_product_attention dispatches to), one kernel table, each kernel tested against the math path"
+    **{f"ops/chunk_attention.py:{kernel}.{direction}:{op}": "torch's operator registry (the schema-versioned "
+       "entry points scaled_dot_product_attention dispatches to), one kernel table, each kernel tested against the "
+       "math path"
        for kernel, ops in {
            "_CpuFlash": ("_scaled_dot_product_flash_attention_for_cpu",
                          "_scaled_dot_product_flash_attention_for_cpu_backward"),
@@ -118,10 +119,10 @@ TOUCHES_ELSEWHERE: dict[str, str] = {
     "forwards/sharded_mixer.py:_attributes:setattr":
         "a recurrent mixer's head counts narrowed to this rank's heads for one call, restored on exit (the mixer "
         "reads them inside its forward; which attributes: families/mixer_heads.py)",
-    **{f"engine/watchdog.py:PeerWatch.{method}:sys.excepthook":
+    **{f"processes/watchdog.py:PeerWatch.{method}:sys.excepthook":
        "the watchdog names the rank that died: Python's documented hook, chained to and restored on stop"
        for method in ("start", "stop")},
-    "engine/mpi_env.py:main:sys.argv": "python -m ds_longseq.engine.mpi_env runs the user's script as __main__",
+    "processes/mpi_env.py:main:sys.argv": "python -m ds_longseq.processes.mpi_env runs the user's script as __main__",
     "engine/initialize.py:initialize_with:args.deepspeed_config":
         "DeepSpeed reads the config path from the user's argparse namespace: emptied after the long_seq "
         "section was taken out (deepspeed.initialize's documented args= protocol)",

@@ -370,7 +370,7 @@ class AdjointConfig:
 
 @dataclass
 class WatchdogConfig:
-    """The peer watchdog of ``ds_longseq.engine.initialize`` (``ds_longseq.engine.watchdog``): when a rank
+    """The peer watchdog of ``ds_longseq.engine.initialize`` (``ds_longseq.processes.watchdog``): when a rank
     dies, the job stops within a bounded time with a message naming it. Runs on jobs of 2+ ranks whose
     processes a launcher started (deepspeed, torchrun, mpirun, srun)."""
 

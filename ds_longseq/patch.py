@@ -27,7 +27,7 @@ from ds_longseq.families import UnsupportedModelError, decoder_adapter
 from ds_longseq.families.discovery import MOE_AUX_KINDS
 from ds_longseq.forwards.attn_spec import AttentionSettings
 from ds_longseq.forwards.causal_lm import CausalLMForward, CausalLMSettings
-from ds_longseq.forwards.sequence_parallel import SequenceParallel
+from ds_longseq.forwards.sp_model import SequenceParallel
 from ds_longseq.forwards.token_outputs import FusedHeadSettings
 from ds_longseq.techniques import EnableContext, PatchHandle, active_techniques
 

@@ -84,7 +84,7 @@ __all__ = [
 GIB = 1024**3
 MIB = 1024**2
 BUFFERS_BYTES = GIB  # CUDA context + NCCL / DeepSpeed buffers per GPU (not part of any fitted measurement)
-DISK_STAGING_BYTES = 2 * 16 * MIB  # the disk tier's two staging buffers per rank (ops.disk_offload.PIECE_BYTES each)
+DISK_STAGING_BYTES = 2 * 16 * MIB  # the disk tier's two staging buffers per rank (ops.disk_store.PIECE_BYTES each)
 Method = Literal["stock", "hf_gc", "alst", "alst_offload", "alst_offload_sync", "mst", "streambp"]
 """How the model trains: ds_longseq's techniques (``METHOD_OF_TECHNIQUE``), Hugging Face checkpointing (``hf_gc``,
 what the examples turn on when no technique is), nothing (``stock``), or a competitor's recipe (``alst*``)."""

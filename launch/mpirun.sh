@@ -20,7 +20,7 @@
 #   MASTER_PORT   rendezvous port (see "Rank discovery" below for when it is honoured)
 # Every argument is passed through to the script.
 #
-# Rank discovery: every rank runs `python -m ds_longseq.engine.mpi_env SCRIPT args`, which asks
+# Rank discovery: every rank runs `python -m ds_longseq.processes.mpi_env SCRIPT args`, which asks
 # mpi4py for the rank and world size, counts the ranks on the same host (LOCAL_RANK,
 # LOCAL_WORLD_SIZE), broadcasts rank 0's first `hostname -I` address as MASTER_ADDR (unless
 # MASTER_ADDR is set) and takes MASTER_PORT from the environment (29500 if unset), sets them as
@@ -31,7 +31,7 @@
 # node with several networks, check that rank 0's first `hostname -I` address is one the other
 # nodes reach, or set MASTER_ADDR.
 #
-# Ranks run as `python -u -m mpi4py -m ds_longseq.engine.mpi_env SCRIPT`: an uncaught exception on
+# Ranks run as `python -u -m mpi4py -m ds_longseq.processes.mpi_env SCRIPT`: an uncaught exception on
 # one rank then calls MPI_Abort and ends the whole job, where plain `python` would leave the other
 # ranks waiting in a collective (or in MPI_Finalize) until a timeout.
 #
@@ -91,7 +91,7 @@ script_args=("$@")
 if [[ "$(readlink -f "$SCRIPT")" == "$(readlink -f "$ROOT/examples/sft.py")" ]]; then
   script_args=(--ds_config "$DS_CONFIG" "$@")
 fi
-rank_cmd=("$PYTHON" -u -m mpi4py -m ds_longseq.engine.mpi_env "$SCRIPT" "${script_args[@]}")
+rank_cmd=("$PYTHON" -u -m mpi4py -m ds_longseq.processes.mpi_env "$SCRIPT" "${script_args[@]}")
 
 if [[ $flavour == openmpi ]]; then
   [[ $EUID == 0 ]] && args+=(--allow-run-as-root)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import ds_longseq
 from ds_longseq import UnsupportedModelError
 from ds_longseq.config import LongSeqConfigError
-from ds_longseq.forwards.approx_bp import FoldError, MSNormForward, fold_norm, fold_targets
-from ds_longseq.ops.approx_bp import (
+from ds_longseq.forwards.approx_forwards import FoldError, MSNormForward, fold_norm, fold_targets
+from ds_longseq.ops.approx_autograd import (
     REGELU2,
     RESILU2,
     approx_activation,
@@ -225,7 +225,7 @@ def _hand_fold(model, arch: str):
 
 def _step_activations(model, step):
     """Give every activation module of ``model`` the forward act(x) and the gradient h~'(x)."""
-    from ds_longseq.forwards.approx_bp import ACTIVATION_KINDS
+    from ds_longseq.forwards.approx_forwards import ACTIVATION_KINDS
 
     for module in model.modules():
         if type(module).__name__ in ACTIVATION_KINDS:

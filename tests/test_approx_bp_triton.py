@@ -1,4 +1,4 @@
-"""The Triton Approx-BP kernels (ops/approx_bp_triton.py) against the torch path, through Triton's interpreter.
+"""The Triton Approx-BP kernels (ops/approx_triton.py) against the torch path, through Triton's interpreter.
 
 No GPU here: the kernels run on CPU tensors under ``TRITON_INTERPRET=1``. Triton reads that setting
 when a kernel is defined, so the checks run in a child process whose environment has it from the
@@ -27,15 +27,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from ds_longseq.ops import approx_bp_triton  # noqa: E402
-from ds_longseq.ops.approx_bp import RESILU2, pack_codes, step_codes  # noqa: E402
+from ds_longseq.ops import approx_triton as approx_bp_triton  # noqa: E402
+from ds_longseq.ops.approx_autograd import RESILU2, pack_codes, step_codes  # noqa: E402
 
 _CHILD = textwrap.dedent(
     """
     import torch
 
-    from ds_longseq.ops import approx_bp as ab
-    from ds_longseq.ops import approx_bp_triton as tri
+    from ds_longseq.ops import approx_autograd as ab
+    from ds_longseq.ops import approx_triton as tri
 
     INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
     SIZES = [1, 2, 3, 4, 5, 7, 8, 33, 4096, 4096 * 2 + 3]  # 4096 elements = one program

@@ -4,7 +4,7 @@ dense float64 reference on every output and gradient (prefix gradients through t
 import pytest
 import torch
 
-from ds_longseq.ops.attention import _plan, chunk_causal_attention, query_lower_bounds
+from ds_longseq.ops.chunk_attention import _plan, chunk_causal_attention, query_lower_bounds
 
 
 def dense_reference(q, k_all, v_all, first_q, lo, valid, softcap, scale):

@@ -208,7 +208,7 @@ def test_chunked_attention_mask_no_attention_applies_is_refused():
     sliding-window mask of the same size."""
     from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
-    from ds_longseq.forwards.attention import longseq_mask, mask_audit
+    from ds_longseq.forwards.attention_interface import longseq_mask, mask_audit
 
     chunked = chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
     with pytest.raises(NotImplementedError, match=r"chunked-attention masks of \[4\] tokens but ds_longseq's attention "

@@ -27,8 +27,8 @@ import torch
 
 import ds_longseq
 from ds_longseq import LongSeqConfigError
-from ds_longseq.ops import disk_offload
-from ds_longseq.ops.disk_offload import ALIGNMENT, AsyncIOUnavailable, DiskOffloader, DiskStore
+from ds_longseq.ops import disk_store as disk_offload
+from ds_longseq.ops.disk_store import ALIGNMENT, AsyncIOUnavailable, DiskOffloader, DiskStore
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
 LAYERS = 5
@@ -79,7 +79,7 @@ def _bitwise(a, b):
 
 
 def _offload(model):
-    """The model's ``forwards.offload.LayerInputOffload`` (the base model's forward pre-hook's object)."""
+    """The model's ``forwards.layer_input_offload.LayerInputOffload`` (the base model's forward pre-hook's object)."""
     (hook,) = model.model._forward_pre_hooks.values()
     return hook.__self__
 
@@ -352,7 +352,7 @@ def test_bad_disk_settings_are_refused_before_anything_is_written(disk_dir, monk
 
 
 def test_too_little_free_space_is_refused_before_compute(disk_dir, monkeypatch):
-    from ds_longseq.forwards import offload as offload_module
+    from ds_longseq.forwards import layer_input_offload as offload_module
 
     model = ds_longseq.enable(make_model("llama", torch.float32, num_layers=4), _disk(disk_dir, 2)).train()
     batch = make_batch()

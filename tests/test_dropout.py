@@ -127,7 +127,7 @@ def _assert_streambp_fails_the_reference() -> None:
 def test_a_capture_pass_consuming_other_draws_fails_the_reference(monkeypatch):
     """The mutation: the K/V capture pass starts its draws from another state than its chunk's forward (here: the
     next chunk's region), so the keys its dropout masks give differ from those the forward attended."""
-    from ds_longseq.ops.streambp import KVStream
+    from ds_longseq.ops.kv_stream import KVStream
 
     region, begin_chunk = draws_module.Draws.region, KVStream.begin_chunk
     capturing = {"on": False}
@@ -376,7 +376,7 @@ def test_saved_bytes_are_those_of_the_run_without_dropout(mode):
 
 def _attention_backward_drawing_other_masks(monkeypatch):
     """Mutation: the tiles' backward draws from another seed than their forward."""
-    from ds_longseq.ops import attention
+    from ds_longseq.ops import chunk_attention as attention
 
     backward = attention._attention_backward
 
@@ -436,7 +436,7 @@ def test_attention_dropout_under_streambp_exact_by_mask_replay(arch, kv_block_si
 
 
 def test_chunk_attention_dropout_against_dense():
-    """ops.attention.chunk_causal_attention with dropout: GQA (4 / 2 heads), a prefix of 9 keys in tiles of 4, a
+    """ops.chunk_attention.chunk_causal_attention with dropout: GQA (4 / 2 heads), a prefix of 9 keys in tiles of 4, a
     chunk of 7: output and the q / k / v gradients equal dense attention with the tiles' masks put in place
     (float64, 1e-12); a tile's backward draws the mask its forward drew; about p of the positions are dropped.
     (tests/gpu/test_dropout_gpu.py runs it on a CUDA device.)"""
@@ -444,7 +444,7 @@ def test_chunk_attention_dropout_against_dense():
 
 
 def check_chunk_attention_dropout(device: torch.device) -> None:
-    from ds_longseq.ops.attention import chunk_causal_attention, dropout_masks_tapped
+    from ds_longseq.ops.chunk_attention import chunk_causal_attention, dropout_masks_tapped
 
     torch.manual_seed(0)
     B, H, Hkv, C, S, D, p = 2, 4, 2, 7, 9, 5, 0.3

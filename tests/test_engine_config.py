@@ -91,7 +91,7 @@ def test_chunk_sizes_larger_than_the_sequence_warn_once_instead_of_failing(caplo
     check_sequence_length(long_seq, 1000)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "chunk_size=4096 exceeds the sequence length 1000" in warned[0], warned
-    # ops.mini_seq skips empty chunks, so more MLP chunks than tokens is legal too.
+    # ops.tokenwise_chunks skips empty chunks, so more MLP chunks than tokens is legal too.
     _, mst = split_config({"long_seq": {"mini_seq": {"enabled": True, "mlp_num_chunks": 8}}})
     check_sequence_length(mst, 5)
     assert "mlp_num_chunks=8 exceeds the sequence length 5" in caplog.records[-1].getMessage()

@@ -156,7 +156,7 @@ def test_missing_parts_are_named_at_enable():
 def test_unknown_attention_kwarg_is_refused_not_ignored():
     """An attention feature ds_longseq does not implement (here: an ALiBi bias, as Falcon passes it)
     raises, naming it, instead of being silently dropped."""
-    from ds_longseq.forwards.attention import longseq_attention
+    from ds_longseq.forwards.attention_interface import longseq_attention
 
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match=r"\['alibi'\]"):

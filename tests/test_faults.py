@@ -3,7 +3,7 @@
 Each fault is injected through the test-only ``DS_LONGSEQ_FAULT_INJECT=sigkill:RANK:STEP:WHERE``
 (ds_longseq.toolkit.faults: a real SIGKILL or SIGSTOP of one rank at a chosen point), and the test
 checks what issue 16 asks: the job ends within a bounded time, the watchdog
-(``ds_longseq.engine.watchdog``) names the rank, ``latest`` still names a complete checkpoint, and
+(``ds_longseq.processes.watchdog``) names the rank, ``latest`` still names a complete checkpoint, and
 ``--resume`` reproduces the uninterrupted run's losses.
 Plus the watchdog's own parts in-process (census, rank info) and its config checks, and the parsing of
 the fault variable.
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
-from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, RankInfo
+from ds_longseq.processes.watchdog import PEER_GONE_EXIT_CODE, RankInfo
 from ds_longseq.toolkit import faults
 from tests.dist_utils import run_distributed
 from tests.test_sft import _config, losses, run_sft
@@ -162,7 +162,7 @@ def test_hung_rank_stops_the_job_after_peer_timeout(tmp_path):
 def _census_body(rank, dead):
     import torch.distributed as dist
 
-    from ds_longseq.engine.watchdog import start_watchdog
+    from ds_longseq.processes.watchdog import start_watchdog
 
     watch = start_watchdog(heartbeat_s=0.2, peer_timeout_s=60, census_s=1.5, handle_exits=False)
     time.sleep(0.5)

@@ -156,8 +156,8 @@ def _sp_worker(rank: int, model_type: str, modes: tuple[str, ...] = tuple(SP_MOD
 
     from ds_longseq.engine import shard_batch
     from ds_longseq.ops.chunk_grads import ChunkGrads
+    from ds_longseq.ops.kv_stream import GlobalKVStream
     from ds_longseq.ops.state_passing import StateRing
-    from ds_longseq.ops.streambp import GlobalKVStream
 
     places = set()
     saved = [(GlobalKVStream, "attends"), (GlobalKVStream, "_take"), (StateRing, "from_previous"),

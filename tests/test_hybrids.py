@@ -98,7 +98,7 @@ def test_mutation_state_gradient_not_sent_back_is_caught(monkeypatch):
                                         pytest.param(64, marks=pytest.mark.slow)])  # heavy: 13 runs by default
 def test_jamba_scan_continued_across_chunks(chunk_size):
     """Jamba's Mamba mixer reads its recurrent state but scans from zeros (its fused kernel takes no initial state):
-    under StreamBP its scan is continued from the carried state (``ops.started_scan``: the zero-started scan plus
+    under StreamBP its scan is continued from the carried state (``ops.scan_from_state``: the zero-started scan plus
     the state carried through the chunk's decays). 99 tokens in chunks of 2 (49 continuations), 13 and 64, beside
     its attention and MoE layers: exact against the stock model on the whole sequence."""
     worst, error = _worst_error("jamba", _streambp(chunk_size), 99)
@@ -421,7 +421,7 @@ def test_falcon_h1_under_sequence_parallelism():
     """Falcon-H1 runs attention and Mamba-2 side by side in every layer (mup multipliers on both). At SP 2, one
     launch: its mixer sharded by heads (8 heads in one group, no gated norm: each rank's 4 heads read the group's
     B / C rows; the ``mup_vector`` buffer cut as ``in_proj``'s rows) and its attention under Ulysses, with Ulysses
-    alone, mini_seq and StreamBP (``ops.sharded_mixer.streambp_mixer_sp_apply``: the mixer's input captured and
+    alone, mini_seq and StreamBP (``ops.head_sharding.streambp_mixer_sp_apply``: the mixer's input captured and
     the mixer run once, then the keys/values captured and exchanged once per pass): exact at 1e-10 against one
     process (``_check_hybrids``); with the mixer's input gradient dropped, different. Passing the mixer's state
     rank to rank is refused at enable, naming 'heads'."""

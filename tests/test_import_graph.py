@@ -22,8 +22,8 @@ import ds_longseq
 
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
-    "config": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1, "families": 2, "forwards": 3, "adjoint": 3,
-    "techniques": 4, "patch": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
+    "config": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1, "processes": 1, "families": 2, "forwards": 3,
+    "adjoint": 3, "techniques": 4, "patch": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7,
     "cli": 8,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
@@ -193,3 +193,16 @@ def test_no_class_over_250_lines_and_no_constructor_over_8_parameters():
                 if count > 8:
                     long_inits.append(f"{path.relative_to(PACKAGE_DIR)}:{node.lineno} ({count} parameters)")
     assert not long_classes and not long_inits, (long_classes, long_inits)
+
+
+def test_no_module_name_repeats_across_the_package():
+    """Issue 52, item 5 (docs/LAYOUT.md, "Names"): a file's name says what is inside, so "where is offload" has
+    one answer per layer (``ops/host_store.py``, ``forwards/layer_input_offload.py``, ``techniques/offload.py``)
+    instead of three files called ``offload.py``. A package's ``__init__`` is the one name that may repeat."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE_DIR)))
+    assert len(seen) > 80, len(seen)  # the files were found
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not repeated, repeated

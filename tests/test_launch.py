@@ -135,8 +135,8 @@ def test_mpirun_sh_hostfile_and_flavours(tmp_path, flavour):
         assert "MASTER_PORT" in args and args[args.index("MASTER_PORT") - 1] == "-x"
         assert ("--allow-run-as-root" in args) == (os.geteuid() == 0)
     tail = args[args.index("-m"):]
-    # every rank sets torchrun's variables from MPI first (ds_longseq.engine.mpi_env), then runs the script
-    assert tail[:5] == ["-m", "mpi4py", "-m", "ds_longseq.engine.mpi_env", os.path.join(ROOT, "examples", "sft.py")]
+    # every rank sets torchrun's variables from MPI first (ds_longseq.processes.mpi_env), then runs the script
+    assert tail[:5] == ["-m", "mpi4py", "-m", "ds_longseq.processes.mpi_env", os.path.join(ROOT, "examples", "sft.py")]
     assert tail[5:] == ["--ds_config", os.path.join(ROOT, "ds_configs", "zero2_streambp.json"),
                         "--seq-len", "4096", "--save-dir", "a dir"]
     assert not list(tmp_path.glob("mpich_hosts.*"))  # the converted hostfile is cleaned up
@@ -146,7 +146,7 @@ def test_mpirun_sh_hostfile_and_flavours(tmp_path, flavour):
     script.write_text("")
     args = [line[4:] for line in _run_script(MPIRUN_SH, {**env, "SCRIPT": str(script)}, "--deepspeed", "ds.json")
             .stdout.splitlines() if line.startswith("ARG ")]
-    assert args[args.index("ds_longseq.engine.mpi_env") + 1:] == [str(script), "--deepspeed", "ds.json"]
+    assert args[args.index("ds_longseq.processes.mpi_env") + 1:] == [str(script), "--deepspeed", "ds.json"]
     proc = _run_script(MPIRUN_SH, {**env, "SCRIPT": str(tmp_path / "missing.py")})
     assert proc.returncode == 2 and "no script at" in proc.stderr
 

@@ -169,7 +169,7 @@ def test_sequence_parallel_without_a_launcher_is_refused(monkeypatch):
     starts nothing."""
     import torch.distributed as dist
 
-    from ds_longseq.engine import process_group
+    from ds_longseq.processes import process_group
 
     assert not dist.is_initialized()
     for names in process_group.LAUNCHER_VARIABLES.values():

@@ -48,7 +48,7 @@ def test_every_public_name_resolves_to_its_modules_object(package):
 
 def test_submodules_are_attributes_and_listed_names_come_from_their_modules():
     from ds_longseq.ops import chunk_causal_attention
-    from ds_longseq.ops.attention import chunk_causal_attention as direct
+    from ds_longseq.ops.chunk_attention import chunk_causal_attention as direct
 
     assert chunk_causal_attention is direct
     assert ds_longseq.ops.ring.__name__ == "ds_longseq.ops.ring"

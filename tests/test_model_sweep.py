@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.ops.streambp import KVStream
+from ds_longseq.ops.kv_stream import KVStream
 from tests import model_sweep, model_zoo
 
 FAMILIES = model_zoo.causal_lm_model_types()
@@ -83,7 +83,7 @@ def test_llama4_chunked_attention_with_left_padding_and_packing(packed):
 def test_mutation_chunks_counted_from_key_0_are_caught(monkeypatch, packed):
     """Attention chunks counted from the row's key 0 (not its first real token, not each document's first)
     must be a difference."""
-    import ds_longseq.ops.attention as attention  # KeyLimits.query_lo calls it for every attention path
+    import ds_longseq.ops.chunk_attention as attention  # KeyLimits.query_lo calls it for every attention path
 
     bounds = attention.query_lower_bounds
     monkeypatch.setattr(attention, "query_lower_bounds", lambda *a: bounds(*a[:4], None))
@@ -208,7 +208,7 @@ def test_mutation_skipped_router_aux_loss_is_caught(monkeypatch):
 
 def test_mutation_dropped_attention_sinks_is_caught(monkeypatch):
     """gpt-oss without its attention sinks (s_aux) must be reported as a difference."""
-    import ds_longseq.ops.attention as attention
+    import ds_longseq.ops.chunk_attention as attention
 
     monkeypatch.setattr(attention, "_with_sink_logits", lambda out, lse, sinks: (out, lse))
     assert model_sweep.check_family("gpt_oss", "streambp").outcome == "different"
@@ -249,7 +249,7 @@ def test_mutation_detached_per_layer_inputs_are_caught(monkeypatch):
 def test_mutation_shared_kv_gradient_not_sent_back_is_caught(monkeypatch):
     """Gemma 4's last layers attend an earlier layer's keys/values; if their gradient never reaches the producing
     layer (its K/V projections then learn only from its own queries) it must be reported as a difference."""
-    from ds_longseq.ops.streambp import SharedKV
+    from ds_longseq.ops.kv_stream import SharedKV
 
     def fresh(self):  # each consumer gets its own zeros, which the producer never sees
         return (torch.zeros(self.k.shape, dtype=self.k.dtype), torch.zeros(self.v.shape, dtype=self.v.dtype))

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import ds_longseq
-import ds_longseq.ops.offload as offload_ops
+import ds_longseq.ops.host_store as offload_ops
 from ds_longseq import LongSeqConfig, LongSeqConfigError
-from ds_longseq.forwards.offload import HostMemoryError
+from ds_longseq.forwards.layer_input_offload import HostMemoryError
 from ds_longseq.ops import HostBufferPool, LayerInputOffloader, checkpoint_apply
 from tests.dist_utils import run_distributed
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model

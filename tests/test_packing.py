@@ -214,9 +214,9 @@ def test_qwen2_sliding_layers_mixed_with_full_layers_float64():
 
 
 def _count_document_finds(monkeypatch) -> list[int]:
-    """Count the calls of ``ops.packing.find_documents`` (the one entry point that finds packed documents)
+    """Count the calls of ``ops.documents.find_documents`` (the one entry point that finds packed documents)
     from every ds_longseq module that imported it."""
-    from ds_longseq.ops import packing
+    from ds_longseq.ops import documents as packing
 
     original, calls = packing.find_documents, []
 

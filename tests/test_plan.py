@@ -109,7 +109,7 @@ def test_components_follow_the_setup():
     on_disk = P.estimate(dims, replace(disk, lora_rank=16, zero_stage=3), t)
     assert on_disk.device["layer_inputs"] == 0 and on_disk.host["layer_inputs"] == 0
     assert on_disk.disk == {"layer_inputs": layer_inputs * 8 / 2}  # 16 of 32 inputs, 8 ranks on this host
-    from ds_longseq.ops.disk_offload import PIECE_BYTES
+    from ds_longseq.ops.disk_store import PIECE_BYTES
 
     assert on_disk.host["disk_staging"] == 8 * 2 * PIECE_BYTES == 8 * P.DISK_STAGING_BYTES  # two per rank
     with pytest.raises(ValueError, match="set offload_layer_inputs=True too"):

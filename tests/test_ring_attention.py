@@ -111,7 +111,7 @@ def test_ring_attention_equals_dense_attention(size, heads, kv_heads, kernel):
 
 def _masked_case(size: int, heads: int, case: str):
     """(key_valid (B, T), query_lo (B, T), softcap, sinks (H,)) of one masked case, the whole sequence's."""
-    from ds_longseq.ops.attention import query_lower_bounds
+    from ds_longseq.ops.chunk_attention import query_lower_bounds
 
     T = T_PER_RANK * size
     g = torch.Generator().manual_seed(99)
@@ -268,7 +268,7 @@ def two_d_body(rank: int, ulysses: int, ring_size: int):
     import torch.distributed as dist
 
     from ds_longseq.engine import ulysses_ring_groups
-    from ds_longseq.ops.attention import KeyLimits
+    from ds_longseq.ops.chunk_attention import KeyLimits
     from ds_longseq.ops.sp_positions import sp_positions
     from ds_longseq.ops.ulysses import UlyssesExchange, ulysses_ring_attention
 
@@ -309,7 +309,7 @@ def test_ulysses_x_ring_equals_dense_attention(ulysses, ring_size):
     """4 CPU ranks as 2 x 2, 1 x 4 (ring alone) and 4 x 1 (Ulysses alone, 2 key/value heads repeated): each rank's
     tokens from ops.sp_layout, padding, packed documents, a sliding window, a softcap and sinks; the whole
     sequence's output and every gradient against dense attention in float64."""
-    from ds_longseq.ops.attention import query_lower_bounds
+    from ds_longseq.ops.chunk_attention import query_lower_bounds
 
     size, heads, kv_heads = ulysses * ring_size, 4, 2
     per_rank = run_distributed(two_d_body, size, (ulysses, ring_size), timeout=300)

@@ -379,7 +379,7 @@ def contiguous_under_ring_worker(rank: int):
 
     import ds_longseq
     from ds_longseq.engine import shard_batch
-    from ds_longseq.engine.sequence_parallel import shard_sequence
+    from ds_longseq.engine.sp_groups import shard_sequence
 
     model = make_model("llama", torch.float64, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
     ds_longseq.enable(model, {"sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
@@ -394,7 +394,7 @@ def contiguous_under_ring_worker(rank: int):
     except ValueError as err:
         messages.append(str(err))
     ds_longseq.disable(model)
-    assert ds_longseq.engine.sequence_parallel.ring_degree(2) == 1  # the layout left with the model
+    assert ds_longseq.engine.sp_groups.ring_degree(2) == 1  # the layout left with the model
     return messages, whole_sequence_calls_under_ring(rank)
 
 
@@ -416,7 +416,7 @@ def whole_sequence_calls_under_ring(rank: int) -> dict:
     import torch.distributed as dist
 
     import ds_longseq
-    import ds_longseq.engine.sequence_parallel as engine_sp
+    import ds_longseq.engine.sp_groups as engine_sp
     from ds_longseq.engine import WholeSequenceCalls
 
     batch = global_batch(seq_len=37, left_pad=False)

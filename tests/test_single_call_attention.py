@@ -15,8 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ds_longseq
-from ds_longseq.ops import attention as attention_ops
-from ds_longseq.ops.attention import chunk_causal_attention
+from ds_longseq.ops import chunk_attention as attention_ops
+from ds_longseq.ops.chunk_attention import chunk_causal_attention
 from tests.helpers import compare, loss_and_grads, make_batch, make_model
 from tests.test_ops import reference_attention
 

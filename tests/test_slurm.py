@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ds_longseq.engine.process_group import first_host, launcher_environment, slurm_environment
+from ds_longseq.processes.process_group import first_host, launcher_environment, slurm_environment
 from tests.test_sft import ROOT, _config, losses
 
 SBATCH = os.path.join(ROOT, "launch", "slurm.sbatch")

@@ -1,4 +1,4 @@
-"""``ops.started_scan``: a zero-started selective scan continued from a state equals the scan run whole.
+"""``ops.scan_from_state``: a zero-started selective scan continued from a state equals the scan run whole.
 
 The scan is transformers' own ``mamba_selective_scan`` as Jamba's modeling module holds it (its torch path here;
 the ``mamba_ssm`` kernel on a GPU with it installed), float64: run over 40 tokens at once, and in two parts where
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.models.jamba.modeling_jamba import mamba_selective_scan as scan
 
-from ds_longseq.ops.started_scan import selective_scan_from
+from ds_longseq.ops.scan_from_state import selective_scan_from
 
 
 def _inputs(seed: int = 0, Bn: int = 2, D: int = 6, L: int = 40, N: int = 4) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ Public names:
 See docs/ADJOINT.md for the math, what is exact, and the measured costs.
 """
 
-from ds_longseq.adjoint.distributed import split_layers
 from ds_longseq.adjoint.hf_forward import HFAdjointForward
+from ds_longseq.adjoint.pipeline import split_layers
 from ds_longseq.adjoint.sharding import AdjointPlan, adjoint_layer_backward, make_plan
 from ds_longseq.families.residual_ssm import ResidualSSMForCausalLM, SelectiveSSMLayer, SSMConfig, SSMOutput
 from ds_longseq.families.ssm import MambaLayerMaps, SSMStack, ssm_stack

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_longseq.adjoint import distributed as comm
+from ds_longseq.adjoint import pipeline as comm
 from ds_longseq.families.ssm import SSMStack, ssm_stack
 from ds_longseq.ops.chunk_grads import acc_dtype
 from ds_longseq.ops.linear_scan import adjoint_scan, linear_scan, truncated_adjoint

@@ -79,7 +79,7 @@ def train_command(argv: list[str]) -> int:
     the DeepSpeed config are checked here, once, then DeepSpeed's launcher starts ``--num_gpus`` ranks of this same
     command (saying so on stderr), or with one rank the training runs in this process."""
     from ds_longseq.cli import train
-    from ds_longseq.engine.process_group import free_port, launcher_environment
+    from ds_longseq.processes.process_group import free_port, launcher_environment
     from ds_longseq.toolkit.args import exit_status
 
     launch, rest = _add_launch_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)

@@ -11,7 +11,7 @@ from ds_longseq.engine.initialize import (
     split_config,
 )
 from ds_longseq.engine.preflight import PreflightError, available_memory, memory_preflight
-from ds_longseq.engine.sequence_parallel import (
+from ds_longseq.engine.sp_groups import (
     WholeSequenceCalls,
     data_parallel_rank_and_size,
     sequence_from_shards,
@@ -20,8 +20,8 @@ from ds_longseq.engine.sequence_parallel import (
     shard_batch,
     shard_sequence,
 )
-from ds_longseq.engine.watchdog import PEER_GONE_EXIT_CODE, active_watch, start_watchdog
-from ds_longseq.forwards.sequence_parallel import ulysses_ring_groups
+from ds_longseq.forwards.sp_model import ulysses_ring_groups
+from ds_longseq.processes.watchdog import PEER_GONE_EXIT_CODE, active_watch, start_watchdog
 
 __all__ = [
     "initialize",

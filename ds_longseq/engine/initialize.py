@@ -31,11 +31,11 @@ import torch
 
 from ds_longseq.compat import fix_zero3_sequence_parallel_average
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError, find_ds_config, read_json_file
-from ds_longseq.engine.process_group import DEFAULT_DISTRIBUTED_PORT
-from ds_longseq.engine.sequence_parallel import sequence_parallel_groups
-from ds_longseq.engine.watchdog import start_watchdog, started_by_launcher
+from ds_longseq.engine.sp_groups import sequence_parallel_groups
 from ds_longseq.logging import get_logger, warn_once
 from ds_longseq.patch import enable, get_config, is_enabled, mark_zero3_leaves
+from ds_longseq.processes.process_group import DEFAULT_DISTRIBUTED_PORT
+from ds_longseq.processes.watchdog import start_watchdog, started_by_launcher
 from ds_longseq.techniques import active_techniques
 
 __all__ = [
@@ -143,7 +143,7 @@ def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
     """Raise before training if ``seq_len`` cannot be trained with ``config``; warn about no-op chunking.
 
     A chunk size larger than the (local) sequence is legal: the whole sequence becomes one chunk
-    (``ops.streambp.chunk_bounds`` returns one span; ``ops.mini_seq`` skips the empty MLP chunks),
+    (``ops.kv_stream.chunk_bounds`` returns one span; ``ops.tokenwise_chunks`` skips the empty MLP chunks),
     so short-sequence runs with the shipped configs work. It is worth one warning, because the
     chunking then does nothing (StreamBP becomes plain per-layer recompute), but not an error.
 
@@ -184,7 +184,7 @@ def initialize(*args, **kwargs):
     which is validated and removed before DeepSpeed sees the config. The model is patched with
     :func:`ds_longseq.enable` (unless it already is, with the same settings) and, under ZeRO-3,
     its layers become ZeRO-3 leaf modules. On a job of 2+ ranks started by a launcher, the peer
-    watchdog (``long_seq.watchdog``, :mod:`ds_longseq.engine.watchdog`) starts: a dead rank stops the
+    watchdog (``long_seq.watchdog``, :mod:`ds_longseq.processes.watchdog`) starts: a dead rank stops the
     job within a bounded time, named.
 
     Returns:

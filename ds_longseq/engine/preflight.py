@@ -18,7 +18,7 @@ import torch
 
 from ds_longseq import plan as planner
 from ds_longseq.config import LongSeqConfig
-from ds_longseq.ops.offload import host_available_bytes, ranks_on_this_host
+from ds_longseq.ops.host_store import host_available_bytes, ranks_on_this_host
 
 __all__ = ["memory_preflight", "available_memory", "PreflightError"]
 

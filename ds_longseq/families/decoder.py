@@ -405,7 +405,7 @@ class DecoderLMAdapter:
         """Attention modules that position their queries by the cache's length (``cache.get_seq_length()`` plus
         the query's index): Llama 4's attention temperature tuning on its no-RoPE layers
         (``attn_temperature_tuning`` and not ``use_rope``). Under sequence parallelism they need the shard's
-        global offset there (``forwards.sequence_parallel.ShardOffsetCache``)."""
+        global offset there (``forwards.sp_model.ShardOffsetCache``)."""
         attns = [self.attention(layer) for layer in self.layers]
         return [
             a for a in attns if getattr(a, "attn_temperature_tuning", False) and not getattr(a, "use_rope", True)

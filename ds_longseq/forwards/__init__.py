@@ -11,12 +11,12 @@ MoE router logits under chunking (``moe``), the linears a pass never reads (``un
 ZeRO-3 checks (``replay``, ``zero3``). Named ``modules`` before 2026-11-27.
 """
 
-from ds_longseq.forwards.attention import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
+from ds_longseq.forwards.attention_interface import ATTN_IMPLEMENTATION, longseq_attention, longseq_mask
 from ds_longseq.forwards.attn_spec import AttentionSettings, AttnSpec
 from ds_longseq.forwards.causal_lm import CausalLMForward, CausalLMSettings, LMHeadLossForward
 from ds_longseq.forwards.checkpoint_layer import CheckpointLayerForward
+from ds_longseq.forwards.layer_input_offload import HostMemoryError, LayerInputOffload
 from ds_longseq.forwards.mlp import MiniSeqMLPForward
-from ds_longseq.forwards.offload import HostMemoryError, LayerInputOffload
 from ds_longseq.forwards.streambp_layer import LayerParts, StreamBPLayerForward
 
 __all__ = [

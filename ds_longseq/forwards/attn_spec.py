@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_longseq.config import AttentionConfig
-from ds_longseq.ops.streambp import GlobalKVStream, KVStream
+from ds_longseq.ops.kv_stream import GlobalKVStream, KVStream
 from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["SPEC_KWARG", "AttentionSettings", "AttnSpec", "ShardContext", "chunk_spec", "spec_of"]
@@ -47,7 +47,7 @@ class AttentionSettings:
     """Keys per attention tile; None: the device default (the whole prefix on CUDA, 1024 on CPU)."""
     single_call: bool | None = None
     """One kernel call per chunk (prefix and diagonal together) where a kernel takes the bottom-right mask
-    (``ops.attention.chunk_causal_attention``); None: where that kernel takes it itself, never on CPU."""
+    (``ops.chunk_attention.chunk_causal_attention``); None: where that kernel takes it itself, never on CPU."""
 
     @classmethod
     def from_config(cls, config: AttentionConfig) -> "AttentionSettings":
@@ -74,7 +74,7 @@ class ShardContext:
     seq_len: int | None = None
     """T, the whole sequence's tokens (P x T_l)."""
     kv_exchange: object | None = None
-    """What a StreamBP layer's K/V go through (``ops.streambp.GlobalKVStream``): ``exchange`` under Ulysses alone,
+    """What a StreamBP layer's K/V go through (``ops.kv_stream.GlobalKVStream``): ``exchange`` under Ulysses alone,
     an ``ops.ulysses.UlyssesRingExchange`` under a ring."""
     state_ring: object | None = None
     """The ``ops.state_passing.StateRing`` a recurrent layer passes its states along (rank to rank under Ulysses,
@@ -99,7 +99,7 @@ class AttnSpec:
     sp: ShardContext | None = None
     """Sequence-parallel state of this forward (Ulysses exchange, global padding mask), or None."""
     doc_start: torch.Tensor | None = None
-    """(B, T) index of each token's document start in a packed row (``ops.packing.find_documents``);
+    """(B, T) index of each token's document start in a packed row (``ops.documents.find_documents``);
     None: one document per row. Under sequence parallelism the global one is ``sp.doc_start``."""
 
 

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_longseq.families.dims import ModelDims
-from ds_longseq.forwards.offload import forward_tokens
+from ds_longseq.forwards.layer_input_offload import forward_tokens
 from ds_longseq.logging import get_logger
-from ds_longseq.ops import offload as offload_ops
-from ds_longseq.ops.attention import CPU_KV_BLOCK_SIZE
+from ds_longseq.ops import host_store as offload_ops
+from ds_longseq.ops.chunk_attention import CPU_KV_BLOCK_SIZE
 from ds_longseq.ops.chunk_sizes import choose_chunk_size, largest_fitting
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Holds:
     CausalLMForward: the callable installed as the model instance's ``forward``: finds packed documents
-        once per forward (``ops.packing.find_documents``), computes the loss (chunked head, or the stock
+        once per forward (``ops.documents.find_documents``), computes the loss (chunked head, or the stock
         head's logits under sequence parallelism, with the mixture-of-experts auxiliary loss), and hands
         per-token and TRL fused-head calls to ``forwards.token_outputs``.
     LMHeadLossForward: the callable installed as the LM head's ``forward``: logits, or with
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ds_longseq.compat import cache_kwarg, pop_cache
-from ds_longseq.forwards.attention import mask_audit
+from ds_longseq.forwards.attention_interface import mask_audit
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec
 from ds_longseq.forwards.moe import router_aux_loss, router_aux_loss_wanted, with_router_aux_loss
 from ds_longseq.forwards.token_outputs import (  # re-exported: they were defined here
@@ -45,12 +45,12 @@ from ds_longseq.forwards.token_outputs import (  # re-exported: they were define
     TokenOutputs,
     check_token_outputs_call,
 )
+from ds_longseq.ops.documents import find_documents, mask_document_starts
 from ds_longseq.ops.lm_head_loss import chunked_lm_head_loss, chunked_token_outputs, shift_causal_labels, softcap_logits
 from ds_longseq.ops.objectives import TokenLogprobs
-from ds_longseq.ops.packing import find_documents, mask_document_starts
 
 if TYPE_CHECKING:
-    from ds_longseq.forwards.sequence_parallel import SequenceParallel
+    from ds_longseq.forwards.sp_model import SequenceParallel
 
 __all__ = [
     "CausalLMForward", "CausalLMSettings", "LMHeadLossForward", "FusedLMHeadOutput", "FusedHeadSettings",
@@ -157,7 +157,7 @@ class CausalLMForward:
     offloaded layer inputs a training call defaults to ``use_cache=False`` (the stock default would keep
     every layer's K/V).
 
-    Packed documents are found here, once per forward (:func:`~ds_longseq.ops.packing.find_documents`):
+    Packed documents are found here, once per forward (:func:`~ds_longseq.ops.documents.find_documents`):
     their first labels are masked, and under StreamBP every layer gets them as
     ``ds_longseq=AttnSpec(doc_start=...)`` through the model forward's ``**kwargs``.
 
@@ -228,7 +228,7 @@ class CausalLMForward:
         return None if self.sp is None or self.sp.is_paused else self.sp
 
     def __call__(self, *args, **kwargs):
-        # every sliding window the model builds a mask for must reach ds_longseq's attention (attention.py)
+        # every sliding window the model builds a mask for must reach ds_longseq's attention (attention_interface.py)
         with mask_audit(sliding_masks_read=self.settings.sliding_masks_read):
             return self._forward(*args, **kwargs)
 
@@ -407,7 +407,7 @@ def _packed_rows(forward: CausalLMForward, position_ids, attention_mask, input_i
 
 
 def _documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs):
-    """(doc_start (B, T) or None, position ids to run with) of a packed batch (``ops.packing.find_documents``).
+    """(doc_start (B, T) or None, position ids to run with) of a packed batch (``ops.documents.find_documents``).
 
     Labels are masked by the caller at each document's first token, so no target crosses a boundary.
     Under sequence parallelism ``engine.shard_batch`` does this on the whole sequence instead.

@@ -14,10 +14,10 @@ import torch
 from ds_longseq.compat import CACHE_KWARGS
 from ds_longseq.forwards.moe import router_logits_requested
 from ds_longseq.forwards.zero3 import check_zero3_leaf
-from ds_longseq.ops.checkpoint import checkpoint_apply
+from ds_longseq.ops.activation_checkpoint import checkpoint_apply
 
 if TYPE_CHECKING:
-    from ds_longseq.forwards.offload import LayerInputOffload
+    from ds_longseq.forwards.layer_input_offload import LayerInputOffload
 
 __all__ = ["CheckpointLayerForward"]
 

@@ -3,7 +3,7 @@
 Holds:
     StreamCache: transformers' ``Cache`` as far as a decoder layer uses one, over a StreamBP stream: each call
         the layer makes on its cache (``update``, ``get_seq_length``, the linear-attention state API) turned
-        into the stream's own (``ops.streambp``, ``ops.carried_state``).
+        into the stream's own (``ops.kv_stream``, ``ops.carried_state``).
     layer_cache: the cache a chunk's layer is called with for a stream.
 
 The streams in ``ops`` are tensors and autograd only; this module is the one place that speaks transformers'
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ds_longseq.ops.sharded_mixer import MixerStream
-from ds_longseq.ops.streambp import GlobalKVStream, KVStream
+from ds_longseq.ops.head_sharding import MixerStream
+from ds_longseq.ops.kv_stream import GlobalKVStream, KVStream
 
 __all__ = ["StreamCache", "layer_cache"]
 

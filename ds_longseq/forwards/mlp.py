@@ -14,7 +14,7 @@ import torch
 from ds_longseq.forwards.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.forwards.replay import check_token_wise, replay_draws
 from ds_longseq.forwards.zero3 import check_zero3_leaf
-from ds_longseq.ops.mini_seq import mini_sequence_apply
+from ds_longseq.ops.tokenwise_chunks import mini_sequence_apply
 
 __all__ = ["MiniSeqMLPForward"]
 

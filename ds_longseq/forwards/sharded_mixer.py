@@ -7,7 +7,7 @@ Holds:
 
 Each rank runs the mixer's own forward on the whole sequence (gathered from the ranks) with its parameters
 cut to its share of the heads (``families.mixer_heads``); the ranks' outputs, each a partial sum over heads,
-are summed and scattered back to tokens (``ops.sharded_mixer``). The first call checks the layout: on the
+are summed and scattered back to tokens (``ops.head_sharding``). The first call checks the layout: on the
 first tokens, the P shares run on one rank must add up to the whole mixer's output.
 
 Shape legend: B batch, P ranks, T_l tokens per rank, T = P * T_l, d hidden size.
@@ -23,7 +23,7 @@ import torch
 from ds_longseq.compat import parameters_replaced
 from ds_longseq.families.mixer_heads import HeadLayout, head_layout
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, spec_of
-from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, gather_tokens, reduce_scatter_tokens
+from ds_longseq.ops.head_sharding import MixedStream, MixerStream, gather_tokens, reduce_scatter_tokens
 from ds_longseq.ops.sp_positions import sp_positions
 from ds_longseq.ops.ulysses import UlyssesExchange
 
@@ -38,7 +38,7 @@ class HeadShardedMixerForward:
 
     - Inside a StreamBP chunk (its cache a :class:`MixerStream`, or a ``StreamCache`` over a :class:`MixedStream`
       where an attention runs beside it): hands the chunk to the stream, which captures its input or serves the
-      whole shard's output (``ops.sharded_mixer.streambp_mixer_sp_apply``).
+      whole shard's output (``ops.head_sharding.streambp_mixer_sp_apply``).
     - Under sequence parallelism otherwise (``ds_longseq=`` spec with a shard context): :meth:`sharded`.
     - With the group paused (evaluation, generation on whole sequences) or a real cache: the stock forward.
 

@@ -6,7 +6,7 @@ Holds:
 Jamba's Mamba mixer reads its recurrent state from the cache but uses it only in its 1-token decode step; its
 multi-token scan (``mamba_selective_scan``, the fused kernel or transformers' torch path) starts from zeros. Under
 StreamBP each chunk must continue from the state the previous one wrote, so for the duration of this mixer's call
-its module's scan function is the one continued from that state (``ops.started_scan``); the rest of the stock
+its module's scan function is the one continued from that state (``ops.scan_from_state``); the rest of the stock
 forward (projections, convolution with its carried window, norms, gating) runs unchanged. The scan function is
 replaced for this call only (``compat.module_function_replaced``), so other instances and other models are
 untouched. Which function, per family: ``FamilySpec.mixer_scan_function``.
@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ds_longseq import compat
-from ds_longseq.ops.started_scan import selective_scan_from
+from ds_longseq.ops.scan_from_state import selective_scan_from
 
 __all__ = ["StartedScanForward"]
 

@@ -27,13 +27,13 @@ from ds_longseq.forwards.replay import TOKEN_WISE_PROBE_TOKENS, check_token_wise
 from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, UnreadLinears
 from ds_longseq.forwards.zero3 import check_zero3_leaf
-from ds_longseq.ops.packing import PACKED_KWARGS, find_documents
-from ds_longseq.ops.sharded_mixer import MixedStream, MixerStream, streambp_mixer_sp_apply
-from ds_longseq.ops.streambp import SharedKV, streambp_apply, streambp_sp_apply
+from ds_longseq.ops.documents import PACKED_KWARGS, find_documents
+from ds_longseq.ops.head_sharding import MixedStream, MixerStream, streambp_mixer_sp_apply
+from ds_longseq.ops.kv_stream import SharedKV, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
     from ds_longseq.forwards.auto_chunk import AutoChunkSize
-    from ds_longseq.forwards.offload import LayerInputOffload
+    from ds_longseq.forwards.layer_input_offload import LayerInputOffload
 
 __all__ = ["StreamBPLayerForward", "LayerParts"]
 
@@ -634,7 +634,7 @@ def _check_chunk_attended(name: str, layer: torch.nn.Module, stream, s: int, e: 
     a layer that only does that has no attention to check. A layer with no token mixer (``token_wise``) must
     do none of it (else discovery missed its mixer)."""
     state = getattr(stream, "state", None)
-    if isinstance(stream, (MixerStream, MixedStream)):  # a head-sharded mixer (ops.sharded_mixer) served this chunk
+    if isinstance(stream, (MixerStream, MixedStream)):  # a head-sharded mixer (ops.head_sharding) served this chunk
         if stream.calls != 1:
             raise NotImplementedError(
                 f"StreamBP: {name} ({type(layer).__name__}) called its head-sharded mixer {stream.calls} times on "

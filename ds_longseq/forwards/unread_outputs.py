@@ -44,7 +44,7 @@ import torch
 
 from ds_longseq.compat import products_uncomputed
 from ds_longseq.ops.chunk_grads import autocast_dtype, split_outputs
-from ds_longseq.ops.streambp import KVStream, capture_kv
+from ds_longseq.ops.kv_stream import KVStream, capture_kv
 
 __all__ = ["UnreadLinear", "UnreadLinears", "outputs_unread", "PROBE_TOKENS"]
 

@@ -10,9 +10,18 @@ from typing import TYPE_CHECKING
 from ds_longseq.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names below, imported on first use (ds_longseq.lazy)
-    from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
-    from ds_longseq.ops.checkpoint import checkpoint_apply
-    from ds_longseq.ops.disk_offload import DiskOffloader, DiskStore, DiskTensor
+    from ds_longseq.ops.activation_checkpoint import checkpoint_apply
+    from ds_longseq.ops.chunk_attention import chunk_causal_attention, query_lower_bounds
+    from ds_longseq.ops.disk_store import DiskOffloader, DiskStore, DiskTensor
+    from ds_longseq.ops.documents import doc_starts, mask_document_starts
+    from ds_longseq.ops.host_store import (
+        HostBufferPool,
+        LayerInputOffloader,
+        OffloadedTensor,
+        SavedTensor,
+        host_available_bytes,
+    )
+    from ds_longseq.ops.kv_stream import KVStream, chunk_bounds, streambp_apply
     from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
     from ds_longseq.ops.lm_head_loss import (
         TOKEN_HEAD_OUTPUTS,
@@ -23,7 +32,6 @@ if TYPE_CHECKING:  # the names below, imported on first use (ds_longseq.lazy)
         shift_causal_labels,
         softcap_logits,
     )
-    from ds_longseq.ops.mini_seq import mini_sequence_apply
     from ds_longseq.ops.objectives import (
         DPO_LOSS_TYPES,
         GRPO_LOSS_TYPES,
@@ -32,16 +40,8 @@ if TYPE_CHECKING:  # the names below, imported on first use (ds_longseq.lazy)
         group_advantages,
         grpo_loss,
     )
-    from ds_longseq.ops.offload import (
-        HostBufferPool,
-        LayerInputOffloader,
-        OffloadedTensor,
-        SavedTensor,
-        host_available_bytes,
-    )
-    from ds_longseq.ops.packing import doc_starts, mask_document_starts
     from ds_longseq.ops.sparse_inputs import Recompute, SparseInputs
-    from ds_longseq.ops.streambp import KVStream, chunk_bounds, streambp_apply
+    from ds_longseq.ops.tokenwise_chunks import mini_sequence_apply
 
 __getattr__, __dir__ = lazy_exports(__name__, __file__)
 

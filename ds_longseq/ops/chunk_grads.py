@@ -122,7 +122,7 @@ class ChunkGrads:
     def backward_to(self, outputs, grad_outputs, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
         """Differentiate ``outputs`` for the parameters (added to the totals) and for ``leaves`` (returned, None
         where unused): a part of the layer run once for the whole input rather than per chunk (a head-sharded
-        mixer, ``ops.sharded_mixer``)."""
+        mixer, ``ops.head_sharding``)."""
         inputs = [self.params[i] for i in self.trainable] + list(leaves)
         grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
         self._add(grads[: len(self.trainable)])

@@ -20,10 +20,10 @@ next rank and the receive of the previous rank's are POSTED BEFORE this step's t
 the compute. Each pair of a query block A and a key block K_b is a full tile (K_b < A), a causal square tile
 (K_b = A) or skipped (K_b > A); each tile's kernel returns its output and log-sum-exp, merged in float32 or better
 (the running output rescaled by exp(lse_old - lse_new)). Backward runs the ring again with the FINAL output and
-log-sum-exp (each tile's exact share of dQ, dK, dV, as ops/attention.py's tiles): a block's dK/dV travel with it and
-after the last step go back to the rank that owns it (r sends; K/V itself r - 1).
+log-sum-exp (each tile's exact share of dQ, dK, dV, as ops/chunk_attention.py's tiles): a block's dK/dV travel with
+it and after the last step go back to the rank that owns it (r sends; K/V itself r - 1).
 
-The tiles run on ops/attention.py's kernels (the first of the device's chain that takes each tile), so what they
+The tiles run on ops/chunk_attention.py's kernels (the first of the device's chain that takes each tile), so what they
 refuse (a dtype, a head dim) falls back there, never to a wrong result.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ds_longseq.ops.attention import (
+from ds_longseq.ops.chunk_attention import (
     KERNELS,
     TileMask,
     _compute_dtype,
@@ -148,7 +148,7 @@ class _Masks:
     (wholly after the queries, or before every query's document or window), which is then skipped. Decided on the
     host once per call (one copy of each mask) and reused by backward. With attention-probability ``dropout``
     ((p, call seed)), each tile draws its keep mask from its own generator, seeded from the call's seed and the
-    tile's global query and key positions (``ops.attention._with_dropout``): the query's rank computes the tile in
+    tile's global query and key positions (``ops.chunk_attention._with_dropout``): the query's rank computes the tile in
     forward and in backward, so both draw the same mask whichever step of the ring it runs at."""
 
     def __init__(self, key_valid, query_lo, softcap, block: int, dropout: tuple[float, int] | None = None):
@@ -292,16 +292,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
         key_valid: (B, T) bool over the WHOLE sequence in its own order (T = r T_l), False for padding keys; the
             same on every rank. None: every key is real.
         query_lo: (B, T_l) int64, this rank's queries in the zigzag layout: the global index of the first key each
-            may attend (its document's start, its sliding window's first key: ``ops.attention.query_lower_bounds``
+            may attend (its document's start, its sliding window's first key: ``ops.chunk_attention.query_lower_bounds``
             of its global positions). None: every earlier key. A key block wholly before every query's bound is
             skipped (no tile runs).
         softcap: logit softcapping (Gemma 2).
         sink_logits: (H,) attention sinks (gpt-oss): one more logit per head with a zero value; differentiable.
         kernel: "auto" (each tile on the first kernel of the device's chain that takes it) or one of
-            ops/attention.py's kernels for every tile.
+            ops/chunk_attention.py's kernels for every tile.
         dropout: dropout probability on the attention probabilities (each query's softmax over the whole
             sequence, then the keep mask / (1 - p)); the math kernel runs those tiles. 0: none.
-        dropout_seed: with ``dropout``: this rank's call seed (each rank draws its own, ``forwards.attention``).
+        dropout_seed: with ``dropout``: this rank's call seed (each rank draws its own,
+            ``forwards.attention_interface``).
 
     Returns:
         (B, H, T_l, Dv) this rank's outputs, the zigzag layout (0 for a query that sees no valid key); differentiable

@@ -2,7 +2,7 @@
 
 StreamBP keeps one tensor per decoder layer from forward to backward: the layer's input (B, T, d). With
 ``keep_every = k`` only layers 0, k, 2k, ... keep theirs (on the device, or in host memory through a
-:class:`~ds_longseq.ops.offload.LayerInputOffloader`); the input of any other layer i is dropped in the forward and
+:class:`~ds_longseq.ops.host_store.LayerInputOffloader`); the input of any other layer i is dropped in the forward and
 rebuilt in backward from the nearest kept input j < i by running layers j .. i-1 forward again (no grad, chunk by
 chunk, with the forward's autocast state). Running the same kernels on the same values gives the same bits, so the
 gradients are exactly those of keeping every input. One rebuild serves a whole block: the inputs j+1 .. i-1 it
@@ -18,7 +18,7 @@ tensor, and that input is kept. The first input of each forward is kept.
 Holds:
     Recompute / recompute: one layer's forward, to run again as the forward ran it (no grad, its autocast state and,
         for a layer with dropout under mini_seq's checkpoint, its RNG state; under ZeRO-3 its parameters gathered).
-    SparseInputs: one training forward's storage: ``save`` (a layer's input, from ``ops.offload.save_input``),
+    SparseInputs: one training forward's storage: ``save`` (a layer's input, from ``ops.host_store.save_input``),
         ``produced`` (the layer's output and how to recompute it, from the StreamBP Function), handles whose
         ``load`` gives the input back once in backward.
 """
@@ -34,7 +34,7 @@ import torch
 
 from ds_longseq.compat import is_zero3_partitioned, tensor_version
 from ds_longseq.ops.chunk_grads import AutocastState
-from ds_longseq.ops.offload import LayerInputOffloader
+from ds_longseq.ops.host_store import LayerInputOffloader
 
 __all__ = ["Recompute", "recompute", "SparseInputs"]
 

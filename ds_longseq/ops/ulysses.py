@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ds_longseq.compat import dim_zero_all_to_all
-from ds_longseq.ops.attention import KeyLimits, chunk_causal_attention
+from ds_longseq.ops.chunk_attention import KeyLimits, chunk_causal_attention
 from ds_longseq.ops.phases import phase
 from ds_longseq.ops.ring import ring_attention, zigzag_shard
 from ds_longseq.ops.sp_layout import ulysses_fits
@@ -105,7 +105,7 @@ class UlyssesExchange:
     def all_to_all(self, blocks: torch.Tensor) -> torch.Tensor:
         """(P, ...) block r sent to rank r -> (P, ...) block r received from rank r: DeepSpeed's differentiable
         all-to-all on this group (its backward is the same exchange). For exchanges other than attention's
-        (``ops.sharded_mixer``)."""
+        (``ops.head_sharding``)."""
         with phase("sp.exchange"):
             return self._a2a(self.group, blocks.contiguous())
 
@@ -256,7 +256,7 @@ def ulysses_attention(
         kv_block_size: keys per attention tile (None: the device default, see ``chunk_causal_attention``).
         single_call: one kernel call per chunk where a kernel takes the bottom-right mask (``chunk_causal_attention``).
         limits: packed documents, sliding window, attention chunks over the GLOBAL (B, P*T_l) sequence
-            (:class:`~ds_longseq.ops.attention.KeyLimits`), or None.
+            (:class:`~ds_longseq.ops.chunk_attention.KeyLimits`), or None.
         softcap: logit softcapping, or None.
         sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
         dropout: dropout probability on the attention probabilities (0: none); each rank draws the masks of its

@@ -2,11 +2,11 @@
 
 Holds:
     ApproxBP: checks that the model's activations and norms are of the configured kinds, then installs
-        ``forwards.approx_bp.ApproxActivationForward`` on every SiLU/GELU activation module of the decoder
+        ``forwards.approx_forwards.ApproxActivationForward`` on every SiLU/GELU activation module of the decoder
         layers (``activation``) and, with ``norm``, folds each foldable norm's weight into the weights of
         the linear maps after it (a re-parameterisation that keeps the model's function; NOT undone by
         ``disable``, see docs/APPROX_BP.md), freezes the norm weight at 1 and replaces its ``forward``
-        with ``forwards.approx_bp.MSNormForward``.
+        with ``forwards.approx_forwards.MSNormForward``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from ds_longseq.compat import is_zero3_partitioned
 from ds_longseq.config import ApproxBPConfig, LongSeqConfig
 from ds_longseq.families import DecoderLMAdapter, norm_kind
-from ds_longseq.forwards.approx_bp import ApproxActivationForward, MSNormForward, fold_norm, fold_targets
+from ds_longseq.forwards.approx_forwards import ApproxActivationForward, MSNormForward, fold_norm, fold_targets
 from ds_longseq.logging import get_logger, warn_once
-from ds_longseq.ops.approx_bp import APPROX_ACTIVATIONS
+from ds_longseq.ops.approx_autograd import APPROX_ACTIVATIONS
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["ApproxBP"]

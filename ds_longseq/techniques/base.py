@@ -35,7 +35,7 @@ from ds_longseq.compat import (
 )
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError
 from ds_longseq.families import DecoderLMAdapter
-from ds_longseq.forwards.attention import (
+from ds_longseq.forwards.attention_interface import (
     ATTN_IMPLEMENTATION,
     CHUNK_ATTR,
     WINDOW_ATTR,
@@ -46,8 +46,8 @@ from ds_longseq.forwards.moe import RouterTap
 
 if TYPE_CHECKING:
     from ds_longseq.forwards.causal_lm import CausalLMForward
-    from ds_longseq.forwards.offload import LayerInputOffload
-    from ds_longseq.forwards.sequence_parallel import SequenceParallel
+    from ds_longseq.forwards.layer_input_offload import LayerInputOffload
+    from ds_longseq.forwards.sp_model import SequenceParallel
 
 __all__ = [
     "Technique", "register", "unregister", "active_techniques", "forward_only_config", "EnableContext", "PatchHandle",

@@ -1,7 +1,7 @@
 """Layer-input offload to host memory (ALST-style) or to disk, as a technique: ``long_seq.offload``.
 
 Holds:
-    Offload: installs ``forwards.offload.LayerInputOffload`` (a forward pre-hook and a forward hook on the
+    Offload: installs ``forwards.layer_input_offload.LayerInputOffload`` (a forward pre-hook and a forward hook on the
         decoder stack: host memory checked, a fresh offloader per training forward) and frees its pooled
         host memory on undo. StreamBP and mini_seq read it from the ``EnableContext``.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError, OffloadConfig
-from ds_longseq.forwards.offload import LayerInputOffload
+from ds_longseq.forwards.layer_input_offload import LayerInputOffload
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["Offload"]

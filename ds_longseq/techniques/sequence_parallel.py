@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses sequence parallelism (MsT paper Sec. 3.3 / App. E) as a technique: ``long_seq.sequence_parallel``.
 
 Holds:
-    SequenceParallelism: builds the model's ``forwards.sequence_parallel.SequenceParallel`` over the
+    SequenceParallelism: builds the model's ``forwards.sp_model.SequenceParallel`` over the
         process group, routes attention through ds_longseq's function (heads exchanged for tokens) and
         installs the decoder stack's forward pre-hook that passes each forward's shard context.
     sequence_parallel_group: the group ``enable`` uses: the one given, else DeepSpeed's.
@@ -15,13 +15,13 @@ from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_proble
 from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
 from ds_longseq.families.mixer_heads import head_layout
 from ds_longseq.forwards.attn_spec import AttentionSettings
-from ds_longseq.forwards.sequence_parallel import (
+from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
+from ds_longseq.forwards.sp_model import (
     SequenceParallel,
     SequenceParallelForwardHook,
     ShardOffsetHook,
     register_layout,
 )
-from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.ops.sp_layout import sp_degrees
 from ds_longseq.techniques.base import EnableContext, Technique, register
 

@@ -24,9 +24,9 @@ import torch
 
 from ds_longseq.config import ConfigFileError, LongSeqConfigError
 from ds_longseq.engine import check_sequence_length, shard_batch, split_config
-from ds_longseq.engine.process_group import start_process_group
 from ds_longseq.logging import get_logger
 from ds_longseq.ops.sp_layout import length_unit
+from ds_longseq.processes.process_group import start_process_group
 from ds_longseq.toolkit import faults
 
 __all__ = [

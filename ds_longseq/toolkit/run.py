@@ -21,7 +21,7 @@ from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.engine.manifest import read_latest, read_manifest
 from ds_longseq.engine.reshape import optimizer_on_nvme, planned_shape, shape_change
-from ds_longseq.forwards.sequence_parallel import ring_degree
+from ds_longseq.forwards.sp_model import ring_degree
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit.args import DoesNotFit
 from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint

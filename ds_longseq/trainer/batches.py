@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ds_longseq.engine import shard_batch
-from ds_longseq.engine.sequence_parallel import SHARDED_KEYS
+from ds_longseq.engine.sp_groups import SHARDED_KEYS
 
 __all__ = ["shard_inputs", "broadcast_batch", "GroupTurnsLoader"]
 

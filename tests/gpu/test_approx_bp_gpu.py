@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.ops import approx_bp_triton
-from ds_longseq.ops.approx_bp import REGELU2, RESILU2, pack_codes, step_backward, step_codes
+from ds_longseq.ops import approx_triton as approx_bp_triton
+from ds_longseq.ops.approx_autograd import REGELU2, RESILU2, pack_codes, step_backward, step_codes
 from tests.helpers import make_batch, make_model, rel_err
 
 CUDA = torch.device("cuda")
@@ -60,7 +60,7 @@ def test_bf16_model_step_triton_equals_the_torch_path_on_cuda(monkeypatch):
     """StreamBP + chunked head + ReSiLU2 + MS-RMSNorm, bf16 weights, on CUDA: the step with the Triton
     kernels is bitwise the step with Approx-BP's PyTorch path on the same device (every other kernel
     the same), under deterministic algorithms; skipped if the step is not bitwise reproducible here."""
-    from ds_longseq.ops import approx_bp
+    from ds_longseq.ops import approx_autograd as approx_bp
 
     model = make_model("llama", torch.bfloat16)
     batch = make_batch(seq_len=64)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_longseq.ops.attention import KERNELS, attention_kernel_for, chunk_causal_attention
+from ds_longseq.ops.chunk_attention import KERNELS, attention_kernel_for, chunk_causal_attention
 from ds_longseq.ops.lm_head_loss import _mixed_addmm_works, chunked_lm_head_loss, shift_causal_labels
 
 CUDA = torch.device("cuda")
@@ -347,7 +347,7 @@ def test_one_call_counted_by_the_profiler_and_a_top_left_mask_fails(monkeypatch)
 def test_auto_one_call_only_where_the_prefix_tile_kernel_takes_it():
     """cuDNN (Hopper, head dim <= 128) keeps the tiles; where flash would take the prefix tile (head dim 160, or
     before sm90) or the memory-efficient kernel without GQA (float32), one call."""
-    from ds_longseq.ops.attention import _one_call_kernel
+    from ds_longseq.ops.chunk_attention import _one_call_kernel
 
     q = torch.zeros(1, 8, 64, 128, device=CUDA, dtype=torch.bfloat16)
     hopper = torch.cuda.get_device_capability() >= (9, 0)

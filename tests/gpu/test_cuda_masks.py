@@ -5,7 +5,7 @@ tile's own bfloat16 error on the same inputs (both round inputs and outputs the 
 import pytest
 import torch
 
-from ds_longseq.ops.attention import chunk_causal_attention, query_lower_bounds
+from ds_longseq.ops.chunk_attention import chunk_causal_attention, query_lower_bounds
 from tests.test_attention_masks import CASES, dense_reference, doc_starts
 
 CUDA = torch.device("cuda")
@@ -102,7 +102,7 @@ def test_backward_never_syncs_with_the_host():
 def test_packed_diagonal_tiles_run_unmasked_fused_kernels(monkeypatch):
     """A chunk of several whole documents is split into one square causal tile per document, which
     the unmasked fused kernels take (cuDNN on sm90+, else flash) instead of a masked kernel."""
-    import ds_longseq.ops.attention as attention
+    import ds_longseq.ops.chunk_attention as attention
 
     C, D, H = 256, 64, 4
     lo = doc_starts([[64, 128, 64]], C)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.ops import disk_offload
+from ds_longseq.ops import disk_store as disk_offload
 from tests.gpu.test_offload_gpu import HIDDEN, NUM_LAYERS, STREAMBP, _allocated_by_forward, _batch, _bitwise, _model
 from tests.helpers import clone, loss_and_grads
 
@@ -51,7 +51,7 @@ def test_cuda_round_trip_is_bitwise(disk_dir):
 
 @pytest.mark.parametrize("keep_every", [1, 2])
 def test_streambp_disk_is_bitwise_the_host_tier(disk_dir, keep_every, monkeypatch):
-    from ds_longseq.ops import attention
+    from ds_longseq.ops import chunk_attention as attention
 
     monkeypatch.setitem(attention._CHAINS, "cuda", ("math",))  # bitwise reproducible (see test_offload_gpu)
     model = _model(torch.bfloat16)

@@ -39,6 +39,6 @@ def test_a_region_sets_and_restores_the_cuda_generator():
 
 
 def test_chunk_attention_dropout_on_cuda_against_dense():
-    """The attention-probability dropout of ops.attention on a CUDA device (the tiles' generators are the device's,
-    the fused kernels refuse the tiles): tests/test_dropout.py's check, on CUDA."""
+    """The attention-probability dropout of ops.chunk_attention on a CUDA device (the tiles' generators are the
+    device's, the fused kernels refuse the tiles): tests/test_dropout.py's check, on CUDA."""
     check_chunk_attention_dropout(torch.device("cuda"))

@@ -93,7 +93,7 @@ def _pool(model):
 def test_streambp_offload_bitwise(dtype, monkeypatch):
     # The math attention tile: the fused kernels' backwards accumulate dQ with atomics, so two runs
     # differ in the last bits and a bitwise check would compare nothing (the H100 showed it).
-    from ds_longseq.ops import attention
+    from ds_longseq.ops import chunk_attention as attention
 
     monkeypatch.setitem(attention._CHAINS, "cuda", ("math",))
     model = _model(dtype)

@@ -23,8 +23,8 @@ import torch
 
 from ds_longseq.compat import CACHE_KWARGS
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, spec_of
-from ds_longseq.ops.attention import KeyLimits, chunk_causal_attention
-from ds_longseq.ops.packing import PACKED_KWARGS
+from ds_longseq.ops.chunk_attention import KeyLimits, chunk_causal_attention
+from ds_longseq.ops.documents import PACKED_KWARGS
 from ds_longseq.ops.ulysses import ulysses_attention, ulysses_chunk_attention, ulysses_ring_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "WINDOW_ATTR", "CHUNK_ATTR", "longseq_attention", "longseq_mask", "mask_audit"]

@@ -3,8 +3,8 @@
 Holds:
     LayerInputOffload: installed by ``enable`` when ``long_seq.offload`` is set; its forward pre-hook on the base
         model (``model.model``) checks host memory (``layer_inputs="cpu"``) or disk space (``"disk"``) and starts a
-        fresh :class:`~ds_longseq.ops.offload.LayerInputOffloader` (or
-        :class:`~ds_longseq.ops.disk_offload.DiskOffloader`) for each training forward, which every decoder layer
+        fresh :class:`~ds_longseq.ops.host_store.LayerInputOffloader` (or
+        :class:`~ds_longseq.ops.disk_store.DiskOffloader`) for each training forward, which every decoder layer
         (StreamBP, or the mini_seq layer checkpoint) saves its input through.
     HostMemoryError: a training forward whose layer inputs would not fit in host memory.
     DiskSpaceError: a training forward whose layer inputs would not fit in the free space under ``disk_path``.
@@ -21,9 +21,9 @@ import torch
 
 from ds_longseq.compat import pop_cache
 from ds_longseq.logging import get_logger
-from ds_longseq.ops import offload as offload_ops
-from ds_longseq.ops.disk_offload import ALIGNMENT, DiskOffloader, DiskStore
-from ds_longseq.ops.offload import HostBufferPool, LayerInputOffloader
+from ds_longseq.ops import host_store as offload_ops
+from ds_longseq.ops.disk_store import ALIGNMENT, DiskOffloader, DiskStore
+from ds_longseq.ops.host_store import HostBufferPool, LayerInputOffloader
 from ds_longseq.ops.sparse_inputs import SparseInputs
 
 logger = get_logger(__name__)
@@ -79,7 +79,7 @@ class LayerInputOffload:
 
     Raises:
         AsyncIOUnavailable, OSError: ``"disk"`` without DeepSpeed's async I/O op, or with an unusable ``disk_path``
-            (``ops.disk_offload.DiskStore``).
+            (``ops.disk_store.DiskStore``).
     """
 
     def __init__(self, num_layers: int, hidden_size: int, *, layer_inputs: str | None = "cpu", keep_every: int = 1,

@@ -46,7 +46,7 @@ from ds_longseq.ops.chunk_grads import (
     split_outputs,
     with_aux_grads,
 )
-from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
+from ds_longseq.ops.host_store import LayerInputOffloader, load_input, save_input
 from ds_longseq.ops.phases import phase
 from ds_longseq.ops.sparse_inputs import SparseInputs
 

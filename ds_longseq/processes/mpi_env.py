@@ -1,4 +1,4 @@
-"""Run any training script under mpirun as if torchrun had started it: ``python -m ds_longseq.engine.mpi_env
+"""Run any training script under mpirun as if torchrun had started it: ``python -m ds_longseq.processes.mpi_env
 script.py [args...]`` (what ``launch/mpirun.sh`` runs on every rank).
 
 Holds:
@@ -23,7 +23,7 @@ import runpy
 import socket
 import sys
 
-from ds_longseq.engine.process_group import DEFAULT_DISTRIBUTED_PORT
+from ds_longseq.processes.process_group import DEFAULT_DISTRIBUTED_PORT
 
 __all__ = ["mpi_environment", "main"]
 

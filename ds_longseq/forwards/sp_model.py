@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
+from ds_longseq.ops.documents import find_documents
 from ds_longseq.ops.draws import Draws
-from ds_longseq.ops.packing import find_documents
 from ds_longseq.ops.sp_positions import sp_positions
 from ds_longseq.ops.state_passing import StateRing
 from ds_longseq.ops.ulysses import UlyssesExchange, UlyssesRingExchange

@@ -24,12 +24,12 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ds_longseq.compat import deepspeed_sp_group
-from ds_longseq.engine.process_group import ensure_process_group
-from ds_longseq.forwards.sequence_parallel import ring_degree
+from ds_longseq.forwards.sp_model import ring_degree
+from ds_longseq.ops.documents import PACKED_KWARGS, find_documents, mask_document_starts
 from ds_longseq.ops.objectives import gather_sequence
-from ds_longseq.ops.packing import PACKED_KWARGS, find_documents, mask_document_starts
 from ds_longseq.ops.sp_layout import length_unit
 from ds_longseq.ops.sp_positions import sp_positions
+from ds_longseq.processes.process_group import ensure_process_group
 
 __all__ = [
     "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_from_shards",
@@ -45,7 +45,7 @@ def sequence_parallel_groups(size: int):
     """DeepSpeed's ``parallel_state_sp`` module with its groups built for ``size`` ranks per sequence.
 
     The world's process group is adopted (accelerate's, the user's) or started from the launcher's environment
-    (:func:`~ds_longseq.engine.process_group.ensure_process_group`); with neither, ``size`` > 1 is refused naming
+    (:func:`~ds_longseq.processes.process_group.ensure_process_group`); with neither, ``size`` > 1 is refused naming
     the launch commands. Building twice with the same size reuses the groups.
     """
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu

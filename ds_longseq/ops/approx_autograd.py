@@ -6,7 +6,7 @@ Holds:
         paper's constants (App. E).
     step_codes, pack_codes, unpack_codes, step_backward: the 2-bit state (one segment index per
         element, four per byte) and the backward it feeds; a pure-PyTorch path (CPU and fallback) and
-        a Triton path on CUDA (``ops/approx_bp_triton.py``) that computes the same bits.
+        a Triton path on CUDA (``ops/approx_triton.py``) that computes the same bits.
     approx_activation: forward = the stock activation (bit-identical output), saved state = 2 bits per
         element, backward = the step derivative.
     ms_rms_norm, ms_layer_norm: normalisation without affine weight whose backward needs only its own
@@ -141,9 +141,9 @@ def step_backward(packed: torch.Tensor, grad_out: torch.Tensor, step: StepDeriva
 def _triton_ready(t: torch.Tensor) -> bool:
     if not t.is_cuda:
         return False
-    from ds_longseq.ops import approx_bp_triton
+    from ds_longseq.ops import approx_triton
 
-    return approx_bp_triton.available()
+    return approx_triton.available()
 
 
 class _ApproxActivation(torch.autograd.Function):
@@ -152,9 +152,9 @@ class _ApproxActivation(torch.autograd.Function):
         with torch.no_grad():
             y = act(x)
         if _triton_ready(x):
-            from ds_longseq.ops import approx_bp_triton
+            from ds_longseq.ops import approx_triton
 
-            packed = approx_bp_triton.pack_step_codes(x, step)
+            packed = approx_triton.pack_step_codes(x, step)
         else:
             packed = pack_codes(step_codes(x, step))
         ctx.save_for_backward(packed)
@@ -165,9 +165,9 @@ class _ApproxActivation(torch.autograd.Function):
     def backward(ctx, grad_out):
         (packed,) = ctx.saved_tensors
         if _triton_ready(grad_out):
-            from ds_longseq.ops import approx_bp_triton
+            from ds_longseq.ops import approx_triton
 
-            return approx_bp_triton.step_backward(packed, grad_out, ctx.step), None, None
+            return approx_triton.step_backward(packed, grad_out, ctx.step), None, None
         return step_backward(packed, grad_out.contiguous(), ctx.step), None, None
 
 

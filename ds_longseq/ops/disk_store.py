@@ -1,6 +1,6 @@
 """Layer inputs on disk (``long_seq.offload.layer_inputs = "disk"``), through DeepSpeed's async I/O op.
 
-The disk tier of layer-input offload: what ``ops.offload`` keeps in host memory goes to one file per saved input
+The disk tier of layer-input offload: what ``ops.host_store`` keeps in host memory goes to one file per saved input
 in a directory of this rank's under ``long_seq.offload.disk_path``, written and read with DeepSpeed's ``async_io``
 op (``deepspeed.ops.op_builder.AsyncIOBuilder``, libaio: the engine ZeRO-Infinity swaps to NVMe with). Files are
 opened with ``O_DIRECT`` by that op, so they do not fill the page cache: host memory holds only the two staging
@@ -31,8 +31,8 @@ for the compute stream's work at save time, host-to-device ones for the allocati
 
 Failure: a file whose graph is freed without a backward (an exception in forward or loss) is removed when the
 handle dies; ``DiskStore.close`` (``disable``, and at interpreter exit) removes the rank's directory and everything
-in it. Free space is checked before a forward (``forwards.offload``), because the op does not report short writes;
-every write is checked against the file's size once it completes.
+in it. Free space is checked before a forward (``forwards.layer_input_offload``), because the op does not report
+short writes; every write is checked against the file's size once it completes.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import weakref
 import torch
 
 from ds_longseq.logging import get_logger
-from ds_longseq.ops.offload import SavedTensor, SaveStack
+from ds_longseq.ops.host_store import SavedTensor, SaveStack
 
 __all__ = ["PIECE_BYTES", "ALIGNMENT", "AsyncIOUnavailable", "load_async_io", "DiskStore", "DiskOffloader",
            "DiskTensor", "check_disk_path", "filesystem_type", "lockable_bytes"]

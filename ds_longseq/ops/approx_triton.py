@@ -1,4 +1,4 @@
-"""Triton kernels for the Approx-BP activations' 2-bit state (the CUDA path of ``ops/approx_bp.py``).
+"""Triton kernels for the Approx-BP activations' 2-bit state (the CUDA path of ``ops/approx_autograd.py``).
 
 Holds:
     available: whether Triton can be imported (probed once).
@@ -12,7 +12,7 @@ Shape legend: N elements of x / grad_out (any shape, flattened row-major), B = c
 
 Layout (as ``pack_codes``): element 4i + j sits in bits 2j..2j+1 of byte i; the codes of the padding
 elements past N are 0. Supported dtypes: float16, bfloat16, float32; float64 is refused (ValueError),
-the torch path in ``approx_bp.py`` serves it.
+the torch path in ``approx_autograd.py`` serves it.
 
 Nothing is imported or compiled at import time: Triton is imported and the kernels are defined on
 first use, so ``TRITON_INTERPRET=1`` set before that first use runs them on CPU tensors through
@@ -113,7 +113,7 @@ def _check_dtype(t: torch.Tensor, what: str) -> None:
     if t.dtype not in _DTYPES:
         raise ValueError(
             f"approx_bp_triton: {what} has dtype {t.dtype}; the Triton kernels take float16, bfloat16 and "
-            "float32 (float64 and the rest go through the torch path in ds_longseq.ops.approx_bp)"
+            "float32 (float64 and the rest go through the torch path in ds_longseq.ops.approx_autograd)"
         )
 
 

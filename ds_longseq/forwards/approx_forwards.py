@@ -1,4 +1,4 @@
-"""Approx-BP replacement forwards and the norm-weight fold, built on ``ds_longseq.ops.approx_bp``.
+"""Approx-BP replacement forwards and the norm-weight fold, built on ``ds_longseq.ops.approx_autograd``.
 
 Holds:
     ApproxActivationForward: installed as an activation module's ``forward`` (ReSiLU2 / ReGELU2).
@@ -20,7 +20,7 @@ import torch
 
 from ds_longseq.compat import is_zero3_partitioned, tensor_version
 from ds_longseq.families.decoder import ACTIVATION_KINDS  # re-exported: it was defined here
-from ds_longseq.ops.approx_bp import StepDerivative, approx_activation, ms_layer_norm, ms_rms_norm
+from ds_longseq.ops.approx_autograd import StepDerivative, approx_activation, ms_layer_norm, ms_rms_norm
 
 __all__ = [
     "ACTIVATION_KINDS",

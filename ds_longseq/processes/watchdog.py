@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ds_longseq.compat import default_process_group, default_store
-from ds_longseq.engine.process_group import launcher_environment
+from ds_longseq.processes.process_group import launcher_environment
 
 __all__ = ["PeerWatch", "RankInfo", "start_watchdog", "active_watch", "started_by_launcher", "PEER_GONE_EXIT_CODE"]
 

@@ -1102,7 +1102,7 @@ def _check_query_lo(query_lo: torch.Tensor, B: int, C: int, first_q: int) -> tup
 class KeyLimits:
     """What limits a query's keys beyond causality and padding, by GLOBAL key index: packed documents, a sliding
     window, chunked attention. One value for the attention functions that take them (``ops.ulysses``; the local path
-    of ``forwards.attention``), which cut it to their queries with :meth:`query_lo`."""
+    of ``forwards.attention_interface``), which cut it to their queries with :meth:`query_lo`."""
 
     doc_start: torch.Tensor | None = None
     """(B, T) index of each token's document start (packed rows), or None (one document per row)."""

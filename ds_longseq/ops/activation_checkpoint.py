@@ -22,7 +22,7 @@ import torch
 
 from ds_longseq.ops import sparse_inputs
 from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads
-from ds_longseq.ops.offload import LayerInputOffloader, load_input, save_input
+from ds_longseq.ops.host_store import LayerInputOffloader, load_input, save_input
 from ds_longseq.ops.sparse_inputs import SparseInputs
 
 __all__ = ["checkpoint_apply"]
