@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from types import UnionType as _UnionType
 from typing import Annotated, Any, Callable, Literal, Mapping
 
+from ds_longseq.rules import Start, start_rule
+
 __all__ = [
     "LongSeqConfig",
     "LongSeqConfigError",
@@ -65,11 +67,11 @@ __all__ = [
 class LongSeqConfigError(ValueError):
     """A ``long_seq`` section is invalid. The message lists every problem found, one per line."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], what: str = "invalid long_seq config"):
         self.problems = list(problems)
         super().__init__(
-            "invalid long_seq config ({} problem{}):\n  - {}".format(
-                len(problems), "" if len(problems) == 1 else "s", "\n  - ".join(problems)
+            "{} ({} problem{}):\n  - {}".format(
+                what, len(problems), "" if len(problems) == 1 else "s", "\n  - ".join(problems)
             )
         )
 
@@ -278,6 +280,80 @@ class SequenceParallelConfig:
             return [f"long_seq.sequence_parallel.ring={ring} does not divide size={size}: choose a divisor of {size}, "
                     "or leave ring unset (chosen from the model's heads)"]
         return []
+
+
+# ---- start rules beside the sections they are about (ds_longseq.rules; run by ds_longseq.resolver.resolve) ----
+
+
+def _local_length(start: Start) -> tuple[int, str]:
+    """(tokens per rank of one sequence, how a message names them)."""
+    seq_len, size = start.run.seq_len, start.long_seq.sequence_parallel.size
+    if size == 1:
+        return seq_len, f"the sequence length {seq_len}"
+    local = -(-seq_len // size)
+    return local, f"the local shard {local} (sequence length {seq_len} / sequence_parallel size {size})"
+
+
+@start_rule("streambp.chunk_within_sequence", needs=("seq_len",), warns=True)
+def _streambp_chunk_within_sequence(start: Start) -> list[str]:
+    """A chunk larger than the (local) sequence is legal, the whole sequence one chunk (``ops.kv_stream.chunk_bounds``
+    returns one span), so short runs with the shipped configs work; worth a warning, as the chunking then does
+    nothing (StreamBP becomes plain per-layer recompute)."""
+    streambp = start.long_seq.streambp
+    local, where = _local_length(start)
+    if not streambp.enabled or streambp.chunk_size == "auto" or streambp.chunk_size <= local or local <= 0:
+        return []
+    return [f"long_seq.streambp.chunk_size={streambp.chunk_size} exceeds {where}: each sequence is one chunk, so "
+            f"StreamBP acts as plain per-layer recompute; set chunk_size below {local} to stream"]
+
+
+@start_rule("mini_seq.chunks_within_sequence", needs=("seq_len",), warns=True)
+def _mini_seq_chunks_within_sequence(start: Start) -> list[str]:
+    """More MLP chunks than tokens is legal (the empty chunks are skipped), and worth a warning."""
+    mini_seq = start.long_seq.mini_seq
+    local, where = _local_length(start)
+    if not mini_seq.enabled or mini_seq.mlp_num_chunks <= local or local <= 0:
+        return []
+    return [f"long_seq.mini_seq.mlp_num_chunks={mini_seq.mlp_num_chunks} exceeds {where}: the MLP runs in {local} "
+            f"one-token chunks (the empty ones are skipped); set mlp_num_chunks <= {local}"]
+
+
+@start_rule("sequence_parallel.matches_deepspeed")
+def _sequence_parallel_matches_deepspeed(start: Start) -> list[str]:
+    """DeepSpeed's top-level ``sequence_parallel_size`` and ours name the same thing: either turns it on (the
+    resolver adopts DeepSpeed's when ours is unset), both must agree."""
+    ds_size, ours = start.ds_config.get("sequence_parallel_size"), start.long_seq.sequence_parallel.size
+    if not isinstance(ds_size, int) or isinstance(ds_size, bool) or ds_size < 1 or ds_size == ours:
+        return []
+    return [f"sequence_parallel_size={ds_size} but long_seq.sequence_parallel.size={ours}: set them equal (or keep "
+            "only one of them)"]
+
+
+@start_rule("sequence_parallel.no_data_parallel_size")
+def _sequence_parallel_no_data_parallel_size(start: Start) -> list[str]:
+    """Under sequence parallelism ds_longseq builds DeepSpeed's groups, whose data-parallel degree follows."""
+    if not start.long_seq.sequence_parallel.enabled or "data_parallel_size" not in start.ds_config:
+        return []
+    return ["data_parallel_size is set: with sequence parallelism ds_longseq builds DeepSpeed's groups (world / "
+            "sequence_parallel_size data-parallel replicas); remove data_parallel_size"]
+
+
+@start_rule("sequence_parallel.divides_world", needs=("world",))
+def _sequence_parallel_divides_world(start: Start) -> list[str]:
+    """The launched ranks are whole sequence-parallel groups."""
+    size, world = start.long_seq.sequence_parallel.size, start.launch.world
+    if world % size == 0:
+        return []
+    return [f"sequence_parallel size {size} does not divide the {world} ranks: launch a multiple of {size} "
+            f"(e.g. --num_gpus {size}), or use a config with a smaller size"]
+
+
+@start_rule("sequence_parallel.needs_deepspeed", needs=("deepspeed",))
+def _sequence_parallel_needs_deepspeed(start: Start) -> list[str]:
+    """The sequence-parallel groups are DeepSpeed's: the Trainer without a DeepSpeed config has none."""
+    if start.launch.deepspeed or not start.long_seq.sequence_parallel.enabled:
+        return []
+    return ["sequence_parallel needs DeepSpeed: pass TrainingArguments(deepspeed=<config>) with the section"]
 
 
 @dataclass

@@ -61,6 +61,7 @@ from ds_longseq.config import ConfigFileError, LongSeqConfig, find_ds_config, re
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.ops.chunk_sizes import largest_fitting
 from ds_longseq.ops.sp_layout import sp_degrees
+from ds_longseq.resolver import Launch, resolve
 
 __all__ = [
     "ModelDims",
@@ -148,19 +149,29 @@ class Setup:
         return self.method != "stock"
 
     @classmethod
-    def from_configs(cls, ds_config: Mapping | None = None, *, long_seq: LongSeqConfig | None = None,
+    def from_configs(cls, ds_config: str | os.PathLike | Mapping | None = None, *,
+                     long_seq: LongSeqConfig | None = None,
                      device: str = "cuda", gpus: int = 1, nodes: int = 1, lora_rank: int | None = None,
                      batch_size: int | None = None, trainable_params: int | None = None) -> "Setup":
-        """From a DeepSpeed config dict and its ``long_seq`` section, and the launch.
+        """From a DeepSpeed config and its ``long_seq`` section, and the launch, resolved as a run would be
+        (:func:`ds_longseq.resolver.resolve` against ``gpus`` ranks: a config no run could start with is refused here
+        with the same problems).
 
         Args:
-            ds_config: the DeepSpeed config (ZeRO stage, precision, micro-batch, optimizer offload).
+            ds_config: the DeepSpeed config (ZeRO stage, precision, micro-batch, optimizer offload): a dict, or a path
+                or a shipped config's name.
             long_seq: its ``long_seq`` section, parsed; default: ``ds_config["long_seq"]``, used as it is when it
                 is a :class:`LongSeqConfig` already, else parsed here (``LongSeqConfig.of``).
             device, gpus, nodes, lora_rank, batch_size, trainable_params: the launch (see the fields).
+
+        Raises:
+            RunCannotStart: the config, or the config against ``gpus`` ranks, cannot start a run (a ValueError).
         """
-        ds_config = dict(ds_config or {})
-        ls = long_seq if long_seq is not None else LongSeqConfig.of(ds_config.get("long_seq"))
+        if ds_config is not None and not isinstance(ds_config, Mapping):
+            ds_config = read_json_file(find_ds_config(ds_config))
+        given = {**(ds_config or {}), **({"long_seq": long_seq} if long_seq is not None else {})}
+        resolved = resolve(given, launch=Launch(world=gpus, device="cpu" if device == "cpu" else "cuda"))
+        ds_config, ls = resolved.ds_config, resolved.long_seq
         zero = ds_config.get("zero_optimization") or {}
         enabled = [t for t in METHOD_OF_TECHNIQUE if getattr(ls.section(t), "enabled", False)]
         # with no ds_longseq technique the examples turn Hugging Face checkpointing on
@@ -578,9 +589,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m ds_longseq.plan")
     args = p.parse_args(argv)
     ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "long_seq": {"streambp": {"enabled": True}}}
     try:
-        if args.ds_config:
-            ds = read_json_file(find_ds_config(args.ds_config))
-        setup = Setup.from_configs(ds, device=args.device, gpus=args.gpus, nodes=args.nodes, lora_rank=args.lora_rank)
+        setup = Setup.from_configs(args.ds_config or ds, device=args.device, gpus=args.gpus, nodes=args.nodes,
+                                   lora_rank=args.lora_rank)
         if args.method:
             setup = replace(setup, method=args.method)
         dims = ModelDims.from_config(_load_model_config(args.model))

@@ -105,24 +105,27 @@ def test_backward_progress_names_each_layer_as_the_backward_reaches_it():
 
 
 def test_a_monitor_section_deepspeed_would_reject_is_named_before_the_model(tmp_path, monkeypatch):
-    """Bad monitor sections stop in start_distributed's check (before the weights), naming the field."""
-    from ds_longseq.toolkit.distributed import check_monitor_config
+    """Bad monitor sections stop in start_distributed's resolve (before the weights), naming the field."""
+    from ds_longseq.resolver import Launch, RunCannotStart, resolve
+
+    def check_monitor_config(config):  # the monitor start rule, as start_distributed runs it (DeepSpeed launched)
+        return resolve(config, launch=Launch(deepspeed=True))
 
     check_monitor_config({"train_micro_batch_size_per_gpu": 1})  # no monitor: nothing to check
     check_monitor_config({"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "new" / "csv")}})
-    with pytest.raises(SystemExit, match="(?s)monitor section is invalid.*output_pth"):
+    with pytest.raises(RunCannotStart, match="(?s)monitor section is invalid.*output_pth"):
         check_monitor_config({"tensorboard": {"enabled": True, "output_pth": "x"}})
-    with pytest.raises(SystemExit, match="csv_monitor.enabled"):
+    with pytest.raises(RunCannotStart, match="csv_monitor.enabled"):
         check_monitor_config({"csv_monitor": {"enabled": "yes please"}})
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
     if not os.access(locked, os.W_OK):  # root writes anywhere: the check cannot be exercised then
-        with pytest.raises(SystemExit, match="cannot be written"):
+        with pytest.raises(RunCannotStart, match="cannot be written"):
             check_monitor_config({"csv_monitor": {"enabled": True, "output_path": str(locked / "csv")}})
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(SystemExit, match="wandb package is not installed"):
+    with pytest.raises(RunCannotStart, match="wandb package is not installed"):
         check_monitor_config({"wandb": {"enabled": True}})

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from ds_longseq.engine import shard_batch
+from ds_longseq.resolver import Launch, RunCannotStart, RunShape, resolve
 from ds_longseq.toolkit import (
     JsonlData,
     PackedData,
-    check_parallel_args,
     first_fit_decreasing,
     micro_batch,
     micro_batch_indices,
@@ -195,17 +195,28 @@ def _sft_fails(*argv):
 def test_pack_argument_checks():
     assert "--pack packs the documents of --data: add --data FILE.jsonl --model PATH" in _sft_fails("--pack")
     assert "--seq-len must be positive, got -1" in _sft_fails("--seq-len", "-1", "--pack")
-    check_parallel_args(255, sp=1, world=2)
-    with pytest.raises(SystemExit, match="not divisible by sequence_parallel size 2: use --seq-len 256"):
-        check_parallel_args(255, sp=2, world=2)
+    # the length against the sequence-parallel layout: a start rule (ds_longseq.resolver), which the scripts'
+    # start_distributed and setup_run run
+    fits(255, sp=1, world=2)
+    with pytest.raises(RunCannotStart, match="not divisible by sequence_parallel size 2: use --seq-len 256"):
+        fits(255, sp=2, world=2)
     # packed rows pad like any other (shard_batch pads them with one more, ignored, document)
-    check_parallel_args(255, sp=2, world=2, pad_for_sp=True)
+    fits(255, sp=2, world=2, pad_for_sp=True)
     # under a ring (Ulysses x ring) the sequence is cut into 2 x ring zigzag blocks: 2 P must divide it
-    check_parallel_args(256, sp=2, world=2, ring=2)
-    with pytest.raises(SystemExit, match=r"--seq-len 258 is not divisible by 2 x sequence_parallel size 2 \(a ring of "
-                                         r"2: its zigzag blocks\): use --seq-len 260, or pass --pad-for-sp"):
-        check_parallel_args(258, sp=2, world=2, ring=2)
-    check_parallel_args(258, sp=2, world=2, ring=2, pad_for_sp=True)
+    fits(256, sp=2, world=2, ring=2)
+    with pytest.raises(RunCannotStart, match=r"sequence length 258 is not divisible by 2 x sequence_parallel size 2 "
+                                             r"\(a ring of 2: its zigzag blocks\): use --seq-len 260, or pad"):
+        fits(258, sp=2, world=2, ring=2)
+    fits(258, sp=2, world=2, ring=2, pad_for_sp=True)
+    with pytest.raises(RunCannotStart, match="sequence_parallel size 2 does not divide the 3 ranks"):
+        fits(256, sp=2, world=3)
+
+
+def fits(seq_len: int, *, sp: int, world: int, pad_for_sp: bool = False, ring: int | None = None):
+    """``resolve`` of a config of sequence-parallel size ``sp`` for ``world`` ranks and ``seq_len`` tokens (the
+    ring degree as the run knows it once chosen from the model's heads)."""
+    return resolve({"long_seq": {"sequence_parallel": {"size": sp}}}, launch=Launch(world=world),
+                   run=RunShape(seq_len=seq_len, pad_for_sp=pad_for_sp, ring=ring))
 
 
 # ---------------------------------------------------------------------------------------------

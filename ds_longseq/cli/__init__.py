@@ -127,13 +127,10 @@ def _local_ranks(num_gpus: int | None) -> int:
 
 def _check_ranks_fit(ds_config: str, ranks: int) -> None:
     """Refuse a sequence-parallel size that does not divide the ranks about to start (before starting them)."""
-    from ds_longseq.toolkit.distributed import read_ds_config
+    from ds_longseq.resolver import Launch, resolve
+    from ds_longseq.toolkit.distributed import resolve_or_exit
 
-    _, long_seq = read_ds_config(ds_config)
-    sp = long_seq.sequence_parallel.size
-    if ranks % sp:
-        raise SystemExit(f"--ds_config {ds_config}: sequence_parallel size {sp} does not divide the {ranks} ranks "
-                         f"to start: pass --num_gpus {sp} (or a multiple), or a config with a smaller size")
+    resolve_or_exit(ds_config, lambda: resolve(ds_config, launch=Launch(world=ranks)))
 
 
 def configs_command(argv: list[str]) -> int:

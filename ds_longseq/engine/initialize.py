@@ -21,7 +21,6 @@ Distributed StreamBP (StreamBP paper App. A.3) needs no DeepSpeed internals here
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 import os
 import re
@@ -30,12 +29,13 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ds_longseq.compat import fix_zero3_sequence_parallel_average
-from ds_longseq.config import LongSeqConfig, LongSeqConfigError, find_ds_config, read_json_file
+from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine.sp_groups import sequence_parallel_groups
-from ds_longseq.logging import get_logger, warn_once
+from ds_longseq.logging import get_logger
 from ds_longseq.patch import enable, get_config, is_enabled, mark_zero3_leaves
 from ds_longseq.processes.process_group import DEFAULT_DISTRIBUTED_PORT
 from ds_longseq.processes.watchdog import start_watchdog, started_by_launcher
+from ds_longseq.resolver import Launch, RunShape, resolve, zero_stage
 from ds_longseq.techniques import active_techniques
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
 logger = get_logger(__name__)
 
 MIN_DEEPSPEED_VERSION = "0.19.8"
-SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -76,7 +75,8 @@ def _check_deepspeed():
 
 
 def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[str, Any], LongSeqConfig]:
-    """Load a DeepSpeed config and split off its ``long_seq`` section.
+    """Load a DeepSpeed config and split off its ``long_seq`` section: :func:`ds_longseq.resolver.resolve` with
+    nothing known of the launch or the run yet.
 
     Args:
         config: path to a JSON file (or the name of a shipped one: :func:`~ds_longseq.config.find_ds_config`), or
@@ -87,89 +87,27 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
         (DeepSpeed config without ``long_seq``, validated :class:`LongSeqConfig`).
 
     Raises:
-        LongSeqConfigError: the ``long_seq`` section or the ZeRO stage is invalid (all problems at once).
+        LongSeqConfigError: the ``long_seq`` section or the ZeRO stage is invalid (all problems at once; a
+            :class:`~ds_longseq.resolver.RunCannotStart`, each problem with its rule).
         ConfigFileError: the file cannot be read or is not a JSON object (naming the file, line and column).
     """
-    if isinstance(config, (str, os.PathLike)):
-        ds_config = read_json_file(find_ds_config(config))
-    elif isinstance(config, Mapping):
-        ds_config = copy.deepcopy(dict(config))
-    else:
-        raise TypeError(f"config must be a path or a dict, got {type(config).__name__}")
-    problems = []
-    long_seq = None
-    try:  # parsed here, unless the caller (an example, the Trainer) passes its parsed section down
-        long_seq = LongSeqConfig.of(ds_config.pop("long_seq", None))
-    except LongSeqConfigError as err:
-        problems.extend(err.problems)
-    stage = zero_stage(ds_config)
-    if stage not in SUPPORTED_ZERO_STAGES:
-        problems.append(f"zero_optimization.stage={stage!r} is not supported: use one of {SUPPORTED_ZERO_STAGES}")
-    # DeepSpeed's own top-level key and ours name the same thing: either turns it on, both must agree.
-    ds_size = ds_config.get("sequence_parallel_size")
-    if ds_size is not None and (not isinstance(ds_size, int) or isinstance(ds_size, bool) or ds_size < 1):
-        problems.append(f"sequence_parallel_size must be a positive integer, got {ds_size!r}")
-    elif long_seq is not None and ds_size is not None:
-        ours = long_seq.sequence_parallel.size
-        if ours == 1 and ds_size > 1:
-            long_seq = dataclasses.replace(
-                long_seq, sequence_parallel=dataclasses.replace(long_seq.sequence_parallel, size=ds_size)
-            )
-        elif ours != ds_size:
-            problems.append(
-                f"sequence_parallel_size={ds_size} but long_seq.sequence_parallel.size={ours}: set them equal "
-                "(or keep only one of them)"
-            )
-    if long_seq is not None and long_seq.sequence_parallel.enabled:
-        ds_config["sequence_parallel_size"] = long_seq.sequence_parallel.size
-        if "data_parallel_size" in ds_config:
-            problems.append(
-                "data_parallel_size is set: with sequence parallelism ds_longseq builds DeepSpeed's groups "
-                "(world / sequence_parallel_size data-parallel replicas); remove data_parallel_size"
-            )
-    if long_seq is not None and stage in SUPPORTED_ZERO_STAGES:
-        problems.extend(p for t in active_techniques(long_seq) for p in t.engine_problems(long_seq, stage))
-    if problems:
-        raise LongSeqConfigError(problems)
-    return ds_config, long_seq
-
-
-def zero_stage(ds_config: Mapping[str, Any]) -> int:
-    """The ZeRO stage a DeepSpeed config selects (0 when it has no ``zero_optimization`` section)."""
-    return ds_config.get("zero_optimization", {}).get("stage", 0)
+    resolved = resolve(config)
+    return resolved.ds_config, resolved.long_seq
 
 
 def check_sequence_length(config: LongSeqConfig, seq_len: int) -> None:
-    """Raise before training if ``seq_len`` cannot be trained with ``config``; warn about no-op chunking.
+    """Raise before training if ``seq_len`` cannot be trained with ``config``; warn about no-op chunking: the
+    start rules that read the length (:func:`ds_longseq.resolver.resolve` with ``RunShape(seq_len=...)``).
 
-    A chunk size larger than the (local) sequence is legal: the whole sequence becomes one chunk
-    (``ops.kv_stream.chunk_bounds`` returns one span; ``ops.tokenwise_chunks`` skips the empty MLP chunks),
-    so short-sequence runs with the shipped configs work. It is worth one warning, because the
-    chunking then does nothing (StreamBP becomes plain per-layer recompute), but not an error.
+    A chunk size larger than the (local) sequence is legal: the whole sequence becomes one chunk, so short-sequence
+    runs with the shipped configs work. It is worth one warning, because the chunking then does nothing (StreamBP
+    becomes plain per-layer recompute), but not an error.
 
     Raises:
-        LongSeqConfigError: ``seq_len`` is not positive.
+        LongSeqConfigError: ``seq_len`` is not positive, or (under sequence parallelism) not a length the ranks
+            can cut.
     """
-    if seq_len <= 0:
-        raise LongSeqConfigError([f"sequence length must be positive, got {seq_len}"])
-    sp_size = config.sequence_parallel.size
-    where = f"the sequence length {seq_len}"
-    local_len = seq_len
-    if sp_size > 1:
-        local_len = -(-seq_len // sp_size)
-        where = f"the local shard {local_len} (sequence length {seq_len} / sequence_parallel size {sp_size})"
-    if config.streambp.enabled and config.streambp.chunk_size != "auto" and config.streambp.chunk_size > local_len:
-        warn_once(
-            logger,
-            f"long_seq.streambp.chunk_size={config.streambp.chunk_size} exceeds {where}: each sequence is one "
-            f"chunk, so StreamBP acts as plain per-layer recompute; set chunk_size below {local_len} to stream",
-        )
-    if config.mini_seq.enabled and config.mini_seq.mlp_num_chunks > local_len:
-        warn_once(
-            logger,
-            f"long_seq.mini_seq.mlp_num_chunks={config.mini_seq.mlp_num_chunks} exceeds {where}: the MLP runs "
-            f"in {local_len} one-token chunks (the empty ones are skipped); set mlp_num_chunks <= {local_len}",
-        )
+    resolve({"long_seq": config}, run=RunShape(seq_len=seq_len))
 
 
 def initialize(*args, **kwargs):
@@ -227,7 +165,10 @@ def initialize_with(
         args.deepspeed_config = None
     if config is None:
         raise ValueError("ds_longseq.engine.initialize needs a DeepSpeed config: pass config= (path or dict)")
-    ds_config, long_seq = split_config(config)
+    # the processes are DeepSpeed's; the length, when given, is the preflight's (an engine user cuts and pads their
+    # own batches: shard_batch(pad=True)), so the rules that read it are the scripts' (toolkit.start_distributed)
+    resolved = resolve(config, launch=Launch(deepspeed=True))
+    ds_config, long_seq = resolved.ds_config, resolved.long_seq
     if seq_len is not None:
         from ds_longseq.engine.preflight import memory_preflight
 

@@ -5,7 +5,8 @@ then holds: ``ops/sp_positions.py``.
 Holds:
     sp_degrees: (u, r) for an SP size and a model's query and key/value heads: Ulysses over the largest degree the
         heads allow (:func:`ulysses_fits`), ring attention over the rest.
-    length_unit: what a sequence length must be a multiple of for the u x r layout.
+    length_unit: what a sequence length must be a multiple of for the u x r layout, and the start rule that
+        refuses a length that is not (``sequence_parallel.length_unit``, run by ``ds_longseq.resolver``).
 
 P = u r sequence-parallel ranks.
 
@@ -13,6 +14,8 @@ The layout itself (which rank holds which tokens): ``ops/sp_positions.py``.
 """
 
 from __future__ import annotations
+
+from ds_longseq.rules import Start, start_rule
 
 __all__ = ["ulysses_fits", "sp_degrees", "length_unit"]
 
@@ -62,3 +65,18 @@ def length_unit(size: int, ring: int) -> int:
     """What a sequence length must be a multiple of to be cut over ``size`` ranks with ring degree ``ring``: P, or
     2 P under a ring (2 r zigzag blocks, each cut u ways)."""
     return size if ring == 1 else 2 * size
+
+
+@start_rule("sequence_parallel.length_unit", needs=("seq_len",))
+def _length_fits_the_layout(start: Start) -> list[str]:
+    """A sequence length the ranks can cut (:func:`length_unit`), unless the sequences are padded to one. The ring
+    degree is the run's once chosen from the model (``RunShape.ring``), else the config's, else 1."""
+    size = start.long_seq.sequence_parallel.size
+    ring = start.run.ring or start.long_seq.sequence_parallel.ring or 1
+    seq_len, unit = start.run.seq_len, length_unit(size, ring)
+    if size == 1 or start.run.pad_for_sp or seq_len <= 0 or seq_len % unit == 0:
+        return []
+    what = f"sequence_parallel size {size}" if ring == 1 else (
+        f"2 x sequence_parallel size {size} (a ring of {ring}: its zigzag blocks)")
+    return [f"sequence length {seq_len} is not divisible by {what}: use --seq-len {seq_len + unit - seq_len % unit}, "
+            "or pad the sequences (--pad-for-sp; shard_batch(pad=True))"]

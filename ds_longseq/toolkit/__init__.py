@@ -59,11 +59,11 @@ from ds_longseq.toolkit.data import (
     require_keys,
 )
 from ds_longseq.toolkit.distributed import (
-    check_parallel_args,
     configure_logging,
     init_process_group,
     mean_over_ranks,
     read_ds_config,
+    resolve_or_exit,
     set_learning_rate,
     start_distributed,
     to_rank_batch,
@@ -116,7 +116,7 @@ __all__ = [
     # metrics
     "peak_memory_gib", "plot_losses", "plot_panels", "MetricsLog",
     # distributed
-    "configure_logging", "init_process_group", "check_parallel_args", "read_ds_config", "start_distributed",
+    "configure_logging", "init_process_group", "read_ds_config", "resolve_or_exit", "start_distributed",
     "set_learning_rate",
     "mean_over_ranks", "to_rank_batch",
     # args

@@ -3,9 +3,10 @@
 Holds:
     configure_logging: show ds_longseq's log records on stderr, tagged with the rank (entry points only).
     init_process_group: DeepSpeed's process group, rank-0 logging and the GPU, before anything else.
-    check_parallel_args: refuse a sequence length or rank count that does not fit the sequence-parallel size.
     read_ds_config: the --ds_config file split into DeepSpeed's config and the long_seq section, or one line why not.
-    start_distributed: the process group, logging, and the config checked against the arguments.
+    resolve_or_exit: ``ds_longseq.resolver``'s refusal as the script's one-line exit.
+    start_distributed: the process group, logging, and the config resolved against the arguments and the ranks
+        (``ds_longseq.resolver``: every rule at once).
     cpu_tuned_config_hint: on a GPU, a hint when the config carries the CPU presets' tile sizes.
     ops_to_build: the DeepSpeed ops the run will compile first (logged: the first launch's minutes of silence).
     set_learning_rate: a peak learning rate into the config's optimizer and WarmupLR scheduler.
@@ -18,22 +19,22 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
 from ds_longseq.config import ConfigFileError, LongSeqConfigError
-from ds_longseq.engine import check_sequence_length, shard_batch, split_config
+from ds_longseq.engine import shard_batch
 from ds_longseq.logging import get_logger
-from ds_longseq.ops.sp_layout import length_unit
 from ds_longseq.processes.process_group import start_process_group
+from ds_longseq.resolver import Launch, Resolved, RunShape, resolve
 from ds_longseq.toolkit import faults
 
 __all__ = [
     "configure_logging",
     "init_process_group",
-    "check_parallel_args",
     "read_ds_config",
+    "resolve_or_exit",
     "start_distributed",
     "set_learning_rate",
     "mean_over_ranks",
@@ -57,29 +58,6 @@ def configure_logging(rank: int) -> None:
     package_logger.setLevel(logging.INFO)
 
 
-def check_parallel_args(seq_len: int, sp: int, world: int, *, pad_for_sp: bool = False, ring: int = 1) -> None:
-    """Refuse a --seq-len that does not fit ``sp`` (the sequence_parallel size), or ``world`` ranks that do not.
-
-    Args:
-        seq_len: tokens per sequence.
-        sp: the sequence_parallel size P.
-        world: the launched ranks.
-        pad_for_sp: --pad-for-sp: sequences will be padded to a multiple of P, so any length fits.
-        ring: the ring degree of the sequence parallelism (Ulysses x ring): above 1 the sequence is cut into 2 x
-            ring zigzag blocks, each cut P / ring ways, so --seq-len must be a multiple of 2 P.
-    """
-    if world % sp:
-        raise SystemExit(
-            f"sequence_parallel size {sp} does not divide the {world} launched ranks: launch a multiple of {sp}"
-        )
-    unit = length_unit(sp, ring)
-    up = seq_len + unit - seq_len % unit
-    if seq_len % unit and not pad_for_sp:
-        what = f"sequence_parallel size {sp}" if ring == 1 else (
-            f"2 x sequence_parallel size {sp} (a ring of {ring}: its zigzag blocks)")
-        raise SystemExit(f"--seq-len {seq_len} is not divisible by {what}: use --seq-len {up}, or pass --pad-for-sp")
-
-
 def init_process_group() -> tuple[int, int]:
     """Start DeepSpeed's process group (gloo on CPU, nccl on GPUs; MPI discovery under mpirun), set up
     rank-0 logging and this rank's GPU; return (rank, world). A malformed test-only fault variable
@@ -99,46 +77,19 @@ def init_process_group() -> tuple[int, int]:
     return rank, world
 
 
-MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml", "csv_monitor": None}
-
-
-def check_monitor_config(config: dict) -> None:
-    """Refuse a monitor section (tensorboard / csv_monitor / wandb / comet) that DeepSpeed would reject, whose
-    package is missing, or whose output_path cannot be written, before the model is built (DeepSpeed's own
-    check comes at initialize, after the weights are allocated)."""
-    import importlib.util
-
-    from deepspeed.monitor.config import get_monitor_config
-
-    if not any(key in config for key in MONITOR_PACKAGES):
-        return
-    try:
-        monitor = get_monitor_config(config)
-    except Exception as err:  # pydantic's ValidationError: names the field and why
-        raise SystemExit(f"the DeepSpeed config's monitor section is invalid (DeepSpeed's check): {err}") from None
-    for key, package in MONITOR_PACKAGES.items():
-        section = getattr(monitor, key)
-        if not section.enabled:
-            continue
-        if package and importlib.util.find_spec(package) is None:
-            extra = " (pip install 'ds_longseq[monitor]')" if key == "tensorboard" else ""
-            raise SystemExit(f"the DeepSpeed config enables {key}, but the {package} package is not installed: "
-                             f"pip install {package}{extra}, or set {key}.enabled to false")
-        path = getattr(section, "output_path", "") or "."
-        parent = os.path.abspath(path)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
-            raise SystemExit(f"{key}.output_path {path!r} cannot be written ({parent} is not a writable directory): "
-                             "point it at a directory you can write")
-
-
 def read_ds_config(path: str):
     """``engine.split_config`` of the ``--ds_config`` file: (DeepSpeed config dict, LongSeqConfig). An unreadable or
     malformed file (named with its line and column) or an invalid ``long_seq`` section stops the script with that
     message alone (``SystemExit``), no traceback."""
+    resolved = resolve_or_exit(path, lambda: resolve(path))
+    return resolved.ds_config, resolved.long_seq
+
+
+def resolve_or_exit(path: str, resolving: Callable[[], Resolved]) -> Resolved:
+    """``resolving()`` (a :func:`~ds_longseq.resolver.resolve` or a :meth:`Resolved.check`), its refusal turned into
+    the script's one-line exit: the file named, every problem listed, no traceback."""
     try:
-        return split_config(path)
+        return resolving()
     except ConfigFileError as err:
         raise SystemExit(str(err)) from None
     except LongSeqConfigError as err:
@@ -154,24 +105,27 @@ def start_distributed(
     Args:
         ds_config: path of the DeepSpeed JSON config, with an optional ``long_seq`` section.
         seq_len: tokens per sequence (checked against long_seq and the sequence-parallel size).
-        pad_for_sp: --pad-for-sp (see :func:`check_parallel_args`).
+        pad_for_sp: --pad-for-sp: sequences will be padded to what sequence parallelism cuts, so any length fits.
         dtype: "auto" (bf16 on GPU, fp32 on CPU), "fp32" or "bf16"; overrides the config's bf16 section.
 
     Returns:
-        (rank, world, ds_config dict with its bf16 and long_seq sections set, LongSeqConfig, use_bf16).
+        (rank, world, ds_config dict with its bf16 section set and ``long_seq`` the parsed LongSeqConfig (what
+        ``engine.initialize`` takes as it is), that LongSeqConfig, use_bf16).
     """
-    config, long_seq = read_ds_config(ds_config)  # first: a bad file fails naming it, before DeepSpeed starts
+    # first, the config alone: a bad file fails naming it, before DeepSpeed starts
+    resolved = resolve_or_exit(ds_config, lambda: resolve(ds_config, run=RunShape(seq_len=seq_len,
+                                                                                   pad_for_sp=pad_for_sp)))
+    config, long_seq = resolved.ds_config, resolved.long_seq
     if os.environ.get("RANK", "0") == "0":  # the one rank that speaks, before the group that says which exists
         for op, why in ops_to_build(config, on_cuda=torch.cuda.is_available()):
             logger.warning("building DeepSpeed's %s op (%s): the first launch on this machine compiles it (an "
                            "estimate: 1-3 minutes on a small machine), later ones load it from %s", op, why,
                            _extensions_dir())
     rank, world = init_process_group()
-    check_monitor_config(config)
-    check_sequence_length(long_seq, seq_len)
-    # a ring forced in the config is checked here; one chosen from the model's heads once it is built (setup_run)
-    check_parallel_args(seq_len, long_seq.sequence_parallel.size, world, pad_for_sp=pad_for_sp,
-                        ring=long_seq.sequence_parallel.ring or 1)
+    # then against the ranks and DeepSpeed (the monitor section); a ring forced in the config is checked here, one
+    # chosen from the model's heads once it is built (setup_run)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_or_exit(ds_config, lambda: resolved.check(launch=Launch(world=world, device=device, deepspeed=True)))
     use_bf16 = dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())
     config["bf16"] = {"enabled": use_bf16}
     config.pop("fp16", None)
@@ -179,7 +133,7 @@ def start_distributed(
         for key in ("offload_optimizer", "offload_param"):  # nothing to pin without a GPU
             if key in config.get("zero_optimization", {}):
                 config["zero_optimization"][key]["pin_memory"] = False
-    config["long_seq"] = long_seq.to_dict()
+    config["long_seq"] = long_seq  # parsed once: the preflight and engine.initialize read this object
     hint = cpu_tuned_config_hint(long_seq, on_cuda=torch.cuda.is_available())
     if hint is not None and rank == 0:
         logger.warning("%s: %s", ds_config, hint)

@@ -23,9 +23,10 @@ from ds_longseq.engine.manifest import read_latest, read_manifest
 from ds_longseq.engine.reshape import optimizer_on_nvme, planned_shape, shape_change
 from ds_longseq.forwards.sp_model import ring_degree
 from ds_longseq.logging import get_logger
+from ds_longseq.resolver import Launch, Resolved, RunShape
 from ds_longseq.toolkit.args import DoesNotFit
 from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
-from ds_longseq.toolkit.distributed import check_parallel_args, set_learning_rate, start_distributed, to_rank_batch
+from ds_longseq.toolkit.distributed import resolve_or_exit, set_learning_rate, start_distributed, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.tasks import build_model, model_config
 
@@ -183,8 +184,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     rank, world, ds_config, long_seq, use_bf16 = start_distributed(
         args.ds_config, seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, dtype=args.dtype
     )
-    # the section parsed once, by start_distributed: the preflight and engine.initialize read this object
-    ds_config["long_seq"] = long_seq
+    # ds_config["long_seq"]: the section start_distributed parsed, which the preflight and engine.initialize read
     set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
     plan = check_memory(args, ds_config)
     check_resume_shape(args, ds_config, world, long_seq.sequence_parallel.size)
@@ -202,7 +202,10 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     check_save_space(engine, args.save_dir, rank, exclude_frozen=bool(args.lora_rank))
     sp_rank, sp_size = sequence_parallel_rank_and_size()
     if sp_size > 1:  # the ring degree chosen from the model's heads (Ulysses x ring): a ring needs 2 P | --seq-len
-        check_parallel_args(args.seq_len, sp_size, world, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))
+        resolved = Resolved({k: v for k, v in ds_config.items() if k != "long_seq"}, long_seq,
+                            launch=Launch(world=world, deepspeed=True))
+        resolve_or_exit(args.ds_config, lambda: resolved.check(run=RunShape(
+            seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))))
     schedule = SaveSchedule(args.save_every, getattr(args, "save_every_minutes", 0.0), args.max_steps,
                             device=engine.device)
     run = Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size,

@@ -13,6 +13,7 @@ The mixin is a shell: it takes the ``long_seq`` section, enables the model, rout
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Mapping
 
 import torch.distributed as dist
@@ -25,10 +26,11 @@ from ds_longseq.compat import (
     trainer_checkpointing_turned_off,
     trainer_counts_batch_tokens,
 )
-from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, initialize_with, sequence_parallel_groups, split_config
 from ds_longseq.logging import get_logger
 from ds_longseq.patch import configure_fused_lm_head, disable, enable, get_config, is_enabled
+from ds_longseq.resolver import Launch, resolve
 from ds_longseq.trainer.cases import TrainerCase, choose_case
 from ds_longseq.trainer.positions import PositionLosses
 from ds_longseq.trainer.resume import CheckpointCallback, prepare_resume
@@ -113,12 +115,7 @@ class LongSeqTrainerMixin:
                     "ds_longseq's Trainer integration runs several processes through DeepSpeed: pass "
                     "TrainingArguments(deepspeed=<config with a 'long_seq' section>) instead of long_seq="
                 )
-            cfg = LongSeqConfig.of(long_seq)
-            if cfg.sequence_parallel.enabled:
-                raise LongSeqConfigError(
-                    ["sequence_parallel needs DeepSpeed: pass TrainingArguments(deepspeed=<config>) with the section"]
-                )
-            return None, cfg
+            return None, resolve({"long_seq": long_seq}, launch=Launch(deepspeed=False)).long_seq
         ds_config = plugin.deepspeed_config
         section = ds_config.pop("long_seq", None)
         hf_config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None)
@@ -134,13 +131,16 @@ class LongSeqTrainerMixin:
         _, cfg = split_config({**ds_config, "long_seq": section})
         return section, cfg
 
-    def _long_seq_take_parallelism_config(self, pc, section: dict | None) -> dict:
+    def _long_seq_take_parallelism_config(self, pc, section: dict | LongSeqConfig | None) -> dict | LongSeqConfig:
         """The long_seq section with its sequence-parallel size from ``parallelism_config`` (the ALST way to
         ask for it: ``ParallelismConfig(sp_backend="deepspeed", sp_size=P, sp_handler=...)``). accelerate's
         own Ulysses (its attention, its dataloader adapter, the Trainer's loss) is then kept out of the run and
         ds_longseq's does the work, with ALST's data semantics (``cases.AlstTurns``)."""
-        section = section.to_dict() if isinstance(section, LongSeqConfig) else dict(section or {})
-        ours = dict(section.get("sequence_parallel") or {})
+        if isinstance(section, LongSeqConfig):  # parsed already: its size set on the object, not through a dict
+            ours = {"size": section.sequence_parallel.size}
+        else:
+            section = dict(section or {})
+            ours = dict(section.get("sequence_parallel") or {})
         if ours.get("size", 1) not in (1, pc.sp_size):
             raise ValueError(
                 f"parallelism_config sp_size={pc.sp_size} and long_seq.sequence_parallel.size={ours['size']} disagree: "
@@ -160,6 +160,9 @@ class LongSeqTrainerMixin:
         # takes the batch's count (num_items_in_batch) as without parallelism_config, so the loss is token-weighted over
         # the accumulation window and TRL's trainers (which divide by that count) sum exactly over the group
         trainer_counts_batch_tokens(self)
+        if isinstance(section, LongSeqConfig):
+            return dataclasses.replace(
+                section, sequence_parallel=dataclasses.replace(section.sequence_parallel, size=pc.sp_size))
         section["sequence_parallel"] = {**ours, "size": pc.sp_size}
         return section
 
