@@ -93,7 +93,7 @@ def test_layers_and_model_forward_carry_the_attention_settings_of_the_config():
     model = ds_longseq.enable(make_model("llama", torch.float32), config)
     expected = AttentionSettings(kv_block_size=4, single_call=False)
     assert [layer.forward.attention for layer in model.model.layers] == [expected] * len(model.model.layers)
-    assert model.forward.attention == expected
+    assert model.forward.settings.attention == expected
 
 
 @pytest.mark.parametrize("config", [{"streambp": {"enabled": True, "chunk_size": 8}},

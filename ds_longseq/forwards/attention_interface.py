@@ -83,6 +83,10 @@ class _Masking(NamedTuple):
     dropout: float = 0.0
     """Dropout probability on the attention probabilities (the family's ``attention_dropout`` in training)."""
 
+    def limits(self, doc_start: torch.Tensor | None) -> KeyLimits:
+        """The keys each query may see, by global key index, with packed documents' starts ``doc_start``."""
+        return KeyLimits(doc_start, self.sliding_window, self.attention_chunk, self.chunk_origin)
+
 
 def longseq_attention(
     module: torch.nn.Module,
@@ -253,7 +257,7 @@ def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpe
     # this rank's call seed: drawn inside its own region (the sequence-parallel forward hook's, and a StreamBP chunk's
     # within it: ops.draws), so ranks draw unlike masks, and a chunk's forward, re-forward and backward the same
     dropout_seed = _dropout_seed(masking)
-    limits = KeyLimits(sp.doc_start, masking.sliding_window, masking.attention_chunk, masking.chunk_origin)
+    limits = masking.limits(sp.doc_start)
     if sp.ring_group is not None and stream is None:  # Ulysses x ring, a whole shard
         return ulysses_ring_attention(
             query, keys.key, keys.value, sp.exchange, sp.ring_group, scale=masking.scale, key_valid=sp.key_valid,
@@ -295,8 +299,7 @@ def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Ten
                 f"{tuple(attention_mask.shape)}: pass the tokenizer's 2D mask instead of a prepared 4D one"
             )
         key_valid = attention_mask[:, -num_keys:].to(device=query.device, dtype=torch.bool)
-    limits = KeyLimits(spec.doc_start if spec is not None else None, masking.sliding_window,
-                       masking.attention_chunk, masking.chunk_origin)
+    limits = masking.limits(spec.doc_start if spec is not None else None)
     # the queries are the last C of the num_keys tokens of the row
     query_lo = limits.query_lo(torch.arange(num_keys - C, num_keys, device=query.device),
                                slice(num_keys - C, num_keys))

@@ -176,13 +176,10 @@ class CausalLMForward:
         self.orig_forward = orig_forward
         self.sp = sp
         self.settings = settings
-        self.streambp, self.offload, self.chunked_head = settings.streambp, settings.offload, settings.chunked_head
-        self.attention, self.final_logit_softcap = settings.attention, settings.final_logit_softcap
         self.decoder = model.model if settings.decoder is None else settings.decoder
         self.head = model.lm_head if settings.head is None else settings.head
-        self.logit_scale, self.recurrent_mixers = settings.logit_scale, settings.recurrent_mixers
-        self.stock_masks_see_packed_rows = settings.stock_masks_see_packed_rows
-        self.token_outputs = TokenOutputs(self.head, self.chunked_head, self.final_logit_softcap, self.logit_scale)
+        self.token_outputs = TokenOutputs(self.head, settings.chunked_head, settings.final_logit_softcap,
+                                          settings.logit_scale)
         self.token_records: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """While not None (:meth:`recording_tokens`), every loss call appends its targets' (log-probs, valid mask)."""
 
@@ -261,13 +258,13 @@ class CausalLMForward:
         generating = past_key_values is not None or use_cache is True
         # The stock default (config.use_cache) would keep every layer's K/V, and with a cache the
         # layers run their stock forward: no streaming, nothing offloaded.
-        if not generating and (self.streambp or sp is not None or self.offload):
+        if not generating and (self.settings.streambp or sp is not None or self.settings.offload):
             use_cache = False
         wants_loss = labels is not None or (sp is not None and kwargs.get("shift_labels") is not None)
         if per_token:
             check_token_outputs_call(generating, wants_loss)
         elif generating or not wants_loss or (
-            not self.chunked_head and sp is None and self.token_records is None
+            not self.settings.chunked_head and sp is None and self.token_records is None
         ):
             return self.orig_forward(
                 input_ids=input_ids,
@@ -331,15 +328,15 @@ class CausalLMForward:
             out = self.token_outputs.per_token(hidden, targets, ignore_index, ())
             self.token_records.append((out.log_probs, out.mask))
             return -out.log_probs.sum(), out.mask.sum(), None
-        if self.chunked_head:
+        if self.settings.chunked_head:
             loss_sum, num_valid = self.head(hidden, targets=targets, ignore_index=ignore_index)
             return loss_sum, num_valid, None
         # sequence parallel with the stock head: its logits, a summed loss, the group's mean in the caller
         logits = self.head(hidden)
-        if self.logit_scale != 1.0:  # as the stock forward does after its head
-            logits = logits * self.logit_scale
-        if self.final_logit_softcap is not None:
-            logits = softcap_logits(logits, self.final_logit_softcap)
+        if self.settings.logit_scale != 1.0:  # as the stock forward does after its head
+            logits = logits * self.settings.logit_scale
+        if self.settings.final_logit_softcap is not None:
+            logits = softcap_logits(logits, self.settings.final_logit_softcap)
         targets = targets.to(logits.device)
         # float32 like the stock loss, but never below the model's own precision (float64 stays)
         loss_dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -373,21 +370,21 @@ def _packed_rows(forward: CausalLMForward, position_ids, attention_mask, input_i
     document's first label is masked, and no cache is made (with one, transformers attends across the
     documents). Refused where the model's stock path would attend across them. Unchanged for unpacked rows."""
     doc_start, position_ids = _documents(position_ids, attention_mask, input_ids, inputs_embeds, kwargs)
-    if forward.streambp:
+    if forward.settings.streambp:
         # The StreamBP layers take the documents from here (None: no row is packed) instead of
         # finding them again, with host syncs, in every layer. transformers' model forward
         # passes its **kwargs on to every decoder layer.
-        kwargs[SPEC_KWARG] = AttnSpec(None, forward.attention, doc_start=doc_start)
+        kwargs[SPEC_KWARG] = AttnSpec(None, forward.settings.attention, doc_start=doc_start)
     if doc_start is None:
         return position_ids, labels, use_cache
-    if forward.recurrent_mixers:
+    if forward.settings.recurrent_mixers:
         raise NotImplementedError(
             f"packed documents on {type(forward.model).__name__}: its linear-attention / state-space layers "
             "carry their state across document starts in transformers' torch path (nothing resets it "
             "there), so each document would start from the previous one's state. Send one document per "
             "row"
         )
-    if not forward.streambp and not forward.stock_masks_see_packed_rows:
+    if not forward.settings.streambp and not forward.settings.stock_masks_see_packed_rows:
         raise NotImplementedError(
             f"packed documents on {type(forward.model).__name__} without long_seq.streambp: its decoder "
             "builds its stock attention masks without the position ids, so transformers' attention would "

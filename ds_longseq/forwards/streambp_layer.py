@@ -102,15 +102,14 @@ class StreamBPLayerForward:
         self.chunks = chunk_size
         self.attention = attention
         self.offload = offload
-        self.router_tap, self.kv_sharing, self.streams = parts.router_tap, parts.kv_sharing, parts.streams
-        self.mixer, self.mixer_module = parts.mixer, parts.mixer_module
+        self.parts = parts  # read where used (self.parts.mixer), not copied field by field
         # a recurrent mixer's first forward over two chunks or more checks that it uses every carried state
-        self.state_checked = self.mixer not in ("recurrent", "both")
+        self.state_checked = self.parts.mixer not in ("recurrent", "both")
         # a layer with no token mixer is checked once to compute each token from its own input alone
-        self.token_wise_checked = self.mixer != "token_wise"
+        self.token_wise_checked = self.parts.mixer != "token_wise"
         # linears whose output a pass never reads: skipped there once its first training forward's probe found
         # the result bitwise the same (only plain attention layers are probed)
-        probed = self.mixer is None and self.kv_sharing is None and self.router_tap is None
+        probed = self.parts.mixer is None and self.parts.kv_sharing is None and self.parts.router_tap is None
         self.unread = UnreadLinears(parts.query_proj, parts.output_proj, parts.kv_projs) if probed else (
             UnreadLinears())
 
@@ -185,8 +184,8 @@ class StreamBPLayerForward:
                               [p for p in self.layer.parameters() if p.requires_grad], probe)
         if call.role == "store":
             if call.sp is None:  # what the stock layer stores: its keys/values of the whole sequence
-                call.shared_states[self.kv_sharing[1]] = (call.share.k, call.share.v)
-            if not self.kv_sharing[2]:  # kept for the backward only when a later layer attends them
+                call.shared_states[self.parts.kv_sharing[1]] = (call.share.k, call.share.v)
+            if not self.parts.kv_sharing[2]:  # kept for the backward only when a later layer attends them
                 call.share.release()
         if call.with_router_logits:
             result, logits = result
@@ -203,7 +202,7 @@ class StreamBPLayerForward:
         made before any compute."""
         layer = self.layer
         sp = outer_spec.sp if outer_spec is not None else None
-        tokens = _TokenInputs(self.name, layer, hidden_states, kwargs, self.streams)
+        tokens = _TokenInputs(self.name, layer, hidden_states, kwargs, self.parts.streams)
         B, T = tokens.batch_shape
         mixer_masks = {key: kwargs.pop(key) for key in RECURRENT_MASK_KWARGS if key in kwargs}  # cut per chunk
         shared_states = kwargs.pop(KV_SHARING_KWARG, None)
@@ -220,7 +219,7 @@ class StreamBPLayerForward:
         doc_start = _documents(outer_spec, packed, position_ids, attention_mask, B, T)
         _check_mixer(self, doc_start, sp)
         check_zero3_leaf(layer)
-        with_router_logits = self.router_tap is not None and router_logits_requested()
+        with_router_logits = self.parts.router_tap is not None and router_logits_requested()
         if with_router_logits and sp is not None:
             raise NotImplementedError(
                 "output_router_logits (the mixture-of-experts load-balancing loss) under sequence parallelism: each "
@@ -234,7 +233,7 @@ class StreamBPLayerForward:
         # chunk replays (the capture, the backward's re-forward, the K/V gradient pass, the probes)
         draws = replay_draws(layer, hidden_states.device)
         call = _LayerCall(tokens, sp, doc_start, attention_mask, position_ids, position_embeddings, mixer_masks,
-                          shared_states, share, None if share is None else self.kv_sharing[0], with_router_logits,
+                          shared_states, share, None if share is None else self.parts.kv_sharing[0], with_router_logits,
                           kwargs, draws)
         return call
 
@@ -245,7 +244,7 @@ class StreamBPLayerForward:
         if call.share is not None:
             stream.produces, stream.reads = (call.share, None) if call.role == "store" else (None, call.share)
         if call.shared_states is not None:
-            per_token = {**per_token, KV_SHARING_KWARG: _SharedKVView(self.name, self.kv_sharing, stream)}
+            per_token = {**per_token, KV_SHARING_KWARG: _SharedKVView(self.name, self.parts.kv_sharing, stream)}
         h_c = h_c.contiguous()  # a slice of a batch > 1 is not; some layers .view() their input
 
         def run():
@@ -256,7 +255,7 @@ class StreamBPLayerForward:
             with chunk_spec(spec), self.unread.skipping(stream), region:
                 out = self.orig_forward(
                     h_c,
-                    attention_mask=_chunk_mask(self.mixer, call, s, e),
+                    attention_mask=_chunk_mask(self.parts.mixer, call, s, e),
                     position_ids=None if call.position_ids is None else call.position_ids[..., s:e],
                     **{self.cache_kwarg: layer_cache(stream)},
                     use_cache=False,
@@ -266,7 +265,7 @@ class StreamBPLayerForward:
                     **{key: None if m is None else m[:, s:e] for key, m in call.mixer_masks.items()},
                     **call.kwargs,
                 )
-            _check_chunk_attended(self.name, self.layer, stream, s, e, token_wise=self.mixer == "token_wise")
+            _check_chunk_attended(self.name, self.layer, stream, s, e, token_wise=self.parts.mixer == "token_wise")
             if isinstance(out, tuple):
                 call.returned = _check_extra_outputs(self.name, self.layer, out)
                 out = out[0]
@@ -279,7 +278,7 @@ class StreamBPLayerForward:
             self.state_checked = True
             _check_carried_states_used(self.name, self.layer, stream.state, run)
         if call.with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
-            return self.router_tap.call_recording(run, call.tokens.batch_shape[0], e - s)
+            return self.parts.router_tap.call_recording(run, call.tokens.batch_shape[0], e - s)
         return run()
 
     def _stream(self, call: "_LayerCall"):
@@ -291,18 +290,18 @@ class StreamBPLayerForward:
         layer_input = call.tokens.take_packed()
         params = list(self.layer.parameters())
         sp = call.sp
-        recurrent = self.mixer in ("recurrent", "both")
+        recurrent = self.parts.mixer in ("recurrent", "both")
         # The router runs once per chunk (and again in backward): not what transformers should record.
-        with collection_paused() if self.router_tap is not None else nullcontext():
-            sharded = getattr(self.mixer_module, "forward", None)
-            if sp is not None and self.mixer is None:
+        with collection_paused() if self.parts.router_tap is not None else nullcontext():
+            sharded = getattr(self.parts.mixer_module, "forward", None)
+            if sp is not None and self.parts.mixer is None:
                 return streambp_sp_apply(run_chunk, layer_input, params, self.chunk_size, sp.kv_exchange,
                                          offloader)
-            if sp is not None and self.mixer == "recurrent" and isinstance(sharded, HeadShardedMixerForward):
+            if sp is not None and self.parts.mixer == "recurrent" and isinstance(sharded, HeadShardedMixerForward):
                 # the mixer runs once per layer over the whole sequence, sharded by heads across the group
                 return streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,
                                                lambda x: sharded.sharded(x, sp.key_valid), offloader)
-            if sp is not None and self.mixer == "both" and isinstance(sharded, HeadShardedMixerForward):
+            if sp is not None and self.parts.mixer == "both" and isinstance(sharded, HeadShardedMixerForward):
                 # the same mixer call, and the attention beside it exchanging its keys/values once per pass
                 return streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,
                                                lambda x: sharded.sharded(x, sp.key_valid), offloader, sp.kv_exchange)
@@ -332,15 +331,15 @@ def _check_mixer(forward: StreamBPLayerForward, doc_start, sp) -> None:
     """Refuse packed documents on a recurrent mixer, and an attention + recurrent layer under SP unless its mixer
     is sharded by heads."""
     layer = forward.layer
-    if forward.mixer in ("recurrent", "both") and (doc_start is not None or (sp is not None
+    if forward.parts.mixer in ("recurrent", "both") and (doc_start is not None or (sp is not None
                                                                           and sp.doc_start is not None)):
         raise NotImplementedError(
             f"StreamBP: {forward.name} ({type(layer).__name__}) carries a recurrent state (a linear-attention, "
             "state-space or short-convolution mixer), which transformers' torch path does not reset at packed "
             "documents' starts (it would carry one document's state into the next): send one document per row"
         )
-    if forward.mixer == "both" and sp is not None and not isinstance(getattr(forward.mixer_module, "forward", None),
-                                                                    HeadShardedMixerForward):
+    sharded = isinstance(getattr(forward.parts.mixer_module, "forward", None), HeadShardedMixerForward)
+    if forward.parts.mixer == "both" and sp is not None and not sharded:
         raise NotImplementedError(
             f"StreamBP: {forward.name} ({type(layer).__name__}) runs an attention and a recurrent mixer side by "
             "side, which ds_longseq runs under sequence parallelism with the mixer sharded by heads only (passing "
@@ -369,7 +368,7 @@ def _check_token_wise(forward: StreamBPLayerForward, tokens: "_TokenInputs", att
         )
         return tokens.pack_output(out[0] if isinstance(out, tuple) else out)
 
-    with collection_paused() if forward.router_tap is not None else nullcontext():
+    with collection_paused() if forward.parts.router_tap is not None else nullcontext():
         check_token_wise(f"{forward.name} ({type(forward.layer).__name__}, a layer with no token mixer)", run,
                          tokens.packed, "long_seq.streambp")
 
@@ -378,9 +377,9 @@ def _shared_kv(forward: StreamBPLayerForward, shared_states) -> SharedKV | None:
     """This forward's :class:`SharedKV` for this layer's key: new for a "store" layer, the one an earlier
     layer of the same forward stored for a "reuse" layer; None for a layer that shares nothing. Kept on
     the model's per-forward ``shared_kv_states`` object, so each forward has its own."""
-    if forward.kv_sharing is None:
+    if forward.parts.kv_sharing is None:
         return None
-    role, key, _ = forward.kv_sharing
+    role, key, _ = forward.parts.kv_sharing
     if shared_states is None or not hasattr(shared_states, "__dict__"):
         raise NotImplementedError(
             f"StreamBP: {forward.name} ({type(forward.layer).__name__}) shares keys/values across layers but gets "
