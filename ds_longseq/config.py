@@ -344,8 +344,9 @@ def _sequence_parallel_divides_world(start: Start) -> list[str]:
     size, world = start.long_seq.sequence_parallel.size, start.launch.world
     if world % size == 0:
         return []
-    return [f"sequence_parallel size {size} does not divide the {world} ranks: launch a multiple of {size} "
-            f"(e.g. --num_gpus {size}), or use a config with a smaller size"]
+    ranks = f"{world} rank{'s' * (world != 1)}"
+    return [f"sequence_parallel size {size} does not divide the {ranks}: launch a multiple of {size} (e.g. --num_gpus "
+            f"{size}), or use a config with a smaller size"]
 
 
 @start_rule("sequence_parallel.needs_deepspeed", needs=("deepspeed",))

@@ -19,6 +19,7 @@ import pathlib
 import pytest
 
 from ds_longseq.config import LongSeqConfig
+from ds_longseq.logging import warn_once
 from ds_longseq.resolver import Launch, Resolved, RunCannotStart, RunShape, resolve
 from ds_longseq.rules import start_rule, start_rules
 
@@ -56,7 +57,12 @@ GOOD_TWIN_RUN = {"sequence_parallel.length_unit": RunShape(seq_len=256), "run.po
 
 @pytest.fixture(autouse=True)
 def _techniques_registered():
-    import ds_longseq.techniques  # noqa: F401  (their engine problems are a rule)
+    """The techniques registered (their engine problems are a rule); the warnings this file triggers forgotten after
+    it (``warn_once`` logs a message once per process: another test may wait for the same one)."""
+    import ds_longseq.techniques  # noqa: F401
+
+    yield
+    warn_once.cache_clear()
 
 
 def test_every_registered_rule_is_found_once():

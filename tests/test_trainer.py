@@ -781,8 +781,11 @@ def test_trainer_bad_input_fails_at_construction(tmp_path):
     model_dir = str(tmp_path / "init")
     save_tiny_llama(model_dir)
     errors = run_distributed(bad_input_body, 1, (str(tmp_path), model_dir), timeout=300)[0]
-    assert errors["invalid section"].startswith("LongSeqConfigError") and "chunk_size" in errors["invalid section"]
-    assert "does not divide the world size 1" in errors["sp does not divide world"]
+    # the resolver's refusals (ds_longseq.resolver: RunCannotStart, a LongSeqConfigError)
+    assert errors["invalid section"].startswith("RunCannotStart: invalid long_seq config") and \
+        "chunk_size" in errors["invalid section"]
+    assert "sequence_parallel size 2 does not divide the 1 rank: launch a multiple of 2" in \
+        errors["sp does not divide world"]
     assert errors["unsupported model"].startswith("UnsupportedModelError") and "lm_head" in errors["unsupported model"]
     assert "keep only one" in errors["given twice"]
     mismatch = errors["values the trainer sets"]  # transformers' own check would raise only inside train()

@@ -8,7 +8,7 @@ Usage (the DeepSpeed JSON carries a ``"long_seq"`` section, as for ``ds_longseq.
 
 In the Trainer, ``deepspeed.initialize`` is called by accelerate, not by the user, so the mixin does what
 ``engine.initialize`` would: ``__init__`` (after the Trainer's own) takes ``long_seq`` out of the DeepSpeed config
-and validates it (``engine.split_config``: the same errors, before any training), builds DeepSpeed's
+and validates it (``ds_longseq.resolve``: the same errors, before any training), builds DeepSpeed's
 sequence-parallel groups on the process group accelerate started, and enables the model on top of TRL's fused LM
 head (configured as the TRL trainer configured its own); inside ``train`` / ``evaluate`` / ``predict``,
 ``deepspeed.initialize`` is ``engine.initialize_with``. How batches, losses and evaluation run depends on the case,

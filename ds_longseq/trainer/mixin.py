@@ -27,7 +27,7 @@ from ds_longseq.compat import (
     trainer_counts_batch_tokens,
 )
 from ds_longseq.config import LongSeqConfig
-from ds_longseq.engine import data_parallel_rank_and_size, initialize_with, sequence_parallel_groups, split_config
+from ds_longseq.engine import data_parallel_rank_and_size, initialize_with, sequence_parallel_groups
 from ds_longseq.logging import get_logger
 from ds_longseq.patch import configure_fused_lm_head, disable, enable, get_config, is_enabled
 from ds_longseq.resolver import Launch, resolve
@@ -124,11 +124,13 @@ class LongSeqTrainerMixin:
         if long_seq is not None:
             if section is not None:
                 raise ValueError("long_seq is in the DeepSpeed config and passed as long_seq=: keep only one")
-            section = long_seq  # a dict, or a LongSeqConfig someone parsed: split_config parses a dict only
+            section = long_seq  # a dict, or a LongSeqConfig someone parsed: resolve parses a dict only
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and getattr(pc, "sp_enabled", False):
             section = self._long_seq_take_parallelism_config(pc, section)
-        _, cfg = split_config({**ds_config, "long_seq": section})
+        # resolved against the ranks accelerate started: a size they cannot make whole groups of is refused here
+        world = dist.get_world_size() if dist.is_initialized() else None
+        cfg = resolve({**ds_config, "long_seq": section}, launch=Launch(world=world, deepspeed=True)).long_seq
         return section, cfg
 
     def _long_seq_take_parallelism_config(self, pc, section: dict | LongSeqConfig | None) -> dict | LongSeqConfig:
@@ -182,7 +184,7 @@ class LongSeqTrainerMixin:
         """Stands in for ``deepspeed.initialize`` while the Trainer runs: ``engine.initialize_with``."""
         config = dict(kwargs.pop("config_params", None) or kwargs.pop("config", None) or {})
         if self._long_seq_section is not None:
-            # the parsed object, not the raw section: split_config passes it through unparsed
+            # the parsed object, not the raw section: the resolver passes it through unparsed
             config["long_seq"] = self.long_seq_config
         if self._long_seq_checkpoints.universal_dir is not None:  # a resume on another shape (train())
             config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
