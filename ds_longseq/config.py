@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from types import UnionType as _UnionType
 from typing import Annotated, Any, Callable, Literal, Mapping
 
-from ds_longseq.rules import Start, start_rule
+from ds_longseq.rules import Start, deepspeed_sp_size, start_rule
 
 __all__ = [
     "LongSeqConfig",
@@ -322,8 +322,8 @@ def _mini_seq_chunks_within_sequence(start: Start) -> list[str]:
 def _sequence_parallel_matches_deepspeed(start: Start) -> list[str]:
     """DeepSpeed's top-level ``sequence_parallel_size`` and ours name the same thing: either turns it on (the
     resolver adopts DeepSpeed's when ours is unset), both must agree."""
-    ds_size, ours = start.ds_config.get("sequence_parallel_size"), start.long_seq.sequence_parallel.size
-    if not isinstance(ds_size, int) or isinstance(ds_size, bool) or ds_size < 1 or ds_size == ours:
+    ds_size, ours = deepspeed_sp_size(start.ds_config), start.long_seq.sequence_parallel.size
+    if ds_size is None or ds_size == ours:
         return []
     return [f"sequence_parallel_size={ds_size} but long_seq.sequence_parallel.size={ours}: set them equal (or keep "
             "only one of them)"]

@@ -170,7 +170,7 @@ class Setup:
         if ds_config is not None and not isinstance(ds_config, Mapping):
             ds_config = read_json_file(find_ds_config(ds_config))
         given = {**(ds_config or {}), **({"long_seq": long_seq} if long_seq is not None else {})}
-        resolved = resolve(given, launch=Launch(world=gpus, device="cpu" if device == "cpu" else "cuda"))
+        resolved = resolve(given, launch=Launch(world=gpus))
         ds_config, ls = resolved.ds_config, resolved.long_seq
         zero = ds_config.get("zero_optimization") or {}
         enabled = [t for t in METHOD_OF_TECHNIQUE if getattr(ls.section(t), "enabled", False)]

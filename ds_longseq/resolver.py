@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import ds_longseq.ops.sp_layout  # noqa: F401  (registers its start rule: the lengths the layout can cut)
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError, find_ds_config, read_json_file, registered_techniques
 from ds_longseq.logging import get_logger, warn_once
-from ds_longseq.rules import Launch, RunShape, Start, start_rule, start_rules
+from ds_longseq.rules import Launch, RunShape, Start, deepspeed_sp_size, start_rule, start_rules
 
 __all__ = ["resolve", "Resolved", "RunCannotStart", "Launch", "RunShape", "SUPPORTED_ZERO_STAGES", "zero_stage"]
 
@@ -115,7 +115,7 @@ class Resolved:
             ran.add(rule.name)
             for problem in rule.check(start):
                 if rule.warns:
-                    warnings.append(problem)
+                    warnings += [problem] * (problem not in warnings)  # a re-run of the rule finds it again
                     warn_once(logger, problem)
                 else:
                     found.append((rule.name, problem))
@@ -152,9 +152,8 @@ def resolve(config: str | os.PathLike | Mapping[str, Any], launch: Launch | None
     except LongSeqConfigError as err:
         found.extend((PARSE_RULE, problem) for problem in err.problems)
         long_seq = LongSeqConfig()  # the defaults, so that DeepSpeed's keys are still checked: all problems at once
-    ds_size = ds_config.get("sequence_parallel_size")
-    if isinstance(ds_size, int) and not isinstance(ds_size, bool) and ds_size > 1 and \
-            long_seq.sequence_parallel.size == 1:  # DeepSpeed's key alone turns it on
+    ds_size = deepspeed_sp_size(ds_config)  # DeepSpeed's key alone turns sequence parallelism on
+    if ds_size is not None and ds_size > 1 and long_seq.sequence_parallel.size == 1:
         long_seq = dataclasses.replace(
             long_seq, sequence_parallel=dataclasses.replace(long_seq.sequence_parallel, size=ds_size))
     resolved = Resolved(ds_config, long_seq).check(launch, run, _found=tuple(found))
@@ -186,7 +185,7 @@ def _supported_zero_stage(start: Start) -> list[str]:
 def _deepspeed_sequence_parallel_size(start: Start) -> list[str]:
     """DeepSpeed's top-level ``sequence_parallel_size``, when set, is a size."""
     size = start.ds_config.get("sequence_parallel_size")
-    if size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+    if size is None or deepspeed_sp_size(start.ds_config) is not None:
         return []
     return [f"sequence_parallel_size must be a positive integer, got {size!r}"]
 

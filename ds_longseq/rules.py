@@ -1,7 +1,7 @@
 """The registry of start rules: whether a run can start, one rule at a time, each declared beside what it is about.
 
 Holds:
-    Launch: what is known of the processes (ranks, device, whether DeepSpeed runs them).
+    Launch: what is known of the processes (ranks, whether DeepSpeed runs them).
     RunShape: what is known of the run (sequence length, padding for sequence parallelism, the ring degree).
     Start: what a rule reads: the DeepSpeed config, its parsed ``long_seq`` section, the launch and the run.
     StartRule, start_rule, start_rules: a rule's record, the decorator that registers one, and the registry.
@@ -20,9 +20,9 @@ register its rules here and the torch-free planner can resolve a config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Mapping
 
-__all__ = ["Launch", "RunShape", "Start", "StartRule", "start_rule", "start_rules", "NEEDS"]
+__all__ = ["Launch", "RunShape", "Start", "StartRule", "start_rule", "start_rules", "NEEDS", "deepspeed_sp_size"]
 
 NEEDS = frozenset({"world", "seq_len", "deepspeed"})
 """What a rule may need beyond the config: ``world`` (the launched ranks), ``seq_len`` (the run's length),
@@ -35,8 +35,6 @@ class Launch:
 
     world: int | None = None
     """Ranks launched in all."""
-    device: Literal["cpu", "cuda"] | None = None
-    """The ranks' device kind."""
     deepspeed: bool | None = None
     """Whether DeepSpeed runs the job (False: the Hugging Face Trainer without a DeepSpeed config)."""
 
@@ -110,3 +108,10 @@ def start_rule(name: str, *, needs: tuple[str, ...] = (), warns: bool = False) -
 def start_rules() -> dict[str, StartRule]:
     """The registered rules by name, in registration order."""
     return dict(_RULES)
+
+
+def deepspeed_sp_size(ds_config: Mapping[str, Any]) -> int | None:
+    """DeepSpeed's top-level ``sequence_parallel_size`` when it is a positive integer (None: unset, or not one; the
+    rule ``deepspeed.sequence_parallel_size`` refuses the latter)."""
+    size = ds_config.get("sequence_parallel_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None

@@ -66,6 +66,7 @@ from ds_longseq.toolkit.distributed import (
     resolve_or_exit,
     set_learning_rate,
     start_distributed,
+    start_resolved,
     to_rank_batch,
 )
 from ds_longseq.toolkit.lora import add_lora, decoder_linear_names, import_peft, merge_lora, parse_lora_targets
@@ -117,7 +118,7 @@ __all__ = [
     "peak_memory_gib", "plot_losses", "plot_panels", "MetricsLog",
     # distributed
     "configure_logging", "init_process_group", "read_ds_config", "resolve_or_exit", "start_distributed",
-    "set_learning_rate",
+    "start_resolved", "set_learning_rate",
     "mean_over_ranks", "to_rank_batch",
     # args
     "add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_lora_args",

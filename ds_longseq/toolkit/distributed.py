@@ -36,6 +36,7 @@ __all__ = [
     "read_ds_config",
     "resolve_or_exit",
     "start_distributed",
+    "start_resolved",
     "set_learning_rate",
     "mean_over_ranks",
     "to_rank_batch",
@@ -100,6 +101,20 @@ def start_distributed(
     ds_config: str, *, seq_len: int, pad_for_sp: bool = False, dtype: Literal["auto", "fp32", "bf16"] = "auto"
 ):
     """Start DeepSpeed's process group and check the config against the arguments before any
+    training starts (:func:`start_resolved`, its result as plain values).
+
+    Returns:
+        (rank, world, ds_config dict with its bf16 section set and ``long_seq`` the parsed LongSeqConfig (what
+        ``engine.initialize`` takes as it is), that LongSeqConfig, use_bf16).
+    """
+    rank, world, resolved, use_bf16 = start_resolved(ds_config, seq_len=seq_len, pad_for_sp=pad_for_sp, dtype=dtype)
+    return rank, world, {**resolved.ds_config, "long_seq": resolved.long_seq}, resolved.long_seq, use_bf16
+
+
+def start_resolved(
+    ds_config: str, *, seq_len: int, pad_for_sp: bool = False, dtype: Literal["auto", "fp32", "bf16"] = "auto"
+) -> tuple[int, int, Resolved, bool]:
+    """Start DeepSpeed's process group and resolve the config against the arguments and the ranks before any
     training starts.
 
     Args:
@@ -109,8 +124,8 @@ def start_distributed(
         dtype: "auto" (bf16 on GPU, fp32 on CPU), "fp32" or "bf16"; overrides the config's bf16 section.
 
     Returns:
-        (rank, world, ds_config dict with its bf16 section set and ``long_seq`` the parsed LongSeqConfig (what
-        ``engine.initialize`` takes as it is), that LongSeqConfig, use_bf16).
+        (rank, world, the :class:`Resolved` config (its DeepSpeed part with the bf16 section set), use_bf16); a
+        later check (the ring degree once the model is built: ``setup_run``) runs only what it changes.
     """
     # first, the config alone: a bad file fails naming it, before DeepSpeed starts
     resolved = resolve_or_exit(ds_config, lambda: resolve(ds_config, run=RunShape(seq_len=seq_len,
@@ -124,8 +139,7 @@ def start_distributed(
     rank, world = init_process_group()
     # then against the ranks and DeepSpeed (the monitor section); a ring forced in the config is checked here, one
     # chosen from the model's heads once it is built (setup_run)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolve_or_exit(ds_config, lambda: resolved.check(launch=Launch(world=world, device=device, deepspeed=True)))
+    resolved = resolve_or_exit(ds_config, lambda: resolved.check(launch=Launch(world=world, deepspeed=True)))
     use_bf16 = dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available())
     config["bf16"] = {"enabled": use_bf16}
     config.pop("fp16", None)
@@ -133,11 +147,10 @@ def start_distributed(
         for key in ("offload_optimizer", "offload_param"):  # nothing to pin without a GPU
             if key in config.get("zero_optimization", {}):
                 config["zero_optimization"][key]["pin_memory"] = False
-    config["long_seq"] = long_seq  # parsed once: the preflight and engine.initialize read this object
     hint = cpu_tuned_config_hint(long_seq, on_cuda=torch.cuda.is_available())
     if hint is not None and rank == 0:
         logger.warning("%s: %s", ds_config, hint)
-    return rank, world, config, long_seq, use_bf16
+    return rank, world, resolved, use_bf16
 
 
 def _extensions_dir() -> str:

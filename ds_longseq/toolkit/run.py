@@ -23,10 +23,10 @@ from ds_longseq.engine.manifest import read_latest, read_manifest
 from ds_longseq.engine.reshape import optimizer_on_nvme, planned_shape, shape_change
 from ds_longseq.forwards.sp_model import ring_degree
 from ds_longseq.logging import get_logger
-from ds_longseq.resolver import Launch, Resolved, RunShape
+from ds_longseq.resolver import RunShape
 from ds_longseq.toolkit.args import DoesNotFit
 from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
-from ds_longseq.toolkit.distributed import resolve_or_exit, set_learning_rate, start_distributed, to_rank_batch
+from ds_longseq.toolkit.distributed import resolve_or_exit, set_learning_rate, start_resolved, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.tasks import build_model, model_config
 
@@ -105,7 +105,7 @@ def check_memory(args: argparse.Namespace, ds_config: dict):
     """The memory preflight (:func:`ds_longseq.engine.memory_preflight`) for this run, before any weight is
     allocated or file written: an impossible --seq-len stops here with the planner's numbers and what would fit,
     unless --no-preflight. Returns the planner's plan (None for a model it does not describe)."""
-    try:  # ds_config: start_distributed's, with the run's bf16 section and the parsed long_seq
+    try:  # ds_config: start_resolved's, with the run's bf16 section and the parsed long_seq
         return ds_longseq.engine.memory_preflight(model_config(args.model, args.seq_len), ds_config, args.seq_len,
                                                   lora_rank=args.lora_rank or None,
                                                   override=getattr(args, "no_preflight", False))
@@ -181,10 +181,12 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
         before_model: runs after the config checks and before the model is built: the place to
             read and validate data, so that bad input fails before any weight is allocated.
     """
-    rank, world, ds_config, long_seq, use_bf16 = start_distributed(
+    rank, world, resolved, use_bf16 = start_resolved(
         args.ds_config, seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, dtype=args.dtype
     )
-    # ds_config["long_seq"]: the section start_distributed parsed, which the preflight and engine.initialize read
+    long_seq = resolved.long_seq
+    # the section parsed once, by start_resolved: the preflight and engine.initialize read this object
+    ds_config = {**resolved.ds_config, "long_seq": long_seq}
     set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
     plan = check_memory(args, ds_config)
     check_resume_shape(args, ds_config, world, long_seq.sequence_parallel.size)
@@ -202,8 +204,6 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     check_save_space(engine, args.save_dir, rank, exclude_frozen=bool(args.lora_rank))
     sp_rank, sp_size = sequence_parallel_rank_and_size()
     if sp_size > 1:  # the ring degree chosen from the model's heads (Ulysses x ring): a ring needs 2 P | --seq-len
-        resolved = Resolved({k: v for k, v in ds_config.items() if k != "long_seq"}, long_seq,
-                            launch=Launch(world=world, deepspeed=True))
         resolve_or_exit(args.ds_config, lambda: resolved.check(run=RunShape(
             seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))))
     schedule = SaveSchedule(args.save_every, getattr(args, "save_every_minutes", 0.0), args.max_steps,
