@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.ops.draws import Draws
+from ds_longseq.ops.draws import Draws, generators_kept
 
 __all__ = ["replay_draws", "check_token_wise", "TOKEN_WISE_PROBE_TOKENS"]
 
@@ -37,15 +37,18 @@ def check_token_wise(what: str, fn: Callable[[torch.Tensor], torch.Tensor], x: t
     :data:`TOKEN_WISE_PROBE_TOKENS` tokens of ``x`` (B, T, ...) (a detached copy, under grad), and the gradient
     of a random weighting of its second half's outputs is taken with respect to the first half's inputs: a
     token-wise computation (matmuls, norms, activations, routing each token to its experts) puts exactly zero
-    there, any mixing almost surely does not. ``fn`` returns (B, n, ...), or a tuple whose first entry is.
+    there, any mixing almost surely does not. ``fn`` returns (B, n, ...), or a tuple whose first entry is. The
+    global random generators are left as they were (:func:`~ds_longseq.ops.draws.generators_kept`).
     """
     n = min(x.shape[1], TOKEN_WISE_PROBE_TOKENS)
     if n < 2:
         return
     half = n // 2
     # Identity hooks: what the probe saves for its own backward stays out of any enclosing saved-tensor hooks
-    # (an activation checkpoint counting what its forward saves, offload to host memory)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    # (an activation checkpoint counting what its forward saves, offload to host memory); the generators kept: the
+    # module's dropout draws here must not shift the masks of the forward that follows
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+            generators_kept(x.device):
         probe = x[:, :n].detach().clone().requires_grad_(True)
         out = fn(probe.clone())  # not the leaf itself: the module may write into its input (Mixtral's jitter)
         out = out[0] if isinstance(out, tuple) else out

@@ -23,6 +23,7 @@ import torch
 from ds_longseq.compat import parameters_replaced
 from ds_longseq.families.mixer_heads import HeadLayout, head_layout
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, spec_of
+from ds_longseq.ops.draws import generators_kept
 from ds_longseq.ops.head_sharding import MixedStream, MixerStream, gather_tokens, reduce_scatter_tokens
 from ds_longseq.ops.sp_positions import sp_positions
 from ds_longseq.ops.ulysses import UlyssesExchange
@@ -113,7 +114,7 @@ class HeadShardedMixerForward:
         n = min(full.shape[1], LAYOUT_CHECK_TOKENS)
         x = full[:, :n].detach()
         mask = None if key_valid is None else key_valid[:, :n]
-        with torch.no_grad():
+        with torch.no_grad(), generators_kept(x.device):  # a probe: its draws must not shift the forward's
             whole = self.orig_forward(x, attention_mask=mask)
             shares = sum(self._share(x, mask, head_layout(self.mixer, r, self.size)) for r in range(self.size))
         error = ((shares - whole).norm() / whole.norm().clamp_min(torch.finfo(whole.dtype).tiny)).item()

@@ -28,6 +28,7 @@ from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, UnreadLinears
 from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.documents import PACKED_KWARGS, find_documents
+from ds_longseq.ops.draws import generators_kept
 from ds_longseq.ops.head_sharding import MixedStream, MixerStream, streambp_mixer_sp_apply
 from ds_longseq.ops.kv_stream import SharedKV, streambp_apply, streambp_sp_apply
 
@@ -276,7 +277,7 @@ class StreamBPLayerForward:
         state = getattr(stream, "state", None)
         if not self.state_checked and state is not None and state.mode == "forward" and state.index == 1:
             self.state_checked = True
-            _check_carried_states_used(self.name, self.layer, stream.state, run)
+            _check_carried_states_used(self.name, self.layer, stream.state, run, x_c.device)
         if call.with_router_logits:  # (out_c, router logits (B, C, E)): an auxiliary output of the Function
             return self.parts.router_tap.call_recording(run, call.tokens.batch_shape[0], e - s)
         return run()
@@ -602,7 +603,8 @@ def _check_extra_outputs(name: str, layer: torch.nn.Module, out: tuple) -> int:
     return len(out)
 
 
-def _check_carried_states_used(name: str, layer: torch.nn.Module, state, call: Callable) -> None:
+def _check_carried_states_used(name: str, layer: torch.nn.Module, state, call: Callable,
+                               device: torch.device) -> None:
     """Raise unless the layer's output on the current (second) chunk changes with each state it starts from.
 
     A mixer may read a state and still compute its multi-token path without it (Jamba's Mamba scan takes the
@@ -611,9 +613,10 @@ def _check_carried_states_used(name: str, layer: torch.nn.Module, state, call: C
     as is (what it writes then is what the forward keeps); an output equal to the unperturbed one is refused.
     Once per layer, on its first forward of two chunks or more."""
     probes = {}
-    for key in sorted(state.incoming):
-        with state.perturbed(key):
-            probes[key] = call()
+    with generators_kept(device):  # the probes' draws must not shift the forward's
+        for key in sorted(state.incoming):
+            with state.perturbed(key):
+                probes[key] = call()
     reference = call()
     main = (lambda out: out[0] if isinstance(out, tuple) else out)
     ignored = [key for key, out in probes.items() if torch.equal(main(out), main(reference))]

@@ -44,6 +44,7 @@ import torch
 
 from ds_longseq.compat import products_uncomputed
 from ds_longseq.ops.chunk_grads import autocast_dtype, split_outputs
+from ds_longseq.ops.draws import generators_kept
 from ds_longseq.ops.kv_stream import KVStream, capture_kv
 
 __all__ = ["UnreadLinear", "UnreadLinears", "outputs_unread", "PROBE_TOKENS"]
@@ -129,7 +130,11 @@ class UnreadLinears:
         gradient), and whether the re-forward may reuse the captured keys/values. ``run_chunk``: the layer's
         ``run_chunk(x_c, s, e, stream)`` as one process would run it; ``params``: its trainable parameters. Run after
         the layer's first training forward, whose checks refuse a layer StreamBP cannot run with their own message
-        first."""
+        first. The global random generators are left as they were (``ops.draws.generators_kept``)."""
+        with generators_kept(x.device):
+            self._probe(run_chunk, params, x)
+
+    def _probe(self, run_chunk: Callable, params: list[torch.Tensor], x: torch.Tensor) -> None:
         n = x.shape[1]
         if self.query_unread is None:
             def capture(skip: bool):

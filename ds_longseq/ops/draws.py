@@ -3,6 +3,7 @@
 Holds:
     Draws: one chunked forward's draws: a seed taken once from the global generator, and a generator state per
         region (a chunk of a layer, on a rank) derived from it.
+    generators_kept: a context in which a one-time probe may draw; the global generators are as they were after it.
 
 The regions StreamBP, mini_seq and the checkpointed layers re-run are not re-run the way they first ran: the K/V
 capture pass stops each chunk at its cache update, the backward replays chunks last-first, a probe runs a layer
@@ -34,9 +35,21 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["Draws"]
+__all__ = ["Draws", "generators_kept"]
 
 _MASK = (1 << 63) - 1
+
+
+@contextlib.contextmanager
+def generators_kept(device: torch.device | None = None) -> Iterator[None]:
+    """Within: a one-time probe (a check that a module is token-wise, that a mixer reads its carried state, that a
+    linear's output goes unread) runs the module, dropout and router noise included; on exit the global CPU
+    generator and ``device``'s CUDA generator (when it is one) are as they were, so the first training forward
+    draws what every later one with the same seed draws, and what a stock model's would (``torch.utils.checkpoint``
+    forks the generators around its recompute for the same reason)."""
+    devices = [device] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        yield
 
 
 def _mix(*numbers: int) -> int:
