@@ -57,6 +57,7 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
+from ds_longseq.batch_size import read_batch_size
 from ds_longseq.config import ConfigFileError, LongSeqConfig, find_ds_config, read_json_file
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.ops.chunk_sizes import largest_fitting
@@ -191,11 +192,19 @@ class Setup:
             lora_rank=lora_rank,
             trainable_params=trainable_params,
             offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
-            batch_size=batch_size or int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1),
+            batch_size=batch_size or _micro_batch(ds_config, max(gpus // ls.sequence_parallel.size, 1)),
             device="cpu" if device == "cpu" else "cuda",
             chunk_size=_chunk(ls.streambp.chunk_size),
             lm_head_chunk_size=ls.lm_head.chunk_size,
         )
+
+
+def _micro_batch(ds_config: Mapping, replicas: int) -> int:
+    """The micro-batch DeepSpeed will run with ``ds_config`` (any two of its batch keys, DeepSpeed's rule; "auto" as
+    1, the Trainer's default; 1 where the config gives neither the micro-batch nor the global batch)."""
+    if ds_config.get("train_batch_size") is None and ds_config.get("train_micro_batch_size_per_gpu") is None:
+        return 1
+    return read_batch_size(ds_config, replicas, micro_batch=1, gradient_accumulation=1).micro_batch
 
 
 def _chunk(value) -> int:

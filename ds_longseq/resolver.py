@@ -19,8 +19,8 @@ ranks, the planner (``plan.Setup.from_configs``) and so the memory preflight. Wh
 - rules between the section and the rest of the world, registered with ``rules.start_rule`` beside the section
   they are about: ``config.py`` (sequence parallelism against DeepSpeed's keys, the ranks and DeepSpeed itself;
   chunks that span the sequence), ``ops/sp_layout.py`` (the lengths the sequence-parallel layout can cut), and
-  this module (DeepSpeed's own keys: the ZeRO stage, ``sequence_parallel_size``, the monitor section; the
-  techniques' ``engine_problems``). ``rules.start_rules()`` enumerates them.
+  this module (DeepSpeed's own keys: the ZeRO stage, ``sequence_parallel_size``, the batch triple, the monitor
+  section; the techniques' ``engine_problems``). ``rules.start_rules()`` enumerates them.
 
 Torch-free: the planner resolves a config without loading torch. The techniques' rules are those registered
 (``import ds_longseq.techniques`` registers them, with torch); the planner alone runs without them.
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import ds_longseq.ops.sp_layout  # noqa: F401  (registers its start rule: the lengths the layout can cut)
+from ds_longseq.batch_size import batch_size_problems
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError, find_ds_config, read_json_file, registered_techniques
 from ds_longseq.logging import get_logger, warn_once
 from ds_longseq.rules import Launch, RunShape, Start, deepspeed_sp_size, start_rule, start_rules
@@ -188,6 +189,17 @@ def _deepspeed_sequence_parallel_size(start: Start) -> list[str]:
     if size is None or deepspeed_sp_size(start.ds_config) is not None:
         return []
     return [f"sequence_parallel_size must be a positive integer, got {size!r}"]
+
+
+@start_rule("deepspeed.batch_size", needs=("world",))
+def _batch_size(start: Start) -> list[str]:
+    """DeepSpeed's batch triple agrees with the data-parallel replicas (the ranks over the sequence-parallel size),
+    by DeepSpeed's own rule (``batch_size.read_batch_size``): refused here, before the model is built, instead of by
+    DeepSpeed's assertion inside ``deepspeed.initialize``."""
+    size = start.long_seq.sequence_parallel.size
+    if start.launch.deepspeed is False or start.launch.world % size:
+        return []  # no DeepSpeed: no triple; ranks the size cannot group: sequence_parallel.divides_world says so
+    return batch_size_problems(start.ds_config, start.launch.world // size)
 
 
 @start_rule("techniques.engine")

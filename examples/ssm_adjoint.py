@@ -54,6 +54,7 @@ import torch
 
 import ds_longseq.engine
 from ds_longseq.adjoint import ResidualSSMForCausalLM, SSMConfig
+from ds_longseq.batch_size import BatchSizeError, read_batch_size
 from ds_longseq.toolkit import (
     TopicRecallTask,
     init_process_group,
@@ -176,7 +177,6 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     ds_config, long_seq = read_ds_config(args.ds_config)
-    rank, _ = init_process_group()
     if not long_seq.adjoint.enabled:
         raise SystemExit(f"{args.ds_config}: long_seq.adjoint.enabled must be true for this example")
     adjoint = long_seq.adjoint
@@ -187,8 +187,12 @@ def main(argv=None) -> int:
     )
     ds_config["bf16"] = {"enabled": args.dtype == "bf16"}
     ds_config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = args.lr
-    micro_bs = ds_config.get("train_micro_batch_size_per_gpu", 1)
-    gas = ds_config.get("gradient_accumulation_steps", 1)
+    rank, world = init_process_group()
+    try:  # as DeepSpeed reads the triple (any two of its three keys): the loop steps the optimizer by it
+        batch_size = read_batch_size(ds_config, world)
+    except BatchSizeError as err:
+        raise SystemExit(f"--ds_config {args.ds_config}: {err}") from None
+    micro_bs, gas = batch_size.micro_batch, batch_size.gradient_accumulation
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     config = SSMConfig(vocab_size=task(args).vocab_size, hidden_size=args.hidden_size, state_size=args.state_size,

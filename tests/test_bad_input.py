@@ -41,7 +41,15 @@ def places(tmp_path_factory) -> dict[str, str]:
     (tmp / "model" / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}))
-    return {"sft": os.path.join(ROOT, "examples", "sft.py"), "tmp": str(tmp),
+    earlier = tmp / "earlier_run"  # what a finished run leaves: its checkpoints and `latest`
+    for step in (1, 2):
+        (earlier / f"step{step}").mkdir(parents=True)
+    (earlier / "latest").write_text("step2")
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2}}
+    (tmp / "bad_batch.json").write_text(json.dumps(config))
+    return {"sft": os.path.join(ROOT, "examples", "sft.py"), "tmp": str(tmp), "earlier_run": str(earlier),
+            "bad_batch": str(tmp / "bad_batch.json"),
             "trailing_comma": str(tmp / "trailing_comma.json"), "bad_choice": str(tmp / "bad_choice.json"),
             "model": str(tmp / "model")}
 

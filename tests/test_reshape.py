@@ -41,9 +41,12 @@ def test_what_continues_and_what_is_refused():
     stage = shape_change(SAVED, {**SAVED, "zero_stage": 2}, checkpoint_dir=where)[1]
     assert stage.startswith("run/step3 was written by 4 ranks (sequence parallel 2 x data parallel 2), ZeRO-3; this "
                             "run has 4 ranks") and "use ZeRO-3" in stage
-    assert planned_shape({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2}, world=2,
-                         sp_size=1) == {"world_size": 2, "sequence_parallel_size": 1, "zero_stage": 2, "micro_batch": 1,
-                                        "gradient_accumulation": 2}
+    assert planned_shape({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1,
+                          "gradient_accumulation_steps": 2}, world=2, sp_size=1) == {
+        "world_size": 2, "sequence_parallel_size": 1, "zero_stage": 2, "micro_batch": 1, "gradient_accumulation": 2}
+    # the batch as DeepSpeed reads it: a global batch of 8 on 2 replicas of micro-batch 2 accumulates 2
+    assert planned_shape({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, world=4, sp_size=2)[
+        "gradient_accumulation"] == 2
 
 
 def test_each_step_reads_the_same_samples_on_any_shape_with_the_same_global_batch():

@@ -47,6 +47,10 @@ CASES: dict[str, tuple[dict, dict, Launch, RunShape]] = {
     "techniques.engine": ({"zero_optimization": {"stage": 3}, "long_seq": {"adjoint": {"enabled": True}}},
                           {"zero_optimization": {"stage": 2}, "long_seq": {"adjoint": {"enabled": True}}}, Launch(),
                           RunShape()),
+    "deepspeed.batch_size": ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3,
+                              "gradient_accumulation_steps": 1},
+                             {"train_batch_size": 15, "train_micro_batch_size_per_gpu": 3,
+                              "gradient_accumulation_steps": 5}, Launch(world=1), RunShape()),
     "deepspeed.monitor": ({"csv_monitor": {"enabled": "yes please"}}, {"csv_monitor": {"enabled": False}},
                           Launch(deepspeed=True), RunShape()),
 }

@@ -67,6 +67,32 @@ def test_batch_script_itself_is_not_a_launched_task(monkeypatch):
     assert launcher_environment() == "srun"
 
 
+@pytest.mark.parametrize(("restart", "has_latest", "expected"), [
+    ("0", True, ["--start-over"]),  # the first start: the earlier run is removed, as asked
+    ("1", True, ["--resume"]),  # a requeue: the job's own checkpoints continue, never removed
+    ("1", False, ["--start-over"]),  # requeued before its first checkpoint: nothing of its own yet
+])
+def test_sbatch_starts_over_on_the_first_start_only(tmp_path, restart, has_latest, expected):
+    """--start-over in a requeueable job: the first start removes the earlier run's checkpoints; a requeued job,
+    whose save directory's ``latest`` is its own, resumes instead (no SLURM needed: srun is a stub printing what it
+    runs)."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "srun").write_text("#!/bin/sh\nshift 3\necho \"$@\"\n")  # drops --kill-on-bad-exit, --export, bash
+    (stub / "srun").chmod(0o755)
+    save = tmp_path / "run"
+    save.mkdir()
+    if has_latest:
+        (save / "latest").write_text("step4")
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", SLURM_JOB_ID="7", SLURM_NTASKS="1",
+               SLURM_JOB_NODELIST="node1", MASTER_ADDR="127.0.0.1", SLURM_RESTART_COUNT=restart, SCRIPT="train")
+    out = subprocess.run(["bash", SBATCH, "--save-dir", str(save), "--start-over", "--max-steps", "8"], env=env,
+                         capture_output=True, text=True, check=True).stdout.splitlines()[-1].split()
+    flags = [word for word in out if word in ("--start-over", "--resume")]
+    assert flags == expected, out
+    assert out[out.index("--save-dir") + 1] == str(save) and "--max-steps" in out
+
+
 def _slurm_up() -> None:
     if shutil.which("sbatch") is None:
         pytest.skip("no SLURM here: bash .ci/install_slurm.sh installs and starts one")

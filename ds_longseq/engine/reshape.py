@@ -39,6 +39,7 @@ import subprocess
 import sys
 from typing import Any
 
+from ds_longseq.batch_size import read_batch_size
 from ds_longseq.engine.manifest import write_latest
 from ds_longseq.logging import get_logger
 
@@ -54,11 +55,13 @@ def planned_shape(ds_config: dict, *, world: int, sp_size: int, micro_batch: int
                   gradient_accumulation: int | None = None) -> dict[str, Any]:
     """The shape keys of :func:`~ds_longseq.engine.manifest.run_facts` for a run about to start with
     ``ds_config`` on ``world`` ranks at sequence-parallel size ``sp_size``; ``micro_batch`` and
-    ``gradient_accumulation`` given where the config says ``"auto"`` (the Trainer's, from TrainingArguments)."""
-    if micro_batch is None:
-        micro_batch = ds_config.get("train_micro_batch_size_per_gpu", 1)
-    if gradient_accumulation is None:
-        gradient_accumulation = ds_config.get("gradient_accumulation_steps", 1)
+    ``gradient_accumulation`` given by the Trainer (from its TrainingArguments: what its config's "auto" stands
+    for), else read from the config's batch keys as DeepSpeed reads them (``batch_size.read_batch_size``: any two
+    of the three)."""
+    if micro_batch is None or gradient_accumulation is None:  # the config's triple, as DeepSpeed reads it
+        batch = read_batch_size(ds_config, world // sp_size, micro_batch=micro_batch,
+                                gradient_accumulation=gradient_accumulation)
+        micro_batch, gradient_accumulation = batch.micro_batch, batch.gradient_accumulation
     return {"world_size": world, "sequence_parallel_size": sp_size,
             "zero_stage": int(ds_config.get("zero_optimization", {}).get("stage", 0)),
             "micro_batch": int(micro_batch), "gradient_accumulation": int(gradient_accumulation)}

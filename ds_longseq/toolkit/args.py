@@ -7,7 +7,8 @@ Holds:
     add_common_args: the flags examples/sft.py, dpo.py and grpo.py share (same names, same meaning).
     DefaultsOnceFormatter: ``--help`` saying each default once.
     check_run_args: lengths, steps, --save-every, --save-every-minutes, --save-total-limit, --data needs --model,
-        the paths exist, the save directory can be created and written (check_save_dir).
+        the paths exist, the save directory can be created and written (check_save_dir), and an earlier run's
+        checkpoints in it are resumed or started over, never trained beside (check_earlier_run).
     check_model_and_data: --data needs --model; the --model directory and the --data file exist.
     check_lora_args: --lora-rank / --lora-alpha / --lora-dropout / --lora-targets / --merge-lora, and peft
         installed.
@@ -28,6 +29,7 @@ from ds_longseq.toolkit.lora import import_peft, parse_lora_targets
 from ds_longseq.toolkit.pretrained import gguf_parts
 
 __all__ = ["add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_save_dir",
+           "check_earlier_run",
            "check_lora_args", "check_args", "EXIT_OK", "EXIT_DOES_NOT_FIT", "EXIT_BAD_INPUT", "EXIT_STATUSES",
            "DoesNotFit", "exit_status"]
 
@@ -80,7 +82,10 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
     p.add_argument("--model", default=None,
                    help="local HF causal-LM directory or .gguf file (from_pretrained); default: tiny built-in Llama")
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row (padded, or packed with sft.py --pack)")
-    p.add_argument("--max-steps", type=int, default=max_steps, help="training steps")
+    p.add_argument("--max-steps", type=int, default=max_steps,
+                   help="optimizer steps (each of train_batch_size sequences: train_micro_batch_size_per_gpu x "
+                        "gradient_accumulation_steps micro-batches per rank, as DeepSpeed reads the config's batch "
+                        "keys), one metrics.jsonl line each")
     p.add_argument("--save-dir", default=save_dir, help="checkpoints, metrics, plot and HF export")
     p.add_argument("--save-every", type=int, default=0,
                    help="checkpoint every N optimizer steps (default 0: by time alone, --save-every-minutes); the "
@@ -93,6 +98,10 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                         f"(default {DEFAULT_SAVE_LIMIT}, bounding the disk a long run takes; 0: keep all)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --save-dir (same data, same losses)")
+    p.add_argument("--start-over", action="store_true",
+                   help="in a --save-dir holding an earlier run's checkpoints, remove them (its step<N>/, latest, "
+                        "metrics.jsonl, loss.png, hf_model/, hf_adapter/) and train from step 0; without it, or "
+                        "--resume, such a directory is refused")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default: the config's; {lr} for the built-in model)")
@@ -148,6 +157,25 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
     if getattr(args, "save_dir", None):
         check_save_dir(args.save_dir)
+        check_earlier_run(args)
+
+
+def check_earlier_run(args: argparse.Namespace) -> None:
+    """Decide, before anything starts, what to do with the checkpoints an earlier run left in --save-dir: --resume
+    continues them, --start-over removes them (``setup_run``, before the model is built), and anything else is
+    refused naming both (training beside them would mix two runs' checkpoints and fail at the last save)."""
+    from ds_longseq.toolkit.checkpoint import earlier_run
+
+    resume, start_over = getattr(args, "resume", False), getattr(args, "start_over", False)
+    if resume and start_over:
+        raise SystemExit("--resume and --start-over both given: --resume continues the run in --save-dir, "
+                         "--start-over removes it; pass one")
+    found = earlier_run(args.save_dir)
+    if resume or start_over or not found:
+        return
+    shown = ", ".join(found if len(found) <= 4 else [found[0], "...", *found[-3:]])
+    raise SystemExit(f"--save-dir {args.save_dir} holds an earlier run's checkpoints ({shown}): pass --resume to "
+                     "continue it, or --start-over to remove them and train from step 0, or choose another --save-dir")
 
 
 def check_save_dir(save_dir: str) -> None:

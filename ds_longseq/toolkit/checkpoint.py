@@ -17,6 +17,8 @@ Holds:
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
     save_checkpoint: every rank writes step<N>.partial/, renamed to step<N>/ when complete, then ``latest`` moves.
     remove_partial_checkpoints: the ``step<N>.partial/`` directories of saves that did not complete, removed at start.
+    earlier_run / clear_earlier_run: the checkpoints an earlier run left in a save directory (a new run must
+        ``--resume`` them or ``--start-over``), and their removal; start_over: that removal in a started run.
     checkpoint_bytes: about how many bytes one checkpoint takes (measured from the last one, else estimated).
     check_save_space: warn at start when the save directory's free space is short of one checkpoint.
     save_if_due: a checkpoint every ``save_every`` steps and at the last step.
@@ -57,7 +59,8 @@ from ds_longseq.toolkit.lora import merge_lora
 __all__ = ["write_latest", "read_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
            "prune_checkpoints",
            "checkpoint_bytes", "check_save_space", "remove_partial_checkpoints", "gathered_state_dict", "save_streamed",
-           "export_hf", "PARTIAL_SUFFIX"]
+           "export_hf", "PARTIAL_SUFFIX", "RUN_OUTPUTS", "earlier_run", "clear_earlier_run",
+           "start_over"]
 
 PARTIAL_SUFFIX = ".partial"
 """What a checkpoint's directory is called until every rank has written it (``step<N>.partial``)."""
@@ -147,6 +150,60 @@ def start_or_resume(
             f.writelines(json.dumps(m) + "\n" for m in metrics)
         logger.warning("resumed from %s/%s at step %d", save_dir, tag, start_step)
     return start_step, metrics
+
+
+RUN_OUTPUTS = ("latest", "latest_universal", "metrics.jsonl", "loss.png", "hf_model", "hf_adapter")
+"""What a run writes into its save directory besides its checkpoints (``step<N>/`` and their forms)."""
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    """``step<N>``, its converted ``step<N>.universal`` or an unfinished ``step<N>.partial``."""
+    stem = name.removesuffix(PARTIAL_SUFFIX).removesuffix(UNIVERSAL_SUFFIX)
+    return stem.startswith("step") and stem[4:].isdigit()
+
+
+def earlier_run(save_dir: str) -> list[str]:
+    """The complete checkpoints an earlier run left in ``save_dir`` (``step<N>/`` and ``latest``), newest last; []
+    for a new or empty directory. A new run there must say whether it continues them (``--resume``) or starts over
+    (``--start-over``): training beside them would mix two runs' checkpoints and crash at its last save."""
+    if not os.path.isdir(save_dir):
+        return []
+    tags = sorted((int(name[4:]), name) for name in os.listdir(save_dir)
+                  if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(save_dir, name)))
+    found = [name + "/" for _, name in tags]
+    return found + ["latest"] * os.path.isfile(os.path.join(save_dir, "latest"))
+
+
+def clear_earlier_run(save_dir: str) -> list[str]:
+    """Remove what an earlier run wrote into ``save_dir`` (its checkpoints in every form, ``latest``, its metrics,
+    plot and export: :data:`RUN_OUTPUTS`) and return the names removed; nothing else in the directory is touched.
+    ``--start-over`` (each node's local rank 0, before the model is built)."""
+    if not os.path.isdir(save_dir):
+        return []
+    removed = sorted(name for name in os.listdir(save_dir) if _is_checkpoint_name(name) or name in RUN_OUTPUTS)
+    for name in removed:
+        path = os.path.join(save_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)  # another node's leader may remove it too (a shared directory)
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def start_over(save_dir: str, rank: int) -> None:
+    """--start-over: each node's local rank 0 removes the earlier run's outputs in ``save_dir``
+    (:func:`clear_earlier_run`; after every check passed, before the model is built), rank 0 saying in one line what
+    was removed; every rank waits for it."""
+    import deepspeed.comm as dist
+
+    if _local_leader(rank):
+        removed = clear_earlier_run(save_dir)
+        if removed and rank == 0:
+            logger.warning("--start-over: removed the earlier run's %s from %s", ", ".join(removed), save_dir)
+    dist.barrier()
 
 
 def remove_partial_checkpoints(save_dir: str) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 
 import ds_longseq.engine
 from ds_longseq import compat
+from ds_longseq.batch_size import BatchSize, BatchSizeError, read_batch_size
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
 from ds_longseq.engine.manifest import read_latest, read_manifest
@@ -25,7 +26,13 @@ from ds_longseq.forwards.sp_model import ring_degree
 from ds_longseq.logging import get_logger
 from ds_longseq.resolver import RunShape
 from ds_longseq.toolkit.args import DoesNotFit
-from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
+from ds_longseq.toolkit.checkpoint import (
+    SaveSchedule,
+    check_save_space,
+    export_hf,
+    save_checkpoint,
+    start_over,
+)
 from ds_longseq.toolkit.distributed import resolve_or_exit, set_learning_rate, start_resolved, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
 from ds_longseq.toolkit.tasks import build_model, model_config
@@ -55,10 +62,19 @@ class Run:
     """This rank's place in its sequence-parallel group."""
     sp_size: int
     """P, the sequence-parallel size (1: none)."""
-    micro_bs: int
-    """Items per micro-batch (``train_micro_batch_size_per_gpu``)."""
-    gas: int
-    """Gradient accumulation steps."""
+    batch: BatchSize
+    """DeepSpeed's batch triple as DeepSpeed resolves it (``batch_size.read_batch_size``)."""
+
+    @property
+    def micro_bs(self) -> int:
+        """Items per micro-batch (``train_micro_batch_size_per_gpu``)."""
+        return self.batch.micro_batch
+
+    @property
+    def gas(self) -> int:
+        """Micro-batches per optimizer step (``gradient_accumulation_steps``, given or derived from
+        ``train_batch_size``): a loop calls ``engine.step()`` this many times per optimizer step."""
+        return self.batch.gradient_accumulation
 
     @property
     def ring(self) -> int:
@@ -188,10 +204,16 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     # the section parsed once, by start_resolved: the preflight and engine.initialize read this object
     ds_config = {**resolved.ds_config, "long_seq": long_seq}
     set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
+    try:  # as DeepSpeed will read it (any two of the three keys): the loops step the optimizer by it
+        batch = read_batch_size(ds_config, world // long_seq.sequence_parallel.size)
+    except BatchSizeError as err:
+        raise SystemExit(f"--ds_config {args.ds_config}: {err}") from None
     plan = check_memory(args, ds_config)
     check_resume_shape(args, ds_config, world, long_seq.sequence_parallel.size)
     if before_model is not None:
         before_model()
+    if getattr(args, "start_over", False):
+        start_over(args.save_dir, rank)
 
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     model = build_model(args.model, dtype, seq_len=args.seq_len, seed=args.seed)
@@ -208,9 +230,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
             seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))))
     schedule = SaveSchedule(args.save_every, getattr(args, "save_every_minutes", 0.0), args.max_steps,
                             device=engine.device)
-    run = Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size,
-              ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1),
-              schedule)
+    run = Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size, batch, schedule)
     if rank == 0:
         logger.info("%s", startup_summary(run, plan))
     return run

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
+from ds_longseq.batch_size import read_batch_size
 from ds_longseq.compat import (
     accelerate_parallelism_hidden,
     deepspeed_initialize_replaced,
@@ -130,7 +131,10 @@ class LongSeqTrainerMixin:
             section = self._long_seq_take_parallelism_config(pc, section)
         # resolved against the ranks accelerate started: a size they cannot make whole groups of is refused here
         world = dist.get_world_size() if dist.is_initialized() else None
-        cfg = resolve({**ds_config, "long_seq": section}, launch=Launch(world=world, deepspeed=True)).long_seq
+        # train_batch_size left out: the Trainer filled it counting every rank a replica (accelerate's world), and
+        # checked it against its TrainingArguments; _long_seq_initialize sets it again from the replicas
+        given = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
+        cfg = resolve({**given, "long_seq": section}, launch=Launch(world=world, deepspeed=True)).long_seq
         return section, cfg
 
     def _long_seq_take_parallelism_config(self, pc, section: dict | LongSeqConfig | None) -> dict | LongSeqConfig:
@@ -190,12 +194,11 @@ class LongSeqTrainerMixin:
             config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
         sp = self.long_seq_sp_size
         if sp > 1 and "train_batch_size" in config and dist.is_initialized():
-            # accelerate counts every rank as a data-parallel replica; DeepSpeed checks world / P
-            config["train_batch_size"] = (
-                config["train_micro_batch_size_per_gpu"]
-                * config.get("gradient_accumulation_steps", 1)
-                * data_parallel_rank_and_size(sp)[1]
-            )
+            # accelerate counts every rank as a data-parallel replica (the Trainer filled train_batch_size so);
+            # DeepSpeed checks world / P: the global batch again from the micro-batch and accumulation it filled
+            per_rank = {k: config[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+                        if k in config}
+            config["train_batch_size"] = read_batch_size(per_rank, data_parallel_rank_and_size(sp)[1]).train_batch
         return initialize_with(original, config=config, **kwargs)
 
     @contextlib.contextmanager
