@@ -69,8 +69,10 @@ def measure(seq_len: int, method: str, disk_path: str, steps: int, hidden: int =
     ds_longseq.enable(model, cfg)
     store = None
     if method == "disk":
-        (hook,) = model.model._forward_pre_hooks.values()
-        store = hook.__self__.store
+        from ds_longseq.forwards.layer_input_offload import LayerInputOffload
+
+        (store,) = [h.__self__.store for h in model.model._forward_pre_hooks.values()
+                    if isinstance(getattr(h, "__self__", None), LayerInputOffload)]
     ids = random_tokens(s, seq_len)
 
     def step():

@@ -45,6 +45,11 @@ Methods:
                       streambp_4x the same at four times.
     streambp_auto, streambp_offload_auto: streambp / streambp_offload with ``streambp.chunk_size = "auto"``: the
                       whole sequence as one chunk when its work fits 80% of free memory, else the largest power of two.
+                      Like every StreamBP method they keep the attention outputs where memory allows
+                      (``streambp.keep_attention_output`` "auto", the default); streambp_auto_offload is another name
+                      of streambp_offload_auto (issue 61's GPU suite).
+    streambp_auto_recompute: streambp_auto with ``keep_attention_output: false``: the backward's replay recomputes
+                      the attention forward (StreamBP before issue 61).
     streambp_offload_1call: streambp_offload with ``attention.single_call = true``: one attention kernel call per
                       chunk and direction (FlashAttention-2's bottom-right causal mask) instead of cuDNN's tiles.
     streambp_keep<k>, streambp_offload_keep<k> (k = 2, 4): streambp / streambp_offload keeping every k-th layer
@@ -307,6 +312,8 @@ class Recipe:
     keep_every: int = 1  # ds_longseq long_seq.offload.keep_every (StreamBP keeps every k-th layer input only)
     auto_chunk: bool = False  # ds_longseq long_seq.streambp.chunk_size = "auto" (the whole sequence when it fits)
     single_call: bool | None = None  # ds_longseq long_seq.attention.single_call (None: left to the default)
+    # ds_longseq long_seq.streambp.keep_attention_output (None: left to the default, "auto")
+    keep_attention_output: bool | str | None = None
 
 
 _BASE = (
@@ -326,6 +333,9 @@ METHODS["streambp_2x"] = replace(METHODS["streambp"], name="streambp_2x", chunk_
 METHODS["streambp_4x"] = replace(METHODS["streambp"], name="streambp_4x", chunk_scale=4)
 METHODS["streambp_auto"] = replace(METHODS["streambp"], name="streambp_auto", auto_chunk=True)
 METHODS["streambp_offload_auto"] = replace(METHODS["streambp_offload"], name="streambp_offload_auto", auto_chunk=True)
+METHODS["streambp_auto_offload"] = replace(METHODS["streambp_offload_auto"], name="streambp_auto_offload")
+METHODS["streambp_auto_recompute"] = replace(METHODS["streambp_auto"], name="streambp_auto_recompute",
+                                             keep_attention_output=False)
 METHODS["streambp_offload_1call"] = replace(METHODS["streambp_offload"], name="streambp_offload_1call",
                                             single_call=True)
 for _k in (2, 4):  # sparse layer-input storage, on the device and offloaded
@@ -384,6 +394,8 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
             cfg.setdefault("offload", {})["keep_every"] = recipe.keep_every
         if recipe.single_call is not None:
             cfg["attention"] = {"single_call": recipe.single_call}
+        if recipe.keep_attention_output is not None:
+            cfg["streambp"]["keep_attention_output"] = recipe.keep_attention_output
     else:
         cfg = {}
     if recipe.approx_bp:

@@ -24,11 +24,15 @@ MIB = 1024**2
 
 def measure(seq_len: int, keep_every: int) -> dict:
     model = build_model(LLAMA_SMALL, dtype="float32", device="cpu", seq_len=seq_len)
-    cfg = {"streambp": {"enabled": True, "chunk_size": 1024}, "lm_head": {"enabled": True, "chunk_size": 1024},
+    # the layer inputs alone (the attention outputs StreamBP can keep beside them would add their own slabs)
+    cfg = {"streambp": {"enabled": True, "chunk_size": 1024, "keep_attention_output": False},
+           "lm_head": {"enabled": True, "chunk_size": 1024},
            "offload": {"layer_inputs": "cpu", "keep_every": keep_every}}
     ds_longseq.enable(model, cfg)
-    (hook,) = model.model._forward_pre_hooks.values()
-    pool = hook.__self__.pool
+    from ds_longseq.forwards.layer_input_offload import LayerInputOffload
+
+    (pool,) = [h.__self__.pool for h in model.model._forward_pre_hooks.values()
+               if isinstance(getattr(h, "__self__", None), LayerInputOffload)]
     ids = random_tokens(LLAMA_SMALL, seq_len)
     start = time.perf_counter()
     model(input_ids=ids, labels=ids).loss.backward()

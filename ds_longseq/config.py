@@ -193,6 +193,14 @@ class StreamBPConfig:
     auto_free_fraction: Annotated[float, Rule("a fraction in (0, 1]", lambda v: v <= 1)] = 0.8
     """With ``chunk_size: "auto"`` and no ``auto_budget_gib``: the fraction of free memory the step may
     use (the rest is headroom for what the model does not count: allocator fragmentation, buffers)."""
+    keep_attention_output: Literal[True, False, "auto"] = "auto"
+    """Keep each attention layer's attention output and log-sum-exp from the forward, beside its input and in the
+    same tier (the device, or ``offload.layer_inputs``' host memory or disk; only the layers whose input is kept
+    under ``offload.keep_every``), so the backward's chunk replay runs the attention's backward alone instead of
+    recomputing its forward (one attention forward per layer per step fewer; exact). Costs per token and layer the
+    attention output (heads x value dim, the hidden size for most families) plus one float per head. ``"auto"``:
+    kept when the tier has room for it at the step's length (``forwards.keep_attention`` decides at each training
+    forward, as the planner counts; the start-up log says which). Layers with a recurrent mixer keep replaying."""
 
     def problems(self) -> list[str]:
         """The auto-chunk budget is set only with ``chunk_size: "auto"``, which alone reads it."""

@@ -77,6 +77,7 @@ __all__ = [
     "PreflightError",
     "estimate",
     "longest_fit",
+    "resolve_keep",
     "sp_split",
     "plan",
     "preflight",
@@ -120,6 +121,9 @@ class Setup:
     device: Literal["cuda", "cpu"] = "cuda"
     chunk_size: int = 4096  # long_seq.streambp.chunk_size; 0 for "auto" (chosen at each step)
     lm_head_chunk_size: int = 4096
+    # long_seq.streambp.keep_attention_output (StreamBP only): True / False, or "auto": kept where it fits
+    # (``resolve_keep``, as the run's forward decides)
+    keep_attention_output: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         problems = []
@@ -137,12 +141,20 @@ class Setup:
             problems.append(f"keep_every={self.keep_every} must be >= 1")
         if self.lora_rank is not None and self.lora_rank < 1:
             problems.append(f"lora_rank={self.lora_rank} must be >= 1")
+        if self.keep_attention_output not in (True, False, "auto"):
+            problems.append(f"keep_attention_output={self.keep_attention_output!r} must be True, False or 'auto'")
         if problems:
             raise ValueError("; ".join(problems))
 
     @property
     def gpus_per_node(self) -> int:
         return self.gpus // self.nodes
+
+    @property
+    def keeps_attention_outputs(self) -> bool:
+        """Whether the step keeps the attention outputs beside the layer inputs (StreamBP with
+        ``keep_attention_output`` True; "auto" is resolved against the memory by :func:`resolve_keep`)."""
+        return self.method == "streambp" and self.keep_attention_output is True
 
     @property
     def keeps_layer_inputs(self) -> bool:
@@ -196,6 +208,7 @@ class Setup:
             device="cpu" if device == "cpu" else "cuda",
             chunk_size=_chunk(ls.streambp.chunk_size),
             lm_head_chunk_size=ls.lm_head.chunk_size,
+            keep_attention_output=ls.streambp.keep_attention_output,
         )
 
 
@@ -332,12 +345,17 @@ def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: boo
     one_input = t_local * dims.hidden_size * b
     k = setup.keep_every
     inputs = -(-dims.num_layers // k) * one_input if setup.keeps_layer_inputs else 0.0
+    # beside each kept input, its layer's attention outputs (heads x head dim, and a log-sum-exp per head)
+    one_output = t_local * dims.attention_output_bytes(b) if setup.keeps_attention_outputs else 0.0
+    outputs = -(-dims.num_layers // k) * one_output
     unit = dims.hidden_size * b if coef.unit == "hidden" else dims.vocab_size * 4
     device = {
         "weights": weights,
         "grads": grads,
         "optimizer": 0.0 if setup.offload_optimizer else optimizer,
         "layer_inputs": 0.0 if setup.offload_layer_inputs else inputs,
+        # offloaded with the inputs, one layer's waiting on the device until the end of its forward
+        "attention_outputs": one_output if setup.offload_layer_inputs else outputs,
         # keep_every > 1: in backward one block's inputs are rebuilt and wait on the device (not yet measured)
         "rebuilt_block": (k - (0 if setup.offload_layer_inputs else 1)) * one_input if k > 1 else 0.0,
         "ring_kv": _ring_kv_bytes(dims, setup, t_local),
@@ -349,13 +367,26 @@ def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: boo
     on_disk = setup.disk_layer_inputs
     host = {
         "layer_inputs": inputs * ranks if setup.offload_layer_inputs and not on_disk else 0.0,
+        "attention_outputs": outputs * ranks if setup.offload_layer_inputs and not on_disk else 0.0,
         # DeepSpeed's CPU Adam: fp32 gradients + master weights + 2 moments per parameter, this host's share
         "optimizer": trainable * (4 + 12) / world * ranks if setup.offload_optimizer else 0.0,
     }
     if on_disk:
         host["disk_staging"] = DISK_STAGING_BYTES * ranks
-    disk = {"layer_inputs": inputs * ranks} if on_disk else {}
+    disk = {"layer_inputs": inputs * ranks, "attention_outputs": outputs * ranks} if on_disk else {}
     return Estimate(seq_len, device, host, note, disk)
+
+
+def resolve_keep(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float,
+                 host_bytes: float | None = None) -> Setup:
+    """``setup`` with ``keep_attention_output: "auto"`` decided for ``seq_len``: kept where the estimate with them
+    fits (``device_bytes``, ``host_bytes``), as the run's forward decides (``forwards.keep_attention``); else as it
+    is."""
+    if setup.keep_attention_output != "auto":
+        return setup
+    kept = replace(setup, keep_attention_output=True)
+    fits = setup.method == "streambp" and _fits(estimate(dims, kept, seq_len), device_bytes, host_bytes)
+    return kept if fits else replace(setup, keep_attention_output=False)
 
 
 def sp_split(dims: ModelDims, setup: Setup) -> tuple[int, int]:
@@ -454,6 +485,9 @@ class Plan:
             "(benchmarks/results/plan_validation.md)" + (f"; {e.note}" if e.note else ""),
             f"fits: {'yes' if self.fits else 'NO'}; longest that fits: {self.longest:,} tokens",
             f"chunks: {', '.join(f'{k}={v}' for k, v in self.chunks.items())}",
+            *([f"attention outputs: {'kept' if s.keep_attention_output else 'not kept'} "
+               f"(streambp.keep_attention_output; kept, the backward skips one attention forward per layer)"]
+              if s.method == "streambp" else []),
             f"micro-batch: up to {self.max_batch} such sequence(s) per step fit (train_micro_batch_size_per_gpu; a "
             "larger batch trains more samples per second where memory allows)" if self.max_batch else
             "micro-batch: not even one such sequence fits",
@@ -523,9 +557,14 @@ def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, h
 
 
 def plan(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_bytes: float | None = None) -> Plan:
-    """Estimate ``seq_len`` for ``setup`` against ``device_bytes`` per GPU (and ``host_bytes`` per host)."""
+    """Estimate ``seq_len`` for ``setup`` against ``device_bytes`` per GPU (and ``host_bytes`` per host); a
+    ``keep_attention_output`` of "auto" is decided for ``seq_len`` (:func:`resolve_keep`: the plan's setup says
+    which), and the longest length is the one that fits without keeping (where "auto" stops keeping)."""
+    given = setup
+    longest = longest_fit(dims, given, device_bytes, host_bytes)
+    setup = resolve_keep(dims, given, seq_len, device_bytes, host_bytes)
     e = estimate(dims, setup, seq_len)
-    p = Plan(dims, setup, device_bytes, host_bytes, e, longest_fit(dims, setup, device_bytes, host_bytes))
+    p = Plan(dims, setup, device_bytes, host_bytes, e, longest)
     if not p.fits:
         p.options = _options(dims, setup, seq_len, device_bytes, host_bytes)
     t_local = math.ceil(seq_len / setup.sequence_parallel)
@@ -534,8 +573,8 @@ def plan(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_
     p.chunks = {"streambp.chunk_size": min(best, t_local), "lm_head.chunk_size": min(best, t_local)}
     p.preset = recommend_preset(setup)
     # the largest micro-batch of such sequences that fits: the memory StreamBP saves, spent on samples per step
-    p.max_batch = largest_fitting(
-        lambda n: _fits(estimate(dims, replace(setup, batch_size=n), seq_len), device_bytes, host_bytes))
+    p.max_batch = largest_fitting(lambda n: _fits(estimate(dims, resolve_keep(
+        dims, replace(given, batch_size=n), seq_len, device_bytes, host_bytes), seq_len), device_bytes, host_bytes))
     return p
 
 

@@ -284,3 +284,13 @@ def float64_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attentio
         prob_sum = prob_sum + (p * mask[:, None]).sum(0)
     total = len(probs) * mask.sum()
     return (counts / total * (prob_sum / total)).sum() * num_experts
+
+
+def layer_input_offload(model):
+    """The model's ``forwards.layer_input_offload.LayerInputOffload``: the object one of the base model's forward
+    pre-hooks belongs to (StreamBP's automatic choices register theirs beside it)."""
+    from ds_longseq.forwards.layer_input_offload import LayerInputOffload
+
+    (offload,) = [h.__self__ for h in model.model._forward_pre_hooks.values()
+                  if isinstance(getattr(h, "__self__", None), LayerInputOffload)]
+    return offload

@@ -25,7 +25,8 @@ def test_a_key_in_the_wrong_section_names_the_section_it_belongs_to():
         LongSeqConfig.from_dict({"streambp": {"enabled": True, "kv_block_size": 256}, "mlp_num_chunks": 4})
     assert info.value.problems == [
         "unknown key long_seq.streambp.'kv_block_size': valid keys are ['auto_budget_gib', 'auto_free_fraction', "
-        "'chunk_size', 'enabled']; 'kv_block_size' is long_seq.attention.kv_block_size: move it there",
+        "'chunk_size', 'enabled', 'keep_attention_output']; 'kv_block_size' is long_seq.attention.kv_block_size: "
+        "move it there",
         "unknown key long_seq.'mlp_num_chunks': valid keys are ['adjoint', 'approx_bp', 'attention', 'lm_head', "
         "'mini_seq', 'offload', 'sequence_parallel', 'streambp', 'watchdog']; 'mlp_num_chunks' is "
         "long_seq.mini_seq.mlp_num_chunks: move it there",

@@ -29,7 +29,7 @@ import ds_longseq
 from ds_longseq import LongSeqConfigError
 from ds_longseq.ops import disk_store as disk_offload
 from ds_longseq.ops.disk_store import ALIGNMENT, AsyncIOUnavailable, DiskOffloader, DiskStore
-from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
+from tests.helpers import clone, compare, layer_input_offload, loss_and_grads, make_batch, make_model
 
 LAYERS = 5
 STREAMBP = {
@@ -80,8 +80,7 @@ def _bitwise(a, b):
 
 def _offload(model):
     """The model's ``forwards.layer_input_offload.LayerInputOffload`` (the base model's forward pre-hook's object)."""
-    (hook,) = model.model._forward_pre_hooks.values()
-    return hook.__self__
+    return layer_input_offload(model)
 
 
 def _all_files(path) -> list[str]:
@@ -162,7 +161,7 @@ def test_files_bypass_the_page_cache(disk_dir):
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_disk_tier_is_exact(k, disk_dir):
     """float64 against the stock model, bitwise against the inputs kept in memory, over two steps; after the forward
-    one file per kept input (and its input freed), after the step none."""
+    one file per kept input and two of its layer's attention outputs (and its input freed), after the step none."""
     model = make_model("llama", torch.float64, num_layers=LAYERS)
     batch = make_batch()
     ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
@@ -174,9 +173,13 @@ def test_disk_tier_is_exact(k, disk_dir):
         loss = on_disk(**batch).loss
         store.submit(lambda: None).result()  # the queued writes are done
         kept = math.ceil(LAYERS / k)
-        assert len(store.files) == kept
+        # beside each kept input its layer's attention outputs (keep_attention_output "auto"): two files, every
+        # chunk's (B, H, C, D) outputs in one (the input's bytes) and their (B, H, C) log-sum-exps in the other
+        assert len(store.files) == 3 * kept
         per_input = batch["input_ids"].numel() * model.config.hidden_size * 8
-        assert store.disk_bytes == kept * -(-per_input // ALIGNMENT) * ALIGNMENT
+        per_lse = batch["input_ids"].numel() * model.config.num_attention_heads * 8
+        aligned = (lambda n: -(-n // ALIGNMENT) * ALIGNMENT)
+        assert store.disk_bytes == kept * (2 * aligned(per_input) + aligned(per_lse))
         del loss
         gc.collect()
         store.submit(lambda: None).result()

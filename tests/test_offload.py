@@ -17,7 +17,7 @@ from ds_longseq import LongSeqConfig, LongSeqConfigError
 from ds_longseq.forwards.layer_input_offload import HostMemoryError
 from ds_longseq.ops import HostBufferPool, LayerInputOffloader, checkpoint_apply
 from tests.dist_utils import run_distributed
-from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
+from tests.helpers import clone, compare, layer_input_offload, loss_and_grads, make_batch, make_model
 
 OFFLOAD = {"offload": {"layer_inputs": "cpu"}}
 STREAMBP = {
@@ -33,8 +33,7 @@ def _handle(model):
 
 def _offload(model):
     """The model's LayerInputOffload (the object the base model's hooks belong to)."""
-    (hook,) = model.model._forward_pre_hooks.values()
-    return hook.__self__
+    return layer_input_offload(model)
 
 
 def _assert_bitwise(ours, ref):
@@ -168,7 +167,12 @@ def test_graph_holds_no_layer_input_the_offloader_holds_them(config):
     (offloader,) = seen
     assert len(inputs) == 2 and all(t.shape == (2, 37, 64) for t in inputs)
     assert not {t.data_ptr() for t in inputs} & {t.data_ptr() for t in saved}
-    assert offloader.num_saved == 2 and offloader.saved_bytes == 2 * 2 * 37 * 64 * 4
+    # StreamBP also keeps each layer's attention outputs in the tier (keep_attention_output "auto"): per layer its
+    # chunks' outputs (B, H, C, D) in one tensor and their log-sum-exps (B, H, C) in another, as many bytes as the
+    # input plus one float per head
+    kept = 2 * 2 if config is STREAMBP else 0
+    kept_bytes = 2 * 2 * 37 * 4 * (16 + 1) * 4 if config is STREAMBP else 0
+    assert offloader.num_saved == 2 + kept and offloader.saved_bytes == 2 * 2 * 37 * 64 * 4 + kept_bytes
     assert offload.current is None  # reset after the forward: the graph owns its offloader
     loss.backward()
     assert offloader.num_saved == 0

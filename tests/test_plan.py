@@ -108,12 +108,37 @@ def test_components_follow_the_setup():
     assert disk.offload_layer_inputs and disk.disk_layer_inputs
     on_disk = P.estimate(dims, replace(disk, lora_rank=16, zero_stage=3), t)
     assert on_disk.device["layer_inputs"] == 0 and on_disk.host["layer_inputs"] == 0
-    assert on_disk.disk == {"layer_inputs": layer_inputs * 8 / 2}  # 16 of 32 inputs, 8 ranks on this host
+    # "auto" (the default) counts no attention outputs until resolved against the memory (resolve_keep)
+    assert on_disk.disk == {"layer_inputs": layer_inputs * 8 / 2, "attention_outputs": 0}  # 16 of 32, 8 ranks
     from ds_longseq.ops.disk_store import PIECE_BYTES
 
     assert on_disk.host["disk_staging"] == 8 * 2 * PIECE_BYTES == 8 * P.DISK_STAGING_BYTES  # two per rank
     with pytest.raises(ValueError, match="set offload_layer_inputs=True too"):
         P.Setup(disk_layer_inputs=True)
+    # kept attention outputs: heads x head dim (bf16) + a float32 log-sum-exp per head, per token and kept layer, in
+    # the layer inputs' tier (one layer's on the device while it waits for its offload)
+    per_layer = t * dims.num_heads * (dims.head_dim * 2 + 4)
+    kept = P.estimate(dims, replace(base, keep_attention_output=True), t)
+    assert kept.device["attention_outputs"] == dims.num_layers * per_layer
+    assert per_layer == pytest.approx(t * dims.hidden_size * 2 * (1 + 2 / dims.head_dim))  # the input's size + 1/64
+    kept_off = P.estimate(dims, replace(base, keep_attention_output=True, offload_layer_inputs=True, keep_every=4), t)
+    assert kept_off.device["attention_outputs"] == per_layer and kept_off.host["attention_outputs"] == (
+        dims.num_layers / 4 * per_layer * 8)
+    kept_disk = P.estimate(dims, replace(disk, lora_rank=16, keep_attention_output=True), t)
+    assert kept_disk.disk["attention_outputs"] == dims.num_layers / 2 * per_layer * 8
+    assert P.estimate(dims, replace(base, method="hf_gc", keep_attention_output=True), t).device[
+        "attention_outputs"] == 0  # StreamBP's alone
+    # "auto" keeps where it fits, as the run decides: 128K on 80 GiB keeps (32 GiB of inputs, 32.5 of outputs), not
+    # on 56 GiB, where 128K still fits without; the longest length is the one without keeping
+    auto = P.plan(dims, base, t, 80 * P.GIB)
+    assert auto.setup.keep_attention_output is True and auto.estimate.device["attention_outputs"] > 0
+    tight = P.plan(dims, base, t, 56 * P.GIB)
+    assert tight.setup.keep_attention_output is False and tight.fits
+    assert tight.longest == P.plan(dims, replace(base, keep_attention_output=False), t, 56 * P.GIB).longest
+    assert P.Setup.from_configs({"long_seq": {"streambp": {"enabled": True, "keep_attention_output": False}}}
+                                ).keep_attention_output is False
+    with pytest.raises(ValueError, match="keep_attention_output='yes' must be True, False or 'auto'"):
+        P.Setup(keep_attention_output="yes")
     full = P.estimate(dims, replace(base, lora_rank=None, zero_stage=2, offload_optimizer=True), t)
     assert full.device["optimizer"] == 0 and full.host["optimizer"] == pytest.approx(dims.num_params * 16)
     assert full.device["grads"] == pytest.approx(dims.num_params * 2 / 8)

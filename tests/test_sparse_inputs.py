@@ -20,7 +20,7 @@ import torch
 import ds_longseq
 from ds_longseq import LongSeqConfigError
 from ds_longseq.ops import SparseInputs
-from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
+from tests.helpers import clone, compare, layer_input_offload, loss_and_grads, make_batch, make_model
 
 STREAMBP = {
     "streambp": {"enabled": True, "chunk_size": 8}, "attention": {"kv_block_size": 6},
@@ -90,10 +90,9 @@ def test_keep_every_with_packed_documents_and_float32():
 
 def _storage_after_forward(model, batch):
     """(the forward's SparseInputs, whether each layer's input is still alive after the forward, loss)."""
-    offload = model.model._forward_pre_hooks
-    (hook,) = offload.values()
+    offload = layer_input_offload(model)
     store = []
-    grab = model.model.register_forward_hook(lambda *a: store.append(hook.__self__.current), prepend=True)
+    grab = model.model.register_forward_hook(lambda *a: store.append(offload.current), prepend=True)
     refs = []
     pre = [layer.register_forward_pre_hook(
         lambda mod, args, kwargs, refs=refs: refs.append(weakref.ref(kwargs.get("hidden_states", args[0] if args

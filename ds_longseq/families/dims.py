@@ -2,7 +2,8 @@
 
 Holds:
     ModelDims: hidden, MLP and expert widths, layers, heads, vocabulary; parameter counts (whole model, one layer,
-        LoRA); ``chunk_work_per_token``: the bytes one decoder layer's forward and backward hold per token of a chunk.
+        LoRA); ``chunk_work_per_token``: the bytes one decoder layer's forward and backward hold per token of a chunk;
+        ``attention_output_bytes``: the bytes per token of one layer's kept attention output.
 
 Used by the planner (``ds_longseq.plan``) and by StreamBP's automatic chunk size (``forwards.auto_chunk``).
 """
@@ -13,6 +14,17 @@ from dataclasses import dataclass
 from typing import Mapping
 
 __all__ = ["ModelDims"]
+
+
+def _attribute(config, key: str, default=None):
+    """``config.key``; for an attribute that varies across the layers of a heterogeneous config (Gemma 4's head dim:
+    transformers raises a RuntimeError reading it globally) the largest layer's, which bounds a memory estimate."""
+    try:
+        return getattr(config, key, default)
+    except RuntimeError:
+        values = [v for layer in getattr(config, "per_layer_config", None) or ()
+                  if (v := getattr(layer, key, None)) is not None]
+        return max(values) if values else default
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,7 @@ class ModelDims:
     def from_config(cls, config) -> "ModelDims":
         """From a transformers config object or its ``config.json`` dict (a ``text_config`` inside wins)."""
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
-            lambda k, d=None: getattr(config, k, d))
+            lambda k, d=None: _attribute(config, k, d))
         text = get("text_config")
         if text:
             return cls.from_config(text)
@@ -92,6 +104,12 @@ class ModelDims:
         if self.num_experts:
             return self.expert_intermediate_size * max(self.experts_per_token, 1)
         return self.intermediate_size
+
+    def attention_output_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per token of one layer's kept attention output (``streambp.keep_attention_output``): the output of
+        every head (heads x head dim, in the activations' dtype) and each head's log-sum-exp (float32, float64 for a
+        float64 model)."""
+        return self.num_heads * (self.head_dim * dtype_bytes + max(dtype_bytes, 4))
 
     def chunk_work_per_token(self, dtype_bytes: int, kv_tile: int | None = None, score_bytes: int = 4) -> float:
         """Bytes one decoder layer holds per token of a chunk while StreamBP runs the chunk forward and backward.

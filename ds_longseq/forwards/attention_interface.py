@@ -271,7 +271,7 @@ def _sequence_parallel_attention(query: torch.Tensor, keys: _Keys, spec: AttnSpe
     )
     if stream is not None:
         return ulysses_chunk_attention(query, stream.exchange, stream.k_heads, stream.v_heads, stream.start, stream.end,
-                                       grad_sink=stream.grad_sink, **common)
+                                       grad_sink=stream.grad_sink, kept=stream.kept_slot(), **common)
     return ulysses_attention(query, keys.key, keys.value, sp.exchange, **common)
 
 
@@ -325,6 +325,7 @@ def _local_attention(query: torch.Tensor, keys: _Keys, attention_mask: torch.Ten
         single_call=settings.single_call,
         dropout=masking.dropout,
         dropout_seed=dropout_seed,
+        kept=stream.kept_slot() if stream is not None else None,
     )
 
 

@@ -8,7 +8,8 @@ memory).
 Memory model (per device, B sequences of T local tokens, d hidden, L layers, b bytes per activation element):
 
     kept    what the forward keeps whatever the chunk: the layer inputs left on the device (all L, ceil(L/k) + k - 1
-            with keep_every = k, none offloaded but the rebuilt block), one layer's keys and values with their
+            with keep_every = k, none offloaded but the rebuilt block), the attention outputs kept on the device
+            (``streambp.keep_attention_output``, ``forwards.keep_attention``), one layer's keys and values with their
             gradient buffers (StreamBP holds them across the chunks of a layer), the residual stream's gradient
             in and out, the LM head's logits work (its chunk, or all T without the chunked head), and the gradients
             of trainable parameters that have none yet (allocated by this backward)
@@ -43,7 +44,7 @@ from ds_longseq.ops.chunk_sizes import choose_chunk_size, largest_fitting
 if TYPE_CHECKING:
     from ds_longseq.config import LongSeqConfig
 
-__all__ = ["CPU_MAX_CHUNK", "AutoChunkSettings", "AutoChunkSize"]
+__all__ = ["CPU_MAX_CHUNK", "AutoChunkSettings", "AutoChunkSize", "free_bytes"]
 
 logger = get_logger(__name__)
 
@@ -58,7 +59,9 @@ at once), while at 4K one chunk was faster (4.4 s against 4.9 s). With the cap, 
 larger chunks only mean fewer kernel launches."""
 
 
-def _free_bytes(device: torch.device) -> int:
+def free_bytes(device: torch.device) -> int:
+    """Memory free for a step on ``device``: CUDA's free memory plus what torch's allocator holds unused; on CPU the
+    available host memory."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -113,6 +116,9 @@ class AutoChunkSize:
         self.last: dict | None = None
         """The last choice: ``{"seq_len", "batch_size", "chunk_size", "work_bytes", "budget_bytes", "kept_bytes"}``."""
         self._logged: set[tuple[int, int]] = set()
+        self.keep = None
+        """The StreamBP layers' ``forwards.keep_attention.KeepAttentionOutput``, whose outputs kept on the device
+        count as kept (set by the StreamBP technique; None: nothing kept)."""
 
     def inputs_on_device(self) -> int:
         """Layer inputs on the device at the peak: all L; ceil(L/k) + k - 1 with keep_every = k (k when offloaded:
@@ -122,16 +128,19 @@ class AutoChunkSize:
             return k if k > 1 else 0
         return math.ceil(num_layers / k) + (k - 1 if k > 1 else 0)
 
-    def kept_bytes(self, batch_size: int, seq_len: int, dtype_bytes: int, grads_to_come: int) -> float:
-        """What the forward keeps whatever the chunk (the module docstring's ``kept``)."""
+    def kept_bytes(self, batch_size: int, seq_len: int, dtype_bytes: int, grads_to_come: int, *,
+                   count_kept_outputs: bool = True) -> float:
+        """What the forward keeps whatever the chunk (the module docstring's ``kept``), with the attention outputs
+        kept on the device (:attr:`keep`) unless ``count_kept_outputs`` is False."""
         d = self.dims
+        outputs = self.keep.device_bytes(batch_size, seq_len, dtype_bytes) if self.keep and count_kept_outputs else 0
         tokens = batch_size * seq_len
         inputs = self.inputs_on_device() * tokens * d.hidden_size * dtype_bytes
         kv = 4 * tokens * d.num_kv_heads * d.head_dim * dtype_bytes
         residual_grads = 2 * tokens * d.hidden_size * dtype_bytes
         head_tokens = min(self.lm_head_chunk_size or seq_len, seq_len) * (1 if self.lm_head_chunk_size else batch_size)
         head = 3 * head_tokens * d.vocab_size * 4  # float32 logits, their softmax and gradient
-        return inputs + kv + residual_grads + head + grads_to_come
+        return inputs + kv + residual_grads + head + grads_to_come + outputs
 
     def choose(self, batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
                grads_to_come: int = 0) -> int:
@@ -144,7 +153,7 @@ class AutoChunkSize:
         work = self.dims.chunk_work_per_token(b, tile, score_bytes)
         kept = self.kept_bytes(batch_size, seq_len, b, grads_to_come)
         # the memory the step may use, read once: the chunk's budget and how many sequences it could take
-        available = None if self.budget_gib is not None else self.free_fraction * _free_bytes(device)
+        available = None if self.budget_gib is not None else self.free_fraction * free_bytes(device)
         budget = self.budget_gib * GIB if available is None else available - kept
         chunk = choose_chunk_size(seq_len, batch_size, work, budget,
                                   max_chunk=None if device.type == "cuda" else CPU_MAX_CHUNK)

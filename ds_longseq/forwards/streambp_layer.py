@@ -34,6 +34,7 @@ from ds_longseq.ops.kv_stream import SharedKV, streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
     from ds_longseq.forwards.auto_chunk import AutoChunkSize
+    from ds_longseq.forwards.keep_attention import KeepAttentionOutput
     from ds_longseq.forwards.layer_input_offload import LayerInputOffload
 
 __all__ = ["StreamBPLayerForward", "LayerParts"]
@@ -85,12 +86,14 @@ class StreamBPLayerForward:
 
     def __init__(self, layer: torch.nn.Module, orig_forward: Callable, chunk_size: "int | AutoChunkSize",
                  attention: AttentionSettings, offload: "LayerInputOffload | None" = None,
-                 parts: LayerParts | None = None):
+                 parts: LayerParts | None = None, keep: "KeepAttentionOutput | None" = None):
         """``chunk_size``: ``long_seq.streambp.chunk_size``, or under "auto" the ``forwards/auto_chunk.AutoChunkSize``
         the layer asks at each forward (:attr:`chunk_size`); ``attention``: ``long_seq.attention`` (passed to every
         attention call of the layer); ``offload``: where the saved layer input goes; ``parts``: what the family knows
-        of the layer (:class:`LayerParts`). Every pass of a chunk draws the random numbers (dropout masks, router
-        noise) its forward drew (``forwards.replay.replay_draws``)."""
+        of the layer (:class:`LayerParts`); ``keep``: whether the forward keeps the attention outputs for the
+        backward (``forwards.keep_attention``, asked at each forward; None: never, a layer with a recurrent mixer).
+        Every pass of a chunk draws the random numbers (dropout masks, router noise) its forward drew
+        (``forwards.replay.replay_draws``)."""
         parts = parts or LayerParts()
         self.layer = layer
         self.name = parts.name or type(layer).__name__
@@ -103,6 +106,7 @@ class StreamBPLayerForward:
         self.chunks = chunk_size
         self.attention = attention
         self.offload = offload
+        self.keep = keep
         self.parts = parts  # read where used (self.parts.mixer), not copied field by field
         # a recurrent mixer's first forward over two chunks or more checks that it uses every carried state
         self.state_checked = self.parts.mixer not in ("recurrent", "both")
@@ -292,12 +296,13 @@ class StreamBPLayerForward:
         params = list(self.layer.parameters())
         sp = call.sp
         recurrent = self.parts.mixer in ("recurrent", "both")
+        keep = self.parts.mixer is None and self.keep is not None and bool(self.keep.chosen)
         # The router runs once per chunk (and again in backward): not what transformers should record.
         with collection_paused() if self.parts.router_tap is not None else nullcontext():
             sharded = getattr(self.parts.mixer_module, "forward", None)
             if sp is not None and self.parts.mixer is None:
                 return streambp_sp_apply(run_chunk, layer_input, params, self.chunk_size, sp.kv_exchange,
-                                         offloader)
+                                         offloader, keep_attention_output=keep)
             if sp is not None and self.parts.mixer == "recurrent" and isinstance(sharded, HeadShardedMixerForward):
                 # the mixer runs once per layer over the whole sequence, sharded by heads across the group
                 return streambp_mixer_sp_apply(run_chunk, layer_input, params, self.chunk_size,
@@ -309,7 +314,8 @@ class StreamBPLayerForward:
             # a recurrent layer under sequence parallelism continues from the previous rank's state
             return streambp_apply(run_chunk, layer_input, params, self.chunk_size, offloader,
                                   min_chunk=2 if recurrent else 1,
-                                  ring=sp.state_ring if sp is not None and recurrent else None)
+                                  ring=sp.state_ring if sp is not None and recurrent else None,
+                                  keep_attention_output=keep)
 
 def _documents(outer_spec, packed: dict, position_ids, attention_mask, B: int, T: int):
     """(B, T) start of each token's packed document, or None (one document per row; under sequence

@@ -71,11 +71,14 @@ import itertools
 import struct
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ds_longseq.ops.phases import phase
+
+if TYPE_CHECKING:
+    from ds_longseq.ops.kept_attention import ChunkSlot
 
 _DROPOUT_TAP: ContextVar[Callable | None] = ContextVar("ds_longseq_attention_dropout_tap", default=None)
 
@@ -726,13 +729,18 @@ def _with_dropout(mask: TileMask, dropout: tuple[float, int], where: tuple[int, 
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, sink_k, sink_v,
-                sink_own, sink_logits, joined_k, joined_v, dropout):
+                sink_own, sink_logits, joined_k, joined_v, dropout, kept):
         joined = (joined_k, joined_v)
-        with torch.autocast(q.device.type, enabled=False), phase("attention.forward"):
-            out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan,
-                                          kernel, joined, dropout)
-            if sink_logits is not None:
-                out, lse = _with_sink_logits(out, lse, sink_logits)
+        if kept is not None and kept.replaying:  # the forward's output and log-sum-exp: only the backward runs
+            out, lse = kept.take()
+        else:
+            with torch.autocast(q.device.type, enabled=False), phase("attention.forward"):
+                out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan,
+                                              kernel, joined, dropout)
+                if sink_logits is not None:
+                    out, lse = _with_sink_logits(out, lse, sink_logits)
+            if kept is not None:
+                kept.record(out, lse)
         ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits, *joined)
         # the plan was made on the host in forward: backward reuses it (no host sync)
         ctx.softcap, ctx.scale, ctx.plan, ctx.kernel, ctx.dropout = softcap, scale, plan, kernel, dropout
@@ -754,7 +762,7 @@ class _ChunkAttention(torch.autograd.Function):
                 p_sink = torch.exp(sink_logits.to(cdt).view(1, -1, 1) - lse)
                 delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
                 d_sink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
-        return dq, dk, dv, *([None] * 11), d_sink, None, None, None
+        return dq, dk, dv, *([None] * 11), d_sink, None, None, None, None
 
 
 def _with_sink_logits(out: torch.Tensor, lse: torch.Tensor, sink_logits: torch.Tensor):
@@ -945,6 +953,7 @@ def chunk_causal_attention(
     single_call: bool | None = None,
     dropout: float = 0.0,
     dropout_seed: int = 0,
+    kept: "ChunkSlot | None" = None,
 ) -> torch.Tensor:
     """Causal attention of the last C positions against all S + K keys, bottom-right aligned.
 
@@ -986,6 +995,9 @@ def chunk_causal_attention(
             generator (``dropout_seed`` and where the tile lies), the same in forward and backward. 0: none.
         dropout_seed: with ``dropout``: the call's seed (a StreamBP chunk draws it in its region, ``ops.draws``, so
             each of its passes draws the same masks).
+        kept: a StreamBP chunk's kept attention outputs (``ops.kept_attention.ChunkSlot``): in the layer's forward
+            this call's output and log-sum-exp are recorded into it; in the backward's replay they are taken from it
+            instead of computed, and only the backward runs. None: computed, nothing kept.
 
     Returns:
         (B, H, C, Dv) attention output in q's dtype (the autocast dtype under autocast). Queries with
@@ -1029,7 +1041,7 @@ def chunk_causal_attention(
     return _ChunkAttention.apply(
         q, k, v, k_prefix, v_prefix, key_valid, query_lo, None if softcap is None else float(softcap), float(scale),
         plan, one_call or kernel, sink_k, sink_v, sink_own_keys, sink_logits, joined_k, joined_v,
-        (float(dropout), int(dropout_seed)) if dropout else None,
+        (float(dropout), int(dropout_seed)) if dropout else None, kept,
     )
 
 

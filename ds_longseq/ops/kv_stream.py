@@ -47,6 +47,7 @@ from ds_longseq.ops.chunk_grads import (
     with_aux_grads,
 )
 from ds_longseq.ops.host_store import LayerInputOffloader, load_input, save_input
+from ds_longseq.ops.kept_attention import ChunkSlot, KeptAttention
 from ds_longseq.ops.phases import phase
 from ds_longseq.ops.sparse_inputs import SparseInputs
 
@@ -168,6 +169,16 @@ class KVStream:
         # the chunk's own keys/values from there (:meth:`own_kv`).
         self.captured_end = 0
         self.reuse_kv = False
+        # the layer's attention outputs kept from its forward (ops.kept_attention): recorded in "append", taken in
+        # "replay" instead of recomputed; None: not kept
+        self.keeper: KeptAttention | None = None
+
+    def kept_slot(self) -> ChunkSlot | None:
+        """The current chunk's kept attention outputs for the attention call: recorded into in the forward, taken
+        from in the replay; None in other passes, or when nothing is kept."""
+        if self.keeper is None or self.mode not in ("append", "replay"):
+            return None
+        return self.keeper.slot(self.start)
 
     def begin_chunk(self) -> None:
         """Reset the current chunk's ``updates`` (cache updates, the last one's (key shape, value shape) in
@@ -345,11 +356,14 @@ def _forward_chunks(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream=No
     return assemble_chunks(fn, hidden, bounds), stream
 
 
-def _forward_passing_states(run_chunk: RunChunk, hidden: torch.Tensor, bounds, ring) -> tuple[list[torch.Tensor], Any]:
-    """:func:`_forward_chunks` on a new :class:`KVStream`; with a ``ring`` (sequence parallelism, a recurrent
-    layer), each segment of this rank's tokens (one under Ulysses, two runs under a ring) starts from the states
-    the segment before it ended with, on another rank, and its own go on to the rank that holds the next one."""
+def _forward_passing_states(run_chunk: RunChunk, hidden: torch.Tensor, bounds, ring,
+                            keeper: KeptAttention | None = None) -> tuple[list[torch.Tensor], Any]:
+    """:func:`_forward_chunks` on a new :class:`KVStream` (recording the attention outputs into ``keeper``); with a
+    ``ring`` (sequence parallelism, a recurrent layer), each segment of this rank's tokens (one under Ulysses, two
+    runs under a ring) starts from the states the segment before it ended with, on another rank, and its own go on
+    to the rank that holds the next one."""
     stream = KVStream(hidden.shape[1])
+    stream.keeper = keeper
     if ring is None:
         return _forward_chunks(run_chunk, hidden, bounds, stream)
     device, firsts = hidden.device, segment_firsts(bounds, ring, hidden.shape[1])
@@ -384,18 +398,37 @@ def segment_bounds(spans: list[tuple[int, int]], chunk_size: int, min_chunk: int
     return bounds
 
 
-def _sp_forward(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange) -> torch.Tensor:
-    """A StreamBP layer's forward under sequence parallelism: the group's keys/values, then this rank's chunks."""
+def _sp_forward(run_chunk: RunChunk, hidden: torch.Tensor, bounds, exchange,
+                keeper: KeptAttention | None = None) -> torch.Tensor:
+    """A StreamBP layer's forward under sequence parallelism: the group's keys/values, then this rank's chunks (their
+    attention outputs recorded into ``keeper``)."""
     stream = _global_kv(run_chunk, hidden, bounds, exchange)
+    stream.keeper = keeper
     return _single_output(_forward_chunks(run_chunk, hidden, bounds, stream)[0])
+
+
+def _stash_kept(keeper: KeptAttention | None, hidden: torch.Tensor, offloader) -> KeptAttention | None:
+    """After a layer's forward, before its input is saved: its kept attention outputs put in the tier the input goes
+    to (the device, host memory, disk); under ``offload.keep_every`` only where the input itself is kept (a layer
+    whose input is rebuilt in backward recomputes its attention too). Returns the keeper, or None (nothing kept)."""
+    if keeper is None or keeper.empty:
+        return None
+    if isinstance(offloader, SparseInputs):
+        if not offloader.will_keep(hidden):
+            keeper.drop()
+            return None
+        offloader = offloader.offloader
+    keeper.stash(None if offloader is None else offloader.save)
+    return keeper
 
 
 class _StreamBPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, offloader, ring, *params):
+    def forward(ctx, hidden, run_chunk, bounds, offloader, ring, keeper, *params):
         with torch.no_grad(), phase("streambp.forward"):
-            outs, stream = _forward_passing_states(run_chunk, hidden, bounds, ring)
+            outs, stream = _forward_passing_states(run_chunk, hidden, bounds, ring, keeper)
         ctx.ring = ring
+        ctx.keeper = _stash_kept(keeper, hidden, offloader)  # before the input: the offload tiers' load order
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.concat = run_chunk, bounds, stream.concat
         ctx.has_kv = stream.k is not None  # an attention (not only a recurrent mixer): its K/V are captured again
@@ -417,6 +450,7 @@ class _StreamBPFunction(torch.autograd.Function):
             grad_out = hidden.new_zeros(ctx.out_shape)
         run_chunk, bounds = ctx.run_chunk, ctx.bounds
         stream = KVStream(hidden.shape[1], concat=ctx.concat)
+        stream.keeper, ctx.keeper = ctx.keeper, None  # taken once, chunk by chunk, by the replay's attention calls
         stream.state = CarriedState("capture", ctx.boundaries)
         if ctx.has_kv and len(bounds) > 1:
             # Every chunk's keys/values but the last's: no other chunk attends those, and its replay (the
@@ -433,7 +467,7 @@ class _StreamBPFunction(torch.autograd.Function):
         ring, device = ctx.ring, hidden.device
         firsts = {} if ring is None else segment_firsts(bounds, ring, hidden.shape[1])
         state_grads = {} if ring is None else ring.grads_from_next(device, len(ring.starts) - 1)
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=6)
         with torch.enable_grad():
             for i, (s, e) in reversed(list(enumerate(bounds))):
                 if firsts.get(i + 1, 0) > 0:  # the last chunk of a segment: its states' gradient is another rank's
@@ -474,7 +508,7 @@ class _StreamBPFunction(torch.autograd.Function):
         if ring is not None:  # the first segment's starting states came from another rank
             ring.grads_to_previous(state_grads, device, 0)
         grad_in, param_grads = grads.result()
-        return (grad_in, None, None, None, None, *param_grads)
+        return (grad_in, None, None, None, None, None, *param_grads)
 
 
 def streambp_apply(
@@ -485,6 +519,7 @@ def streambp_apply(
     offloader: LayerInputOffloader | None = None,
     min_chunk: int = 1,
     ring=None,
+    keep_attention_output: bool = False,
 ) -> torch.Tensor:
     """Run a causal layer over ``hidden`` with StreamBP.
 
@@ -505,6 +540,9 @@ def streambp_apply(
             attention): each segment of the shard (one, or two runs under Ulysses x ring; chunks never cross a
             segment's end) starts from the final states of the segment before it, received (and their gradient
             sent back) inside; every rank of the group must call this for the layer.
+        keep_attention_output: keep each chunk-attention call's output and log-sum-exp from the forward, in the
+            tier ``hidden`` goes to (``ops.kept_attention``), so the backward's replay runs the attention's backward
+            only; False: the replay recomputes the attention forward too.
 
     ``run_chunk`` may instead (or also) carry recurrent states through ``stream.state``
     (``ops.carried_state``): each chunk then continues from the states the previous one wrote.
@@ -513,14 +551,16 @@ def streambp_apply(
         (B, T, d) layer output; when ``run_chunk`` returns ``(out_c, *aux_c)``, the tuple ``(out,
         *aux)`` with each auxiliary output assembled along dim 1 and differentiable (its gradient
         joins the chunk's replay). Under grad mode the tensors saved for backward are ``hidden`` (in the
-        offloader, if given) and a recurrent mixer's states at each chunk's start.
+        offloader, if given), a recurrent mixer's states at each chunk's start and, with
+        ``keep_attention_output``, the attention outputs (beside ``hidden``).
     """
     if ring is None:
         bounds = chunk_bounds(hidden.shape[1], chunk_size, min_chunk)
     else:
         bounds = segment_bounds(ring.local_spans(hidden.shape[1]), chunk_size, min_chunk)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, ring, *params)
+        keeper = KeptAttention() if keep_attention_output else None
+        return _StreamBPFunction.apply(hidden, run_chunk, bounds, offloader, ring, keeper, *params)
     outs, _ = _forward_passing_states(run_chunk, hidden, bounds, ring)
     return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -568,8 +608,16 @@ class GlobalKVStream:
         self.capture_at: str | None = None  # "cache" | "attention" (class docstring); None until the first chunk
         self.taken = None  # the captured K/V's shapes without their token dim (_per_token)
         self.outputs_read = True  # as in KVStream: False during the backward's full-layer pass over the chunks
+        self.keeper: KeptAttention | None = None  # as in KVStream: recorded in the forward's "attend" pass
 
     begin_chunk = KVStream.begin_chunk
+
+    def kept_slot(self) -> ChunkSlot | None:
+        """As :meth:`KVStream.kept_slot`: the chunk loop over the exchanged keys ("attend") records in the forward and
+        takes in the backward's pass over the chunks (the keeper knows which)."""
+        if self.keeper is None or self.mode != "attend":
+            return None
+        return self.keeper.slot(self.start)
 
     def attended_keys(self) -> int:
         """Keys the current chunk's attention call is given (the runtime guard's check): the chunk's own (the
@@ -734,9 +782,10 @@ def global_kv(run_chunk: RunChunk, hidden: torch.Tensor, bounds, stream: GlobalK
 
 class _StreamBPSPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, run_chunk, bounds, exchange, offloader, *params):
+    def forward(ctx, hidden, run_chunk, bounds, exchange, offloader, keeper, *params):
         with torch.no_grad(), phase("streambp.forward"):
-            out = _sp_forward(run_chunk, hidden, bounds, exchange)
+            out = _sp_forward(run_chunk, hidden, bounds, exchange, keeper)
+        ctx.keeper = _stash_kept(keeper, hidden, offloader)  # before the input: the offload tiers' load order
         save_input(ctx, hidden, offloader)
         ctx.run_chunk, ctx.bounds, ctx.exchange, ctx.params = run_chunk, bounds, exchange, params
         ctx.autocast = AutocastState.capture(hidden.device.type)
@@ -752,7 +801,8 @@ class _StreamBPSPFunction(torch.autograd.Function):
         with ctx.autocast.replay(), phase("streambp.capture"):
             stream = _global_kv(run_chunk, hidden, bounds, ctx.exchange)
         stream.alloc_grads()
-        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=5)
+        stream.keeper, ctx.keeper = ctx.keeper, None  # taken chunk by chunk by pass 1's attention calls
+        grads = ChunkGrads(hidden, ctx.params, ctx.needs_input_grad, first_param=6)
         # Pass 1: every chunk through the whole layer; keys are constants, their gradient goes to the sink.
         stream.outputs_read = False
         with torch.enable_grad():
@@ -785,7 +835,7 @@ class _StreamBPSPFunction(torch.autograd.Function):
                         grads.backward(outputs, grad_outputs, h_c, s, e, add=True)
                 stream.k_chunk = stream.v_chunk = None
         grad_in, param_grads = grads.result()
-        return (grad_in, None, None, None, None, *param_grads)
+        return (grad_in, None, None, None, None, None, *param_grads)
 
 
 def streambp_sp_apply(
@@ -795,6 +845,7 @@ def streambp_sp_apply(
     chunk_size: int,
     exchange,
     offloader: LayerInputOffloader | None = None,
+    keep_attention_output: bool = False,
 ) -> torch.Tensor:
     """:func:`streambp_apply` for a layer whose attention is sequence parallel (Ulysses).
 
@@ -812,14 +863,16 @@ def streambp_sp_apply(
         chunk_size: tokens per chunk of the local shard.
         exchange: the group's ``UlyssesExchange``.
         offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
+        keep_attention_output: as for :func:`streambp_apply` (this rank's heads of every query of the group's chunk).
 
     Returns:
-        (B, T_l, d) layer output; under grad mode only ``hidden`` is saved for backward (in the
-        offloader, if given).
+        (B, T_l, d) layer output; under grad mode only ``hidden`` (and with ``keep_attention_output`` the
+        attention outputs) is saved for backward (in the offloader, if given).
     """
     bounds = chunk_bounds(hidden.shape[1], chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-        return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, offloader, *params)
+        keeper = KeptAttention() if keep_attention_output else None
+        return _StreamBPSPFunction.apply(hidden, run_chunk, bounds, exchange, offloader, keeper, *params)
     with torch.no_grad():
         stream = _global_kv(run_chunk, hidden, bounds, exchange)
         return _single_output(_forward_chunks(run_chunk, hidden, bounds, stream)[0])

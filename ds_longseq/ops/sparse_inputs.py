@@ -158,6 +158,12 @@ class SparseInputs:
         self._pending: _Handle | None = None  # the handle of the layer whose forward is running
         self.handles: list[weakref.ref[_Handle]] = []
 
+    def will_keep(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`save` will keep ``tensor`` (this forward's next layer input) rather than drop it to be
+        rebuilt in backward; changes nothing (what else the layer keeps beside its input follows it)."""
+        link = self._last
+        return not (self._count % self.keep_every and link is not None and _same_values(link[0], tensor))
+
     def save(self, tensor: torch.Tensor) -> _Handle:
         """Keep or drop one layer's input (called once per StreamBP layer, after its forward ran)."""
         position, self._count = self._count, self._count + 1

@@ -295,6 +295,7 @@ def ulysses_chunk_attention(
     sink_logits: torch.Tensor | None = None,
     dropout: float = 0.0,
     dropout_seed: int = 0,
+    kept=None,
 ) -> torch.Tensor:
     """Causal attention of one query chunk of every rank against exchanged, heads-sharded K/V.
 
@@ -319,6 +320,8 @@ def ulysses_chunk_attention(
         sink_logits: (H,) attention sinks of every head (gpt-oss), or None.
         dropout, dropout_seed: as for :func:`ulysses_attention`; a tile's mask is seeded by its global positions, so
             the chunk's tiles draw the same masks in the chunk's forward, re-forward and backward.
+        kept: the chunk's kept attention outputs (``ops.kept_attention.ChunkSlot``), recorded or taken by each of
+            its ``chunk_causal_attention`` calls, in order; None: nothing kept.
 
     Returns:
         (B, H, C, D) attention output of this rank's chunk.
@@ -351,6 +354,7 @@ def ulysses_chunk_attention(
                     single_call=single_call,
                     dropout=dropout,
                     dropout_seed=dropout_seed,
+                    kept=kept,
                 )
             )
     return exchange.output_to_tokens(torch.cat(outs, dim=2))

@@ -6,7 +6,8 @@ Holds:
         attention routed through ds_longseq's chunked attention function (and, for a mixer whose scan restarts
         from zeros, ``forwards.started_scan.StartedScanForward`` as its forward); with ``chunk_size: "auto"``, the
         base model's forward pre-hook that picks the chunk size for each training forward
-        (``forwards.auto_chunk``).
+        (``forwards.auto_chunk``); with ``keep_attention_output: "auto"``, the one that decides for each training
+        forward whether the attention layers keep their outputs (``forwards.keep_attention``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ds_longseq.config import StreamBPConfig
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards.attn_spec import AttentionSettings
 from ds_longseq.forwards.auto_chunk import AutoChunkSettings, AutoChunkSize
+from ds_longseq.forwards.keep_attention import KeepAttentionOutput
 from ds_longseq.forwards.started_scan import StartedScanForward
 from ds_longseq.forwards.streambp_layer import LayerParts, StreamBPLayerForward
 from ds_longseq.forwards.unread_outputs import UnreadLinear
@@ -48,12 +50,7 @@ class StreamBP(Technique):
         reused = {key for role, key in sharing.values() if role == "reuse"}
         streams = ctx.adapter.stacked_streams()
         attention = AttentionSettings.from_config(ctx.config.attention)
-        cfg = ctx.config
-        chunks = cfg.streambp.chunk_size  # the layers ask an "auto" chunk size for each forward's choice
-        if chunks == "auto":
-            chunks = AutoChunkSize(ModelDims.from_config(ctx.model.config), AutoChunkSettings.of(cfg), ctx.model)
-            ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(chunks.before_forward,
-                                                                                 with_kwargs=True))
+        keep, chunks = self._per_forward_choices(ctx)
         for i, layer in enumerate(ctx.adapter.layers):
             role, key = sharing.get(i, (None, None))
             recurrent = ctx.adapter.mixer(layer) is not None
@@ -68,12 +65,33 @@ class StreamBP(Technique):
                 output_proj=_unread(ctx, ctx.adapter.mlp_output_projection(layer)),
                 kv_projs=_unread_pair(ctx, ctx.adapter.key_value_projections(layer)),
             )
-            forward = StreamBPLayerForward(layer, layer.forward, chunks, attention, ctx.offload, parts)
+            forward = StreamBPLayerForward(layer, layer.forward, chunks, attention, ctx.offload, parts,
+                                           keep if mixer is None else None)
             ctx.handle.set_instance_attr(layer, "forward", forward)
             scan = ctx.adapter.spec.mixer_scan_function
             if recurrent and scan is not None:  # its multi-token scan continued from the carried state
                 module = ctx.adapter.mixer(layer)
                 ctx.handle.set_instance_attr(module, "forward", StartedScanForward(module, module.forward, scan))
+
+    @staticmethod
+    def _per_forward_choices(ctx: EnableContext) -> tuple[KeepAttentionOutput, int | AutoChunkSize]:
+        """(whether the attention layers keep their outputs, the chunk size), each asked by the layers at every
+        forward; under "auto" decided by the base model's forward pre-hooks, the keeping first (the automatic chunk
+        size then counts what it keeps on the device)."""
+        cfg, base = ctx.config, ctx.adapter.base_model
+        dims = ModelDims.from_config(ctx.model.config)
+        estimator = AutoChunkSize(dims, AutoChunkSettings.of(cfg), ctx.model)  # the memory model both read
+        attention_layers = sum(1 for layer in ctx.adapter.layers
+                               if ctx.adapter.mixer(layer) is None and not ctx.adapter.token_wise(layer))
+        keep = KeepAttentionOutput(cfg.streambp.keep_attention_output, dims, attention_layers, estimator,
+                                   cfg.streambp.chunk_size, ctx.offload)
+        if cfg.streambp.keep_attention_output == "auto":
+            ctx.handle.add_hook(base.register_forward_pre_hook(keep.before_forward, with_kwargs=True))
+        if cfg.streambp.chunk_size != "auto":
+            return keep, cfg.streambp.chunk_size
+        estimator.keep = keep
+        ctx.handle.add_hook(base.register_forward_pre_hook(estimator.before_forward, with_kwargs=True))
+        return keep, estimator
 
     def zero3_leaves(self, ctx: EnableContext) -> list[torch.nn.Module]:
         return ctx.adapter.layers

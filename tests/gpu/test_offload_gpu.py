@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ds_longseq
-from tests.helpers import clone, loss_and_grads, make_batch, make_model
+from tests.helpers import clone, layer_input_offload, loss_and_grads, make_batch, make_model
 
 NUM_LAYERS, HIDDEN = 4, 512
 OFFLOAD = {"offload": {"layer_inputs": "cpu"}}
@@ -85,8 +85,7 @@ def _require_reproducible(model, batch, context=contextlib.nullcontext):
 
 
 def _pool(model):
-    (hook,) = model.model._forward_pre_hooks.values()
-    return hook.__self__.pool
+    return layer_input_offload(model).pool
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
