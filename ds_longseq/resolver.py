@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import ds_longseq.ops.sp_layout  # noqa: F401  (registers its start rule: the lengths the layout can cut)
 from ds_longseq.batch_size import batch_size_problems
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError, find_ds_config, read_json_file, registered_techniques
-from ds_longseq.logging import get_logger, warn_once
+from ds_longseq.logging import get_logger, warn_once_rank0
 from ds_longseq.rules import Launch, RunShape, Start, deepspeed_sp_size, start_rule, start_rules
 
 __all__ = ["resolve", "Resolved", "RunCannotStart", "Launch", "RunShape", "SUPPORTED_ZERO_STAGES", "zero_stage"]
@@ -117,7 +117,7 @@ class Resolved:
             for problem in rule.check(start):
                 if rule.warns:
                     warnings += [problem] * (problem not in warnings)  # a re-run of the rule finds it again
-                    warn_once(logger, problem)
+                    warn_once_rank0(logger, problem)  # about the run: rank 0 alone says it (also before logging)
                 else:
                     found.append((rule.name, problem))
         if found:

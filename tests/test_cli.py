@@ -59,7 +59,7 @@ def test_train_without_a_launcher_starts_deepspeeds(monkeypatch, tmp_path, capsy
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cli, "_cuda_count", lambda: 0)
     started = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda command: started.append(command) or 7)
+    monkeypatch.setattr(cli, "run_forwarding_signals", lambda command: started.append(command) or 7)
     argv = ["--max-steps", "3", "--save-dir", str(tmp_path / "run")]
     assert cli.main(["train", "--num_gpus", "4", "--master_port", "29999", *argv]) == 7  # the launcher's status
     command = started.pop()
@@ -78,9 +78,69 @@ def test_train_without_a_launcher_starts_deepspeeds(monkeypatch, tmp_path, capsy
     for flags, message in refusals.items():
         assert cli.main(["train", *flags, *argv]) == 2, flags
         assert message in capsys.readouterr().err, flags
+    # one parser, abbreviations off: --num_gpu is refused here, not by the ranks after they started (argparse's exit)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["train", "--num_gpu", "1", *argv])
+    assert caught.value.code == 2 and "unrecognized arguments: --num_gpu" in capsys.readouterr().err
     monkeypatch.setenv("CROSS_RANK", "0")  # under DeepSpeed's launcher: its ranks, not --num_gpus
     assert cli.main(["train", "--num_gpus", "2", *argv]) == 2 and "leave --num_gpus out" in capsys.readouterr().err
     assert not started
+
+
+def test_the_launcher_keeps_cuda_visible_devices():
+    """``CUDA_VISIBLE_DEVICES=2,3 ds-longseq train`` runs on devices 2 and 3: DeepSpeed's runner drops the variable
+    when --num_gpus is passed (and starts the ranks on 0 and 1), so the command names the devices with --include,
+    which its own parser and checks accept."""
+    from deepspeed.launcher import runner
+
+    rest = ["--max-steps", "3"]
+    command = cli.launcher_command(2, 29999, rest, cuda=True, env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    args = runner.parse_args(command[command.index("deepspeed.launcher.runner") + 1:])
+    assert args.include == "localhost:2,3" and args.num_gpus == -1 and args.num_nodes == -1
+    assert args.user_script == "ds_longseq.cli" and args.user_args == ["train", *rest] and args.module
+    one = cli.launcher_command(1, 29999, rest, cuda=True, env={"CUDA_VISIBLE_DEVICES": "5, 6"})
+    assert one[one.index("--include") + 1] == "localhost:5"  # the first of them, as torch numbers them
+    for cuda, env in ((True, {}), (False, {"CUDA_VISIBLE_DEVICES": "2,3"})):  # none set, or CPU ranks
+        plain = cli.launcher_command(2, 29999, rest, cuda=cuda, env=env)
+        assert "--include" not in plain and plain[plain.index("--num_gpus") + 1] == "2"
+
+
+def test_sigterm_to_the_command_ends_every_process_it_started(tmp_path):
+    """SIGTERM to ``ds-longseq train`` (SLURM's first signal; a container's PID 1 gets it from the runtime) reaches
+    the launcher, its launch process and both CPU ranks: nothing of the run is left alive, and the status says the
+    signal (128 + 15)."""
+    import signal
+    import time
+
+    save = tmp_path / "sigterm_run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "ds_longseq.cli", "train", "--max-steps", "100000", "--seq-len",
+                             "64", "--save-dir", str(save), "--save-every-minutes", "0"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def ours() -> list[int]:
+        pids = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if str(save).encode() in f.read() and int(pid) != proc.pid:
+                        pids.append(int(pid))
+            except OSError:
+                continue
+        return pids
+
+    deadline = time.monotonic() + 240
+    while not (save / "metrics.jsonl").exists():  # the ranks are training
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.5)
+    assert len(ours()) >= 3  # the runner (or launch process) and two ranks
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ours(), "processes of the run survived the command's SIGTERM"
 
 
 def _install_wheel(tmp_path) -> tuple[str, dict[str, str]]:
@@ -142,7 +202,8 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     one = run("train", "--num_gpus", "1", *flags, "--save-dir", "one")
     assert "running as one process (rank 0 of 1)" in one.stderr and "mpi4py" not in one.stderr
     summary = one.stderr.split("start-up summary:", 1)[1]  # logged before the first step
-    for line in ("model: the built-in tiny Llama", "64 tokens per sequence", "long_seq: lm_head, streambp",
+    for line in ("model: the built-in tiny Llama", "64 tokens per sequence",
+                 "long_seq: lm_head, streambp (chunk_size 1024; attention outputs kept where memory allows",
                  "memory: the planner's estimate", "checkpoints: every 30 min and after the last step"):
         assert line in summary, (line, summary[:2000])
     assert "summary: 2 steps on 1 rank(s)" in one.stdout

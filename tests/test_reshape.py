@@ -28,7 +28,8 @@ def test_what_continues_and_what_is_refused():
     assert same == (False, None)
     half = {**SAVED, "world_size": 2}
     changed, why = shape_change(SAVED, half, checkpoint_dir=where)
-    assert changed and "global batch was 2 sequences per step, this run's is 1" in why
+    assert changed and "global batch was 2 sequences per step (1 x 1 accumulated x 2 replica(s)), this run's is 1" \
+        in why
     assert why.endswith("set gradient_accumulation_steps to 2"), why
     assert shape_change(SAVED, {**half, "gradient_accumulation": 2}, checkpoint_dir=where) == (True, None)
     assert shape_change(SAVED, {**SAVED, "sequence_parallel_size": 1, "world_size": 2}, checkpoint_dir=where) == (
@@ -36,6 +37,15 @@ def test_what_continues_and_what_is_refused():
     dp4 = {**SAVED, "sequence_parallel_size": 1}
     three = shape_change(dp4, {**dp4, "world_size": 3}, checkpoint_dir=where)[1]
     assert "whose product with the 3 replica(s) is 4" in three, three
+    # the same ranks with another accumulation (issue 62 item 4: 4 -> 2 re-read samples 400-403 at step 101): refused
+    acc4 = {**SAVED, "gradient_accumulation": 4}
+    changed, why = shape_change(acc4, {**acc4, "gradient_accumulation": 2}, checkpoint_dir=where)
+    assert not changed and ("global batch was 8 sequences per step (1 x 4 accumulated x 2 replica(s)), this run's is 4 "
+                            "(1 x 2 accumulated x 2 replica(s))") in why
+    assert why.endswith("set gradient_accumulation_steps to 4"), why
+    # ... and the same global batch cut otherwise (micro-batch 2 x 2 for 1 x 4) continues, no conversion needed
+    assert shape_change(acc4, {**acc4, "micro_batch": 2, "gradient_accumulation": 2}, checkpoint_dir=where) == (
+        False, None)
     nvme = shape_change(SAVED, {**half, "gradient_accumulation": 2}, checkpoint_dir=where, nvme=True)[1]
     assert "DeepSpeed's universal load skips an optimizer offloaded to NVMe" in nvme, nvme
     stage = shape_change(SAVED, {**SAVED, "zero_stage": 2}, checkpoint_dir=where)[1]

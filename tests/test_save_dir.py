@@ -70,3 +70,103 @@ def test_the_same_command_twice(tmp_path):
     assert not any(name.endswith(".partial") for name in os.listdir(save))
     assert len((save / "metrics.jsonl").read_text().splitlines()) == 2
     assert (save / "hf_model" / "config.json").exists()
+
+
+# -- torn files (item 7) -----------------------------------------------------------------------------------------------
+
+
+def test_a_metrics_file_cut_short_loses_its_last_line_only(tmp_path, caplog):
+    from ds_longseq.toolkit.checkpoint import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')  # killed mid-append
+    assert [row["step"] for row in read_metrics(str(path))] == [1, 2]
+    assert "its last line was cut short" in caplog.text
+    path.write_text('{"step": 1, "loss": 2.5}\n\n{"step": 2, "loss": 2.4}\n')  # whole: nothing said
+    assert [row["step"] for row in read_metrics(str(path))] == [1, 2]
+    path.write_text('{"step": 1, "loss": 2.5}\nnot json\n{"step": 3, "loss": 2.4}\n')  # not a kill: refused, named
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:2 is not a metrics row"):
+        read_metrics(str(path))
+    assert read_metrics(str(tmp_path / "none.jsonl")) == []
+
+
+def test_a_manifest_cut_short_or_of_another_format_is_named(tmp_path):
+    import json
+
+    from ds_longseq.engine.manifest import MANIFEST, ManifestError, read_manifest, resume_problem
+
+    step = tmp_path / "step4"
+    step.mkdir()
+    (step / MANIFEST).write_text('{"format": 1, "step": 4, "fil')
+    assert "is not valid JSON" in resume_problem(str(step), {"parameters": {}})
+    with pytest.raises(ManifestError, match="point 'latest' at an earlier complete step"):
+        read_manifest(str(step))
+    (step / MANIFEST).write_text(json.dumps({"format": 99, "step": 4, "files": {}}))
+    assert "has checkpoint format 99; this ds_longseq reads format 1" in resume_problem(str(step), {"parameters": {}})
+
+
+# -- a converted checkpoint tied to its source (item 6) ----------------------------------------------------------------
+
+
+def test_a_converted_form_is_reused_only_for_the_checkpoint_it_came_from(tmp_path):
+    """A run that wrote step100/ over another's must not load the other's step100.universal/: the converted form
+    carries the source's manifest hash, and a mismatch converts again (here the conversion of a fake checkpoint then
+    fails, which shows it ran instead of the stale form being loaded)."""
+    import json
+
+    from ds_longseq.engine.manifest import MANIFEST
+    from ds_longseq.engine.reshape import SOURCE_STAMP, UniversalConversionError, source_stamp, to_universal
+
+    step = tmp_path / "step100"
+    step.mkdir()
+    (step / MANIFEST).write_text(json.dumps({"format": 1, "step": 100, "run": "first"}))
+    universal = tmp_path / "step100.universal"
+    universal.mkdir()
+    (universal / SOURCE_STAMP).write_text(source_stamp(str(step)))
+    shapes = {"world_size": 2, "sequence_parallel_size": 1}
+    kwargs = dict(leader=True, saved=shapes, now={**shapes, "world_size": 1}, prefix="--resume")
+    assert to_universal(str(tmp_path), "step100", **kwargs) == "step100.universal"  # its own: reused
+    (step / MANIFEST).write_text(json.dumps({"format": 1, "step": 100, "run": "second"}))  # another run's step100
+    with pytest.raises(UniversalConversionError):
+        to_universal(str(tmp_path), "step100", **kwargs)
+    assert not universal.exists()  # the stale form is gone, not loaded
+
+
+# -- node-local disks: one tag for every rank (item 9) ---------------------------------------------------------------
+
+FACTS = {"model_class": "Tiny", "parameters": {"w": [2, 2]}, "world_size": 2, "sequence_parallel_size": 1,
+         "zero_stage": 2, "micro_batch": 1, "gradient_accumulation": 1}
+
+
+def _node_dir(path, steps, latest):
+    """A node's own save directory: complete checkpoints ``steps`` (a file each, and their manifest), ``latest``."""
+    from ds_longseq.engine.manifest import write_manifest
+
+    for step in steps:
+        (path / f"step{step}").mkdir(parents=True)
+        (path / f"step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"x" * step)
+        write_manifest(str(path / f"step{step}"), FACTS, step)
+    (path / "latest").write_text(f"step{latest}")
+    return str(path)
+
+
+def _agree(rank: int, dirs: list[str]):
+    from ds_longseq.toolkit.checkpoint import agreed_checkpoint
+
+    try:
+        return agreed_checkpoint(dirs[rank], FACTS)
+    except SystemExit as err:
+        return f"refused: {err}"
+
+
+def test_ranks_on_node_local_disks_resume_one_step_or_refuse_together(tmp_path):
+    """Node 1 crashed between its own and node 0's update of ``latest``: its ``latest`` names step2, node 0's step3.
+    Every rank resumes global rank 0's step3 (node 1 has it); where node 1 lacks it, every rank refuses naming rank 1
+    and what is missing, instead of loading different steps on different nodes."""
+    from tests.dist_utils import run_distributed
+
+    dirs = [_node_dir(tmp_path / "node0", (2, 3), 3), _node_dir(tmp_path / "node1", (2, 3), 2)]
+    assert run_distributed(_agree, world_size=2, args=(dirs,), timeout=120) == ["step3", "step3"]
+    dirs[1] = _node_dir(tmp_path / "node1b", (2,), 2)
+    for answer in run_distributed(_agree, world_size=2, args=(dirs,), timeout=120):
+        assert answer.startswith("refused: --resume: rank 1 (on ") and "step3 is not there" in answer, answer

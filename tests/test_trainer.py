@@ -529,7 +529,7 @@ def test_trainer_resume_refusals(tmp_path):
         prepare_resume(trainer(2), str(checkpoint))
     write_manifest(str(checkpoint), {"model_class": "Linear", "parameters": {"weight": [3, 4], "bias": [3]},
                                      **shape}, 2)
-    with pytest.raises(ResumeError, match="global batch was 4 sequences per step, this run's is 2.*set "
+    with pytest.raises(ResumeError, match=r"global batch was 4 sequences per step \(.*\), this run's is 2.*set "
                                           "gradient_accumulation_steps to 2"):
         prepare_resume(trainer(1), str(checkpoint))
     with pytest.raises(ResumeError, match=r"another model .* weight is \[3, 4\] there, \[5, 4\] here\. Load the "

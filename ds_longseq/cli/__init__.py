@@ -11,6 +11,8 @@ Holds:
     train_command: ``ds-longseq train``: under a launcher, one rank's training; without one, the launcher started
         here (or one process).
     configs_command: ``ds-longseq configs``.
+    launcher_command: the DeepSpeed launcher's command line for ``ds-longseq train`` (``CUDA_VISIBLE_DEVICES`` kept).
+    run_forwarding_signals: run it in its own process group, passing SIGTERM / SIGINT / SIGHUP on to all of it.
 
 Exit statuses, every subcommand: 0 done (the planner: the run fits), 1 the step does not fit, 2 bad input with one
 line on stderr; another status is a genuine error, with its traceback. Nothing heavy is imported before a subcommand
@@ -20,15 +22,19 @@ needs it (``ds-longseq configs`` loads no torch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+from typing import Mapping
 
 from ds_longseq.config import SHIPPED_CONFIGS, ConfigFileError, find_ds_config, read_json_file, shipped_configs
 
-__all__ = ["main", "train_command", "configs_command", "DEFAULT_CPU_RANKS"]
+__all__ = ["main", "train_command", "configs_command", "launcher_command", "run_forwarding_signals",
+           "DEFAULT_CPU_RANKS"]
 
 PROG = "ds-longseq"
 DEFAULT_CPU_RANKS = 2
@@ -83,7 +89,9 @@ def train_command(argv: list[str]) -> int:
     from ds_longseq.toolkit.args import exit_status
 
     launch, rest = _add_launch_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
-    args = _add_launch_args(train.build_parser(prog=f"{PROG} train")).parse_args(argv)  # all checked, --help
+    # all checked, --help; abbreviations off as in the ranks' parser (an abbreviation accepted here and not there
+    # would fail only after the ranks started)
+    args = _add_launch_args(train.build_parser(prog=f"{PROG} train")).parse_args(argv)
     launcher = launcher_environment()
 
     def refuse_or_launch(_argv):
@@ -99,13 +107,77 @@ def train_command(argv: list[str]) -> int:
         _check_ranks_fit(args.ds_config, ranks)
         device = "GPUs" if _cuda_count() else "CPU ranks"
         port = launch.master_port or free_port()
-        print(f"{PROG}: no launcher: starting DeepSpeed's launcher over {ranks} {device} (as `deepspeed --num_gpus "
-              f"{ranks} --master_port {port}`); --num_gpus 1 runs one process", file=sys.stderr, flush=True)
-        command = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-                   "--master_port", str(port), "--no_local_rank", "--module", "ds_longseq.cli", "train", *rest]
-        return subprocess.call(command)
+        command = launcher_command(ranks, port, rest, cuda=bool(_cuda_count()))
+        shown = " ".join(command[command.index("deepspeed.launcher.runner") + 1: command.index("--no_local_rank")])
+        print(f"{PROG}: no launcher: starting DeepSpeed's launcher over {ranks} {device} (as `deepspeed {shown}`); "
+              "--num_gpus 1 runs one process", file=sys.stderr, flush=True)
+        return run_forwarding_signals(command)
 
     return exit_status(refuse_or_launch, argv)
+
+
+def launcher_command(ranks: int, port: int, rest: list[str], *, cuda: bool,
+                     env: Mapping[str, str] | None = None) -> list[str]:
+    """DeepSpeed's launcher over ``ranks`` local ranks running ``ds-longseq train rest``. On GPUs with
+    ``CUDA_VISIBLE_DEVICES`` set, the first ``ranks`` of those devices by ``--include localhost:...``: DeepSpeed's
+    runner ignores (and removes) the variable whenever ``--num_gpus`` is passed, and would start the ranks on devices
+    0..N-1 instead."""
+    env = os.environ if env is None else env
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    where = ["--include", "localhost:" + ",".join(visible[:ranks])] if cuda and visible else ["--num_gpus", str(ranks)]
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *where, "--master_port", str(port),
+            "--no_local_rank", "--module", "ds_longseq.cli", "train", *rest]
+
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""What ``ds-longseq train`` passes on to the launcher it started (SLURM and container runtimes send SIGTERM first;
+in a container the command is often PID 1, whose children would otherwise outlive it)."""
+KILL_AFTER_S = 30.0
+"""How long the launcher's processes have to end after a forwarded signal before they are killed."""
+
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Run ``command`` (the launcher) in a process group of its own and wait for it; a SIGTERM, SIGINT or SIGHUP to
+    this process goes to that whole group (the runner, its launch process and every rank), and whatever is still
+    alive :data:`KILL_AFTER_S` later is killed. Returns the launcher's status, or 128 + the signal's number."""
+    import time
+
+    proc = subprocess.Popen(command, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        while True:
+            try:
+                status = proc.wait(timeout=None if not received else KILL_AFTER_S)
+                break
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        if received:
+            deadline = time.monotonic() + KILL_AFTER_S  # the ranks may outlive the runner: the group ends too
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return 128 + received[0]
+        return status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _cuda_count() -> int:

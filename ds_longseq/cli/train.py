@@ -72,8 +72,10 @@ DEFAULT_LR = 3e-3  # the embedded tiny model trains from scratch; ds_configs/ ho
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The flags of ``ds-longseq train`` / ``examples/sft.py`` (``prog``: the name ``--help`` shows)."""
+    # no abbreviations: `ds-longseq train` parses these flags once before starting the ranks and each rank again,
+    # and an abbreviation of a launch-only flag (--num_gpu) would pass the first parse and fail the second
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=EXIT_STATUSES,
-                                formatter_class=DefaultsOnceFormatter)
+                                formatter_class=DefaultsOnceFormatter, allow_abbrev=False)
     # the flags dpo.py and grpo.py share (what toolkit.setup_run reads: --lr's default for the built-in model too)
     add_common_args(p, save_dir="outputs/sft", max_steps=400, seq_len=2048, lr=DEFAULT_LR)
     p.add_argument("--data", default=None, help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' (trained "

@@ -13,7 +13,8 @@ Holds:
     model_facts: the model's class and parameters.
     run_facts: the facts of this run that a checkpoint must agree with.
     write_manifest: write the manifest into a checkpoint directory (each node's local rank 0).
-    read_manifest: a checkpoint directory's manifest (None: written before manifests).
+    read_manifest: a checkpoint directory's manifest (None: written before manifests; ManifestError: cut short, or
+        another format).
     write_latest / read_latest: the ``latest`` file that names the newest complete checkpoint, written atomically
         and read.
     resume_problem: what is wrong with resuming this run's model from a checkpoint directory (None: nothing); a
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 __all__ = ["MANIFEST", "model_facts", "run_facts", "write_manifest", "read_manifest", "resume_problem", "write_latest",
-           "read_latest"]
+           "read_latest", "ManifestError"]
 
 MANIFEST = "ds_longseq_checkpoint.json"
 FORMAT = 1
@@ -94,13 +95,30 @@ def read_latest(save_dir: str) -> str | None:
         return f.read().strip()
 
 
+class ManifestError(ValueError):
+    """A checkpoint's manifest that cannot be read: cut short, or written in a format this version does not know."""
+
+
 def read_manifest(checkpoint_dir: str) -> dict[str, Any] | None:
-    """The manifest of ``checkpoint_dir``, or None where there is none."""
+    """The manifest of ``checkpoint_dir``, or None where there is none.
+
+    Raises:
+        ManifestError: the file is not a JSON object (cut short), or its ``format`` is not this version's.
+    """
     path = os.path.join(checkpoint_dir, MANIFEST)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ManifestError(f"{path} is not valid JSON ({err.__class__.__name__} at byte {getattr(err, 'pos', '?')}: "
+                            "cut short or overwritten): point 'latest' at an earlier complete step") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ManifestError(f"{path} has checkpoint format {found!r}; this ds_longseq reads format {FORMAT}: resume it "
+                            "with the ds_longseq version that wrote it, or start over (--start-over)")
+    return manifest
 
 
 def resume_problem(checkpoint_dir: str, facts: dict[str, Any], *,
@@ -111,7 +129,10 @@ def resume_problem(checkpoint_dir: str, facts: dict[str, Any], *,
     ``other_model_fix`` ends the message about a checkpoint of another model (the scripts' flags by default)."""
     if not os.path.isdir(checkpoint_dir):
         return f"{checkpoint_dir} is not there ('latest' names it): the directory was moved or deleted"
-    saved = read_manifest(checkpoint_dir)
+    try:
+        saved = read_manifest(checkpoint_dir)
+    except ManifestError as err:
+        return str(err)
     if saved is None:
         if not os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)):
             return (f"{checkpoint_dir} is not a DeepSpeed checkpoint (no {MODEL_STATES}, no {MANIFEST}): pass the "

@@ -33,14 +33,16 @@ Used by ``toolkit.run.check_resume_shape`` (refusals, and ``checkpoint.load_univ
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 from typing import Any
 
 from ds_longseq.batch_size import read_batch_size
-from ds_longseq.engine.manifest import write_latest
+from ds_longseq.engine.manifest import MANIFEST, MODEL_STATES, write_latest
 from ds_longseq.logging import get_logger
 
 __all__ = ["UNIVERSAL_SUFFIX", "planned_shape", "optimizer_on_nvme", "shape_change", "to_universal",
@@ -77,6 +79,11 @@ def _describe(shape: dict[str, Any]) -> str:
             f"{shape['world_size'] // shape['sequence_parallel_size']}), ZeRO-{shape['zero_stage']}")
 
 
+def _batch_text(shape: dict[str, Any]) -> str:
+    replicas = shape["world_size"] // shape["sequence_parallel_size"]
+    return f"{shape['micro_batch']} x {shape['gradient_accumulation']} accumulated x {replicas} replica(s)"
+
+
 def _global_batch(shape: dict[str, Any]) -> int:
     replicas = shape["world_size"] // shape["sequence_parallel_size"]
     return shape["micro_batch"] * shape["gradient_accumulation"] * replicas
@@ -96,19 +103,22 @@ def shape_change(saved: dict[str, Any], now: dict[str, Any], *, checkpoint_dir: 
     if saved["zero_stage"] != now["zero_stage"]:
         return changed, (f"{where}: a ZeRO stage change cannot be resumed (DeepSpeed's universal checkpoint keeps "
                          f"the stage): use ZeRO-{saved['zero_stage']}")
-    if not changed:
-        return False, None
-    if nvme:
-        return True, (f"{where}: DeepSpeed's universal load skips an optimizer offloaded to NVMe: launch "
-                      f"{saved['world_size']} ranks, or offload to the CPU")
+    # the data position is step x global batch: a change of the global batch, on the same ranks too (accumulation
+    # 4 -> 2 would re-read samples already trained), cannot continue the same data
     before, after = _global_batch(saved), _global_batch(now)
     if before != after:
         per_step = now["micro_batch"] * (now["world_size"] // now["sequence_parallel_size"])
         fix = (f"set gradient_accumulation_steps to {before // per_step}" if before % per_step == 0
                else f"choose a micro-batch and accumulation whose product with the {per_step // now['micro_batch']} "
                     f"replica(s) is {before}")
-        return True, (f"{where}: its global batch was {before} sequences per step, this run's is {after}; the data "
-                      f"position is counted in samples, so keep the global batch: {fix}")
+        return changed, (f"{where}: its global batch was {before} sequences per step ({_batch_text(saved)}), this "
+                         f"run's is {after} ({_batch_text(now)}); the data position is counted in samples, so keep "
+                         f"the global batch: {fix}")
+    if not changed:
+        return False, None
+    if nvme:
+        return True, (f"{where}: DeepSpeed's universal load skips an optimizer offloaded to NVMe: launch "
+                      f"{saved['world_size']} ranks, or offload to the CPU")
     return True, None
 
 
@@ -129,12 +139,39 @@ def conversion_failure(checkpoint: str, returncode: int, stderr: str) -> str:
     return f"DeepSpeed's ds_to_universal failed on {checkpoint} (status {returncode}): {last.strip()}"
 
 
+SOURCE_STAMP = "ds_longseq_source"
+"""The file in a converted ``<tag>.universal/`` naming the checkpoint it came from (:func:`source_stamp`)."""
+
+
+def source_stamp(checkpoint_dir: str) -> str:
+    """What identifies one checkpoint's contents: its manifest's SHA-256 (the run, the step, every file and its size),
+    or for a checkpoint from before manifests its model states file's size and modification time."""
+    manifest = os.path.join(checkpoint_dir, MANIFEST)
+    if os.path.isfile(manifest):
+        with open(manifest, "rb") as f:
+            return "manifest sha256 " + hashlib.sha256(f.read()).hexdigest()
+    states = os.path.join(checkpoint_dir, MODEL_STATES)
+    if os.path.isfile(states):
+        info = os.stat(states)
+        return f"model states {info.st_size} bytes, mtime {info.st_mtime_ns}"
+    return "unknown"
+
+
+def _read_stamp(universal_dir: str) -> str | None:
+    path = os.path.join(universal_dir, SOURCE_STAMP)
+    if not os.path.isfile(path):
+        return None  # converted before stamps: not known to be this checkpoint's
+    with open(path) as f:
+        return f.read()
+
+
 def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any], now: dict[str, Any], prefix: str,
                  pointer: str | None = None) -> str:
     """``<save_dir>/<tag>.universal/``, converted by ``deepspeed.checkpoint.ds_to_universal`` on one process
     (``leader``: global rank 0, which reads every rank's shard; written beside as ``.partial`` and renamed, so a
-    killed conversion is redone; an existing one is reused), every rank waiting; returns its tag. The original
-    ``<tag>/`` is only read. The leader says so in one line that starts with ``prefix`` (``--resume``,
+    killed conversion is redone; an existing one is reused when it was converted from this very checkpoint,
+    :data:`SOURCE_STAMP`, else converted again), every rank waiting; returns its tag. The original ``<tag>/`` is only
+    read. The leader says so in one line that starts with ``prefix`` (``--resume``,
     ``resume_from_checkpoint``) and names the ``saved`` and ``now`` shapes. With ``pointer``, the leader also writes
     the tag into ``<save_dir>/<pointer>`` (``latest_universal``, which DeepSpeed's load reads when no tag is given:
     the Trainer's way).
@@ -143,13 +180,17 @@ def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any]
         UniversalConversionError: on every rank, when the conversion failed (:func:`conversion_failure`).
         SystemExit: a rank that cannot see the converted directory (nodes without a shared file system).
     """
-    import shutil
-
     import torch.distributed as dist
 
     target = tag + UNIVERSAL_SUFFIX
     out = os.path.join(save_dir, target)
     failure = None
+    source = source_stamp(os.path.join(save_dir, tag))
+    if leader and os.path.isdir(out) and _read_stamp(out) != source:
+        # converted from another checkpoint of that name (a later run wrote <tag>/ over the one converted): stale
+        logger.warning("%s: %s/ was converted from an earlier %s/ than the one there now: converting again", prefix,
+                       target, tag)
+        shutil.rmtree(out)
     if leader and not os.path.isdir(out):
         partial = out + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -161,6 +202,8 @@ def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any]
             shutil.rmtree(partial, ignore_errors=True)
             failure = conversion_failure(os.path.join(save_dir, tag), proc.returncode, proc.stderr)
         else:
+            with open(os.path.join(partial, SOURCE_STAMP), "w") as f:
+                f.write(source)
             os.replace(partial, out)
     if leader and pointer is not None and failure is None:
         write_latest(save_dir, target, name=pointer)

@@ -15,6 +15,8 @@ Holds:
     resume: load the checkpoint ``latest`` names (after engine.manifest's check: not a checkpoint, incomplete,
         another model, another shape of run); its step and the metrics rows up to it.
     start_or_resume: the first step to train and the metrics before it (fresh, or resumed).
+    agreed_checkpoint: the checkpoint every rank resumes (global rank 0's ``latest``), checked on every rank.
+    read_metrics: the rows of a metrics.jsonl, a last line cut short dropped (and said).
     save_checkpoint: every rank writes step<N>.partial/, renamed to step<N>/ when complete, then ``latest`` moves.
     remove_partial_checkpoints: the ``step<N>.partial/`` directories of saves that did not complete, removed at start.
     earlier_run / clear_earlier_run: the checkpoints an earlier run left in a save directory (a new run must
@@ -56,7 +58,8 @@ from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
 
-__all__ = ["write_latest", "read_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
+__all__ = ["write_latest", "read_latest", "resume", "agreed_checkpoint", "read_metrics", "start_or_resume",
+           "save_checkpoint", "save_if_due", "SaveSchedule",
            "prune_checkpoints",
            "checkpoint_bytes", "check_save_space", "remove_partial_checkpoints", "gathered_state_dict", "save_streamed",
            "export_hf", "PARTIAL_SUFFIX", "RUN_OUTPUTS", "earlier_run", "clear_earlier_run",
@@ -79,13 +82,8 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
     """
     import deepspeed.comm as dist
 
-    tag = read_latest(save_dir)
-    if tag is None:
-        raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
     facts = run_facts(engine, world=dist.get_world_size(), sp_size=sequence_parallel_rank_and_size()[1])
-    problem = resume_problem(os.path.join(save_dir, tag), facts)
-    if problem is not None:  # before DeepSpeed's load, which would fail deep inside or load a mismatch
-        raise SystemExit(f"--resume: {problem}")
+    tag = agreed_checkpoint(save_dir, facts)  # before DeepSpeed's load, which would fail deep inside or mix steps
     saved = read_manifest(os.path.join(save_dir, tag))
     reshaped, why = (False, None) if saved is None else shape_change(
         saved, facts, checkpoint_dir=os.path.join(save_dir, tag))
@@ -108,11 +106,78 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
     else:  # the generators are per rank: another shape starts them afresh (engine.reshape)
         _load_rng_state(os.path.join(save_dir, tag))
     tag = original
-    start_step, metrics = client_state["step"], []
-    if os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            metrics = [m for m in map(json.loads, f) if m["step"] <= start_step]
+    start_step = client_state["step"]
+    metrics = [m for m in read_metrics(metrics_path) if m["step"] <= start_step]
     return start_step, metrics, tag
+
+
+def agreed_checkpoint(save_dir: str, facts: dict) -> str:
+    """The checkpoint every rank resumes from: the one global rank 0's ``latest`` names, broadcast (on node-local
+    disks each node has its own ``latest``, and a crash between two nodes' updates leaves them naming different
+    steps), checked on every rank (:func:`~ds_longseq.engine.manifest.resume_problem`: there, complete, this model);
+    every rank calls it.
+
+    Raises:
+        SystemExit: on every rank, naming the first rank (and its host) whose copy is missing or wrong, or the
+            absence of any checkpoint.
+    """
+    import socket
+
+    import torch.distributed as tdist
+
+    tag = read_latest(save_dir)
+    grouped = tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+    if grouped:
+        shared = [tag]
+        tdist.broadcast_object_list(shared, src=0)
+        if shared[0] is not None and tag is not None and tag != shared[0]:
+            logger.warning("--resume: this rank's %s/latest names %s, global rank 0's names %s: resuming %s on "
+                           "every rank", save_dir, tag, shared[0], shared[0])
+        tag = shared[0]
+    if tag is None:
+        raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
+    problem = resume_problem(os.path.join(save_dir, tag), facts)
+    if grouped:
+        found = [None] * tdist.get_world_size()
+        tdist.all_gather_object(found, None if problem is None else (socket.gethostname(), problem))
+        rank = next((r for r, p in enumerate(found) if p is not None), None)
+        if rank is not None:
+            host, problem = found[rank]
+            raise SystemExit(f"--resume: rank {rank} (on {host}): {problem}")
+    elif problem is not None:
+        raise SystemExit(f"--resume: {problem}")
+    return tag
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` ([] when there is none). A last line cut short (a kill or a full disk during
+    its append) is dropped, saying so (its step is trained again); a bad line before the last is a file that was
+    edited or mixed up, refused naming the file and line (``SystemExit``)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    rows = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines[: last + 1]):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError("not a row with a step")
+        except ValueError:
+            if i == last:
+                if _rank() == 0:
+                    logger.warning("%s: its last line was cut short (%d characters, not a complete JSON row: the run "
+                                   "was killed or the disk filled during its append); dropped, that step's row is "
+                                   "written again when it trains", path, len(line))
+                break
+            raise SystemExit(f"--resume: {path}:{i + 1} is not a metrics row ({line[:60]!r}): the file was edited or "
+                             "is another run's; move it aside and --resume again (it is rewritten from the "
+                             "checkpoint's step on)") from None
+        rows.append(row)
+    return rows
 
 
 def start_or_resume(
@@ -206,6 +271,12 @@ def start_over(save_dir: str, rank: int) -> None:
     dist.barrier()
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def remove_partial_checkpoints(save_dir: str) -> list[str]:
     """Remove the ``step<N>.partial/`` directories a killed or failed save left in ``save_dir`` (none is a
     checkpoint: ``latest`` never names one); returns their names. Called at the start of a run, before any save."""
@@ -289,6 +360,7 @@ def _complete(save_dir: str, partial: str, tag: str) -> None:
     src, dst = os.path.join(save_dir, partial), os.path.join(save_dir, tag)
     if os.path.isdir(dst) and os.path.isdir(src) and read_latest(save_dir) != tag:
         shutil.rmtree(dst)  # an earlier run's step<N>, trained again after a resume from before it
+        shutil.rmtree(dst + UNIVERSAL_SUFFIX, ignore_errors=True)  # and its converted form, which is not this one's
     try:
         os.replace(src, dst)
     except FileNotFoundError:

@@ -20,7 +20,7 @@ from ds_longseq import compat
 from ds_longseq.batch_size import BatchSize, BatchSizeError, read_batch_size
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
-from ds_longseq.engine.manifest import read_latest, read_manifest
+from ds_longseq.engine.manifest import ManifestError, read_latest, read_manifest
 from ds_longseq.engine.reshape import optimizer_on_nvme, planned_shape, shape_change
 from ds_longseq.forwards.sp_model import ring_degree
 from ds_longseq.logging import get_logger
@@ -139,7 +139,10 @@ def check_resume_shape(args: argparse.Namespace, ds_config: dict, world: int, sp
     if tag is None:
         return  # resume() names it
     checkpoint = os.path.join(args.save_dir, tag)
-    saved = read_manifest(checkpoint)
+    try:
+        saved = read_manifest(checkpoint)
+    except ManifestError as err:
+        raise SystemExit(f"--resume: {err}") from None
     if saved is None:
         return
     changed, why = shape_change(saved, planned_shape(ds_config, world=world, sp_size=sp_size),
@@ -163,6 +166,12 @@ def startup_summary(run: Run, plan) -> str:
     name = args.model or "the built-in tiny Llama (from scratch)"
     rows = run.micro_bs * run.gas * run.num_replicas
     on = [n for n, technique in registered_techniques().items() if technique.active(run.long_seq)] or ["none"]
+    streambp = run.long_seq.streambp
+    if "streambp" in on:  # what it keeps between forward and backward
+        kept = {True: "kept", False: "recomputed", "auto": "kept where memory allows (decided each step: the log "
+                "says which)"}[streambp.keep_attention_output]
+        on[on.index("streambp")] = (f"streambp (chunk_size {streambp.chunk_size}; attention outputs {kept}, "
+                                    "streambp.keep_attention_output)")
     parallel = (f"sequence parallel {run.sp_size} x data parallel {run.num_replicas}" if run.sp_size > 1
                 else f"data parallel {run.num_replicas}")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -33,6 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ds_longseq.compat import repair_zero3_universal_load
 from ds_longseq.engine.manifest import (
     MANIFEST,
+    ManifestError,
     model_facts,
     read_latest,
     read_manifest,
@@ -129,7 +130,10 @@ def prepare_resume(trainer, checkpoint_dir: str) -> str | None:
     now = planned_shape(ds_config, world=world, sp_size=trainer.long_seq_sp_size,
                         micro_batch=args.per_device_train_batch_size,
                         gradient_accumulation=args.gradient_accumulation_steps)  # the config's may be "auto"
-    saved = read_manifest(checkpoint_dir)
+    try:
+        saved = read_manifest(checkpoint_dir)
+    except ManifestError as err:
+        raise ResumeError(f"resume_from_checkpoint: {err}") from None
     if saved is None:
         written = zero_shard_ranks(os.path.join(checkpoint_dir, tag))
         if written and written != world:
