@@ -372,7 +372,7 @@ def offload_supported() -> bool:
 
 
 def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_size: int, loss_chunk_size: int,
-                    sp: int = 1) -> dict:
+                    sp: int = 1, auto_budget_gib: float | None = None) -> dict:
     """The recipe's ``long_seq`` section ({} for methods that do not use ds_longseq).
 
     With ``approx_bp`` the section gets ``APPROX_BP``; for a recipe that uses no other ds_longseq
@@ -388,6 +388,8 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
         # kv_block_size left to the device default: the whole prefix per tile on CUDA, 1024 keys on CPU
         chunk = "auto" if recipe.auto_chunk else chunk_size * recipe.chunk_scale
         cfg = {"streambp": {"enabled": True, "chunk_size": chunk}, "lm_head": lm_head}
+        if recipe.auto_chunk and auto_budget_gib is not None:
+            cfg["streambp"]["auto_budget_gib"] = auto_budget_gib
         if recipe.offload_layer_inputs:
             cfg["offload"] = {"layer_inputs": "cpu"}
         if recipe.keep_every > 1:

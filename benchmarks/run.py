@@ -79,7 +79,8 @@ from benchmarks.recipes import (
 )
 
 MODULE = "benchmarks.run"
-GPU_METHODS = ("hf_gc", "alst", "alst_offload", "mst", "streambp", "streambp_offload")
+GPU_METHODS = ("hf_gc", "alst", "alst_offload", "mst", "streambp", "streambp_offload", "streambp_auto",
+               "streambp_auto_offload")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,10 @@ class Suite:
     lora: bool = False
     chunk_size: int = 1024  # StreamBP chunk and key-block tokens
     loss_chunk_size: int = LOSS_TOKENS_PER_CHUNK  # chunked LM head / ALST loss tile tokens
+    # streambp.auto_budget_gib of the "auto" chunk methods (None: 80% of the free memory): on the GPU suites a target
+    # that keeps the memory lead (issue 61 item 3): 10 GiB of one chunk's work is one 32K-token chunk of the 8B
+    # shape by the analytic count (ModelDims.chunk_work_per_token, 1.3x the CPU-measured slope), four at 128K
+    auto_budget_gib: float | None = None
     warmup: int = 1
     steps: int = 2
     timeout_s: float = 3600.0
@@ -135,6 +140,7 @@ SUITES = {
         GPU_METHODS,
         search_lengths=(131072, 196608, 262144),
         chunk_size=4096,
+        auto_budget_gib=10.0,
         timeout_s=540.0,  # under a 10-minute device command, with room to write the outputs
     ),
     "gpu_lora": Suite(
@@ -149,6 +155,7 @@ SUITES = {
         search_lengths=(131072, 196608, 262144),
         lora=True,
         chunk_size=4096,
+        auto_budget_gib=10.0,
         timeout_s=540.0,
         lr=1e-4,
     ),
@@ -236,7 +243,8 @@ def build_step(suite: Suite, method: str, seq_len: int, device: str, batch_size:
         _, model = apply_lora(model)  # the recipe goes on the inner *ForCausalLM, which we call directly
     prepare(model, recipe, frozen_inputs=suite.lora)
     long_seq = long_seq_config(
-        recipe, suite.shape, seq_len, chunk_size=suite.chunk_size, loss_chunk_size=suite.loss_chunk_size
+        recipe, suite.shape, seq_len, chunk_size=suite.chunk_size, loss_chunk_size=suite.loss_chunk_size,
+        auto_budget_gib=suite.auto_budget_gib
     )
     ids = random_tokens(suite.shape, seq_len, device, batch_size=batch_size)
     loss_kwargs = dict(loss_chunk_size=suite.loss_chunk_size, pin_memory=cuda)

@@ -48,8 +48,9 @@ def test_every_config_file_loads_and_validates(path, tmp_path):
 
 
 def test_gpu_presets_carry_the_gpu_tiles_and_cpu_presets_get_a_hint_on_cuda():
-    """The GPU presets use what the GPU measurements found best (4096-token chunks, the whole-prefix tile) and draw
-    no hint on CUDA; every CPU preset with StreamBP draws one there, and nothing is said on CPU."""
+    """The GPU presets use the whole-prefix tile (the GPU measurements' best) and StreamBP chunks chosen within a
+    budget ("auto", 10 GiB: issue 61 item 3), and draw no hint on CUDA; every CPU preset with StreamBP draws one
+    there, and nothing is said on CPU."""
     from ds_longseq.toolkit.distributed import cpu_tuned_config_hint
 
     gpu = [p for p in CONFIGS if os.path.basename(p).startswith(("gpu", "multinode"))]
@@ -58,7 +59,8 @@ def test_gpu_presets_carry_the_gpu_tiles_and_cpu_presets_get_a_hint_on_cuda():
         _, long_seq = split_config(path)
         hint = cpu_tuned_config_hint(long_seq, on_cuda=True)
         if path in gpu:
-            assert long_seq.streambp.chunk_size == 4096 and long_seq.attention.kv_block_size is None, path
+            assert long_seq.streambp.chunk_size == "auto" and long_seq.streambp.auto_budget_gib == 10, path
+            assert long_seq.attention.kv_block_size is None, path
             assert hint is None, path
         elif long_seq.streambp.enabled:
             assert hint is not None and "ds_configs/gpu*.json" in hint, path

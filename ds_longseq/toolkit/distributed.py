@@ -182,7 +182,8 @@ def ops_to_build(config: dict, *, on_cuda: bool) -> list[tuple[str, str]]:
 
 
 GPU_CHUNK_TOKENS = 4096
-"""The StreamBP chunk the GPU measurements used (benchmarks/RESULTS.md section 5) and the GPU presets ship."""
+"""The StreamBP chunk the GPU measurements used (benchmarks/RESULTS.md section 5); below it a GPU run is hinted at the
+presets (which choose theirs, "auto", within a budget)."""
 
 
 def cpu_tuned_config_hint(long_seq, *, on_cuda: bool) -> str | None:
@@ -201,8 +202,9 @@ def cpu_tuned_config_hint(long_seq, *, on_cuda: bool) -> str | None:
     ) if part)
     return (
         f"{found}: sizes tuned for CPU. On GPUs the measured best is the whole prefix per attention tile (leave "
-        f"attention.kv_block_size unset) and {GPU_CHUNK_TOKENS}-token StreamBP chunks: the ds_configs/gpu*.json "
-        "and multinode_*.json presets (ds_configs/README.md)"
+        f"attention.kv_block_size unset) and StreamBP chunks of {GPU_CHUNK_TOKENS} tokens or more (the "
+        "ds_configs/gpu*.json and multinode_*.json presets choose them: chunk_size 'auto' within a budget; "
+        "ds_configs/README.md)"
     )
 
 
