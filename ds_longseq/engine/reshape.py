@@ -165,6 +165,41 @@ def _read_stamp(universal_dir: str) -> str | None:
         return f.read()
 
 
+def _staged_for_conversion(checkpoint_dir: str, saved: dict[str, Any]) -> str | None:
+    """What ``ds_to_universal`` can read of a ZeRO-1/2 checkpoint written under sequence parallelism, or None where
+    it reads the checkpoint as it is.
+
+    DeepSpeed's sequence-parallel groups (``parallel_state_sp``, the engine's ``mpu``) answer the model-parallel size
+    with the sequence-parallel size, so the engine records that as the checkpoint's tensor-parallel degree; the ranks
+    of a sequence-parallel group hold the same model, and only ``mp_rank_00``'s model states are written. The
+    converter then refuses the checkpoint (one model-state file for a tensor-parallel degree of P). Staged here: a
+    directory beside it whose files are links to the checkpoint's, but for the model-state file, copied with the
+    degree it has (1). The checkpoint itself is only read; the caller removes the staging directory.
+    """
+    import glob
+
+    import torch
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
+
+    states = glob.glob(os.path.join(checkpoint_dir, "mp_rank_*_model_states.pt"))
+    size = saved.get("sequence_parallel_size", 1)
+    if len(states) != 1 or size <= 1 or saved.get("zero_stage", 0) >= 3:
+        return None
+    state = torch.load(states[0], map_location="cpu", weights_only=False)
+    dims = state.get(CHECKPOINT_PARALLEL_DIMS)
+    if not isinstance(dims, dict) or dims.get(CHECKPOINT_TP_DEGREE) != size:
+        return None  # a degree that is not the sequence-parallel size: real tensor parallelism, left to DeepSpeed
+    staging = checkpoint_dir.rstrip(os.sep) + ".staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    for name in os.listdir(checkpoint_dir):
+        if os.path.join(checkpoint_dir, name) != states[0]:
+            os.symlink(os.path.abspath(os.path.join(checkpoint_dir, name)), os.path.join(staging, name))
+    state[CHECKPOINT_PARALLEL_DIMS] = {**dims, CHECKPOINT_TP_DEGREE: 1}
+    torch.save(state, os.path.join(staging, os.path.basename(states[0])))
+    return staging
+
+
 def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any], now: dict[str, Any], prefix: str,
                  pointer: str | None = None) -> str:
     """``<save_dir>/<tag>.universal/``, converted by ``deepspeed.checkpoint.ds_to_universal`` on one process
@@ -194,10 +229,16 @@ def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any]
     if leader and not os.path.isdir(out):
         partial = out + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
+        source_dir = os.path.join(save_dir, tag)
+        staged = _staged_for_conversion(source_dir, saved)  # ZeRO-1/2 under sequence parallelism
         command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                   os.path.join(save_dir, tag), "--output_folder", partial, "--inject_missing_state",
+                   staged or source_dir, "--output_folder", partial, "--inject_missing_state",
                    "--num_extract_workers", "1", "--num_merge_workers", "1"]
-        proc = subprocess.run(command, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True)
+        finally:
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)
         if proc.returncode != 0:
             shutil.rmtree(partial, ignore_errors=True)
             failure = conversion_failure(os.path.join(save_dir, tag), proc.returncode, proc.stderr)

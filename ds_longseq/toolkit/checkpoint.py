@@ -222,8 +222,9 @@ RUN_OUTPUTS = ("latest", "latest_universal", "metrics.jsonl", "loss.png", "hf_mo
 
 
 def _is_checkpoint_name(name: str) -> bool:
-    """``step<N>``, its converted ``step<N>.universal`` or an unfinished ``step<N>.partial``."""
-    stem = name.removesuffix(PARTIAL_SUFFIX).removesuffix(UNIVERSAL_SUFFIX)
+    """``step<N>``, its converted ``step<N>.universal``, an unfinished ``step<N>.partial`` or a conversion's
+    ``step<N>.staging`` (``engine.reshape``)."""
+    stem = name.removesuffix(PARTIAL_SUFFIX).removesuffix(".staging").removesuffix(UNIVERSAL_SUFFIX)
     return stem.startswith("step") and stem[4:].isdigit()
 
 
