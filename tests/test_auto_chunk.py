@@ -102,11 +102,13 @@ def test_the_budget_from_free_memory_counts_what_the_forward_keeps(monkeypatch):
         assert last["chunk_size"] == choose_chunk_size(SEQ, 2, work, last["budget_bytes"])
         seen.append(last["chunk_size"])
     assert seen[0] == SEQ and seen[1] == MIN_CHUNK and seen[2] == SEQ
-    # kept: 3 layer inputs, one layer's K and V and their gradients, the residual gradient in and out, the head's
-    # 64-token chunk over the vocabulary (float32, x3); the parameter gradients exist after the first step
+    # kept: 3 layer inputs and (keep_attention_output "auto": kept with this much memory) their layers' attention
+    # outputs, one layer's K and V and their gradients, the residual gradient in and out, the head's 64-token chunk
+    # over the vocabulary (float32, x3); the parameter gradients exist after the first step
     d, kv, tokens = dims.hidden_size, dims.num_kv_heads * dims.head_dim, 2 * SEQ
-    assert auto.last["kept_bytes"] == 3 * tokens * d * 4 + 4 * tokens * kv * 4 + 2 * tokens * d * 4 + \
-        3 * 64 * dims.vocab_size * 4
+    assert auto.keep.chosen
+    assert auto.last["kept_bytes"] == 3 * tokens * d * 4 + 3 * tokens * dims.attention_output_bytes(4) + \
+        4 * tokens * kv * 4 + 2 * tokens * d * 4 + 3 * 64 * dims.vocab_size * 4
 
 
 def test_auto_reports_the_largest_micro_batch_the_free_memory_fits(monkeypatch, caplog):
@@ -157,7 +159,9 @@ def test_generation_chooses_nothing_and_no_grad_counts_no_gradients():
     no_grad_kept = auto.last["kept_bytes"]
     model(**batch)
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    assert auto.last["kept_bytes"] == no_grad_kept + grads
+    # a training forward also keeps the attention outputs (keep_attention_output "auto"; none without a backward)
+    outputs = 2 * 2 * SEQ * ModelDims.from_config(model.config).attention_output_bytes(4)
+    assert auto.keep.chosen and auto.last["kept_bytes"] == no_grad_kept + grads + outputs
 
 
 def test_bad_auto_settings_are_refused():

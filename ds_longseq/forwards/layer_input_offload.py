@@ -43,8 +43,11 @@ def forward_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     tokens = embeds if embeds is not None else kwargs.get("input_ids")
     if tokens is None or tokens.dim() < 2 or pop_cache(kwargs) is not None:
         return None
-    # The residual stream has the embedding's dtype, also under autocast (embeddings are not autocast).
-    return tokens, embeds.dtype if embeds is not None else module.get_input_embeddings().weight.dtype
+    # The residual stream has the embedding's dtype, also under autocast (embeddings are not autocast). Read off
+    # parameters(), not `.weight`: under ZeRO-3 a parameter fetched by name during a forward is gathered and kept as
+    # the running module's (here the whole base model's) for its whole forward, which held a tied embedding gathered
+    # through every layer (one gather fewer, and its full size on every rank: the counted collectives showed it)
+    return tokens, embeds.dtype if embeds is not None else next(module.get_input_embeddings().parameters()).dtype
 
 
 class HostMemoryError(MemoryError):
