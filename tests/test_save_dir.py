@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ds_longseq.cli import main as cli_main
-from ds_longseq.toolkit.checkpoint import clear_earlier_run, earlier_run
+from ds_longseq.toolkit.save_dir import clear_earlier_run, earlier_run
 from tests.test_sft import _config, run_sft
 
 
@@ -170,3 +170,90 @@ def test_ranks_on_node_local_disks_resume_one_step_or_refuse_together(tmp_path):
     dirs[1] = _node_dir(tmp_path / "node1b", (2,), 2)
     for answer in run_distributed(_agree, world_size=2, args=(dirs,), timeout=120):
         assert answer.startswith("refused: --resume: rank 1 (on ") and "step3 is not there" in answer, answer
+
+
+# -- one run per save directory, one owner per file system (items 8 and 5) ----------------------------------------------
+
+
+def test_a_locked_save_dir_refuses_a_second_run_until_the_first_ends(tmp_path):
+    from ds_longseq.toolkit.save_dir import claim_save_dir
+
+    first = claim_save_dir(str(tmp_path), 0)
+    assert first.owner and len(first.run_id) == 12
+    with pytest.raises(SystemExit, match=rf"is in use by another run \(run {first.run_id}, pid {os.getpid()} on "):
+        claim_save_dir(str(tmp_path), 0)
+    first.release()
+    again = claim_save_dir(str(tmp_path), 0)
+    assert again.run_id != first.run_id
+    again.release()
+
+
+def test_rotation_removes_this_runs_checkpoints_only(tmp_path):
+    """--save-total-limit counts and removes the run's own checkpoints: another run's (or one from before run ids)
+    beside them stays."""
+    import json
+
+    from ds_longseq.engine.manifest import MANIFEST
+    from ds_longseq.toolkit.checkpoint import prune_checkpoints
+
+    for step, run in ((1, "ours"), (2, "theirs"), (3, "ours"), (4, None), (5, "ours")):
+        (tmp_path / f"step{step}").mkdir()
+        manifest = {"format": 1, "step": step, "files": {}, **({"run_id": run} if run else {})}
+        (tmp_path / f"step{step}" / MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "latest").write_text("step5")
+    assert prune_checkpoints(str(tmp_path), 2, run_id="ours") == ["step1"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step2", "step3", "step4", "step5"]
+
+
+def _claim_as_a_node(rank: int, dirs: list[str]):
+    os.environ["LOCAL_RANK"] = "0"  # every rank its node's first: two "nodes" on this machine
+    from ds_longseq.toolkit.save_dir import claim_save_dir
+
+    claim = claim_save_dir(dirs[rank], rank)
+    return claim.owner, claim.run_id
+
+
+def test_one_owner_per_file_system(tmp_path):
+    """Two nodes over one shared save directory: global rank 0 alone renames and prunes in it (two owners raced each
+    other's prunes into FileNotFoundError); over node-local disks each node owns its own copy."""
+    from tests.dist_utils import run_distributed
+
+    shared = run_distributed(_claim_as_a_node, world_size=2, args=([str(tmp_path / "shared")] * 2,), timeout=120)
+    assert [owner for owner, _ in shared] == [True, False] and shared[0][1] == shared[1][1]
+    local = run_distributed(_claim_as_a_node, world_size=2,
+                            args=([str(tmp_path / "node0"), str(tmp_path / "node1")],), timeout=120)
+    assert [owner for owner, _ in local] == [True, True] and local[0][1] == local[1][1]
+
+
+def test_a_second_run_beside_a_running_one_is_refused_and_the_first_goes_on(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from tests.test_sft import ROOT, _port
+
+    config, save = _config(tmp_path), tmp_path / "D"
+
+    def command(*extra):
+        return ["deepspeed", "--num_gpus", "1", "--master_port", str(_port()), os.path.join(ROOT, "examples", "sft.py"),
+                "--ds_config", config, "--seq-len", "128", "--save-dir", str(save), *extra]
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    first = subprocess.Popen(command("--max-steps", "100000", "--save-every-minutes", "0"), env=env, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (save / "metrics.jsonl").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.5)
+        second = subprocess.run(command("--max-steps", "2"), env=env, cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"--save-dir {save} is in use by another run (run " in second.stdout + second.stderr
+        rows = len((save / "metrics.jsonl").read_text().splitlines())
+        time.sleep(3)
+        assert first.poll() is None and len((save / "metrics.jsonl").read_text().splitlines()) > rows  # goes on
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)
+        first.wait(timeout=60)

@@ -16,6 +16,7 @@ Modules, one concern each (see each one's "Holds:"):
     pretrained: a user's checkpoint for --model, a Hugging Face directory or a GGUF file (load_model, load_tokenizer).
     lora: LoRA through PEFT (targets checked, seeded init) and the merge for export.
     checkpoint: crash-safe checkpoints (atomic ``latest``), resume, the HF export.
+    save_dir: a run's save directory: its lock and id, who owns its directories, what an earlier run left there.
     metrics: metrics.jsonl, the progress bar, peak memory, plots.
     distributed: process-group start-up, config checks against the arguments, collectives.
     args: the shared command-line flags and their checks.

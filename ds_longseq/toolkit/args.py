@@ -164,7 +164,7 @@ def check_earlier_run(args: argparse.Namespace) -> None:
     """Decide, before anything starts, what to do with the checkpoints an earlier run left in --save-dir: --resume
     continues them, --start-over removes them (``setup_run``, before the model is built), and anything else is
     refused naming both (training beside them would mix two runs' checkpoints and fail at the last save)."""
-    from ds_longseq.toolkit.checkpoint import earlier_run
+    from ds_longseq.toolkit.save_dir import earlier_run
 
     resume, start_over = getattr(args, "resume", False), getattr(args, "start_over", False)
     if resume and start_over:

@@ -19,8 +19,6 @@ Holds:
     read_metrics: the rows of a metrics.jsonl, a last line cut short dropped (and said).
     save_checkpoint: every rank writes step<N>.partial/, renamed to step<N>/ when complete, then ``latest`` moves.
     remove_partial_checkpoints: the ``step<N>.partial/`` directories of saves that did not complete, removed at start.
-    earlier_run / clear_earlier_run: the checkpoints an earlier run left in a save directory (a new run must
-        ``--resume`` them or ``--start-over``), and their removal; start_over: that removal in a started run.
     checkpoint_bytes: about how many bytes one checkpoint takes (measured from the last one, else estimated).
     check_save_space: warn at start when the save directory's free space is short of one checkpoint.
     save_if_due: a checkpoint every ``save_every`` steps and at the last step.
@@ -57,16 +55,14 @@ from ds_longseq.engine.reshape import UNIVERSAL_SUFFIX, UniversalConversionError
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
+from ds_longseq.toolkit.save_dir import PARTIAL_SUFFIX, SaveDirClaim, checkpoint_run_id, local_leader
 
 __all__ = ["write_latest", "read_latest", "resume", "agreed_checkpoint", "read_metrics", "start_or_resume",
            "save_checkpoint", "save_if_due", "SaveSchedule",
            "prune_checkpoints",
            "checkpoint_bytes", "check_save_space", "remove_partial_checkpoints", "gathered_state_dict", "save_streamed",
-           "export_hf", "PARTIAL_SUFFIX", "RUN_OUTPUTS", "earlier_run", "clear_earlier_run",
-           "start_over"]
+           "export_hf"]
 
-PARTIAL_SUFFIX = ".partial"
-"""What a checkpoint's directory is called until every rank has written it (``step<N>.partial``)."""
 
 logger = get_logger(__name__)
 
@@ -182,7 +178,7 @@ def read_metrics(path: str) -> list[dict]:
 
 def start_or_resume(
     engine, save_dir: str, metrics_path: str, *, resume_run: bool, max_steps: int, rank: int,
-    frozen_excluded: bool = False,
+    frozen_excluded: bool = False, claim: SaveDirClaim | None = None,
 ) -> tuple[int, list[dict]]:
     """(first step to train, metrics rows of the steps before it); every rank calls it.
 
@@ -196,10 +192,12 @@ def start_or_resume(
         max_steps: the run's last step; resuming a checkpoint already there is refused.
         rank: this process's global rank.
         frozen_excluded: the checkpoints hold the trainable weights only (:func:`save_checkpoint`).
+        claim: the run's claim on ``save_dir`` (``toolkit.save_dir.claim_save_dir``: who owns its directories);
+            None: each node's local rank 0.
     """
     import deepspeed.comm as dist
 
-    if _local_leader(rank):
+    if claim.owner if claim is not None else local_leader(rank):
         remove_partial_checkpoints(save_dir)
     if not resume_run:
         if rank == 0 and os.path.exists(metrics_path):
@@ -215,61 +213,6 @@ def start_or_resume(
             f.writelines(json.dumps(m) + "\n" for m in metrics)
         logger.warning("resumed from %s/%s at step %d", save_dir, tag, start_step)
     return start_step, metrics
-
-
-RUN_OUTPUTS = ("latest", "latest_universal", "metrics.jsonl", "loss.png", "hf_model", "hf_adapter")
-"""What a run writes into its save directory besides its checkpoints (``step<N>/`` and their forms)."""
-
-
-def _is_checkpoint_name(name: str) -> bool:
-    """``step<N>``, its converted ``step<N>.universal``, an unfinished ``step<N>.partial`` or a conversion's
-    ``step<N>.staging`` (``engine.reshape``)."""
-    stem = name.removesuffix(PARTIAL_SUFFIX).removesuffix(".staging").removesuffix(UNIVERSAL_SUFFIX)
-    return stem.startswith("step") and stem[4:].isdigit()
-
-
-def earlier_run(save_dir: str) -> list[str]:
-    """The complete checkpoints an earlier run left in ``save_dir`` (``step<N>/`` and ``latest``), newest last; []
-    for a new or empty directory. A new run there must say whether it continues them (``--resume``) or starts over
-    (``--start-over``): training beside them would mix two runs' checkpoints and crash at its last save."""
-    if not os.path.isdir(save_dir):
-        return []
-    tags = sorted((int(name[4:]), name) for name in os.listdir(save_dir)
-                  if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(save_dir, name)))
-    found = [name + "/" for _, name in tags]
-    return found + ["latest"] * os.path.isfile(os.path.join(save_dir, "latest"))
-
-
-def clear_earlier_run(save_dir: str) -> list[str]:
-    """Remove what an earlier run wrote into ``save_dir`` (its checkpoints in every form, ``latest``, its metrics,
-    plot and export: :data:`RUN_OUTPUTS`) and return the names removed; nothing else in the directory is touched.
-    ``--start-over`` (each node's local rank 0, before the model is built)."""
-    if not os.path.isdir(save_dir):
-        return []
-    removed = sorted(name for name in os.listdir(save_dir) if _is_checkpoint_name(name) or name in RUN_OUTPUTS)
-    for name in removed:
-        path = os.path.join(save_dir, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)  # another node's leader may remove it too (a shared directory)
-        else:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-    return removed
-
-
-def start_over(save_dir: str, rank: int) -> None:
-    """--start-over: each node's local rank 0 removes the earlier run's outputs in ``save_dir``
-    (:func:`clear_earlier_run`; after every check passed, before the model is built), rank 0 saying in one line what
-    was removed; every rank waits for it."""
-    import deepspeed.comm as dist
-
-    if _local_leader(rank):
-        removed = clear_earlier_run(save_dir)
-        if removed and rank == 0:
-            logger.warning("--start-over: removed the earlier run's %s from %s", ", ".join(removed), save_dir)
-    dist.barrier()
 
 
 def _rank() -> int:
@@ -294,7 +237,8 @@ def remove_partial_checkpoints(save_dir: str) -> list[str]:
 
 
 def save_checkpoint(
-    engine, save_dir: str, step: int, rank: int, *, exclude_frozen: bool = False, keep: int = 0
+    engine, save_dir: str, step: int, rank: int, *, exclude_frozen: bool = False, keep: int = 0,
+    claim: SaveDirClaim | None = None,
 ) -> None:
     """``<save_dir>/step<step>/`` from every rank (written as ``step<step>.partial/``, renamed when complete), then
     ``latest`` moved to it; every rank calls it.
@@ -302,7 +246,9 @@ def save_checkpoint(
     Args:
         exclude_frozen: write the trainable weights only (LoRA: the adapter and its optimizer state, not the frozen
             base, which a resume rebuilds from ``--model``).
-        keep: once ``latest`` has moved, keep only the newest ``keep`` checkpoints (0: all).
+        keep: once ``latest`` has moved, keep only the newest ``keep`` checkpoints of this run (0: all).
+        claim: the run's claim on ``save_dir``: its id goes into the manifest, and only its owners rename and prune
+            (``toolkit.save_dir``); None: each node's local rank 0, and any run's checkpoints are pruned.
 
     Raises:
         SystemExit: the disk filled up: the message says so, with the bytes needed and free; the partial
@@ -312,8 +258,8 @@ def save_checkpoint(
 
     tag = f"step{step}"
     partial = tag + PARTIAL_SUFFIX
-    local_leader = _local_leader(rank)
-    if local_leader:  # a partial directory an earlier run left (killed mid-save) is not reused
+    owner = claim.owner if claim is not None else local_leader(rank)
+    if owner:  # a partial directory an earlier run left (killed mid-save) is not reused
         shutil.rmtree(os.path.join(save_dir, partial), ignore_errors=True)
     dist.barrier()
     faults.arm_before_save(engine, rank, step)  # test-only: nothing unless DS_LONGSEQ_FAULT_INJECT asks
@@ -337,22 +283,18 @@ def save_checkpoint(
         ) from None
     faults.after_save(step)  # test-only: a crash after writing, before ``latest`` moves
     facts = run_facts(engine, world=dist.get_world_size(), sp_size=sequence_parallel_rank_and_size()[1])
+    if claim is not None:
+        facts["run_id"] = claim.run_id
     dist.barrier()
-    if local_leader:  # every rank has written: the manifest lists this node's files
+    if owner:  # every rank has written: the manifest lists the files this owner's file system holds
         write_manifest(os.path.join(save_dir, partial), facts, step)
-    dist.barrier()  # every node's manifest written before any renames (nodes sharing a file system share the dir)
-    if local_leader:
+    dist.barrier()  # every owner's manifest written before any renames
+    if owner:
         _complete(save_dir, partial, tag)
         write_latest(save_dir, tag)
         if keep:
-            prune_checkpoints(save_dir, keep)
+            prune_checkpoints(save_dir, keep, run_id=None if claim is None else claim.run_id)
     dist.barrier()
-
-
-def _local_leader(rank: int) -> bool:
-    """Whether this process is its node's local rank 0 (the launcher's LOCAL_RANK; the global rank without one): the
-    one that renames and removes checkpoint directories on that node's file system."""
-    return int(os.environ.get("LOCAL_RANK", rank)) == 0
 
 
 def _complete(save_dir: str, partial: str, tag: str) -> None:
@@ -449,12 +391,15 @@ def _load_rng_state(checkpoint_dir: str) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def prune_checkpoints(save_dir: str, keep: int) -> list[str]:
+def prune_checkpoints(save_dir: str, keep: int, run_id: str | None = None) -> list[str]:
     """Remove all but the newest ``keep`` ``step<N>/`` checkpoints of ``save_dir`` (never the one ``latest`` names);
-    returns the removed tags. Called after ``latest`` moved, so a crash here loses nothing ``latest`` needs."""
+    with ``run_id``, only that run's count and are removed (another run's checkpoints, or ones from before run ids,
+    are left alone). Returns the removed tags. Called after ``latest`` moved, so a crash here loses nothing ``latest``
+    needs."""
     latest = read_latest(save_dir)
     tags = sorted((int(name[4:]), name) for name in os.listdir(save_dir)
-                  if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(save_dir, name)))
+                  if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(save_dir, name))
+                  and (run_id is None or checkpoint_run_id(os.path.join(save_dir, name)) == run_id))
     removed = [name for _, name in tags[:-keep] if name != latest]
     for name in removed:
         shutil.rmtree(os.path.join(save_dir, name))

@@ -274,6 +274,7 @@ class MetricsLog:
         os.makedirs(args.save_dir, exist_ok=True)
         self.path = os.path.join(args.save_dir, "metrics.jsonl")
         self.start_step, self.rows = start_or_resume(run.engine, args.save_dir, self.path, resume_run=args.resume,
+                                                     claim=run.claim,
                                                      max_steps=args.max_steps, rank=run.rank,
                                                      frozen_excluded=run.checkpoint_options["exclude_frozen"])
         self.tokens = 0

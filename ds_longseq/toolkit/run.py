@@ -26,15 +26,10 @@ from ds_longseq.forwards.sp_model import ring_degree
 from ds_longseq.logging import get_logger
 from ds_longseq.resolver import RunShape
 from ds_longseq.toolkit.args import DoesNotFit
-from ds_longseq.toolkit.checkpoint import (
-    SaveSchedule,
-    check_save_space,
-    export_hf,
-    save_checkpoint,
-    start_over,
-)
+from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
 from ds_longseq.toolkit.distributed import resolve_or_exit, set_learning_rate, start_resolved, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
+from ds_longseq.toolkit.save_dir import SaveDirClaim, claim_save_dir, start_over
 from ds_longseq.toolkit.tasks import build_model, model_config
 
 logger = get_logger(__name__)
@@ -99,10 +94,13 @@ class Run:
     def checkpoint_options(self) -> dict:
         """How this run's checkpoints are written: LoRA runs leave the frozen base out (a resume rebuilds it from
         --model), and ``--save-total-limit`` keeps the newest N (0: all)."""
-        return {"exclude_frozen": bool(self.args.lora_rank), "keep": getattr(self.args, "save_total_limit", 0) or 0}
+        return {"exclude_frozen": bool(self.args.lora_rank), "keep": getattr(self.args, "save_total_limit", 0) or 0,
+                "claim": self.claim}
 
     schedule: SaveSchedule | None = None
     """When checkpoints are written (--save-every, --save-every-minutes, the last step); set by :func:`setup_run`."""
+    claim: SaveDirClaim | None = None
+    """The run's claim on --save-dir (its id, the lock, who owns the directories: ``toolkit.save_dir``)."""
 
     def save_if_due(self, step: int) -> None:
         """After optimizer step ``step`` (1-based): a checkpoint if --save-every, --save-every-minutes or the last
@@ -218,11 +216,13 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     except BatchSizeError as err:
         raise SystemExit(f"--ds_config {args.ds_config}: {err}") from None
     plan = check_memory(args, ds_config)
+    # one run at a time in --save-dir, and who renames and prunes its checkpoints (before anything is removed)
+    claim = claim_save_dir(args.save_dir, rank, resume=getattr(args, "resume", False))
     check_resume_shape(args, ds_config, world, long_seq.sequence_parallel.size)
     if before_model is not None:
         before_model()
     if getattr(args, "start_over", False):
-        start_over(args.save_dir, rank)
+        start_over(args.save_dir, rank, claim)
 
     dtype = torch.bfloat16 if use_bf16 else torch.float32
     model = build_model(args.model, dtype, seq_len=args.seq_len, seed=args.seed)
@@ -239,7 +239,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
             seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))))
     schedule = SaveSchedule(args.save_every, getattr(args, "save_every_minutes", 0.0), args.max_steps,
                             device=engine.device)
-    run = Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size, batch, schedule)
+    run = Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size, batch, schedule, claim)
     if rank == 0:
         logger.info("%s", startup_summary(run, plan))
     return run
@@ -252,4 +252,6 @@ def finish(run: Run) -> str:
     merge = run.build_base if run.args.lora_rank and run.args.merge_lora else None
     exported = export_hf(run.model, run.args.save_dir, run.rank, lora=bool(run.args.lora_rank), merge_base=merge)
     dist.barrier()
+    if run.claim is not None:  # the run's writes are done: another run may use the directory
+        run.claim.release()
     return exported
