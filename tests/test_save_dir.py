@@ -172,7 +172,7 @@ def test_ranks_on_node_local_disks_resume_one_step_or_refuse_together(tmp_path):
         assert answer.startswith("refused: --resume: rank 1 (on ") and "step3 is not there" in answer, answer
 
 
-# -- one run per save directory, one owner per file system (items 8 and 5) ----------------------------------------------
+# -- one run per save directory, one owner per file system (items 8 and 5) ---------------------------------------------
 
 
 def test_a_locked_save_dir_refuses_a_second_run_until_the_first_ends(tmp_path):
