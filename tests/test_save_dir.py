@@ -257,3 +257,38 @@ def test_a_second_run_beside_a_running_one_is_refused_and_the_first_goes_on(tmp_
     finally:
         os.killpg(first.pid, signal.SIGTERM)
         first.wait(timeout=60)
+
+
+# -- the other ranks wait for rank 0's conversion without a collective (item 13) ---------------------------------------
+
+
+def test_the_other_ranks_watch_for_rank_0s_conversion(tmp_path, monkeypatch):
+    """A conversion longer than a collective's timeout (NCCL's default 30 minutes) must not kill the waiting ranks:
+    they poll the save directory for the converted form, or rank 0's failure, of this very checkpoint (stale ones of
+    another are ignored), and give up with one line after a bound, or when rank 0's work is not visible at all."""
+    import threading
+
+    from ds_longseq.engine import reshape
+
+    out, source = tmp_path / "step4.universal", "manifest sha256 abc"
+    (tmp_path / "step4.universal.failed").write_text("manifest sha256 OLD\nan earlier failure")  # another's: ignored
+    (tmp_path / "step4.universal.converting").write_text(source)
+
+    def finish():
+        out.mkdir()
+        (out / reshape.SOURCE_STAMP).write_text(source)
+
+    timer = threading.Timer(1.5, finish)
+    timer.start()
+    assert reshape._await_conversion(str(out), source, "--resume", "step4") is None
+    timer.join()
+    failed_out = tmp_path / "step5.universal"
+    (tmp_path / "step5.universal.failed").write_text(f"{source}\nExtracting failed: no exp_avg")
+    assert reshape._await_conversion(str(failed_out), source, "--resume", "step5") == "Extracting failed: no exp_avg"
+    monkeypatch.setattr(reshape, "VISIBLE_WITHIN_S", 0.5)
+    with pytest.raises(SystemExit, match="is not visible here: resuming on another shape needs a file system"):
+        reshape._await_conversion(str(tmp_path / "step6.universal"), source, "--resume", "step6")
+    (tmp_path / "step7.universal.converting").write_text(source)
+    monkeypatch.setattr(reshape, "CONVERSION_WAIT_S", 1.0)
+    with pytest.raises(SystemExit, match="rank 0's conversion of step7 has not finished after"):
+        reshape._await_conversion(str(tmp_path / "step7.universal"), source, "--resume", "step7")

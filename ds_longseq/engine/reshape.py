@@ -33,6 +33,7 @@ Used by ``toolkit.run.check_resume_shape`` (refusals, and ``checkpoint.load_univ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -200,6 +201,63 @@ def _staged_for_conversion(checkpoint_dir: str, saved: dict[str, Any]) -> str | 
     return staging
 
 
+CONVERSION_WAIT_S = float(os.environ.get("DS_LONGSEQ_CONVERSION_TIMEOUT_S", 4 * 3600))
+"""How long the other ranks wait for rank 0's conversion (``DS_LONGSEQ_CONVERSION_TIMEOUT_S``; default 4 hours, a
+conversion of a checkpoint far larger than docs/LAUNCHING.md's measured rate makes likely) before stopping."""
+VISIBLE_WITHIN_S = 120.0
+"""How long a rank waits to see any sign of rank 0's conversion in the save directory before concluding that it does
+not share rank 0's file system."""
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _await_conversion(out: str, source: str, prefix: str, tag: str) -> str | None:
+    """On a rank other than the converting one: wait for ``out`` (converted from ``source``: its stamp) or for rank
+    0's failure, polling the file system (a collective would time out under a conversion that outlasts it, e.g. 30
+    minutes under NCCL's default); returns the failure's message, or None once ``out`` is there. Logs every minute.
+
+    Raises:
+        SystemExit: nothing of rank 0's conversion is visible after :data:`VISIBLE_WITHIN_S` (no shared file system),
+            or it has not finished after :data:`CONVERSION_WAIT_S`.
+    """
+    import time
+
+    start = last_said = time.monotonic()
+    seen = False
+    while True:
+        if os.path.isdir(out) and _read_stamp(out) == source:
+            return None
+        failed = _read_text(out + ".failed")
+        if failed is not None and failed.split("\n", 1)[0] == source:
+            return failed.split("\n", 1)[1]
+        seen = seen or _read_text(out + ".converting") == source
+        waited = time.monotonic() - start
+        if not seen and waited > VISIBLE_WITHIN_S:
+            raise SystemExit(f"{prefix}: {out} (DeepSpeed's universal form of {tag}, written by rank 0) is not visible "
+                             "here: resuming on another shape needs a file system every node shares")
+        if waited > CONVERSION_WAIT_S:
+            raise SystemExit(f"{prefix}: rank 0's conversion of {tag} has not finished after {waited / 60:.0f} "
+                             "minutes: convert it beforehand (python -m deepspeed.checkpoint.ds_to_universal ...), or "
+                             "raise DS_LONGSEQ_CONVERSION_TIMEOUT_S")
+        if time.monotonic() - last_said > 60:
+            last_said = time.monotonic()
+            logger.info("%s: waiting for rank 0's conversion of %s (%.0f min so far)", prefix, tag, waited / 60)
+        time.sleep(1.0)
+
+
 def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any], now: dict[str, Any], prefix: str,
                  pointer: str | None = None) -> str:
     """``<save_dir>/<tag>.universal/``, converted by ``deepspeed.checkpoint.ds_to_universal`` on one process
@@ -211,9 +269,14 @@ def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any]
     the tag into ``<save_dir>/<pointer>`` (``latest_universal``, which DeepSpeed's load reads when no tag is given:
     the Trainer's way).
 
+    The other ranks watch the save directory for the result instead of waiting in a collective (a long conversion
+    would outlast its timeout): ``<tag>.universal.converting`` while rank 0 converts, then the directory or
+    ``<tag>.universal.failed``, each naming the checkpoint it is of (:func:`_await_conversion`); one barrier after.
+
     Raises:
         UniversalConversionError: on every rank, when the conversion failed (:func:`conversion_failure`).
-        SystemExit: a rank that cannot see the converted directory (nodes without a shared file system).
+        SystemExit: a rank that cannot see rank 0's conversion (nodes without a shared file system), or one that has
+            waited :data:`CONVERSION_WAIT_S` for it.
     """
     import torch.distributed as dist
 
@@ -226,9 +289,14 @@ def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any]
         logger.warning("%s: %s/ was converted from an earlier %s/ than the one there now: converting again", prefix,
                        target, tag)
         shutil.rmtree(out)
+    converting, failed = out + ".converting", out + ".failed"
     if leader and not os.path.isdir(out):
         partial = out + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
+        for path in (failed, converting):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        _write_text(converting, source)  # the other ranks watch for it: rank 0 converts this very checkpoint
         source_dir = os.path.join(save_dir, tag)
         staged = _staged_for_conversion(source_dir, saved)  # ZeRO-1/2 under sequence parallelism
         command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
@@ -242,21 +310,19 @@ def to_universal(save_dir: str, tag: str, *, leader: bool, saved: dict[str, Any]
         if proc.returncode != 0:
             shutil.rmtree(partial, ignore_errors=True)
             failure = conversion_failure(os.path.join(save_dir, tag), proc.returncode, proc.stderr)
+            _write_text(failed, f"{source}\n{failure}")
         else:
-            with open(os.path.join(partial, SOURCE_STAMP), "w") as f:
-                f.write(source)
+            _write_text(os.path.join(partial, SOURCE_STAMP), source)
             os.replace(partial, out)
+        os.remove(converting)
     if leader and pointer is not None and failure is None:
         write_latest(save_dir, target, name=pointer)
+    if not leader:  # watch the file system, not a collective, which would time out under a long conversion
+        failure = _await_conversion(out, source, prefix, tag)
     if dist.is_initialized():  # torch's own group: the Trainer calls this before deepspeed.comm is up
-        shared = [failure]
-        dist.broadcast_object_list(shared, src=0)  # the leader is global rank 0
-        failure = shared[0]
+        dist.barrier()  # every rank has the result: rank 0 is done, so nobody waits long here
     if failure is not None:
         raise UniversalConversionError(failure)
-    if not os.path.isdir(out):
-        raise SystemExit(f"{prefix}: {out} (DeepSpeed's universal form of {tag}, written by rank 0) is not visible "
-                         "here: resuming on another shape needs a file system every node shares")
     if leader:
         logger.warning("%s: %s was written by %d ranks at sequence-parallel size %d, this run has %d at %d: loading "
                        "DeepSpeed's universal form of it, %s/ (converted once; %s/ untouched)", prefix,

@@ -158,9 +158,11 @@ def _lock_file_run_id(save_dir: str) -> str | None:
 
 
 def _is_checkpoint_name(name: str) -> bool:
-    """``step<N>``, its converted ``step<N>.universal``, an unfinished ``step<N>.partial`` or a conversion's
-    ``step<N>.staging`` (``engine.reshape``)."""
-    stem = name.removesuffix(PARTIAL_SUFFIX).removesuffix(".staging").removesuffix(UNIVERSAL_SUFFIX)
+    """``step<N>``, its converted ``step<N>.universal``, an unfinished ``step<N>.partial``, or a conversion's
+    ``step<N>.staging`` and ``step<N>.universal.converting`` / ``.failed`` (``engine.reshape``)."""
+    for suffix in (".failed", ".converting", PARTIAL_SUFFIX, ".staging", UNIVERSAL_SUFFIX):
+        name = name.removesuffix(suffix)
+    stem = name
     return stem.startswith("step") and stem[4:].isdigit()
 
 
