@@ -47,8 +47,13 @@ class ModelDims:
     @classmethod
     def from_config(cls, config) -> "ModelDims":
         """From a transformers config object or its ``config.json`` dict (a ``text_config`` inside wins)."""
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
+        read = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (
             lambda k, d=None: _attribute(config, k, d))
+
+        def get(key, default=None):
+            value = read(key, default)
+            # a per-layer list (Gemma 3n's intermediate_size): the widest layer's, which bounds a memory estimate
+            return max(value) if isinstance(value, (list, tuple)) and value else value
         text = get("text_config")
         if text:
             return cls.from_config(text)

@@ -50,7 +50,7 @@ class KeepAttentionOutput:
 
     Args:
         setting: ``streambp.keep_attention_output`` (True, False or "auto").
-        dims: the model's sizes.
+        dims: the model's sizes (None only with a fixed setting: "auto" decides on them).
         num_layers: the attention layers that would keep (StreamBP layers with no recurrent mixer).
         estimator: the automatic chunk size's memory model (the one the layers ask when the chunk size is "auto";
             under "auto" it then counts the kept outputs as held on the device).
@@ -58,7 +58,7 @@ class KeepAttentionOutput:
         offload: the model's layer-input offload (its tier and kept layers), or None (the device).
     """
 
-    def __init__(self, setting: bool | str, dims: ModelDims, num_layers: int, estimator: AutoChunkSize,
+    def __init__(self, setting: bool | str, dims: ModelDims | None, num_layers: int, estimator: AutoChunkSize | None,
                  chunk_size: int | str, offload: LayerInputOffload | None = None):
         self.setting = setting
         self.dims, self.num_layers, self.estimator = dims, num_layers, estimator

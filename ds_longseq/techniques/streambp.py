@@ -22,9 +22,12 @@ from ds_longseq.forwards.keep_attention import KeepAttentionOutput
 from ds_longseq.forwards.started_scan import StartedScanForward
 from ds_longseq.forwards.streambp_layer import LayerParts, StreamBPLayerForward
 from ds_longseq.forwards.unread_outputs import UnreadLinear
+from ds_longseq.logging import get_logger, warn_once
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
 __all__ = ["StreamBP"]
+
+logger = get_logger(__name__)
 
 
 @register
@@ -79,13 +82,20 @@ class StreamBP(Technique):
         forward; under "auto" decided by the base model's forward pre-hooks, the keeping first (the automatic chunk
         size then counts what it keeps on the device)."""
         cfg, base = ctx.config, ctx.adapter.base_model
-        dims = ModelDims.from_config(ctx.model.config)
-        estimator = AutoChunkSize(dims, AutoChunkSettings.of(cfg), ctx.model)  # the memory model both read
+        setting = cfg.streambp.keep_attention_output
+        try:
+            dims = ModelDims.from_config(ctx.model.config)
+        except ValueError as err:  # sizes the memory model cannot read: "auto" cannot decide on memory
+            if cfg.streambp.chunk_size == "auto":
+                raise
+            if setting == "auto":
+                warn_once(logger, f"streambp.keep_attention_output auto: not kept ({err}); set it to true to keep them")
+            dims, setting = None, setting is True
+        estimator = None if dims is None else AutoChunkSize(dims, AutoChunkSettings.of(cfg), ctx.model)
         attention_layers = sum(1 for layer in ctx.adapter.layers
                                if ctx.adapter.mixer(layer) is None and not ctx.adapter.token_wise(layer))
-        keep = KeepAttentionOutput(cfg.streambp.keep_attention_output, dims, attention_layers, estimator,
-                                   cfg.streambp.chunk_size, ctx.offload)
-        if cfg.streambp.keep_attention_output == "auto":
+        keep = KeepAttentionOutput(setting, dims, attention_layers, estimator, cfg.streambp.chunk_size, ctx.offload)
+        if setting == "auto":
             ctx.handle.add_hook(base.register_forward_pre_hook(keep.before_forward, with_kwargs=True))
         if cfg.streambp.chunk_size != "auto":
             return keep, cfg.streambp.chunk_size
