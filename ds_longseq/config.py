@@ -521,8 +521,24 @@ def unregister_technique(name: str) -> None:
         _SECTIONS.pop(name, None)
 
 
+BUILTIN_TECHNIQUES = "ds_longseq.techniques"
+"""The package whose import registers the built-in techniques (it loads torch)."""
+
+
+def _load_builtin_techniques() -> None:
+    """Import the built-in techniques once, so a config's rules never depend on what happened to be imported first
+    (a section's conflicts and needs, ``any_enabled``, the techniques' engine rule). While that package is being
+    imported (a technique asks the registry during its own import) the module is already in ``sys.modules``."""
+    import importlib
+    import sys
+
+    if BUILTIN_TECHNIQUES not in sys.modules:
+        importlib.import_module(BUILTIN_TECHNIQUES)
+
+
 def registered_techniques() -> dict[str, Any]:
-    """The registered techniques by name, in registration order."""
+    """The registered techniques by name, in registration order (the built-in ones loaded first)."""
+    _load_builtin_techniques()
     return dict(_TECHNIQUES)
 
 
@@ -705,7 +721,7 @@ class LongSeqConfig:
     @property
     def any_enabled(self) -> bool:
         """Whether at least one technique is switched on."""
-        return any(technique.active(self) for technique in _TECHNIQUES.values())
+        return any(technique.active(self) for technique in registered_techniques().values())
 
     def _problems(self) -> list[str]:
         """Every problem: each section's fields against their annotations, then the section's own rules
@@ -725,7 +741,7 @@ class LongSeqConfig:
     def _rule_problems(self) -> list[str]:
         """The registered techniques' declared conflicts and needs, among the active ones."""
         problems = []
-        active = {name: t for name, t in _TECHNIQUES.items() if t.active(self)}
+        active = {name: t for name, t in registered_techniques().items() if t.active(self)}
         reported: set[frozenset[str]] = set()
         for name, technique in active.items():
             for other, reason in technique.conflicts_with.items():

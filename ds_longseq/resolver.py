@@ -22,8 +22,11 @@ ranks, the planner (``plan.Setup.from_configs``) and so the memory preflight. Wh
   this module (DeepSpeed's own keys: the ZeRO stage, ``sequence_parallel_size``, the batch triple, the monitor
   section; the techniques' ``engine_problems``). ``rules.start_rules()`` enumerates them.
 
-Torch-free: the planner resolves a config without loading torch. The techniques' rules are those registered
-(``import ds_longseq.techniques`` registers them, with torch); the planner alone runs without them.
+Every rule is in force whatever was imported first (issue 62, item 12): ``rules.start_rules`` loads the modules that
+register start rules (``rules.RULE_MODULES``, torch-free), and the registry of techniques loads the built-in ones
+(``config.registered_techniques``), whose declared conflicts, needs and engine problems take part. That loads torch:
+the planner's module imports without it, and resolving a config (``ds-longseq plan``) loads it, for the same answer
+as a training run's.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import ds_longseq.ops.sp_layout  # noqa: F401  (registers its start rule: the lengths the layout can cut)
 from ds_longseq.batch_size import batch_size_problems
 from ds_longseq.config import LongSeqConfig, LongSeqConfigError, find_ds_config, read_json_file, registered_techniques
 from ds_longseq.logging import get_logger, warn_once_rank0

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Launch", "RunShape", "Start", "StartRule", "start_rule", "start_rules", "NEEDS", "deepspeed_sp_size"]
+__all__ = ["Launch", "RunShape", "Start", "StartRule", "start_rule", "start_rules", "NEEDS", "deepspeed_sp_size",
+           "RULE_MODULES"]
 
 NEEDS = frozenset({"world", "seq_len", "deepspeed"})
 """What a rule may need beyond the config: ``world`` (the launched ranks), ``seq_len`` (the run's length),
@@ -105,8 +106,17 @@ def start_rule(name: str, *, needs: tuple[str, ...] = (), warns: bool = False) -
     return register
 
 
+RULE_MODULES = ("ds_longseq.config", "ds_longseq.ops.sp_layout", "ds_longseq.resolver")
+"""Every module that registers start rules, imported by :func:`start_rules` before it answers: the rules in force
+never depend on what happened to be imported first (all torch-free)."""
+
+
 def start_rules() -> dict[str, StartRule]:
-    """The registered rules by name, in registration order."""
+    """Every start rule by name (:data:`RULE_MODULES` loaded first), in registration order."""
+    import importlib
+
+    for module in RULE_MODULES:
+        importlib.import_module(module)
     return dict(_RULES)
 
 

@@ -224,3 +224,47 @@ def test_the_scripts_hand_the_parsed_section_on_as_the_object(tmp_path, monkeypa
     with pytest.raises(SystemExit, match=f"(?s)--ds_config {path}: this run cannot start .*does not divide the 3"):
         distributed.start_distributed(str(path), seq_len=64)
     assert os.path.exists(path)
+
+
+IMPORTED_FIRST = ["", "import ds_longseq.plan", "import ds_longseq.resolver", "import ds_longseq.config",
+                  "import ds_longseq.techniques", "import ds_longseq.ops.sp_layout"]
+PROBE = """
+import json, sys
+{first}
+from ds_longseq.resolver import Launch, RunCannotStart, RunShape, resolve
+answers = []
+for config, launch, run in [
+    ({{"zero_optimization": {{"stage": 3}}, "long_seq": {{"adjoint": {{"enabled": True}}}}}}, {{}}, {{}}),
+    ({{"long_seq": {{"lm_head": {{"enabled": True}}, "offload": {{"keep_every": 2}}}}}}, {{}}, {{}}),
+    ({{"long_seq": {{"streambp": {{"enabled": True}}, "mini_seq": {{"enabled": True}}}}}}, {{}}, {{}}),
+    ({{"long_seq": {{"sequence_parallel": {{"size": 2}}}}}}, {{"world": 3}}, {{"seq_len": 255}}),
+]:
+    try:
+        resolve(config, Launch(**launch), RunShape(**run))
+        answers.append(None)
+    except RunCannotStart as err:
+        answers.append(err.by_rule)
+print(json.dumps(answers))
+"""
+
+
+def test_the_same_config_gets_the_same_answer_whatever_was_imported_first():
+    """Issue 62 item 12: the techniques' rules (conflicts, needs, engine problems) and the layout's length rule were
+    in force only if their modules had been imported before ``resolve`` ran. Fresh processes, each importing
+    something else first, give every config the same refusal."""
+    import subprocess
+    import sys
+
+    answers = {}
+    for first in IMPORTED_FIRST:
+        proc = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], capture_output=True, text=True,
+                              timeout=300, cwd=pathlib.Path(__file__).parent.parent)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        answers[first] = json.loads(proc.stdout.splitlines()[-1])
+    reference = answers[""]
+    assert all(answer is not None for answer in reference), reference  # every config here is refused
+    assert [[rule for rule, _ in found] for found in reference] == [
+        ["techniques.engine"], ["long_seq"], ["long_seq"],
+        ["sequence_parallel.divides_world", "sequence_parallel.length_unit"]]
+    for first, answer in answers.items():
+        assert answer == reference, (first, answer)
