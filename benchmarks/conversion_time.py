@@ -61,7 +61,7 @@ def measure(spec: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", nargs="+", type=int, default=[512, 1024])
-    p.add_argument("--out", default=None, help="output prefix (.md)")
+    p.add_argument("--out", default=None, help="output prefix (.md, .jsonl)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._child is not None:
@@ -77,11 +77,7 @@ def main(argv=None) -> int:
               f"{r['seconds']:.1f} | {r['s_per_billion']:.0f} |" for r in rows]
     lines += ["", *harness.environment(["python -m benchmarks.conversion_time " + " ".join(
         f"--hidden {h}" if i == 0 else str(h) for i, h in enumerate(args.hidden))]), ""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(f"{args.out}.md", "w") as f:
-            f.write(text)
+    harness.write_report(args.out, "\n".join(lines), rows)
     return 0
 
 

@@ -294,3 +294,18 @@ def layer_input_offload(model):
     (offload,) = [h.__self__ for h in model.model._forward_pre_hooks.values()
                   if isinstance(getattr(h, "__self__", None), LayerInputOffload)]
     return offload
+
+
+def lora_with_dropout(model, dropout: float, targets):
+    """``model`` wrapped by PEFT with LoRA (rank 4, alpha 8) on ``targets`` and ``lora_dropout`` on each adapter, its
+    ``lora_B`` drawn nonzero (seeded) so that every adapter's gradient reaches its input."""
+    import peft
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                       target_modules=targets))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.15)
+    return model

@@ -17,7 +17,7 @@ import torch
 
 import ds_longseq
 from ds_longseq.ops import draws as draws_module
-from tests.helpers import compare, full_precision_norms, make_batch, make_model
+from tests.helpers import compare, full_precision_norms, lora_with_dropout, make_batch, make_model
 from tests.mask_replay import MaskRecorder, against_mask_replay
 
 DT = torch.float64
@@ -37,15 +37,9 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def lora_model(dropout: float = 0.1, num_layers: int = 2):
     """Llama (float64, full-precision norms) with LoRA on every linear of its layers, ``lora_dropout`` on each,
     and nonzero ``lora_B`` (so every adapter's gradient reaches its input)."""
-    peft = pytest.importorskip("peft")
-    model = full_precision_norms(make_model("llama", DT, num_layers=num_layers))
-    torch.manual_seed(0)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
-                                                       target_modules=PROJECTIONS))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.15)
+    pytest.importorskip("peft")
+    model = lora_with_dropout(full_precision_norms(make_model("llama", DT, num_layers=num_layers)), dropout,
+                              PROJECTIONS)
     model.enable_input_require_grads()  # the input gradient is compared too
     return model
 

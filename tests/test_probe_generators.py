@@ -25,7 +25,7 @@ import torch
 import ds_longseq
 from tests import model_zoo
 from tests.dist_utils import run_distributed
-from tests.helpers import make_batch, make_model
+from tests.helpers import lora_with_dropout, make_batch, make_model
 
 DT = torch.float64
 PROBES = {
@@ -40,19 +40,13 @@ PROBES = {
 def _model(model_type: str, dropout: float, targets: list[str] | None = None):
     """The family's tiny model with LoRA (PEFT) on every linear of its layers, ``lora_dropout`` on each: draws in
     every module a probe runs."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     model = make_model("llama", DT) if model_type == "llama" else model_zoo.tiny_model(model_type, DT)
-    torch.manual_seed(0)
     # PEFT refuses LoRA on a Mamba mixer's out_proj and conv1d: every other linear of NemotronH's blocks
     if targets is None:
         targets = ["in_proj", "up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "o_proj"] \
             if model_type == "nemotron_h" else "all-linear"
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
-                                                       target_modules=targets))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.15)
+    model = lora_with_dropout(model, dropout, targets)
     model.train()
     return model
 
