@@ -882,8 +882,9 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
             dq[:, :, t.r0 : t.r1] += dq_t
         if t.src == 0 or sink_own:
             a_sink = t.a if t.src == 0 else S + t.a
-            sink_k[:, :, a_sink : a_sink + t.b - t.a] += dk_t.to(sink_k.dtype)
-            sink_v[:, :, a_sink : a_sink + t.b - t.a] += dv_t.to(sink_v.dtype)
+            # added in place, cast on the fly (no float32 temporary of the tile's gradient): bitwise a cast, then add
+            sink_k[:, :, a_sink : a_sink + t.b - t.a] += dk_t
+            sink_v[:, :, a_sink : a_sink + t.b - t.a] += dv_t
         elif dk is None:  # one diagonal tile covers all own keys (K == C)
             dk, dv = dk_t, dv_t
         else:
@@ -913,12 +914,12 @@ def _single_call_backward(grad_out, q, k, v, out, lse, scale, t: _Tile, kernel, 
     R = q.shape[1] // k.shape[1]
     dq, dk, dv = _causal_tile_backward(kernel, grad_out, q, kt, vt, out, lse, TileMask(True, n=kt.shape[2]), scale, R)
     if sink_own:
-        sink_k[:, :, : t.b] += dk.to(sink_k.dtype)
-        sink_v[:, :, : t.b] += dv.to(sink_v.dtype)
+        sink_k[:, :, : t.b] += dk  # cast on the fly: no float32 temporary
+        sink_v[:, :, : t.b] += dv
         return dq.to(q.dtype), None, None
     if sink_k is not None and S:
-        sink_k[:, :, :S] += dk[:, :, :S].to(sink_k.dtype)
-        sink_v[:, :, :S] += dv[:, :, :S].to(sink_v.dtype)
+        sink_k[:, :, :S] += dk[:, :, :S]
+        sink_v[:, :, :S] += dv[:, :, :S]
     return dq.to(q.dtype), dk[:, :, S:].to(k.dtype), dv[:, :, S:].to(v.dtype)
 
 
