@@ -225,6 +225,7 @@ def test_one_owner_per_file_system(tmp_path):
     assert [owner for owner, _ in local] == [True, True] and local[0][1] == local[1][1]
 
 
+@pytest.mark.slow  # two launcher runs at once (CI time): the lock's logic runs by default above
 def test_a_second_run_beside_a_running_one_is_refused_and_the_first_goes_on(tmp_path):
     import signal
     import subprocess
