@@ -1,7 +1,7 @@
 """Fit the memory planner's constants on half of the measured points and check them on the other half.
 
     python -m benchmarks.plan_fit            # report: benchmarks/results/plan_validation.md
-    python -m benchmarks.plan_fit --write    # also rewrite ds_longseq/plan.py's fitted block
+    python -m benchmarks.plan_fit --write    # also rewrite ds_longseq/plan_memory.py's fitted block
 
 Every measured peak in the committed results that the planner models (``SOURCES``: the cpu, memory and
 sp_memory suites on CPU, the gpu_lora rows on an H100 and an H200) becomes a point: model shape, setup, length,
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.recipes import LLAMA3_8B, LLAMA_SMALL, ModelShape
-from ds_longseq import plan as P
+from ds_longseq import plan_memory as P
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -212,7 +212,7 @@ def targets(coefficients) -> list[tuple[str, bool, str]]:
 def report(points, coefficients) -> str:
     worst = held_out_error(points, coefficients)
     lines = ["# Memory planner: fitted on half of the measurements, checked on the other half", "",
-             "`python -m benchmarks.plan_fit` (constants written into `ds_longseq/plan.py` by `--write`). Bytes "
+             "`python -m benchmarks.plan_fit` (constants written into `ds_longseq/plan_memory.py` by `--write`). Bytes "
              "above the built model, MiB. Fit / held-out alternate by length within each series (source and "
              "method); `fit-all`: too few points to hold one out (not validated).", "",
              "## Fitted constants", "", "| regime | method | per token | unit | fixed MiB | fitted on |",
@@ -249,7 +249,7 @@ def report(points, coefficients) -> str:
 
 
 def write_constants(coefficients, worst) -> None:
-    path = ROOT / "ds_longseq" / "plan.py"
+    path = ROOT / "ds_longseq" / "plan_memory.py"
     text = path.read_text()
     body = ["COEFFICIENTS: dict[tuple[str, str], Coefficient] = {"]
     for (regime, key), c in sorted(coefficients.items()):
@@ -265,7 +265,7 @@ def write_constants(coefficients, worst) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", action="store_true", help="rewrite ds_longseq/plan.py's fitted block")
+    ap.add_argument("--write", action="store_true", help="rewrite ds_longseq/plan_memory.py's fitted block")
     ap.add_argument("--out", default=str(RESULTS / "plan_validation.md"))
     args = ap.parse_args(argv)
     points = load_points()

@@ -23,8 +23,8 @@ import ds_longseq
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
     "config": 0, "rules": 0, "batch_size": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1, "processes": 1,
-    "resolver": 2, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4, "patch": 5, "plan": 5, "engine": 6,
-    "trainer": 7, "toolkit": 7, "cli": 8,
+    "resolver": 2, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4, "patch": 5, "plan_memory": 5,
+    "plan_search": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7, "cli": 8,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
 TOP_RANK = 7  # ds_longseq/__init__.py: the public surface (it leaves the heavy ``trainer`` to be imported alone)
