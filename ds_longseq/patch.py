@@ -87,6 +87,12 @@ def enable(
     wrapper, model = model, _causal_lm(model)  # a PEFT model: its inner *ForCausalLM is patched
     if is_enabled(model):
         raise RuntimeError("ds_longseq is already enabled on this model: call ds_longseq.disable(model) first")
+    try:
+        # Not undone by disable: the switch only turns off bitsandbytes' lossy repacking of a 4-bit weight at its
+        # first no-grad eval forward, which would change every later gradient (compat.keep_4bit_weights_unpacked)
+        compat.keep_4bit_weights_unpacked(model)
+    except ValueError as err:
+        raise UnsupportedModelError(str(err)) from None
     techniques = active_techniques(cfg)
     handle = PatchHandle(model, cfg)
     ctx = _checked_context(model, cfg, techniques, handle, sp_group)

@@ -27,6 +27,10 @@ that is not: sft.py's ds_configs/zero*_streambp.json fix lr 2e-5 and a micro-bat
 "optimizer" section makes DeepSpeed build the optimizer. Under ZeRO-3 set
 ``stage3_gather_16bit_weights_on_model_save`` for the HF-format save; with
 ``long_seq.sequence_parallel.size = P`` the P ranks of a group train on the same rows, 1/P each.
+
+``--lora-rank N`` trains a PEFT LoRA adapter of rank N on the frozen model (``hf_adapter/`` is then written in
+PEFT's format instead of ``hf_model/``), and ``--load-in-4bit [nf4|fp4]`` with it loads the base quantised to 4
+bits (QLoRA; bitsandbytes, ``pip install 'ds_longseq[qlora]'``), the flags sft.py takes (docs/TRAINING_SCRIPTS.md).
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ from ds_longseq.toolkit import (
     DOC_TOKENS,
     VOCAB,
     DefaultsOnceFormatter,
+    FourBit,
     JsonlData,
+    add_lora,
     build_model,
+    check_4bit_args,
     check_model_and_data,
     copy_example,
     load_tokenizer,
@@ -80,6 +87,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-dir", "--save-dir", dest="output_dir", default="outputs/trainer_sft",
                    help="HF-format model, trainer_state.json (the logged losses) and loss plot")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="freeze the model and train a LoRA adapter of this rank (needs peft), exported to "
+                        "hf_adapter/; 0: train every weight")
+    p.add_argument("--load-in-4bit", nargs="?", const="nf4", default=None, choices=["nf4", "fp4"],
+                   help="QLoRA: the base's decoder linears quantised to 4 bits (bitsandbytes; nf4 when given bare), "
+                        "computing in the run's dtype; needs --lora-rank")
+    p.add_argument("--no-double-quant", action="store_true",
+                   help="with --load-in-4bit: do not quantise the per-block scales (on by default, as in QLoRA)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     return p.parse_args(argv)
 
@@ -126,6 +141,9 @@ def make_trainer(args, training: dict, model, rows: list, tokenizer, long_seq):
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_model_and_data(args.model, args.data)  # the paths named before anything loads
+    if args.lora_rank < 0:
+        raise SystemExit(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}: pass e.g. --lora-rank 16")
+    check_4bit_args(args)  # --load-in-4bit beside --lora-rank, not GGUF, bitsandbytes installed
     tokenizer = None
     if args.data:  # bad data fails here, before anything starts
         tokenizer = load_tokenizer(args.model)
@@ -141,7 +159,9 @@ def main(argv=None) -> int:
     ds_config.pop("long_seq", None)
 
     model = build_model(args.model, torch.bfloat16 if use_bf16 else torch.float32, seq_len=args.seq_len,
-                        seed=args.seed)
+                        seed=args.seed, four_bit=FourBit.from_args(args))
+    if args.lora_rank:
+        model = add_lora(model, args.lora_rank, seed=args.seed)
     count = args.max_steps * world * BATCH
     rows = [data[i] for i in range(count)] if args.data else [
         copy_example(i, args.seq_len, args.seed) for i in range(count)]
@@ -159,7 +179,8 @@ def main(argv=None) -> int:
     except TrainerConfigError as err:  # the config against TrainingArguments: one line, exit status 2
         raise SystemExit(f"--ds_config {args.ds_config}: {err}") from None
     result = trainer.train()
-    trainer.save_model(os.path.join(args.output_dir, "hf_model"))  # every rank: ZeRO-3 gathers the weights
+    exported = "hf_adapter" if args.lora_rank else "hf_model"  # a PeftModel saves its adapter, PEFT's format
+    trainer.save_model(os.path.join(args.output_dir, exported))  # every rank: ZeRO-3 gathers the weights
     trainer.save_state()  # trainer_state.json, with the log history
 
     if trainer.is_world_process_zero():
@@ -177,7 +198,7 @@ def main(argv=None) -> int:
             f"(step {losses[-1]['step']}"
             + ("" if chance is None else f"; chance without looking back {chance:.4f}")
             + f"), {result.metrics['train_runtime']:.0f} s of training\n"
-            f"outputs: {args.output_dir}/ (hf_model/, trainer_state.json, loss.png)",
+            f"outputs: {args.output_dir}/ ({exported}/, trainer_state.json, loss.png)",
             flush=True,
         )
     return 0

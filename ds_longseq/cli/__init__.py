@@ -3,15 +3,21 @@
     ds-longseq train [FLAGS]        examples/sft.py's training (``ds-longseq train --help``); without a launcher it
                                     starts DeepSpeed's over the local GPUs (2 CPU ranks without), or runs one
                                     process with --num_gpus 1
+    ds-longseq dpo   [FLAGS]        examples/dpo.py's DPO, started as train is
+    ds-longseq grpo  [FLAGS]        examples/grpo.py's GRPO on precomputed rollouts, started as train is
     ds-longseq plan  [FLAGS]        the memory planner (python -m ds_longseq.plan)
     ds-longseq configs [NAME]       the shipped DeepSpeed configs, or one of them as JSON (to copy and edit)
+    ds-longseq verify [FLAGS]       one step of your model, stock against your config's long_seq: exact or not
+                                    (docs/VERIFY.md; exit 1 when not)
 
 Holds:
     main: the command's entry point (setup.py's console script); returns the exit status.
-    train_command: ``ds-longseq train``: under a launcher, one rank's training; without one, the launcher started
-        here (or one process).
+    OBJECTIVES: the training subcommands (train, dpo, grpo) and the module of each.
+    objective_command: ``ds-longseq train`` / ``dpo`` / ``grpo``: under a launcher, one rank's training; without one,
+        the launcher started here (or one process).
     configs_command: ``ds-longseq configs``.
-    launcher_command: the DeepSpeed launcher's command line for ``ds-longseq train`` (``CUDA_VISIBLE_DEVICES`` kept).
+    launcher_command: the DeepSpeed launcher's command line for ``ds-longseq train`` (``CUDA_VISIBLE_DEVICES`` kept),
+        or for another subcommand (dpo, grpo, verify).
     run_forwarding_signals: run it in its own process group, passing SIGTERM / SIGINT / SIGHUP on to all of it.
 
 Exit statuses, every subcommand: 0 done (the planner: the run fits), 1 the step does not fit, 2 bad input with one
@@ -33,12 +39,14 @@ from typing import Mapping
 
 from ds_longseq.config import SHIPPED_CONFIGS, ConfigFileError, find_ds_config, read_json_file, shipped_configs
 
-__all__ = ["main", "train_command", "configs_command", "launcher_command", "run_forwarding_signals",
+__all__ = ["main", "OBJECTIVES", "objective_command", "configs_command", "launcher_command", "run_forwarding_signals",
            "DEFAULT_CPU_RANKS"]
 
 PROG = "ds-longseq"
 DEFAULT_CPU_RANKS = 2
 """Ranks ``ds-longseq train`` starts on a machine without a GPU: the README quick start's shape."""
+OBJECTIVES = {"train": "ds_longseq.cli.train", "dpo": "ds_longseq.cli.dpo", "grpo": "ds_longseq.cli.grpo"}
+"""{subcommand: its module}; each module has ``build_parser(prog)``, ``check_args(args)`` and ``main(argv)``."""
 
 USAGE = __doc__.split("\n\n")[1]
 
@@ -47,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     """``ds-longseq SUBCOMMAND ...``; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: {PROG} {{train,plan,configs}} ...\n\n{USAGE}\n\n{PROG} SUBCOMMAND --help: its flags.")
+        print(f"usage: {PROG} {{train,dpo,grpo,plan,configs,verify}} ...\n\n{USAGE}\n\n"
+              f"{PROG} SUBCOMMAND --help: its flags.")
         return 0 if argv else 2
     if argv[0] == "--version":
         from importlib.metadata import version
@@ -55,20 +64,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {version('ds_longseq')}")
         return 0
     command, rest = argv[0], argv[1:]
-    if command == "train":
-        return train_command(rest)
+    if command in OBJECTIVES:
+        return objective_command(command, rest)
     if command == "plan":
         from ds_longseq import plan
 
         return plan.main(rest, prog=f"{PROG} plan")
     if command == "configs":
         return configs_command(rest)
-    print(f"{PROG}: unknown subcommand {command!r}: use train, plan or configs ({PROG} --help)", file=sys.stderr)
+    if command == "verify":
+        from ds_longseq.cli import verify
+
+        return verify.main(rest, prog=f"{PROG} verify", launch=_launch_verify)
+    print(f"{PROG}: unknown subcommand {command!r}: use train, dpo, grpo, plan, configs or verify ({PROG} --help)",
+          file=sys.stderr)
     return 2
 
 
 def _add_launch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags ``ds-longseq train`` reads itself (how to start the ranks), which no launched rank sees."""
+    """The flags ``ds-longseq train`` (dpo, grpo) reads itself (how to start the ranks), which no launched rank sees."""
     group = p.add_argument_group("starting the ranks (only without a launcher)")
     group.add_argument("--num_gpus", "--num-gpus", dest="num_gpus", type=int, default=None,
                        help="ranks to start through DeepSpeed's launcher, as `deepspeed --num_gpus N` (CPU ranks "
@@ -80,45 +94,49 @@ def _add_launch_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def train_command(argv: list[str]) -> int:
-    """``ds-longseq train``: under a launcher, this rank's training (``cli.train.main``). Without one, the flags and
-    the DeepSpeed config are checked here, once, then DeepSpeed's launcher starts ``--num_gpus`` ranks of this same
-    command (saying so on stderr), or with one rank the training runs in this process."""
-    from ds_longseq.cli import train
+def objective_command(command: str, argv: list[str]) -> int:
+    """``ds-longseq train`` (``dpo``, ``grpo``: a key of :data:`OBJECTIVES`): under a launcher, this rank's training
+    (the module's ``main``). Without one, the flags and the DeepSpeed config are checked here, once, then
+    DeepSpeed's launcher starts ``--num_gpus`` ranks of this same command (saying so on stderr), or with one rank the
+    training runs in this process."""
+    import importlib
+
     from ds_longseq.processes.process_group import free_port, launcher_environment
     from ds_longseq.toolkit.args import exit_status
 
+    objective = importlib.import_module(OBJECTIVES[command])
     launch, rest = _add_launch_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(argv)
     # all checked, --help; abbreviations off as in the ranks' parser (an abbreviation accepted here and not there
     # would fail only after the ranks started)
-    args = _add_launch_args(train.build_parser(prog=f"{PROG} train")).parse_args(argv)
+    args = _add_launch_args(objective.build_parser(prog=f"{PROG} {command}")).parse_args(argv)
     launcher = launcher_environment()
 
     def refuse_or_launch(_argv):
         if launcher is not None:
             if launch.num_gpus is not None:
                 raise SystemExit(f"--num_gpus {launch.num_gpus}: this process was started by {launcher}, whose ranks "
-                                 "are used: leave --num_gpus out, or run `ds-longseq train` without a launcher")
-            return train.main(rest)
+                                 f"are used: leave --num_gpus out, or run `{PROG} {command}` without a launcher")
+            return objective.main(rest)
         ranks = _local_ranks(launch.num_gpus)
         if ranks == 1:
-            return train.main(rest)
-        train.check_args(args)  # once, here: the ranks would each print the same refusal
+            return objective.main(rest)
+        objective.check_args(args)  # once, here: the ranks would each print the same refusal
         _check_ranks_fit(args.ds_config, ranks)
         device = "GPUs" if _cuda_count() else "CPU ranks"
         port = launch.master_port or free_port()
-        command = launcher_command(ranks, port, rest, cuda=bool(_cuda_count()))
-        shown = " ".join(command[command.index("deepspeed.launcher.runner") + 1: command.index("--no_local_rank")])
+        command_line = launcher_command(ranks, port, rest, cuda=bool(_cuda_count()), subcommand=command)
+        start, end = command_line.index("deepspeed.launcher.runner") + 1, command_line.index("--no_local_rank")
+        shown = " ".join(command_line[start:end])
         print(f"{PROG}: no launcher: starting DeepSpeed's launcher over {ranks} {device} (as `deepspeed {shown}`); "
               "--num_gpus 1 runs one process", file=sys.stderr, flush=True)
-        return run_forwarding_signals(command)
+        return run_forwarding_signals(command_line)
 
     return exit_status(refuse_or_launch, argv)
 
 
 def launcher_command(ranks: int, port: int, rest: list[str], *, cuda: bool,
-                     env: Mapping[str, str] | None = None) -> list[str]:
-    """DeepSpeed's launcher over ``ranks`` local ranks running ``ds-longseq train rest``. On GPUs with
+                     env: Mapping[str, str] | None = None, subcommand: str = "train") -> list[str]:
+    """DeepSpeed's launcher over ``ranks`` local ranks running ``ds-longseq <subcommand> rest``. On GPUs with
     ``CUDA_VISIBLE_DEVICES`` set, the first ``ranks`` of those devices by ``--include localhost:...``: DeepSpeed's
     runner ignores (and removes) the variable whenever ``--num_gpus`` is passed, and would start the ranks on devices
     0..N-1 instead."""
@@ -126,12 +144,20 @@ def launcher_command(ranks: int, port: int, rest: list[str], *, cuda: bool,
     visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     where = ["--include", "localhost:" + ",".join(visible[:ranks])] if cuda and visible else ["--num_gpus", str(ranks)]
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *where, "--master_port", str(port),
-            "--no_local_rank", "--module", "ds_longseq.cli", "train", *rest]
+            "--no_local_rank", "--module", "ds_longseq.cli", subcommand, *rest]
+
+
+def _launch_verify(ranks: int, argv: list[str]) -> int:
+    """``ds-longseq verify argv`` on ``ranks`` ranks started by DeepSpeed's launcher (a sequence-parallel config)."""
+    from ds_longseq.processes.process_group import free_port
+
+    return run_forwarding_signals(launcher_command(ranks, free_port(), argv, cuda=bool(_cuda_count()),
+                                                   subcommand="verify"))
 
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-"""What ``ds-longseq train`` passes on to the launcher it started (SLURM and container runtimes send SIGTERM first;
-in a container the command is often PID 1, whose children would otherwise outlive it)."""
+"""What ``ds-longseq train`` (dpo, grpo) passes on to the launcher it started (SLURM and container runtimes send
+SIGTERM first; in a container the command is often PID 1, whose children would otherwise outlive it)."""
 KILL_AFTER_S = 30.0
 """How long the launcher's processes have to end after a forwarded signal before they are killed."""
 

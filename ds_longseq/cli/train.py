@@ -23,7 +23,9 @@ the padding-free form of transformers' ``DataCollatorWithFlattening``: position_
 every document, no attention_mask (see :class:`ds_longseq.toolkit.PackedData`).
 
 ``--lora-rank N`` (needs peft) freezes the model and trains a LoRA adapter of rank N on every
-linear projection of the decoder layers (or on ``--lora-targets``), scaled by ``--lora-alpha / N``.
+linear projection of the decoder layers (or on ``--lora-targets``), scaled by ``--lora-alpha / N``;
+``--load-in-4bit [nf4|fp4]`` with it (needs bitsandbytes) trains the adapter on a 4-bit base (QLoRA;
+docs/TRAINING_SCRIPTS.md), and ``--merge-lora`` then merges into the base dequantized to the run's dtype.
 
 Outputs under --save-dir: DeepSpeed checkpoints (``step<N>/`` plus an atomically written
 ``latest``), ``metrics.jsonl`` (one line per step), ``loss.png`` and an HF-format export in
@@ -34,6 +36,11 @@ merged in as ``hf_model/``. ``--resume`` continues from ``latest`` with the same
 With ``long_seq.sequence_parallel.size = P`` (or DeepSpeed's ``sequence_parallel_size``) every P
 consecutive ranks share each sequence: they build the same batch and ``shard_batch`` gives each
 its 1/P (labels shifted first); the world / P groups are data-parallel replicas.
+
+Holds:
+    build_parser / parse_args: the command's flags (the shared ones, ``toolkit.args.script_parser``, and its own).
+    check_args: every flag checked before anything starts.
+    main: one rank's (or the one process') SFT training; returns the exit status.
 """
 
 from __future__ import annotations
@@ -46,11 +53,8 @@ import torch
 
 from ds_longseq.toolkit import (
     DOC_TOKENS,
-    EXIT_STATUSES,
-    DefaultsOnceFormatter,
     JsonlData,
     MetricsLog,
-    add_common_args,
     check_lora_args,
     check_run_args,
     copy_example,
@@ -63,6 +67,7 @@ from ds_longseq.toolkit import (
     plot_losses,
     setup_run,
 )
+from ds_longseq.toolkit.args import script_parser
 from ds_longseq.toolkit.faults import before_backward
 
 __all__ = ["build_parser", "parse_args", "check_args", "main"]
@@ -72,14 +77,10 @@ DEFAULT_LR = 3e-3  # the embedded tiny model trains from scratch; ds_configs/ ho
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The flags of ``ds-longseq train`` / ``examples/sft.py`` (``prog``: the name ``--help`` shows)."""
-    # no abbreviations: `ds-longseq train` parses these flags once before starting the ranks and each rank again,
-    # and an abbreviation of a launch-only flag (--num_gpu) would pass the first parse and fail the second
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=EXIT_STATUSES,
-                                formatter_class=DefaultsOnceFormatter, allow_abbrev=False)
-    # the flags dpo.py and grpo.py share (what toolkit.setup_run reads: --lr's default for the built-in model too)
-    add_common_args(p, save_dir="outputs/sft", max_steps=400, seq_len=2048, lr=DEFAULT_LR)
-    p.add_argument("--data", default=None, help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' (trained "
-                   "on the assistant turns) per line (needs --model)")
+    # the flags dpo and grpo share (what toolkit.setup_run reads: --lr's default for the built-in model too)
+    p = script_parser(__doc__.split("\n\n")[0], prog=prog, save_dir="outputs/sft", max_steps=400, seq_len=2048,
+                      lr=DEFAULT_LR, data_help="JSONL with 'text', 'prompt'/'completion' or chat 'messages' (trained "
+                      "on the assistant turns) per line (needs --model)")
     p.add_argument("--pack", action="store_true",
                    help="pack several --data documents into each row of --seq-len tokens (position_ids restart "
                         "per document, no attention_mask); default: one document per row, padded")

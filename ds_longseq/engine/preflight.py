@@ -38,13 +38,15 @@ def available_memory(device: str) -> tuple[float, float]:
 
 def memory_preflight(model_config, ds_config: Mapping, seq_len: int, *, trainable_params: int | None = None,
                      lora_rank: int | None = None, override: bool = False, device: str | None = None,
-                     memory: tuple[float, float] | None = None) -> planner.Plan | None:
+                     memory: tuple[float, float] | None = None, load_in_4bit: str | None = None,
+                     double_quant: bool = True) -> planner.Plan | None:
     """Check one step of ``seq_len`` tokens of the model (its HF config) under ``ds_config`` (with ``long_seq``: the
     parsed :class:`~ds_longseq.config.LongSeqConfig`, as ``engine.initialize`` and the examples pass it, or a dict).
 
     ``trainable_params``: the parameters the optimizer trains (default: all, or LoRA's on the seven projections at
     ``lora_rank``);
-    ``override``: warn instead of refusing; ``memory``: (per-device, per-host) bytes instead of reading them.
+    ``override``: warn instead of refusing; ``memory``: (per-device, per-host) bytes instead of reading them;
+    ``load_in_4bit`` ("nf4" / "fp4") and ``double_quant``: a QLoRA base, its decoder linears counted 4-bit.
     Returns the plan, or None for a model the planner does not describe (logged, not refused).
     Raises PreflightError when the run cannot fit."""
     try:
@@ -61,7 +63,7 @@ def memory_preflight(model_config, ds_config: Mapping, seq_len: int, *, trainabl
     local = min(ranks_on_this_host(), world)
     setup = planner.Setup.from_configs(ds_config, long_seq=long_seq, device=device, gpus=world,
                                        nodes=max(world // local, 1), trainable_params=trainable_params,
-                                       lora_rank=lora_rank)
+                                       lora_rank=lora_rank, load_in_4bit=load_in_4bit, double_quant=double_quant)
     if device == "cpu":  # the device is the host: offloading moves nothing out of it
         setup = replace(setup, offload_layer_inputs=False)
     per_device, per_host = memory if memory is not None else available_memory(device)

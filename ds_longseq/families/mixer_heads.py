@@ -233,4 +233,14 @@ def head_layout(mixer: torch.nn.Module, rank: int, size: int) -> HeadLayout | st
     if layout is None:
         return (f"{name}: ds_longseq knows which parameters of {', '.join(sorted(LAYOUTS))} belong to which head, "
                 "not of this mixer")
+    # The layouts cut the stock parameters by name and shape: a PEFT adapter renames a projection's weight
+    # (base_layer.weight, plus its own A and B, which are not cut), and a 4-bit weight is stored packed
+    adapted = sorted({n.split(".lora_")[0] for n, _ in mixer.named_parameters() if ".lora_" in n})
+    if adapted:
+        return (f"{name}: {', '.join(adapted)} carry LoRA adapters, which ds_longseq cannot cut by heads; leave the "
+                "mixer's projections out of the LoRA targets")
+    packed = sorted(n for n, p in mixer.named_parameters() if hasattr(p, "quant_state") or not p.is_floating_point())
+    if packed:
+        return (f"{name}: {', '.join(packed)} are quantised (packed 4-bit or integer weights), which cannot be cut "
+                "by heads")
     return layout(mixer, rank, size)

@@ -143,6 +143,14 @@ def fold_targets(module: torch.nn.Module, param_name: str, where: str) -> list[F
         raise FoldError(
             f"{where}.{param_name} is not a parameter ({type(module).__name__}): cannot fold a norm's weight into it"
         )
+    if hasattr(weight, "quant_state") or hasattr(weight, "SCB"):
+        # bitsandbytes' Params4bit / Int8Params: packed codes (4-bit ones may be stored as floats, with
+        # bnb_4bit_quant_storage), which a norm's weight cannot be multiplied into
+        raise FoldError(
+            f"{where}.{param_name} is a bitsandbytes {'4-bit' if hasattr(weight, 'quant_state') else '8-bit'} "
+            "quantised weight (QLoRA): folding a norm's weight needs float weights; set "
+            "long_seq.approx_bp.norm=null (the approximate activations still apply)"
+        )
     if not weight.is_floating_point():
         raise FoldError(
             f"{where}.{param_name} is {weight.dtype} (quantised?): folding a norm's weight needs float weights; "

@@ -69,8 +69,10 @@ class UnreadLinear:
         w, b = self.module.weight, self.module.bias
         wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, b))
         if self.mode == "zeros" or not wanted:
-            # the dtype F.linear gives under autocast (ops.chunk_grads.autocast_dtype: float64 stays)
-            return x.new_zeros((*x.shape[:-1], w.shape[0]), dtype=autocast_dtype(x))
+            # the dtype F.linear gives under autocast (ops.chunk_grads.autocast_dtype: float64 stays); the width is
+            # out_features, not the weight's rows: a 4-bit weight (bitsandbytes) is stored packed, (n/2, 1) bytes
+            width = getattr(self.module, "out_features", None) or w.shape[0]
+            return x.new_zeros((*x.shape[:-1], width), dtype=autocast_dtype(x))
         # The stock linear itself, its product left uncomputed: autograd records the linear's own nodes on its own
         # operands, so the gradients are autograd's, call for call, on any BLAS (a backward written out by hand
         # here, (x^T g)^T for the weight where autograd computes g^T x, rounded differently on some MKL paths).

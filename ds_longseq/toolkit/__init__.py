@@ -15,13 +15,16 @@ Modules, one concern each (see each one's "Holds:"):
     tasks: the built-in synthetic tasks and the tiny Llama-shaped model they start from.
     pretrained: a user's checkpoint for --model, a Hugging Face directory or a GGUF file (load_model, load_tokenizer).
     lora: LoRA through PEFT (targets checked, seeded init) and the merge for export.
+    quantized: a 4-bit base for QLoRA (--load-in-4bit): its bitsandbytes config, load, bytes, dequantization.
     checkpoint: crash-safe checkpoints (atomic ``latest``), resume, the HF export.
     save_dir: a run's save directory: its lock and id, who owns its directories, what an earlier run left there.
     metrics: metrics.jsonl, the progress bar, peak memory, plots.
     distributed: process-group start-up, config checks against the arguments, collectives.
     args: the shared command-line flags and their checks.
+    report_to: --report-to (tensorboard, csv, wandb): the DeepSpeed monitors a run turns on, under --save-dir.
     run: a started run (engine, model, ranks) and its end-of-run export.
     policy: DPO/GRPO's frozen reference, per-token log-probs, preference and rollout data.
+    exactness: the check behind ``ds-longseq verify`` (a user's model, stock against its long_seq section).
     faults: fault injection for the package's crash-safety tests (DS_LONGSEQ_FAULT_INJECT; tests only).
 """
 
@@ -33,6 +36,7 @@ from ds_longseq.toolkit.args import (
     DefaultsOnceFormatter,
     DoesNotFit,
     add_common_args,
+    check_4bit_args,
     check_args,
     check_lora_args,
     check_model_and_data,
@@ -84,6 +88,7 @@ from ds_longseq.toolkit.policy import (
     token_logprobs,
 )
 from ds_longseq.toolkit.pretrained import gguf_parts, load_config, load_model, load_tokenizer
+from ds_longseq.toolkit.quantized import FourBit, dequantized, import_bitsandbytes, load_4bit, quantized_bytes
 from ds_longseq.toolkit.run import Run, finish, setup_run
 from ds_longseq.toolkit.tasks import (
     BOS,
@@ -112,6 +117,8 @@ __all__ = [
     "gguf_parts", "load_config", "load_model", "load_tokenizer",
     # lora
     "import_peft", "parse_lora_targets", "decoder_linear_names", "add_lora", "merge_lora",
+    # quantized (QLoRA's 4-bit base)
+    "FourBit", "import_bitsandbytes", "load_4bit", "quantized_bytes", "dequantized",
     # checkpoint
     "write_latest", "resume", "start_or_resume", "save_checkpoint", "save_if_due", "SaveSchedule",
     "gathered_state_dict", "export_hf",
@@ -123,6 +130,7 @@ __all__ = [
     "mean_over_ranks", "to_rank_batch",
     # args
     "add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_lora_args",
+    "check_4bit_args",
     "check_args", "EXIT_OK", "EXIT_DOES_NOT_FIT", "EXIT_BAD_INPUT", "EXIT_STATUSES", "DoesNotFit", "exit_status",
     # run
     "Run", "setup_run", "finish",

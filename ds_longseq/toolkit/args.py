@@ -5,13 +5,16 @@ blamed on the config).
 
 Holds:
     add_common_args: the flags examples/sft.py, dpo.py and grpo.py share (same names, same meaning).
+    script_parser: a training script's parser: its description, the shared flags with its defaults, and --data.
     DefaultsOnceFormatter: ``--help`` saying each default once.
     check_run_args: lengths, steps, --save-every, --save-every-minutes, --save-total-limit, --data needs --model,
         the paths exist, the save directory can be created and written (check_save_dir), and an earlier run's
         checkpoints in it are resumed or started over, never trained beside (check_earlier_run).
     check_model_and_data: --data needs --model; the --model directory and the --data file exist.
     check_lora_args: --lora-rank / --lora-alpha / --lora-dropout / --lora-targets / --merge-lora, and peft
-        installed.
+        installed; then check_4bit_args.
+    check_4bit_args: --load-in-4bit / --no-double-quant: beside --lora-rank, a model directory (not GGUF), and
+        bitsandbytes installed.
     check_args: both, in that order.
     EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT / DoesNotFit / exit_status: the exit statuses the scripts and the
         ``ds-longseq`` command keep (the planner's): 0 done, 1 the step does not fit (the memory preflight), 2 bad
@@ -27,11 +30,14 @@ from typing import Callable
 
 from ds_longseq.toolkit.lora import import_peft, parse_lora_targets
 from ds_longseq.toolkit.pretrained import gguf_parts
+from ds_longseq.toolkit.quantized import import_bitsandbytes
+from ds_longseq.toolkit.report_to import REPORT_TO, check_report_to
 
 __all__ = ["add_common_args", "DefaultsOnceFormatter", "check_run_args", "check_model_and_data", "check_save_dir",
            "check_earlier_run",
-           "check_lora_args", "check_args", "EXIT_OK", "EXIT_DOES_NOT_FIT", "EXIT_BAD_INPUT", "EXIT_STATUSES",
-           "DoesNotFit", "exit_status"]
+           "check_lora_args", "check_4bit_args", "check_args", "EXIT_OK", "EXIT_DOES_NOT_FIT", "EXIT_BAD_INPUT",
+           "EXIT_STATUSES",
+           "DoesNotFit", "exit_status", "script_parser"]
 
 DEFAULT_SAVE_MINUTES = 30.0
 """--save-every-minutes' default: a run that crashes loses at most about this much work."""
@@ -100,7 +106,8 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                    help="continue from the latest checkpoint in --save-dir (same data, same losses)")
     p.add_argument("--start-over", action="store_true",
                    help="in a --save-dir holding an earlier run's checkpoints, remove them (its step<N>/, latest, "
-                        "metrics.jsonl, loss.png, hf_model/, hf_adapter/) and train from step 0; without it, or "
+                        "metrics.jsonl, loss.png, hf_model/, hf_adapter/, the monitors' tensorboard/, csv_monitor/, "
+                        "wandb/) and train from step 0; without it, or "
                         "--resume, such a directory is refused")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None,
@@ -109,6 +116,11 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
                    help="auto: bf16 on GPU, fp32 on CPU (overrides the config's bf16 section)")
     p.add_argument("--pad-for-sp", action="store_true",
                    help="pad rows on the right to a multiple of the sequence_parallel size (else: an error)")
+    p.add_argument("--report-to", default=None, metavar="{" + ",".join(("none", *REPORT_TO)) + "}",
+                   help="where each step's metrics also go, comma-separated: tensorboard (SAVE_DIR/tensorboard/), csv "
+                        "(SAVE_DIR/csv_monitor/), wandb (a W&B run in SAVE_DIR/wandb/ unless WANDB_DIR is set; "
+                        "WANDB_MODE=offline keeps it on disk); none: nowhere, even where the DeepSpeed config "
+                        "enables a monitor. Not given: the config's monitor sections as they are")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="freeze the model and train a LoRA adapter of this rank (needs peft); dpo.py's and grpo.py's "
                         "reference is then the policy with its adapters disabled; 0: train every weight")
@@ -119,7 +131,15 @@ def add_common_args(p: argparse.ArgumentParser, *, save_dir: str, max_steps: int
     p.add_argument("--lora-targets", default=None,
                    help="comma-separated module names LoRA adapts; default: every linear projection of the decoder")
     p.add_argument("--merge-lora", action="store_true",
-                   help="with --lora-rank: also write the base model with the adapter merged in to hf_model/")
+                   help="with --lora-rank: also write the base model with the adapter merged in to hf_model/ (a "
+                        "--load-in-4bit base dequantized to the run's dtype first: the adapter was trained on it)")
+    p.add_argument("--load-in-4bit", nargs="?", const="nf4", default=None, choices=["nf4", "fp4"],
+                   help="QLoRA: load the base with its decoder's linear layers quantised to 4 bits (bitsandbytes; "
+                        "nf4 when given bare, or fp4), computing in the run's dtype; needs --lora-rank and a --model "
+                        "directory or the built-in model (not GGUF)")
+    p.add_argument("--no-double-quant", action="store_true",
+                   help="with --load-in-4bit: do not quantise the per-block scales (double quantisation is on by "
+                        "default, as in the QLoRA paper)")
     p.add_argument("--no-preflight", action="store_true",
                    help="run even when the memory planner says the step cannot fit (python -m ds_longseq.plan)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the DeepSpeed launcher")
@@ -139,7 +159,8 @@ class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def check_run_args(args: argparse.Namespace) -> None:
     """Refuse bad --seq-len, --max-steps, --save-every, --save-total-limit, --data without --model, a --model
-    directory or --data file that is not there, and a --save-dir that cannot be created or written."""
+    directory or --data file that is not there, a bad --report-to, and a --save-dir that cannot be created or
+    written."""
     if args.seq_len <= 0:
         raise SystemExit(f"--seq-len must be positive, got {args.seq_len}: pass the tokens per sequence, e.g. 2048")
     if args.max_steps <= 0:
@@ -153,6 +174,7 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--save-total-limit must be >= 0 (the newest checkpoints to keep), got {limit}: pass 0 to "
                          "keep every checkpoint")
     check_model_and_data(args.model, args.data)
+    check_report_to(getattr(args, "report_to", None))
     if args.data and not args.model:
         raise SystemExit("--data needs --model: its tokenizer turns the text into tokens")
     if getattr(args, "save_dir", None):
@@ -229,6 +251,7 @@ def check_lora_args(args: argparse.Namespace) -> None:
             raise SystemExit(
                 f"{flags} given without --lora-rank (no LoRA): add --lora-rank N (N > 0), or leave out {flags}"
             )
+        check_4bit_args(args)
         return
     if args.lora_alpha is not None and not args.lora_alpha > 0:
         raise SystemExit(f"--lora-alpha must be positive, got {args.lora_alpha}")
@@ -237,9 +260,49 @@ def check_lora_args(args: argparse.Namespace) -> None:
     if args.lora_targets is not None and not all(parse_lora_targets(args.lora_targets)):
         raise SystemExit(f"--lora-targets {args.lora_targets!r} has an empty name: pass e.g. q_proj,v_proj")
     import_peft()
+    check_4bit_args(args)
+
+
+def check_4bit_args(args: argparse.Namespace) -> None:
+    """Refuse --load-in-4bit without --lora-rank (a 4-bit base cannot be trained, only adapted), with a GGUF --model
+    (already quantised by llama.cpp, dequantized on load), --no-double-quant without --load-in-4bit, and a missing
+    bitsandbytes, before DeepSpeed starts."""
+    kind = getattr(args, "load_in_4bit", None)
+    if kind is None:
+        if getattr(args, "no_double_quant", False):
+            raise SystemExit("--no-double-quant given without --load-in-4bit: add --load-in-4bit, or leave out "
+                             "--no-double-quant")
+        return
+    if not args.lora_rank:
+        raise SystemExit("--load-in-4bit needs --lora-rank: a 4-bit base is frozen and only a LoRA adapter trains "
+                         "(QLoRA); add --lora-rank N (N > 0), or leave out --load-in-4bit")
+    if args.model and gguf_parts(args.model) is not None:
+        raise SystemExit(f"--load-in-4bit with a GGUF --model ({args.model}): transformers dequantizes GGUF on load "
+                         "and takes no second quantisation; pass the model's Hugging Face directory, or leave out "
+                         "--load-in-4bit to train on the dequantized GGUF weights")
+    try:
+        import_bitsandbytes()
+    except ImportError as err:
+        raise SystemExit(str(err)) from None
 
 
 def check_args(args: argparse.Namespace) -> None:
     """:func:`check_run_args` then :func:`check_lora_args`: every shared flag, before anything starts."""
     check_run_args(args)
     check_lora_args(args)
+
+
+def script_parser(description: str, *, prog: str | None, save_dir: str, max_steps: int, seq_len: int, lr: float,
+                  data_help: str) -> argparse.ArgumentParser:
+    """The parser of a training script (``ds-longseq train`` / ``dpo`` / ``grpo`` and the examples that copy them):
+    ``description``, the exit statuses as the epilog, :func:`add_common_args` with the script's defaults, and its
+    ``--data`` (``data_help``: the records it reads). ``prog``: the name ``--help`` shows (None: the script's).
+
+    Abbreviations are off: ``ds-longseq`` parses these flags once before starting the ranks and each rank again, and
+    an abbreviation of a launch-only flag (--num_gpu) would pass the first parse and fail the second.
+    """
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=EXIT_STATUSES,
+                                formatter_class=DefaultsOnceFormatter, allow_abbrev=False)
+    add_common_args(p, save_dir=save_dir, max_steps=max_steps, seq_len=seq_len, lr=lr)
+    p.add_argument("--data", default=None, help=data_help)
+    return p

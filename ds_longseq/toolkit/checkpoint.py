@@ -31,6 +31,7 @@ Holds:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -55,6 +56,7 @@ from ds_longseq.engine.reshape import UNIVERSAL_SUFFIX, UniversalConversionError
 from ds_longseq.logging import get_logger
 from ds_longseq.toolkit import faults
 from ds_longseq.toolkit.lora import merge_lora
+from ds_longseq.toolkit.quantized import quant_state_left_out
 from ds_longseq.toolkit.save_dir import PARTIAL_SUFFIX, SaveDirClaim, checkpoint_run_id, local_leader
 
 __all__ = ["write_latest", "read_latest", "resume", "agreed_checkpoint", "read_metrics", "start_or_resume",
@@ -245,7 +247,7 @@ def save_checkpoint(
 
     Args:
         exclude_frozen: write the trainable weights only (LoRA: the adapter and its optimizer state, not the frozen
-            base, which a resume rebuilds from ``--model``).
+            base, which a resume rebuilds from ``--model``; a 4-bit base's quantisation state is left out too).
         keep: once ``latest`` has moved, keep only the newest ``keep`` checkpoints of this run (0: all).
         claim: the run's claim on ``save_dir``: its id goes into the manifest, and only its owners rename and prune
             (``toolkit.save_dir``); None: each node's local rank 0, and any run's checkpoints are pruned.
@@ -266,8 +268,10 @@ def save_checkpoint(
     # save_latest=False: DeepSpeed would rewrite ``latest`` in place; ours flips it only after
     # every rank has finished writing, so a crash mid-save leaves the previous one in charge.
     try:
-        engine.save_checkpoint(save_dir, tag=partial, client_state={"step": step}, save_latest=False,
-                               exclude_frozen_parameters=exclude_frozen)
+        # a 4-bit base's scales are not parameters, so exclude_frozen_parameters alone would keep them
+        with quant_state_left_out(engine.module) if exclude_frozen else contextlib.nullcontext():
+            engine.save_checkpoint(save_dir, tag=partial, client_state={"step": step}, save_latest=False,
+                                   exclude_frozen_parameters=exclude_frozen)
         _save_rng_state(os.path.join(save_dir, partial))
     except (OSError, RuntimeError) as err:
         if not _out_of_space(err):

@@ -45,13 +45,20 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 __all__ = ["peak_memory_gib", "host_memory_gib", "training_flops_per_token", "device_peak_flops", "BackwardProgress",
-           "LogLines", "LOG_LINE_EVERY_S", "plot_losses", "plot_panels", "MetricsLog"]
+           "LogLines", "LOG_LINE_EVERY_S", "plot_losses", "plot_panels", "MetricsLog", "MONITOR_PREFIX",
+           "WANDB_STEP"]
 
 PEAK_FLOPS_ENV = "DS_LONGSEQ_PEAK_TFLOPS"
 """Environment variable: one device's peak TFLOP/s for MFU (overrides the table below; the only source on CPU)."""
 
 # Dense bf16 tensor-core peaks (the vendors' datasheets, without sparsity), by a substring of the device name
 _PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.1}
+
+MONITOR_PREFIX = "Train/ds_longseq/"
+"""What :class:`MetricsLog` puts before each metric's key in DeepSpeed's monitor."""
+WANDB_STEP = MONITOR_PREFIX + "step"
+"""The optimizer step in a W&B run: the x axis of the run's metrics there (W&B's own step counts DeepSpeed's
+samples)."""
 
 
 def peak_memory_gib() -> float:
@@ -256,8 +263,10 @@ class MetricsLog:
       see the module docstring);
     - ``gpu_peak_gib`` (the allocator's peak during the step; null on CPU), ``host_rss_gib``, ``host_peak_gib``.
 
-    When the DeepSpeed config enables a monitor (``tensorboard``, ``csv_monitor``, ``wandb``, ``comet``), every numeric
-    value goes there too, as ``Train/ds_longseq/<key>`` at the step.
+    When the DeepSpeed config enables a monitor (``tensorboard``, ``csv_monitor``, ``wandb``, ``comet``; ``--report-to``
+    turns them on: :mod:`~ds_longseq.toolkit.report_to`), every numeric value goes there too, as
+    ``Train/ds_longseq/<key>`` at the step; in W&B against :data:`WANDB_STEP`, and the W&B run is finished by
+    :meth:`close`.
     """
 
     def __init__(self, run: Run, name: str, bar_keys: tuple[str, ...]):
@@ -284,6 +293,7 @@ class MetricsLog:
         self.flops_per_token = training_flops_per_token(run.model, args.seq_len)
         self.peak_flops = device_peak_flops(run.dtype)
         self.progress = BackwardProgress(run.model, self.bar) if run.rank == 0 else None
+        self._wandb = _wandb_of(run.engine)
         self.t_start = self._t_step = time.perf_counter()
         self._tokens_before = 0
         self.peak_gib = 0.0
@@ -327,8 +337,18 @@ class MetricsLog:
                 f.write(json.dumps(row) + "\n")
         monitor = getattr(engine, "monitor", None)
         if monitor is not None and monitor.enabled:  # DeepSpeed's MonitorMaster writes on rank 0 only
-            monitor.write_events([(f"Train/ds_longseq/{key}", value, row["step"]) for key, value in row.items()
-                                  if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)])
+            events = [(MONITOR_PREFIX + key, value, row["step"]) for key, value in row.items()
+                      if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)]
+            if self._wandb is None:
+                monitor.write_events(events)
+            else:
+                # W&B keeps one step counter per run, which DeepSpeed's own events (Train/Samples/lr) move in samples:
+                # written at the optimizer step, as DeepSpeed's monitor would, every row after the first would be
+                # behind it and dropped. Logged without a step, against WANDB_STEP (_wandb_of's define_metric).
+                self._wandb.log({**{name: value for name, value, _ in events}, WANDB_STEP: row["step"]})
+                for other in (monitor.tb_monitor, monitor.csv_monitor, monitor.comet_monitor):
+                    if other is not None:
+                        other.write_events(events)
         self._t_step, self._tokens_before = time.perf_counter(), self.tokens
         self._begin_step(row["step"])
 
@@ -344,9 +364,24 @@ class MetricsLog:
             self.lines.finish()
         if self.progress is not None:
             self.progress.remove()
+        if self._wandb is not None:  # written out now, not left to interpreter exit (which a killed rank never sees)
+            self._wandb.finish()
+            self._wandb = None
 
     def plot(self, panels: list[tuple[str, str]], title: str, filename: str) -> str:
         """One panel per (metric key, y label), against the step, in ``save_dir/filename``; returns its path."""
         path = os.path.join(self.run.args.save_dir, filename)
         plot_panels(self.rows, panels, title, path)
         return path
+
+
+def _wandb_of(engine):
+    """The ``wandb`` module when the engine's DeepSpeed monitor writes to a W&B run (rank 0 with a wandb section on),
+    with the run's metrics set to plot against :data:`WANDB_STEP`; else None."""
+    if getattr(getattr(engine, "monitor", None), "wandb_monitor", None) is None:
+        return None
+    import wandb
+
+    wandb.define_metric(WANDB_STEP)
+    wandb.define_metric(MONITOR_PREFIX + "*", step_metric=WANDB_STEP)
+    return wandb

@@ -2,13 +2,18 @@
 
 Holds:
     gguf_parts: (directory, file name) of a ``.gguf`` path; None for anything else.
-    load_config / load_model / load_tokenizer: transformers' ``from_pretrained`` on either form.
+    load_config / load_model / load_tokenizer: transformers' ``from_pretrained`` on either form (a directory also
+        quantised to 4 bits, ``--load-in-4bit``: ``toolkit.quantized``).
 
 A GGUF file (llama.cpp's format, e.g. ``SmolLM2-135M-Instruct.Q4_1.gguf``) is read by transformers itself
 (``from_pretrained(directory, gguf_file=name)``, which needs the ``gguf`` package) and dequantized to ``dtype``:
 the weights trained are those floats. The loaded model is then a plain model (its GGUF quantization marker is
 dropped), so the examples' HF-format export writes an ordinary checkpoint that ``from_pretrained`` loads without
 ``gguf``.
+
+A GGUF file is not loaded with ``--load-in-4bit``: transformers dequantizes GGUF on load and takes no second
+quantisation with it, and quantising llama.cpp's already-quantised floats again would train against a base twice
+rounded; the flag checks refuse it, naming the fix (a Hugging Face directory of the model).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import torch
 
 from ds_longseq.compat import drop_gguf_quantization_marker
+from ds_longseq.toolkit.quantized import FourBit, load_4bit
 
 __all__ = ["gguf_parts", "load_config", "load_model", "load_tokenizer"]
 
@@ -52,11 +58,16 @@ def load_config(model: str):
     return config
 
 
-def load_model(model: str, dtype: torch.dtype):
-    """``AutoModelForCausalLM`` of ``model`` in ``dtype`` with SDPA attention; a GGUF file dequantized."""
+def load_model(model: str, dtype: torch.dtype, four_bit: FourBit | None = None):
+    """``AutoModelForCausalLM`` of ``model`` in ``dtype`` with SDPA attention; a GGUF file dequantized; with
+    ``four_bit`` (a model directory only) its decoder's linear layers quantised to 4 bits, computing in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     path, kwargs = _kwargs(model)
+    if four_bit is not None:
+        if kwargs:
+            raise ValueError(f"--load-in-4bit: {model} is a GGUF file; quantise a Hugging Face model directory")
+        return load_4bit(path, dtype, four_bit)
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
     if kwargs:
         drop_gguf_quantization_marker(loaded)  # marked quantized, refused by save_pretrained; plain floats inside

@@ -3,7 +3,8 @@
 Holds:
     Run: the engine around the model and where this rank stands (data-parallel replica, sequence-parallel shard).
     setup_run: start DeepSpeed, check the config against the arguments, build the model and its engine.
-    startup_summary: what the run is about to do (model, ranks, tokens per step, memory, checkpoints), logged.
+    startup_summary: what the run is about to do (model, a 4-bit base's quantisation and bytes, ranks, tokens per
+        step, memory, checkpoints), logged.
     finish: the end-of-run HF export, after every rank is done.
 """
 
@@ -29,6 +30,9 @@ from ds_longseq.toolkit.args import DoesNotFit
 from ds_longseq.toolkit.checkpoint import SaveSchedule, check_save_space, export_hf, save_checkpoint
 from ds_longseq.toolkit.distributed import resolve_or_exit, set_learning_rate, start_resolved, to_rank_batch
 from ds_longseq.toolkit.lora import add_lora
+from ds_longseq.toolkit.quantized import FourBit, dequantized, logical_numel
+from ds_longseq.toolkit.quantized import describe as describe_4bit
+from ds_longseq.toolkit.report_to import report_to_config
 from ds_longseq.toolkit.save_dir import SaveDirClaim, claim_save_dir, start_over
 from ds_longseq.toolkit.tasks import build_model, model_config
 
@@ -86,9 +90,22 @@ class Run:
     def num_replicas(self) -> int:
         return data_parallel_rank_and_size(self.sp_size, self.rank, self.world)[1]
 
+    @property
+    def four_bit(self) -> FourBit | None:
+        """The base's 4-bit quantisation (``--load-in-4bit``), or None."""
+        return FourBit.from_args(self.args)
+
     def build_base(self) -> torch.nn.Module:
-        """The model as it was before training: --model, or the seeded built-in model, without LoRA."""
-        return build_model(self.args.model, self.dtype, seq_len=self.args.seq_len, seed=self.args.seed)
+        """The model as it was before training: --model, or the seeded built-in model, without LoRA (quantised as
+        for training with --load-in-4bit)."""
+        return build_model(self.args.model, self.dtype, seq_len=self.args.seq_len, seed=self.args.seed,
+                           four_bit=self.four_bit)
+
+    def build_merge_base(self) -> torch.nn.Module:
+        """The base the adapter is merged into for the export: :meth:`build_base`, a 4-bit one dequantized to the
+        run's dtype (the adapter was trained against dequant(W4), not the original floats)."""
+        base = self.build_base()
+        return dequantized(base) if self.four_bit is not None else base
 
     @property
     def checkpoint_options(self) -> dict:
@@ -122,7 +139,9 @@ def check_memory(args: argparse.Namespace, ds_config: dict):
     try:  # ds_config: start_resolved's, with the run's bf16 section and the parsed long_seq
         return ds_longseq.engine.memory_preflight(model_config(args.model, args.seq_len), ds_config, args.seq_len,
                                                   lora_rank=args.lora_rank or None,
-                                                  override=getattr(args, "no_preflight", False))
+                                                  override=getattr(args, "no_preflight", False),
+                                                  load_in_4bit=getattr(args, "load_in_4bit", None),
+                                                  double_quant=not getattr(args, "no_double_quant", False))
     except ds_longseq.engine.PreflightError as err:
         raise DoesNotFit(f"preflight: {err}") from None
 
@@ -158,7 +177,7 @@ def startup_summary(run: Run, plan) -> str:
     from ds_longseq.config import registered_techniques
 
     args = run.args
-    total = sum(compat.full_numel(p) for p in run.model.parameters())
+    total = sum(logical_numel(p) for p in run.model.parameters())  # a packed 4-bit weight: its weights, not bytes
     trainable = sum(compat.full_numel(p) for p in run.model.parameters() if p.requires_grad)
     model = type(getattr(run.model, "base_model", run.model)).__name__ if args.lora_rank else type(run.model).__name__
     name = args.model or "the built-in tiny Llama (from scratch)"
@@ -176,6 +195,7 @@ def startup_summary(run: Run, plan) -> str:
     lines = [
         f"model: {name} ({model}), {total / 1e6:,.1f}M parameters, {trainable / 1e6:,.1f}M trained, "
         f"{str(run.dtype).replace('torch.', '')}",
+        *([describe_4bit(run.model, run.four_bit)] if run.four_bit is not None else []),
         f"run: {run.world} rank(s) on {device} ({parallel}); {args.seq_len:,} tokens per sequence, {rows} "
         f"sequence(s) per optimizer step ({run.micro_bs} per micro-batch x {run.gas} accumulated x "
         f"{run.num_replicas} replica(s)): {rows * args.seq_len:,} tokens; {args.max_steps} steps",
@@ -211,6 +231,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     # the section parsed once, by start_resolved: the preflight and engine.initialize read this object
     ds_config = {**resolved.ds_config, "long_seq": long_seq}
     set_learning_rate(ds_config, args.lr if args.lr is not None else (None if args.model else args.default_lr))
+    ds_config = report_to_config(ds_config, getattr(args, "report_to", None), args.save_dir)  # --report-to
     try:  # as DeepSpeed will read it (any two of the three keys): the loops step the optimizer by it
         batch = read_batch_size(ds_config, world // long_seq.sequence_parallel.size)
     except BatchSizeError as err:
@@ -225,7 +246,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
         start_over(args.save_dir, rank, claim)
 
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    model = build_model(args.model, dtype, seq_len=args.seq_len, seed=args.seed)
+    model = build_model(args.model, dtype, seq_len=args.seq_len, seed=args.seed, four_bit=FourBit.from_args(args))
     if args.lora_rank:
         model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets, seed=args.seed,
                          dropout=args.lora_dropout or 0.0)
@@ -249,7 +270,7 @@ def finish(run: Run) -> str:
     """The HF export (the final checkpoint was written by ``save_if_due``); returns what was exported."""
     import deepspeed.comm as dist
 
-    merge = run.build_base if run.args.lora_rank and run.args.merge_lora else None
+    merge = run.build_merge_base if run.args.lora_rank and run.args.merge_lora else None
     exported = export_hf(run.model, run.args.save_dir, run.rank, lora=bool(run.args.lora_rank), merge_base=merge)
     dist.barrier()
     if run.claim is not None:  # the run's writes are done: another run may use the directory

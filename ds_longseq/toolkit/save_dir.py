@@ -47,8 +47,10 @@ LOCK_NAME = ".ds_longseq.lock"
 """The save directory's lock file: global rank 0 holds it (flock) and writes the run's id, host, pid and start."""
 PARTIAL_SUFFIX = ".partial"
 """What a checkpoint's directory is called until every rank has written it (``step<N>.partial``)."""
-RUN_OUTPUTS = ("latest", "latest_universal", "metrics.jsonl", "loss.png", "hf_model", "hf_adapter")
-"""What a run writes into its save directory besides its checkpoints (``step<N>/`` and their forms)."""
+RUN_OUTPUTS = ("latest", "latest_universal", "metrics.jsonl", "loss.png", "hf_model", "hf_adapter", "tensorboard",
+               "csv_monitor", "wandb")
+"""What a run writes into its save directory besides its checkpoints (``step<N>/`` and their forms); the last three
+are the monitors' (``--report-to``), which a new run would otherwise append to."""
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ import torch
 
 from ds_longseq.toolkit.data import pad_row
 from ds_longseq.toolkit.pretrained import load_config, load_model
+from ds_longseq.toolkit.quantized import FourBit
 
 __all__ = ["BOS", "DOC_TOKENS", "VOCAB", "DEFAULT_GROUP_SIZE", "copy_example", "rule_continuation", "synthetic_pair",
            "synthetic_group", "TopicRecallTask", "tiny_llama", "build_model"]
@@ -216,9 +217,28 @@ def model_config(model: str | None, seq_len: int):
     return tiny_llama_config(seq_len)
 
 
-def build_model(model: str | None, dtype: torch.dtype, *, seq_len: int, seed: int):
+def build_model(model: str | None, dtype: torch.dtype, *, seq_len: int, seed: int, four_bit: FourBit | None = None):
     """``model`` (a local HF causal-LM directory or GGUF file) loaded with SDPA attention, or with None
-    :func:`tiny_llama`."""
+    :func:`tiny_llama`; with ``four_bit`` its decoder's linear layers quantised to 4 bits (``--load-in-4bit``).
+
+    The built-in model is quantised the way a directory is: its seeded weights are saved to a temporary directory
+    and loaded back quantised (transformers quantises while loading), so every rank, a resume and a merge get the
+    same 4-bit base.
+    """
     if model:
-        return load_model(model, dtype)
-    return tiny_llama(seq_len, seed, dtype)
+        return load_model(model, dtype, four_bit)
+    if four_bit is None:
+        return tiny_llama(seq_len, seed, dtype)
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="ds_longseq_tiny_") as path:
+        tiny = tiny_llama(seq_len, seed, dtype)
+        # written here, not by save_pretrained: under torch.distributed that writes on global rank 0 alone, and
+        # every rank needs its own copy (ranks may not share /tmp)
+        tiny.config.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in tiny.state_dict().items()}, os.path.join(path, "model.safetensors"),
+                  metadata={"format": "pt"})
+        return load_model(path, dtype, four_bit)

@@ -32,6 +32,7 @@ from ds_longseq.engine import data_parallel_rank_and_size, initialize_with, sequ
 from ds_longseq.logging import get_logger
 from ds_longseq.patch import configure_fused_lm_head, disable, enable, get_config, is_enabled
 from ds_longseq.resolver import Launch, resolve
+from ds_longseq.toolkit.quantized import quant_state_left_out
 from ds_longseq.trainer.cases import TrainerCase, choose_case
 from ds_longseq.trainer.positions import PositionLosses
 from ds_longseq.trainer.resume import CheckpointCallback, prepare_resume
@@ -226,7 +227,10 @@ class LongSeqTrainerMixin:
         universal = prepare_resume(self, checkpoint) if isinstance(checkpoint, str) and self.is_deepspeed_enabled \
             else None
         self._long_seq_checkpoints.universal_dir = universal
-        with self._long_seq_engine():
+        # the DeepSpeed checkpoints the Trainer writes leave a PEFT model's frozen parameters out, but not the scales
+        # bitsandbytes adds to a 4-bit base's state_dict (not parameters): left out too, the checkpoint holds the
+        # adapter alone (the Trainer loads a PEFT model's checkpoint non-strictly; the base is the loaded model's)
+        with self._long_seq_engine(), quant_state_left_out(self.model):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
