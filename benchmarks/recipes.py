@@ -7,6 +7,7 @@ Holds:
     build_model: a ``*ForCausalLM`` with the shape's config, built directly on its device in its
         dtype (never initialised on CPU and moved: an 8B model would take minutes), same seed ->
         same weights.
+    quantize_4bit: a model's decoder linears replaced by bitsandbytes 4-bit ones (the QLoRA suites' base).
     apply_lora: PEFT LoRA (rank 16, alpha 32, all seven projections) on a model; returns the PEFT
         wrapper and the inner ``*ForCausalLM`` that recipes are applied to.
     Recipe and METHODS: what each method does to a model (stock, hf_gc, alst, alst_offload,
@@ -208,6 +209,43 @@ def random_tokens(shape: ModelShape, seq_len: int, device="cpu", seed: int = SEE
 
     ids = torch.randint(0, shape.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
     return ids.to(device)
+
+
+def quantize_4bit(model, quant_type: str = "nf4", double_quant: bool = True) -> int:
+    """Replace every ``nn.Linear`` of ``model``'s decoder layers by a bitsandbytes 4-bit linear (QLoRA's base:
+    ``quant_type`` nf4 or fp4, double quantization of the scales on by default), in place, layer by layer, on the
+    device the weights are on; the embedding and the LM head stay in the model's dtype, as transformers'
+    ``load_in_4bit`` leaves them. The packed weights are stored as the model's dtype
+    (``bnb_4bit_quant_storage``) and computed in it. Returns how many linears were quantized."""
+    import torch
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise ImportError("the QLoRA suites need bitsandbytes: pip install 'bitsandbytes>=0.50.2'") from err
+    from ds_longseq.compat import keep_4bit_weights_unpacked
+
+    count = 0
+    for layer in model.model.layers:
+        for name, module in list(layer.named_modules()):
+            if type(module) is not torch.nn.Linear:
+                continue
+            weight = module.weight
+            quantized = bnb.nn.Linear4bit(
+                module.in_features, module.out_features, bias=module.bias is not None, compute_dtype=weight.dtype,
+                compress_statistics=double_quant, quant_type=quant_type, quant_storage=weight.dtype,
+                device="meta")
+            quantized.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, compress_statistics=double_quant,
+                                                 quant_type=quant_type, quant_storage=weight.dtype)
+            if module.bias is not None:
+                quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+            parent_name, _, child = name.rpartition(".")
+            setattr(layer.get_submodule(parent_name) if parent_name else layer, child,
+                    quantized.to(weight.device))  # .to() quantizes (on the device the weight is on)
+            del weight, module
+            count += 1
+    keep_4bit_weights_unpacked(model)  # no CPU inference repacking (the smoke suite runs on CPU)
+    return count
 
 
 def apply_lora(model, rank: int = 16, alpha: int = 32):

@@ -35,6 +35,8 @@ Suites (models and methods from ``benchmarks.recipes``):
     smoke:      the gpu_full path (ZeRO-3 + optimizer offload, torch's AdamW behind it) with a tiny Qwen3,
                 on CPU in seconds (what the test runs); on a GPU machine it runs there.
     smoke_lora: the gpu_lora path with a tiny Llama (needs peft).
+    gpu_qlora:  gpu_lora on a 4-bit base (bitsandbytes nf4, double quantization, bf16 compute): QLoRA.
+    smoke_qlora: the gpu_qlora path with a tiny Llama on CPU (needs peft and bitsandbytes).
     approx_cpu: the cpu suite's model and engine, lengths 1024-4096, each of stock, hf_gc, mst, streambp
                 without and with ds_longseq's Approx-BP (``<m>_approx``: ReSiLU2 + MS-RMSNorm), plus
                 streambp_2x / streambp_approx_2x (StreamBP chunk doubled). No max-length search unless --search.
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import statistics
@@ -74,6 +77,7 @@ from benchmarks.recipes import (
     get_recipe,
     long_seq_config,
     prepare,
+    quantize_4bit,
     random_tokens,
     step_context,
 )
@@ -99,6 +103,7 @@ class Suite:
     search_lengths: tuple | None = None  # explicit probes instead of doubling + bisection
     budget_mib: float | None = None  # CPU memory budget per search child (None: the device is the budget)
     lora: bool = False
+    quantize: bool = False  # QLoRA: the decoder's linears 4-bit (nf4, double quantization) under the LoRA adapter
     chunk_size: int = 1024  # StreamBP chunk and key-block tokens
     loss_chunk_size: int = LOSS_TOKENS_PER_CHUNK  # chunked LM head / ALST loss tile tokens
     # streambp.auto_budget_gib of the "auto" chunk methods (None: 80% of the free memory): on the GPU suites a target
@@ -215,6 +220,16 @@ SUITES = {
         lr=1e-4,
     ),
 }
+# QLoRA (issue 63): gpu_lora's and smoke_lora's model, adapter, engine and lengths on a 4-bit base, for the rows
+# beside theirs
+SUITES["gpu_qlora"] = dataclasses.replace(
+    SUITES["gpu_lora"], quantize=True, search_lengths=(131072, 196608, 262144, 393216),
+    description="QLoRA fine-tuning: gpu_lora's PEFT LoRA on the decoder's linears quantized 4-bit by bitsandbytes "
+                "(nf4, double quantization, bf16 compute and storage), torch AdamW on the adapters, single process.")
+SUITES["smoke_qlora"] = dataclasses.replace(
+    SUITES["smoke_lora"], quantize=True,
+    description="The gpu_qlora path (PEFT LoRA on a 4-bit base, torch AdamW) with a tiny Llama: seconds on CPU (needs "
+                "peft and bitsandbytes).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +254,8 @@ def build_step(suite: Suite, method: str, seq_len: int, device: str, batch_size:
     recipe = get_recipe(method)
     cuda = device == "cuda"
     model = build_model(suite.shape, dtype=suite.dtype, device=device, seq_len=seq_len)
+    if suite.quantize:
+        quantize_4bit(model)
     if suite.lora:
         _, model = apply_lora(model)  # the recipe goes on the inner *ForCausalLM, which we call directly
     prepare(model, recipe, frozen_inputs=suite.lora)

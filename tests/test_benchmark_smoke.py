@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,6 +80,48 @@ def test_benchmark_runner_smoke_lora_suite_with_search(tmp_path):
     maxlen = {r["method"]: r for r in rows if r["kind"] == "max_len"}
     assert all(maxlen[m]["seq_len"] == "512" and maxlen[m]["error"] == "every length probed fits" for m in methods)
     assert "Maximum sequence length" in Path(f"{out}.md").read_text()
+
+
+@pytest.mark.slow
+def test_benchmark_runner_smoke_qlora_suite(tmp_path):
+    """``benchmarks.run --suite smoke_qlora``: the gpu_qlora path (LoRA on a base whose decoder linears are
+    bitsandbytes 4-bit, quantized in place) on CPU; every decoder linear quantized, the same loss for every method."""
+    pytest.importorskip("peft")
+    bnb = pytest.importorskip("bitsandbytes")
+    from benchmarks.recipes import LLAMA_TINY, build_model, quantize_4bit
+
+    model = build_model(LLAMA_TINY, dtype="float32", device="cpu", seq_len=256)
+    assert quantize_4bit(model) == 7 * LLAMA_TINY.num_hidden_layers
+    assert all(isinstance(m, bnb.nn.Linear4bit) for m in model.model.layers[0].mlp.children()
+               if isinstance(m, torch.nn.Linear))
+    out = tmp_path / "q"
+    methods = ["hf_gc", "streambp_auto_offload"]
+    rows = _run_module(out, "benchmarks.run", "--suite", "smoke_qlora", "--seq-lens", "256", "--methods", *methods,
+                       "--no-search")
+    assert [r["method"] for r in rows] == methods and all(r["status"] == "ok" for r in rows), rows
+    losses = [float(r["loss"]) for r in rows]
+    assert max(losses) - min(losses) < 1e-4, losses
+
+
+@pytest.mark.slow
+def test_gpu_qlora_script_smoke(tmp_path):
+    """``bash benchmarks/gpu_qlora.sh DIR smoke``: the GPU script's points (LoRA and QLoRA at one length, QLoRA's
+    longest-length probes) with the tiny smoke suites on CPU; the 'bnb' stage refuses without a carried wheel."""
+    pytest.importorskip("bitsandbytes")
+    script = str(REPO_ROOT / "benchmarks" / "gpu_qlora.sh")
+    run = subprocess.run(["bash", script, str(tmp_path), "smoke"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = []
+    for suite in ("smoke_lora", "smoke_qlora"):
+        with open(tmp_path / f"{suite}_at_len.csv") as f:
+            rows += list(csv.DictReader(f))
+    assert [r["suite"] for r in rows] == ["smoke_lora", "smoke_qlora"] and all(r["status"] == "ok" for r in rows)
+    with open(tmp_path / "qlora_maxlen.csv") as f:
+        longest = [r for r in csv.DictReader(f) if r["kind"] == "max_len"]
+    assert [(r["suite"], r["seq_len"]) for r in longest] == [("smoke_qlora", "512")]
+    if not (REPO_ROOT / ".whl_bnb").exists():
+        refused = subprocess.run(["bash", script, str(tmp_path / "b"), "bnb"], capture_output=True, text=True)
+        assert refused.returncode == 2 and "no .whl_bnb/bitsandbytes-*.whl carried" in refused.stderr
 
 
 @pytest.mark.slow
