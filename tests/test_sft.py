@@ -101,9 +101,10 @@ def test_resume_after_a_crash_during_save_matches_an_uninterrupted_run(tmp_path)
     proc = run_sft(config, crashed, "--max-steps", "4", "--save-every", "2", fault="crash_during_save:4",
                    expect_ok=False)
     assert proc.returncode != 0
-    # The step-4 checkpoint was being written when the run died: ``latest`` still names step 2.
+    # The step-4 checkpoint was being written when the run died: it is still step4.partial (renamed to step4 only
+    # once every rank has written it) and ``latest`` still names step 2.
     assert (crashed / "latest").read_text() == "step2"
-    assert (crashed / "step4").exists()
+    assert (crashed / "step4.partial").exists() and not (crashed / "step4").exists()
 
     run_sft(config, crashed, "--max-steps", "4", "--resume")
     assert (crashed / "latest").read_text() == "step4"
