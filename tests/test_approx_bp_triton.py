@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from ds_longseq.ops import approx_triton as approx_bp_triton  # noqa: E402
+from ds_longseq.ops import approx_triton  # noqa: E402
 from ds_longseq.ops.approx_autograd import RESILU2, pack_codes, step_codes  # noqa: E402
 
 _CHILD = textwrap.dedent(
@@ -118,16 +118,16 @@ def test_kernels_match_torch_path_in_interpreter():
 
 
 def test_available():
-    assert approx_bp_triton.available() is True
+    assert approx_triton.available() is True
 
 
 def test_float64_and_bad_codes_raise_clearly():
     # Checked before any kernel is defined or launched: safe in this process, without the interpreter.
     x = torch.randn(9, dtype=torch.float64)
     with pytest.raises(ValueError, match="float64.*torch path"):
-        approx_bp_triton.pack_step_codes(x, RESILU2)
+        approx_triton.pack_step_codes(x, RESILU2)
     packed = pack_codes(step_codes(x, RESILU2))
     with pytest.raises(ValueError, match="float64.*torch path"):
-        approx_bp_triton.step_backward(packed, torch.randn(9, dtype=torch.float64), RESILU2)
+        approx_triton.step_backward(packed, torch.randn(9, dtype=torch.float64), RESILU2)
     with pytest.raises(ValueError, match="at least 3 bytes"):
-        approx_bp_triton.step_backward(packed[:2], torch.randn(9), RESILU2)
+        approx_triton.step_backward(packed[:2], torch.randn(9), RESILU2)

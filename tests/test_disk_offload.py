@@ -27,7 +27,7 @@ import torch
 
 import ds_longseq
 from ds_longseq import LongSeqConfigError
-from ds_longseq.ops import disk_store as disk_offload
+from ds_longseq.ops import disk_store
 from ds_longseq.ops.disk_store import ALIGNMENT, AsyncIOUnavailable, DiskOffloader, DiskStore
 from tests.helpers import clone, compare, layer_input_offload, loss_and_grads, make_batch, make_model
 
@@ -40,7 +40,7 @@ STREAMBP = {
 
 def _aio_missing() -> str | None:
     try:
-        disk_offload.load_async_io()
+        disk_store.load_async_io()
     except AsyncIOUnavailable as e:
         return str(e)
     return None
@@ -55,7 +55,7 @@ def disk_dir(tmp_path):
     """An empty directory on a filesystem that takes O_DIRECT files: pytest's tmp_path, or one under the repository
     where the temporary directory is tmpfs."""
     try:
-        disk_offload.check_disk_path(str(tmp_path))
+        disk_store.check_disk_path(str(tmp_path))
         yield tmp_path
         return
     except OSError:
@@ -242,7 +242,7 @@ def test_a_failed_write_stops_the_forward(disk_dir, monkeypatch):
     on_disk = ds_longseq.enable(model, _disk(disk_dir)).train()
     store = _offload(on_disk).store
     real_getsize = os.path.getsize
-    monkeypatch.setattr(disk_offload.os.path, "getsize", lambda p: 0 if p.endswith(".bin") else real_getsize(p))
+    monkeypatch.setattr(disk_store.os.path, "getsize", lambda p: 0 if p.endswith(".bin") else real_getsize(p))
     monkeypatch.setattr(DiskOffloader, "save", _waiting_save(DiskOffloader.save))
     with pytest.raises(OSError, match="disk full"):
         on_disk(**make_batch())
@@ -342,12 +342,12 @@ def test_bad_disk_settings_are_refused_before_anything_is_written(disk_dir, monk
     with pytest.raises(OSError, match="is not an existing directory"):
         ds_longseq.enable(clone(model), _disk(disk_dir / "a_file"))
     real_access = os.access
-    monkeypatch.setattr(disk_offload.os, "access", lambda p, mode: False if str(p) == str(disk_dir) else
+    monkeypatch.setattr(disk_store.os, "access", lambda p, mode: False if str(p) == str(disk_dir) else
                         real_access(p, mode))  # (root may write anywhere: the check itself is what is tested)
     with pytest.raises(OSError, match="is not writable by this process"):
         ds_longseq.enable(clone(model), _disk(disk_dir))
     monkeypatch.undo()
-    if disk_offload.filesystem_type("/dev/shm") == "tmpfs":
+    if disk_store.filesystem_type("/dev/shm") == "tmpfs":
         with pytest.raises(OSError, match="is on tmpfs, which is memory"):
             ds_longseq.enable(clone(model), _disk("/dev/shm"))
         assert not [f for f in os.listdir("/dev/shm") if f.startswith((".ds_longseq", "ds_longseq"))]
@@ -376,12 +376,12 @@ def test_without_the_async_io_op_the_error_names_libaio(disk_dir, monkeypatch):
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
-    disk_offload.load_async_io.cache_clear()
+    disk_store.load_async_io.cache_clear()
     try:
         with pytest.raises(AsyncIOUnavailable, match="apt-get install libaio-dev"):
             ds_longseq.enable(make_model("llama", torch.float32, num_layers=4), _disk(disk_dir))
     finally:
-        disk_offload.load_async_io.cache_clear()
+        disk_store.load_async_io.cache_clear()
     assert _all_files(disk_dir) == []
 
 
@@ -409,14 +409,14 @@ def test_a_process_that_exits_mid_step_leaves_nothing(disk_dir):
 def test_staging_buffers_fit_the_memlock_limit(disk_dir, monkeypatch):
     """Without CAP_IPC_LOCK a process may page-lock only RLIMIT_MEMLOCK bytes (8 MiB by default for users): the two
     staging buffers shrink to fit it (and the round trip stays bitwise), or the store refuses, naming ulimit -l."""
-    monkeypatch.setattr(disk_offload, "lockable_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(disk_store, "lockable_bytes", lambda: 1 << 20)
     store = DiskStore(str(disk_dir))
     assert store.piece_bytes == 512 << 10
     x = torch.randn(3, 100_000)  # 1.2 MB: three pieces
     h = DiskOffloader(store).save(x)
     assert torch.equal(h.load(), x)  # a copy: bitwise
     store.close()
-    monkeypatch.setattr(disk_offload, "lockable_bytes", lambda: 4096)
+    monkeypatch.setattr(disk_store, "lockable_bytes", lambda: 4096)
     with pytest.raises(OSError, match="ulimit -l"):
         DiskStore(str(disk_dir))
     assert _all_files(disk_dir) == []

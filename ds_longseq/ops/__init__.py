@@ -1,5 +1,5 @@
 """Autograd ops: pure functions and ``torch.autograd.Function``s. No transformers; DeepSpeed only where an op is its
-(ZeRO-3 gathering in sparse_inputs, the async I/O op in disk_offload), imported lazily.
+(ZeRO-3 gathering in sparse_inputs, the async I/O op in disk_store), imported lazily.
 
 Imported lazily (``ds_longseq.lazy``): the package holds torch-free arithmetic too (``sp_layout``,
 ``chunk_sizes``) that the planner imports without torch.

@@ -112,7 +112,7 @@ def _kernels() -> tuple[Any, Any]:
 def _check_dtype(t: torch.Tensor, what: str) -> None:
     if t.dtype not in _DTYPES:
         raise ValueError(
-            f"approx_bp_triton: {what} has dtype {t.dtype}; the Triton kernels take float16, bfloat16 and "
+            f"approx_triton: {what} has dtype {t.dtype}; the Triton kernels take float16, bfloat16 and "
             "float32 (float64 and the rest go through the torch path in ds_longseq.ops.approx_autograd)"
         )
 
@@ -159,7 +159,7 @@ def step_backward(packed: torch.Tensor, grad_out: torch.Tensor, step: StepLike) 
     n_bytes = (n + 3) // 4
     if packed.dtype != torch.uint8 or packed.numel() < n_bytes:
         raise ValueError(
-            f"approx_bp_triton: packed must be uint8 with at least {n_bytes} bytes for {n} gradients, "
+            f"approx_triton: packed must be uint8 with at least {n_bytes} bytes for {n} gradients, "
             f"got {packed.dtype} with {packed.numel()}"
         )
     grad = grad_out.contiguous()

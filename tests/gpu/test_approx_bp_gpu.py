@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.ops import approx_triton as approx_bp_triton
+from ds_longseq.ops import approx_triton
 from ds_longseq.ops.approx_autograd import REGELU2, RESILU2, pack_codes, step_backward, step_codes
 from tests.helpers import make_batch, make_model, rel_err
 
@@ -23,18 +23,18 @@ CUDA = torch.device("cuda")
 @pytest.mark.parametrize("step", [RESILU2, REGELU2], ids=["resilu2", "regelu2"])
 @pytest.mark.parametrize("n", [1, 3, 4, 4097, 3_000_001])
 def test_triton_kernels_equal_the_torch_path_bit_for_bit(dtype, step, n):
-    assert approx_bp_triton.available()
+    assert approx_triton.available()
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=g) * 5).to(dtype)
     at = torch.tensor(step.thresholds, dtype=torch.float64).to(dtype)
     x[: min(n, 3)] = at[: min(n, 3)]
     xc = x.to(CUDA)
-    packed = approx_bp_triton.pack_step_codes(xc, step)
+    packed = approx_triton.pack_step_codes(xc, step)
     # bitwise by construction: the codes are comparisons with the same thresholds, and the backward is one float32
     # multiply by the same slope, rounded once to the dtype, in both paths (IEEE: the same bits on any device)
     assert torch.equal(packed.cpu(), pack_codes(step_codes(x, step)))
     grad = torch.randn(n, generator=g).to(dtype)
-    got = approx_bp_triton.step_backward(packed, grad.to(CUDA), step).cpu()
+    got = approx_triton.step_backward(packed, grad.to(CUDA), step).cpu()
     want = step_backward(packed.cpu(), grad, step)
     assert torch.equal(
         got.view(torch.int16 if dtype != torch.float32 else torch.int32),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.ops import disk_store as disk_offload
+from ds_longseq.ops import disk_store
 from tests.gpu.test_offload_gpu import HIDDEN, NUM_LAYERS, STREAMBP, _allocated_by_forward, _batch, _bitwise, _model
 from tests.helpers import clone, loss_and_grads
 
@@ -24,9 +24,9 @@ from tests.helpers import clone, loss_and_grads
 @pytest.fixture
 def disk_dir(tmp_path):
     try:
-        disk_offload.load_async_io()
-        disk_offload.check_disk_path(str(tmp_path))
-    except (disk_offload.AsyncIOUnavailable, OSError) as e:
+        disk_store.load_async_io()
+        disk_store.check_disk_path(str(tmp_path))
+    except (disk_store.AsyncIOUnavailable, OSError) as e:
         pytest.skip(f"no disk tier here: {e}")
     return tmp_path
 
@@ -34,8 +34,8 @@ def disk_dir(tmp_path):
 def test_cuda_round_trip_is_bitwise(disk_dir):
     """CUDA tensors through pinned staging and the copy stream (pieces of 64 KiB: many, both buffers in turn),
     written while the compute stream still writes them, read back into freshly allocated memory."""
-    store = disk_offload.DiskStore(str(disk_dir), piece_bytes=64 << 10)
-    off = disk_offload.DiskOffloader(store)
+    store = disk_store.DiskStore(str(disk_dir), piece_bytes=64 << 10)
+    off = disk_store.DiskOffloader(store)
     tensors, handles = [], []
     for i in range(4):
         t = torch.randn(3, 1000 + i, 77, device="cuda", dtype=torch.bfloat16) * (i + 1)  # queued on the stream
