@@ -14,8 +14,8 @@ Holds:
     estimate: per-GPU and per-host bytes of one step at a length, broken down by component.
     longest_fit, plan (a Plan with the estimate, the longest fitting length, chunk suggestions and the preset
         to start from), preflight (the check the examples run before their first step).
-    quantised_linears / quantised_bytes: QLoRA's 4-bit weights (``Setup.load_in_4bit``), counted as bitsandbytes
-        holds them (the ``weights`` component; ``dequantised``: one linear unpacked for its matmul).
+    quantised_linears / quantised_bytes / quantised_parts: QLoRA's 4-bit weights (``Setup.load_in_4bit``), counted
+        as bitsandbytes holds them (the ``weights`` component; ``dequantised``: one linear unpacked for its matmul).
     trainable_count: the parameters the optimizer updates (the step-time model counts them too).
 
 The model. Per GPU, for a sequence of T tokens (T_local = T / SP degree per rank, batch B):
@@ -93,6 +93,7 @@ __all__ = [
     "QuantType",
     "quantised_linears",
     "quantised_bytes",
+    "quantised_parts",
     "trainable_count",
 ]
 
@@ -347,14 +348,20 @@ def quantised_linears(dims: ModelDims) -> tuple[int, ...]:
     return (q, kv, kv, q) + (() if dims.num_experts else (d * dims.intermediate_size,) * 3)
 
 
-def quantised_bytes(numel: int, double_quant: bool = True) -> int:
-    """Bytes bitsandbytes holds for one linear of ``numel`` weights in 4 bits: two weights per byte, one absmax per
+def quantised_parts(numel: int, double_quant: bool = True) -> tuple[int, int]:
+    """(the packed weight's bytes, its quantisation state's) for one linear of ``numel`` weights in 4 bits: two
+    weights per byte in the parameter; the state (not a parameter, so ZeRO-3 leaves it whole) one absmax per
     ``BNB_BLOCK`` weights (float32; with ``double_quant`` one byte, plus a float32 per ``BNB_NESTED_BLOCK`` blocks and
-    the nested code and offset), and the 4-bit code. Exact against ``Params4bit`` and its ``quant_state``
-    (tests/test_plan_write_config.py)."""
+    the nested code and offset), and the 4-bit code."""
     blocks = -(-numel // BNB_BLOCK)
     scales = blocks + 4 * -(-blocks // BNB_NESTED_BLOCK) + BNB_NESTED_STATE_BYTES if double_quant else 4 * blocks
-    return (numel + 1) // 2 + scales + BNB_CODE_BYTES
+    return (numel + 1) // 2, scales + BNB_CODE_BYTES
+
+
+def quantised_bytes(numel: int, double_quant: bool = True) -> int:
+    """Bytes bitsandbytes holds for one linear of ``numel`` weights in 4 bits (:func:`quantised_parts`, summed). Exact
+    against ``Params4bit`` and its ``quant_state`` (tests/test_plan_write_config.py)."""
+    return sum(quantised_parts(numel, double_quant))
 
 
 FITTED_CHUNK = {"cpu": 1024, "gpu": 4096}
@@ -379,15 +386,19 @@ def _chunk_work_bytes(dims: ModelDims, setup: Setup, t_local: int) -> float:
 def _weight_bytes(dims: ModelDims, setup: Setup) -> tuple[float, float]:
     """(the ``weights`` component, the ``dequantised`` one). Weights: every parameter in the training dtype, divided
     over the GPUs under ZeRO-3 (and one layer gathered whole); with ``load_in_4bit`` the quantised linears
-    (``quantised_linears``) at ``quantised_bytes`` each, counted whole on every GPU (the planner does not divide
-    bitsandbytes' packed weights under ZeRO-3). Dequantised: the widest quantised linear unpacked in the compute
-    dtype for its matmul, forward or backward (structural, not measured)."""
+    (``quantised_linears``) as bitsandbytes holds them (``quantised_parts``): the packed weights are parameters,
+    which ZeRO-3 partitions like any other (tests/test_qlora.py checks it), their quantisation states are not and
+    stay whole on every GPU. Dequantised: the widest quantised linear unpacked in the compute dtype for its matmul,
+    forward or backward (structural, not measured)."""
     b, world, zero3 = setup.dtype_bytes, setup.gpus, setup.zero_stage >= 3
+    share = world if zero3 else 1
     linears = quantised_linears(dims) if setup.load_in_4bit else ()
+    parts = [quantised_parts(n, setup.double_quant) for n in linears]
+    layer_packed = sum(packed for packed, _ in parts)
     plain = dims.num_params - dims.num_layers * sum(linears)
-    gathered = (dims.layer_params - sum(linears)) * b if zero3 and world > 1 else 0
-    packed = dims.num_layers * sum(quantised_bytes(n, setup.double_quant) for n in linears)
-    return plain * b / (world if zero3 else 1) + gathered + packed, max(linears, default=0) * b
+    gathered = (dims.layer_params - sum(linears)) * b + layer_packed if zero3 and world > 1 else 0
+    quantised = dims.num_layers * (layer_packed / share + sum(state for _, state in parts))
+    return plain * b / share + gathered + quantised, max(linears, default=0) * b
 
 
 def trainable_count(dims: ModelDims, setup: Setup) -> int:

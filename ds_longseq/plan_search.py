@@ -224,14 +224,14 @@ def _rings(dims: ModelDims, sp: int) -> list[int]:
 
 
 def _search_space(dims: ModelDims, base: Setup, seq_len: int, disk: bool) -> typing.Iterator[Setup]:
-    """Every combination of the searched settings for ``base``'s launch: ZeRO-2 (and 3 on more than one GPU without
-    4-bit weights, which the planner does not divide), each SP size dividing the GPUs and the length with each ring
+    """Every combination of the searched settings for ``base``'s launch: ZeRO-2 (and 3 on more than one GPU), each
+    SP size dividing the GPUs and the length with each ring
     split the heads allow, chunks of the fitted size down to an eighth of it, the layer inputs on the device, in host
     memory (GPU only: on CPU the host is the device) or on disk (with a disk path), keep_every 1, 2, 4, 8 and
     sqrt(L), the optimizer on the device or offloaded (GPU only), the attention outputs kept or not."""
     cuda = base.device == "cuda"
     fitted = FITTED_CHUNK["gpu" if cuda else "cpu"]
-    stages = (2,) if base.gpus == 1 or base.load_in_4bit else (2, 3)
+    stages = (2,) if base.gpus == 1 else (2, 3)
     tiers = [(False, False)] + ([(True, False)] if cuda else []) + ([(True, True)] if disk else [])
     layers = dims.num_layers
     keeps = sorted({k for k in (1, 2, 4, 8, round(math.sqrt(layers))) if 1 <= k <= layers})

@@ -160,7 +160,7 @@ def test_search_chooses_the_fastest_that_fits_and_says_why():
 
 def test_search_over_gpus_uses_sequence_parallelism_only_to_fit():
     """On 8 GPUs the step-time model prefers data parallelism (no all-to-all) where one GPU holds the sequence,
-    and sequence parallelism (with its Ulysses x ring split) where it must; ZeRO-3 only for 4-bit-free setups."""
+    and sequence parallelism (with its Ulysses x ring split) where it must; ZeRO-3 searched with 4-bit weights too."""
     dims = _dims()
     base = P.Setup(lora_rank=16, gpus=8, zero_stage=3)
     short = P.search(dims, base, 32768, 80 * GIB, 1000 * GIB)[0]
@@ -168,7 +168,25 @@ def test_search_over_gpus_uses_sequence_parallelism_only_to_fit():
     long = P.search(dims, base, 1 << 21, 80 * GIB, 200 * GIB)[0]
     assert long.fits and long.setup.sequence_parallel > 1 and long.time.seconds["sp_comm"] > 0
     quantised = P.search(dims, replace(base, load_in_4bit="nf4"), 32768, 80 * GIB, 1000 * GIB)
-    assert {c.setup.zero_stage for c in quantised} == {2}
+    assert {c.setup.zero_stage for c in quantised} == {2, 3}
+
+
+def test_zero3_partitions_the_packed_4bit_weights_not_their_states():
+    """Under ZeRO-3 the packed 4-bit weights (parameters: tests/test_qlora.py checks DeepSpeed partitions them) are
+    divided over the GPUs, one layer's gathered whole; their quantisation states (not parameters) stay whole."""
+    dims = _dims()
+    setup = P.Setup(lora_rank=16, gpus=8, zero_stage=3, load_in_4bit="nf4")
+    linears = P.quantised_linears(dims)
+    packed = sum(P.quantised_parts(n)[0] for n in linears)
+    states = sum(P.quantised_parts(n)[1] for n in linears)
+    assert sum(P.quantised_parts(n)[0] + P.quantised_parts(n)[1] for n in linears) == sum(
+        P.quantised_bytes(n) for n in linears)
+    zero2 = P.estimate(dims, replace(setup, zero_stage=2), 32768).device["weights"]
+    zero3 = P.estimate(dims, setup, 32768).device["weights"]
+    plain = (dims.num_params - dims.num_layers * sum(linears)) * setup.dtype_bytes
+    layer_plain = (dims.layer_params - sum(linears)) * setup.dtype_bytes
+    assert zero2 == pytest.approx(plain + dims.num_layers * (packed + states))
+    assert zero3 == pytest.approx(plain / 8 + layer_plain + packed + dims.num_layers * (packed / 8 + states))
 
 
 def test_cli_writes_the_config_or_names_the_nearest(tmp_path, capsys):
