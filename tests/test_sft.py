@@ -16,7 +16,10 @@ from tests.dist_utils import run_job
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _config(tmp_path, stage=2, name=None, sp=None):
+def _config(tmp_path, stage=2, name=None, sp=None, partition_all=False):
+    """The shipped ``name`` (default zeroN_streambp.json) with chunks for 256 tokens; ``partition_all``: ZeRO-3's
+    persistence threshold 0, so that every parameter is partitioned, the tiny model's included (ZeRO-3 keeps those
+    under 1e5 elements whole on every rank)."""
     name = name or f"zero{stage}_streambp.json"
     with open(os.path.join(ROOT, "ds_configs", name)) as f:
         config = json.load(f)
@@ -24,7 +27,9 @@ def _config(tmp_path, stage=2, name=None, sp=None):
     config["long_seq"]["lm_head"]["chunk_size"] = 5
     if sp is not None:
         config["long_seq"]["sequence_parallel"] = {"size": sp}
-    path = tmp_path / f"{name}.sp{sp}.json"
+    if partition_all:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp_path / f"{name}.sp{sp}{'.partition_all' if partition_all else ''}.json"
     path.write_text(json.dumps(config))
     return str(path)
 
@@ -249,7 +254,8 @@ def test_sequence_parallel_run_equals_one_process_on_the_whole_sequence(tmp_path
 
     bad = run_sft(_config(tmp_path, name="zero3_ulysses_streambp.json"), tmp_path / "bad", "--seq-len", "255",
                   "--max-steps", "1", expect_ok=False)
-    assert "--seq-len 255 is not divisible by sequence_parallel size 2: use --seq-len 256, or pass --pad-for-sp" in (
+    assert ("sequence length 255 is not divisible by sequence_parallel size 2: use --seq-len 256, or pad the "
+            "sequences (--pad-for-sp; shard_batch(pad=True))") in (
         bad.stdout + bad.stderr
     )
 

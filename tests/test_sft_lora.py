@@ -103,15 +103,9 @@ def test_zero3_two_ranks_exports_the_gathered_adapter_and_resume_restores_it(tmp
     uninterrupted run's masks (and without that state they do not)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with open(_config(tmp_path, stage=3)) as f:
-        ds_config = json.load(f)
-    # ZeRO-3 keeps parameters under 1e5 elements whole on every rank (persistence threshold), and
-    # all of this model's LoRA weights are that small: threshold 0 partitions them, so that the
-    # export has to gather them.
-    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    config = str(tmp_path / "zero3_partition_all.json")
-    with open(config, "w") as f:
-        json.dump(ds_config, f)
+    # all of this model's LoRA weights are under ZeRO-3's persistence threshold: partitioned anyway, so that the
+    # export has to gather them
+    config = _config(tmp_path, stage=3, partition_all=True)
     straight = tmp_path / "straight"
     run_sft(config, straight, "--max-steps", "5", "--save-every", "3", *LORA, *DROPOUT)
     assert not (straight / "hf_model").exists()  # no --merge-lora: the base is unchanged, only the adapter

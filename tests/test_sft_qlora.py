@@ -204,12 +204,7 @@ def test_trainer_example_trains_a_4bit_peft_model(tmp_path):
 def test_zero3_two_ranks_qlora_resume_repeats_the_losses(tmp_path):
     """Two CPU ranks through the launcher, ZeRO-3 partitioning every parameter (the packed 4-bit weights, stored in
     the compute dtype, included), --lora-dropout 0.1: a resume from step 3 repeats steps 4-5."""
-    with open(_config(tmp_path, stage=3)) as f:
-        ds_config = json.load(f)
-    ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    config = str(tmp_path / "zero3_partition_all.json")
-    with open(config, "w") as f:
-        json.dump(ds_config, f)
+    config = _config(tmp_path, stage=3, partition_all=True)
     flags = (*QLORA, "--lora-dropout", "0.1")
     straight = tmp_path / "straight"
     proc = run_sft(config, straight, "--max-steps", "5", "--save-every", "3", *flags)
