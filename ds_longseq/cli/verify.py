@@ -258,7 +258,10 @@ def _check(args: argparse.Namespace, long_seq: LongSeqConfig, seq_len: int, grou
         raise SystemExit(f"--model {args.model}: its config has no num_hidden_layers (a multimodal or encoder "
                          "model?): pass a causal LM's directory")
     device = _device()
-    num_layers, total, gib = layers_that_fit(config, args.layers, device=device.type)
+    try:
+        num_layers, total, gib = layers_that_fit(config, args.layers, device=device.type)
+    except UnsupportedModelError as err:
+        raise SystemExit(f"--model {args.model} with --ds_config {args.ds_config}: {err}") from None
     config, dropouts = truncated_config(config, num_layers)
     if args.data:
         batch = data_batch(args.data, args.model, seq_len)

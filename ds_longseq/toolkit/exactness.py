@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_longseq.compat import get_attn_implementation
+from ds_longseq.families import decoder_adapter
 from ds_longseq.toolkit.pretrained import gguf_parts
 
 __all__ = ["Tolerance", "TOLERANCES", "tolerance_for", "truncated_config", "layers_that_fit", "load_checkpoint",
@@ -99,19 +100,16 @@ def truncated_config(config, num_layers: int | None) -> tuple[object, list[str]]
     return type(config).from_dict(values), changed
 
 
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
-             and len(m) == model.config.num_hidden_layers]
-    if not lists:
-        raise SystemExit(f"{type(model).__name__}: no list of {model.config.num_hidden_layers} decoder layers found")
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-
-
 def layers_that_fit(config, requested: int | None, free_bytes: float | None = None,
                     device: str = "cpu") -> tuple[int, int, float]:
     """(layers to check, layers in the model, GiB the check takes): ``requested``, else every layer when they fit
     in :data:`FIT_FRACTION` of this rank's free memory on ``device`` (``free_bytes``: instead of reading it), else as
-    many as do (counted on a weightless model)."""
+    many as do (counted on a weightless model).
+
+    Raises:
+        UnsupportedModelError: ds_longseq cannot locate the model's decoder layers (``families.decoder_adapter``,
+            the refusal ``enable`` would give).
+    """
     from transformers import AutoModelForCausalLM
 
     from ds_longseq.engine import available_memory
@@ -119,7 +117,7 @@ def layers_that_fit(config, requested: int | None, free_bytes: float | None = No
     total = config.num_hidden_layers
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in _decoder_layers(model)]
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in decoder_adapter(model).layers]
     outside = sum(p.numel() for p in model.parameters()) - sum(per_layer)
     host = available_memory(device)[0] if free_bytes is None else free_bytes
     budget = FIT_FRACTION * host / BYTES_PER_PARAM
