@@ -44,7 +44,7 @@ library's source text, so a release that fixes the bug is refused until checked 
 
 Not here, each listed in ``TOUCHES_ELSEWHERE`` with its reason (tests/test_compat.py reads the package's code
 and fails on any other touch of a third party's internals or objects): ``torch.ops.aten._*`` attention kernels in
-``ops/chunk_attention.py``'s kernel table (torch's operator registry, each kernel tested against the math path on every
+``ops/tile_kernels.py``'s kernel table (torch's operator registry, each kernel tested against the math path on every
 device that runs it), the per-instance patch of ``techniques/base.py``, and a few documented hooks.
 """
 
@@ -104,7 +104,7 @@ TOUCHES_ELSEWHERE: dict[str, str] = {
     "lazy.py:lazy_exports.__getattr__:setattr": "caches a lazily imported name on ds_longseq's own package module "
     "(ds_longseq, ds_longseq.ops, ds_longseq.families), as the import system does for a submodule; no third-party "
     "object",
-    **{f"ops/chunk_attention.py:{kernel}.{direction}:{op}": "torch's operator registry (the schema-versioned "
+    **{f"ops/tile_kernels.py:{kernel}.{direction}:{op}": "torch's operator registry (the schema-versioned "
        "entry points scaled_dot_product_attention dispatches to), one kernel table, each kernel tested against the "
        "math path"
        for kernel, ops in {

@@ -304,9 +304,9 @@ def _local_length(start: Start) -> tuple[int, str]:
 
 @start_rule("streambp.chunk_within_sequence", needs=("seq_len",), warns=True)
 def _streambp_chunk_within_sequence(start: Start) -> list[str]:
-    """A chunk larger than the (local) sequence is legal, the whole sequence one chunk (``ops.kv_stream.chunk_bounds``
-    returns one span), so short runs with the shipped configs work; worth a warning, as the chunking then does
-    nothing (StreamBP becomes plain per-layer recompute)."""
+    """A chunk larger than the (local) sequence is legal, the whole sequence one chunk
+    (``ops.streambp_autograd.chunk_bounds`` returns one span), so short runs with the shipped configs work; worth a
+    warning, as the chunking then does nothing (StreamBP becomes plain per-layer recompute)."""
     streambp = start.long_seq.streambp
     local, where = _local_length(start)
     if not streambp.enabled or streambp.chunk_size == "auto" or streambp.chunk_size <= local or local <= 0:

@@ -51,7 +51,6 @@ from ds_longseq.plan_memory import (
     resolve_keep,
     sp_split,
 )
-from ds_longseq.plan_memory import _fits as _fits  # tests/test_plan.py checks a plan's fit with it
 from ds_longseq.plan_search import (
     MAX_REFUSED,
     SEARCHED_FIELDS,

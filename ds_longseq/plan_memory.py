@@ -432,6 +432,11 @@ class Estimate:
         """What the benchmarks measure: the step's peak above the built model (no weights, no buffers)."""
         return sum(v for k, v in self.device.items() if k not in ("weights", "buffers"))
 
+    def fits(self, device_bytes: float, host_bytes: float | None) -> bool:
+        """Whether the step fits ``device_bytes`` per GPU and ``host_bytes`` per host (None: the host is not
+        checked)."""
+        return self.device_total <= device_bytes and (host_bytes is None or self.host_total <= host_bytes)
+
 
 def estimate(dims: ModelDims, setup: Setup, seq_len: int, *, optimizer_step: bool = True,
              coef: Coefficient | None = None) -> Estimate:
@@ -497,7 +502,7 @@ def resolve_keep(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: floa
     if setup.keep_attention_output != "auto":
         return setup
     kept = replace(setup, keep_attention_output=True)
-    fits = setup.method == "streambp" and _fits(estimate(dims, kept, seq_len), device_bytes, host_bytes)
+    fits = setup.method == "streambp" and estimate(dims, kept, seq_len).fits(device_bytes, host_bytes)
     return kept if fits else replace(setup, keep_attention_output=False)
 
 
@@ -524,7 +529,7 @@ def longest_fit(dims: ModelDims, setup: Setup, device_bytes: float, host_bytes: 
     """The longest multiple of ``granularity`` tokens (at most ``limit``) whose estimate fits ``device_bytes`` per
     GPU (and ``host_bytes`` per host); 0 when not even ``granularity`` does."""
     return granularity * largest_fitting(
-        lambda k: _fits(estimate(dims, setup, k * granularity), device_bytes, host_bytes), limit // granularity)
+        lambda k: estimate(dims, setup, k * granularity).fits(device_bytes, host_bytes), limit // granularity)
 
 
 PRESETS = {
@@ -566,7 +571,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return _fits(self.estimate, self.device_bytes, self.host_bytes)
+        return self.estimate.fits(self.device_bytes, self.host_bytes)
 
     @property
     def surely_too_big(self) -> bool:
@@ -623,10 +628,6 @@ def _split_text(dims: ModelDims, setup: Setup) -> str:
     return f" (Ulysses {u} x ring {r})" if r > 1 else ""
 
 
-def _fits(e: Estimate, device_bytes: float, host_bytes: float | None) -> bool:
-    return e.device_total <= device_bytes and (host_bytes is None or e.host_total <= host_bytes)
-
-
 def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_bytes: float | None) -> list[str]:
     """What would make ``seq_len`` fit: more SP, layer-input offload, optimizer offload, LoRA."""
     tries = []
@@ -645,7 +646,7 @@ def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, h
         for offload in offloads:
             for k in sorted({2, 4, 8, round(math.sqrt(dims.num_layers))} - {0, 1}):
                 s = replace(setup, keep_every=k, offload_layer_inputs=offload)
-                if k <= dims.num_layers and _fits(estimate(dims, s, seq_len), device_bytes, host_bytes):
+                if k <= dims.num_layers and estimate(dims, s, seq_len).fits(device_bytes, host_bytes):
                     where = "offloaded, " if offload and not setup.offload_layer_inputs else ""
                     tries.append((f"keep every {k}-th layer input only ({where}long_seq.offload.keep_every={k})", s))
                     break
@@ -670,7 +671,7 @@ def _options(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, h
             e = estimate(dims, s, seq_len)
         except ValueError:
             continue
-        if _fits(e, device_bytes, host_bytes):
+        if e.fits(device_bytes, host_bytes):
             out.append(f"{what}: {e.device_total / GIB:.1f} GiB per GPU, {e.host_total / GIB:.1f} GiB per host")
     return out
 
@@ -692,8 +693,8 @@ def plan(dims: ModelDims, setup: Setup, seq_len: int, device_bytes: float, host_
     p.chunks = {"streambp.chunk_size": min(best, t_local), "lm_head.chunk_size": min(best, t_local)}
     p.preset = recommend_preset(setup)
     # the largest micro-batch of such sequences that fits: the memory StreamBP saves, spent on samples per step
-    p.max_batch = largest_fitting(lambda n: _fits(estimate(dims, resolve_keep(
-        dims, replace(given, batch_size=n), seq_len, device_bytes, host_bytes), seq_len), device_bytes, host_bytes))
+    p.max_batch = largest_fitting(lambda n: estimate(dims, resolve_keep(
+        dims, replace(given, batch_size=n), seq_len, device_bytes, host_bytes), seq_len).fits(device_bytes, host_bytes))
     return p
 
 

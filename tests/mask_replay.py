@@ -233,7 +233,7 @@ def against_mask_replay(ours, stock, batch, seed: int = 5, dtype: torch.dtype = 
 
 class AttentionDropoutTap:
     """Within: every attention-probability dropout mask ds_longseq's chunk attention draws in a module's forward
-    (``ops.chunk_attention.dropout_masks_tapped``) put in place in that module's whole (B, H, T, T) mask: ``masks``
+    (``ops.tile_kernels.dropout_masks_tapped``) put in place in that module's whole (B, H, T, T) mask: ``masks``
     keyed (module, None), as :class:`MaskReplayer` takes them for the stock eager attention's one dropout call. A mask
     position drawn twice (a chunk run again in the forward) must be drawn the same.
 
@@ -242,7 +242,7 @@ class AttentionDropoutTap:
 
     def __init__(self, model: torch.nn.Module, batch: int, heads: int, seq_len: int,
                  local_heads: torch.Tensor | None = None):
-        from ds_longseq.ops.chunk_attention import dropout_masks_tapped
+        from ds_longseq.ops.tile_kernels import dropout_masks_tapped
 
         self.modules = _ModuleStack(model)
         self.shape = (batch, heads, seq_len, seq_len)

@@ -438,7 +438,8 @@ def test_chunk_attention_dropout_against_dense():
 
 
 def check_chunk_attention_dropout(device: torch.device) -> None:
-    from ds_longseq.ops.chunk_attention import chunk_causal_attention, dropout_masks_tapped
+    from ds_longseq.ops.chunk_attention import chunk_causal_attention
+    from ds_longseq.ops.tile_kernels import dropout_masks_tapped
 
     torch.manual_seed(0)
     B, H, Hkv, C, S, D, p = 2, 4, 2, 7, 9, 5, 0.3

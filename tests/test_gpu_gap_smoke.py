@@ -165,18 +165,18 @@ def test_cuda_kernel_mix_counts_device_work_only():
 
 def test_phase_patch_times_every_importer_and_is_undone():
     import ds_longseq.ops.chunk_attention as chunk_attention
-    import ds_longseq.ops.kv_stream as kv_stream
+    import ds_longseq.ops.streambp_autograd as streambp_autograd
     from ds_longseq.ops import phases
 
     original = phases.phase
     timer = phase_profile.PhaseTimer(cuda=False)
     with timer.patched():
-        assert kv_stream.phase is not original and chunk_attention.phase is not original
-        with kv_stream.phase("streambp.forward"), chunk_attention.phase("attention.forward"):
+        assert streambp_autograd.phase is not original and chunk_attention.phase is not original
+        with streambp_autograd.phase("streambp.forward"), chunk_attention.phase("attention.forward"):
             pass
         with pytest.raises(ValueError, match="unknown phase"):  # the original's check still runs
             phases.phase("no.such.phase")
-    assert kv_stream.phase is original and chunk_attention.phase is original and phases.phase is original
+    assert streambp_autograd.phase is original and chunk_attention.phase is original and phases.phase is original
     totals = timer.totals()
     assert totals["streambp.forward"]["calls"] == 1 and totals["attention.forward"]["device_ms"] is None
 

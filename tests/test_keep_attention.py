@@ -27,7 +27,7 @@ import torch
 
 import ds_longseq
 import ds_longseq.ops.chunk_attention as chunk_attention
-import ds_longseq.ops.kv_stream as kv_stream
+import ds_longseq.ops.streambp_autograd as streambp_autograd
 from tests import model_sweep
 from tests.helpers import make_batch, make_model
 
@@ -44,7 +44,7 @@ def _replay_attention_forwards():
     replays (the backward), ``counts["all"]`` all of them."""
     counts = {"replay": 0, "all": 0}
     replaying = {"depth": 0}
-    compute, phase = chunk_attention._attention_forward, kv_stream.phase
+    compute, phase = chunk_attention._attention_forward, streambp_autograd.phase
 
     def counted(*args, **kwargs):
         counts["all"] += 1
@@ -60,11 +60,11 @@ def _replay_attention_forwards():
             finally:
                 replaying["depth"] -= name == "streambp.replay"
 
-    chunk_attention._attention_forward, kv_stream.phase = counted, tracked
+    chunk_attention._attention_forward, streambp_autograd.phase = counted, tracked
     try:
         yield counts
     finally:
-        chunk_attention._attention_forward, kv_stream.phase = compute, phase
+        chunk_attention._attention_forward, streambp_autograd.phase = compute, phase
 
 
 def _step(model, batch):

@@ -210,7 +210,7 @@ def test_mutation_dropped_attention_sinks_is_caught(monkeypatch):
     """gpt-oss without its attention sinks (s_aux) must be reported as a difference."""
     import ds_longseq.ops.chunk_attention as attention
 
-    monkeypatch.setattr(attention, "_with_sink_logits", lambda out, lse, sinks: (out, lse))
+    monkeypatch.setattr(attention, "with_sink_logits", lambda out, lse, sinks: (out, lse))
     assert model_sweep.check_family("gpt_oss", "streambp").outcome == "different"
 
 

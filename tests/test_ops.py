@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_longseq.ops import chunk_causal_attention, chunked_lm_head_loss, mini_sequence_apply, shift_causal_labels
-from ds_longseq.ops.chunk_attention import KERNELS, TileMask, attention_kernel_for, kernel_chain
+from ds_longseq.ops.tile_kernels import KERNELS, TileMask, attention_kernel_for, kernel_chain
 
 DT = torch.float64
 

@@ -196,8 +196,8 @@ def test_plan_reports_the_largest_micro_batch_that_fits():
     gpu, host = 79.18 * GIB, 125 * GIB
     p = P.plan(dims, setup, 32768, gpu, host)
     assert p.max_batch > 1 and f"up to {p.max_batch} such sequence(s)" in p.report()
-    assert P._fits(P.estimate(dims, replace(setup, batch_size=p.max_batch), 32768), gpu, host)
-    assert not P._fits(P.estimate(dims, replace(setup, batch_size=p.max_batch + 1), 32768), gpu, host)
+    assert P.estimate(dims, replace(setup, batch_size=p.max_batch), 32768).fits(gpu, host)
+    assert not P.estimate(dims, replace(setup, batch_size=p.max_batch + 1), 32768).fits(gpu, host)
     assert P.plan(dims, replace(setup, method="hf_gc", offload_layer_inputs=False), 32768, gpu, host).max_batch \
         < p.max_batch
     assert P.plan(dims, setup, 1 << 24, gpu, host).max_batch == 0

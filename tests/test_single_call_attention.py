@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ds_longseq
 from ds_longseq.ops import chunk_attention as attention_ops
+from ds_longseq.ops import tile_kernels
 from ds_longseq.ops.chunk_attention import chunk_causal_attention
 from tests.helpers import compare, loss_and_grads, make_batch, make_model
 from tests.test_ops import reference_attention
@@ -107,7 +108,7 @@ def test_a_top_left_mask_in_the_one_call_fails_the_reference(monkeypatch):
         keep = torch.ones(rows, n, dtype=torch.bool, device=device).tril()
         return keep.view(1, 1, rows, n) if mask.causal else None
 
-    monkeypatch.setattr(attention_ops, "_keep", top_left)
+    monkeypatch.setattr(tile_kernels, "_keep", top_left)
     out = _run(q, k_all, v_all, go, 23, single_call=True)[0]
     assert (out - ref[0]).abs().max() > 1e-2
 

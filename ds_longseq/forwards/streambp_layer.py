@@ -30,7 +30,8 @@ from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.documents import PACKED_KWARGS, find_documents
 from ds_longseq.ops.draws import generators_kept
 from ds_longseq.ops.head_sharding import MixedStream, MixerStream, streambp_mixer_sp_apply
-from ds_longseq.ops.kv_stream import SharedKV, streambp_apply, streambp_sp_apply
+from ds_longseq.ops.kv_stream import SharedKV
+from ds_longseq.ops.streambp_autograd import streambp_apply, streambp_sp_apply
 
 if TYPE_CHECKING:
     from ds_longseq.forwards.auto_chunk import AutoChunkSize

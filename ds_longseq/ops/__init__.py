@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the names below, imported on first use (ds_longseq.lazy)
         SavedTensor,
         host_available_bytes,
     )
-    from ds_longseq.ops.kv_stream import KVStream, chunk_bounds, streambp_apply
+    from ds_longseq.ops.kv_stream import KVStream
     from ds_longseq.ops.linear_scan import LinearScan, adjoint_scan, linear_scan, truncated_adjoint
     from ds_longseq.ops.lm_head_loss import (
         TOKEN_HEAD_OUTPUTS,
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the names below, imported on first use (ds_longseq.lazy)
         grpo_loss,
     )
     from ds_longseq.ops.sparse_inputs import Recompute, SparseInputs
+    from ds_longseq.ops.streambp_autograd import chunk_bounds, streambp_apply
     from ds_longseq.ops.tokenwise_chunks import mini_sequence_apply
 
 __getattr__, __dir__ = lazy_exports(__name__, __file__)

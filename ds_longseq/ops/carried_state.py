@@ -11,7 +11,7 @@ Holds:
 Shape legend: B batch, C chunk, W the convolution window a layer keeps (its kernel size K), S a
 recurrent state (e.g. (B, H, Dk, Dv) for the gated delta rule, (B, H, Dh, N) for Mamba-2).
 
-Algorithm (StreamBP for a recurrence, the pattern of the K/V prefix in ``ops.kv_stream``):
+Algorithm (StreamBP for a recurrence, the pattern of the K/V prefix in ``ops.streambp_autograd``):
 - forward, under no_grad: chunks in order; chunk c starts from the states chunk c-1 wrote (none for
   c = 0: the mixer's own zero start) and writes its own; the states at every chunk's start are kept
   (:attr:`CarriedState.boundaries`): with the layer input, all that is kept for backward.

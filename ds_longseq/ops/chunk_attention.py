@@ -1,9 +1,11 @@
 """Exact causal attention of a query chunk against a key prefix, tiled over keys.
 
 Holds:
-    chunk_causal_attention: the public op.
-    TileMask: what one tile's kernel must apply (the causal diagonal, padding).
-    TileKernel, KERNELS: the per-tile kernels; kernel_chain / attention_kernel_for: which one runs.
+    chunk_causal_attention: the public op (``_ChunkAttention``, its autograd Function).
+    KeyLimits, query_lower_bounds: what limits each query's keys (documents, sliding windows, chunked attention).
+    default_kv_block_size, CPU_KV_BLOCK_SIZE: keys per full tile.
+    The tiling plan (``_Tile``, ``_plan``): which tiles a chunk is cut into, made on the host once per call.
+The kernels the tiles run on, and which kernel takes a tile, live in ``ops.tile_kernels``.
 
 Shape legend: B batch, H query heads, Hkv key/value heads (H = Hkv * R, GQA), C query chunk,
 S key prefix, K keys of the chunk itself, D head dim.
@@ -31,27 +33,11 @@ on the host once per call in forward; backward reuses it and never waits for the
 Each tile runs a kernel that returns its output and row log-sum-exp; tiles are merged exactly by
 log-sum-exp (as ring attention merges blocks). Backward calls each tile's kernel backward with the
 FINAL output and log-sum-exp, which yields exactly that tile's share of dQ, dK, dV
-(FlashAttention-2's recompute backward; torch's own ring attention does the same).
-
-Kernels, chosen per tile by what the tile needs (:func:`kernel_chain`):
-    "cuda_cudnn":     torch's cuDNN attention op (``aten._scaled_dot_product_cudnn_attention``):
-                      sm90+, fp16/bf16, no padding, head dim up to 128; about twice FlashAttention-2's
-                      speed on an H100 (``benchmarks/attention_gpu.py``).
-    "cuda_flash":     torch's FlashAttention-2 op (``aten._scaled_dot_product_flash_attention`` and
-                      its backward): CUDA, fp16/bf16, no padding in the tile, head dim a multiple
-                      of 8 up to 256; native GQA on the diagonal tile (no K/V repeat).
-    "cuda_efficient": torch's memory-efficient op (``aten._efficient_attention_forward`` /
-                      ``_backward``): CUDA, fp16/bf16/fp32, padding as an additive bias broadcast
-                      over heads and rows by stride 0.
-    "cpu_flash":      torch's fused CPU flash-attention op.
-    "math":           pure PyTorch on any device and dtype, one tile of scores at a time: the
-                      reference the fused kernels are tested against, and the last fallback.
-"auto" walks the device's chain (CUDA: cuda_cudnn, cuda_flash, cuda_efficient, math; CPU:
-cpu_flash, math)
-and runs the first kernel that accepts the tile, so a dtype, head dim or mask a kernel cannot take
-goes to the next kernel, never to a wrong result. A kernel named explicitly that cannot take a tile
-is an error. On CUDA the default tile covers the whole prefix (the fused kernels hold no score
-tile); on CPU it is 1024 keys.
+(FlashAttention-2's recompute backward; torch's own ring attention does the same). The kernel is the first of the
+device's chain that takes the tile (``ops.tile_kernels``: cuDNN, flash, memory-efficient on CUDA, the fused CPU op,
+math on any device), so a dtype, head dim or mask a kernel cannot take goes to the next kernel, never to a wrong
+result; a kernel named explicitly that cannot take a tile is an error. On CUDA the default tile covers the whole
+prefix (the fused kernels hold no score tile); on CPU it is 1024 keys.
 
 Autocast: like ``scaled_dot_product_attention``, the op runs in the autocast dtype when autocast is
 on for the tensors' device (float32 inputs are cast; float64 stays), and its kernels run with
@@ -65,45 +51,34 @@ allocation per chunk.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import itertools
-import struct
-from contextvars import ContextVar
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ds_longseq.ops.phases import phase
+from ds_longseq.ops.tile_kernels import (
+    KERNELS,
+    KernelRngState,
+    TileMask,
+    compute_dtype,
+    kernel_chain,
+    kernel_refusal,
+    pick_kernel,
+    tile_backward,
+    tile_forward,
+    with_dropout,
+    with_sink_logits,
+)
 
 if TYPE_CHECKING:
     from ds_longseq.ops.kept_attention import ChunkSlot
 
-_DROPOUT_TAP: ContextVar[Callable | None] = ContextVar("ds_longseq_attention_dropout_tap", default=None)
-
-
-@contextlib.contextmanager
-def dropout_masks_tapped(tap: Callable[[torch.Tensor, "TileMask"], None]):
-    """Within: ``tap(keep, mask)`` is called with every attention-probability dropout mask a tile draws ((B, h, r, n)
-    bool, in forward and backward) and its :class:`TileMask` (``dropout_where`` says where it lies): what the tests
-    assemble into the whole (B, H, T, T) mask the stock eager attention replays."""
-    token = _DROPOUT_TAP.set(tap)
-    try:
-        yield
-    finally:
-        _DROPOUT_TAP.reset(token)
-
 __all__ = [
-    "dropout_masks_tapped",
     "chunk_causal_attention",
     "query_lower_bounds",
     "KeyLimits",
-    "attention_kernel_for",
-    "kernel_chain",
-    "TileMask",
-    "TileKernel",
-    "KERNELS",
     "CPU_KV_BLOCK_SIZE",
     "default_kv_block_size",
 ]
@@ -117,468 +92,9 @@ def default_kv_block_size(num_keys: int, device: torch.device | str) -> int:
     """Keys per full tile when ``kv_block_size`` is None, for a chunk seeing ``num_keys`` keys in all:
     on CUDA all of them (the fused kernels hold no score tile), elsewhere :data:`CPU_KV_BLOCK_SIZE`."""
     return max(num_keys, 1) if torch.device(device).type == "cuda" else CPU_KV_BLOCK_SIZE
-_HALF = (torch.float16, torch.bfloat16)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision tiles are merged in float32, as flash-attention accumulates.
-    return torch.float32 if dtype in _HALF else dtype
-
-
-@dataclass(frozen=True)
-class TileMask:
-    """What a tile's kernel applies besides the softmax scale.
-
-    New mask kinds (document segments, a sliding window, a logit softcap) become fields here; each
-    kernel's :meth:`TileKernel.refuses` then names what it cannot apply and the chain moves on.
-    """
-
-    causal: bool
-    """Causal tile, bottom-right aligned: query row i of r sees the tile's keys [0, n - r + i]. A square tile (the
-    chunk's own keys: row i sees [0, i]), or one call over the prefix and the chunk's keys together (only on a
-    kernel with :attr:`TileKernel.bottom_right`)."""
-    valid: torch.Tensor | None = None
-    """(B, n) bool, False for the tile's padding keys; None when every key is real."""
-    key_lo: torch.Tensor | None = None
-    """(B, r) int64: query row i sees only the tile's keys [key_lo[:, i], n) (its document's start or
-    its sliding window's first key, relative to the tile; <= 0 for no limit); None: no limit."""
-    softcap: float | None = None
-    """Logit softcapping (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask."""
-    n: int = 0
-    """Keys in the tile (set by the op; used to find rows that see none of them)."""
-    dropout: float = 0.0
-    """Dropout probability on the tile's attention probabilities (after the softmax over every tile, as stock
-    eager attention applies it); 0: none. Only the math kernel applies it (the fused ones refuse the tile)."""
-    dropout_seed: int = 0
-    """With ``dropout``: the seed of the tile's own generator, which draws its keep mask the same in forward and
-    backward (and in every re-run of the chunk that draws the same call seed: ``ops.draws``)."""
-    dropout_where: tuple[int, int, bool] = (0, 0, False)
-    """With ``dropout``, where the tile's mask lies, for :func:`dropout_masks_tapped`: (index of its first key, of
-    its first query, both among the call's S + K keys, whether its rows are GQA-stacked (:func:`_stack`))."""
-
-    @property
-    def plain(self) -> bool:
-        """Nothing but (optionally) the causal diagonal: what the unmasked fused kernels take."""
-        return self.valid is None and self.key_lo is None and self.softcap is None and not self.dropout
-
-
-class TileKernel:
-    """One tile's attention, forward and backward.
-
-    ``forward(q (B,h,r,D), k (B,hk,n,D), v, mask, scale) -> (o (B,h,r,D), lse (B,h,r))``: ``hk == h``
-    unless the kernel has ``native_gqa`` and the tile is causal. ``lse`` is -inf and ``o`` is 0 on
-    rows that see no valid key.
-
-    ``backward(do, q, k, v, out, lse, mask, scale) -> (dq, dk, dv)``: ``out``/``lse`` are the FINAL
-    merged output and log-sum-exp (``lse`` = +inf on rows without a valid key, so their p is 0);
-    the result is this tile's share of the gradients, dk/dv with k's heads.
-    """
-
-    name = ""
-    native_gqa = False
-    bottom_right = False
-    """Whether the kernel takes a causal tile with more keys than rows in one call (bottom-right aligned: the
-    prefix and the chunk's own keys together). Top-left kernels (cuDNN's op, the fused CPU op's ``is_causal``)
-    take square causal tiles only."""
-    same_head_dims = True
-    """Whether queries, keys and values must share one head dim (the fused kernels); values of another head dim
-    (multi-head latent attention) are then zero-padded to the larger one and the padding cut off again, which
-    leaves every score, output and gradient exactly as it is (the padded entries only ever multiply zeros)."""
-
-    def refuses(self, q: torch.Tensor, mask: TileMask) -> str | None:
-        """Why this kernel cannot take the tile, or None when it can."""
-        raise NotImplementedError
-
-    def forward(self, q, k, v, mask: TileMask, scale: float):
-        raise NotImplementedError
-
-    def backward(self, do, q, k, v, out, lse, mask: TileMask, scale: float):
-        raise NotImplementedError
-
-
-def _keep(mask: TileMask, rows: int, n: int, device) -> torch.Tensor | None:
-    """(B or 1, 1, rows, n) bool: which keys each query row of the tile attends; None: all of them.
-    Materialised only for the kernels that take a mask tensor (rows x n per sequence)."""
-    keep = None
-    cols = torch.arange(n, device=device)
-    if mask.causal:  # bottom-right: row i sees keys [0, n - rows + i]
-        keep = (cols.view(1, n) <= torch.arange(n - rows, n, device=device).view(rows, 1)).view(1, 1, rows, n)
-    if mask.valid is not None:
-        pad = mask.valid.view(mask.valid.shape[0], 1, 1, n)
-        keep = pad if keep is None else keep & pad
-    if mask.key_lo is not None:
-        lo = cols.view(1, 1, 1, n) >= mask.key_lo.view(mask.key_lo.shape[0], 1, rows, 1)
-        keep = lo if keep is None else keep & lo
-    return keep
-
-
-def _empty_rows(mask: TileMask, rows: int, heads: int, n: int) -> torch.Tensor | None:
-    """(B, heads, rows) True where a row sees no key of this tile, or None if every row sees one."""
-    valid, key_lo = mask.valid, mask.key_lo
-    if valid is None and key_lo is None:
-        return None  # a causal row sees at least its own key; a full tile every key
-    if key_lo is None:
-        B = valid.shape[0]
-        if mask.causal:  # row i of a causal tile sees keys [0, n - rows + i]
-            seen = valid.cumsum(-1)[:, n - rows :] > 0
-            return (~seen).reshape(B, 1, rows).expand(B, heads, rows)
-        return (~valid.any(-1)).view(B, 1, 1).expand(B, heads, rows)
-    # Keys [lo_i, hi_i) of row i: hi = n (full tile) or i + 1 (causal); count the valid ones among them.
-    B = key_lo.shape[0]
-    lo = key_lo.clamp(0, n)
-    hi = torch.arange(n - rows + 1, n + 1, device=lo.device).view(1, rows) if mask.causal else torch.full_like(lo, n)
-    if valid is None:
-        empty = lo >= hi
-    else:
-        counts = torch.nn.functional.pad(valid.to(torch.int32).cumsum(-1), (1, 0))  # (B, n + 1)
-        empty = counts.gather(1, hi.expand(B, rows)) - counts.gather(1, lo) <= 0
-    return empty.view(B, 1, rows).expand(B, heads, rows)
-
-
-def _mask_empty_rows(o, lse, mask: TileMask):
-    # Fused kernels report lse = 0 (CPU) or leave undefined values on rows with no valid key.
-    empty = _empty_rows(mask, o.shape[2], o.shape[1], mask.n)
-    if empty is None:
-        return o, lse
-    return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, _NEG_INF)
-
-
-def _bias(mask: TileMask, rows: int, n: int, dtype: torch.dtype, device, causal_in_bias: bool = False):
-    """Additive (B, 1, 1 or rows, n) bias for the padding / key_lo mask (the causal diagonal too when
-    ``causal_in_bias``), or None when the tile needs none."""
-    if mask.valid is None and mask.key_lo is None:
-        return None
-    if mask.key_lo is None:
-        B = mask.valid.shape[0]
-        return torch.zeros((B, 1, 1, n), dtype=dtype, device=device).masked_fill(
-            ~mask.valid.view(B, 1, 1, n), _NEG_INF
-        )
-    keep = _keep(TileMask(causal_in_bias and mask.causal, mask.valid, mask.key_lo), rows, n, device)
-    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, _NEG_INF)
-
-
-class _CpuFlash(TileKernel):
-    name = "cpu_flash"
-
-    def refuses(self, q, mask):
-        if q.device.type != "cpu":
-            return f"tensors on {q.device.type}, not the CPU"
-        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            return f"dtype {q.dtype}"
-        if mask.softcap is not None:
-            return "logit softcapping (the fused CPU kernel has no softcap)"
-        return None
-
-    def forward(self, q, k, v, mask, scale):
-        bias = _bias(mask, q.shape[2], k.shape[2], q.dtype, q.device)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, mask.causal, attn_mask=bias, scale=scale
-        )
-        return _mask_empty_rows(out, lse, mask)
-
-    def backward(self, do, q, k, v, out, lse, mask, scale):
-        bias = _bias(mask, q.shape[2], k.shape[2], q.dtype, q.device)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, mask.causal, attn_mask=bias, scale=scale
-        )
-
-
-# The fused CUDA ops return dropout RNG state that their backward takes back. Dropout is always 0
-# here, so the values are never read, but the backward still needs tensors of the right kind: the
-# last forward's are kept per device instead of being saved per tile.
-_RNG_STATE: dict[tuple[str, torch.device], tuple] = {}
-
-
-def _cuda_refuses(q: torch.Tensor, dtypes: tuple, what: str) -> str | None:
-    if q.device.type != "cuda":
-        return f"tensors on {q.device.type}, not CUDA"
-    if q.dtype not in dtypes:
-        return f"{what} takes {', '.join(str(d).removeprefix('torch.') for d in dtypes)}, not {q.dtype}"
-    return None
-
-
-def _unmasked_half_refuses(q, mask, what: str, max_head_dim: int, min_capability: tuple[int, int]) -> str | None:
-    """Why a fused CUDA kernel without a mask argument cannot take the tile, or None."""
-    why = _cuda_refuses(q, _HALF, what)
-    if why:
-        return why
-    if mask.softcap is not None:
-        return f"logit softcapping ({what} has no softcap)"
-    if mask.valid is not None:
-        return f"the tile has padding ({what} is called without a mask)"
-    if mask.key_lo is not None:
-        return f"the tile is cut by a document boundary or sliding window ({what} is called without a mask)"
-    D = q.shape[-1]
-    if D % 8 or D > max_head_dim:
-        return f"head dim {D} ({what} needs a multiple of 8, at most {max_head_dim})"
-    if torch.cuda.get_device_capability(q.device) < min_capability:
-        return f"{what} is used on sm{min_capability[0]}{min_capability[1]}+ GPUs"
-    return None
-
-
-class _CudaFlash(TileKernel):
-    """FlashAttention-2 as built into torch. Its ``is_causal`` is bottom-right aligned when there are more keys
-    than queries (flash-attn 2.1+; torch's ``causal_lower_right`` bias calls this op with ``is_causal=True`` for
-    exactly that), so one call covers a chunk's prefix and diagonal."""
-
-    name = "cuda_flash"
-    native_gqa = True
-    bottom_right = True
-
-    def refuses(self, q, mask):
-        return _unmasked_half_refuses(q, mask, "flash attention", max_head_dim=256, min_capability=(8, 0))
-
-    def forward(self, q, k, v, mask, scale):
-        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, mask.causal, False, scale=scale)
-        # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)
-        _RNG_STATE[("flash", q.device)] = (res[2], res[3], res[6], res[7])
-        return res[0], res[1]
-
-    def backward(self, do, q, k, v, out, lse, mask, scale):
-        cum_q, cum_k, rng, unused = _RNG_STATE[("flash", q.device)]
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q, cum_k, q.shape[2], k.shape[2],
-            0.0, mask.causal, rng, unused, scale=scale,
-        )
-
-
-class _CudaCudnn(TileKernel):
-    """cuDNN's fused attention as built into torch (``aten._scaled_dot_product_cudnn_attention``):
-    on Hopper it runs about twice as fast as FlashAttention-2 (benchmarks/attention_gpu.py). Its
-    causal mask is top-left aligned, which is right for our square diagonal tiles only; full tiles
-    are unmasked. Tiles with padding go to the next kernel."""
-
-    name = "cuda_cudnn"
-
-    def refuses(self, q, mask):
-        # sm90+ only: elsewhere flash is as fast
-        why = _unmasked_half_refuses(q, mask, "cuDNN attention", max_head_dim=128, min_capability=(9, 0))
-        if why:
-            return why
-        if q.shape[2] < 16:
-            # cuDNN 9 (torch 2.11, H100) crashed the process in backward on a 1-query tile; tiles of
-            # 13 and more queries were tested exact. Short tiles are cheap on flash anyway.
-            return f"{q.shape[2]} query rows (cuDNN attention is used from 16 rows)"
-        if not torch.backends.cudnn.is_available():
-            return "cuDNN is not available in this torch build"
-        return None
-
-    def forward(self, q, k, v, mask, scale):
-        # cuDNN wants (B, H, L, D) with matching strides for q/out/dO: contiguous copies of a
-        # chunk's queries are small next to the keys.
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, mask.causal, False, scale=scale
-        )
-        # (output, logsumexp (B, H, L, 1), cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug)
-        _RNG_STATE[("cudnn", q.device)] = (res[2], res[3], res[6], res[7])
-        return res[0], res[1].squeeze(-1)
-
-    def backward(self, do, q, k, v, out, lse, mask, scale):
-        cum_q, cum_k, seed, offset = _RNG_STATE[("cudnn", q.device)]
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-            lse.unsqueeze(-1).contiguous(), seed, offset, None, cum_q, cum_k, q.shape[2], k.shape[2], 0.0,
-            mask.causal, scale=scale,
-        )
-
-
-def _efficient_bias(mask: TileMask, dtype: torch.dtype, heads: int, rows: int, n: int) -> torch.Tensor | None:
-    """(B, heads, rows, n) additive bias as a stride-0 view (over heads, and over rows for padding
-    alone) of a (B, 1, 1 or rows, n) tensor whose rows are 16-element aligned, as the kernel wants."""
-    if mask.valid is None and mask.key_lo is None:
-        return None
-    B = (mask.valid if mask.valid is not None else mask.key_lo).shape[0]
-    device = (mask.valid if mask.valid is not None else mask.key_lo).device
-    keep = _keep(TileMask(False, mask.valid, mask.key_lo), rows, n, device)  # causal: the kernel's own mask
-    storage = torch.zeros((B, 1, keep.shape[2], -(-n // 16) * 16), dtype=dtype, device=device)
-    bias = storage[..., :n]
-    bias.masked_fill_(~keep, _NEG_INF)
-    return bias.expand(B, heads, rows, n)
-
-
-class _CudaEfficient(TileKernel):
-    """The memory-efficient (CUTLASS) kernel torch ships; takes an additive bias and float32. Its causal mask
-    type 2 is bottom-right aligned (torch's ``causal_lower_right``)."""
-
-    name = "cuda_efficient"
-    bottom_right = True
-
-    def refuses(self, q, mask):
-        why = _cuda_refuses(q, (*_HALF, torch.float32), "the memory-efficient kernel")
-        if why:
-            return why
-        if mask.softcap is not None:
-            return "logit softcapping (the memory-efficient kernel has no softcap)"
-        if q.shape[-1] % 8:
-            return f"head dim {q.shape[-1]} (the memory-efficient kernel wants a multiple of 8)"
-        return None
-
-    def forward(self, q, k, v, mask, scale):
-        B, h, r, _ = q.shape
-        res = torch.ops.aten._efficient_attention_forward(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _efficient_bias(mask, q.dtype, h, r, k.shape[2]),
-            None, None, None, None, 0.0, _efficient_mask_type(mask, r), True, scale=scale,
-        )
-        _RNG_STATE[("efficient", q.device)] = (res[2], res[3])
-        # logsumexp comes padded to a multiple of 32 rows
-        return _mask_empty_rows(res[0].transpose(1, 2), res[1][:, :, :r], mask)
-
-    def backward(self, do, q, k, v, out, lse, mask, scale):
-        B, h, r, _ = q.shape
-        seed, offset = _RNG_STATE[("efficient", q.device)]
-        lse_padded = torch.zeros((B, h, -(-r // 32) * 32), dtype=torch.float32, device=q.device)
-        lse_padded[:, :, :r] = lse
-        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            do.transpose(1, 2).contiguous(), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            _efficient_bias(mask, q.dtype, h, r, k.shape[2]), out.transpose(1, 2).contiguous(), None, None, r,
-            k.shape[2],
-            lse_padded, 0.0, seed, offset, _efficient_mask_type(mask, r), False, scale=scale,
-        )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-def _efficient_mask_type(mask: TileMask, rows: int) -> int:
-    # custom_mask_type: 0 none, 1 causal from the top left, 2 causal from the bottom right (equal on square tiles)
-    if not mask.causal:
-        return 0
-    return 1 if rows == mask.n else 2
-
-
-def _dropout_scale(mask: TileMask, shape, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """(shape) keep mask / (1 - p) in ``dtype`` of the tile's attention-probability dropout, drawn from the tile's
-    own generator (the same tensor every time it is drawn), or None without dropout. The tap (tests) sees each mask
-    drawn."""
-    if not mask.dropout:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(mask.dropout_seed)
-    keep = torch.rand(shape, generator=generator, device=device) >= mask.dropout
-    tap = _DROPOUT_TAP.get()
-    if tap is not None:
-        tap(keep, mask)
-    return keep.to(dtype).div_(1.0 - mask.dropout)  # as torch's dropout scales its noise, in the tile's dtype
-
-
-def _math_scores(q, k, mask, scale):
-    """(B, h, r, n) masked scores in the compute dtype, and (softcap only) tanh of the raw scores / cap."""
-    cdt = _compute_dtype(q.dtype)
-    scores = (q.to(cdt) * scale) @ k.to(cdt).transpose(-1, -2)
-    tanh = None
-    if mask.softcap is not None:
-        tanh = torch.tanh(scores / mask.softcap)
-        scores = tanh * mask.softcap
-    keep = _keep(mask, q.shape[2], k.shape[2], q.device)
-    return (scores if keep is None else scores.masked_fill(~keep, _NEG_INF)), tanh
-
-
-class _Math(TileKernel):
-    name = "math"
-    same_head_dims = False
-    bottom_right = True
-
-    def refuses(self, q, mask):
-        return None
-
-    def forward(self, q, k, v, mask, scale):
-        scores, _ = _math_scores(q, k, mask, scale)
-        lse = torch.logsumexp(scores, dim=-1)
-        p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1))
-        dropped = _dropout_scale(mask, p.shape, p.dtype, p.device)
-        if dropped is not None:  # after the normalisation: lse stays the softmax's (tiles merge by it as before)
-            p = p * dropped
-        return p @ v.to(p.dtype), lse
-
-    def backward(self, do, q, k, v, out, lse, mask, scale):
-        cdt = _compute_dtype(q.dtype)
-        scores, tanh = _math_scores(q, k, mask, scale)
-        p = torch.exp(scores - lse.to(cdt).unsqueeze(-1))
-        do, out = do.to(cdt), out.to(cdt)
-        # the softmax-backward correction per row: sum_j p_ij dP_ij = dO_i . O_i, with O the (dropped) output
-        delta = (do * out).sum(-1, keepdim=True)
-        dp = do @ v.to(cdt).transpose(-1, -2)
-        dropped = _dropout_scale(mask, p.shape, cdt, p.device)
-        if dropped is not None:  # O = (P * M / (1 - p)) V: dP and dV see the mask, the softmax's P does not
-            dp = dp * dropped
-        ds = p * (dp - delta)
-        if tanh is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
-            ds = ds * (1 - tanh * tanh)
-        dq = (ds @ k.to(cdt)) * scale
-        dk = (ds.transpose(-1, -2) @ q.to(cdt)) * scale
-        dv = (p if dropped is None else p * dropped).transpose(-1, -2) @ do
-        return dq, dk, dv
-
-
-KERNELS: dict[str, TileKernel] = {
-    k.name: k for k in (_CudaCudnn(), _CudaFlash(), _CudaEfficient(), _CpuFlash(), _Math())
-}
-"""Every tile kernel by name."""
-_CHAINS = {"cuda": ("cuda_cudnn", "cuda_flash", "cuda_efficient", "math"), "cpu": ("cpu_flash", "math")}
-
-
-def _pad_head_dim(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t if t.shape[-1] == n else torch.nn.functional.pad(t, (0, n - t.shape[-1]))
-
-
-def _tile_forward(tile: TileKernel, q, k, v, mask: TileMask, scale: float):
-    """``tile.forward``, with values of another head dim than the keys padded for kernels that need one."""
-    D, Dv = q.shape[-1], v.shape[-1]
-    if D == Dv or not tile.same_head_dims:
-        return tile.forward(q, k, v, mask, scale)
-    n = max(D, Dv)
-    o, lse = tile.forward(_pad_head_dim(q, n), _pad_head_dim(k, n), _pad_head_dim(v, n), mask, scale)
-    return o[..., :Dv], lse
-
-
-def _tile_backward(tile: TileKernel, do, q, k, v, out, lse, mask: TileMask, scale: float):
-    """``tile.backward``, padded like :func:`_tile_forward`."""
-    D, Dv = q.shape[-1], v.shape[-1]
-    if D == Dv or not tile.same_head_dims:
-        return tile.backward(do, q, k, v, out, lse, mask, scale)
-    n = max(D, Dv)
-    dq, dk, dv = tile.backward(*(_pad_head_dim(t, n) for t in (do, q, k, v, out)), lse, mask, scale)
-    return dq[..., :D], dk[..., :D], dv[..., :Dv]
-
-
-def kernel_chain(device: torch.device | str) -> tuple[str, ...]:
-    """Kernel names "auto" tries, in order, for tensors on ``device``."""
-    return _CHAINS.get(torch.device(device).type, ("math",))
-
-
-def _refusal(kernel: TileKernel, q: torch.Tensor, mask: TileMask) -> str | None:
-    """Why ``kernel`` cannot take the tile (its own reasons, or a rectangular causal tile on a top-left kernel)."""
-    if mask.dropout and kernel.name != "math":
-        return "dropout on attention probabilities (drawn by the math kernel from the tile's own generator)"
-    if mask.causal and mask.n != q.shape[2] and not kernel.bottom_right:
-        return f"a causal tile of {q.shape[2]} queries on {mask.n} keys (the {kernel.name} kernel's mask is top-left)"
-    return kernel.refuses(q, mask)
-
-
-def _pick(requested: str, q: torch.Tensor, mask: TileMask) -> TileKernel:
-    if requested != "auto":
-        kernel = KERNELS[requested]
-        why = _refusal(kernel, q, mask)
-        if why:
-            raise ValueError(
-                f"attention kernel {requested!r} cannot take this tile: {why}. Use kernel='auto' to fall back "
-                f"to the next kernel ({' -> '.join(kernel_chain(q.device))})"
-            )
-        return kernel
-    for name in kernel_chain(q.device):
-        kernel = KERNELS[name]
-        if _refusal(kernel, q, mask) is None:
-            return kernel
-    return KERNELS["math"]
-
-
-def attention_kernel_for(
-    q: torch.Tensor, requested: str = "auto", *, padded: bool = False, causal: bool = False
-) -> str:
-    """The kernel a tile of queries like ``q`` runs on (``padded``: the tile has padding keys)."""
-    valid = torch.zeros(1, 1, dtype=torch.bool, device=q.device) if padded else None
-    return _pick(requested, q, TileMask(causal, valid, n=q.shape[2])).name
-
-
-# --- the op -------------------------------------------------------------------------------------
+# --- the plan -----------------------------------------------------------------------------------
 
 _MAX_LO_CUTS = 16
 """Tiles are cut at every distinct query lower bound (document start) when there are at most this
@@ -685,16 +201,6 @@ def _tile_keys(k, v, k_prefix, v_prefix, key_valid, t: _Tile, joined=None):
     return kt[:, :, t.a : t.b], vt[:, :, t.a : t.b], valid
 
 
-def _repeat_heads(t: torch.Tensor, R: int) -> torch.Tensor:
-    # (B, Hkv, n, D) -> (B, Hkv * R, n, D); no copy without GQA
-    return t if R == 1 else t.repeat_interleave(R, 1)
-
-
-def _sum_heads(t: torch.Tensor, R: int) -> torch.Tensor:
-    # (B, Hkv * R, n, D) -> (B, Hkv, n, D): the gradient of _repeat_heads
-    return t if R == 1 else t.reshape(t.shape[0], t.shape[1] // R, R, *t.shape[2:]).sum(2)
-
-
 def _stack(t: torch.Tensor, Hkv: int, rows: int) -> torch.Tensor:
     """(B, H, C, ...) -> (B, Hkv, R * rows, ...) of rows [0, rows): GQA query heads stacked as rows
     (row r * rows + c is query c of the KV head's r-th query head), so K/V are never repeated."""
@@ -711,19 +217,8 @@ def _tile_mask(t: _Tile, valid, query_lo, softcap, n: int, R: int, dropout: tupl
         if not t.causal and R > 1:
             key_lo = key_lo.repeat(1, R)  # stacked rows: R blocks of the chunk's rows
     mask = TileMask(t.causal, valid, key_lo, softcap, n)
-    return mask if dropout is None else _with_dropout(mask, dropout, (t.offset + t.a, first_q + t.r0,
-                                                                     not t.causal and R > 1))
-
-
-def _with_dropout(mask: TileMask, dropout: tuple[float, int], where: tuple[int, int, bool]) -> TileMask:
-    """``mask`` with attention-probability dropout ``(p, call seed)`` for the tile at ``where`` (its first key and
-    first query among the call's keys, whether its rows are GQA-stacked): the tile's own generator is seeded from the
-    call's seed and where the tile lies, so its mask is the same in forward and backward whatever tiles ran before
-    it (chunk tiles here, ring tiles in ``ops.ring``)."""
-    p, seed = dropout
-    tile_seed = int.from_bytes(hashlib.blake2b(struct.pack("<4q", seed, where[0], where[1], int(mask.causal)),
-                                               digest_size=8).digest(), "little") & ((1 << 63) - 1)
-    return replace(mask, dropout=p, dropout_seed=tile_seed, dropout_where=where)
+    return mask if dropout is None else with_dropout(mask, dropout, (t.offset + t.a, first_q + t.r0,
+                                                                    not t.causal and R > 1))
 
 
 class _ChunkAttention(torch.autograd.Function):
@@ -732,18 +227,20 @@ class _ChunkAttention(torch.autograd.Function):
                 sink_own, sink_logits, joined_k, joined_v, dropout, kept):
         joined = (joined_k, joined_v)
         if kept is not None and kept.replaying:  # the forward's output and log-sum-exp: only the backward runs
-            out, lse = kept.take()
+            out, lse, rng = kept.take()
         else:
+            rng = KernelRngState()
             with torch.autocast(q.device.type, enabled=False), phase("attention.forward"):
                 out, lse = _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan,
-                                              kernel, joined, dropout)
+                                              kernel, joined, rng, dropout)
                 if sink_logits is not None:
-                    out, lse = _with_sink_logits(out, lse, sink_logits)
+                    out, lse = with_sink_logits(out, lse, sink_logits)
             if kept is not None:
-                kept.record(out, lse)
+                kept.record(out, lse, rng)
         ctx.save_for_backward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, out, lse, sink_logits, *joined)
         # the plan was made on the host in forward: backward reuses it (no host sync)
         ctx.softcap, ctx.scale, ctx.plan, ctx.kernel, ctx.dropout = softcap, scale, plan, kernel, dropout
+        ctx.rng = rng  # what the fused kernels' forwards left for their backwards
         ctx.sinks, ctx.sink_own = (sink_k, sink_v), sink_own
         return out
 
@@ -753,29 +250,16 @@ class _ChunkAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False), phase("attention.backward"):
             dq, dk, dv = _attention_backward(
                 grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, ctx.softcap, out, lse, ctx.scale,
-                ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own, joined, ctx.dropout,
+                ctx.plan, ctx.kernel, ctx.sinks, ctx.sink_own, joined, ctx.rng, ctx.dropout,
             )
             d_sink = None
             if sink_logits is not None and ctx.needs_input_grad[14]:
                 # the sink is a key with value 0: dLoss/ds_h = -sum_{b,q} p_sink * rowsum(dO * O)
-                cdt = _compute_dtype(q.dtype)
+                cdt = compute_dtype(q.dtype)
                 p_sink = torch.exp(sink_logits.to(cdt).view(1, -1, 1) - lse)
                 delta = (grad_out.to(cdt) * out.to(cdt)).sum(-1)
                 d_sink = -(p_sink * delta).sum((0, 2)).to(sink_logits.dtype)
         return dq, dk, dv, *([None] * 11), d_sink, None, None, None, None
-
-
-def _with_sink_logits(out: torch.Tensor, lse: torch.Tensor, sink_logits: torch.Tensor):
-    """(out, lse) with one more key per head whose logit is ``sink_logits[h]`` and whose value is 0 (attention
-    sinks, gpt-oss): the softmax mass moves to it by ``exp(lse - logaddexp(lse, s))``. The tiles' backward then
-    runs on the returned pair (the sink changes only the normaliser). Rows with no valid key (lse = +inf, out
-    0) stay so: all their mass is on the sink, as in the stock attention."""
-    cdt = lse.dtype
-    s = sink_logits.to(cdt).view(1, -1, 1)
-    empty = lse == float("inf")
-    total = torch.logaddexp(lse.masked_fill(empty, 0.0), s.expand_as(lse))
-    weight = torch.exp(lse - total).masked_fill(empty, 0.0)
-    return (out.to(cdt) * weight.unsqueeze(-1)).to(out.dtype), total.masked_fill(empty, float("inf"))
 
 
 def _rows(t: torch.Tensor, tile: _Tile, C: int) -> torch.Tensor:
@@ -784,27 +268,24 @@ def _rows(t: torch.Tensor, tile: _Tile, C: int) -> torch.Tensor:
 
 
 def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, scale, plan, kernel, joined,
-                       dropout=None):
+                       rng: KernelRngState, dropout=None):
     B, H, C, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     first_q = (0 if k_prefix is None else k_prefix.shape[2]) + k.shape[2] - C  # the queries' first key index
     R = H // Hkv
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     m = acc = None
     owned = False  # acc/m are buffers of ours (not a kernel's output) that partial tiles update in place
     covered = 0  # rows [covered, C) have no contribution yet
     for t in plan:
         kt, vt, valid = _tile_keys(k, v, k_prefix, v_prefix, key_valid, t, joined)
         mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R, dropout, first_q)
-        if t.causal:
+        if t.causal:  # K/V repeated over the query heads unless the kernel takes GQA itself
             q_t = _rows(q, t, C)
-            tile = _pick(kernel, q_t, mask)
-            if not tile.native_gqa:
-                kt, vt = _repeat_heads(kt, R), _repeat_heads(vt, R)
-            o_t, lse_t = _tile_forward(tile, q_t, kt, vt, mask, scale)
-        else:
+            o_t, lse_t = tile_forward(pick_kernel(kernel, q_t, mask), q_t, kt, vt, mask, scale, rng, kv_repeat=R)
+        else:  # GQA query heads stacked as rows: K/V never repeated
             q_t = _stack(q, Hkv, t.rows)
-            o_t, lse_t = _tile_forward(_pick(kernel, q_t, mask), q_t, kt, vt, mask, scale)
+            o_t, lse_t = tile_forward(pick_kernel(kernel, q_t, mask), q_t, kt, vt, mask, scale, rng)
             o_t, lse_t = o_t.reshape(B, H, t.rows, Dv), lse_t.reshape(B, H, t.rows)
         o_t, lse_t = o_t.to(cdt), lse_t.to(cdt)
         if m is None and t.rows == C:
@@ -840,19 +321,20 @@ def _attention_forward(q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap
 
 
 def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_lo, softcap, out, lse, scale, plan,
-                        kernel, sinks, sink_own, joined, dropout=None):
+                        kernel, sinks, sink_own, joined, rng: KernelRngState, dropout=None):
     sink_k, sink_v = sinks
     B, H, C, D = q.shape
     Hkv, K = k.shape[1], k.shape[2]
     R = H // Hkv
     S = 0 if k_prefix is None else k_prefix.shape[2]
     first_q = S + K - C
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     grad_out = grad_out.contiguous()
     # The first tile's gradients become the accumulators (kernel outputs are fresh tensors) when it
     # covers every row; dK/dV need zeroed buffers only when several tiles cover the chunk's own keys.
     if plan[0].src == 2:
-        return _single_call_backward(grad_out, q, k, v, out, lse, scale, plan[0], kernel, sinks, sink_own, joined, S)
+        return _single_call_backward(grad_out, q, k, v, out, lse, scale, plan[0], kernel, sinks, sink_own, joined, S,
+                                     rng)
     dq = None
     dk = dv = None
     if not sink_own and (K > C or sum(t.causal for t in plan) > 1):
@@ -865,13 +347,14 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
         mask = _tile_mask(t, valid, query_lo, softcap, kt.shape[2], R, dropout, first_q)
         if t.causal:
             q_t, do_t, out_t, lse_t = (_rows(x, t, C) for x in (q, grad_out, out, lse))
-            dq_t, dk_t, dv_t = _causal_tile_backward(kernel, do_t, q_t, kt, vt, out_t, lse_t, mask, scale, R)
+            dq_t, dk_t, dv_t = tile_backward(pick_kernel(kernel, q_t, mask), do_t, q_t, kt, vt, out_t, lse_t, mask,
+                                             scale, rng, kv_repeat=R)
         else:
             q_t = _stack(q, Hkv, t.rows)
-            tile = _pick(kernel, q_t, mask)
-            dq_t, dk_t, dv_t = _tile_backward(
+            tile = pick_kernel(kernel, q_t, mask)
+            dq_t, dk_t, dv_t = tile_backward(
                 tile, _stack(grad_out, Hkv, t.rows), q_t, kt, vt, _stack(out, Hkv, t.rows), _stack(lse, Hkv, t.rows),
-                mask, scale,
+                mask, scale, rng,
             )
             dq_t = dq_t.reshape(B, H, t.rows, D)
         if dq is None and t.rows == C:
@@ -895,24 +378,17 @@ def _attention_backward(grad_out, q, k, v, k_prefix, v_prefix, key_valid, query_
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _causal_tile_backward(kernel, do, q, kt, vt, out, lse, mask: TileMask, scale: float, R: int):
-    """A causal tile's (dq, dk, dv) with k's heads: K/V repeated over the R query heads of each (and dK/dV summed
-    back) unless the kernel takes GQA itself."""
-    tile = _pick(kernel, q, mask)
-    if tile.native_gqa:
-        return _tile_backward(tile, do, q, kt, vt, out, lse, mask, scale)
-    dq, dk, dv = _tile_backward(tile, do, q, _repeat_heads(kt, R), _repeat_heads(vt, R), out, lse, mask, scale)
-    return dq, _sum_heads(dk, R), _sum_heads(dv, R)
-
-
-def _single_call_backward(grad_out, q, k, v, out, lse, scale, t: _Tile, kernel, sinks, sink_own, joined, S: int):
+def _single_call_backward(grad_out, q, k, v, out, lse, scale, t: _Tile, kernel, sinks, sink_own, joined, S: int,
+                          rng: KernelRngState):
     """The one-call tile's backward: one kernel call for dQ and the joined keys' dK/dV, which are then split: the
     prefix's [0, S) added into the sink (when wanted), the chunk's own keys returned (or added into the sink at
     [S, S + K) when it owns them)."""
     sink_k, sink_v = sinks
     kt, vt = joined
     R = q.shape[1] // k.shape[1]
-    dq, dk, dv = _causal_tile_backward(kernel, grad_out, q, kt, vt, out, lse, TileMask(True, n=kt.shape[2]), scale, R)
+    mask = TileMask(True, n=kt.shape[2])
+    tile = pick_kernel(kernel, q, mask)
+    dq, dk, dv = tile_backward(tile, grad_out, q, kt, vt, out, lse, mask, scale, rng, kv_repeat=R)
     if sink_own:
         sink_k[:, :, : t.b] += dk  # cast on the fly: no float32 temporary
         sink_v[:, :, : t.b] += dv
@@ -1082,18 +558,18 @@ def _one_call_kernel(single_call: bool | None, requested: str, q: torch.Tensor, 
         # Only where the tiled path's prefix tile would run on this very kernel: then one call is the same work
         # in fewer launches with no merge. cuDNN (top-left only) stays tiled: on an H100 it runs about twice as
         # fast as FlashAttention-2 (benchmarks/results/attention_h100.md), more than the merge costs.
-        full = _pick(requested, q, TileMask(False, n=n))
+        full = pick_kernel(requested, q, TileMask(False, n=n))
         no_repeat = full.native_gqa or q.shape[1] == num_kv_heads  # K/V repeated over S + K keys: too big
-        if full.bottom_right and full.name != "math" and no_repeat and _refusal(full, q, mask) is None:
+        if full.bottom_right and full.name != "math" and no_repeat and kernel_refusal(full, q, mask) is None:
             return full.name
         return None
     if requested != "auto":
-        why = _refusal(KERNELS[requested], q, mask)
+        why = kernel_refusal(KERNELS[requested], q, mask)
         if why:
             raise ValueError(f"single_call=True with kernel {requested!r}, which cannot take the chunk in one call: "
                              f"{why}. Use kernel='auto' or single_call=None")
         return requested
-    return next(name for name in (*kernel_chain(q.device), "math") if _refusal(KERNELS[name], q, mask) is None)
+    return next(name for name in (*kernel_chain(q.device), "math") if kernel_refusal(KERNELS[name], q, mask) is None)
 
 
 def _check_query_lo(query_lo: torch.Tensor, B: int, C: int, first_q: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,8 @@ import torch
 
 from ds_longseq.ops.chunk_grads import AutocastState, ChunkGrads
 from ds_longseq.ops.host_store import LayerInputOffloader, load_input, save_input
-from ds_longseq.ops.kv_stream import GlobalKVStream, KVCaptured, chunk_bounds, global_kv
+from ds_longseq.ops.kv_stream import GlobalKVStream, KVCaptured, global_kv
+from ds_longseq.ops.streambp_autograd import chunk_bounds
 from ds_longseq.ops.ulysses import UlyssesExchange
 
 __all__ = ["gather_tokens", "reduce_scatter_tokens", "MixerStream", "streambp_mixer_sp_apply", "MixedStream"]
@@ -264,8 +265,8 @@ def streambp_mixer_sp_apply(
 
     With ``exchange``, the layer calls that mixer and then an attention on the same chunk (Falcon-H1): the mixer runs
     once per pass as without it, and the attention's keys/values are exchanged once per pass (as
-    ``ops.kv_stream.streambp_sp_apply``). Forward: capture the mixer's input (each chunk up to the mixer), run the
-    mixer, capture the K/V (each chunk up to them, the mixer's output served), exchange them, run the chunks.
+    ``ops.streambp_autograd.streambp_sp_apply``). Forward: capture the mixer's input (each chunk up to the mixer), run
+    the mixer, capture the K/V (each chunk up to them, the mixer's output served), exchange them, run the chunks.
     Backward: the same captures again; pass 1 replays each chunk whole with both as constants, keeping their
     gradients; the mixer's backward once; pass 2 runs each chunk up to its K/V with grad, keeping the mixer's input
     on the way, and pushes the mixer's input gradient and dK / dV through together.

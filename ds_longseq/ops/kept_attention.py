@@ -26,9 +26,12 @@ would compute: the same queries, keys, kernels and, for attention dropout, the s
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from ds_longseq.ops.tile_kernels import KernelRngState
 
 __all__ = ["KeptAttention", "ChunkSlot"]
 
@@ -40,12 +43,14 @@ class ChunkSlot:
     def __init__(self, owner: "KeptAttention", start: int, replaying: bool):
         self._owner, self.start, self.replaying = owner, start, replaying
 
-    def record(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Keep one call's (B, H, C, Dv) output and (B, H, C) log-sum-exp (the forward's, without autograd history)."""
-        self._owner._calls.setdefault(self.start, []).append([out.detach(), lse.detach()])
+    def record(self, out: torch.Tensor, lse: torch.Tensor, rng: "KernelRngState") -> None:
+        """Keep one call's (B, H, C, Dv) output and (B, H, C) log-sum-exp (the forward's, without autograd history),
+        and what its fused kernels' forwards left for their backwards (``rng``: a few scalars, kept on the device)."""
+        self._owner._calls.setdefault(self.start, []).append([out.detach(), lse.detach(), rng])
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next call's kept (output, log-sum-exp), on their device; each is handed back once."""
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, "KernelRngState"]:
+        """The next call's kept (output, log-sum-exp, kernels' RNG state), the tensors on their device; each is handed
+        back once."""
         owner = self._owner
         owner._load()
         calls = owner._calls.get(self.start)
@@ -54,8 +59,8 @@ class ChunkSlot:
                 f"StreamBP: the chunk at token {self.start} calls its attention more often in the backward's replay "
                 "than in its forward, so a kept attention output is missing: set "
                 "long_seq.streambp.keep_attention_output to false for this model")
-        out, lse = calls.pop(0)
-        return out, lse
+        out, lse, rng = calls.pop(0)
+        return out, lse, rng
 
 
 class KeptAttention:
@@ -66,7 +71,7 @@ class KeptAttention:
     """
 
     def __init__(self):
-        self._calls: dict[int, list[list]] = {}  # chunk start -> [[out, lse] of each call, in order]
+        self._calls: dict[int, list[list]] = {}  # chunk start -> [[out, lse, rng] of each call, in order]
         self._stored: tuple | None = None  # in another tier: (handle of every output, of every log-sum-exp, shapes)
         self.replaying = False
 
@@ -93,11 +98,11 @@ class KeptAttention:
         copy back, and loading those the log-sum-exps'."""
         if save is not None and self._calls:
             pairs = [pair for start in sorted(self._calls) for pair in self._calls[start]]
-            shapes = [(out.shape, lse.shape) for out, lse in pairs]
-            lses = torch.cat([lse.reshape(-1) for _, lse in pairs])
-            outs = torch.cat([out.reshape(-1) for out, _ in pairs])
+            shapes = [(out.shape, lse.shape) for out, lse, _ in pairs]
+            lses = torch.cat([lse.reshape(-1) for _, lse, _ in pairs])
+            outs = torch.cat([out.reshape(-1) for out, _, _ in pairs])
             for pair in pairs:
-                pair[0] = pair[1] = None  # the device copies go with the forward
+                pair[0] = pair[1] = None  # the device copies go with the forward (the kernels' RNG state stays)
             lses_handle = save(lses)  # first: the outputs, loaded first, are the ones saved next to the input
             self._stored = (save(outs), lses_handle, shapes)
             del outs, lses

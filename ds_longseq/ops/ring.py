@@ -23,7 +23,7 @@ the compute. Each pair of a query block A and a key block K_b is a full tile (K_
 log-sum-exp (each tile's exact share of dQ, dK, dV, as ops/chunk_attention.py's tiles): a block's dK/dV travel with
 it and after the last step go back to the rank that owns it (r sends; K/V itself r - 1).
 
-The tiles run on ops/chunk_attention.py's kernels (the first of the device's chain that takes each tile), so what they
+The tiles run on ops/tile_kernels.py's kernels (the first of the device's chain that takes each tile), so what they
 refuse (a dtype, a head dim) falls back there, never to a wrong result.
 """
 
@@ -32,17 +32,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ds_longseq.ops.chunk_attention import (
+from ds_longseq.ops.tile_kernels import (
     KERNELS,
+    KernelRngState,
     TileMask,
-    _compute_dtype,
-    _pick,
-    _repeat_heads,
-    _sum_heads,
-    _tile_backward,
-    _tile_forward,
-    _with_dropout,
-    _with_sink_logits,
+    compute_dtype,
+    pick_kernel,
+    tile_backward,
+    tile_forward,
+    with_dropout,
+    with_sink_logits,
 )
 
 __all__ = ["zigzag_blocks", "zigzag_shard", "zigzag_unshard", "ring_attention"]
@@ -124,21 +123,14 @@ def _merge(acc: torch.Tensor | None, m: torch.Tensor | None, o: torch.Tensor, ls
     return acc, m_new
 
 
-def _block_forward(kernel: str, q, k, v, mask: TileMask, scale: float, R: int):
+def _block_forward(kernel: str, q, k, v, mask: TileMask, scale: float, R: int, rng: KernelRngState):
     """(o (B, H, b, Dv), lse (B, H, b)) of query block ``q`` against one key block."""
-    tile = _pick(kernel, q, mask)
-    if not (tile.native_gqa and mask.causal):
-        k, v = _repeat_heads(k, R), _repeat_heads(v, R)
-    return _tile_forward(tile, q, k, v, mask, scale)
+    return tile_forward(pick_kernel(kernel, q, mask), q, k, v, mask, scale, rng, kv_repeat=R)
 
 
-def _block_backward(kernel: str, do, q, k, v, out, lse, mask: TileMask, scale: float, R: int):
+def _block_backward(kernel: str, do, q, k, v, out, lse, mask: TileMask, scale: float, R: int, rng: KernelRngState):
     """(dq, dk, dv) of one tile, dk/dv with k's heads."""
-    tile = _pick(kernel, q, mask)
-    if tile.native_gqa and mask.causal:
-        return _tile_backward(tile, do, q, k, v, out, lse, mask, scale)
-    dq, dk, dv = _tile_backward(tile, do, q, _repeat_heads(k, R), _repeat_heads(v, R), out, lse, mask, scale)
-    return dq, _sum_heads(dk, R), _sum_heads(dv, R)
+    return tile_backward(pick_kernel(kernel, q, mask), do, q, k, v, out, lse, mask, scale, rng, kv_repeat=R)
 
 
 class _Masks:
@@ -148,7 +140,7 @@ class _Masks:
     (wholly after the queries, or before every query's document or window), which is then skipped. Decided on the
     host once per call (one copy of each mask) and reused by backward. With attention-probability ``dropout``
     ((p, call seed)), each tile draws its keep mask from its own generator, seeded from the call's seed and the
-    tile's global query and key positions (``ops.chunk_attention._with_dropout``): the query's rank computes the tile in
+    tile's global query and key positions (``ops.tile_kernels.with_dropout``): the query's rank computes the tile in
     forward and in backward, so both draw the same mask whichever step of the ring it runs at."""
 
     def __init__(self, key_valid, query_lo, softcap, block: int, dropout: tuple[float, int] | None = None):
@@ -176,7 +168,7 @@ class _Masks:
             if bool((lo > first).any()):
                 key_lo = self.query_lo[:, qi * b:(qi + 1) * b] - first
         mask = TileMask(kind == "causal", valid, key_lo, self.softcap, b)
-        return mask if self.dropout is None else _with_dropout(mask, self.dropout, (first, query_block * b, False))
+        return mask if self.dropout is None else with_dropout(mask, self.dropout, (first, query_block * b, False))
 
 
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,9 +181,10 @@ class _RingAttention(torch.autograd.Function):
                 dropout: tuple[float, int] | None):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         R = q.shape[1] // k.shape[1]
-        cdt = _compute_dtype(q.dtype)
+        cdt = compute_dtype(q.dtype)
         mine = zigzag_blocks(rank, size)
         masks = _Masks(key_valid, query_lo, softcap, q.shape[2] // 2, dropout)
+        rng = KernelRngState()
         acc, m = [None, None], [None, None]
         kv = [k, v]
         for step in _ring_steps(size):
@@ -204,17 +197,18 @@ class _RingAttention(torch.autograd.Function):
                     mask = masks.tile(qi, mine[qi], theirs[ki])
                     if mask is None:
                         continue
-                    o, lse = _block_forward(kernel, q_half, k_half, v_half, mask, scale, R)
+                    o, lse = _block_forward(kernel, q_half, k_half, v_half, mask, scale, R, rng)
                     acc[qi], m[qi] = _merge(acc[qi], m[qi], o.to(cdt), lse.to(cdt))
             if pending is not None:
                 kv, requests = pending
                 _wait(requests)
         out, lse = _finished(acc, m, q, v)
         if sink_logits is not None:
-            out, lse = _with_sink_logits(out, lse, sink_logits)
+            out, lse = with_sink_logits(out, lse, sink_logits)
         ctx.save_for_backward(q, k, v, key_valid, query_lo, out, lse, sink_logits)
         # the masks (decided on the host, one copy of each) serve backward too: no second host copy there
         ctx.masks, ctx.scale, ctx.group, ctx.kernel = masks, scale, group, kernel
+        ctx.rng = rng  # what the fused kernels' forwards left for their backwards
         return out.to(q.dtype)
 
     @staticmethod
@@ -223,7 +217,7 @@ class _RingAttention(torch.autograd.Function):
         group, scale, kernel = ctx.group, ctx.scale, ctx.kernel
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         R = q.shape[1] // k.shape[1]
-        cdt = _compute_dtype(q.dtype)
+        cdt = compute_dtype(q.dtype)
         mine = zigzag_blocks(rank, size)
         masks = ctx.masks
         do = grad_out.contiguous()
@@ -235,7 +229,7 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 pending = _post_exchange(kv, group, (rank + 1) % size, (rank - 1) % size)
             theirs = zigzag_blocks((rank - step) % size, size)
-            _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, masks, scale, R, dq, dkv)
+            _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, masks, scale, R, dq, dkv, ctx.rng)
             dkv = _pass_gradients(dkv, group, rank, size, step)
             if pending is not None:
                 kv, requests = pending
@@ -253,7 +247,7 @@ def _finished(acc, m, q, v):
     """The merged (out (B, H, T_l, Dv), lse (B, H, T_l)); rows that saw no valid key at all (only padding, or
     nothing in their window) get 0 and lse = +inf (their p is 0 in backward)."""
     B, H, T_l = q.shape[:3]
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     for i, a in enumerate(acc):
         if a is None:  # no tile of this query block ran
             acc[i] = torch.zeros((B, H, T_l // 2, v.shape[-1]), dtype=cdt, device=q.device)
@@ -263,14 +257,16 @@ def _finished(acc, m, q, v):
     return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("inf"))
 
 
-def _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, masks: _Masks, scale, R, dq, dkv) -> None:
+def _ring_block_grads(kernel, q, kv, do, out, lse, mine, theirs, masks: _Masks, scale, R, dq, dkv,
+                      rng: KernelRngState) -> None:
     """Add one ring step's tiles' shares into ``dq`` (this rank's queries) and ``dkv`` (the held block's)."""
     for qi, (q_h, do_h, out_h, lse_h) in enumerate(zip(*(_halves(t) for t in (q, do, out, lse)), strict=True)):
         for ki, (k_h, v_h) in enumerate(zip(_halves(kv[0]), _halves(kv[1]), strict=True)):
             mask = masks.tile(qi, mine[qi], theirs[ki])
             if mask is None:
                 continue
-            dq_t, dk_t, dv_t = _block_backward(kernel, do_h, q_h, k_h, v_h, out_h.to(q.dtype), lse_h, mask, scale, R)
+            dq_t, dk_t, dv_t = _block_backward(kernel, do_h, q_h, k_h, v_h, out_h.to(q.dtype), lse_h, mask, scale, R,
+                                                 rng)
             b = q_h.shape[2]
             dq[:, :, qi * b:(qi + 1) * b] += dq_t
             dkv[0][:, :, ki * b:(ki + 1) * b] += dk_t
@@ -298,7 +294,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
         softcap: logit softcapping (Gemma 2).
         sink_logits: (H,) attention sinks (gpt-oss): one more logit per head with a zero value; differentiable.
         kernel: "auto" (each tile on the first kernel of the device's chain that takes it) or one of
-            ops/chunk_attention.py's kernels for every tile.
+            ops/tile_kernels.py's kernels for every tile.
         dropout: dropout probability on the attention probabilities (each query's softmax over the whole
             sequence, then the keep mask / (1 - p)); the math kernel runs those tiles. 0: none.
         dropout_seed: with ``dropout``: this rank's call seed (each rank draws its own,

@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_longseq.ops.chunk_attention import KERNELS, attention_kernel_for, chunk_causal_attention
+from ds_longseq.ops.chunk_attention import chunk_causal_attention
 from ds_longseq.ops.lm_head_loss import _mixed_addmm_works, chunked_lm_head_loss, shift_causal_labels
+from ds_longseq.ops.tile_kernels import KERNELS, attention_kernel_for
 
 CUDA = torch.device("cuda")
 

@@ -108,14 +108,14 @@ def test_packed_diagonal_tiles_run_unmasked_fused_kernels(monkeypatch):
     lo = doc_starts([[64, 128, 64]], C)
     q, k, v = (torch.randn(1, H, C, D, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     picked = []
-    real_pick = attention._pick
+    real_pick = attention.pick_kernel
 
     def spy(requested, qt, mask):
         kernel = real_pick(requested, qt, mask)
         picked.append((mask.causal, kernel.name))
         return kernel
 
-    monkeypatch.setattr(attention, "_pick", spy)
+    monkeypatch.setattr(attention, "pick_kernel", spy)
     out = chunk_causal_attention(q, k, v, scale=D**-0.5, query_lo=lo.to(CUDA))
     out.backward(torch.randn_like(out))
     diag = [name for causal, name in picked if causal]

@@ -51,9 +51,9 @@ def test_cuda_round_trip_is_bitwise(disk_dir):
 
 @pytest.mark.parametrize("keep_every", [1, 2])
 def test_streambp_disk_is_bitwise_the_host_tier(disk_dir, keep_every, monkeypatch):
-    from ds_longseq.ops import chunk_attention as attention
+    from ds_longseq.ops.tile_kernels import KERNEL_CHAINS
 
-    monkeypatch.setitem(attention._CHAINS, "cuda", ("math",))  # bitwise reproducible (see test_offload_gpu)
+    monkeypatch.setitem(KERNEL_CHAINS, "cuda", ("math",))  # bitwise reproducible (see test_offload_gpu)
     model = _model(torch.bfloat16)
     batch = _batch(2048)
     host = ds_longseq.enable(clone(model), {**STREAMBP, "offload": {"layer_inputs": "cpu", "keep_every": keep_every}})

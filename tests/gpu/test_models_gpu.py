@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ds_longseq
-from ds_longseq.ops.chunk_attention import KERNELS
+from ds_longseq.ops.tile_kernels import KERNELS
 from tests.helpers import clone, compare, loss_and_grads, make_batch, make_model
 
 CUDA = torch.device("cuda")

@@ -92,9 +92,9 @@ def _pool(model):
 def test_streambp_offload_bitwise(dtype, monkeypatch):
     # The math attention tile: the fused kernels' backwards accumulate dQ with atomics, so two runs
     # differ in the last bits and a bitwise check would compare nothing (the H100 showed it).
-    from ds_longseq.ops import chunk_attention as attention
+    from ds_longseq.ops.tile_kernels import KERNEL_CHAINS
 
-    monkeypatch.setitem(attention._CHAINS, "cuda", ("math",))
+    monkeypatch.setitem(KERNEL_CHAINS, "cuda", ("math",))
     model = _model(dtype)
     batch = _batch(2048)
     ref = _require_reproducible(ds_longseq.enable(clone(model), STREAMBP), batch)
