@@ -448,16 +448,10 @@ def long_seq_config(recipe: Recipe, shape: ModelShape, seq_len: int, *, chunk_si
 
 
 def enable_checkpointing(model, reentrant: bool) -> None:
-    """HF activation checkpointing on every decoder layer.
+    """HF activation checkpointing on every decoder layer (under transformers 5.23's name or the older one)."""
+    from ds_longseq.compat import set_activation_checkpointing
 
-    transformers 5.23 renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``
-    (the old name warns); older 5.x (the GPU image's 5.17) has only the old name.
-    """
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    set_activation_checkpointing(model, True, {"use_reentrant": reentrant})
 
 
 def prepare(model, recipe: Recipe, *, frozen_inputs: bool = False) -> None:

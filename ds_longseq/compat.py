@@ -1,6 +1,10 @@
 """The one module that touches DeepSpeed's, transformers', torch.distributed's (and bitsandbytes') private names.
 
 Holds:
+    TESTED_VERSIONS: the lowest and highest release of each dependency the suite runs on; every difference
+        between the two ends is below, named by the release it covers.
+    activation_checkpointing_on, set_activation_checkpointing, CHECKPOINTING_OFF_CALL: a model's activation
+        checkpointing under transformers 5.23's names or the older ``gradient_checkpointing_*`` ones.
     get_attn_implementation / set_attn_implementation: a Hugging Face config's ``_attn_implementation``.
     output_collector: transformers' per-forward collector of recorded outputs (router logits).
     check_output_capturing: fail clearly where that collector is not where we read it.
@@ -21,6 +25,9 @@ Holds:
     ZERO3_SP_AVERAGE_VERSIONS, check_zero3_sequence_parallel, fix_zero3_sequence_parallel_average: DeepSpeed
         ZeRO-3's gradient average under sequence parallelism, corrected on the versions where it is known
         wrong and refused on versions nobody checked.
+    checkpoint_parallel_dims_keys: where a DeepSpeed 0.19 checkpoint records its tensor-parallel degree (0.18: nowhere).
+    zero_flat_buffers_detached: DeepSpeed 0.18's ZeRO-1/2 flat parameter buffers taken off autograd, as 0.19 builds
+        them.
     repair_zero3_universal_load: what DeepSpeed ZeRO-3's universal-checkpoint load leaves wrong in the optimizer
         (a step count shared by its sub-groups, the first group's hyperparameters in every group), put right.
     tensor_version: a tensor's in-place version counter.
@@ -32,7 +39,8 @@ Holds:
     keep_4bit_weights_unpacked: bitsandbytes' 4-bit linears kept off their lossy CPU inference repacking.
     The Hugging Face Trainer's internals (the Trainer integration's only way in):
         trainer_checkpointing_turned_off, trainer_counts_batch_tokens, trainer_micro_batch_size,
-        trainer_num_items_in_batch, trainer_loss_scale; TRL's trainers: trl_metrics, trl_entropy_bonus_enabled;
+        trainer_num_items_in_batch, trainer_loss_scale; TRL's trainers: trl_metrics, trl_entropy_bonus_enabled,
+        trl_makes_fused_head_calls (TRL 1.16's fused-LM-head calls, or TRL 1.9's logits and chunked-NLL calls);
         accelerate's: accelerator_gather_replaced, accelerate_parallelism_hidden, dataloader_resharded.
     TOUCHES_ELSEWHERE: the few touches of third-party internals or objects that must sit in another module, each
         with its reason (tests/test_compat.py fails on any other).
@@ -58,6 +66,10 @@ import sys
 from typing import Any, Callable, Iterator
 
 __all__ = [
+    "TESTED_VERSIONS",
+    "activation_checkpointing_on",
+    "set_activation_checkpointing",
+    "CHECKPOINTING_OFF_CALL",
     "get_attn_implementation",
     "set_attn_implementation",
     "output_collector",
@@ -82,6 +94,8 @@ __all__ = [
     "zero3_sequence_parallel_problem",
     "fix_zero3_sequence_parallel_average",
     "repair_zero3_universal_load",
+    "zero_flat_buffers_detached",
+    "checkpoint_parallel_dims_keys",
     "tensor_version",
     "products_uncomputed",
     "keys_ignored_on_save",
@@ -93,11 +107,26 @@ __all__ = [
     "trainer_loss_scale",
     "trl_metrics",
     "trl_entropy_bonus_enabled",
+    "trl_makes_fused_head_calls",
     "accelerator_gather_replaced",
     "accelerate_parallelism_hidden",
     "dataloader_resharded",
     "TOUCHES_ELSEWHERE",
 ]
+
+TESTED_VERSIONS: dict[str, tuple[str, str]] = {
+    # the two stacks the suite runs on: the floor is axolotl 0.19.0's pins (its `axolotl[deepspeed]` resolves
+    # DeepSpeed 0.18.9), the top the newest releases on the package index; setup.py's lower bounds are the floors
+    # (tests/test_versions.py)
+    "torch": ("2.13.0", "2.13.0"),
+    "transformers": ("5.16.1", "5.24.0"),
+    "deepspeed": ("0.18.9", "0.19.8"),
+    "trl": ("1.9.0", "1.16.0"),
+    "accelerate": ("1.13.0", "1.15.0"),
+    "peft": ("0.20.0", "0.21.2"),
+}
+"""(lowest, highest) release of each dependency the test suite ran on (README "Tested versions")."""
+
 
 TOUCHES_ELSEWHERE: dict[str, str] = {
     # "<file under ds_longseq/>:<Class.method or function>:<name>": why it is not behind a function here
@@ -137,6 +166,37 @@ TOUCHES_ELSEWHERE: dict[str, str] = {
 
 
 # ---- transformers -------------------------------------------------------------------------------
+
+
+def activation_checkpointing_on(model: Any) -> bool:
+    """Whether a transformers model has activation (gradient) checkpointing turned on.
+
+    transformers 5.23 renamed ``is_gradient_checkpointing`` / ``gradient_checkpointing_enable`` / ``_disable`` to
+    ``is_activation_checkpointing`` / ``activation_checkpointing_*`` (the old names kept as deprecated aliases);
+    5.16-5.22 (5.16.1 checked) have only the old names."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    if on is None:
+        on = getattr(model, "is_gradient_checkpointing", False)
+    return bool(on)
+
+
+def set_activation_checkpointing(model: Any, on: bool, kwargs: dict | None = None) -> None:
+    """Turn a transformers model's activation checkpointing on (with ``kwargs``, e.g. ``{"use_reentrant": False}``)
+    or off, under whichever name this transformers has (see :func:`activation_checkpointing_on`)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_disable()
+
+
+CHECKPOINTING_OFF_CALL = (
+    "model.activation_checkpointing_disable() (before transformers 5.23: gradient_checkpointing_disable())")
+"""What a refusal tells the user to call to turn checkpointing off, on either side of transformers 5.23's rename."""
 
 
 def get_attn_implementation(hf_config: Any) -> str | None:
@@ -266,11 +326,38 @@ def deepspeed_sp_group():
 
 
 def dim_zero_all_to_all() -> tuple[Callable, Callable]:
-    """(``_dim_zero_all_to_all``, ``register_all_to_all_group``) of ``deepspeed.sequence.layer``: the
-    registered, autograd-aware all-to-all DeepSpeed-Ulysses itself uses."""
-    from deepspeed.sequence.layer import _dim_zero_all_to_all, register_all_to_all_group
+    """(all-to-all, group registration): the autograd-aware all-to-all over dimension 0 DeepSpeed-Ulysses itself
+    uses, called ``a2a(group, blocks)``, and what must be called on a group before its first exchange.
 
-    return _dim_zero_all_to_all, register_all_to_all_group
+    DeepSpeed 0.19: ``deepspeed.sequence.layer``'s ``_dim_zero_all_to_all`` (a ``torch.library`` operator that
+    looks its group up by name) and ``register_all_to_all_group``. DeepSpeed 0.18 (0.18.9 checked) has neither,
+    only the autograd Function ``_DimZeroAllToAll`` (the same exchange forward and backward, no registration);
+    0.19's own docstring says that Function's gradient is zero under ``torch.compile``, so it is refused there.
+    """
+    import deepspeed.sequence.layer as layer
+
+    if hasattr(layer, "_dim_zero_all_to_all"):
+        return layer._dim_zero_all_to_all, layer.register_all_to_all_group
+    function = layer._DimZeroAllToAll
+
+    def all_to_all(group, blocks):
+        import torch
+
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"sequence parallelism under torch.compile needs DeepSpeed 0.19 (DeepSpeed {_deepspeed_version()}'s "
+                "all-to-all gives zero gradients when compiled): run the model eagerly, or pip install "
+                "'deepspeed>=0.19.8'"
+            )
+        return function.apply(group, blocks)
+
+    return all_to_all, lambda group: None
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
 
 
 def parameters_replaced(module: Any, tensors: dict) -> contextlib.AbstractContextManager:
@@ -319,9 +406,10 @@ def deepspeed_initialize_replaced(stand_in: Callable[..., Any]) -> Iterator[None
 
 _Z3_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
-ZERO3_SP_AVERAGE_VERSIONS: dict[str, bool] = {"0.19.8": True}
+ZERO3_SP_AVERAGE_VERSIONS: dict[str, bool] = {"0.18.9": True, "0.19.8": True}
 """DeepSpeed releases whose ZeRO-3 gradient average under sequence parallelism was checked, and whether
-it needs correcting. In 0.19.8 ``reduce_scatter_coalesced`` divides by the world size and
+it needs correcting (0.18.9 by the floor run's ZeRO-3 parity test, with the same correction). In 0.19.8 (as in
+0.18.9) ``reduce_scatter_coalesced`` divides by the world size and
 ``__avg_scatter_grads`` never multiplies ``sequence_parallel_size`` back, while every other reduction
 (ZeRO-1/2, ZeRO-3's contiguous all-reduce path) divides by world / SP: gradients SP times too small.
 A release not listed is refused for ZeRO-3 + sequence parallelism (``zero3_sequence_parallel_problem``)
@@ -337,16 +425,14 @@ def _release(version: str) -> str:
 def zero3_sequence_parallel_problem(version: str | None = None) -> str | None:
     """Why ZeRO-3 + sequence parallelism cannot run exactly on this DeepSpeed (None when it can)."""
     if version is None:
-        import deepspeed
-
-        version = deepspeed.__version__
+        version = _deepspeed_version()
     if _release(version) in ZERO3_SP_AVERAGE_VERSIONS:
         return None
     checked = ", ".join(sorted(ZERO3_SP_AVERAGE_VERSIONS))
     return (
         f"ZeRO stage 3 with sequence parallelism on DeepSpeed {version}: ds_longseq checked ZeRO-3's gradient "
-        f"average under sequence parallelism on DeepSpeed {checked} only (0.19.8 averages over the world "
-        "instead of world / sequence_parallel_size and is corrected); use ZeRO stage 2, or DeepSpeed " + checked
+        f"average under sequence parallelism on DeepSpeed {checked} only (they average over the world "
+        "instead of world / sequence_parallel_size and are corrected); use ZeRO stage 2, or DeepSpeed " + checked
     )
 
 
@@ -368,9 +454,7 @@ def fix_zero3_sequence_parallel_average(optimizer, sp_size: int, version: str | 
     if sp_size <= 1:
         return False
     if version is None:
-        import deepspeed
-
-        version = deepspeed.__version__
+        version = _deepspeed_version()
     problem = zero3_sequence_parallel_problem(version)
     if problem is not None:
         raise RuntimeError(problem)
@@ -390,12 +474,77 @@ def fix_zero3_sequence_parallel_average(optimizer, sp_size: int, version: str | 
     return True
 
 
+def checkpoint_parallel_dims_keys() -> tuple[str, str] | None:
+    """(model-state key of the parallel dimensions, its tensor-parallel degree key) a DeepSpeed checkpoint records
+    and ``ds_to_universal`` checks, or None where it records none.
+
+    DeepSpeed 0.19 writes ``checkpoint_parallel_dimensions`` (``{"tp_degree": ...}``) into each model-state file
+    and its converter reads the tensor-parallel degree from there; DeepSpeed 0.18 (0.18.9 checked) has neither
+    constant and counts the model-state files instead."""
+    import deepspeed.checkpoint.constants as constants
+
+    if not hasattr(constants, "CHECKPOINT_PARALLEL_DIMS"):
+        return None
+    return constants.CHECKPOINT_PARALLEL_DIMS, constants.CHECKPOINT_TP_DEGREE
+
+
+def zero_flat_buffers_detached(optimizer: Any) -> int:
+    """Detach a ZeRO-1/2 optimizer's flat parameter buffers (``bit16_groups_flat``) from autograd; how many were
+    attached.
+
+    DeepSpeed 0.18 (0.18.9 checked) builds them with ``torch.cat`` of the parameters and keeps the result's autograd
+    history, so the step's all-gather into views of them can fail ("Output 0 of Split is a view and is being
+    modified inplace"); 0.19 detaches them where it builds them. The detached buffer shares the same storage (the
+    parameters stay views of it): decided on the buffers' state, not on a version, so a fixed release is left as it
+    is."""
+    flats = getattr(optimizer, "bit16_groups_flat", None) or []
+    partitions = getattr(optimizer, "parallel_partitioned_bit16_groups", None) or [[] for _ in flats]
+    attached = [i for i, flat in enumerate(flats) if getattr(flat, "requires_grad", False)]
+    for i in attached:
+        flats[i] = flats[i].detach()
+        # this rank's partition and the others' are views of the attached buffer: the step writes into them too
+        partitions[i][:] = [part.detach() for part in partitions[i]]
+    return len(attached)
+
+
 def _same(a: Any, b: Any) -> bool:
     import torch
 
     if torch.is_tensor(a) or torch.is_tensor(b):
         return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
     return a == b
+
+
+def _relinked_zero12_fragments(optimizer: Any) -> list[str]:
+    """Point each parameter's fp32 fragment and optimizer-state fragments (``_hp_mapping.hp_fragment`` /
+    ``optim_fragment``, what ``deepspeed.utils.safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``
+    read and ``safe_set_*`` write) back into the ZeRO-1/2 optimizer's fp32 partition and its state.
+
+    DeepSpeed 0.18 (0.18.9 checked): its universal load (``map_to_flat_opt_states``) re-points ``hp_fragment`` at
+    each new optimizer-state buffer in turn, so it ends on the last one (``exp_avg_sq`` read as the fp32 weight),
+    and leaves ``optim_fragment`` copies that the steps do not update; 0.19 sets the state fragments instead. The
+    step itself uses the partition and its state, so training was right and only these reads were wrong."""
+    lp_groups = getattr(optimizer, "bit16_groups", None)
+    if lp_groups is None:
+        return []
+    inner = optimizer.optimizer
+    relinked = 0
+    for index, group in enumerate(inner.param_groups):
+        flat = group["params"][0]
+        state = inner.state.get(flat, {})
+        for lp in lp_groups[index]:
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is None:
+                continue
+            where = mapping.get_hp_fragment_address()
+            right = flat.narrow(0, where.start, where.numel)
+            if mapping.hp_fragment.data_ptr() != right.data_ptr():
+                mapping.hp_fragment = right
+                mapping.optim_fragment = {key: value.narrow(0, where.start, where.numel)
+                                          for key, value in state.items()
+                                          if getattr(value, "shape", None) == flat.shape}
+                relinked += 1
+    return [f"the fp32 and optimizer-state views of {relinked} parameters relinked"] if relinked else []
 
 
 def repair_zero3_universal_load(engine: Any, universal_dir: str) -> list[str]:
@@ -410,8 +559,12 @@ def repair_zero3_universal_load(engine: Any, universal_dir: str) -> list[str]:
     - It copies the first parameter group's hyperparameters (``weight_decay``, ``lr``, ...) into every group, so a
       no-decay group would decay. Each group gets its own back from the checkpoint's ``optimizer_state.pt``.
 
-    Both repairs restore what the checkpoint holds, so on a DeepSpeed that loads right they change nothing: keyed
+    Under ZeRO-1/2 it relinks what DeepSpeed 0.18's load left pointing elsewhere (``_relinked_zero12_fragments``).
+
+    The repairs restore what the checkpoint holds, so on a DeepSpeed that loads right they change nothing: keyed
     on what the load left, not on a version."""
+    if engine.zero_optimization_stage() in (1, 2):
+        return _relinked_zero12_fragments(engine.optimizer)
     if engine.zero_optimization_stage() != 3:
         return []
     import os
@@ -518,7 +671,8 @@ def default_store():
 
 # ---- transformers' Trainer, TRL's trainers, accelerate --------------------------------------------------------
 # The Trainer integration (ds_longseq/trainer/) goes through these: each is a private name, or a change to an
-# object the Trainer, TRL or accelerate owns, written against transformers 5.24, TRL 1.16 and accelerate 1.x.
+# object the Trainer, TRL or accelerate owns, written against transformers 5.24, TRL 1.16 and accelerate 1.x; where
+# TRL 1.9 differs, the function says so (trl_makes_fused_head_calls).
 
 
 def keys_ignored_on_save(model: Any) -> set[str]:
@@ -529,11 +683,11 @@ def keys_ignored_on_save(model: Any) -> set[str]:
 def trainer_checkpointing_turned_off(trainer: Any) -> bool:
     """Turn the Trainer's activation checkpointing off (the model's, and ``TrainingArguments``' flags, which the
     Trainer applies in ``train()``); whether any was on."""
-    model_on = getattr(trainer.model, "is_activation_checkpointing", False)
+    model_on = activation_checkpointing_on(trainer.model)
     names = [name for name in ("activation_checkpointing", "gradient_checkpointing")
              if getattr(trainer.args, name, False)]
     if model_on:
-        trainer.model.activation_checkpointing_disable()
+        set_activation_checkpointing(trainer.model, False)
     for name in names:
         setattr(trainer.args, name, False)
     return bool(model_on or names)
@@ -588,6 +742,19 @@ def trl_metrics(trainer: Any, mode: str) -> dict[str, list[float]]:
 def trl_entropy_bonus_enabled(trainer: Any) -> bool:
     """Whether TRL's GRPO trainer adds an entropy bonus (``entropy_coef`` / ``use_adaptive_entropy``)."""
     return bool(getattr(trainer, "_entropy_bonus_enabled", False))
+
+
+def trl_makes_fused_head_calls() -> bool:
+    """Whether the installed TRL's trainers read their per-token outputs from fused-LM-head calls
+    (``model(..., labels=..., fused_lm_head=True)``, the protocol of ``trl.trainer.utils.add_fused_lm_head``).
+
+    TRL 1.16 (1.16.0 checked): yes, SFT, DPO and GRPO make only such calls for their losses. TRL 1.9 (1.9.0 checked):
+    there is no ``add_fused_lm_head``; DPO and GRPO call the model without labels and read ``outputs.logits``, SFT
+    (``loss_type="chunked_nll"``, its default) makes ``labels=`` calls and reads the sums of the forward it patches in
+    (``trainer/trl.py`` says what ds_longseq answers each with). Decided on the function's presence."""
+    import trl.trainer.utils
+
+    return hasattr(trl.trainer.utils, "add_fused_lm_head")
 
 
 @contextlib.contextmanager

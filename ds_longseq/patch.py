@@ -4,7 +4,8 @@ Holds:
     enable / disable / is_enabled / get_config: apply, undo and inspect long-sequence training on a
         loaded ``*ForCausalLM`` (or the one inside a PEFT wrapper).
     mark_zero3_leaves: the ZeRO-3 leaf modules the active techniques need (before ``deepspeed.initialize``).
-    sequence_parallel_of, configure_fused_lm_head: the model's sequence-parallel group; TRL's fused-head settings.
+    sequence_parallel_of, configure_fused_lm_head, configure_loss_statistics: the model's sequence-parallel group;
+        TRL's fused-head settings; TRL 1.9's statistics of a loss call.
 
 ``enable`` parses the config once, finds the model's family (``ds_longseq.families``), asks every active
 technique (``ds_longseq.techniques``, in their declared order) what it cannot run, refuses with every
@@ -43,6 +44,7 @@ __all__ = [
     "mark_zero3_leaves",
     "sequence_parallel_of",
     "configure_fused_lm_head",
+    "configure_loss_statistics",
 ]
 
 _HANDLE_ATTR = "_ds_longseq_handle"
@@ -261,3 +263,24 @@ def configure_fused_lm_head(
     handle.forward.configure_fused_head(
         temperature=temperature, outputs=outputs, cast_lm_head_to_fp32=cast_lm_head_to_fp32
     )
+
+
+def configure_loss_statistics(model: torch.nn.Module, on: bool = True) -> None:
+    """Make every loss call of an enabled model (``model(..., labels=...)``) also return the sums TRL 1.9's
+    SFTTrainer reads from it under ``loss_type="chunked_nll"`` (``num_valid_tokens``, ``entropy_sum``,
+    ``num_correct_tokens``; see ``forwards.token_outputs.LossStatisticsOutput``): what the forward TRL 1.9 patches in
+    for that loss type returns, which ds_longseq's forward shadows. ``LongSeqTrainerMixin`` does it from the TRL
+    trainer (``trainer/trl.py``).
+
+    Raises:
+        RuntimeError: the model is not enabled, or enabled with nothing that installs ds_longseq's forward.
+    """
+    handle = _handle(model)
+    if handle is None:
+        raise RuntimeError("configure_loss_statistics needs ds_longseq.enable(model, ...) first")
+    if handle.forward is None:
+        raise RuntimeError(
+            "configure_loss_statistics: the long_seq config enables nothing, so ds_longseq installed no forward and "
+            "TRL's own forward serves the calls"
+        )
+    handle.forward.report_loss_statistics(on)

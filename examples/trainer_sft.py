@@ -6,7 +6,7 @@ for TRL). Launch it the DeepSpeed way (CPU ranks use gloo, GPUs nccl), or with a
 DeepSpeed accelerate config (its ``deepspeed_config_file`` is then the default ``--ds_config``):
 
     deepspeed --num_gpus 2 examples/trainer_sft.py
-    deepspeed --num_gpus 2 examples/trainer_sft.py --trl        # TRL's SFTTrainer (pip install 'trl>=1.16')
+    deepspeed --num_gpus 2 examples/trainer_sft.py --trl        # TRL's SFTTrainer (pip install 'trl>=1.9')
     accelerate launch --config_file launch/accelerate_deepspeed.yaml examples/trainer_sft.py
 
 ``--model PATH --data FILE.jsonl`` trains a local Hugging Face model on your data, as sft.py does: one JSON
@@ -105,7 +105,7 @@ def import_trl():
         from trl import SFTConfig, SFTTrainer
     except ImportError as err:
         raise SystemExit(
-            "--trl needs TRL, which is not installed: pip install 'trl>=1.16' (or pip install -e '.[trl]')"
+            "--trl needs TRL, which is not installed: pip install 'trl>=1.9' (or pip install -e '.[trl]')"
         ) from err
     return SFTConfig, SFTTrainer
 
@@ -133,7 +133,10 @@ def make_trainer(args, training: dict, model, rows: list, tokenizer, long_seq):
         {"input_ids": r["input_ids"][r["attention_mask"] == 1].tolist(),
          "labels": r["labels"][r["attention_mask"] == 1].tolist()} for r in rows
     ])
-    config = SFTConfig(**training, max_length=args.seq_len, activation_checkpointing=False)
+    # StreamBP recomputes each layer itself: TRL's default checkpointing off (transformers 5.23 renamed the flag)
+    flag = ("activation_checkpointing" if "activation_checkpointing" in SFTConfig.__dataclass_fields__
+            else "gradient_checkpointing")
+    config = SFTConfig(**training, max_length=args.seq_len, **{flag: False})
     return with_long_seq(SFTTrainer)(model=model, args=config, train_dataset=data,
                                      processing_class=tokenizer or copy_task_tokenizer(), long_seq=long_seq)
 

@@ -73,6 +73,20 @@ def _keep64(fn, method: bool):
     return wrapper
 
 
+def _matmul64(fn):
+    """``fn`` (a matrix product) with a float32/16 operand turned float64 when the other is float64: a float64
+    buffer (rotary ``inv_freq``) times positions cast by ``.float()``, which transformers 5.16 multiplies as a matrix
+    product (5.24 elementwise, promoting)."""
+
+    def wrapper(a, b, *args, **kwargs):
+        dtypes = {getattr(a, "dtype", None), getattr(b, "dtype", None)}
+        if torch.float64 in dtypes and dtypes & set(_LOW):
+            a, b = a.to(torch.float64), b.to(torch.float64)
+        return fn(a, b, *args, **kwargs)
+
+    return wrapper
+
+
 class full_float64:
     """Keep float64 wherever stock code would round to float32 (see the module docstring).
 
@@ -88,6 +102,9 @@ class full_float64:
     def __enter__(self):
         self._saved = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in (*self._METHODS, "float")]
         self._saved += [(module, name, getattr(module, name)) for module, name in self._FUNCTIONS]
+        self._saved += [(torch.Tensor, "__matmul__", torch.Tensor.__matmul__), (torch, "matmul", torch.matmul)]
+        torch.Tensor.__matmul__ = _matmul64(torch.Tensor.__matmul__)
+        torch.matmul = _matmul64(torch.matmul)
         for name in self._METHODS:
             setattr(torch.Tensor, name, _keep64(getattr(torch.Tensor, name), method=True))
         float_ = torch.Tensor.float

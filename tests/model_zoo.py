@@ -580,6 +580,10 @@ def tiny_config(model_type: str, variant: str = "default") -> transformers.Pretr
     the ``published`` variant (:data:`VARIANTS`, its dropouts at their defaults)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {VARIANTS}")
+    if model_type not in CONFIG_MAPPING:  # a family newer than the installed transformers (the floor run's 5.16)
+        import pytest
+
+        pytest.skip(f"transformers {transformers.__version__} does not ship model_type {model_type!r}")
     override = OVERRIDES.get(model_type, {})
     try:
         default = transformers.AutoConfig.for_model(model_type)

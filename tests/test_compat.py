@@ -27,6 +27,8 @@ THIRD_PARTY_PRIVATE = {
     "_get_default_store",
     "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
     "ds_id",
+    "_hp_mapping",
+    "_DimZeroAllToAll",
 }
 
 
@@ -303,12 +305,12 @@ def test_the_detector_finds_an_overridden_private_hook():
             in third_party_touches(trees))
 
 
-@pytest.mark.parametrize("version", ["0.19.8", "0.19.8+cu124", "0.19.8rc1"])
+@pytest.mark.parametrize("version", ["0.18.9", "0.19.8", "0.19.8+cu124", "0.19.8rc1"])
 def test_the_checked_release_runs_zero3_with_sequence_parallelism(version):
     assert compat.zero3_sequence_parallel_problem(version) is None
 
 
-@pytest.mark.parametrize("version", ["0.19.9", "0.20.0", "0.18.2"])
+@pytest.mark.parametrize("version", ["0.19.9", "0.20.0", "0.18.2", "0.18.8"])
 def test_an_unchecked_release_is_refused_not_corrected(version):
     problem = compat.zero3_sequence_parallel_problem(version)
     assert f"DeepSpeed {version}" in problem and "use ZeRO stage 2" in problem

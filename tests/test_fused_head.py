@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import ds_longseq
 from ds_longseq.forwards.token_outputs import FUSED_HEAD_OUTPUTS, FusedHeadSettings, FusedLMHeadOutput
 from ds_longseq.ops import chunked_token_logprobs, chunked_token_outputs
-from ds_longseq.patch import configure_fused_lm_head
-from tests.helpers import clone, grads_of, make_batch, make_model, rel_err
+from ds_longseq.patch import configure_fused_lm_head, configure_loss_statistics
+from tests.helpers import clone, grads_of, make_batch, make_model, reference_loss, rel_err
 from tests.test_families import exact, right_padded_batch
 
 CONFIGS = {
@@ -84,10 +84,21 @@ def test_fused_head_call_is_exact(name):
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def _trl_fused_head_utils():
+    """``trl.trainer.utils`` where it has ``add_fused_lm_head`` (TRL 1.16); skips on TRL 1.9, which has no fused-LM-head
+    protocol (its trainers' calls are served otherwise: ds_longseq/trainer/trl.py)."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        import trl
+
+        pytest.skip(f"TRL {trl.__version__} has no add_fused_lm_head (TRL 1.16's fused-LM-head protocol)")
+    return trl_utils
+
+
 def test_fused_head_matches_trl_protocol():
     """Same fields, shapes and values as TRL's own fused head on the stock model (float32), with
     ``num_items_in_batch`` as the Trainer passes it."""
-    trl_utils = pytest.importorskip("trl.trainer.utils")
+    trl_utils = _trl_fused_head_utils()
     model = make_model("llama", torch.float32)
     theirs = clone(model)
     trl_utils.add_fused_lm_head(theirs, outputs=("log_probs", "entropy", "is_top1"))
@@ -198,7 +209,7 @@ def test_fused_head_all_fields_and_temperature_exact(case):
 def test_fused_head_matches_trl_with_every_field(temperature):
     """TRL's own fused head on the stock float32 model, every output requested, with a temperature:
     the same fields (values and the gradients of log_probs and entropy) as ds_longseq's."""
-    trl_utils = pytest.importorskip("trl.trainer.utils")
+    trl_utils = _trl_fused_head_utils()
     model = make_model("llama", torch.float32)
     theirs = clone(model)
     trl_utils.add_fused_lm_head(theirs, temperature=temperature, outputs=FUSED_HEAD_OUTPUTS)
@@ -224,6 +235,66 @@ def test_fused_head_matches_trl_with_every_field(temperature):
     # norm-wise: float32 roundings of two different kernels (and StreamBP's chunked layers) sum differently
     errs = {"input": rel_err(gin_ours, gin_theirs), **{n: rel_err(g_ours[n], g_theirs[n]) for n in g_theirs}}
     assert set(g_ours) == set(g_theirs) and max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_statistics_are_exact(name):
+    """With configure_loss_statistics (TRL 1.9's SFTTrainer under loss_type="chunked_nll"), a loss call returns the
+    loss and the sums TRL reads (valid targets, their entropies, their top-1 hits), float64 against the stock logits:
+    the loss and every gradient as the stock loss's (1e-10: float64 rounding of two summation orders), the counts
+    exactly; over num_items_in_batch when given."""
+    model = make_model("llama", torch.float64)
+    ours = ds_longseq.enable(clone(model), CONFIGS[name])
+    configure_loss_statistics(ours)
+    batch = make_batch()
+    got = {}
+
+    def statistics():
+        got["out"] = ours(**batch)
+        return got["out"].loss
+
+    _, ref_grads, ref_gin = grads_of(model, lambda: reference_loss(model, batch))
+    _, grads, gin = grads_of(ours, statistics)
+    out = got["out"]
+    lp, ent, top1, mask = _stock_per_token(model, batch)
+    assert out.logits is None and out.aux_loss is None
+    torch.testing.assert_close(out.loss.detach(), -lp.sum().detach() / mask.sum(), rtol=1e-12, atol=0)
+    assert int(out.num_valid_tokens) == int(mask.sum()) and float(out.num_correct_tokens) == float(top1.sum())
+    torch.testing.assert_close(out.entropy_sum, ent.sum().detach(), rtol=1e-12, atol=0)
+    assert not out.entropy_sum.requires_grad and not out.num_correct_tokens.requires_grad  # metrics only
+    torch.testing.assert_close(gin, ref_gin, rtol=1e-10, atol=1e-12)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-10, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")
+    with torch.no_grad():
+        assert ours(**batch, num_items_in_batch=torch.tensor(50.0)).loss == pytest.approx(-lp.sum().item() / 50.0)
+        configure_loss_statistics(ours, False)  # back to the plain loss output
+        assert not hasattr(ours(**batch), "num_valid_tokens")
+
+
+def test_loss_statistics_match_trl_chunked_nll():
+    """TRL 1.9's own chunked-NLL forward (what its SFTTrainer patches in for loss_type="chunked_nll") on the stock
+    float32 model, and ds_longseq's forward with configure_loss_statistics: the same loss and sums (1e-5: float32
+    rounding of two summation orders; the counts exactly). Skips where TRL has no such forward (TRL 1.16 reads
+    "chunked_nll" as "nll" and makes fused-LM-head calls)."""
+    sft = pytest.importorskip("trl.trainer.sft_trainer")
+    patch_chunked = getattr(sft, "_patch_chunked_ce_lm_head", None)
+    if patch_chunked is None:
+        import trl
+
+        pytest.skip(f"TRL {trl.__version__} has no chunked_nll forward (TRL 1.9's protocol)")
+    model = make_model("llama", torch.float32)
+    theirs = clone(model)
+    patch_chunked(theirs, chunk_size=7)
+    ours = ds_longseq.enable(clone(model), CONFIGS["streambp+lm_head"])
+    configure_loss_statistics(ours)
+    batch = make_batch()
+    with torch.no_grad():
+        for count in (None, torch.tensor(50.0)):
+            a, b = ours(**batch, num_items_in_batch=count), theirs(**batch, num_items_in_batch=count)
+            torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a.entropy_sum, b.entropy_sum, rtol=1e-5, atol=1e-5)
+            assert int(a.num_valid_tokens) == int(b.num_valid_tokens)
+            assert float(a.num_correct_tokens) == float(b.num_correct_tokens)
 
 
 def test_fused_head_unrequested_fields_are_none():
@@ -277,6 +348,8 @@ def test_fused_head_settings_refused():
         FusedHeadSettings(outputs=("log_probs", "logits"))
     with pytest.raises(RuntimeError, match="needs ds_longseq.enable"):
         configure_fused_lm_head(make_model("llama", torch.float32), temperature=0.7)
+    with pytest.raises(RuntimeError, match="configure_loss_statistics needs ds_longseq.enable"):
+        configure_loss_statistics(make_model("llama", torch.float32))
     hidden, weight = torch.randn(1, 3, 4), torch.randn(5, 4)
     targets = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="temperature must be a positive number"):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ds_longseq
+from ds_longseq.compat import set_activation_checkpointing
 from tests.helpers import ARCHS, clone, compare, loss_and_grads, make_batch, make_model
 
 MST = lambda n: {"mini_seq": {"enabled": True, "mlp_num_chunks": n}, "lm_head": {"enabled": True, "chunk_size": 9}}  # noqa: E731
@@ -25,7 +26,7 @@ def test_with_gradient_checkpointing_float32():
     batch = make_batch()
     ref = loss_and_grads(model, batch)
     ours_model = ds_longseq.enable(clone(model), MST(5))
-    ours_model.activation_checkpointing_enable()
+    set_activation_checkpointing(ours_model, True)
     ours_model.train()
     errs = compare(loss_and_grads(ours_model, batch), ref)
     assert max(errs.values()) < 1e-5, errs

@@ -14,6 +14,7 @@ import torch
 import ds_longseq
 import ds_longseq.ops.host_store as offload_ops
 from ds_longseq import LongSeqConfig, LongSeqConfigError
+from ds_longseq.compat import set_activation_checkpointing
 from ds_longseq.forwards.layer_input_offload import HostMemoryError
 from ds_longseq.ops import HostBufferPool, LayerInputOffloader, checkpoint_apply
 from tests.dist_utils import run_distributed
@@ -89,7 +90,7 @@ def test_mst_offload_matches_hf_checkpointing_and_stock(arch):
     batch = make_batch()
     ref = loss_and_grads(model, batch, use_reference=True, ref_dtype=torch.float64)
     hf_gc = ds_longseq.enable(clone(model), MST)
-    hf_gc.activation_checkpointing_enable()
+    set_activation_checkpointing(hf_gc, True)
     hf_gc.train()
     offloaded = ds_longseq.enable(clone(model), {**MST, **OFFLOAD}).train()
     for _ in range(2):
@@ -256,11 +257,11 @@ def test_generate_with_offload_matches_stock():
 
 def test_hf_gradient_checkpointing_with_mst_offload_is_refused():
     model = ds_longseq.enable(make_model("llama", torch.float32), {**MST, **OFFLOAD})
-    model.activation_checkpointing_enable()
+    set_activation_checkpointing(model, True)
     model.train()
     with pytest.raises(RuntimeError, match="checkpoints each layer itself.*activation_checkpointing_disable"):
         model(**make_batch())
-    model.activation_checkpointing_disable()
+    set_activation_checkpointing(model, False)
     assert torch.isfinite(model(**make_batch()).loss)
 
 

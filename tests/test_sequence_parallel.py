@@ -446,8 +446,27 @@ def whole_sequence_calls_under_ring(rank: int) -> dict:
         WholeSequenceCalls([model], rank, 2, dist.group.WORLD, ring=1)
     except ValueError as err:
         out["wrong_ring"] = str(err)
+    # TRL 1.9's calls without labels (whole_logits): the logits gathered whole, then the last logits_to_keep of them
+    model.zero_grad(set_to_none=True)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with WholeSequenceCalls([model], rank, 2, dist.group.WORLD, whole_logits=True):
+        logits = model(**inputs, logits_to_keep=5).logits
+        (logits * _logit_weights(logits.shape)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)
+    out.update(logits=logits.detach(), logit_grads=grads)
+    try:  # without whole_logits (TRL 1.16's trainers make fused calls only) a call without labels is refused
+        with WholeSequenceCalls([model], rank, 2, dist.group.WORLD):
+            model(**inputs)
+    except ValueError as err:
+        out["logits_refused"] = str(err)
     ds_longseq.disable(model)
     return out
+
+
+def _logit_weights(shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
 
 
 def check_whole_sequence_calls(whole: dict) -> None:
@@ -474,3 +493,13 @@ def check_whole_sequence_calls(whole: dict) -> None:
     # mutation control: the rank-after-rank gather, not put back by the layout, scores other tokens
     assert (whole["unordered"] - log_probs.detach()).abs().max() > 1e-2
     assert "the models enabled with that size run ring degree 2: pass ring=2" in whole["wrong_ring"]
+    # the logits of a call without labels, made whole: the stock's last 5 positions (float64 rounding: 1e-10), and the
+    # gradient of a function of them summed over the ranks the stock's
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, -5:]
+    torch.testing.assert_close(whole["logits"], logits.detach(), rtol=0, atol=1e-10)
+    (logits * _logit_weights(logits.shape)).sum().backward()
+    errs = {n: rel_err(whole["logit_grads"][n], p.grad) for n, p in model.named_parameters()}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < 1e-10, (worst, errs[worst])
+    assert "not as a fused-LM-head call" in whole["logits_refused"]

@@ -82,7 +82,7 @@ def test_trl_missing_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "trainer_sft.py"), "--trl"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2  # bad input (tests/test_bad_input.py)
-    assert "--trl needs TRL, which is not installed: pip install 'trl>=1.16'" in proc.stderr
+    assert "--trl needs TRL, which is not installed: pip install 'trl>=1.9'" in proc.stderr
 
 
 @pytest.mark.parametrize("accelerate_config", [pytest.param("accelerate_deepspeed.yaml", marks=pytest.mark.slow),

@@ -77,6 +77,21 @@ def common_args(workdir: str, stage: int, sp: int, long_seq: bool) -> dict:
     )
 
 
+def plain_deepspeed_repaired():
+    """A callback for the plain TRL runs (DeepSpeed without ds_longseq's engine): DeepSpeed 0.18's ZeRO-1/2 flat buffers
+    detached as ds_longseq's engine detaches them (``compat.zero_flat_buffers_detached``; a no-op on DeepSpeed 0.19 and
+    ZeRO-3), so the reference runs on DeepSpeed 0.18.9 get past its in-place all-gather into a view."""
+    from transformers import TrainerCallback
+
+    from ds_longseq.compat import zero_flat_buffers_detached
+
+    class Repaired(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            zero_flat_buffers_detached(getattr(optimizer, "optimizer", optimizer))
+
+    return Repaired()
+
+
 def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts: dict):
     """One DPOTrainer run on this rank: its logged metrics per step."""
     import datasets
@@ -95,7 +110,7 @@ def dpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts:
     trainer_cls = with_long_seq(DPOTrainer) if long_seq else DPOTrainer
     trainer = trainer_cls(
         model=model, args=args, train_dataset=datasets.Dataset.from_list(preference_pairs()),
-        processing_class=word_tokenizer(),
+        processing_class=word_tokenizer(), callbacks=None if long_seq else [plain_deepspeed_repaired()],
     )
     if opts.get("ring") and long_seq and sp > 1:  # 3 heads at sequence parallelism 2: a ring of 2
         from ds_longseq.patch import sequence_parallel_of
@@ -142,7 +157,7 @@ def grpo_body(rank: int, workdir: str, model_dir: str, stage: int, sp: int, opts
 
     trainer = Recording(
         model=model, args=args, train_dataset=datasets.Dataset.from_list(prompts()), reward_funcs=even_token_reward,
-        processing_class=word_tokenizer(),
+        processing_class=word_tokenizer(), callbacks=None if long_seq else [plain_deepspeed_repaired()],
     )
     if opts.get("ring") and long_seq and sp > 1:  # 3 heads at sequence parallelism 2: a ring of 2
         from ds_longseq.patch import sequence_parallel_of

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ds_longseq.compat import fix_zero3_sequence_parallel_average
+from ds_longseq.compat import TESTED_VERSIONS, fix_zero3_sequence_parallel_average, zero_flat_buffers_detached
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine.sp_groups import sequence_parallel_groups
 from ds_longseq.logging import get_logger
@@ -50,7 +50,7 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-MIN_DEEPSPEED_VERSION = "0.19.8"
+MIN_DEEPSPEED_VERSION = TESTED_VERSIONS["deepspeed"][0]
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -65,7 +65,8 @@ def _check_deepspeed():
     try:
         import deepspeed
     except ImportError as err:  # pragma: no cover - deepspeed is an install requirement
-        raise ImportError("ds_longseq.engine needs DeepSpeed: pip install 'deepspeed>=0.19.8'") from err
+        raise ImportError(
+            f"ds_longseq.engine needs DeepSpeed: pip install 'deepspeed>={MIN_DEEPSPEED_VERSION}'") from err
     if _version_tuple(deepspeed.__version__) < _version_tuple(MIN_DEEPSPEED_VERSION):
         raise RuntimeError(
             f"DeepSpeed {deepspeed.__version__} is older than {MIN_DEEPSPEED_VERSION}, the oldest version "
@@ -212,6 +213,8 @@ def initialize_with(
         config=ds_config,
         **kwargs,
     )
+    if stage in (1, 2):
+        zero_flat_buffers_detached(outputs[0].optimizer)
     if long_seq.sequence_parallel.enabled and stage == 3:
         fix_zero3_sequence_parallel_average(outputs[0].optimizer, long_seq.sequence_parallel.size)
     if long_seq.watchdog.enabled and started_by_launcher():

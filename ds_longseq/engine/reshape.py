@@ -43,6 +43,7 @@ import sys
 from typing import Any
 
 from ds_longseq.batch_size import read_batch_size
+from ds_longseq.compat import checkpoint_parallel_dims_keys
 from ds_longseq.engine.manifest import MANIFEST, MODEL_STATES, write_latest
 from ds_longseq.logging import get_logger
 
@@ -180,15 +181,17 @@ def _staged_for_conversion(checkpoint_dir: str, saved: dict[str, Any]) -> str | 
     import glob
 
     import torch
-    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
-
+    keys = checkpoint_parallel_dims_keys()
+    if keys is None:
+        return None  # DeepSpeed 0.18 counts model-state files (one here), reading the checkpoint as it is
+    dims_key, tp_key = keys
     states = glob.glob(os.path.join(checkpoint_dir, "mp_rank_*_model_states.pt"))
     size = saved.get("sequence_parallel_size", 1)
     if len(states) != 1 or size <= 1 or saved.get("zero_stage", 0) >= 3:
         return None
     state = torch.load(states[0], map_location="cpu", weights_only=False)
-    dims = state.get(CHECKPOINT_PARALLEL_DIMS)
-    if not isinstance(dims, dict) or dims.get(CHECKPOINT_TP_DEGREE) != size:
+    dims = state.get(dims_key)
+    if not isinstance(dims, dict) or dims.get(tp_key) != size:
         return None  # a degree that is not the sequence-parallel size: real tensor parallelism, left to DeepSpeed
     staging = checkpoint_dir.rstrip(os.sep) + ".staging"
     shutil.rmtree(staging, ignore_errors=True)
@@ -196,7 +199,7 @@ def _staged_for_conversion(checkpoint_dir: str, saved: dict[str, Any]) -> str | 
     for name in os.listdir(checkpoint_dir):
         if os.path.join(checkpoint_dir, name) != states[0]:
             os.symlink(os.path.abspath(os.path.join(checkpoint_dir, name)), os.path.join(staging, name))
-    state[CHECKPOINT_PARALLEL_DIMS] = {**dims, CHECKPOINT_TP_DEGREE: 1}
+    state[dims_key] = {**dims, tp_key: 1}
     torch.save(state, os.path.join(staging, os.path.basename(states[0])))
     return staging
 

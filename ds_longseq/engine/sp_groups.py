@@ -8,7 +8,8 @@ Holds:
     shard_sequence / sequence_from_shards: cut one per-position tensor like shard_batch; put the group's shards of one
         (an all-gather's concatenation) back in the sequence's order.
     WholeSequenceCalls: while active, fused-LM-head calls with whole sequences (the same on every rank of a group)
-        run sharded across the group and return whole-sequence per-token outputs (TRL's DPO and GRPO trainers).
+        run sharded across the group and return whole-sequence per-token outputs (TRL's DPO and GRPO trainers); with
+        ``whole_logits``, calls without labels return the whole sequence's logits (TRL 1.9's).
 
 Shape legend: B batch, T global length, P ranks per sequence, T_l = T / P.
 
@@ -234,19 +235,27 @@ class WholeSequenceCalls:
     TRL's own head returns them. So the caller computes its whole loss and metrics on every rank; each rank's
     gradient is that of its own slice, and the ranks' gradients summed (DeepSpeed's reduction) are the loss's.
 
+    With ``whole_logits``, a call without labels (``model(input_ids=..., attention_mask=...)``, TRL 1.9's DPO and
+    GRPO, which read ``outputs.logits``) is cut the same way and its (B, T_l, V) logits gathered back to the whole
+    (B, T, V) (``logits_to_keep`` applied to the whole sequence afterwards): exact, with the gradient of each rank's
+    own slice as above, but every rank then holds the whole sequence's logits, as the caller's own forward would.
+
     Args:
         modules: the modules the caller calls (a PEFT wrapper, the causal LM), each hooked once.
         rank, size, group: this rank's place in its sequence-parallel group, and the group.
+        whole_logits: also take calls without labels, their logits made whole.
 
     Raises:
         ValueError: a ``ring`` other than the enabled models' ring degree.
 
     Raises (from a call inside the context):
-        ValueError: a call that is not a fused-LM-head call with ``labels=`` and keyword inputs (its outputs
-            could not be made whole), or a batch key :func:`shard_batch` cannot cut.
+        ValueError: a call that is not a fused-LM-head call with ``labels=`` (or with ``whole_logits`` a call without
+            labels) and keyword inputs (its outputs could not be made whole), or a batch key :func:`shard_batch` cannot
+            cut.
     """
 
-    def __init__(self, modules: Iterable[torch.nn.Module], rank: int, size: int, group, ring: int | None = None):
+    def __init__(self, modules: Iterable[torch.nn.Module], rank: int, size: int, group, ring: int | None = None,
+                 whole_logits: bool = False):
         enabled = ring_degree(size)
         ring = enabled if ring is None else ring
         if ring != enabled:  # the calls would be cut in one layout and attended in another
@@ -256,8 +265,10 @@ class WholeSequenceCalls:
             )
         self.modules = list({id(m): m for m in modules}.values())
         self.rank, self.size, self.group, self.ring = rank, size, group, ring
+        self.whole_logits = whole_logits
         self._handles: list = []
-        self._lengths: list[int] = []  # the whole T of the calls under way (innermost last)
+        # the calls under way (innermost last): (whole T, None for a fused call or the logits_to_keep of a logits call)
+        self._calls: list[tuple[int, int | None]] = []
 
     def __enter__(self) -> "WholeSequenceCalls":
         if self._handles:
@@ -271,24 +282,35 @@ class WholeSequenceCalls:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._lengths.clear()
+        self._calls.clear()
 
     def _cut(self, module, args, kwargs):
-        if args or not kwargs.get("fused_lm_head") or kwargs.get("labels") is None:
+        fused = bool(kwargs.get("fused_lm_head")) and kwargs.get("labels") is not None
+        logits = (self.whole_logits and not kwargs.get("fused_lm_head") and kwargs.get("labels") is None
+                  and kwargs.get("shift_labels") is None)
+        keep = kwargs.pop("logits_to_keep", 0) if logits else 0
+        if args or not (fused or logits) or not isinstance(keep, int):
+            also = " or a call without labels (its logits)" if self.whole_logits else ""
             raise ValueError(
                 f"{type(module).__name__} called under sequence parallelism with whole sequences, but not as a "
-                "fused-LM-head call (model(input_ids=..., labels=..., fused_lm_head=True), keyword arguments): only "
-                "those calls' per-token outputs can be made whole again. Compute logits with sequence parallelism "
+                f"fused-LM-head call (model(input_ids=..., labels=..., fused_lm_head=True), keyword arguments){also}: "
+                "only those calls' outputs can be made whole again. Compute logits with sequence parallelism "
                 "paused (trainer.sequence_parallel_paused())"
             )
         seq = {k: kwargs.pop(k) for k in list(kwargs) if k in SHARDED_KEYS and kwargs[k] is not None}
         kwargs.pop("seq_idx", None)  # see trainer.batches.shard_inputs: documents come from the restarting positions
-        self._lengths.append(int(seq["input_ids"].shape[1]))
+        self._calls.append((int(seq["input_ids"].shape[1]), keep if logits else None))
         kwargs.update(shard_batch(seq, self.rank, self.size, pad=True, ring=self.ring))
         return args, kwargs
 
     def _join(self, module, args, kwargs, output):
-        length = self._lengths.pop() - 1  # labels= calls score positions 0 .. T - 2 (the next token)
+        length, keep = self._calls.pop()
+        if keep is not None:  # a call without labels: (B, T, V) logits, cut to the last logits_to_keep (0: all)
+            whole = gather_sequence(output.logits, self.group, self.rank, self.size)
+            start = max(length - keep, 0) if keep else 0
+            output["logits"] = sequence_from_shards(whole, self.size, self.ring)[:, start:length]
+            return output
+        length -= 1  # labels= calls score positions 0 .. T - 2 (the next token)
         for name in _PER_TOKEN_FIELDS:
             value = getattr(output, name, None)
             if isinstance(value, torch.Tensor):

@@ -21,6 +21,10 @@ the chunked head, so TRL's trainers get ds_longseq's head, chunk size and sequen
 handling. What TRL configured when it added its head (the temperature, the per-token fields its
 trainer reads, ``cast_lm_head_to_fp32``) is set with :meth:`CausalLMForward.configure_fused_head`
 (``patch.configure_fused_lm_head``; the Trainer integration does it from the TRL trainer).
+
+TRL 1.9's SFTTrainer (``loss_type="chunked_nll"``) instead makes plain loss calls and reads sums of the targets'
+entropies and top-1 hits from their output: with :meth:`CausalLMForward.report_loss_statistics` on
+(``patch.configure_loss_statistics``) every loss call returns a ``token_outputs.LossStatisticsOutput``.
 """
 
 from __future__ import annotations
@@ -182,6 +186,8 @@ class CausalLMForward:
                                           settings.logit_scale)
         self.token_records: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """While not None (:meth:`recording_tokens`), every loss call appends its targets' (log-probs, valid mask)."""
+        self.loss_statistics = False
+        """Loss calls return a ``LossStatisticsOutput`` (:meth:`report_loss_statistics`)."""
 
     @contextlib.contextmanager
     def recording_tokens(self):
@@ -213,6 +219,13 @@ class CausalLMForward:
         settings = FusedHeadSettings(temperature, tuple(outputs), bool(cast_lm_head_to_fp32))
         self.token_outputs.settings = settings
         return settings
+
+    def report_loss_statistics(self, on: bool = True) -> None:
+        """Make every loss call (``labels=``, or ``shift_labels=`` under sequence parallelism; not a fused-head or
+        per-token call) return a :class:`~ds_longseq.forwards.token_outputs.LossStatisticsOutput`: the loss and the
+        sums TRL 1.9's SFTTrainer reads under ``loss_type="chunked_nll"`` (valid targets, their entropies, their
+        top-1 hits), computed from the targets' per-token outputs (chunked with ``long_seq.lm_head``)."""
+        self.loss_statistics = bool(on)
 
     @property
     def fused_head(self) -> FusedHeadSettings:
@@ -264,7 +277,7 @@ class CausalLMForward:
         if per_token:
             check_token_outputs_call(generating, wants_loss)
         elif generating or not wants_loss or (
-            not self.settings.chunked_head and sp is None and self.token_records is None
+            not self.settings.chunked_head and sp is None and self.token_records is None and not self.loss_statistics
         ):
             return self.orig_forward(
                 input_ids=input_ids,
@@ -307,6 +320,15 @@ class CausalLMForward:
         if per_token:
             out = self.token_outputs.per_token(hidden, targets, ignore_index, ("entropy",) if want_entropy else ())
             return TokenLogprobs(out.log_probs, out.mask, out.entropy, group=None if sp is None else sp.group)
+        if self.loss_statistics:
+            aux = router_aux_loss(self.model, outputs, attention_mask) if router_aux else None
+            # no valid token: a finite 0 as TRL 1.9's own chunked loss gives, not 0 / 0
+            mean = lambda total, valid: self._token_mean(total, valid, num_items_in_batch, empty_is_zero=True)
+            coef = self.model.router_aux_loss_coef if aux is not None else 0.0
+            output, log_probs, mask = self.token_outputs.loss_statistics(hidden, targets, ignore_index, mean, aux, coef)
+            if self.token_records is not None:
+                self.token_records.append((log_probs.detach(), mask))
+            return output.to_tuple() if return_dict is False else output
         loss_sum, num_valid, logits = self._loss_sum(hidden, targets, ignore_index)
         loss = self._token_mean(loss_sum, num_valid, num_items_in_batch)
         if router_aux:

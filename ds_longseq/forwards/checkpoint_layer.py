@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ds_longseq.compat import CACHE_KWARGS
+from ds_longseq.compat import CACHE_KWARGS, CHECKPOINTING_OFF_CALL
 from ds_longseq.forwards.moe import router_logits_requested
 from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.activation_checkpoint import checkpoint_apply
@@ -62,7 +62,7 @@ class CheckpointLayerForward:
                 "gradient (activation) checkpointing is on for a model with long_seq.mini_seq and "
                 "long_seq.offload.layer_inputs: offload with mini_seq checkpoints each layer itself (keeping its "
                 "input in host memory), so checkpointing would recompute every layer twice. Call "
-                "model.activation_checkpointing_disable() (gradient_checkpointing_disable() is its deprecated name)."
+                f"{CHECKPOINTING_OFF_CALL}."
             )
         check_zero3_leaf(layer)
         if self.moe and torch.is_grad_enabled() and router_logits_requested():

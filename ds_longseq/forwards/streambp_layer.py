@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ds_longseq.compat import cache_kwarg, pop_cache
+from ds_longseq.compat import CHECKPOINTING_OFF_CALL, cache_kwarg, pop_cache
 from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS, RECURRENT_MASK_KWARGS
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, chunk_spec
 from ds_longseq.forwards.layer_cache import layer_cache
@@ -217,7 +217,7 @@ class StreamBPLayerForward:
             raise RuntimeError(
                 "activation (gradient) checkpointing is on for a ds_longseq streambp model: StreamBP already keeps "
                 "only each layer's input, so checkpointing would only recompute twice. Call "
-                "model.activation_checkpointing_disable()."
+                f"{CHECKPOINTING_OFF_CALL}."
             )
         _check_chunkable_kwargs(self.name, layer, kwargs)
         _check_position_embeddings(self.name, layer, position_embeddings, T)

@@ -4,10 +4,12 @@ Holds:
     TokenOutputs: the per-token outputs of the LM head for given targets, chunked (``long_seq.lm_head``)
         or from the stock head's logits; TRL's fused-head output built from them.
     FusedHeadSettings, FusedLMHeadOutput, FUSED_HEAD_OUTPUTS: what a TRL fused-head call computes and returns.
+    LossStatisticsOutput: a loss call's output with the sums TRL 1.9's SFTTrainer reads (``loss_type="chunked_nll"``).
     check_token_outputs_call: the refusal of a per-token call that cannot be answered.
 
 ``forwards.causal_lm.CausalLMForward`` dispatches here for ``return_token_logprobs`` /
-``return_token_entropy`` and TRL's ``fused_lm_head=True`` calls; its loss path stays there.
+``return_token_entropy`` and TRL's ``fused_lm_head=True`` calls, and for loss calls that report TRL 1.9's statistics;
+its plain loss path stays there.
 
 Shape legend: B batch, T tokens, V vocab.
 """
@@ -19,11 +21,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
 from ds_longseq.ops.lm_head_loss import TokenHeadOutputs, softcap_logits
 
-__all__ = ["TokenOutputs", "FusedHeadSettings", "FusedLMHeadOutput", "FUSED_HEAD_OUTPUTS", "check_token_outputs_call"]
+__all__ = ["TokenOutputs", "FusedHeadSettings", "FusedLMHeadOutput", "FUSED_HEAD_OUTPUTS", "LossStatisticsOutput",
+           "check_token_outputs_call"]
 
 FUSED_HEAD_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 """The per-token fields of TRL's fused head (``add_fused_lm_head(outputs=...)``) ds_longseq computes."""
@@ -106,6 +109,27 @@ class FusedLMHeadOutput(ModelOutput):
     aux_loss: torch.Tensor | None = None
 
 
+@dataclass
+class LossStatisticsOutput(CausalLMOutputWithPast):
+    """A loss call's output (``model(..., labels=...)``) with the sums TRL 1.9's SFTTrainer reads from it under
+    ``loss_type="chunked_nll"``: the fields of the output of the forward TRL 1.9 patches in for that loss type (its
+    ``_ChunkedCELMHeadOutput``), which ds_longseq's forward shadows (``trainer/trl.py``).
+
+    Attributes (besides ``loss``; ``logits`` is None):
+        num_correct_tokens: how many valid labels have the largest logit (float32, no gradient).
+        entropy_sum: the entropies of the next-token distributions at the valid labels, summed (no gradient).
+        num_valid_tokens: how many labels are valid (not ``ignore_index``).
+        aux_loss: the MoE load-balancing loss, when router logits are requested (already in ``loss``, weighted).
+
+    Each sum is over this call's tokens (this rank's shard under sequence parallelism): TRL gathers them over the ranks.
+    """
+
+    num_correct_tokens: torch.Tensor | None = None
+    entropy_sum: torch.Tensor | None = None
+    num_valid_tokens: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
 class TokenOutputs:
     """Per-token outputs of one model's LM head.
 
@@ -178,6 +202,22 @@ class TokenOutputs:
             loss=loss, log_probs=out.log_probs, entropy=out.entropy, log_sum_sq_probs=out.log_sum_sq_probs,
             mean_logits=out.mean_logits, is_top1=out.top1, label_mask=out.mask, aux_loss=aux_loss,
         )
+
+
+    def loss_statistics(self, hidden, targets, ignore_index: int, token_mean: Callable, aux_loss=None,
+                        aux_coef: float = 0.0) -> tuple[LossStatisticsOutput, torch.Tensor, torch.Tensor]:
+        """(a loss call's :class:`LossStatisticsOutput`, its targets' log-probs, their valid mask), from the per-token
+        log-probs, entropies and top-1 hits of ``targets`` ((B, T), already shifted). ``token_mean(loss_sum,
+        num_valid)``: the caller's mean, as for :meth:`fused`."""
+        out = self.per_token(hidden, targets, ignore_index, ("entropy", "top1"))
+        loss = token_mean(-out.log_probs.sum(), out.mask.sum())
+        if aux_loss is not None:
+            loss = loss + aux_coef * aux_loss.to(loss.device)
+        result = LossStatisticsOutput(
+            loss=loss, num_correct_tokens=out.top1.sum().float(), entropy_sum=out.entropy.detach().sum(),
+            num_valid_tokens=out.mask.sum(), aux_loss=aux_loss,
+        )
+        return result, out.log_probs, out.mask
 
 
 def check_token_outputs_call(generating: bool, has_targets: bool) -> None:

@@ -45,7 +45,7 @@ def _all_to_all():
     try:
         return dim_zero_all_to_all()
     except ImportError as err:  # pragma: no cover - deepspeed is an install requirement
-        raise ImportError("sequence parallelism needs DeepSpeed: pip install 'deepspeed>=0.19.8'") from err
+        raise ImportError("sequence parallelism needs DeepSpeed: pip install deepspeed (see setup.py)") from err
 
 
 class UlyssesExchange:

@@ -47,6 +47,7 @@ from ds_longseq.trainer.batches import GroupTurnsLoader, broadcast_batch, shard_
 from ds_longseq.trainer.positions import PositionLosses
 from ds_longseq.trainer.trl import (
     check_grpo_sequence_parallel,
+    reads_whole_logits,
     recombine_turn_metrics,
     uses_group_turns,
     uses_whole_sequence_calls,
@@ -404,7 +405,8 @@ def _dpo_calls(run: Run, config: LongSeqConfig, sp_group) -> WholeSequenceCalls:
         configure_fused_lm_head(ref)  # what TRL's DPO asked of the reference's head: add_fused_lm_head(ref_model)
         run.sps.append(sequence_parallel_of(ref))
         modules.append(ref)
-    return WholeSequenceCalls(modules, sp.rank, sp.size, sp.group, ring=sp.ring)
+    return WholeSequenceCalls(modules, sp.rank, sp.size, sp.group, ring=sp.ring,
+                              whole_logits=reads_whole_logits(trainer))
 
 
 def choose_case(trainer, stock, config: LongSeqConfig, sp_group, alst: bool) -> TrainerCase:
@@ -419,7 +421,7 @@ def choose_case(trainer, stock, config: LongSeqConfig, sp_group, alst: bool) -> 
     if uses_group_turns(type(trainer)):  # TRL's GRPO
         check_grpo_sequence_parallel(trainer, sp.size)
         calls = WholeSequenceCalls([trainer.accelerator.unwrap_model(trainer.model)], sp.rank, sp.size, sp.group,
-                                   ring=sp.ring)
+                                   ring=sp.ring, whole_logits=reads_whole_logits(trainer))
         return TrainerCase(run, GeneratedBatches(run), TurnsLoss(run, calls),
                            ShardedEvaluation(run, paused_context=precomputed_ref), paused_generation=True)
     reading = AlstTurns(run) if alst else GroupSharedBatches(run)

@@ -30,13 +30,20 @@ from ds_longseq.compat import (
 from ds_longseq.config import LongSeqConfig
 from ds_longseq.engine import data_parallel_rank_and_size, initialize_with, sequence_parallel_groups
 from ds_longseq.logging import get_logger
-from ds_longseq.patch import configure_fused_lm_head, disable, enable, get_config, is_enabled
+from ds_longseq.patch import (
+    configure_fused_lm_head,
+    configure_loss_statistics,
+    disable,
+    enable,
+    get_config,
+    is_enabled,
+)
 from ds_longseq.resolver import Launch, resolve
 from ds_longseq.toolkit.quantized import quant_state_left_out
 from ds_longseq.trainer.cases import TrainerCase, choose_case
 from ds_longseq.trainer.positions import PositionLosses
 from ds_longseq.trainer.resume import CheckpointCallback, prepare_resume
-from ds_longseq.trainer.trl import check_trainer_class, fused_head_settings
+from ds_longseq.trainer.trl import check_loss_calls, check_trainer_class, fused_head_settings, reads_loss_statistics
 
 __all__ = ["LongSeqTrainerMixin", "LongSeqTrainer", "with_long_seq", "TrainerConfigError",
            "check_values_the_trainer_sets"]
@@ -62,7 +69,8 @@ class LongSeqTrainerMixin:
         ValueError: the sequence-parallel size does not divide the world size; ``parallelism_config``'s
             ``sp_size`` and ``long_seq.sequence_parallel.size`` disagree; ``long_seq`` given twice.
         UnsupportedModelError: the model family or one of its settings is not supported.
-        NotImplementedError: a TRL trainer other than ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``;
+        NotImplementedError: a TRL trainer other than ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``; TRL 1.9's
+            ``SFTTrainer`` with ``loss_type="nll"`` under the chunked LM head (``trainer/trl.py``);
             under sequence parallelism, a DPO MoE router loss, and the GRPO options that span the group's turns
             (``top_entropy_quantile``, an entropy bonus, a router loss, ``vespo``, vLLM).
     """
@@ -96,13 +104,17 @@ class LongSeqTrainerMixin:
         if cfg.streambp.enabled and trainer_checkpointing_turned_off(self):
             logger.warning(
                 "ds_longseq: activation checkpointing turned off: StreamBP already recomputes each layer from its "
-                "input (pass activation_checkpointing=False to silence this)"
+                "input (pass activation_checkpointing=False, before transformers 5.23 gradient_checkpointing=False, "
+                "to silence this)"
             )
+        check_loss_calls(self, cfg.lm_head.enabled)
         if cfg.any_enabled:
             enable(self.model, cfg, sp_group=sp_group)
             fused_head = fused_head_settings(self)
             if fused_head is not None:
                 configure_fused_lm_head(self.model, **fused_head)
+            if reads_loss_statistics(self):  # TRL 1.9's SFT (trainer/trl.py)
+                configure_loss_statistics(self.model)
         self._long_seq_case: TrainerCase = choose_case(self, super(), cfg, sp_group, self._long_seq_alst)
 
     # ---- set-up ---------------------------------------------------------------------------------

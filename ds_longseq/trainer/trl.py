@@ -1,25 +1,44 @@
-"""What ds_longseq knows of TRL's trainers: which are integrated, what their fused LM head computes, which GRPO
-options span a sequence-parallel group's turns, how GRPO's token-weighted metrics recombine over the turns.
+"""What ds_longseq knows of TRL's trainers: which are integrated, how each calls the model and what it reads back,
+which GRPO options span a sequence-parallel group's turns, how GRPO's token-weighted metrics recombine over the turns.
 
 Holds:
     trl_trainer_names: the TRL trainer classes among a class's bases.
     check_trainer_class: refuse a TRL trainer whose loss was not checked against TRL's.
     fused_head_settings: the arguments a TRL trainer gave ``add_fused_lm_head`` for its policy.
+    reads_loss_statistics / reads_whole_logits / check_loss_calls: TRL 1.9's calls (below).
     uses_whole_sequence_calls / uses_group_turns: which TRL trainers run whole-sequence calls, group turns.
     check_grpo_sequence_parallel: refuse the GRPO options that span a group's turns.
     recombine_turn_metrics: GRPO's token-weighted metrics over a group's turns.
+
+How the trainers call the model, by TRL release (``compat.trl_makes_fused_head_calls`` tells the two apart):
+
+* TRL 1.16 (1.16.0 checked): SFT, DPO and GRPO make fused-LM-head calls (``model(..., labels=...,
+  fused_lm_head=True)``), answered by ds_longseq's forward with the settings :func:`fused_head_settings` reads back;
+  under sequence parallelism DPO's and GRPO's are cut across the group and their per-token outputs made whole
+  (``engine.WholeSequenceCalls``).
+* TRL 1.9 (1.9.0 checked): no fused-LM-head calls. SFT with ``loss_type="chunked_nll"`` (its default; TRL 1.16 reads it
+  as ``"nll"``) patches its own chunked forward in and reads ``num_valid_tokens`` / ``entropy_sum`` /
+  ``num_correct_tokens`` from each loss call: ds_longseq's forward, which shadows TRL's, returns them
+  (:func:`reads_loss_statistics`, ``patch.configure_loss_statistics``). SFT with ``loss_type="nll"`` reads the logits
+  of its loss calls, which the chunked head does not form (refused: :func:`check_loss_calls`). DPO and GRPO call the
+  model without labels and read ``outputs.logits``: whole-sequence calls gather the logits back whole on every rank
+  of the group (:func:`reads_whole_logits`; exact, each rank then holding the call's whole (B, T, V) logits, as plain
+  TRL 1.9's DPO does; its GRPO asks for the completions' only, ``logits_to_keep``, cut from the whole).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ds_longseq.compat import trl_entropy_bonus_enabled
+from ds_longseq.compat import trl_entropy_bonus_enabled, trl_makes_fused_head_calls
 
 __all__ = [
     "trl_trainer_names",
     "check_trainer_class",
     "fused_head_settings",
+    "reads_loss_statistics",
+    "reads_whole_logits",
+    "check_loss_calls",
     "uses_whole_sequence_calls",
     "uses_group_turns",
     "check_grpo_sequence_parallel",
@@ -85,6 +104,42 @@ def fused_head_settings(trainer) -> dict[str, Any] | None:
     if "SFTTrainer" in names:
         return {"outputs": ("log_probs", "entropy", "is_top1")}
     return None
+
+
+def reads_loss_statistics(trainer) -> bool:
+    """Whether the TRL trainer reads TRL 1.9's chunked-NLL sums from its loss calls' outputs (SFT with
+    ``loss_type="chunked_nll"`` on a TRL without fused-LM-head calls)."""
+    return ("SFTTrainer" in trl_trainer_names(type(trainer)) and not trl_makes_fused_head_calls()
+            and getattr(trainer.args, "loss_type", None) == "chunked_nll")
+
+
+def reads_whole_logits(trainer) -> bool:
+    """Whether the TRL trainer's whole-sequence calls (DPO, GRPO) read ``outputs.logits`` (TRL 1.9) rather than
+    fused-LM-head per-token outputs (TRL 1.16)."""
+    return uses_whole_sequence_calls(type(trainer)) and not trl_makes_fused_head_calls()
+
+
+def check_loss_calls(trainer, lm_head_chunked: bool) -> None:
+    """Refuse TRL 1.9's SFTTrainer with ``loss_type="nll"`` under ds_longseq's chunked LM head
+    (``lm_head_chunked``): it reads the full logits of its loss calls, which the chunked head never forms.
+
+    Raises:
+        NotImplementedError: naming the TRL release and the ways out.
+    """
+    if not lm_head_chunked or trl_makes_fused_head_calls() or "SFTTrainer" not in trl_trainer_names(type(trainer)):
+        return
+    # a compute_loss_func or a label smoother takes the labels out first: the call then returns the logits
+    labels_call = (getattr(trainer, "compute_loss_func", None) is None
+                   and getattr(trainer, "label_smoother", None) is None)
+    if getattr(trainer.args, "loss_type", None) == "nll" and labels_call:
+        import trl
+
+        raise NotImplementedError(
+            f"TRL {trl.__version__}'s SFTTrainer with loss_type='nll' reads the logits of its loss calls (for its "
+            "entropy and token-accuracy metrics), which long_seq.lm_head's chunked head never forms: use "
+            f"loss_type='chunked_nll' (TRL {trl.__version__}'s default, the same loss), set long_seq.lm_head.enabled "
+            "to false, or pip install 'trl>=1.16'"
+        )
 
 
 def check_grpo_sequence_parallel(trainer, size: int) -> None:
