@@ -4,7 +4,8 @@ Layers, each importing only from the ones below it: config, logging and compat (
 third-party private names) -> ops -> families (model knowledge) -> forwards and adjoint -> techniques
 (one module each) -> patch (the enable driver; the deprecated ``models`` re-export sits beside it) ->
 engine -> trainer (the Hugging Face Trainer integration), toolkit (the examples' library) and the
-top-level package -> cli (the ``ds-longseq`` command).
+top-level package -> cli (the ``ds-longseq`` command) and integrations (other frameworks' plugins: axolotl's,
+on the Trainer integration).
 The graph is read from the source with ``ast`` and counts EVERY import of a ds_longseq module: at
 the top, inside functions and under ``if TYPE_CHECKING:`` (a TYPE_CHECKING import of a sibling that
 imports the file back is a circle that only type annotations hide; the next runtime use of the
@@ -24,7 +25,7 @@ PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
     "config": 0, "rules": 0, "batch_size": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1, "processes": 1,
     "resolver": 2, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4, "patch": 5, "plan_memory": 5,
-    "plan_search": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7, "cli": 8,
+    "plan_search": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7, "cli": 8, "integrations": 8,
 }
 """Rank of each top-level part of ds_longseq (a subpackage or a module): imports go to a rank <= own."""
 TOP_RANK = 7  # ds_longseq/__init__.py: the public surface (it leaves the heavy ``trainer`` to be imported alone)
