@@ -24,7 +24,7 @@ import sys
 import typing
 from dataclasses import replace
 
-from ds_longseq.config import ConfigFileError, find_ds_config, read_json_file
+from ds_longseq.config_files import ConfigFileError, find_ds_config, read_json_file
 from ds_longseq.plan_memory import (
     CHUNK_WORK_SLOPE,
     COEFFICIENTS,

@@ -65,7 +65,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
 from ds_longseq.batch_size import read_batch_size
-from ds_longseq.config import LongSeqConfig, find_ds_config, read_json_file
+from ds_longseq.config import LongSeqConfig
+from ds_longseq.config_files import find_ds_config, read_json_file
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.ops.chunk_sizes import largest_fitting
 from ds_longseq.ops.sp_layout import sp_degrees

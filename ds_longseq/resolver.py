@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ds_longseq.batch_size import batch_size_problems
-from ds_longseq.config import LongSeqConfig, LongSeqConfigError, find_ds_config, read_json_file, registered_techniques
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError, registered_techniques
+from ds_longseq.config_files import find_ds_config, read_json_file
 from ds_longseq.logging import get_logger, warn_once_rank0
 from ds_longseq.rules import Launch, RunShape, Start, deepspeed_sp_size, start_rule, start_rules
 
@@ -132,9 +133,9 @@ def resolve(config: str | os.PathLike | Mapping[str, Any], launch: Launch | None
     """Whether a run can start, and with what settings.
 
     Args:
-        config: a DeepSpeed config: a path, or the name of a shipped one (:func:`~ds_longseq.config.find_ds_config`),
-            or a dict (not modified) whose ``long_seq`` is a dict or the :class:`LongSeqConfig` a caller parsed
-            (validated, not parsed again).
+        config: a DeepSpeed config: a path, or the name of a shipped one
+            (:func:`~ds_longseq.config_files.find_ds_config`), or a dict (not modified) whose ``long_seq`` is a
+            dict or the :class:`LongSeqConfig` a caller parsed (validated, not parsed again).
         launch: what is known of the processes (default: nothing; the rules that need it wait for
             :meth:`Resolved.check`).
         run: what is known of the run (default: nothing).

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("pydantic", reason="the plugin's schema is a pydantic model")
 
-from ds_longseq.config import ConfigFileError, LongSeqConfig, LongSeqConfigError  # noqa: E402
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError  # noqa: E402
+from ds_longseq.config_files import ConfigFileError  # noqa: E402
 from ds_longseq.integrations.axolotl_config import (  # noqa: E402
     AXOLOTL_RULES,
     PLUGIN,

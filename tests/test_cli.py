@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from ds_longseq import cli
-from ds_longseq.config import ConfigFileError, find_ds_config, shipped_configs
+from ds_longseq.config_files import ConfigFileError, find_ds_config, shipped_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,7 +19,7 @@ import torch
 
 from benchmarks import plan_fit
 from ds_longseq import plan as P
-from ds_longseq.config import find_ds_config, read_json_file
+from ds_longseq.config_files import find_ds_config, read_json_file
 from ds_longseq.resolver import Launch, RunShape, resolve
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

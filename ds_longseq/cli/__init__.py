@@ -37,7 +37,7 @@ import subprocess
 import sys
 from typing import Mapping
 
-from ds_longseq.config import SHIPPED_CONFIGS, ConfigFileError, find_ds_config, read_json_file, shipped_configs
+from ds_longseq.config_files import SHIPPED_CONFIGS, ConfigFileError, find_ds_config, read_json_file, shipped_configs
 
 __all__ = ["main", "OBJECTIVES", "objective_command", "configs_command", "launcher_command", "run_forwarding_signals",
            "DEFAULT_CPU_RANKS"]

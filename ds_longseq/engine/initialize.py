@@ -80,7 +80,7 @@ def split_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict[st
     nothing known of the launch or the run yet.
 
     Args:
-        config: path to a JSON file (or the name of a shipped one: :func:`~ds_longseq.config.find_ds_config`), or
+        config: path to a JSON file (or the name of a shipped one: :func:`~ds_longseq.config_files.find_ds_config`), or
             a dict (not modified) whose ``long_seq`` is a dict, or the :class:`LongSeqConfig` a caller parsed
             already (validated, not parsed again).
 

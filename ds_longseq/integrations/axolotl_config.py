@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping
 
 from pydantic import BaseModel, Field, field_validator
 
-from ds_longseq.config import LongSeqConfig, LongSeqConfigError, read_json_file
+from ds_longseq.config import LongSeqConfig, LongSeqConfigError
+from ds_longseq.config_files import read_json_file
 from ds_longseq.resolver import Launch, RunCannotStart, resolve
 
 __all__ = [

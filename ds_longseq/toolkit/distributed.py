@@ -23,7 +23,8 @@ from typing import Callable, Literal
 
 import torch
 
-from ds_longseq.config import ConfigFileError, LongSeqConfigError
+from ds_longseq.config import LongSeqConfigError
+from ds_longseq.config_files import ConfigFileError
 from ds_longseq.engine import shard_batch
 from ds_longseq.logging import get_logger
 from ds_longseq.processes.process_group import start_process_group
