@@ -23,7 +23,8 @@ import ds_longseq
 
 PACKAGE_DIR = Path(ds_longseq.__file__).parent
 LAYERS = {
-    "config": 0, "config_files": 0, "rules": 0, "batch_size": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1, "processes": 1,
+    "config": 0, "config_files": 0, "rules": 0, "batch_size": 0, "logging": 0, "compat": 0, "lazy": 0, "ops": 1,
+    "processes": 1,
     "resolver": 2, "families": 2, "forwards": 3, "adjoint": 3, "techniques": 4, "patch": 5, "plan_memory": 5,
     "plan_search": 5, "plan": 5, "engine": 6, "trainer": 7, "toolkit": 7, "cli": 8, "integrations": 8,
 }
