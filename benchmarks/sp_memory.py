@@ -181,7 +181,7 @@ def run_rank(spec):
             cfg["sequence_parallel"]["ring"] = sp
         ds_longseq.enable(model, cfg, sp_group=group)
         # cut by the enabled model's layout (zigzag under a ring)
-        local = shard_batch({"input_ids": input_ids, "labels": input_ids}, sp_rank, sp)
+        local = shard_batch({"input_ids": input_ids, "labels": input_ids}, sp_rank, sp, layout=model)
 
         def step():
             loss = model(**local).loss

@@ -147,7 +147,7 @@ TOUCHES_ELSEWHERE: dict[str, str] = {
        "THE per-instance patch: every technique's change to a model goes through it, recorded and undone by "
        "disable() (object.__setattr__: an nn.Module's own __setattr__ would register a submodule)"
        for where, method in (("", "__setattr__"), (".restore", "__setattr__"), (".restore", "__delattr__"))},
-    "forwards/sharded_mixer.py:_attributes:setattr":
+    "forwards/head_sharding_forward.py:_attributes:setattr":
         "a recurrent mixer's head counts narrowed to this rank's heads for one call, restored on exit (the mixer "
         "reads them inside its forward; which attributes: families/mixer_heads.py)",
     **{f"processes/watchdog.py:PeerWatch.{method}:sys.excepthook":

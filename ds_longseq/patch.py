@@ -30,6 +30,7 @@ from ds_longseq.forwards.attn_spec import AttentionSettings
 from ds_longseq.forwards.causal_lm import CausalLMForward, CausalLMSettings
 from ds_longseq.forwards.sp_model import SequenceParallel
 from ds_longseq.forwards.token_outputs import FusedHeadSettings
+from ds_longseq.ops.sp_layout import SPLayout
 from ds_longseq.techniques import EnableContext, PatchHandle, active_techniques
 
 __all__ = [
@@ -66,7 +67,8 @@ def _handle(model: torch.nn.Module) -> PatchHandle | None:
 
 
 def enable(
-    model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | None, *, sp_group=None
+    model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig | None, *, sp_group=None,
+    sp_layout: SPLayout | None = None,
 ) -> torch.nn.Module:
     """Apply long-sequence training to a loaded ``*ForCausalLM`` in place and return it.
 
@@ -75,7 +77,10 @@ def enable(
             ``PeftModel`` around one (the inner model is patched; LoRA may also be added after).
         config: the ``long_seq`` section as a dict or :class:`LongSeqConfig`.
         sp_group: with ``sequence_parallel.size > 1``, the process group of the ranks that share a
-            sequence; default: DeepSpeed's (``parallel_state_sp``), as ``engine.initialize`` sets up.
+            sequence; default: DeepSpeed's (``parallel_state_sp``), as ``engine.initialize`` sets up. The model's
+            layout (``ops.sp_layout.SPLayout``: Ulysses x ring degrees from its heads, the groups) is built on it.
+        sp_layout: instead of ``sp_group``, a layout built already (``techniques.sequence_parallel_layout``), so
+            several models run on the same groups; checked against the section and the model's heads.
 
     Returns:
         The same model. Other instances of its class are untouched; ``disable(model)`` undoes it.
@@ -84,8 +89,14 @@ def enable(
         LongSeqConfigError: the config is invalid (every problem listed).
         UnsupportedModelError: the model or one of its settings is not supported (every reason listed).
         RuntimeError: the model is already enabled.
+        ValueError: both ``sp_group`` and ``sp_layout``, or ``sp_layout`` without sequence parallelism.
     """
     cfg = LongSeqConfig.of(config)  # a parsed config is checked, not parsed again
+    if sp_group is not None and sp_layout is not None:
+        raise ValueError("enable: pass sp_group or sp_layout (built on a group), not both")
+    if sp_layout is not None and not cfg.sequence_parallel.enabled:
+        raise ValueError(f"enable(sp_layout=) with long_seq.sequence_parallel.size={cfg.sequence_parallel.size}: set "
+                         f"the size to the layout's ({sp_layout.size}), or leave sp_layout out")
     wrapper, model = model, _causal_lm(model)  # a PEFT model: its inner *ForCausalLM is patched
     if is_enabled(model):
         raise RuntimeError("ds_longseq is already enabled on this model: call ds_longseq.disable(model) first")
@@ -97,7 +108,7 @@ def enable(
         raise UnsupportedModelError(str(err)) from None
     techniques = active_techniques(cfg)
     handle = PatchHandle(model, cfg)
-    ctx = _checked_context(model, cfg, techniques, handle, sp_group)
+    ctx = _checked_context(model, cfg, techniques, handle, sp_group, sp_layout)
     adapter = ctx.adapter
     try:
         for technique in techniques:
@@ -168,11 +179,12 @@ def _leaf_input_requires_grad(module: torch.nn.Module, args: tuple, kwargs: dict
     return None
 
 
-def _checked_context(model, cfg: LongSeqConfig, techniques, handle: PatchHandle, sp_group=None) -> EnableContext:
+def _checked_context(model, cfg: LongSeqConfig, techniques, handle: PatchHandle, sp_group=None,
+                     sp_layout: SPLayout | None = None) -> EnableContext:
     """The context ``enable`` installs with, after every active technique checked the model (nothing changed)."""
     ssm = any(t.model_kind == "ssm" for t in techniques)  # adjoint: its conflicts keep decoder techniques out
     adapter = None if ssm else decoder_adapter(model)
-    ctx = EnableContext(model, cfg, handle, sp_group=sp_group, adapter=adapter)
+    ctx = EnableContext(model, cfg, handle, sp_group=sp_group, sp_layout=sp_layout, adapter=adapter)
     problems = [problem for technique in techniques for problem in technique.check(ctx)]
     if problems:
         raise UnsupportedModelError(f"ds_longseq cannot be enabled on {type(model).__name__}:\n  - "
@@ -226,7 +238,8 @@ def recording_tokens(model: torch.nn.Module):
 
 
 def sequence_parallel_of(model: torch.nn.Module) -> SequenceParallel | None:
-    """The :class:`SequenceParallel` of an enabled model (``paused()``, ``local_losses()``), or None."""
+    """The :class:`SequenceParallel` of an enabled model (``paused()``, ``local_losses()``, its ``layout``), or
+    None."""
     handle = _handle(model)
     return None if handle is None else handle.sp
 

@@ -15,16 +15,19 @@ def rank_step(model, batch: dict, rank: int, world: int, ring: int,
     """``(loss, {name: gradient summed over the group}, input gradient, positions)``: this rank's input-gradient
     rows (B, T / P, d) and their global positions (T / P,).
 
-    ``batch`` is the whole batch (the same on every rank), cut with ``engine.shard_batch(..., ring=ring)``; ``model``
-    is enabled with sequence parallelism ``world`` over the default group; ``loss_and_grads(model, local_batch)``
+    ``batch`` is the whole batch (the same on every rank), cut by the model's layout (``engine.shard_batch(batch,
+    layout=model)``), which must be ``world / ring`` x ``ring``; ``model`` is enabled with sequence parallelism
+    ``world`` over the default group; ``loss_and_grads(model, local_batch)``
     returns ``(loss, {name: gradient}, input gradient)`` as the test's reference does for one process.
     """
     import torch.distributed as dist
 
-    from ds_longseq.engine import shard_batch
+    from ds_longseq.engine import shard_batch, sp_layout_of
     from ds_longseq.ops.sp_positions import sp_positions
 
-    local = shard_batch(batch, rank, world, ring=ring)
+    layout = sp_layout_of(model)
+    assert (layout.size, layout.degrees, layout.rank) == (world, (world // ring, ring), rank), layout
+    local = shard_batch(batch, layout=model)
     loss, grads, embed_grad = loss_and_grads(model, local)
     for g in grads.values():
         dist.all_reduce(g)

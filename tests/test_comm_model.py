@@ -248,9 +248,10 @@ def count_worker(rank: int, cases: list[dict]):
         engine, *_ = ds_longseq.engine.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config
         )
-        if c["sp"] > 1:  # shard_batch cuts by the enabled model's layout (Ulysses alone, or its ring's zigzag)
+        if c["sp"] > 1:  # cut by the engine's model's layout (Ulysses alone, or its ring's zigzag)
             sp_rank, sp_size = sequence_parallel_rank_and_size()
-            batches = [shard_batch(replica_batch(rank // c["sp"], m), sp_rank, sp_size) for m in range(c["gas"])]
+            batches = [shard_batch(replica_batch(rank // c["sp"], m), sp_rank, sp_size, layout=engine)
+                       for m in range(c["gas"])]
         else:
             batches = rank_batches(rank, c["gas"])
         # Steady state: DeepSpeed ZeRO-3 records its module trace over the first forward passes (checked

@@ -281,7 +281,7 @@ def test_the_detector_finds_a_touch_added_to_the_trainer(added, key):
 
 @pytest.mark.parametrize("added, key", [
     ("inputs = trainer._prepare_inputs(inputs)", "_prepare_inputs"),  # the call the detector once missed
-    ("run.stock._get_num_items_in_batch([inputs], None)", "_get_num_items_in_batch"),
+    ("shared.stock._get_num_items_in_batch([inputs], None)", "_get_num_items_in_batch"),
     ("model._parameters.clear()", "_parameters"),
 ])
 def test_the_detector_finds_a_third_party_private_name_that_ds_longseq_also_defines(added, key):
@@ -289,7 +289,7 @@ def test_the_detector_finds_a_third_party_private_name_that_ds_longseq_also_defi
     ds_longseq defines a namesake (the mixin's ``_prepare_inputs`` override; ``_parameters``: torch's Module)."""
     trees = _package_trees()
     source = (PACKAGE_DIR / "trainer" / "cases.py").read_text()
-    anchor = "        sp, trainer = run.sp, run.trainer\n"
+    anchor = "        sp, trainer = shared.sp, shared.trainer\n"
     assert source.count(anchor) == 1
     trees["trainer/cases.py"] = ast.parse(source.replace(anchor, anchor + f"        {added}\n"))
     assert f"trainer/cases.py:ShardedEvaluation.prediction_step:{key}" in third_party_touches(trees)

@@ -261,7 +261,7 @@ def sp_attention_dropout_worker(rank: int, world: int, cases: list[str]) -> dict
     for case in cases:
         ours = attention_dropout_model()
         ds_longseq.enable(ours, {**SP_ATTENTION[case], **LM_HEAD}, sp_group=dist.group.WORLD)
-        local = shard_batch(global_batch(left_pad=False), rank, world)
+        local = shard_batch(global_batch(left_pad=False), rank, world, layout=ours)  # a ring's cases: its zigzag
         ours(**local).loss.backward()  # the first training forward's one-time checks
         c = ours.config
         ulysses = 1 if SP_ATTENTION[case]["sequence_parallel"].get("ring") else world
@@ -278,7 +278,7 @@ def sp_attention_dropout_worker(rank: int, world: int, cases: list[str]) -> dict
             dist.all_reduce(g)
         out[case] = {"loss": loss, "grads": grads, "embed_grad": embed_grad, "masks": tap.masks,
                      "positions": local["position_ids"][0], "heads": heads, "tiles": tap.tiles}
-        ds_longseq.disable(ours)  # the process's layout goes with it (the next case may run another ring)
+        ds_longseq.disable(ours)
     return out
 
 

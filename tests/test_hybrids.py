@@ -288,12 +288,12 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type, size):
     output (float64, 1e-12 relative), also with padding. Mutation control: a layout that gives one parameter the
     next rank's heads (wrong rows) is refused by the check."""
     from ds_longseq.families import mixer_heads
-    from ds_longseq.forwards import sharded_mixer
+    from ds_longseq.forwards import head_sharding_forward
 
     adapter, mixer = _first_mixer(model_type)
     # the layout check runs on one rank: an exchange's rank and size, no collective
     exchange = types.SimpleNamespace(rank=0, world_size=size)
-    forward = sharded_mixer.HeadShardedMixerForward(mixer, mixer.forward, exchange, "layers[0].mixer")
+    forward = head_sharding_forward.HeadShardedMixerForward(mixer, mixer.forward, exchange, "layers[0].mixer")
     x = torch.randn(2, 20, adapter.model.config.get_text_config().hidden_size, dtype=torch.float64)
     valid = torch.ones(2, 20, dtype=torch.bool)
     valid[0, :3] = False
@@ -309,12 +309,12 @@ def test_head_layout_shares_add_up_to_the_mixer(model_type, size):
         layout, other = (mixer_heads.head_layout(module, r, size) for r in (rank, (rank + 1) % size))
         return mixer_heads.HeadLayout({**layout.slices, mutated: other.slices[mutated]}, layout.attrs)
 
-    sharded_mixer.head_layout, original = wrong_heads, sharded_mixer.head_layout
+    head_sharding_forward.head_layout, original = wrong_heads, head_sharding_forward.head_layout
     try:
         with pytest.raises(NotImplementedError, match=r"heads' shares add up to a different output"):
             forward._check_layout(x, None)
     finally:
-        sharded_mixer.head_layout = original
+        head_sharding_forward.head_layout = original
 
 
 def test_head_sharding_refused_where_heads_do_not_divide():

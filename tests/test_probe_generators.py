@@ -90,7 +90,7 @@ def test_without_draws_the_first_forward_leaves_the_generator_as_stock_does(prob
     assert torch.equal(_step(ours, batch, seed=5)[2], _step(stock, batch, seed=5)[2])
 
 
-def _sharded_mixer_steps(rank: int) -> list:
+def _head_sharded_mixer_steps(rank: int) -> list:
     """Qwen3.5 text under Ulysses SP 2 with its Gated DeltaNet layers sharded by heads (the layout check is the
     first forward's probe) and LoRA dropout: the generator state and loss after the first and a later forward."""
     import torch.distributed as dist
@@ -113,5 +113,5 @@ def _sharded_mixer_steps(rank: int) -> list:
 
 
 def test_the_head_sharded_mixers_layout_check_leaves_the_generator_alone():
-    for first, later in run_distributed(_sharded_mixer_steps, world_size=2, timeout=300):
+    for first, later in run_distributed(_head_sharded_mixer_steps, world_size=2, timeout=300):
         assert torch.equal(first[1], later[1]) and torch.equal(first[0], later[0])

@@ -264,16 +264,21 @@ def test_zigzag_shards_glue_back_and_balance_the_causal_work():
 
 def two_d_body(rank: int, ulysses: int, ring_size: int):
     """This rank's (positions, out, dq, dk, dv, d_sinks) under Ulysses x ring (u x r) with every mask at once, on the
-    groups engine.ulysses_ring_groups builds."""
+    groups ops.sp_layout.SPLayout.build makes."""
     import torch.distributed as dist
 
-    from ds_longseq.engine import ulysses_ring_groups
     from ds_longseq.ops.chunk_attention import KeyLimits
+    from ds_longseq.ops.sp_layout import SPLayout
     from ds_longseq.ops.sp_positions import sp_positions
     from ds_longseq.ops.ulysses import UlyssesExchange, ulysses_ring_attention
 
     size, heads, kv_heads = ulysses * ring_size, 4, 2
-    u_group, r_group = ulysses_ring_groups(size, ulysses)
+    layout = SPLayout.build(dist.group.WORLD, size, ring_size)
+    u_group = layout.ulysses_group
+    if ring_size == 1:  # Ulysses alone: the attention's ring is each rank on its own (every rank makes each one)
+        r_group = [dist.new_group([r]) for r in range(size)][rank]
+    else:
+        r_group = layout.ring_group
     j, i = divmod(rank, ulysses)
     assert dist.get_process_group_ranks(u_group) == list(range(j * ulysses, (j + 1) * ulysses))
     assert dist.get_process_group_ranks(r_group) == list(range(i, size, ulysses))
@@ -329,25 +334,34 @@ def test_ulysses_x_ring_equals_dense_attention(ulysses, ring_size):
 def groups_body(rank: int):
     import torch.distributed as dist
 
-    from ds_longseq.engine import ulysses_ring_groups
+    from ds_longseq.ops.sp_layout import SPLayout
 
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # DeepSpeed's SP groups of 2 (every rank makes both)
     out = {}
     for size, ulysses in ((4, 2), (2, 1), (2, 2), (4, 4)):
-        u_group, r_group = ulysses_ring_groups(size, ulysses)
-        out[(size, ulysses)] = (dist.get_process_group_ranks(u_group), dist.get_process_group_ranks(r_group))
-    assert ulysses_ring_groups(4, 2)[0] is ulysses_ring_groups(4, 2)[0]  # built once
+        group = dist.group.WORLD if size == 4 else pairs[rank // 2]
+        layout = SPLayout.build(group, size, size // ulysses)
+        assert layout.group is group and layout.degrees == (ulysses, size // ulysses) and layout.rank == rank % size
+        out[(size, ulysses)] = tuple(None if g is None else dist.get_process_group_ranks(g)
+                                     for g in (layout.ulysses_group, layout.ring_group))
+    try:  # under a ring the groups must be DeepSpeed's: runs of consecutive ranks
+        SPLayout.build([dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2], 2, 2)
+    except ValueError as err:
+        out["refused"] = str(err)
     return out
 
 
-def test_ulysses_ring_groups_split_each_sequence_parallel_group():
-    """On 4 ranks: one SP group of 4 as 2 x 2 (Ulysses {0,1} {2,3}, rings {0,2} {1,3}) or 4 x 1; two SP groups of 2
-    (ranks 0-1 and 2-3, DeepSpeed's) as ring alone or Ulysses alone."""
+def test_sp_layout_builds_the_groups_of_each_sequence_parallel_group():
+    """On 4 ranks: one SP group of 4 as 2 x 2 (Ulysses {0,1} {2,3}, rings {0,2} {1,3}) or 4 x 1 (Ulysses alone: the
+    group itself, no ring group); two SP groups of 2 (ranks 0-1 and 2-3, DeepSpeed's) as ring alone or Ulysses alone;
+    a ring over groups of ranks that are not consecutive is refused."""
     per_rank = run_distributed(groups_body, 4, (), timeout=300)
     want = {
         (4, 2): [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])],
         (2, 1): [([0], [0, 1]), ([1], [0, 1]), ([2], [2, 3]), ([3], [2, 3])],
-        (2, 2): [([0, 1], [0]), ([0, 1], [1]), ([2, 3], [2]), ([2, 3], [3])],
-        (4, 4): [([0, 1, 2, 3], [r]) for r in range(4)],
+        (2, 2): [([0, 1], None), ([0, 1], None), ([2, 3], None), ([2, 3], None)],
+        (4, 4): [([0, 1, 2, 3], None)] * 4,
     }
     for key, groups in want.items():
         assert [r[key] for r in per_rank] == groups, key
+    assert all("needs DeepSpeed's sequence-parallel groups" in r["refused"] for r in per_rank)

@@ -5,7 +5,7 @@ Under a ring each rank's tokens are two runs of the sequence (``ops.sp_layout``)
 ``sequence_parallel.recurrent="pass_state"`` (inside StreamBP) a recurrent layer carries its states from each run
 to the rank holding the next one (``ops.state_passing.StateRing``), and StreamBP's chunks never cross a run's end.
 With ``"heads"`` each rank runs the mixer on the whole sequence for its share of the heads: the gathered tokens
-are put in the sequence's order first (``forwards.sharded_mixer``). The ranks hold different numbers of valid
+are put in the sequence's order first (``forwards.head_sharding_forward``). The ranks hold different numbers of valid
 tokens (``model_zoo.tiny_batch``: one row right-padded, one prompt masked); the loss, this rank's input gradient
 and every parameter gradient (summed over the ranks) must equal the stock model on the whole batch.
 """
@@ -37,7 +37,7 @@ CASES = {
 
 def _mutated(mutation: str | None):
     """Patches for ``mutation`` as [(owner, name, replacement)]."""
-    from ds_longseq.forwards import sharded_mixer
+    from ds_longseq.forwards import head_sharding_forward
     from ds_longseq.ops import state_passing
 
     recv, init = state_passing.StateRing.from_previous, state_passing.StateRing.__init__
@@ -47,7 +47,7 @@ def _mutated(mutation: str | None):
                               lambda self, device, segment=0: (recv(self, device, segment), {})[1])],
         "run_order_ignored": [(state_passing.StateRing, "__init__",
                                lambda self, group, positions=None: init(self, group, None))],
-        "heads_rank_order": [(sharded_mixer, "sp_positions", lambda T, u, r: torch.arange(T))],
+        "heads_rank_order": [(head_sharding_forward, "sp_positions", lambda T, u, r: torch.arange(T))],
     }[mutation]
 
 

@@ -383,29 +383,89 @@ def contiguous_under_ring_worker(rank: int):
 
     model = make_model("llama", torch.float64, hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
     ds_longseq.enable(model, {"sequence_parallel": {"size": 2}}, sp_group=dist.group.WORLD)
-    default = shard_batch(global_batch(), rank, 2)  # no ring given: the enabled model's layout (a ring of 2)
-    assert torch.equal(default["input_ids"], shard_batch(global_batch(), rank, 2, ring=2)["input_ids"])
-    assert torch.equal(shard_sequence(global_batch()["labels"], rank, 2), default["input_ids"] * 0
+    default = shard_batch(global_batch(), layout=model)  # the model's layout (a ring of 2); rank and size from it
+    assert torch.equal(default["input_ids"], shard_batch(global_batch(), rank, 2, ring=2)["input_ids"])  # the alias
+    assert torch.equal(shard_sequence(global_batch()["labels"], rank, 2, ring=2), default["input_ids"] * 0
                        + global_batch()["labels"][:, default["position_ids"][0]])
     model(**default)
     messages = []
     try:
-        model(**shard_batch(global_batch(), rank, 2, ring=1))  # cut for Ulysses alone
+        model(**shard_batch(global_batch(), rank, 2))  # no layout: contiguous shards (Ulysses alone)
     except ValueError as err:
         messages.append(str(err))
     ds_longseq.disable(model)
-    assert ds_longseq.engine.sp_groups.ring_degree(2) == 1  # the layout left with the model
+    try:
+        shard_batch(global_batch(), layout=model)  # the layout left with the model
+    except ValueError as err:
+        messages.append(str(err))
     return messages, whole_sequence_calls_under_ring(rank)
 
 
 def test_a_batch_cut_for_ulysses_alone_is_refused_under_a_ring():
-    """3 heads at SP 2 run a ring: shard_batch without ring= cuts by the enabled model's layout; a batch cut into
-    contiguous shards anyway would train on a shuffled sequence, so the forward stops before any compute, naming the
-    call that cuts it right. Whole-sequence calls (TRL's DPO / GRPO) under the ring: see
-    whole_sequence_calls_under_ring."""
+    """3 heads at SP 2 run a ring: shard_batch(layout=model) cuts by the model's layout; a batch cut into contiguous
+    shards anyway (no layout given) would train on a shuffled sequence, so the forward stops before any compute,
+    naming the call that cuts it right; a disabled model has no layout left to cut by. Whole-sequence calls (TRL's
+    DPO / GRPO) under the ring: see whole_sequence_calls_under_ring."""
     for messages, whole in run_distributed(contiguous_under_ring_worker, world_size=2, args=()):
-        assert len(messages) == 1 and "shard_batch(batch, rank, 2, ring=2)" in messages[0]
+        assert len(messages) == 2, messages
+        assert "shard_batch(batch, layout=<the model or its engine>)" in messages[0]
+        assert "the model is not enabled with sequence parallelism" in messages[1]
         check_whole_sequence_calls(whole)
+
+
+TWO_LAYOUTS = {  # two models at SP 2 whose heads give them different layouts
+    "ring": {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1},  # 3 heads: a ring of 2
+    "ulysses": {},  # 4 heads on 2 key/value heads: Ulysses 2
+}
+
+
+def two_layouts_worker(rank: int) -> dict:
+    """Two models with different layouts enabled at once in one process, steps interleaved, each batch cut by its
+    own model's layout; a third handed the first one's layout (``enable(sp_layout=)``: the same groups); a layout
+    handed to a section it does not fit refused."""
+    import torch.distributed as dist
+
+    import ds_longseq
+    from ds_longseq.engine import sp_layout_of
+    from ds_longseq.techniques import sequence_parallel_layout
+    from tests.sp_harness import rank_step
+
+    config = {**SP_CASES["streambp"], "sequence_parallel": {"size": 2}}
+    models = {name: full_precision_norms(make_model("llama", torch.float64, **overrides))
+              for name, overrides in TWO_LAYOUTS.items()}
+    ring_layout = sequence_parallel_layout(models["ring"], config, dist.group.WORLD)
+    ds_longseq.enable(models["ring"], config, sp_layout=ring_layout)
+    ds_longseq.enable(models["ulysses"], config, sp_group=dist.group.WORLD)
+    models["shared"] = full_precision_norms(make_model("llama", torch.float64, **TWO_LAYOUTS["ring"]))
+    ds_longseq.enable(models["shared"], config, sp_layout=ring_layout)
+    out = {"shared_is_handed": sp_layout_of(models["shared"]) is ring_layout}
+    for name, model in models.items():  # ring, Ulysses, ring again: both layouts alive throughout
+        layout = sp_layout_of(model)
+        loss, grads, embed_grad, positions = rank_step(model, global_batch(), rank, 2, layout.ring, loss_and_grads)
+        out[name] = {"degrees": layout.degrees, "positions": positions,
+                     name: {"loss": loss, "grads": grads, "embed_grad": embed_grad}}
+    try:
+        ds_longseq.enable(make_model(), {"sequence_parallel": {"size": 2, "ring": 1}}, sp_layout=ring_layout)
+    except ds_longseq.UnsupportedModelError as err:
+        out["refused"] = str(err)
+    for model in models.values():
+        ds_longseq.disable(model)
+    return out
+
+
+def test_two_models_with_different_layouts_in_one_process():
+    """At SP 2 on 2 ranks, a 3-head model (Ulysses x ring 1 x 2) and a 4-head one (Ulysses 2 x 1) enabled side by
+    side, no layout kept by the process: each trains equal to its stock model on the whole batch (float64, loss, input
+    and every parameter gradient to 1e-10), batches cut by shard_batch(layout=model); a third model on the first
+    one's layout (enable(sp_layout=)) too."""
+    results = run_distributed(two_layouts_worker, world_size=2, args=())
+    degrees = {"ring": (1, 2), "ulysses": (2, 1), "shared": (1, 2)}
+    for name, want in degrees.items():
+        overrides = TWO_LAYOUTS["ulysses" if name == "ulysses" else "ring"]
+        _check_ring([r[name] for r in results], _reference("llama", overrides), [name], want)
+    for r in results:
+        assert r["shared_is_handed"]
+        assert "enable(sp_layout=) runs 1 x 2 (Ulysses x ring) on 2 ranks" in r["refused"], r["refused"]
 
 
 def whole_sequence_calls_under_ring(rank: int) -> dict:
@@ -492,7 +552,7 @@ def check_whole_sequence_calls(whole: dict) -> None:
     assert errs[worst] < 1e-10, (worst, errs[worst])
     # mutation control: the rank-after-rank gather, not put back by the layout, scores other tokens
     assert (whole["unordered"] - log_probs.detach()).abs().max() > 1e-2
-    assert "the models enabled with that size run ring degree 2: pass ring=2" in whole["wrong_ring"]
+    assert "but the modules run ring degree 2: pass modules of one layout" in whole["wrong_ring"]
     # the logits of a call without labels, made whole: the stock's last 5 positions (float64 rounding: 1e-10), and the
     # gradient of a function of them summed over the ranks the stock's
     model.zero_grad(set_to_none=True)

@@ -37,7 +37,8 @@ def replica_batch(replica: int, step: int, batch: int = 2, seq_len: int = SEQ):
 
 
 def sp_train_worker(rank: int, sp: int, stage: int, long_seq: dict, steps: int = 3, ring: int | None = None):
-    """``ring``: sequence_parallel.ring (Ulysses x ring); shard_batch then cuts by the enabled model's layout."""
+    """``ring``: sequence_parallel.ring (Ulysses x ring); shard_batch(layout=engine) cuts by the engine's model's
+    layout."""
     import ds_longseq.engine
     import ds_longseq.patch
     from ds_longseq.engine import sequence_parallel_rank_and_size, shard_batch
@@ -53,7 +54,7 @@ def sp_train_worker(rank: int, sp: int, stage: int, long_seq: dict, steps: int =
     replica = rank // sp  # DeepSpeed's groups: ranks [g*sp, (g+1)*sp) share a sequence
     losses = []
     for step in range(steps):
-        loss = engine(**shard_batch(replica_batch(replica, step), sp_rank, sp_size)).loss
+        loss = engine(**shard_batch(replica_batch(replica, step), sp_rank, sp_size, layout=engine)).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

@@ -90,6 +90,28 @@ def test_a_ring_layout_gives_each_rank_its_sp_positions(ulysses, ring):
                        torch.where(positions[1] < T - 1, positions[1], torch.tensor(-1)))
 
 
+# bitwise by construction: integers
+def test_a_layout_value_cuts_as_the_ring_alias():
+    """layout=SPLayout(P, ring=r) (a layout without groups: the rank and size given) cuts as the ring= alias kept for
+    a release; arguments that contradict the layout, a model not enabled with sequence parallelism and a ring that
+    does not divide P are refused."""
+    from ds_longseq.engine import SPLayout
+
+    batch = _batch(T=16)
+    for rank in range(4):
+        by_layout = shard_batch(batch, rank, 4, layout=SPLayout(4, ring=2))
+        by_alias = shard_batch(batch, rank, 4, ring=2)
+        assert by_layout.keys() == by_alias.keys() and all(torch.equal(by_layout[k], by_alias[k]) for k in by_alias)
+    with pytest.raises(ValueError, match="leave sp_size and ring out"):
+        shard_batch(batch, 0, 2, layout=SPLayout(4, ring=2))
+    with pytest.raises(ValueError, match="leave sp_size and ring out"):
+        shard_batch(batch, 0, 4, layout=SPLayout(4, ring=2), ring=1)
+    with pytest.raises(ValueError, match="the model is not enabled with sequence parallelism"):
+        shard_batch(batch, 0, 2, layout=torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="ring degree 3 does not divide sequence_parallel size 4"):
+        shard_batch(batch, 0, 4, ring=3)
+
+
 def test_bad_batches_are_refused():
     batch = _batch()
     with pytest.raises(ValueError, match="not know how to cut"):

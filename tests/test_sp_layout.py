@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_longseq.ops.ring import zigzag_shard
-from ds_longseq.ops.sp_layout import sp_degrees
+from ds_longseq.ops.sp_layout import SPLayout, sp_degrees
 from ds_longseq.ops.sp_positions import sp_positions
 
 
@@ -91,3 +91,16 @@ def test_the_support_table_lists_the_families_sequence_parallelism_is_verified_o
     verified = {k for k, v in FAMILIES.items() if v.sequence_parallel_verified}
     verified |= {k for k, v in OVERRIDES.items() if v.get("sequence_parallel_verified")}
     assert listed == verified, (sorted(listed - verified), sorted(verified - listed))
+
+
+def test_a_layout_value_without_groups():
+    """SPLayout as a value: u from P and r, the length unit (P, or 2 P under a ring); a ring that does not divide P is
+    refused, and a layout without groups has no rank to give (the groups: SPLayout.build, tests/test_ring_attention.py
+    on 4 ranks)."""
+    layout = SPLayout(8, ring=2)
+    assert (layout.ulysses, layout.degrees, layout.length_unit) == (4, (4, 2), 16)
+    assert SPLayout(4).degrees == (4, 1) and SPLayout(4).length_unit == 4
+    with pytest.raises(ValueError, match="ring degree 3 does not divide sequence_parallel size 8"):
+        SPLayout(8, ring=3)
+    with pytest.raises(ValueError, match="has no process group, so no rank"):
+        _ = layout.rank

@@ -281,11 +281,9 @@ def _check(args: argparse.Namespace, long_seq: LongSeqConfig, seq_len: int, grou
         raise SystemExit(f"--model {args.model} with --ds_config {args.ds_config}: {err}") from None
     local = batch
     if size > 1:
-        import torch.distributed as dist
-
         from ds_longseq.engine import shard_batch
 
-        local = shard_batch(batch, dist.get_rank(group), size)
+        local = shard_batch(batch, layout=model)  # this rank's tokens, cut by the model's layout
     local = {k: v.to(device) for k, v in local.items()}
     ours = run_model(model, lambda m: m(**local, use_cache=False).loss, group)
     losses = [ours.loss]

@@ -19,8 +19,9 @@ from ds_longseq.engine.sp_groups import (
     sequence_parallel_rank_and_size,
     shard_batch,
     shard_sequence,
+    sp_layout_of,
 )
-from ds_longseq.forwards.sp_model import ulysses_ring_groups
+from ds_longseq.ops.sp_layout import SPLayout
 from ds_longseq.processes.watchdog import PEER_GONE_EXIT_CODE, active_watch, start_watchdog
 
 __all__ = [
@@ -36,7 +37,8 @@ __all__ = [
     "shard_batch",
     "shard_sequence",
     "sequence_from_shards",
-    "ulysses_ring_groups",
+    "sp_layout_of",
+    "SPLayout",
     "WholeSequenceCalls",
     "data_parallel_rank_and_size",
     "sequence_parallel_groups",

@@ -187,6 +187,9 @@ def initialize_with(
     if any(t.needs_process_group for t in active_techniques(long_seq)) and not torch.distributed.is_initialized():
         deepspeed.init_distributed(distributed_port=port)  # before enable, which reads the world / the groups
     if long_seq.sequence_parallel.enabled:
+        # the ranks are known now: the resolver's rule checks them against the size (sequence_parallel.divides_world)
+        if torch.distributed.is_initialized():
+            resolved.check(launch=Launch(world=torch.distributed.get_world_size(), deepspeed=True))
         mpu = sequence_parallel_groups(long_seq.sequence_parallel.size)
         sp_group = mpu.get_sequence_parallel_group()
     if is_enabled(model):

@@ -2,7 +2,8 @@
 
 Holds:
     shard_batch: cut a batch along the sequence for one rank of a sequence-parallel group, with the
-        labels shifted once over the whole sequence first.
+        labels shifted once over the whole sequence first, by the layout of the model (or engine) it is for.
+    sp_layout_of: the ``ops.sp_layout.SPLayout`` an enabled model (or the DeepSpeed engine around one) runs.
     sequence_parallel_groups: DeepSpeed's ``parallel_state_sp`` (its ``mpu``), initialised for P ranks.
     sequence_parallel_rank_and_size: this rank's place in its group (DeepSpeed's groups).
     shard_sequence / sequence_from_shards: cut one per-position tensor like shard_batch; put the group's shards of one
@@ -25,16 +26,16 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ds_longseq.compat import deepspeed_sp_group
-from ds_longseq.forwards.sp_model import ring_degree
 from ds_longseq.ops.documents import PACKED_KWARGS, find_documents, mask_document_starts
 from ds_longseq.ops.objectives import gather_sequence
-from ds_longseq.ops.sp_layout import length_unit
+from ds_longseq.ops.sp_layout import SPLayout, length_unit
 from ds_longseq.ops.sp_positions import sp_positions
+from ds_longseq.patch import sequence_parallel_of
 from ds_longseq.processes.process_group import ensure_process_group
 
 __all__ = [
     "WholeSequenceCalls", "data_parallel_rank_and_size", "shard_batch", "shard_sequence", "sequence_from_shards",
-    "sequence_parallel_groups", "sequence_parallel_rank_and_size",
+    "sequence_parallel_groups", "sequence_parallel_rank_and_size", "sp_layout_of",
 ]
 
 _SEQ_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
@@ -47,18 +48,13 @@ def sequence_parallel_groups(size: int):
 
     The world's process group is adopted (accelerate's, the user's) or started from the launcher's environment
     (:func:`~ds_longseq.processes.process_group.ensure_process_group`); with neither, ``size`` > 1 is refused naming
-    the launch commands. Building twice with the same size reuses the groups.
+    the launch commands. Building twice with the same size reuses the groups. The ranks against the size: the
+    resolver's rule (``sequence_parallel.divides_world``), which every entry point runs before this (DeepSpeed's own
+    RuntimeError for a direct call with a size that does not divide them).
     """
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
-    import torch.distributed as dist
 
     ensure_process_group(size)
-    world = dist.get_world_size()
-    if world % size:
-        raise ValueError(
-            f"sequence_parallel size {size} does not divide the world size {world}: launch a multiple of {size} "
-            f"ranks, or pick a size that divides {world}"
-        )
     if deepspeed_sp_group() is None:
         mpu.initialize_sequence_parallel(sequence_parallel_size=size)
     elif mpu.get_sequence_parallel_world_size() != size:
@@ -91,11 +87,43 @@ def sequence_parallel_rank_and_size() -> tuple[int, int]:
     return mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_world_size()
 
 
+def sp_layout_of(model: torch.nn.Module) -> SPLayout | None:
+    """The layout (``ops.sp_layout.SPLayout``) an enabled model runs, also read through the DeepSpeed engine around it
+    (``engine.module``) or a PEFT wrapper; None for a model without sequence parallelism."""
+    sp = sequence_parallel_of(model)
+    inner = getattr(model, "module", None)
+    if sp is None and isinstance(inner, torch.nn.Module):
+        sp = sequence_parallel_of(inner)
+    return None if sp is None else sp.layout
+
+
+def _cut_layout(layout: SPLayout | torch.nn.Module | None, sp_rank: int | None, sp_size: int | None,
+                ring: int | None) -> tuple[SPLayout, int, int]:
+    """(the layout a batch is cut by, this rank, P) from :func:`shard_batch`'s arguments."""
+    if isinstance(layout, torch.nn.Module):
+        model, layout = layout, sp_layout_of(layout)
+        if layout is None:
+            raise ValueError(f"shard_batch(layout=<{type(model).__name__}>): the model is not enabled with sequence "
+                             "parallelism (long_seq.sequence_parallel): pass the model or engine the batch is for")
+    if sp_rank is None or sp_size is None:
+        has_group = layout is not None and layout.group is not None
+        sp_rank, sp_size = (layout.rank, layout.size) if has_group else sequence_parallel_rank_and_size()
+    if layout is None:
+        return SPLayout(sp_size, 1 if ring is None else ring), sp_rank, sp_size
+    if layout.size != sp_size or ring not in (None, layout.ring):
+        raise ValueError(
+            f"shard_batch(sp_size={sp_size}, ring={ring}) for a model run as Ulysses x ring {layout.ulysses} x "
+            f"{layout.ring} on {layout.size} ranks: leave sp_size and ring out, the layout gives them"
+        )
+    return layout, sp_rank, sp_size
+
+
 def shard_batch(
     batch: Mapping[str, Any],
     sp_rank: int | None = None,
     sp_size: int | None = None,
     *,
+    layout: SPLayout | torch.nn.Module | None = None,
     pad: bool = False,
     pad_token_id: int = 0,
     ignore_index: int = -100,
@@ -117,22 +145,24 @@ def shard_batch(
         batch: (B, T) ``input_ids`` and optionally ``attention_mask``, ``labels`` (or already-shifted
             ``shift_labels``), ``position_ids`` ((B or 1, T)) and the varlen kwargs
             ``cu_seq_lens_q/k``, ``max_length_q/k``. Other keys are refused.
-        sp_rank, sp_size: this rank's place in its group; default: DeepSpeed's groups.
+        sp_rank, sp_size: this rank's place in its group; default: the layout's group, else DeepSpeed's groups.
+        layout: how the group holds the sequence: the enabled model the batch is for, or the DeepSpeed engine
+            around it (:func:`sp_layout_of`), or an ``ops.sp_layout.SPLayout``. Under Ulysses x ring (ring degree
+            r > 1) rank p then holds the tokens ``ops.sp_positions.sp_positions`` gives it (part of its ring rank's
+            zigzag shard, not a contiguous slice), its position ids those tokens' global positions. None: Ulysses
+            alone, contiguous slices (or as ``ring`` says).
         pad: when T is not a multiple of P (of 2 P with a ring), pad on the right to the next multiple
             (``pad_token_id``, mask 0, label ``ignore_index``); causal attention makes right padding exact. Without
             it, such a T is an error.
         pad_token_id: token id used for that padding.
         ignore_index: the label value that is not trained on.
-        ring: the ring degree r of a Ulysses x ring group (P = u r): rank p then holds the tokens
-            ``ops.sp_positions.sp_positions`` gives it (part of its ring rank's zigzag shard, not a contiguous slice),
-            its position ids those tokens' global positions. 1: Ulysses alone, contiguous slices. None: the ring
-            degree of the models enabled with sequence parallelism P in this process (1 when none is).
+        ring: an alias kept for one release (before ``layout``): ``ring=r`` cuts as ``layout=SPLayout(P, ring=r)``;
+            beside ``layout`` it must be the layout's.
 
     Returns:
         ``input_ids``, ``position_ids``, and ``attention_mask`` / ``shift_labels`` when given, each (B, T/P).
     """
-    if sp_rank is None or sp_size is None:
-        sp_rank, sp_size = sequence_parallel_rank_and_size()
+    layout, sp_rank, sp_size = _cut_layout(layout, sp_rank, sp_size, ring)
     unknown = sorted(set(batch) - set(_SEQ_KEYS) - set(PACKED_KWARGS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to cut {unknown}: pass only {list(_SEQ_KEYS)}")
@@ -165,10 +195,7 @@ def shard_batch(
     elif "shift_labels" in batch:
         out["shift_labels"] = torch.as_tensor(batch["shift_labels"])
     out["position_ids"] = pos if pos is not None else torch.arange(T, device=ids.device).unsqueeze(0)
-    ring = ring_degree(sp_size) if ring is None else ring
-    if ring < 1 or sp_size % ring:
-        raise ValueError(f"ring degree {ring} does not divide sequence_parallel size {sp_size}")
-    unit = length_unit(sp_size, ring)
+    ring, unit = layout.ring, layout.length_unit
     remainder = T % unit
     if remainder:
         if not pad:
@@ -194,9 +221,10 @@ def shard_sequence(tensor: torch.Tensor, sp_rank: int, sp_size: int, fill: int |
                    ring: int | None = None) -> torch.Tensor:
     """Rank ``sp_rank``'s 1/P of ``tensor`` (B, T, ...) along the sequence, T first padded on the right to a multiple
     of P (2 P with a ``ring`` degree above 1) with ``fill``: the cut :func:`shard_batch` makes, for any per-position
-    tensor that must line up with its shards (e.g. per-target metadata). A contiguous slice, or with a ring the
-    tokens ``ops.sp_positions.sp_positions`` gives the rank (None: as :func:`shard_batch`)."""
-    ring = ring_degree(sp_size) if ring is None else ring
+    tensor that must line up with its shards (e.g. per-target metadata). A contiguous slice (``ring`` None or 1), or
+    with a ring the tokens ``ops.sp_positions.sp_positions`` gives the rank (the model's ring degree:
+    ``sp_layout_of(model).ring``)."""
+    ring = 1 if ring is None else ring
     extra = -tensor.shape[1] % length_unit(sp_size, ring)
     if extra:
         tensor = torch.cat([tensor, tensor.new_full((tensor.shape[0], extra, *tensor.shape[2:]), fill)], dim=1)
@@ -243,10 +271,12 @@ class WholeSequenceCalls:
     Args:
         modules: the modules the caller calls (a PEFT wrapper, the causal LM), each hooked once.
         rank, size, group: this rank's place in its sequence-parallel group, and the group.
+        ring: the ring degree the calls are cut by; None: the modules' (the layout of the models enabled among them,
+            :func:`sp_layout_of`; 1 when none is).
         whole_logits: also take calls without labels, their logits made whole.
 
     Raises:
-        ValueError: a ``ring`` other than the enabled models' ring degree.
+        ValueError: modules enabled with different ring degrees, or a ``ring`` other than theirs.
 
     Raises (from a call inside the context):
         ValueError: a call that is not a fused-LM-head call with ``labels=`` (or with ``whole_logits`` a call without
@@ -256,14 +286,14 @@ class WholeSequenceCalls:
 
     def __init__(self, modules: Iterable[torch.nn.Module], rank: int, size: int, group, ring: int | None = None,
                  whole_logits: bool = False):
-        enabled = ring_degree(size)
-        ring = enabled if ring is None else ring
-        if ring != enabled:  # the calls would be cut in one layout and attended in another
-            raise ValueError(
-                f"WholeSequenceCalls(ring={ring}) under sequence parallelism {size}, but the models enabled with that "
-                f"size run ring degree {enabled}: pass ring={enabled} (SequenceParallel.ring), or leave ring unset"
-            )
         self.modules = list({id(m): m for m in modules}.values())
+        enabled = {layout.ring for layout in map(sp_layout_of, self.modules) if layout is not None} or {1}
+        ring = next(iter(enabled)) if ring is None and len(enabled) == 1 else ring
+        if enabled != {ring}:  # the calls would be cut in one layout and attended in another
+            raise ValueError(
+                f"WholeSequenceCalls(ring={ring}) under sequence parallelism {size}, but the modules run ring degree "
+                f"{' and '.join(map(str, sorted(enabled)))}: pass modules of one layout, with ring left unset"
+            )
         self.rank, self.size, self.group, self.ring = rank, size, group, ring
         self.whole_logits = whole_logits
         self._handles: list = []

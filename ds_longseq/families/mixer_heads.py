@@ -6,10 +6,10 @@ Holds:
     LAYOUTS: mixer class name -> the function that cuts it (one per layout kind below).
 
 Why: under sequence parallelism a linear-attention layer's recurrence runs over the whole sequence, one
-group of heads per rank (``forwards.sharded_mixer``), as Ulysses runs attention. The mixer's own code is
+group of heads per rank (``forwards.head_sharding_forward``), as Ulysses runs attention. The mixer's own code is
 run unchanged on the full sequence with its parameters cut to the rank's heads, so what must be known is
 only the layout: which rows of each projection feed which head. That is model knowledge, kept here.
-``forwards.sharded_mixer`` checks it numerically on the first forward (the ranks' partial outputs must sum
+``forwards.head_sharding_forward`` checks it numerically on the first forward (the ranks' partial outputs must sum
 to the whole mixer's), so a transformers release that changes a layout is refused, never wrong.
 
 A share is exact when every part of the mixer is per head (sliced) or shared by all heads and read, not

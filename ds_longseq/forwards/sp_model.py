@@ -6,18 +6,16 @@ Holds:
     SequenceParallelForwardHook: the forward pre-hook installed on the base model (``model.model``), and its
         forward hook (:meth:`SequenceParallelForwardHook.end`).
     ShardOffsetCache, ShardOffsetHook: the shard's global offset for attention positioned by its cache's length.
-    ulysses_ring_groups: a sequence-parallel group split into Ulysses and ring groups (``ops.sp_layout``).
-    register_layout / ring_degree: the ring degree of the models enabled with a sequence-parallel size in this
-        process, which ``engine.shard_batch`` cuts batches by when not told.
 
 Shape legend: B batch, P ranks per sequence, T = P * T_l global length, T_l local shard.
 
 Each rank holds tokens [p*T_l, (p+1)*T_l) of every sequence in its batch (``engine.shard_batch``
 cuts them); under Ulysses x ring (``ring`` > 1) the tokens ``ops.sp_positions.sp_positions`` gives it instead
-(``shard_batch(..., ring=r)``), and attention runs ``ops.ulysses.ulysses_ring_attention``. Once per forward the
-hook gathers the shards' padding masks and position ids (a (2, B, T_l) int64 tensor per rank) to check them and to
-give attention the GLOBAL padding mask; positions default to the global ones of the rank's tokens (p*T_l +
-arange(T_l) without a ring), as the stock model uses arange(T).
+(``shard_batch(..., layout=model)`` cuts by the model's ``ops.sp_layout.SPLayout``), and attention runs
+``ops.ulysses.ulysses_ring_attention``. Once per forward the hook gathers the shards' padding masks and position
+ids (a (2, B, T_l) int64 tensor per rank) to check them and to give attention the GLOBAL padding mask; positions
+default to the global ones of the rank's tokens (p*T_l + arange(T_l) without a ring), as the stock model uses
+arange(T).
 The resulting per-forward state, ``ShardContext``, is defined in ``forwards.attn_spec``.
 """
 
@@ -32,72 +30,35 @@ from ds_longseq.compat import cache_kwarg, pop_cache
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, ShardContext
 from ds_longseq.ops.documents import find_documents
 from ds_longseq.ops.draws import Draws
+from ds_longseq.ops.sp_layout import SPLayout
 from ds_longseq.ops.sp_positions import sp_positions
 from ds_longseq.ops.state_passing import StateRing
 from ds_longseq.ops.ulysses import UlyssesExchange, UlyssesRingExchange
 
-__all__ = ["SequenceParallel", "SequenceParallelForwardHook", "ShardOffsetCache", "ShardOffsetHook",
-           "ulysses_ring_groups", "register_layout", "ring_degree"]
-
-_LAYOUTS: dict[int, list[int]] = {}  # SP size -> [ring degree, models enabled with it]
-
-
-def register_layout(size: int, ring: int):
-    """Record that a model runs sequence parallelism ``size`` with ring degree ``ring`` in this process (so batches
-    cut without a ring argument follow it); returns the undo. Two enabled models with one size and different
-    layouts are refused: a batch could not be cut right for both."""
-    entry = _LAYOUTS.setdefault(size, [ring, 0])
-    if entry[0] != ring:
-        raise ValueError(
-            f"a model with sequence parallelism {size} and ring degree {entry[0]} is enabled in this process, and this "
-            f"one needs ring degree {ring} (its heads): set long_seq.sequence_parallel.ring to the same value for both"
-        )
-    entry[1] += 1
-
-    def undo():
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _LAYOUTS[size]
-
-    return undo
-
-
-def ring_degree(size: int) -> int:
-    """The ring degree of the models enabled with sequence-parallel ``size`` in this process (1 when none is)."""
-    return _LAYOUTS.get(size, [1])[0]
+__all__ = ["SequenceParallel", "SequenceParallelForwardHook", "ShardOffsetCache", "ShardOffsetHook"]
 
 
 class SequenceParallel:
     """The sequence-parallel group of one model.
 
     Args:
-        group: process group of the P ranks that share each sequence.
+        layout: the model's layout (P = u x r and its process groups: ``ops.sp_layout.SPLayout.build``), which the
+            model keeps (:attr:`layout`: batches for it are cut by it).
         num_heads, num_kv_heads: the model's attention head counts (checked against the Ulysses degree).
-        ring: the ring degree r (P = u x r, ``ops.sp_layout``); 1: Ulysses alone over the group. With r > 1 the
-            group must be DeepSpeed's (consecutive ranks), split by :func:`ulysses_ring_groups`.
     """
 
-    def __init__(self, group, num_heads: int, num_kv_heads: int, ring: int = 1):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.ring = ring
-        self.ring_group = None
-        if ring == 1:
-            self.exchange = UlyssesExchange(group, self.size, num_heads, num_kv_heads)
-        else:
-            ulysses = self.size // ring
-            first = dist.get_rank() - self.rank
-            if dist.get_process_group_ranks(group) != list(range(first, first + self.size)):
-                raise ValueError(
-                    "Ulysses x ring sequence parallelism needs DeepSpeed's sequence-parallel groups (consecutive "
-                    f"ranks), got ranks {dist.get_process_group_ranks(group)}: build the engine with "
-                    "ds_longseq.engine.initialize, or pass enable(..., sp_group=<a group of consecutive ranks>)"
-                )
-            ulysses_group, self.ring_group = ulysses_ring_groups(self.size, ulysses)
-            self.exchange = UlyssesExchange(ulysses_group, ulysses, num_heads, num_kv_heads) if ulysses > 1 else None
+    def __init__(self, layout: SPLayout, num_heads: int, num_kv_heads: int):
+        self.layout = layout
+        self.group = layout.group
+        self.size = layout.size
+        self.rank = dist.get_rank(layout.group)
+        self.ring = layout.ring
+        self.ring_group = layout.ring_group
+        ulysses, ring = layout.degrees
+        self.exchange = (UlyssesExchange(layout.ulysses_group, ulysses, num_heads, num_kv_heads)
+                         if ulysses > 1 or ring == 1 else None)
         self.kv_exchange = self.exchange if ring == 1 else UlyssesRingExchange(self.exchange, self.ring_group,
-                                                                               self.size // ring, ring)
+                                                                               ulysses, ring)
         self._token_exchange = self.exchange if ring == 1 else None
         self.is_paused = False
         self.local_loss_values = False
@@ -106,7 +67,7 @@ class SequenceParallel:
     @property
     def degrees(self) -> tuple[int, int]:
         """(u, r): the Ulysses and ring degrees."""
-        return self.size // self.ring, self.ring
+        return self.layout.degrees
 
     @property
     def token_exchange(self) -> UlyssesExchange:
@@ -213,7 +174,8 @@ class SequenceParallel:
             raise ValueError(
                 f"sequence parallelism {self.size // self.ring} x {self.ring} (Ulysses x ring) holds each rank's "
                 "tokens in the ring's zigzag layout, but this batch's position ids are not in that order: cut "
-                f"batches with ds_longseq.engine.shard_batch(batch, rank, {self.size}, ring={self.ring})"
+                "batches for the model they are for: ds_longseq.engine.shard_batch(batch, layout=<the model or its "
+                f"engine>) (or shard_batch(batch, rank, {self.size}, ring={self.ring}))"
             )
 
     def mask_boundary_targets(self, shift_labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -358,40 +320,3 @@ class ShardOffsetHook:
         offset = self.sp.exchange.rank * hidden.shape[1]
         return args, {**kwargs, cache_kwarg(module.forward): ShardOffsetCache(offset)}
 
-
-_SUBGROUPS: dict[tuple[int, int, int], tuple] = {}
-
-
-def ulysses_ring_groups(size: int, ulysses: int):
-    """(Ulysses group, ring group) of this rank when every ``size`` consecutive ranks share a sequence (DeepSpeed's
-    sequence-parallel groups) and each such group runs Ulysses over ``ulysses`` ranks times a ring over the rest
-    (``ops.sp_layout``: group rank p = j u + i is Ulysses rank i of Ulysses group j, of consecutive ranks, and ring
-    rank j of ring group i, every u-th rank).
-
-    Every rank must call it, in the same order (``torch.distributed.new_group`` is collective over the world); the
-    groups are built once per (world, size, u) and reused.
-
-    Raises:
-        ValueError: ``size`` does not divide the world, or ``ulysses`` does not divide ``size``.
-    """
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % size or ulysses < 1 or size % ulysses:
-        raise ValueError(f"sequence_parallel size {size} must divide the world size {world} and be a multiple of "
-                         f"the Ulysses degree {ulysses}")
-    key = (world, size, ulysses)
-    if key not in _SUBGROUPS:
-        ring = size // ulysses
-        mine = [None, None]
-        for first in range(0, world, size):  # each sequence-parallel group, all built on every rank
-            for j in range(ring):
-                ranks = list(range(first + j * ulysses, first + (j + 1) * ulysses))
-                group = dist.new_group(ranks)
-                mine[0] = group if rank in ranks else mine[0]
-            for i in range(ulysses):
-                ranks = list(range(first + i, first + size, ulysses))
-                group = dist.new_group(ranks)
-                mine[1] = group if rank in ranks else mine[1]
-        _SUBGROUPS[key] = tuple(mine)
-    return _SUBGROUPS[key]

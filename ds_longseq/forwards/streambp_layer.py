@@ -21,10 +21,10 @@ import torch
 from ds_longseq.compat import CHECKPOINTING_OFF_CALL, cache_kwarg, pop_cache
 from ds_longseq.families.decoder import KV_SHARING_KWARG, PER_TOKEN_LAYER_INPUTS, RECURRENT_MASK_KWARGS
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, chunk_spec
+from ds_longseq.forwards.head_sharding_forward import HeadShardedMixerForward
 from ds_longseq.forwards.layer_cache import layer_cache
 from ds_longseq.forwards.moe import RouterTap, collection_paused, record_router_logits, router_logits_requested
 from ds_longseq.forwards.replay import TOKEN_WISE_PROBE_TOKENS, check_token_wise, replay_draws
-from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
 from ds_longseq.forwards.unread_outputs import PROBE_TOKENS, UnreadLinear, UnreadLinears
 from ds_longseq.forwards.zero3 import check_zero3_leaf
 from ds_longseq.ops.documents import PACKED_KWARGS, find_documents
@@ -61,7 +61,8 @@ class LayerParts:
     "token_wise" for one with no token mixer (``DecoderLMAdapter.token_wise``: nothing carried, checked once to mix
     no tokens), None for an attention layer (``DecoderLMAdapter.mixer``)."""
     mixer_module: torch.nn.Module | None = None
-    """The recurrent mixer itself (under sequence parallelism it may be head-sharded: ``forwards.sharded_mixer``)."""
+    """The recurrent mixer itself (under sequence parallelism it may be head-sharded:
+    ``forwards.head_sharding_forward``)."""
     query_proj: UnreadLinear | None = None
     """The query projection as an installed ``UnreadLinear`` (``forwards.unread_outputs``): left uncomputed in the
     K/V capture once a probe found it exact."""

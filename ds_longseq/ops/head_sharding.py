@@ -61,7 +61,7 @@ class _MixerReached(Exception):
 
 
 class MixerStream:
-    """The cache a StreamBP chunk of a head-sharded mixer layer runs with (``forwards.sharded_mixer`` calls
+    """The cache a StreamBP chunk of a head-sharded mixer layer runs with (``forwards.head_sharding_forward`` calls
     :meth:`mixer_call` in place of the mixer).
 
     Modes: "capture" keeps the chunk's mixer input (no grad) and stops the layer there; "apply" returns the
@@ -279,7 +279,7 @@ def streambp_mixer_sp_apply(
         params: every parameter the layer uses (the mixer's included).
         chunk_size: tokens per chunk of the local shard.
         mixer: (B, T_l, d) the mixer's input on this rank -> (B, T_l, d) its output, a collective call every
-            rank of the group makes at once (``forwards.sharded_mixer.HeadShardedMixerForward.sharded``).
+            rank of the group makes at once (``forwards.head_sharding_forward.HeadShardedMixerForward.sharded``).
         offloader: where ``hidden`` goes until backward (host memory); None keeps it on its device.
         exchange: the group's ``UlyssesExchange`` for the keys/values of an attention beside the mixer; None: none.
 

@@ -80,7 +80,7 @@ class UlyssesExchange:
     @classmethod
     def of_tokens(cls, group) -> "UlyssesExchange":
         """The group's exchange for token exchanges alone (:meth:`all_to_all`; no heads to split), e.g. a mixer
-        sharded by heads over the whole group under Ulysses x ring (``forwards.sharded_mixer``)."""
+        sharded by heads over the whole group under Ulysses x ring (``forwards.head_sharding_forward``)."""
         size = torch.distributed.get_world_size(group)
         return cls(group, size, size, size)
 

@@ -31,7 +31,7 @@ from ds_longseq.techniques.base import (
 from ds_longseq.techniques.lm_head import LMHead
 from ds_longseq.techniques.mini_seq import MiniSeq
 from ds_longseq.techniques.offload import Offload
-from ds_longseq.techniques.sequence_parallel import SequenceParallelism, sequence_parallel_group
+from ds_longseq.techniques.sequence_parallel import SequenceParallelism, sequence_parallel_layout
 from ds_longseq.techniques.streambp import StreamBP
 
 __all__ = [
@@ -44,7 +44,7 @@ __all__ = [
     "PatchHandle",
     "ApproxBP",
     "SequenceParallelism",
-    "sequence_parallel_group",
+    "sequence_parallel_layout",
     "Offload",
     "StreamBP",
     "MiniSeq",

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from ds_longseq.forwards.causal_lm import CausalLMForward
     from ds_longseq.forwards.layer_input_offload import LayerInputOffload
     from ds_longseq.forwards.sp_model import SequenceParallel
+    from ds_longseq.ops.sp_layout import SPLayout
 
 __all__ = [
     "Technique", "register", "unregister", "active_techniques", "forward_only_config", "EnableContext", "PatchHandle",
@@ -108,17 +109,20 @@ class EnableContext:
         config: the parsed ``long_seq`` section.
         handle: the undo record (left on the model by the driver).
         sp_group: the process group passed to ``enable`` for sequence parallelism, or None.
+        sp_layout: the sequence-parallel layout passed to ``enable`` (``ops.sp_layout.SPLayout``), or None (then
+            ``sequence_parallel`` builds one on ``sp_group``).
         adapter: where a decoder model's parts are (None for an SSM model).
         sp: the model's sequence-parallel group object, once ``sequence_parallel`` installed it.
         offload: the layer-input offload, once ``offload`` installed it.
     """
 
     def __init__(self, model: torch.nn.Module, config: LongSeqConfig, handle: PatchHandle, *,
-                 sp_group=None, adapter: DecoderLMAdapter | None = None):
+                 sp_group=None, sp_layout: SPLayout | None = None, adapter: DecoderLMAdapter | None = None):
         self.model = model
         self.config = config
         self.handle = handle
         self.sp_group = sp_group
+        self.sp_layout = sp_layout
         self.adapter = adapter
         self.sp: SequenceParallel | None = None
         self.offload: LayerInputOffload | None = None

@@ -4,32 +4,52 @@ Holds:
     SequenceParallelism: builds the model's ``forwards.sp_model.SequenceParallel`` over the
         process group, routes attention through ds_longseq's function (heads exchanged for tokens) and
         installs the decoder stack's forward pre-hook that passes each forward's shard context.
-    sequence_parallel_group: the group ``enable`` uses: the one given, else DeepSpeed's.
+    sequence_parallel_layout: the layout ``enable`` gives a model (``ops.sp_layout.SPLayout``: its Ulysses x ring
+        degrees from the heads, its groups made on the group given, else DeepSpeed's), for a caller that builds it
+        once and hands it to ``enable(..., sp_layout=)`` (several models on the same groups).
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import torch
 
 from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_problem
 from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
+from ds_longseq.families.decoder import softcap_under_sdpa_problem
 from ds_longseq.families.mixer_heads import head_layout
 from ds_longseq.forwards.attn_spec import AttentionSettings
-from ds_longseq.forwards.sharded_mixer import HeadShardedMixerForward
-from ds_longseq.forwards.sp_model import (
-    SequenceParallel,
-    SequenceParallelForwardHook,
-    ShardOffsetHook,
-    register_layout,
-)
-from ds_longseq.ops.sp_layout import sp_degrees
+from ds_longseq.forwards.head_sharding_forward import HeadShardedMixerForward
+from ds_longseq.forwards.sp_model import SequenceParallel, SequenceParallelForwardHook, ShardOffsetHook
+from ds_longseq.ops.sp_layout import SPLayout, sp_degrees
 from ds_longseq.techniques.base import EnableContext, Technique, register
 
-__all__ = ["SequenceParallelism", "sequence_parallel_group"]
+__all__ = ["SequenceParallelism", "sequence_parallel_layout"]
 
 
-def sequence_parallel_group(config: LongSeqConfig, group=None):
-    """The process group for ``config.sequence_parallel``: ``group``, else DeepSpeed's initialised one."""
+def sequence_parallel_layout(model: torch.nn.Module, config: Mapping[str, Any] | LongSeqConfig, group=None
+                             ) -> SPLayout:
+    """The layout ``enable`` gives ``model`` under ``config.sequence_parallel``: Ulysses x ring degrees from the
+    model's heads (``ops.sp_layout.sp_degrees``; the section's ``ring`` forced when set), the groups made on
+    ``group``, else DeepSpeed's initialised one (:meth:`~ds_longseq.ops.sp_layout.SPLayout.build`, collective: every
+    rank calls it). Build it once to run several models on the same groups: ``enable(model, config,
+    sp_layout=layout)``.
+
+    Raises:
+        RuntimeError: no group given and DeepSpeed's groups are not built.
+        ValueError: the section's ring does not fit the heads; the group does not have ``size`` ranks, or under a
+            ring is not DeepSpeed's (consecutive ranks).
+    """
+    config = LongSeqConfig.of(config)
+    section = config.sequence_parallel
+    _, ring = _model_degrees(model, section.size, section.ring)
+    return SPLayout.build(_process_group(config, group), section.size, ring)
+
+
+def _process_group(config: LongSeqConfig, group=None):
+    """The process group for ``config.sequence_parallel``: ``group``, else DeepSpeed's initialised one (its ranks
+    checked against the size where the layout is built: ``SPLayout.build``)."""
     import torch.distributed as dist
 
     size = config.sequence_parallel.size
@@ -41,12 +61,14 @@ def sequence_parallel_group(config: LongSeqConfig, group=None):
             "ds_longseq.engine.initialize(...), or pass enable(model, config, sp_group=<group>) after "
             "torch.distributed.init_process_group"
         )
-    if dist.get_world_size(group) != size:
-        raise ValueError(
-            f"long_seq.sequence_parallel.size={size} but the sequence-parallel group has "
-            f"{dist.get_world_size(group)} ranks: make them equal"
-        )
     return group
+
+
+def _model_degrees(model: torch.nn.Module, size: int, ring: int | None) -> tuple[int, int]:
+    """(u, r) for ``model``'s query and key/value heads at SP ``size`` (``ring`` forced when given)."""
+    text = model.config.get_text_config()
+    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return sp_degrees(size, text.num_attention_heads, ring, kv)
 
 
 @register
@@ -76,12 +98,13 @@ class SequenceParallelism(Technique):
                 "families.discovery.OVERRIDES, and this one was found from its structure without such a test "
                 "(StreamBP, mini_seq and the chunked head apply); set long_seq.sequence_parallel.size=1"
             ]
-        problems: list[str] = []
+        softcap = softcap_under_sdpa_problem(ctx.model)
+        problems: list[str] = [] if softcap is None else [f"long_seq.sequence_parallel: {softcap}"]
         recurrent = [i for i, layer in enumerate(ctx.adapter.layers) if ctx.adapter.mixer(layer) is not None]
         size = ctx.config.sequence_parallel.size
         ring_problems = self._ring_problems(ctx, recurrent)
         if ring_problems:  # None: no ring; []: a ring this model can run
-            return ring_problems
+            return problems + ring_problems
         if recurrent and ctx.config.sequence_parallel.recurrent == "heads":
             reasons = {layout for i in recurrent
                        if isinstance(layout := head_layout(ctx.adapter.mixer(ctx.adapter.layers[i]), 0, size), str)}
@@ -116,11 +139,26 @@ class SequenceParallelism(Technique):
 
     @staticmethod
     def degrees(ctx: EnableContext) -> tuple[int, int]:
-        """(Ulysses degree, ring degree) of this model under the config (``ops.sp_layout.sp_degrees``)."""
-        text = ctx.model.config.get_text_config()
-        section = ctx.config.sequence_parallel
-        kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        return sp_degrees(section.size, text.num_attention_heads, section.ring, kv)
+        """(Ulysses degree, ring degree) of this model under the config (``ops.sp_layout.sp_degrees``), or of the
+        layout handed to ``enable`` (checked against the config and the heads).
+
+        Raises:
+            ValueError: a ring the heads do not fit; a handed layout without groups, or of another size or ring
+                than the section's.
+        """
+        section, given = ctx.config.sequence_parallel, ctx.sp_layout
+        if given is None:
+            return _model_degrees(ctx.model, section.size, section.ring)
+        if given.group is None:
+            raise ValueError("enable(sp_layout=) needs a layout with its process groups (SPLayout.build, "
+                             "techniques.sequence_parallel_layout), not one only to cut batches by")
+        if given.size != section.size or section.ring not in (None, given.ring):
+            raise ValueError(
+                f"enable(sp_layout=) runs {given.ulysses} x {given.ring} (Ulysses x ring) on {given.size} ranks, but "
+                f"long_seq.sequence_parallel is size={section.size}, ring={section.ring}: pass the layout built for "
+                "this section (techniques.sequence_parallel_layout), or make them agree"
+            )
+        return _model_degrees(ctx.model, given.size, given.ring)
 
     def _ring_problems(self, ctx: EnableContext, recurrent: list[int]) -> list[str] | None:
         """Why this model cannot run its ring yet (a list, maybe empty, when it needs one); None without a ring."""
@@ -145,13 +183,13 @@ class SequenceParallelism(Technique):
 
     def install(self, ctx: EnableContext) -> None:
         text = ctx.model.config.get_text_config()
+        layout = ctx.sp_layout  # built once where its groups are made, kept by the model (shard_batch reads it)
+        if layout is None:
+            layout = SPLayout.build(_process_group(ctx.config, ctx.sp_group), ctx.config.sequence_parallel.size,
+                                    self.degrees(ctx)[1])
         sp = SequenceParallel(
-            sequence_parallel_group(ctx.config, ctx.sp_group),
-            text.num_attention_heads,
-            getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            ring=self.degrees(ctx)[1],
+            layout, text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         )
-        ctx.handle.add_undo(register_layout(sp.size, sp.ring))  # shard_batch cuts by it when not told
         ctx.use_longseq_attention()
         hook = SequenceParallelForwardHook(sp, AttentionSettings.from_config(ctx.config.attention))
         ctx.handle.add_hook(ctx.adapter.base_model.register_forward_pre_hook(hook, with_kwargs=True))

@@ -4,8 +4,8 @@ Holds:
     StreamBP: checks that every layer can be replayed chunk by chunk and installs
         ``forwards.streambp_layer.StreamBPLayerForward`` as each decoder layer's forward, with
         attention routed through ds_longseq's chunked attention function (and, for a mixer whose scan restarts
-        from zeros, ``forwards.started_scan.StartedScanForward`` as its forward); with ``chunk_size: "auto"``, the
-        base model's forward pre-hook that picks the chunk size for each training forward
+        from zeros, ``forwards.scan_from_state_forward.ScanFromStateForward`` as its forward); with
+        ``chunk_size: "auto"``, the base model's forward pre-hook that picks the chunk size for each training forward
         (``forwards.auto_chunk``); with ``keep_attention_output: "auto"``, the one that decides for each training
         forward whether the attention layers keep their outputs (``forwards.keep_attention``).
 """
@@ -19,7 +19,7 @@ from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards.attn_spec import AttentionSettings
 from ds_longseq.forwards.auto_chunk import AutoChunkSettings, AutoChunkSize
 from ds_longseq.forwards.keep_attention import KeepAttentionOutput
-from ds_longseq.forwards.started_scan import StartedScanForward
+from ds_longseq.forwards.scan_from_state_forward import ScanFromStateForward
 from ds_longseq.forwards.streambp_layer import LayerParts, StreamBPLayerForward
 from ds_longseq.forwards.unread_outputs import UnreadLinear
 from ds_longseq.logging import get_logger, warn_once
@@ -74,7 +74,7 @@ class StreamBP(Technique):
             scan = ctx.adapter.spec.mixer_scan_function
             if recurrent and scan is not None:  # its multi-token scan continued from the carried state
                 module = ctx.adapter.mixer(layer)
-                ctx.handle.set_instance_attr(module, "forward", StartedScanForward(module, module.forward, scan))
+                ctx.handle.set_instance_attr(module, "forward", ScanFromStateForward(module, module.forward, scan))
 
     @staticmethod
     def _per_forward_choices(ctx: EnableContext) -> tuple[KeepAttentionOutput, int | AutoChunkSize]:

@@ -231,7 +231,8 @@ def mean_over_ranks(values: dict[str, float], world: int) -> dict[str, float]:
 
 
 def to_rank_batch(
-    batch: dict[str, torch.Tensor], device, sp_rank: int, sp_size: int, *, pad: bool = False, pad_token_id: int = 0
+    batch: dict[str, torch.Tensor], device, sp_rank: int, sp_size: int, *, pad: bool = False, pad_token_id: int = 0,
+    layout=None,
 ) -> dict[str, torch.Tensor]:
     """This rank's part of ``batch`` on ``device``: whole rows, or under sequence parallelism
     (``sp_size`` > 1) its 1/P shard of each row (:func:`~ds_longseq.engine.shard_batch`, labels shifted first).
@@ -242,7 +243,9 @@ def to_rank_batch(
         sp_rank, sp_size: this rank's place in its sequence-parallel group, and P.
         pad: --pad-for-sp: pad T on the right to a multiple of P (else T must divide).
         pad_token_id: the id the padding uses.
+        layout: how the group holds the sequence: the model's ``ops.sp_layout.SPLayout`` (``engine.sp_layout_of``),
+            or the model or engine itself; None: Ulysses alone (contiguous shards).
     """
     if sp_size > 1:
-        batch = shard_batch(batch, sp_rank, sp_size, pad=pad, pad_token_id=pad_token_id)
+        batch = shard_batch(batch, sp_rank, sp_size, pad=pad, pad_token_id=pad_token_id, layout=layout)
     return {k: v.to(device) for k, v in batch.items()}

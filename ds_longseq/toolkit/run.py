@@ -20,10 +20,9 @@ import ds_longseq.engine
 from ds_longseq import compat
 from ds_longseq.batch_size import BatchSize, BatchSizeError, read_batch_size
 from ds_longseq.config import LongSeqConfig
-from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size
+from ds_longseq.engine import data_parallel_rank_and_size, sequence_parallel_rank_and_size, sp_layout_of
 from ds_longseq.engine.manifest import ManifestError, read_latest, read_manifest
 from ds_longseq.engine.reshape import optimizer_on_nvme, planned_shape, shape_change
-from ds_longseq.forwards.sp_model import ring_degree
 from ds_longseq.logging import get_logger
 from ds_longseq.resolver import RunShape
 from ds_longseq.toolkit.args import DoesNotFit
@@ -78,8 +77,9 @@ class Run:
     @property
     def ring(self) -> int:
         """The ring degree of the model's sequence parallelism (Ulysses x ring; 1: Ulysses alone or none), which
-        :meth:`prepare` cuts batches by."""
-        return ring_degree(self.sp_size) if self.sp_size > 1 else 1
+        :meth:`prepare` cuts batches by (the model's layout: ``engine.sp_layout_of``)."""
+        layout = sp_layout_of(self.model)
+        return 1 if layout is None else layout.ring
 
     @property
     def replica(self) -> int:
@@ -129,7 +129,7 @@ class Run:
     def prepare(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
         """This rank's shard of ``batch`` (whole rows without sequence parallelism), on its device."""
         return to_rank_batch(batch, self.engine.device, self.sp_rank, self.sp_size, pad=self.args.pad_for_sp,
-                             pad_token_id=pad_id)
+                             pad_token_id=pad_id, layout=sp_layout_of(self.model))
 
 
 def check_memory(args: argparse.Namespace, ds_config: dict):
@@ -257,7 +257,7 @@ def setup_run(args: argparse.Namespace, before_model=None) -> Run:
     sp_rank, sp_size = sequence_parallel_rank_and_size()
     if sp_size > 1:  # the ring degree chosen from the model's heads (Ulysses x ring): a ring needs 2 P | --seq-len
         resolve_or_exit(args.ds_config, lambda: resolved.check(run=RunShape(
-            seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, ring=ring_degree(sp_size))))
+            seq_len=args.seq_len, pad_for_sp=args.pad_for_sp, ring=sp_layout_of(model).ring)))
     schedule = SaveSchedule(args.save_every, getattr(args, "save_every_minutes", 0.0), args.max_steps,
                             device=engine.device)
     run = Run(args, engine, model, long_seq, dtype, rank, world, sp_rank, sp_size, batch, schedule, claim)

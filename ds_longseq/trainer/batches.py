@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ds_longseq.engine import shard_batch
 from ds_longseq.engine.sp_groups import SHARDED_KEYS
+from ds_longseq.ops.sp_layout import SPLayout
 
 __all__ = ["shard_inputs", "broadcast_batch", "GroupTurnsLoader"]
 
@@ -44,7 +45,7 @@ def shard_inputs(
                 f"batch key {key!r} is a per-token tensor that ds_longseq cannot cut by sequence: drop it from the "
                 f"collator's output (keys it cuts: {sorted(SHARDED_KEYS)})"
             )
-    return {**rest, **shard_batch(seq, sp_rank, sp_size, pad=True, ring=ring)}
+    return {**rest, **shard_batch(seq, sp_rank, sp_size, pad=True, layout=SPLayout(sp_size, ring or 1))}
 
 
 def broadcast_batch(inputs: Mapping[str, Any], num_items, member: int, group) -> tuple[dict[str, Any], Any]:

@@ -19,8 +19,8 @@ trainer it is; the mixin (``trainer/mixin.py``) delegates to the case without as
   across the group, and whole sequences on each rank where logits are wanted (:class:`ShardedEvaluation`); TRL's DPO
   evaluating as it trains (:class:`WholeEvaluation`).
 
-:class:`Run` holds what every part shares (the Trainer, its own methods, the group). Holds those, :class:`TrainerCase`
-and :func:`choose_case`.
+:class:`CaseShared` holds what every part shares (the Trainer, its own methods, the group). Holds those,
+:class:`TrainerCase` and :func:`choose_case`.
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ from ds_longseq.trainer.trl import (
 )
 
 __all__ = [
-    "Run", "TrainerCase", "choose_case",
+    "CaseShared", "TrainerCase", "choose_case",
     "OwnBatches", "GroupSharedBatches", "AlstTurns", "GeneratedBatches",
     "StockLoss", "ShardedLoss", "WholeCallsLoss", "TurnsLoss",
     "StockEvaluation", "ShardedEvaluation", "WholeEvaluation",
 ]
 
 
-class Run:
+class CaseShared:
     """What every part of a case shares.
 
     Args:
@@ -109,8 +109,8 @@ class Run:
 class OwnBatches:
     """Each rank reads its own batches (no sequence parallelism)."""
 
-    def __init__(self, run: Run):
-        self.run = run
+    def __init__(self, shared: CaseShared):
+        self.shared = shared
 
     def train(self, dataloader):
         return dataloader
@@ -118,21 +118,21 @@ class OwnBatches:
     def total_train_batch_size(self, args) -> int:
         """Sequences per optimizer step: the world / P data-parallel replicas each read their own (P: ranks per
         sequence)."""
-        replicas = data_parallel_rank_and_size(self.run.sp_size, rank=0, world=args.world_size)[1]
-        return trainer_micro_batch_size(self.run.trainer) * args.gradient_accumulation_steps * replicas
+        replicas = data_parallel_rank_and_size(self.shared.sp_size, rank=0, world=args.world_size)[1]
+        return trainer_micro_batch_size(self.shared.trainer) * args.gradient_accumulation_steps * replicas
 
 
 class GroupSharedBatches(OwnBatches):
     """The P ranks of a sequence-parallel group read the same batches, cut across the group by the loss."""
 
     def train(self, dataloader):
-        if getattr(self.run.trainer.args, "train_sampling_strategy", None) == "batch_rebalance":
+        if getattr(self.shared.trainer.args, "train_sampling_strategy", None) == "batch_rebalance":
             raise ValueError(
                 "train_sampling_strategy='batch_rebalance' under ds_longseq sequence parallelism: that sampler "
                 "shards over every rank, but the ranks of a sequence-parallel group must read the same batches; "
                 "use 'random', 'sequential' or 'group_by_length'"
             )
-        return self.run.shared_within_groups(dataloader, "training")
+        return self.shared.shared_within_groups(dataloader, "training")
 
 
 class AlstTurns(OwnBatches):
@@ -140,7 +140,7 @@ class AlstTurns(OwnBatches):
     turn."""
 
     def train(self, dataloader):
-        sp = self.run.sp
+        sp = self.shared.sp
         return GroupTurnsLoader(dataloader, sp.rank, sp.size, sp.group)
 
 
@@ -148,7 +148,7 @@ class GeneratedBatches(OwnBatches):
     """TRL's GRPO: every rank generates for its own prompts, as TRL does; its group trains on them in turn."""
 
     def total_train_batch_size(self, args) -> int:
-        return self.run.stock.get_total_train_batch_size(args)
+        return self.shared.stock.get_total_train_batch_size(args)
 
 
 # How the training loss is formed
@@ -157,21 +157,21 @@ class GeneratedBatches(OwnBatches):
 class StockLoss:
     """The Trainer's own ``compute_loss``."""
 
-    def __init__(self, run: Run):
-        self.run = run
+    def __init__(self, shared: CaseShared):
+        self.shared = shared
 
     def loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
-        return self.run.stock_loss(model, inputs, return_outputs, num_items_in_batch)
+        return self.shared.stock_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 class ShardedLoss(StockLoss):
     """This rank's share of the batch's loss, with the group's total as its value."""
 
     def loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
-        sp = self.run.sp
+        sp = self.shared.sp
         inputs = shard_inputs(inputs, sp.rank, sp.size, sp.ring)
         with sp.local_losses():
-            result = self.run.stock_loss(model, inputs, return_outputs, num_items_in_batch)
+            result = self.shared.stock_loss(model, inputs, return_outputs, num_items_in_batch)
         loss = result[0] if return_outputs else result
         total = loss.detach().clone()
         dist.all_reduce(total, group=sp.group)
@@ -183,18 +183,18 @@ class WholeCallsLoss(StockLoss):
     """TRL's DPO: whole sequences in, its model calls cut across the group by ``calls``, TRL's loss whole on every
     rank."""
 
-    def __init__(self, run: Run, calls: WholeSequenceCalls):
-        super().__init__(run)
+    def __init__(self, shared: CaseShared, calls: WholeSequenceCalls):
+        super().__init__(shared)
         self.calls = calls
 
     def loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
         with self.calls, self.metrics_per_group():
-            return self.run.stock_loss(model, inputs, return_outputs, num_items_in_batch)
+            return self.shared.stock_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def metrics_per_group(self) -> contextlib.AbstractContextManager:
         """TRL gathers its metrics over every rank; under whole-sequence calls the P ranks of a group hold the same
         values, so each gather keeps one copy per group (as one rank per group would log)."""
-        size = self.run.sp_size
+        size = self.shared.sp_size
 
         def per_group(gather, tensor):
             if not isinstance(tensor, torch.Tensor):
@@ -203,7 +203,7 @@ class WholeCallsLoss(StockLoss):
             out = gather(tensor)
             return out.unflatten(0, (dist.get_world_size(), -1))[::size].flatten(0, 1)
 
-        return accelerator_gather_replaced(self.run.trainer.accelerator, per_group)
+        return accelerator_gather_replaced(self.shared.trainer.accelerator, per_group)
 
 
 class TurnsLoss(StockLoss):
@@ -212,8 +212,8 @@ class TurnsLoss(StockLoss):
     loss / P. Each rank's loss value is the mean of the group's batches', and the gradients summed over the group and
     averaged over the world / P replicas are plain TRL's average over the world's ranks."""
 
-    def __init__(self, run: Run, calls: WholeSequenceCalls):
-        super().__init__(run)
+    def __init__(self, shared: CaseShared, calls: WholeSequenceCalls):
+        super().__init__(shared)
         self.calls = calls
 
     def loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
@@ -222,7 +222,7 @@ class TurnsLoss(StockLoss):
         each turn's graph is freed before the next one runs, and ZeRO-3, whose hooks reduce a parameter once per
         backward, sees each parameter once per backward (DeepSpeed issue 5321). TRL's token-weighted metrics logged
         by the turns are recombined with the batches' token counts."""
-        sp, trainer = self.run.sp, self.run.trainer
+        sp, trainer = self.shared.sp, self.shared.trainer
         metrics = trl_metrics(trainer, "train")
         before = {key: len(values) for key, values in metrics.items()}
         engine = trainer.model_wrapped
@@ -232,7 +232,7 @@ class TurnsLoss(StockLoss):
             mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
             weights.append(mask.sum().float())
             with self.calls:
-                loss = self.run.stock.compute_loss(model, batch, num_items_in_batch=num_items_in_batch) / sp.size
+                loss = self.shared.stock.compute_loss(model, batch, num_items_in_batch=num_items_in_batch) / sp.size
             if member < sp.size - 1 and hasattr(engine, "set_gradient_accumulation_boundary"):
                 engine.set_gradient_accumulation_boundary(False)
                 engine.backward(loss * trainer_loss_scale(trainer, num_items_in_batch), scale_wrt_gas=False)
@@ -256,25 +256,25 @@ class StockEvaluation:
             reference log-probs for a new dataset inside it.
     """
 
-    def __init__(self, run: Run, paused_context: bool = False):
-        self.run, self.paused_context = run, paused_context
+    def __init__(self, shared: CaseShared, paused_context: bool = False):
+        self.shared, self.paused_context = shared, paused_context
 
     def dataloader(self, dataloader):
         return dataloader
 
     def context(self) -> contextlib.AbstractContextManager:
         """Around ``Trainer.evaluate``."""
-        return self.run.paused() if self.paused_context else contextlib.nullcontext()
+        return self.shared.paused() if self.paused_context else contextlib.nullcontext()
 
     def loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
         """``compute_loss`` outside training (an evaluation needing outputs)."""
-        return self.run.stock_loss(model, inputs, return_outputs, num_items_in_batch)
+        return self.shared.stock_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys,
                         positions: PositionLosses | None):
-        records = positions is not None and prediction_loss_only and self.run.has_labels(inputs)
+        records = positions is not None and prediction_loss_only and self.shared.has_labels(inputs)
         with positions.recording(inputs) if records else contextlib.nullcontext():
-            return self.run.stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return self.shared.stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
 
 class ShardedEvaluation(StockEvaluation):
@@ -283,16 +283,16 @@ class ShardedEvaluation(StockEvaluation):
     sequences on each rank."""
 
     def loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
-        with self.run.paused():
-            return self.run.stock_loss(model, inputs, return_outputs, num_items_in_batch)
+        with self.shared.paused():
+            return self.shared.stock_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys,
                         positions: PositionLosses | None):
-        run = self.run
-        if not (prediction_loss_only and run.has_labels(inputs)):
-            with run.paused():
-                return run.stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        sp, trainer = run.sp, run.trainer
+        shared = self.shared
+        if not (prediction_loss_only and shared.has_labels(inputs)):
+            with shared.paused():
+                return shared.stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        sp, trainer = shared.sp, shared.trainer
         inputs = trainer_prepared_inputs(trainer, inputs)
         # counted as the stock step counts them (across devices where the Trainer averages tokens so)
         num_items = trainer_num_items_in_batch(trainer, [inputs], trainer.args.device)
@@ -302,7 +302,7 @@ class ShardedEvaluation(StockEvaluation):
             shard = shard_inputs(batch, sp.rank, sp.size, sp.ring)
             recording = positions.recording(batch, sp) if positions is not None else contextlib.nullcontext()
             with torch.no_grad(), trainer.compute_loss_context_manager(), sp.local_losses(), recording:
-                share = run.stock.compute_loss(model, shard, num_items_in_batch=count)
+                share = shared.stock.compute_loss(model, shard, num_items_in_batch=count)
             total = share.detach().clone()
             dist.all_reduce(total, group=sp.group)  # value: that batch's loss, as one rank computes it
             if member == sp.rank:
@@ -314,12 +314,12 @@ class WholeEvaluation(StockEvaluation):
     """TRL's DPO evaluating like it trains: the group's ranks read the same pairs and its loss is ``training``'s, its
     model calls cut across the group; with logits wanted, whole sequences on each rank."""
 
-    def __init__(self, run: Run, training: WholeCallsLoss):
-        super().__init__(run)
+    def __init__(self, shared: CaseShared, training: WholeCallsLoss):
+        super().__init__(shared)
         self.training = training
 
     def dataloader(self, dataloader):
-        return self.run.shared_within_groups(dataloader, "evaluation")
+        return self.shared.shared_within_groups(dataloader, "evaluation")
 
     def loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
         return self.training.loss(model, inputs, return_outputs, num_items_in_batch)
@@ -327,16 +327,16 @@ class WholeEvaluation(StockEvaluation):
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys,
                         positions: PositionLosses | None):
         if prediction_loss_only:  # TRL's own step, its model calls cut (through compute_loss)
-            return self.run.stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        with self.run.paused():
-            return self.run.stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return self.shared.stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        with self.shared.paused():
+            return self.shared.stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
 
 class TrainerCase:
     """The parts one Trainer runs with (see the module docstring); what the mixin delegates to.
 
     Args:
-        run: what the parts share.
+        shared: what the parts share.
         reading: how the training batches are read (``OwnBatches`` and kin).
         training: how the training loss is formed (``StockLoss`` and kin).
         evaluation: what evaluation does (``StockEvaluation`` and kin).
@@ -344,17 +344,17 @@ class TrainerCase:
             each rank its own completions, whole).
     """
 
-    def __init__(self, run: Run, reading: OwnBatches, training: StockLoss, evaluation: StockEvaluation,
+    def __init__(self, shared: CaseShared, reading: OwnBatches, training: StockLoss, evaluation: StockEvaluation,
                  paused_generation: bool = False):
-        self.run, self.reading, self.training, self.evaluation = run, reading, training, evaluation
+        self.shared, self.reading, self.training, self.evaluation = shared, reading, training, evaluation
         self.paused_generation = paused_generation
 
     @property
     def sp_size(self) -> int:
-        return self.run.sp_size
+        return self.shared.sp_size
 
     def paused(self) -> contextlib.AbstractContextManager:
-        return self.run.paused()
+        return self.shared.paused()
 
     def train_dataloader(self, dataloader):
         return self.reading.train(dataloader)
@@ -367,14 +367,14 @@ class TrainerCase:
 
     def prepare_inputs_context(self) -> contextlib.AbstractContextManager:
         """Around the Trainer's ``_prepare_inputs`` (where TRL's GRPO generates)."""
-        return self.run.paused() if self.paused_generation else contextlib.nullcontext()
+        return self.shared.paused() if self.paused_generation else contextlib.nullcontext()
 
     def evaluate_context(self) -> contextlib.AbstractContextManager:
         """Around ``Trainer.evaluate``."""
         return self.evaluation.context()
 
     def compute_loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
-        evaluating = not self.run.trainer.model.training or not torch.is_grad_enabled()
+        evaluating = not self.shared.trainer.model.training or not torch.is_grad_enabled()
         part = self.evaluation if evaluating else self.training
         return part.loss(model, inputs, return_outputs, num_items_in_batch)
 
@@ -383,11 +383,11 @@ class TrainerCase:
         return self.evaluation.prediction_step(model, inputs, prediction_loss_only, ignore_keys, positions)
 
 
-def _dpo_calls(run: Run, config: LongSeqConfig, sp_group) -> WholeSequenceCalls:
+def _dpo_calls(shared: CaseShared, config: LongSeqConfig, sp_group) -> WholeSequenceCalls:
     """TRL's DPO's model calls cut across the group: the policy's and its reference model's, the reference enabled
     with the same sequence parallelism and chunked head (with PEFT and no reference model, the policy with its
     adapter off is the reference)."""
-    trainer, sp = run.trainer, run.sp
+    trainer, sp = shared.trainer, shared.sp
     if getattr(trainer, "aux_loss_enabled", False):
         raise NotImplementedError(
             f"TRL's DPOTrainer with a MoE load-balancing loss (router_aux_loss_coef={trainer.router_aux_loss_coef})"
@@ -403,7 +403,7 @@ def _dpo_calls(run: Run, config: LongSeqConfig, sp_group) -> WholeSequenceCalls:
             disable(ref)
         enable(ref, ref_config, sp_group=sp_group)
         configure_fused_lm_head(ref)  # what TRL's DPO asked of the reference's head: add_fused_lm_head(ref_model)
-        run.sps.append(sequence_parallel_of(ref))
+        shared.sps.append(sequence_parallel_of(ref))
         modules.append(ref)
     return WholeSequenceCalls(modules, sp.rank, sp.size, sp.group, ring=sp.ring,
                               whole_logits=reads_whole_logits(trainer))
@@ -414,21 +414,21 @@ def choose_case(trainer, stock, config: LongSeqConfig, sp_group, alst: bool) -> 
     sequence parallel and which TRL trainer it is. ``alst``: sequence parallelism was asked through
     ``parallelism_config``."""
     sp = sequence_parallel_of(trainer.model)
-    run = Run(trainer, stock, sp)
+    shared = CaseShared(trainer, stock, sp)
     if sp is None:
-        return TrainerCase(run, OwnBatches(run), StockLoss(run), StockEvaluation(run))
+        return TrainerCase(shared, OwnBatches(shared), StockLoss(shared), StockEvaluation(shared))
     precomputed_ref = getattr(trainer.args, "precompute_ref_log_probs", False)
     if uses_group_turns(type(trainer)):  # TRL's GRPO
         check_grpo_sequence_parallel(trainer, sp.size)
         calls = WholeSequenceCalls([trainer.accelerator.unwrap_model(trainer.model)], sp.rank, sp.size, sp.group,
                                    ring=sp.ring, whole_logits=reads_whole_logits(trainer))
-        return TrainerCase(run, GeneratedBatches(run), TurnsLoss(run, calls),
-                           ShardedEvaluation(run, paused_context=precomputed_ref), paused_generation=True)
-    reading = AlstTurns(run) if alst else GroupSharedBatches(run)
+        return TrainerCase(shared, GeneratedBatches(shared), TurnsLoss(shared, calls),
+                           ShardedEvaluation(shared, paused_context=precomputed_ref), paused_generation=True)
+    reading = AlstTurns(shared) if alst else GroupSharedBatches(shared)
     if uses_whole_sequence_calls(type(trainer)):  # TRL's DPO
-        training = WholeCallsLoss(run, _dpo_calls(run, config, sp_group))
+        training = WholeCallsLoss(shared, _dpo_calls(shared, config, sp_group))
         # with precomputed reference log-probs TRL precomputes them for a new dataset in evaluate, whole pairs per rank
-        evaluation = (ShardedEvaluation(run, paused_context=True) if precomputed_ref
-                      else WholeEvaluation(run, training))
-        return TrainerCase(run, reading, training, evaluation)
-    return TrainerCase(run, reading, ShardedLoss(run), ShardedEvaluation(run))
+        evaluation = (ShardedEvaluation(shared, paused_context=True) if precomputed_ref
+                      else WholeEvaluation(shared, training))
+        return TrainerCase(shared, reading, training, evaluation)
+    return TrainerCase(shared, reading, ShardedLoss(shared), ShardedEvaluation(shared))

@@ -1,7 +1,7 @@
 """The forward of a recurrent mixer whose multi-token scan restarts from zeros, run from its carried state.
 
 Holds:
-    StartedScanForward: the callable installed as such a mixer instance's ``forward`` under StreamBP.
+    ScanFromStateForward: the callable installed as such a mixer instance's ``forward`` under StreamBP.
 
 Jamba's Mamba mixer reads its recurrent state from the cache but uses it only in its 1-token decode step; its
 multi-token scan (``mamba_selective_scan``, the fused kernel or transformers' torch path) starts from zeros. Under
@@ -22,10 +22,10 @@ import torch
 from ds_longseq import compat
 from ds_longseq.ops.scan_from_state import selective_scan_from
 
-__all__ = ["StartedScanForward"]
+__all__ = ["ScanFromStateForward"]
 
 
-class StartedScanForward:
+class ScanFromStateForward:
     """Replacement ``forward`` of one mixer instance: the stock forward, its scan continued from the carried state.
 
     Without a cache, without a state yet (the first chunk) or on a 1-token call (the stock decode step, which
