@@ -12,6 +12,8 @@ Holds:
         layers (an inference shortcut that indexes 4D masks), and a stand-in that leaves them whole.
     CACHE_KWARGS, cache_kwarg, pop_cache: the keyword a KV cache is passed by, which transformers 5.24
         renamed (``past_key_values`` to ``cache``; older layouts say ``layer_past``).
+    packed_chunks_count_from_documents: whether chunked attention's chunks restart at each packed document
+        (transformers 5.24) or count from the row's first key (5.16).
     deepspeed_sp_group: DeepSpeed's initialised sequence-parallel group (``parallel_state_sp``), or None.
     dim_zero_all_to_all: DeepSpeed-Ulysses' registered all-to-all and its group registration.
     parameters_replaced: a module's parameters read as other tensors inside a ``with`` block (torch's own
@@ -79,6 +81,7 @@ __all__ = [
     "CACHE_KWARGS",
     "cache_kwarg",
     "pop_cache",
+    "packed_chunks_count_from_documents",
     "deepspeed_sp_group",
     "dim_zero_all_to_all",
     "parameters_replaced",
@@ -266,6 +269,16 @@ def pop_cache(kwargs: dict, given: Any = None) -> Any:
     the first non-None of them; None when there is none), whatever its name in this transformers release."""
     found = [kwargs.pop(name) for name in CACHE_KWARGS if name in kwargs]
     return next((cache for cache in (given, *found) if cache is not None), None)
+
+
+@functools.cache
+def packed_chunks_count_from_documents() -> bool:
+    """Whether transformers' mask builders count a packed row's positions from each document's start (5.24's
+    ``masking_utils.remap_positions_for_packed_sequence``: chunked attention's chunks restart at every document),
+    or from the row's key 0, only cutting the mask at the documents' boundaries (5.16.1 checked)."""
+    from transformers import masking_utils
+
+    return hasattr(masking_utils, "remap_positions_for_packed_sequence")
 
 
 def drop_gguf_quantization_marker(model_or_config) -> None:

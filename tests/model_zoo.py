@@ -385,9 +385,10 @@ def _rotary_half(d: dict, out: dict) -> int:
 
 
 def _plain(d: dict) -> dict:
-    """A ``to_dict`` without the bookkeeping keys a config constructor does not take back."""
+    """A ``to_dict`` without the bookkeeping keys a config constructor does not take back (transformers 5.16's DBRX
+    sub-configs reject their own ``output_attentions``: ``DbrxConfig(**DbrxConfig().to_dict())`` raises there)."""
     drop = {"transformers_version", "architectures", "_name_or_path", "id2label", "label2id", "dtype",
-            "output_hidden_states", "return_dict", "problem_type", "chunk_size_feed_forward"}
+            "output_hidden_states", "output_attentions", "return_dict", "problem_type", "chunk_size_feed_forward"}
     return {k: v for k, v in d.items() if k not in drop}
 
 
@@ -593,7 +594,10 @@ def tiny_config(model_type: str, variant: str = "default") -> transformers.Pretr
     kwargs = _tiny_dict(default, published)
     _merge(kwargs, copy.deepcopy(override), set(getattr(default, "sub_configs", {}) or {}))
     cls = _model_class(model_type)
-    kwargs["attn_implementation"] = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    # eager where the attention logits are soft-capped: SDPA has no softcap (transformers 5.16 drops Gemma 2's there,
+    # 5.24 marks such families eager-only), and ds_longseq refuses SDPA with one
+    softcapped = getattr(default.get_text_config(), "attn_logit_softcapping", None) is not None
+    kwargs["attn_implementation"] = "sdpa" if getattr(cls, "_supports_sdpa", False) and not softcapped else "eager"
     kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel
     if published:
         config = _published_config(model_type, kwargs, default)

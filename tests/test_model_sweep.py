@@ -84,10 +84,49 @@ def test_mutation_chunks_counted_from_key_0_are_caught(monkeypatch, packed):
     """Attention chunks counted from the row's key 0 (not its first real token, not each document's first)
     must be a difference."""
     import ds_longseq.ops.chunk_attention as attention  # KeyLimits.query_lo calls it for every attention path
+    from ds_longseq.compat import packed_chunks_count_from_documents
 
+    if packed and not packed_chunks_count_from_documents():
+        pytest.skip("this transformers counts packed rows' attention chunks from the row's key 0 itself (5.16: no "
+                    "per-document positions in its masks), which is what the mutation computes")
     bounds = attention.query_lower_bounds
     monkeypatch.setattr(attention, "query_lower_bounds", lambda *a: bounds(*a[:4], None))
     assert model_sweep.check_family("llama4_text", "streambp", batch=_llama4_batch(packed)).outcome == "different"
+
+
+def test_unrecorded_router_logits_are_refused():
+    """A mixture of experts whose decoder records no router logits (transformers 5.16's Granite-MoE: its stock forward
+    fails on the load-balancing loss, so the sweep checks it with the loss off) with output_router_logits set is
+    refused at the first forward in both modes, naming the fix, not a crash."""
+    import transformers
+
+    model = model_zoo.tiny_model("granitemoe", torch.float64)
+    model.config.output_router_logits = True
+    batch = model_zoo.tiny_batch("granitemoe")
+    if model_sweep._stock_forward_runs(model, batch):
+        pytest.skip(f"transformers {transformers.__version__}'s Granite-MoE records its router logits")
+    for config in model_sweep.MODES.values():
+        ds_longseq.enable(model, config)
+        try:
+            with pytest.raises(NotImplementedError, match="records no router logits.*output_router_logits=False"):
+                model(**batch)
+        finally:
+            ds_longseq.disable(model)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "vaultgemma"])
+def test_softcapped_attention_under_sdpa_is_refused(model_type):
+    """Attention logits soft-capped (Gemma 2's attn_logit_softcapping) on a model set to SDPA, which has no softcap
+    (transformers 5.16 drops it there; the sweep builds these families eager): refused at enable where ds_longseq's
+    attention replaces the model's, naming eager; mini_seq keeps the stock attention and runs."""
+    from ds_longseq.compat import set_attn_implementation
+
+    model = model_zoo.tiny_model(model_type, torch.float64)
+    set_attn_implementation(model.config, "sdpa")  # past 5.24's check: its Gemma 2 takes no SDPA
+    with pytest.raises(ds_longseq.UnsupportedModelError, match="sdpa.*attn_logit_softcapping.*"
+                                                                "attn_implementation='eager'"):
+        ds_longseq.patch.check_model(model, model_sweep.MODES["streambp"])
+    ds_longseq.patch.check_model(model, model_sweep.MODES["mini_seq"])
 
 
 def test_mutation_dropped_attention_chunks_are_caught(monkeypatch):

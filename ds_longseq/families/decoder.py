@@ -7,6 +7,7 @@ Holds:
     UnsupportedModelError: raised before compute for a model (or setting) ds_longseq cannot run exactly.
     DecoderLMAdapter / decoder_adapter: access to layers, MLPs, routers, activations, norms and LM head,
         and the structural checks every technique relies on.
+    softcap_under_sdpa_problem: why a model set to SDPA cannot run under ds_longseq's attention (a logit softcap).
     ACTIVATION_KINDS, norm_kind: activation and norm classes by the function they compute.
     PER_TOKEN_LAYER_INPUTS: decoder-layer arguments holding one entry per token besides the hidden states.
     RECURRENT_MASK_KWARGS: decoder-layer arguments holding a recurrent mixer's own padding mask.
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_longseq.compat import get_attn_implementation
 from ds_longseq.families.discovery import (
     discover_spec,
     head_kind,
@@ -43,6 +45,7 @@ __all__ = [
     "UnsupportedModelError",
     "DecoderLMAdapter",
     "decoder_adapter",
+    "softcap_under_sdpa_problem",
     "norm_kind",
     "ACTIVATION_KINDS",
     "PER_TOKEN_LAYER_INPUTS",
@@ -115,7 +118,7 @@ class FamilySpec:
     mixer_scan_function: str | None = None
     """The function of the recurrent mixer's modeling module that runs its multi-token scan from zeros whatever
     state the mixer reads (Jamba's ``mamba_selective_scan``: the fused kernel takes no initial state): StreamBP
-    runs it from the carried state instead (``forwards.started_scan``); None where the mixer's own code
+    runs it from the carried state instead (``forwards.scan_from_state_forward``); None where the mixer's own code
     continues from its state."""
     mlp_attr: str | None = "mlp"
     """Attribute of a decoder layer holding its MLP (dense, or the mixture-of-experts block); None when
@@ -379,13 +382,17 @@ class DecoderLMAdapter:
         """Layer index -> ("store" | "reuse", key) of each layer taking part in cross-layer K/V sharing, read from
         its attention module: Gemma 3n's and Gemma 4's ``store_full_length_kv`` (writes its keys/values to
         :data:`KV_SHARING_KWARG` under its ``layer_type``) and ``is_kv_shared_layer`` (attends those of its
-        ``layer_type`` instead of its own)."""
+        ``layer_type`` instead of its own). transformers 5.16's Gemma 3n keys them by the storing layer's index
+        instead: its own ``layer_idx``, and a reusing layer's ``kv_shared_layer_index``."""
         out = {}
         for i, layer in enumerate(self.layers):
             attn = self.attention(layer)
             for flag, role in (("is_kv_shared_layer", "reuse"), ("store_full_length_kv", "store")):
                 if getattr(attn, flag, False) is True:
-                    out[i] = (role, getattr(attn, "layer_type", None))
+                    by_index = hasattr(attn, "kv_shared_layer_index")  # 5.16's Gemma 3n
+                    key = (attn.kv_shared_layer_index if role == "reuse" else attn.layer_idx) if by_index else (
+                        getattr(attn, "layer_type", None))
+                    out[i] = (role, key)
                     break
         return out
 
@@ -481,6 +488,20 @@ class DecoderLMAdapter:
         if self.spec.moe_block_class is None or type(mlp).__name__ != self.spec.moe_block_class:
             return None
         return getattr(mlp, self.spec.router_attr)
+
+
+def softcap_under_sdpa_problem(model: torch.nn.Module) -> str | None:
+    """Why ds_longseq's attention would not compute ``model``'s stock one: it soft-caps the attention logits as the
+    model's eager attention does (``attn_logit_softcapping``, passed as ``softcap``: Gemma 2, VaultGemma), and the
+    model is set to SDPA, which has no softcap (transformers 5.16 drops it there, 5.24 refuses SDPA for such
+    families); None otherwise."""
+    config = model.config.get_text_config()
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is None or get_attn_implementation(config) != "sdpa":
+        return None
+    return (f"{type(model).__name__} is set to attn_implementation='sdpa', which runs its attention without the logit "
+            f"softcap (attn_logit_softcapping={cap}) that ds_longseq's attention applies as eager does, so the "
+            "gradients would differ: load the model with attn_implementation='eager'")
 
 
 def decoder_adapter(model: torch.nn.Module) -> DecoderLMAdapter:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ds_longseq.compat import CACHE_KWARGS
+from ds_longseq.compat import CACHE_KWARGS, packed_chunks_count_from_documents
 from ds_longseq.forwards.attn_spec import SPEC_KWARG, AttentionSettings, AttnSpec, spec_of
 from ds_longseq.ops.chunk_attention import KeyLimits, chunk_causal_attention
 from ds_longseq.ops.documents import PACKED_KWARGS
@@ -220,13 +220,14 @@ def _attention_chunk(module: torch.nn.Module, spec: AttnSpec | None, attention_m
     chunk_origin = None
     if attention_chunk is not None:
         sp = spec.sp if spec is not None else None
-        # transformers counts the chunks from the query's document's first token in packed rows (it compares
-        # position ids), else from the row's first real token (its number of left-padding tokens); under
-        # sequence parallelism from the global ones
+        # transformers counts the chunks from the query's document's first token in packed rows (5.24 compares
+        # position ids; 5.16 counts them from the row's key 0, the documents cutting the mask only), else from
+        # the row's first real token (its number of left-padding tokens); under sequence parallelism from the
+        # global ones
         doc_start = (sp.doc_start if sp is not None else spec.doc_start) if spec is not None else None
         key_valid = sp.key_valid if sp is not None else (
             None if attention_mask is None else attention_mask[:, -num_keys:].to(torch.bool))
-        if doc_start is not None:
+        if doc_start is not None and packed_chunks_count_from_documents():
             chunk_origin = doc_start.to(device)  # (B, keys): sliced to the queries by the local path
         elif key_valid is not None:
             chunk_origin = (key_valid.to(torch.int64).cumsum(-1) == 0).sum(-1, keepdim=True).to(device)

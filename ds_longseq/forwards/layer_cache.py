@@ -45,7 +45,7 @@ class StreamCache:
         parallelism)."""
         return self.stream.tokens_before()
 
-    # transformers' linear-attention cache API (>= 5.24): the recurrent mixers' states
+    # transformers' linear-attention cache API (5.24): the recurrent mixers' states
     def get_conv_state(self, *args, **kwargs):
         return self.stream.state.get_conv_state(*args, **kwargs)
 
@@ -61,8 +61,48 @@ class StreamCache:
     def is_recording_past(self, *args, **kwargs) -> bool:
         return self.stream.state.is_recording_past(*args, **kwargs)
 
+    # the same states as transformers 5.16-5.23's mixers read them: they ask has_previous_state, then read the
+    # cache's layer (cache.layers[i].conv_states[j], .recurrent_states[j], .record_past) directly
+    def has_previous_state(self, *args, **kwargs) -> bool:
+        return self.stream.state.has_previous_state(*args, **kwargs)
+
+    @property
+    def layers(self) -> _Layers:
+        return _Layers(self.stream.state)
+
+
+class _States:
+    """``layers[i].conv_states`` / ``.recurrent_states``: index ``j`` reads state ``j`` through ``get``."""
+
+    def __init__(self, get):
+        self.get = get
+
+    def __getitem__(self, state_idx: int) -> torch.Tensor | None:
+        return self.get(state_idx=state_idx)
+
+
+class _StateLayer:
+    """A ``LinearAttentionLayer`` of transformers 5.16-5.23 as its mixers read it, over the stream's carried
+    state (reads are recorded for the runtime guard as through ``get_conv_state``)."""
+
+    record_past = True  # as is_recording_past: the general multi-token path, never the in-place decode step
+
+    def __init__(self, state):
+        self.conv_states = _States(state.get_conv_state)
+        self.recurrent_states = _States(state.get_recurrent_state)
+
+
+class _Layers:
+    """``cache.layers``: every index is the chunk's own layer (one stream per layer)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __getitem__(self, layer_idx: int) -> _StateLayer:
+        return _StateLayer(self.state)
+
 
 def layer_cache(stream: KVStream | GlobalKVStream | MixerStream) -> StreamCache | MixerStream:
     """The cache a StreamBP chunk's layer is called with: a :class:`StreamCache` over a K/V stream; a head-sharded
-    mixer's :class:`MixerStream` as itself (ds_longseq's own mixer forward reads it, ``forwards.sharded_mixer``)."""
+    mixer's :class:`MixerStream` as itself (read by ds_longseq's mixer forward, ``forwards.head_sharding_forward``)."""
     return stream if isinstance(stream, MixerStream) else StreamCache(stream)

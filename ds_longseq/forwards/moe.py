@@ -112,7 +112,21 @@ def router_aux_loss_wanted(model: torch.nn.Module, moe_aux: bool | None, kwargs:
 
 def router_aux_loss(model: torch.nn.Module, outputs, attention_mask) -> torch.Tensor:
     """The family's own load-balancing loss (from its modeling module) on the recorded (B*T, E) router logits, as the
-    stock forward computes it."""
+    stock forward computes it.
+
+    Raises:
+        NotImplementedError: the decoder recorded no router logits (transformers 5.16's Granite-MoE and DBRX models
+            cannot: their stock forward fails on the loss too).
+    """
+    if not getattr(outputs, "router_logits", None):
+        import transformers
+
+        raise NotImplementedError(
+            f"{type(model).__name__}: output_router_logits is set, but under transformers {transformers.__version__} "
+            "its decoder records no router logits, so the load-balancing loss cannot be computed (the stock forward "
+            "fails on it too): pass output_router_logits=False (or set config.output_router_logits=False), or "
+            "pip install 'transformers>=5.24'"
+        )
     balancing = sys.modules[type(model).__module__].load_balancing_loss_func
     return balancing(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 

@@ -5,8 +5,9 @@ Holds:
         short-convolution mixers (Qwen3.5 / Qwen3-Next's Gated DeltaNet, Mamba-1/2, LFM2's short
         convolution, ...) read and write through transformers' linear-attention cache API
         (``get_conv_state`` / ``update_conv_state`` / ``get_recurrent_state`` / ``update_recurrent_state``,
-        transformers >= 5.24): the mixer's own multi-token code continues from the state it is given, so a
-        chunk computes exactly what the whole sequence would on its tokens.
+        transformers >= 5.24; earlier releases' mixers ask ``has_previous_state`` and read the states from the
+        cache's layer, ``forwards.layer_cache``): the mixer's own multi-token code continues from the state it is
+        given, so a chunk computes exactly what the whole sequence would on its tokens.
 
 Shape legend: B batch, C chunk, W the convolution window a layer keeps (its kernel size K), S a
 recurrent state (e.g. (B, H, Dk, Dv) for the gated delta rule, (B, H, Dh, N) for Mamba-2).
@@ -139,6 +140,13 @@ class CarriedState:
         """Record the recurrent state after the chunk; returned unchanged."""
         self.written[("recurrent", state_idx)] = recurrent_states
         return recurrent_states
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the current chunk starts from carried states (all of them, or those of ``state_idx``): what the
+        mixers of transformers before 5.24 ask before reading the states (``Cache.has_previous_state``); not a read."""
+        if state_idx is None:
+            return bool(self.incoming)
+        return any(index == state_idx for _, index in self.incoming)
 
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         """True: a mixer then takes its general multi-token path even for a 1-token chunk, never the single-step

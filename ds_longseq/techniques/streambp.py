@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ds_longseq.config import StreamBPConfig
+from ds_longseq.families.decoder import softcap_under_sdpa_problem
 from ds_longseq.families.dims import ModelDims
 from ds_longseq.forwards.attn_spec import AttentionSettings
 from ds_longseq.forwards.auto_chunk import AutoChunkSettings, AutoChunkSize
@@ -44,7 +45,8 @@ class StreamBP(Technique):
     def check(self, ctx: EnableContext) -> list[str]:
         if ctx.adapter.spec.attention_problem:
             return [f"long_seq.streambp: {ctx.adapter.spec.attention_problem}"]
-        return []
+        softcap = softcap_under_sdpa_problem(ctx.model)
+        return [] if softcap is None else [f"long_seq.streambp: {softcap}"]
 
     def install(self, ctx: EnableContext) -> None:
         ctx.use_longseq_attention()
