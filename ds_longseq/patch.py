@@ -265,15 +265,8 @@ def configure_fused_lm_head(
         RuntimeError: the model is not enabled, or enabled with nothing that installs ds_longseq's forward.
         ValueError: a non-positive temperature or an output ds_longseq does not compute.
     """
-    handle = _handle(model)
-    if handle is None:
-        raise RuntimeError("configure_fused_lm_head needs ds_longseq.enable(model, ...) first")
-    if handle.forward is None:
-        raise RuntimeError(
-            "configure_fused_lm_head: the long_seq config enables nothing, so ds_longseq installed no forward and "
-            "TRL's own fused head serves the calls; configure it through add_fused_lm_head instead"
-        )
-    handle.forward.configure_fused_head(
+    _installed_forward(model, "configure_fused_lm_head", "TRL's own fused head serves the calls; configure it "
+                       "through add_fused_lm_head instead").configure_fused_head(
         temperature=temperature, outputs=outputs, cast_lm_head_to_fp32=cast_lm_head_to_fp32
     )
 
@@ -288,12 +281,20 @@ def configure_loss_statistics(model: torch.nn.Module, on: bool = True) -> None:
     Raises:
         RuntimeError: the model is not enabled, or enabled with nothing that installs ds_longseq's forward.
     """
+    _installed_forward(model, "configure_loss_statistics", "TRL's own forward serves the calls").report_loss_statistics(
+        on)
+
+
+def _installed_forward(model: torch.nn.Module, caller: str, otherwise: str):
+    """The causal-LM forward ds_longseq installed on ``model``, for ``caller`` to configure.
+
+    Raises:
+        RuntimeError: the model is not enabled, or its config enables nothing (``otherwise``: what serves the calls).
+    """
     handle = _handle(model)
     if handle is None:
-        raise RuntimeError("configure_loss_statistics needs ds_longseq.enable(model, ...) first")
+        raise RuntimeError(f"{caller} needs ds_longseq.enable(model, ...) first")
     if handle.forward is None:
         raise RuntimeError(
-            "configure_loss_statistics: the long_seq config enables nothing, so ds_longseq installed no forward and "
-            "TRL's own forward serves the calls"
-        )
-    handle.forward.report_loss_statistics(on)
+            f"{caller}: the long_seq config enables nothing, so ds_longseq installed no forward and {otherwise}")
+    return handle.forward
