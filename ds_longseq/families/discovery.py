@@ -64,6 +64,8 @@ followed; a change to some families only, or to one of these names, is not:
   active ``nn.Dropout`` in a StreamBP layer, a nonzero ``dropout=`` reaching ds_longseq's attention);
 - :func:`masks_see_packed_rows`: the decoder calling transformers' ``create_*mask`` builders with
   ``position_ids``; not recognised, packed rows are refused without StreamBP (the safe side).
+- :func:`mixer_gets_layer_kwargs`: a hybrid layer calling its recurrent mixer with the cache and ``**kwargs``;
+  not recognised, sequence parallelism sharding the mixer by heads is refused (the safe side).
 
 So a transformers release that breaks the parsing makes families refused with the reason, not trained wrong
 (except where noted above). The sweep (``tests/test_model_sweep.py``) counts a refusal as a pass, so
@@ -84,6 +86,7 @@ import torch
 
 __all__ = [
     "discover_spec", "head_kind", "logit_scale", "is_plain_linear", "is_state_mixer", "masks_see_packed_rows",
+    "mixer_gets_layer_kwargs",
     "HEAD_TEMPLATES", "MOE_AUX_KINDS", "OVERRIDES", "text_config",
 ]
 
@@ -405,6 +408,31 @@ def is_state_mixer(cls: type) -> bool:
     state-space or short-convolution token mixer (Gated DeltaNet, Mamba, LFM2's short convolution)."""
     source = _forward_source(cls)
     return source is not None and any(marker in source for marker in _STATE_MARKERS)
+
+
+_CACHE_WORDS = ("cache", "cache_params", "past_key_values", "layer_past")
+
+
+@functools.lru_cache(maxsize=None)
+def mixer_gets_layer_kwargs(layer_cls: type, mixer_attr: str) -> bool:
+    """Whether a decoder layer class's ``forward`` hands its keyword arguments on (``**kwargs``) to its recurrent
+    mixer ``self.<mixer_attr>``: every call of it that passes the cache (the recurrent branch: NemotronH's block
+    calls its ``mixer`` in an attention and an MLP branch too) also passes ``**``. transformers 5.24's hybrid layers
+    do; 5.16's Falcon-H1, LFM2, LFM2-MoE and NemotronH layers do not (what ds_longseq hands a layer then never
+    reaches the mixer). False where no such call is found or the source is unreadable."""
+    source = _forward_source(layer_cls)
+    try:
+        tree = ast.parse(source) if source is not None else None
+    except SyntaxError:
+        tree = None
+    if tree is None:
+        return False
+    calls = [
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.dump(node.func) == ast.dump(_self_attr(mixer_attr))
+        and any(k.arg in _CACHE_WORDS for k in node.keywords)
+    ]
+    return bool(calls) and all(any(k.arg is None for k in call.keywords) for call in calls)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,6 +18,7 @@ import torch
 from ds_longseq.compat import deepspeed_sp_group, zero3_sequence_parallel_problem
 from ds_longseq.config import LongSeqConfig, SequenceParallelConfig
 from ds_longseq.families.decoder import softcap_under_sdpa_problem
+from ds_longseq.families.discovery import mixer_gets_layer_kwargs
 from ds_longseq.families.mixer_heads import head_layout
 from ds_longseq.forwards.attn_spec import AttentionSettings
 from ds_longseq.forwards.head_sharding_forward import HeadShardedMixerForward
@@ -114,6 +115,17 @@ class SequenceParallelism(Technique):
                 "long_seq.streambp), or long_seq.sequence_parallel.size=1"
                 for reason in sorted(reasons)
             ]
+            deaf = sorted({type(ctx.adapter.layers[i]).__name__ for i in recurrent
+                           if not mixer_gets_layer_kwargs(type(ctx.adapter.layers[i]), spec.mixer_attr)})
+            if not reasons and deaf:
+                problems.append(
+                    f"long_seq.sequence_parallel.recurrent='heads' on {spec.causal_lm_class}: {', '.join(deaf)}"
+                    f".forward calls its {spec.mixer_attr} without passing on its keyword arguments (transformers "
+                    "5.16's layers), so the shard context never reaches the mixer and each rank would run it on its "
+                    "own tokens alone; pip install 'transformers>=5.24', set recurrent='pass_state' (with "
+                    "long_seq.streambp; not for a layer with an attention beside its mixer), or "
+                    "long_seq.sequence_parallel.size=1"
+                )
         elif recurrent and not ctx.config.streambp.enabled:
             problems.append(
                 f"long_seq.sequence_parallel.recurrent='pass_state' on {spec.causal_lm_class} without "
