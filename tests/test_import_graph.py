@@ -197,6 +197,13 @@ def test_no_class_over_250_lines_and_no_constructor_over_8_parameters():
     assert not long_classes and not long_inits, (long_classes, long_inits)
 
 
+def test_no_module_over_800_lines_and_no_compat_module_over_250():
+    """Issue 65: no grab-bag file; the compat package split by the library each module covers."""
+    long = {str(path.relative_to(PACKAGE_DIR)): n for path in sorted(PACKAGE_DIR.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > (250 if path.parent.name == "compat" else 800)}
+    assert not long, f"split these by what they hold: {long}"
+
+
 def test_no_module_name_repeats_across_the_package():
     """Issue 52, item 5 (docs/LAYOUT.md, "Names"): a file's name says what is inside, so "where is offload" has
     one answer per layer (``ops/host_store.py``, ``forwards/layer_input_offload.py``, ``techniques/offload.py``)

@@ -451,7 +451,7 @@ ADAM = {"optim": "adamw_torch", "lr": 1e-2, "weight_decay": 0.1}
 """DeepSpeed's universal checkpoint converts Adam's states (exp_avg, exp_avg_sq) only: the reshape tests train with
 it. Its updates at step 3 are no longer sign-like where float32 rounding decides a sign: the gradients that small sit
 under its epsilon. Weight decay puts the LayerNorm weights in the Trainer's second (no-decay) parameter group, whose
-hyperparameters and step count DeepSpeed's ZeRO-3 universal load gets wrong (compat.repair_zero3_universal_load)."""
+hyperparameters and step count DeepSpeed's ZeRO-3 universal load gets wrong (compat.repair_universal_load)."""
 
 
 @pytest.mark.parametrize(("stage", "sp", "gas_after", "lora"), [

@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.compat import full_numel, is_zero3_partitioned, keys_ignored_on_save, repair_zero3_universal_load
+from ds_longseq.compat import full_numel, is_zero3_partitioned, keys_ignored_on_save, repair_universal_load
 from ds_longseq.engine import sequence_parallel_rank_and_size
 from ds_longseq.engine.manifest import (
     read_latest,
@@ -98,7 +98,7 @@ def resume(engine, save_dir: str, metrics_path: str, *, frozen_excluded: bool = 
             raise SystemExit(f"--resume: {err}") from None
     _, client_state = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=not frozen_excluded)
     if reshaped:
-        repaired = repair_zero3_universal_load(engine, os.path.join(save_dir, tag))
+        repaired = repair_universal_load(engine, os.path.join(save_dir, tag))
         if repaired and dist.get_rank() == 0:
             logger.warning("--resume: after DeepSpeed's ZeRO-3 universal load: %s", "; ".join(repaired))
     else:  # the generators are per rank: another shape starts them afresh (engine.reshape)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ds_longseq.compat import repair_zero3_universal_load
+from ds_longseq.compat import repair_universal_load
 from ds_longseq.engine.manifest import (
     MANIFEST,
     ManifestError,
@@ -75,7 +75,7 @@ class CheckpointCallback(TrainerCallback):
     written ``<output_dir>/checkpoint-<step>/``) the manifest, once every rank has written its part (by the process
     that saves for its node); after a load of DeepSpeed's universal form (``on_train_begin``, which the Trainer calls
     after loading), what DeepSpeed's ZeRO-3 load leaves wrong in the optimizer put right
-    (``compat.repair_zero3_universal_load``). Nothing without DeepSpeed."""
+    (``compat.repair_universal_load``). Nothing without DeepSpeed."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -85,7 +85,7 @@ class CheckpointCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.universal_dir is None:
             return
-        repaired = repair_zero3_universal_load(self.trainer.model_wrapped, self.universal_dir)
+        repaired = repair_universal_load(self.trainer.model_wrapped, self.universal_dir)
         if repaired and _rank_and_world()[0] == 0:
             logger.warning("resume_from_checkpoint: after DeepSpeed's ZeRO-3 universal load: %s", "; ".join(repaired))
         self.universal_dir = None
