@@ -29,111 +29,33 @@ device that runs it), the per-instance patch of ``techniques/base.py``, and a fe
 
 from __future__ import annotations
 
-from ds_longseq.compat.deepspeed_repairs import (
-    ZERO3_SP_AVERAGE_VERSIONS,
-    fix_zero3_sequence_parallel_average,
-    repair_universal_load,
-    zero3_sequence_parallel_problem,
+from ds_longseq.compat import (
+    deepspeed_repairs,
+    deepspeed_shims,
+    torch_shims,
+    touches,
+    trainer_shims,
+    transformers_shims,
+    versions,
+    weight_formats,
 )
-from ds_longseq.compat.deepspeed_shims import (
-    Z3_LEAF_ATTR,
-    checkpoint_parallel_dims_keys,
-    deepspeed_initialize_replaced,
-    deepspeed_sp_group,
-    dim_zero_all_to_all,
-    full_numel,
-    is_zero3_partitioned,
-    zero_flat_buffers_detached,
-)
-from ds_longseq.compat.torch_shims import (
-    default_process_group,
-    default_store,
-    module_function_replaced,
-    parameters_replaced,
-    products_uncomputed,
-    tensor_version,
-)
-from ds_longseq.compat.touches import TOUCHES_ELSEWHERE
-from ds_longseq.compat.trainer_shims import (
-    accelerate_parallelism_hidden,
-    accelerator_gather_replaced,
-    dataloader_resharded,
-    trainer_checkpointing_turned_off,
-    trainer_counts_batch_tokens,
-    trainer_loss_scale,
-    trainer_micro_batch_size,
-    trainer_num_items_in_batch,
-    trainer_prepared_inputs,
-    trl_entropy_bonus_enabled,
-    trl_makes_fused_head_calls,
-    trl_metrics,
-)
-from ds_longseq.compat.transformers_shims import (
-    CACHE_KWARGS,
-    CHECKPOINTING_OFF_CALL,
-    KV_SHARED_SLICING,
-    activation_checkpointing_on,
-    cache_kwarg,
-    check_output_capturing,
-    get_attn_implementation,
-    keys_ignored_on_save,
-    output_collector,
-    packed_chunks_count_from_documents,
-    pop_cache,
-    set_activation_checkpointing,
-    set_attn_implementation,
-    unsliced_kv_shared_inputs,
-)
-from ds_longseq.compat.versions import TESTED_VERSIONS
-from ds_longseq.compat.weight_formats import drop_gguf_quantization_marker, keep_4bit_weights_unpacked
+from ds_longseq.compat.deepspeed_repairs import *  # noqa: F403 - the names its __all__ lists
+from ds_longseq.compat.deepspeed_shims import *  # noqa: F403 - the names its __all__ lists
+from ds_longseq.compat.torch_shims import *  # noqa: F403 - the names its __all__ lists
+from ds_longseq.compat.touches import *  # noqa: F403 - the names its __all__ lists
+from ds_longseq.compat.trainer_shims import *  # noqa: F403 - the names its __all__ lists
+from ds_longseq.compat.transformers_shims import *  # noqa: F403 - the names its __all__ lists
+from ds_longseq.compat.versions import *  # noqa: F403 - the names its __all__ lists
+from ds_longseq.compat.weight_formats import *  # noqa: F403 - the names its __all__ lists
 
+# every public name of the modules above, each listed once, in its own module's __all__
 __all__ = [
-    "TESTED_VERSIONS",
-    "activation_checkpointing_on",
-    "set_activation_checkpointing",
-    "CHECKPOINTING_OFF_CALL",
-    "get_attn_implementation",
-    "set_attn_implementation",
-    "output_collector",
-    "check_output_capturing",
-    "KV_SHARED_SLICING",
-    "unsliced_kv_shared_inputs",
-    "CACHE_KWARGS",
-    "cache_kwarg",
-    "pop_cache",
-    "packed_chunks_count_from_documents",
-    "keys_ignored_on_save",
-    "deepspeed_sp_group",
-    "dim_zero_all_to_all",
-    "Z3_LEAF_ATTR",
-    "is_zero3_partitioned",
-    "full_numel",
-    "deepspeed_initialize_replaced",
-    "checkpoint_parallel_dims_keys",
-    "zero_flat_buffers_detached",
-    "ZERO3_SP_AVERAGE_VERSIONS",
-    "zero3_sequence_parallel_problem",
-    "fix_zero3_sequence_parallel_average",
-    "repair_universal_load",
-    "parameters_replaced",
-    "module_function_replaced",
-    "tensor_version",
-    "products_uncomputed",
-    "default_process_group",
-    "default_store",
-    "drop_gguf_quantization_marker",
-    "keep_4bit_weights_unpacked",
-    "trainer_checkpointing_turned_off",
-    "trainer_counts_batch_tokens",
-    "trainer_micro_batch_size",
-    "trainer_num_items_in_batch",
-    "trainer_prepared_inputs",
-    "trainer_loss_scale",
-    "trl_metrics",
-    "trl_entropy_bonus_enabled",
-    "trl_makes_fused_head_calls",
-    "accelerator_gather_replaced",
-    "accelerate_parallelism_hidden",
-    "dataloader_resharded",
-    "TOUCHES_ELSEWHERE",
+    *versions.__all__,
+    *transformers_shims.__all__,
+    *torch_shims.__all__,
+    *deepspeed_shims.__all__,
+    *deepspeed_repairs.__all__,
+    *trainer_shims.__all__,
+    *weight_formats.__all__,
+    *touches.__all__,
 ]
