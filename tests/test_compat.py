@@ -354,3 +354,14 @@ def test_split_config_refuses_zero3_with_sequence_parallelism_on_an_unchecked_de
     with pytest.raises(LongSeqConfigError, match="on DeepSpeed 0.19.9: ds_longseq checked"):
         split_config(config)
     split_config({**config, "zero_optimization": {"stage": 2}})  # ZeRO-2 averages right on every release
+
+
+@pytest.mark.parametrize("backend,version,one_at_a_time", [
+    ("gloo", "0.18.9", True),  # waits on its last all-gather only: gloo's others may not have landed
+    ("gloo", "0.18.9+cpu", True),
+    ("nccl", "0.18.9", False),  # one stream: the last one's end covers the others
+    ("gloo", "0.19.8", False),  # waits on every handle
+    (None, "0.18.9", False),  # no process group: nothing to gather
+])
+def test_deepspeed_0_18_gathers_parameters_one_at_a_time_under_gloo(backend, version, one_at_a_time):
+    assert compat.gathers_one_at_a_time(backend, version) is one_at_a_time

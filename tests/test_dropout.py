@@ -477,9 +477,8 @@ def check_chunk_attention_dropout(device: torch.device) -> None:
 def zero3_dropout_worker(rank: int) -> dict:
     """One ZeRO-3 step (engine.initialize, StreamBP, SGD on the LoRA weights, float32) of lora_model() with this
     rank's batch: the masks its forward drew and the LoRA weights after the step, gathered."""
-    import deepspeed
-
     import ds_longseq.engine
+    from ds_longseq.compat import gathered_parameters  # DeepSpeed 0.18's gather on gloo: see its docstring
     from tests.test_engine_dist import LR, ds_config, rank_batches
 
     model = lora_model().float()
@@ -495,7 +494,7 @@ def zero3_dropout_worker(rank: int) -> dict:
     engine.backward(loss)
     engine.step()
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    with deepspeed.zero.GatheredParameters(params):
+    with gathered_parameters(params):
         lora = {n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
     return {"masks": recorder.masks, "lora": lora}
 

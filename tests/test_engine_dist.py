@@ -57,10 +57,10 @@ def ds_config(stage: int, gas: int, long_seq: dict | None, batch: int = 2) -> di
 
 
 def _gathered_state(engine) -> dict[str, torch.Tensor]:
-    import deepspeed
+    from ds_longseq.compat import gathered_parameters  # DeepSpeed 0.18's gather on gloo: see its docstring
 
     params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=hasattr(params[0], "ds_id")):
+    with gathered_parameters(params, enabled=hasattr(params[0], "ds_id")):
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 

@@ -74,9 +74,8 @@ def _model(model_type: str):
 
 
 def _zero3_worker(rank: int, model_type: str, mode: str):
-    import deepspeed
-
     import ds_longseq.engine
+    from ds_longseq.compat import gathered_parameters  # DeepSpeed 0.18's gather on gloo: see its docstring
 
     model = _model(model_type)
     config = {
@@ -98,7 +97,7 @@ def _zero3_worker(rank: int, model_type: str, mode: str):
         engine.step()
         losses.append(loss.item())
     params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
+    with gathered_parameters(params):
         state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     return {"params": state, "losses": losses}
 

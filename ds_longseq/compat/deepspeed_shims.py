@@ -8,6 +8,8 @@ Holds:
     Z3_LEAF_ATTR, is_zero3_partitioned, full_numel: DeepSpeed ZeRO-3's leaf-module flag, partitioned-parameter
         mark and a partitioned parameter's full size.
     deepspeed_initialize_replaced: ``deepspeed.initialize`` stood in for, inside a ``with`` block.
+    gathered_parameters, gathers_one_at_a_time: ``deepspeed.zero.GatheredParameters``, one parameter at a time where
+        DeepSpeed 0.18's coalesced gather returns before its gloo all-gathers land.
     checkpoint_parallel_dims_keys: where a DeepSpeed 0.19 checkpoint records its tensor-parallel degree (0.18: nowhere).
     zero_flat_buffers_detached: DeepSpeed 0.18's ZeRO-1/2 flat parameter buffers taken off autograd, as 0.19 builds
         them.
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
+
+from ds_longseq.compat.versions import release
 
 __all__ = [
     "deepspeed_version",
@@ -27,6 +31,8 @@ __all__ = [
     "is_zero3_partitioned",
     "full_numel",
     "deepspeed_initialize_replaced",
+    "gathered_parameters",
+    "gathers_one_at_a_time",
     "checkpoint_parallel_dims_keys",
     "zero_flat_buffers_detached",
 ]
@@ -110,6 +116,39 @@ def deepspeed_initialize_replaced(stand_in: Callable[..., Any]) -> Iterator[None
         yield
     finally:
         deepspeed.initialize = original
+
+
+def gathers_one_at_a_time(backend: str | None, version: str) -> bool:
+    """Whether :func:`gathered_parameters` gathers parameter by parameter: under gloo (CPU) on DeepSpeed before 0.19.
+
+    DeepSpeed 0.18 (0.18.9 checked) gathers several ZeRO-3 parameters with one asynchronous all-gather each and waits
+    on the last handle only (``Init._allgather_params_coalesced``): NCCL runs them in order on one stream, so the last
+    one's end covers the others, but gloo runs each on its own, so the block could read a parameter whose all-gather
+    had not landed (seen on CPU: garbage in one gathered weight in about one run in four of a plain
+    ``deepspeed.initialize`` ZeRO-3 run, training itself right). 0.19 (0.19.8 checked) waits on every handle. One
+    parameter at a time takes DeepSpeed's synchronous path; on a fixed release it is only slower, so the range is
+    safe."""
+    major_minor = tuple(int(part) for part in release(version).split(".")[:2])
+    return backend == "gloo" and major_minor < (0, 19)
+
+
+def gathered_parameters(params: Iterable[Any], **kwargs: Any) -> contextlib.AbstractContextManager:
+    """``deepspeed.zero.GatheredParameters(params, **kwargs)`` (``modifier_rank=``, ``enabled=``, ...), which every
+    gather of ZeRO-3 parameters in ds_longseq goes through: on the releases and backend
+    :func:`gathers_one_at_a_time` names, one ``GatheredParameters`` per parameter, entered in order (each rank gathers
+    the same parameters in the same order), so every one has landed before the block reads it."""
+    import deepspeed
+    import torch.distributed as dist
+
+    params = list(params)
+    backend = dist.get_backend() if dist.is_initialized() else None
+    if len(params) < 2 or not gathers_one_at_a_time(backend, deepspeed_version()):
+        return deepspeed.zero.GatheredParameters(params, **kwargs)
+    stack = contextlib.ExitStack()
+    with stack:  # a failed gather leaves the ones entered before it
+        for param in params:
+            stack.enter_context(deepspeed.zero.GatheredParameters([param], **kwargs))
+        return stack.pop_all()
 
 
 def checkpoint_parallel_dims_keys() -> tuple[str, str] | None:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ds_longseq.compat import is_zero3_partitioned, tensor_version
+from ds_longseq.compat import gathered_parameters, is_zero3_partitioned, tensor_version
 from ds_longseq.ops.chunk_grads import AutocastState
 from ds_longseq.ops.host_store import LayerInputOffloader
 
@@ -64,9 +64,7 @@ def _gathered(params: Sequence[torch.nn.Parameter]):
     partitioned = [p for p in params if is_zero3_partitioned(p)]
     if not partitioned:
         return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(partitioned)
+    return gathered_parameters(partitioned)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from ds_longseq.compat import is_zero3_partitioned
+from ds_longseq.compat import gathered_parameters, is_zero3_partitioned
 from ds_longseq.config import ApproxBPConfig, LongSeqConfig
 from ds_longseq.families import DecoderLMAdapter, norm_kind
 from ds_longseq.forwards.approx_forwards import ApproxActivationForward, MSNormForward, fold_norm, fold_targets
@@ -37,9 +37,7 @@ def _gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
     if not partitioned:
         yield
         return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
+    with gathered_parameters(partitioned, modifier_rank=0):
         yield
 
 

@@ -42,7 +42,13 @@ from typing import Callable
 
 import torch
 
-from ds_longseq.compat import full_numel, is_zero3_partitioned, keys_ignored_on_save, repair_universal_load
+from ds_longseq.compat import (
+    full_numel,
+    gathered_parameters,
+    is_zero3_partitioned,
+    keys_ignored_on_save,
+    repair_universal_load,
+)
 from ds_longseq.engine import sequence_parallel_rank_and_size
 from ds_longseq.engine.manifest import (
     read_latest,
@@ -473,11 +479,10 @@ def gathered_state_dict(model: torch.nn.Module, rank: int, trainable_only: bool 
     Under ZeRO-3 every rank holds 1/world of each parameter: all ranks must call this, which
     gathers the selected parameters for the copy (and only those: a LoRA export gathers no base weight).
     """
-    import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
     is_zero3 = is_zero3_partitioned(params[0])
-    with deepspeed.zero.GatheredParameters(params, enabled=is_zero3):
+    with gathered_parameters(params, enabled=is_zero3):
         if rank != 0:
             return None
         if trainable_only:
@@ -516,7 +521,6 @@ def save_streamed(model: torch.nn.Module, out_dir: str, rank: int) -> list[str]:
     Returns:
         The shard file names (on rank 0; [] elsewhere).
     """
-    import deepspeed
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -534,7 +538,7 @@ def save_streamed(model: torch.nn.Module, out_dir: str, rank: int) -> list[str]:
     for i, group in enumerate([*groups, []]):
         # the last group: the persistent buffers (never partitioned)
         tensors = group if i < len(groups) else buffers
-        with deepspeed.zero.GatheredParameters([p for _, p in group], enabled=is_zero3 and bool(group)):
+        with gathered_parameters([p for _, p in group], enabled=is_zero3 and bool(group)):
             if rank != 0:
                 continue
             # written while gathered: a CPU tensor is written from where it is, a GPU one through one host copy
