@@ -197,7 +197,8 @@ def test_the_doc_yaml_trains_as_plain_axolotl(doc_runs):
 
 
 def test_sequence_parallelism_over_two_ranks_equals_one(tiny, doc_runs):
-    ranks = train(tiny, config(tiny, "sp2", long_seq={"sequence_parallel": {"size": 2}}), ranks=2)
+    # warmup_steps set: axolotl's default warmup is sized from its step count, refused under SP (test_axolotl_config)
+    ranks = train(tiny, config(tiny, "sp2", long_seq={"sequence_parallel": {"size": 2}}, warmup_steps=0), ranks=2)
     for run in ranks:  # the group read the same batches as the one rank, each cut in two across it
         assert run["enabled"] and run["engine"] == "DeepSpeedEngine"
         assert_same_training(run, doc_runs["plugin"])
@@ -234,7 +235,9 @@ def test_each_refusal_in_one_line(tiny):
         # found on the validated config (pre_model_load): no attn_implementation keeps axolotl's mask
         "packing_mask": (config(tiny, "refuse_mask", deepspeed=None, attn_implementation=None), None),
         "sp_without_max_steps": (config(tiny, "refuse_steps", long_seq={"sequence_parallel": {"size": 2}},
-                                        max_steps=None), None),
+                                        max_steps=None, warmup_steps=0), None),
+        "sp_warmup_ratio": (config(tiny, "refuse_warmup", long_seq={"sequence_parallel": {"size": 2}},
+                                   warmup_ratio=0.1), None),
         "both_places": (config(tiny, "refuse_both", deepspeed=str(differing)), None),
         "resolver": (config(tiny, "refuse_bad", deepspeed=None, long_seq=bad), None),
     }
@@ -256,7 +259,8 @@ def test_each_refusal_in_one_line(tiny):
         "tiled_mlp": line_of("tiled_mlp", {"tiled_mlp": True}),
         "checkpointing": line_of("checkpointing", {"gradient_checkpointing": True}),
         "packing_mask": line_of("packing_mask", {"sample_packing": True, "attn_decontaminates_packing": False}),
-        "sp_without_max_steps": line_of("sp_without_max_steps", {}),
+        "sp_without_max_steps": line_of("sp_without_max_steps", {"warmup_steps": 0}),
+        "sp_warmup_ratio": line_of("sp_warmup_ratio", {"max_steps": 3, "warmup_ratio": 0.1}),
         "both_places": (f"long_seq is in the YAML and in the DeepSpeed config {str(differing)!r} with different "
                         "settings: keep the YAML block (the one source) and remove the DeepSpeed config's long_seq "
                         "section"),

@@ -139,10 +139,20 @@ RULE_CASES = {
             "2 processes without deepspeed: ds_longseq runs several processes through DeepSpeed: set deepspeed: <a "
             "DeepSpeed JSON> (ZeRO-2: docs/AXOLOTL.md), or run one process")),
     ],
-    "_steps_under_sequence_parallelism": [({"deepspeed": ZERO2}, SP2, 2, (
+    "_steps_under_sequence_parallelism": [({"deepspeed": ZERO2, "warmup_steps": 0}, SP2, 2, (
         "long_seq.sequence_parallel.size=2 without max_steps: axolotl counts every rank a data-parallel replica when "
         "it turns num_epochs into steps, but 2 ranks share each sequence, so the run would stop after 1/2 of an "
         "epoch: set max_steps"))],
+    "_warmup_under_sequence_parallelism": [
+        ({"deepspeed": ZERO2, "max_steps": 3, "warmup_ratio": 0.1}, SP2, 2, (
+            "long_seq.sequence_parallel.size=2 with warmup_ratio: 0.1: axolotl sizes the warmup from a step count that "
+            "takes every rank for a data-parallel replica, 2 times too few under sequence parallelism: set "
+            "warmup_steps (0 for none)")),
+        ({"deepspeed": ZERO2, "max_steps": 3}, SP2, 2, (
+            "long_seq.sequence_parallel.size=2 with axolotl's default warmup: axolotl sizes the warmup from a step "
+            "count that takes every rank for a data-parallel replica, 2 times too few under sequence parallelism: set "
+            "warmup_steps (0 for none)")),
+    ],
 }
 CASES = [(rule, *case) for rule, cases in RULE_CASES.items() for case in cases]
 
@@ -158,7 +168,7 @@ def test_each_axolotl_setting_is_refused_in_one_line(rule, cfg, block, world, li
     # through the plugin's check of the whole config: that line alone
     assert _problems_of(lambda: read_long_seq({**cfg, "long_seq": block}, world=world)) == [line]
     # what makes the rule fire, taken away: nothing refused
-    fixed = {"max_steps": 3} if rule == "_steps_under_sequence_parallelism" else {
+    fixed = {"max_steps": 3, "warmup_steps": 0} if "sequence_parallelism" in rule else {
         "deepspeed": ZERO2} if world else {key: None for key in cfg}
     assert axolotl_problems({**cfg, **fixed}, LongSeqConfig.from_dict(block), world) == []
 

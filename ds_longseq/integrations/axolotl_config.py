@@ -259,3 +259,17 @@ def _steps_under_sequence_parallelism(cfg, long_seq, world):
     return (f"long_seq.sequence_parallel.size={size} without max_steps: axolotl counts every rank a data-parallel "
             f"replica when it turns num_epochs into steps, but {size} ranks share each sequence, so the run would "
             f"stop after 1/{size} of an epoch: set max_steps")
+
+
+@_rule
+def _warmup_under_sequence_parallelism(cfg, long_seq, world):
+    """axolotl sizes the warmup from its step count (``warmup_ratio`` times it, or 3% of it, at most 100, when no
+    warmup is set), the smaller of ``max_steps`` and its count of the epochs' steps: that count takes every rank for
+    a data-parallel replica, so under sequence parallelism it is P times too small and so would be the warmup."""
+    size = long_seq.sequence_parallel.size
+    if size <= 1 or cfg.get("warmup_steps") is not None:
+        return None
+    what = f"warmup_ratio: {cfg['warmup_ratio']}" if cfg.get("warmup_ratio") is not None else "axolotl's default warmup"
+    return (f"long_seq.sequence_parallel.size={size} with {what}: axolotl sizes the warmup from a step count that "
+            f"takes every rank for a data-parallel replica, {size} times too few under sequence parallelism: set "
+            "warmup_steps (0 for none)")
