@@ -365,3 +365,43 @@ def test_split_config_refuses_zero3_with_sequence_parallelism_on_an_unchecked_de
 ])
 def test_deepspeed_0_18_gathers_parameters_one_at_a_time_under_gloo(backend, version, one_at_a_time):
     assert compat.gathers_one_at_a_time(backend, version) is one_at_a_time
+
+
+class _RecordedGather:
+    """Stands in for ``deepspeed.zero.GatheredParameters``: records the parameter lists it is entered with."""
+
+    calls: list = []
+
+    def __init__(self, params, **kwargs):
+        self.params, self.kwargs = list(params), kwargs
+
+    def __enter__(self):
+        _RecordedGather.calls.append((self.params, self.kwargs))
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("version,expected", [("0.18.9", [["a"], ["b"]]), ("0.19.8", [["a", "b"]])])
+def test_deepspeeds_own_gathers_take_one_parameter_at_a_time_inside_the_block(monkeypatch, version, expected):
+    """``deepspeed_gathers_one_at_a_time`` (the Trainer's save_model runs inside it): DeepSpeed's own
+    ``deepspeed.zero.GatheredParameters([a, b])`` is entered once per parameter on 0.18 under gloo, whole on 0.19;
+    the original is back after the block."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from ds_longseq.compat import deepspeed_shims
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", _RecordedGather)
+    monkeypatch.setattr(deepspeed_shims, "deepspeed_version", lambda: version)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    _RecordedGather.calls = []
+    with compat.deepspeed_gathers_one_at_a_time():
+        with deepspeed.zero.GatheredParameters(["a", "b"], modifier_rank=0):
+            pass
+        with compat.gathered_parameters(["a", "b"], modifier_rank=0):  # ds_longseq's own: the same way
+            pass
+    assert [params for params, _ in _RecordedGather.calls] == expected * 2
+    assert all(kwargs == {"modifier_rank": 0} for _, kwargs in _RecordedGather.calls)
+    assert deepspeed.zero.GatheredParameters is _RecordedGather

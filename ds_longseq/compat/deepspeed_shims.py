@@ -8,8 +8,9 @@ Holds:
     Z3_LEAF_ATTR, is_zero3_partitioned, full_numel: DeepSpeed ZeRO-3's leaf-module flag, partitioned-parameter
         mark and a partitioned parameter's full size.
     deepspeed_initialize_replaced: ``deepspeed.initialize`` stood in for, inside a ``with`` block.
-    gathered_parameters, gathers_one_at_a_time: ``deepspeed.zero.GatheredParameters``, one parameter at a time where
-        DeepSpeed 0.18's coalesced gather returns before its gloo all-gathers land.
+    gathered_parameters, gathers_one_at_a_time, deepspeed_gathers_one_at_a_time: ``deepspeed.zero.GatheredParameters``
+        one parameter at a time (ours, and DeepSpeed's own inside a block) where DeepSpeed 0.18's coalesced gather
+        returns before its gloo all-gathers land.
     checkpoint_parallel_dims_keys: where a DeepSpeed 0.19 checkpoint records its tensor-parallel degree (0.18: nowhere).
     zero_flat_buffers_detached: DeepSpeed 0.18's ZeRO-1/2 flat parameter buffers taken off autograd, as 0.19 builds
         them.
@@ -32,6 +33,7 @@ __all__ = [
     "full_numel",
     "deepspeed_initialize_replaced",
     "gathered_parameters",
+    "deepspeed_gathers_one_at_a_time",
     "gathers_one_at_a_time",
     "checkpoint_parallel_dims_keys",
     "zero_flat_buffers_detached",
@@ -138,16 +140,47 @@ def gathered_parameters(params: Iterable[Any], **kwargs: Any) -> contextlib.Abst
     :func:`gathers_one_at_a_time` names, one ``GatheredParameters`` per parameter, entered in order (each rank gathers
     the same parameters in the same order), so every one has landed before the block reads it."""
     import deepspeed
+
+    if not gathers_one_at_a_time(_backend(), deepspeed_version()):
+        return deepspeed.zero.GatheredParameters(params, **kwargs)
+    return _one_at_a_time(deepspeed.zero.GatheredParameters, params, **kwargs)
+
+
+@contextlib.contextmanager
+def deepspeed_gathers_one_at_a_time() -> Iterator[None]:
+    """Inside: DeepSpeed's own gathers (``deepspeed.zero.GatheredParameters``, as its engine looks it up: the Trainer's
+    16-bit save under ZeRO-3 gathers each module's parameters together) take :func:`gathered_parameters`'s way, where
+    :func:`gathers_one_at_a_time` says so; restored on exit. Elsewhere nothing is replaced."""
+    import deepspeed
+
+    if not gathers_one_at_a_time(_backend(), deepspeed_version()):
+        yield
+        return
+    original = deepspeed.zero.GatheredParameters
+    deepspeed.zero.GatheredParameters = functools.partial(_one_at_a_time, original)
+    try:
+        yield
+    finally:
+        deepspeed.zero.GatheredParameters = original
+
+
+def _backend() -> str | None:
     import torch.distributed as dist
 
-    params = list(params)
-    backend = dist.get_backend() if dist.is_initialized() else None
-    if len(params) < 2 or not gathers_one_at_a_time(backend, deepspeed_version()):
-        return deepspeed.zero.GatheredParameters(params, **kwargs)
+    return dist.get_backend() if dist.is_initialized() else None
+
+
+def _one_at_a_time(gathered: Callable[..., Any], params: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+    """``gathered(params, **kwargs)`` (a ``GatheredParameters``) entered once per parameter, in order."""
+    import torch
+
+    params = [params] if isinstance(params, torch.Tensor) else list(params)  # one parameter, as DeepSpeed takes it
+    if len(params) < 2:
+        return gathered(params, **kwargs)
     stack = contextlib.ExitStack()
     with stack:  # a failed gather leaves the ones entered before it
         for param in params:
-            stack.enter_context(deepspeed.zero.GatheredParameters([param], **kwargs))
+            stack.enter_context(gathered([param], **kwargs))
         return stack.pop_all()
 
 

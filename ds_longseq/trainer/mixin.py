@@ -23,6 +23,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ds_longseq.batch_size import read_batch_size
 from ds_longseq.compat import (
     accelerate_parallelism_hidden,
+    deepspeed_gathers_one_at_a_time,
     deepspeed_initialize_replaced,
     trainer_checkpointing_turned_off,
     trainer_counts_batch_tokens,
@@ -244,6 +245,11 @@ class LongSeqTrainerMixin:
         # adapter alone (the Trainer loads a PEFT model's checkpoint non-strictly; the base is the loaded model's)
         with self._long_seq_engine(), quant_state_left_out(self.model):
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, *args, **kwargs):
+        """The Trainer's ``save_model``, its ZeRO-3 16-bit gathers safe on DeepSpeed 0.18 under gloo (``compat``)."""
+        with deepspeed_gathers_one_at_a_time():
+            return super().save_model(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         with self._long_seq_engine(), self._long_seq_case.evaluate_context():
