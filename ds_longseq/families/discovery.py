@@ -84,6 +84,8 @@ import textwrap
 
 import torch
 
+from ds_longseq.compat import CACHE_KWARGS
+
 __all__ = [
     "discover_spec", "head_kind", "logit_scale", "is_plain_linear", "is_state_mixer", "masks_see_packed_rows",
     "mixer_gets_layer_kwargs",
@@ -286,17 +288,21 @@ def _forward_source(cls: type) -> str | None:
         return None
 
 
+def _forward_tree(cls: type) -> ast.Module | None:
+    """``cls.forward`` parsed (a fresh tree each call: some readers transform it), or None where unreadable."""
+    source = _forward_source(cls)
+    try:
+        return ast.parse(source) if source is not None else None
+    except SyntaxError:
+        return None
+
+
 def _forward_code(cls: type, decoder_path: str | None = None, head_attr: str = "lm_head") -> str | None:
     """The normalised body of ``cls.forward`` (no signature, decorators or docstring), or None if unreadable.
     ``decoder_path``: where discovery found the decoder stack when it is not the base-model prefix itself
     (OPT's ``model.decoder``); ``head_attr``: the LM head's attribute name."""
-    source = _forward_source(cls)
-    if source is None:
-        return None
-    try:
-        func = ast.parse(source).body[0]
-    except (SyntaxError, IndexError):
-        return None
+    tree = _forward_tree(cls)
+    func = tree.body[0] if tree is not None and tree.body else None
     if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     attrs = ("model", getattr(cls, "base_model_prefix", "model") or "model", *([decoder_path] if decoder_path else []))
@@ -365,12 +371,8 @@ def masks_see_packed_rows(decoder_cls: type) -> bool:
     bound to one, as Mistral's ``mask_function``) passes ``position_ids``, by keyword or in a dict literal
     unpacked into it (the ``mask_kwargs`` idiom, copies included). False for a forward building its masks without
     them (gpt-oss, OPT: their stock attention attends across packed documents), elsewhere, or unreadably."""
-    source = _forward_source(decoder_cls)
-    if source is None:
-        return False
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
+    tree = _forward_tree(decoder_cls)
+    if tree is None:
         return False
     builders, with_positions = set(), set()  # names bound to a mask builder / to mask kwargs with position_ids
     for node in ast.walk(tree):
@@ -410,7 +412,7 @@ def is_state_mixer(cls: type) -> bool:
     return source is not None and any(marker in source for marker in _STATE_MARKERS)
 
 
-_CACHE_WORDS = ("cache", "cache_params", "past_key_values", "layer_past")
+_CACHE_WORDS = (*CACHE_KWARGS, "cache_params")  # a Mamba-style mixer's own name for the cache
 
 
 @functools.lru_cache(maxsize=None)
@@ -420,11 +422,7 @@ def mixer_gets_layer_kwargs(layer_cls: type, mixer_attr: str) -> bool:
     calls its ``mixer`` in an attention and an MLP branch too) also passes ``**``. transformers 5.24's hybrid layers
     do; 5.16's Falcon-H1, LFM2, LFM2-MoE and NemotronH layers do not (what ds_longseq hands a layer then never
     reaches the mixer). False where no such call is found or the source is unreadable."""
-    source = _forward_source(layer_cls)
-    try:
-        tree = ast.parse(source) if source is not None else None
-    except SyntaxError:
-        tree = None
+    tree = _forward_tree(layer_cls)
     if tree is None:
         return False
     calls = [

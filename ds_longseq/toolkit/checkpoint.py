@@ -479,7 +479,6 @@ def gathered_state_dict(model: torch.nn.Module, rank: int, trainable_only: bool 
     Under ZeRO-3 every rank holds 1/world of each parameter: all ranks must call this, which
     gathers the selected parameters for the copy (and only those: a LoRA export gathers no base weight).
     """
-
     params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
     is_zero3 = is_zero3_partitioned(params[0])
     with gathered_parameters(params, enabled=is_zero3):
